@@ -1,0 +1,63 @@
+# voxring — every routine action is a target here. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON_BASE ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.voxring-installed
+# torch goes in first: on CPU machines this exact pin resolves to the CPU build on local disk.
+TORCH_SPEC ?= torch==2.13.0
+PROTOS := $(wildcard protos/voxring/v1/*.proto)
+GENERATED := $(foreach p,$(PROTOS),$(patsubst protos/%.proto,%_pb2.py,$(p)) \
+	$(patsubst protos/%.proto,%_pb2.pyi,$(p)) $(patsubst protos/%.proto,%_pb2_grpc.py,$(p)))
+PYTEST_ARGS ?=
+
+.PHONY: help setup proto test lint demo up down bench soak clean
+
+help:  ## list the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-6s %s\n", $$1, $$2}'
+
+setup: $(STAMP) proto  ## create .venv, install torch + voxring[server,test], generate protobuf code
+
+$(STAMP): pyproject.toml
+	@echo "==> creating $(VENV) with $(PYTHON_BASE)"
+	@test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
+	@echo "==> installing $(TORCH_SPEC)"
+	@$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
+	@echo "==> installing voxring with server and test extras"
+	@$(PY) -m pip install --quiet --disable-pip-version-check -e '.[server,test]'
+	@touch $@
+	@echo "==> environment ready"
+
+proto: $(GENERATED)  ## generate voxring/v1 from protos/ (committed; a test fails when stale)
+
+$(GENERATED) &: $(PROTOS) | $(STAMP)
+	@echo "==> generating protobuf code into voxring/v1"
+	@$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+test: setup  ## run the whole suite (CPU; GPU tests skip with a reason)
+	@echo "==> running tests"
+	@$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup  ## ruff
+	@$(VENV)/bin/ruff check .
+
+demo: setup  ## bring the local stack up, check health, take it down
+	@$(VENV)/bin/voxring demo
+
+up: setup  ## start gateway, talker and Code2Wav in the background
+	@$(VENV)/bin/voxring up
+
+down:  ## stop the local stack gracefully
+	@if [ -x $(VENV)/bin/voxring ]; then $(VENV)/bin/voxring down; else echo "no stack (no $(VENV))"; fi
+
+bench: setup  ## GPU only: benchmarks under bench/ (writes JSON there)
+	@echo "bench needs a CUDA GPU; the benchmark scripts arrive with the engine issues" && \
+	  $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: make bench runs on the GPU machine only')"
+
+soak: setup  ## longer fault and load runs (bounded); not part of make test
+	@$(PY) -m pytest -m soak --run-soak tests $(PYTEST_ARGS)
+
+clean:  ## remove the venv and caches (not the committed generated code)
+	rm -rf $(VENV) .pytest_cache .ruff_cache .voxring

@@ -1,0 +1,134 @@
+"""The engine thread: where a stage's device work, ring I/O and blocking waits run.
+
+PROTOCOL.md's threading rule: the grpc.aio event loop only validates, enqueues and
+relays. An :class:`EngineThread` owns one thread that runs an :class:`Engine`:
+
+- the loop ``post``s commands (a new request, a cancel) into a thread-safe inbox;
+- the thread takes every waiting command at a step boundary, hands them to the engine,
+  then runs one ``step()``; while the engine has nothing to do it blocks on the inbox
+  for at most ``tick_interval`` seconds, so it uses no CPU when idle yet still calls
+  ``tick()`` (heartbeats) at least that often;
+- results travel back with :meth:`EngineThread.resolve`/:meth:`reply`, which use
+  ``loop.call_soon_threadsafe`` so that futures are only touched on their loop.
+
+An engine that raises stops the thread; the error is kept and logged, and ``post``
+then fails, so the stage stops accepting work instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class Engine(Protocol):
+    def handle(self, command: Any) -> None:
+        """Applies one command from the event loop (runs on the engine thread)."""
+
+    def step(self) -> bool:
+        """Does one unit of work; returns False when there was nothing to do."""
+
+    def tick(self) -> None:
+        """Periodic housekeeping (heartbeats); called at least every tick_interval."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread is not running (stopped, or failed: see __cause__)."""
+
+
+_STOP = object()
+
+
+class EngineThread:
+    def __init__(self, name: str, engine: Engine, tick_interval: float = 0.05) -> None:
+        self.name = name
+        self.engine = engine
+        self.tick_interval = tick_interval
+        self.error: BaseException | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._running = False
+
+    # --- event-loop side ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._running = True
+        self._thread.start()
+
+    def post(self, command: Any) -> None:
+        """Queues ``command`` for the engine; never blocks."""
+        if not self._running:
+            raise EngineStopped(f"{self.name} is not running") from self.error
+        self._inbox.put(command)
+
+    def stop(self, timeout: float) -> None:
+        """Asks the thread to finish its step and exit; waits up to ``timeout`` s."""
+        if not self._thread.is_alive():
+            self._running = False
+            return
+        self._running = False
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("%s did not stop within %.1f s", self.name, timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # --- engine-thread side -----------------------------------------------------------
+
+    @staticmethod
+    def resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any) -> None:
+        """Sets ``future``'s result on its own loop (callable from any thread)."""
+        loop.call_soon_threadsafe(_set_result, future, value)
+
+    @staticmethod
+    def reply(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+        """Runs ``callback(*args)`` on ``loop`` (callable from any thread)."""
+        loop.call_soon_threadsafe(callback, *args)
+
+    def _run(self) -> None:
+        last_tick = 0.0
+        busy = False
+        try:
+            while True:
+                timeout = 0.0 if busy else self.tick_interval
+                if not self._take_commands(timeout):
+                    return
+                now = time.monotonic()
+                if now - last_tick >= self.tick_interval:
+                    self.engine.tick()
+                    last_tick = now
+                busy = self.engine.step()
+        except BaseException as exc:  # the stage must see the failure, not a silent hang
+            self.error = exc
+            self._running = False
+            log.exception("%s failed; it accepts no more work", self.name)
+
+    def _take_commands(self, timeout: float) -> bool:
+        """Hands every queued command to the engine; False when asked to stop."""
+        try:
+            command = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command is _STOP:
+                return False
+            self.engine.handle(command)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+
+def _set_result(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)

@@ -1,0 +1,61 @@
+"""Domain errors: what went wrong, in the words of the service, without gRPC.
+
+Engines, schedulers and validators raise these; one server interceptor
+(:mod:`services.common.server`) turns them into gRPC status codes, so code below the
+servicers never imports grpc. ``code`` is the name of a ``grpc.StatusCode`` member.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base class; ``code`` names the gRPC status the client receives."""
+
+    code = "INTERNAL"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(ServiceError):
+    """A request field is wrong; ``field`` is its name as the client spelled it."""
+
+    code = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class AlreadyExists(ServiceError):
+    code = "ALREADY_EXISTS"
+
+
+class NotFound(ServiceError):
+    code = "NOT_FOUND"
+
+
+class ResourceExhausted(ServiceError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(ServiceError):
+    code = "UNAVAILABLE"
+
+
+class DeadlineExceeded(ServiceError):
+    code = "DEADLINE_EXCEEDED"
+
+
+class Cancelled(ServiceError):
+    code = "CANCELLED"
+
+
+class Unimplemented(ServiceError):
+    code = "UNIMPLEMENTED"
+
+
+class Internal(ServiceError):
+    code = "INTERNAL"

@@ -1,0 +1,332 @@
+"""The gRPC server every stage runs: grpc.aio, health, reflection, errors, drain.
+
+A stage builds its servicers and hands them to :class:`ServiceHost`, which
+
+- serves them on ``server.listen`` with the standard health service (overall status
+  and one per service) and server reflection;
+- maps :class:`~services.common.errors.ServiceError` to status codes in one
+  interceptor, tags each RPC's log lines with its request id, and counts calls in
+  flight;
+- on SIGTERM or SIGINT: health NOT_SERVING, new calls UNAVAILABLE, in-flight calls
+  finish for up to ``drain_timeout``, the rest end UNAVAILABLE, background components
+  stop, ``server.stop(grace)``, and ``run()`` returns (the process exits 0).
+
+Threading rule (PROTOCOL.md): the event loop only validates, enqueues and relays.
+Engine work runs in components' own threads (see :mod:`services.common.engine_thread`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import ServiceError
+from services.common.log import request_context, request_id_var
+from services.common.sections import ServerSection, is_loopback
+
+log = logging.getLogger(__name__)
+
+# Infrastructure services are never refused while draining and are not counted as
+# in-flight work.
+_INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+REQUEST_ID_METADATA = "x-request-id"
+FIELD_METADATA = "voxring-field"
+
+
+class Component(Protocol):
+    """A long-running part of a stage (an engine thread) that the host starts before
+    serving and stops after the drain."""
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class ServiceBinding:
+    """One gRPC service: its full name (``voxring.v1.Talker``), the generated
+    ``add_*Servicer_to_server`` function and the servicer instance."""
+
+    name: str
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+
+
+class _CallTracker:
+    """Counts calls in flight and lets the drain wait for them or end them."""
+
+    def __init__(self) -> None:
+        self.accepting = True
+        self.abandoning = False
+        self._tasks: set[asyncio.Task] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def track(self):
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._tasks.discard(task)
+            if not self._tasks:
+                self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def abandon(self) -> None:
+        """Ends every call still in flight; each answers UNAVAILABLE."""
+        self.abandoning = True
+        for task in list(self._tasks):
+            task.cancel()
+
+
+def _request_id_of(request: Any, context: grpc.aio.ServicerContext) -> str:
+    rid = getattr(request, "request_id", "") if request is not None else ""
+    if rid:
+        return rid
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_METADATA:
+            return value
+    return "-"
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
+    field = getattr(exc, "field", None)
+    if field:
+        context.set_trailing_metadata(((FIELD_METADATA, field),))
+    await context.abort(grpc.StatusCode[exc.code], exc.message)
+
+
+class _Interceptor(grpc.aio.ServerInterceptor):
+    """The one place domain errors become status codes; also tracks calls in flight,
+    refuses new calls while draining, and sets the request id for logging."""
+
+    def __init__(self, tracker: _CallTracker) -> None:
+        self._tracker = tracker
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(_INFRA_PREFIXES):
+            return handler
+        if handler.unary_unary:
+            wrapped = self._wrap_unary(handler.unary_unary, method)
+            factory = grpc.unary_unary_rpc_method_handler
+        elif handler.unary_stream:
+            wrapped = self._wrap_stream(handler.unary_stream, method)
+            factory = grpc.unary_stream_rpc_method_handler
+        elif handler.stream_unary:
+            wrapped = self._wrap_unary(handler.stream_unary, method, streaming_request=True)
+            factory = grpc.stream_unary_rpc_method_handler
+        else:
+            wrapped = self._wrap_stream(handler.stream_stream, method, streaming_request=True)
+            factory = grpc.stream_stream_rpc_method_handler
+        return factory(wrapped, request_deserializer=handler.request_deserializer,
+                       response_serializer=handler.response_serializer)
+
+    async def _on_error(self, exc: BaseException, context, method: str) -> None:
+        if isinstance(exc, ServiceError):
+            level = logging.ERROR if exc.code == "INTERNAL" else logging.INFO
+            log.log(level, "%s -> %s: %s", method, exc.code, exc.message)
+            await _abort(context, exc)
+        elif isinstance(exc, asyncio.CancelledError) and self._tracker.abandoning:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "server shut down before this request finished")
+        elif isinstance(exc, asyncio.CancelledError):
+            raise exc
+        else:
+            log.exception("%s failed with an unexpected error", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+    async def _refuse_if_draining(self, context) -> None:
+        if not self._tracker.accepting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "server is shutting down; retry on another instance")
+
+    def _wrap_unary(self, fn, method: str, streaming_request: bool = False):
+        async def wrapper(request, context):
+            await self._refuse_if_draining(context)
+            rid = "-" if streaming_request else _request_id_of(request, context)
+            with self._tracker.track(), request_context(rid):
+                try:
+                    return await fn(request, context)
+                except (ServiceError, asyncio.CancelledError, Exception) as exc:
+                    if isinstance(exc, grpc.aio.AbortError):
+                        raise
+                    await self._on_error(exc, context, method)
+        return wrapper
+
+    def _wrap_stream(self, fn, method: str, streaming_request: bool = False):
+        async def wrapper(request, context):
+            await self._refuse_if_draining(context)
+            rid = "-" if streaming_request else _request_id_of(request, context)
+            with self._tracker.track(), request_context(rid):
+                try:
+                    if inspect.isasyncgenfunction(fn):
+                        async for response in fn(request, context):
+                            yield response
+                    else:
+                        await fn(request, context)
+                except (ServiceError, asyncio.CancelledError, Exception) as exc:
+                    if isinstance(exc, grpc.aio.AbortError):
+                        raise
+                    await self._on_error(exc, context, method)
+        return wrapper
+
+
+class ServiceHost:
+    """Runs one stage's server until a signal, then drains and stops it."""
+
+    def __init__(
+        self,
+        stage: str,
+        config: ServerSection,
+        services: Sequence[ServiceBinding],
+        components: Sequence[Component] = (),
+        ready_file: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.stage = stage
+        self.config = config
+        self.services = list(services)
+        self.components = list(components)
+        self.ready_file = Path(ready_file) if ready_file else None
+        self.address: str | None = None
+        self._stop = asyncio.Event()
+        self._force = asyncio.Event()
+        self._signals = 0
+
+    async def run(self) -> None:
+        tracker = _CallTracker()
+        limit = self.config.max_message_mb * 1024 * 1024
+        server = grpc.aio.server(
+            interceptors=[_Interceptor(tracker)],
+            options=[("grpc.max_receive_message_length", limit),
+                     ("grpc.max_send_message_length", limit),
+                     ("grpc.so_reuseport", 0)],
+        )
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        for binding in self.services:
+            binding.add_to_server(binding.servicer, server)
+        names = [b.name for b in self.services]
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME], server)
+        self.address = self._bind(server)
+        self._install_signal_handlers()
+        for component in self.components:
+            component.start()
+        await server.start()
+        for name in ("", *names):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s on %s", ", ".join(names) or "health only", self.address)
+        self._write_ready_file()
+        try:
+            await self._stop.wait()
+            await self._shutdown(server, health_servicer, tracker)
+        finally:
+            self._remove_ready_file()
+
+    def request_stop(self) -> None:
+        """Starts the graceful shutdown (what SIGTERM does)."""
+        self._stop.set()
+
+    def _bind(self, server: grpc.aio.Server) -> str:
+        listen = self.config.listen
+        if not is_loopback(listen):
+            log.warning("listening on non-loopback address %s", listen)
+        if listen.startswith("unix:"):
+            path = Path(listen[len("unix:"):].removeprefix("//"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                if path.is_socket():
+                    path.unlink()  # a stale socket from a killed process
+            server.add_insecure_port(listen)
+            os.chmod(path, 0o600)
+            return listen
+        port = server.add_insecure_port(listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {listen}: address in use or not available")
+        host = listen.rpartition(":")[0]
+        return f"{host}:{port}"
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("%s received: draining (up to %.1f s)", sig.name, self.config.drain_timeout)
+            self._stop.set()
+        else:
+            log.warning("%s received again: ending in-flight calls now", sig.name)
+            self._force.set()
+
+    async def _shutdown(self, server, health_servicer, tracker: _CallTracker) -> None:
+        started = time.monotonic()
+        await health_servicer.enter_graceful_shutdown()
+        tracker.accepting = False
+        drained = await self._wait_drained(tracker)
+        if not drained:
+            log.warning("drain timeout: ending %d call(s) in flight as UNAVAILABLE",
+                        tracker.in_flight)
+            tracker.abandon()
+            await tracker.wait_idle(self.config.grace)
+        for component in reversed(self.components):
+            await asyncio.to_thread(component.stop, self.config.grace)
+        await server.stop(self.config.grace)
+        log.info("stopped after %.2f s of shutdown", time.monotonic() - started)
+
+    async def _wait_drained(self, tracker: _CallTracker) -> bool:
+        idle = asyncio.ensure_future(tracker.wait_idle(self.config.drain_timeout))
+        force = asyncio.ensure_future(self._force.wait())
+        try:
+            await asyncio.wait({idle, force}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            force.cancel()
+        return idle.done() and idle.result()
+
+    def _write_ready_file(self) -> None:
+        if self.ready_file is None:
+            return
+        tmp = self.ready_file.with_suffix(self.ready_file.suffix + ".tmp")
+        tmp.write_text(json.dumps({"stage": self.stage, "address": self.address,
+                                   "pid": os.getpid()}))
+        tmp.replace(self.ready_file)  # readers never see a half-written file
+
+    def _remove_ready_file(self) -> None:
+        if self.ready_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.ready_file.unlink()
+
+
+__all__ = ["FIELD_METADATA", "REQUEST_ID_METADATA", "Component", "ServiceBinding",
+           "ServiceHost", "request_id_var"]

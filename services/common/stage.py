@@ -1,0 +1,49 @@
+"""Entry point shared by the stage processes: ``python -m services.<stage> --config FILE``.
+
+Loads the stage's strict config (errors exit 2 with the file and key named), sets up
+logging, builds the stage's services and runs them in a :class:`ServiceHost` until
+SIGTERM/SIGINT, then exits 0 after the drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from services.common.config import ConfigError, load_config
+from services.common.log import configure_logging
+from services.common.server import Component, ServiceBinding, ServiceHost
+
+C = TypeVar("C")
+
+Builder = Callable[[Any, Path | None], tuple[Sequence[ServiceBinding], Sequence[Component]]]
+
+
+def run_stage(stage: str, config_cls: type[C], build: Builder, argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m services.{stage}",
+                                     description=f"voxring {stage} service")
+    parser.add_argument("--config", type=Path, default=None,
+                        help=f"YAML config (default: built-in defaults); "
+                             f"VOXRING_{stage.upper()}__<SECTION>__<KEY> overrides it")
+    parser.add_argument("--ready-file", type=Path, default=None,
+                        help="write {stage, address, pid} as JSON here once serving")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(config_cls, args.config, stage)
+        services, components = build(config, args.config)
+    except ConfigError as exc:
+        print(f"voxring {stage}: config error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(stage, config.logging.level, config.logging.json)
+    host = ServiceHost(stage, config.server, services, components, args.ready_file)
+    try:
+        asyncio.run(host.run())
+    except OSError as exc:
+        logging.getLogger(stage).error("cannot serve: %s", exc)
+        return 1
+    return 0

@@ -1,0 +1,109 @@
+"""Validation of public requests: every bad field is INVALID_ARGUMENT naming it.
+
+Runs on the event loop before anything is reserved or sent to an engine, so a rejected
+request costs nothing downstream. Sampling fields are proto3 ``optional``: only a field
+the client set is checked (an unset one takes the server's default later).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+from services.common.errors import InvalidArgument
+from services.gateway.config import OPUS_SAMPLE_RATES, GatewayConfig
+from services.gateway.voices import VoiceCatalog, VoiceEntry
+from voxring.v1 import synthesizer_pb2 as pb
+
+_ENCODINGS = {pb.ENCODING_UNSPECIFIED: pb.LINEAR_PCM, pb.LINEAR_PCM: pb.LINEAR_PCM,
+              pb.WAV: pb.WAV, pb.OGG_OPUS: pb.OGG_OPUS}
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request that passed validation, with the server-side defaults it resolves."""
+
+    request_id: str
+    text: str
+    voice: VoiceEntry
+    language_code: str
+    encoding: int          # AudioEncoding, never UNSPECIFIED
+    sample_rate_hz: int    # 0: the model's rate
+    message: pb.SynthesizeSpeechRequest
+
+
+def _finite(value: float) -> bool:
+    return math.isfinite(value)
+
+
+def _check_sampling(req: pb.SynthesizeSpeechRequest, config: GatewayConfig) -> None:
+    if req.HasField("temperature") and not (_finite(req.temperature) and req.temperature >= 0):
+        raise InvalidArgument("temperature", f"must be >= 0 (0 is greedy), got {req.temperature}")
+    if req.HasField("top_k") and req.top_k < 0:
+        raise InvalidArgument("top_k", f"must be >= 0 (0 keeps every id), got {req.top_k}")
+    if req.HasField("top_p") and not (_finite(req.top_p) and 0 < req.top_p <= 1):
+        raise InvalidArgument("top_p", f"must be in (0, 1], got {req.top_p}")
+    if req.HasField("repetition_penalty") and not (
+            _finite(req.repetition_penalty) and req.repetition_penalty > 0):
+        raise InvalidArgument("repetition_penalty", f"must be > 0, got {req.repetition_penalty}")
+    if req.HasField("repetition_window") and req.repetition_window < 0:
+        raise InvalidArgument("repetition_window", f"must be >= 0, got {req.repetition_window}")
+    if req.HasField("max_audio_seconds"):
+        limit = config.limits.max_audio_seconds
+        if not (_finite(req.max_audio_seconds) and req.max_audio_seconds > 0):
+            raise InvalidArgument("max_audio_seconds", f"must be > 0, got {req.max_audio_seconds}")
+        if req.max_audio_seconds > limit:
+            raise InvalidArgument("max_audio_seconds",
+                                  f"{req.max_audio_seconds} exceeds this server's limit of {limit} s")
+
+
+def _check_audio(req: pb.SynthesizeSpeechRequest, config: GatewayConfig) -> int:
+    encoding = _ENCODINGS.get(req.encoding)
+    if encoding is None:
+        raise InvalidArgument("encoding", f"unsupported encoding {req.encoding} "
+                              "(LINEAR_PCM, WAV or OGG_OPUS)")
+    rate = req.sample_rate_hz
+    if rate < 0 or (rate and rate not in config.audio.sample_rates):
+        raise InvalidArgument("sample_rate_hz", f"unsupported rate {rate} Hz (0 for the model's "
+                              f"rate, or one of {', '.join(map(str, config.audio.sample_rates))})")
+    if encoding == pb.OGG_OPUS and rate and rate not in OPUS_SAMPLE_RATES:
+        raise InvalidArgument("sample_rate_hz", f"OGG_OPUS cannot carry {rate} Hz "
+                              f"(one of {', '.join(map(str, OPUS_SAMPLE_RATES))})")
+    return encoding
+
+
+def _check_request_id(req: pb.SynthesizeSpeechRequest, config: GatewayConfig) -> str:
+    rid = req.request_id
+    if not rid:
+        return uuid.uuid4().hex
+    limit = config.limits.max_request_id_chars
+    if len(rid) > limit:
+        raise InvalidArgument("request_id", f"{len(rid)} characters exceeds the limit of {limit}")
+    if not rid.isprintable() or not rid.isascii() or rid != rid.strip():
+        raise InvalidArgument("request_id", "must be printable ASCII without outer spaces")
+    return rid
+
+
+def validate(req: pb.SynthesizeSpeechRequest, config: GatewayConfig,
+             voices: VoiceCatalog) -> ValidRequest:
+    """Checks every field of ``req``; raises InvalidArgument naming the first bad one."""
+    if not req.text.strip():
+        raise InvalidArgument("text", "must not be empty or only whitespace")
+    if len(req.text) > config.text.max_chars:
+        raise InvalidArgument("text", f"{len(req.text)} characters exceeds the limit of "
+                              f"{config.text.max_chars}")
+    language = req.language_code or config.text.language_codes[0]
+    if language not in config.text.language_codes:
+        raise InvalidArgument("language_code", f"unsupported language {req.language_code!r} "
+                              f"(one of {', '.join(config.text.language_codes)})")
+    voice = voices.get(req.voice_name)
+    if voice is None:
+        raise InvalidArgument("voice_name", f"unknown voice {req.voice_name!r} "
+                              f"(known: {', '.join(sorted(voices.voices))})")
+    encoding = _check_audio(req, config)
+    _check_sampling(req, config)
+    request_id = _check_request_id(req, config)
+    return ValidRequest(request_id=request_id, text=req.text, voice=voice,
+                        language_code=language, encoding=encoding,
+                        sample_rate_hz=req.sample_rate_hz, message=req)
