@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 # in-flight work.
 _INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 REQUEST_ID_METADATA = "x-request-id"
+_SETTLE_S = 0.1  # after the drain: time for calls already sent to be refused cleanly
 FIELD_METADATA = "voxring-field"
 
 
@@ -171,9 +172,9 @@ class _Interceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_unary(self, fn, method: str, streaming_request: bool = False):
         async def wrapper(request, context):
-            await self._refuse_if_draining(context)
             rid = "-" if streaming_request else _request_id_of(request, context)
             with self._tracker.track(), request_context(rid):
+                await self._refuse_if_draining(context)
                 try:
                     return await fn(request, context)
                 except (ServiceError, asyncio.CancelledError, Exception) as exc:
@@ -184,9 +185,9 @@ class _Interceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_stream(self, fn, method: str, streaming_request: bool = False):
         async def wrapper(request, context):
-            await self._refuse_if_draining(context)
             rid = "-" if streaming_request else _request_id_of(request, context)
             with self._tracker.track(), request_context(rid):
+                await self._refuse_if_draining(context)
                 try:
                     if inspect.isasyncgenfunction(fn):
                         async for response in fn(request, context):
@@ -267,14 +268,22 @@ class ServiceHost:
             with contextlib.suppress(FileNotFoundError):
                 if path.is_socket():
                     path.unlink()  # a stale socket from a killed process
-            server.add_insecure_port(listen)
+            self._add_port(server, listen)
             os.chmod(path, 0o600)
             return listen
-        port = server.add_insecure_port(listen)
-        if port == 0:
-            raise OSError(f"cannot listen on {listen}: address in use or not available")
+        port = self._add_port(server, listen)
         host = listen.rpartition(":")[0]
         return f"{host}:{port}"
+
+    @staticmethod
+    def _add_port(server: grpc.aio.Server, listen: str) -> int:
+        try:
+            port = server.add_insecure_port(listen)
+        except RuntimeError:  # grpc's way of saying the bind failed
+            port = 0
+        if port == 0:
+            raise OSError(f"cannot listen on {listen}: address in use or not available")
+        return port
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -295,6 +304,11 @@ class ServiceHost:
         await health_servicer.enter_graceful_shutdown()
         tracker.accepting = False
         drained = await self._wait_drained(tracker)
+        if drained:
+            # Calls already on the wire when the last one finished still get their
+            # UNAVAILABLE refusal before the transport goes away.
+            await asyncio.sleep(min(_SETTLE_S, self.config.grace))
+            drained = await tracker.wait_idle(self.config.grace)
         if not drained:
             log.warning("drain timeout: ending %d call(s) in flight as UNAVAILABLE",
                         tracker.in_flight)

@@ -1,0 +1,85 @@
+"""The engine thread: commands run off the event loop, results come back on it,
+heartbeat ticks continue while idle, stop is bounded, failures are not silent."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from services.common.engine_thread import EngineStopped, EngineThread
+
+
+class Doubler:
+    """Doubles each command's number on the engine thread and answers on the loop."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.pending = []
+        self.threads = set()
+        self.ticks = 0
+        self.fail_on = None
+
+    def handle(self, command):
+        self.threads.add(threading.get_ident())
+        self.pending.append(command)
+
+    def step(self):
+        if not self.pending:
+            return False
+        value, future = self.pending.pop(0)
+        if value == self.fail_on:
+            raise RuntimeError("engine broke")
+        EngineThread.resolve(self.loop, future, value * 2)
+        return True
+
+    def tick(self):
+        self.ticks += 1
+
+
+def test_work_runs_on_the_engine_thread_and_results_return_to_the_loop():
+    async def main():
+        loop = asyncio.get_running_loop()
+        engine = Doubler(loop)
+        thread = EngineThread("test-engine", engine, tick_interval=0.02)
+        thread.start()
+        try:
+            futures = [loop.create_future() for _ in range(50)]
+            for i, future in enumerate(futures):
+                thread.post((i, future))
+            results = await asyncio.wait_for(asyncio.gather(*futures), 5)
+            assert results == [2 * i for i in range(50)]
+            assert threading.get_ident() not in engine.threads
+            ticks = engine.ticks
+            await asyncio.sleep(0.2)  # idle: the thread still ticks (heartbeats)
+            assert engine.ticks >= ticks + 3
+        finally:
+            thread.stop(timeout=2)
+        assert not thread.alive
+        with pytest.raises(EngineStopped):
+            thread.post((1, loop.create_future()))
+
+    asyncio.run(main())
+
+
+def test_a_failing_engine_stops_accepting_work():
+    async def main():
+        loop = asyncio.get_running_loop()
+        engine = Doubler(loop)
+        engine.fail_on = 3
+        thread = EngineThread("failing-engine", engine, tick_interval=0.02)
+        thread.start()
+        thread.post((3, loop.create_future()))
+        deadline = time.monotonic() + 5
+        while thread.alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert not thread.alive
+        assert isinstance(thread.error, RuntimeError)
+        with pytest.raises(EngineStopped) as info:
+            thread.post((1, loop.create_future()))
+        assert info.value.__cause__ is thread.error
+        thread.stop(timeout=1)
+
+    asyncio.run(main())
