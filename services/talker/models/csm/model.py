@@ -1,0 +1,177 @@
+"""Sesame CSM as a voxring talker family: backbone + codebook-0 head + depth decoder.
+
+One frame, from the backbone's last hidden state h (after its final norm):
+  1. codebook 0 from ``lm_head(h)``;
+  2. depth decoder with a fresh context: position 0 is h, position 1 the embedding of
+     c0; at position k the last hidden state times ``codebooks_head.weight[k-1]`` gives
+     codebook k's logits, and the next input is the embedding of ``c_k + k * V``
+     (V = audio vocab per codebook, 2051 for csm-1b); the projector applies to every input;
+  3. stop flag: **the stop frame is a frame whose codebooks 0..N-2 are all the codebook
+     EOS id (0)** (transformers' rule; the last codebook is ignored). It ends the request
+     and is not audio: it is never emitted. Before ``min_frames`` it does not stop;
+  4. the frame's embedding, the sum of its codebooks' ``embed_audio_tokens`` rows at
+     offsets ``k * V``, is the backbone's next input; the backbone step gives the next h.
+
+Parameter names are the on-disk CSM layout (transformers' CsmForConditionalGeneration),
+so checkpoints load by name. ``embed_audio_tokens`` is tied to the depth decoder's
+``embed_tokens`` (one tensor, saved once as ``depth_decoder.model.embed_tokens.weight``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from services.talker.models.csm.config import CsmConfig
+from services.talker.models.csm.modules import KVCache, Transformer
+from services.talker.models.family import FrameInputs, FrameOutputs, PromptSegment
+from services.talker.sampler import sample
+
+
+class AudioEmbeddings(nn.Module):
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.embed_audio_tokens = embedding
+
+
+class Backbone(Transformer):
+    def __init__(self, config: CsmConfig, audio_embedding: nn.Embedding) -> None:
+        super().__init__(config.backbone)
+        self.embed_tokens = AudioEmbeddings(audio_embedding)
+
+
+class DepthModel(Transformer):
+    def __init__(self, config: CsmConfig) -> None:
+        super().__init__(config.depth)
+        self.embed_tokens = nn.Embedding(config.num_codebooks * config.audio_vocab_size,
+                                         config.backbone.hidden_size)
+        self.inputs_embeds_projector = nn.Linear(config.backbone.hidden_size, config.depth.hidden_size,
+                                                 bias=False)
+
+
+class CodebooksHead(nn.Module):
+    def __init__(self, config: CsmConfig) -> None:
+        super().__init__()
+        # weight: [N-1, H_depth, V]; codebook k (1..N-1) uses weight[k-1]
+        self.weight = nn.Parameter(torch.empty(config.num_codebooks - 1, config.depth.hidden_size,
+                                               config.audio_vocab_size))
+
+
+class DepthDecoder(nn.Module):
+    def __init__(self, config: CsmConfig) -> None:
+        super().__init__()
+        self.model = DepthModel(config)
+        self.codebooks_head = CodebooksHead(config)
+
+
+@dataclass
+class CsmCaches:
+    backbone: KVCache   # [Lb, num_slots, max_len, Hkv, D]
+    depth: KVCache      # [Ld, batch_size, num_codebooks, Hkv, D]: frame scratch, no zeroing needed
+
+
+class CsmTalker(nn.Module):
+    rows_per_request = 1
+
+    def __init__(self, config: CsmConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.num_codebooks = config.num_codebooks
+        self.codebook_size = config.codebook_size
+        self.max_len = config.max_len
+        self.frame_rate = config.frame_rate
+        self.sample_rate = config.sample_rate
+        self.lm_head = nn.Linear(config.backbone.hidden_size, config.audio_vocab_size, bias=False)
+        self.embed_text_tokens = nn.Embedding(config.text_vocab_size, config.backbone.hidden_size)
+        self.depth_decoder = DepthDecoder(config)
+        self.backbone_model = Backbone(config, self.depth_decoder.model.embed_tokens)
+        offsets = torch.arange(config.num_codebooks, dtype=torch.int64) * config.audio_vocab_size
+        self.register_buffer("audio_offsets", offsets, persistent=False)
+
+    # --- prompt and prefill -------------------------------------------------------------
+
+    def embed_frames(self, codes: torch.Tensor) -> torch.Tensor:
+        # codes: [..., N] -> [..., H]: the sum of the frame's codebook embeddings
+        table = self.backbone_model.embed_tokens.embed_audio_tokens
+        return table(codes + self.audio_offsets).sum(dim=-2)
+
+    def prompt_embeds(self, segments: Sequence[PromptSegment]) -> torch.Tensor:
+        """Text turns as text embeddings; an audio-context turn adds its frames and then an
+        all-EOS frame (audio end), as transformers' CSM processor lays them out."""
+        device = self.lm_head.weight.device
+        parts = []
+        for segment in segments:
+            ids = torch.as_tensor(list(segment.text_token_ids), dtype=torch.int64, device=device)
+            parts.append(self.embed_text_tokens(ids))
+            if segment.frames is not None:
+                frames = segment.frames.to(device=device, dtype=torch.int64)
+                eos = torch.full((1, self.num_codebooks), self.config.codebook_eos_token_id,
+                                 dtype=torch.int64, device=device)
+                parts.append(self.embed_frames(torch.cat([frames, eos])))
+        return torch.cat(parts)
+
+    def new_caches(self, num_slots: int, max_len: int, batch_size: int) -> CsmCaches:
+        return CsmCaches(self.backbone_model.new_cache(num_slots, max_len),
+                         self.depth_decoder.model.new_cache(batch_size, self.num_codebooks))
+
+    def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                caches: CsmCaches) -> torch.Tensor:
+        # embeds: [B, T, H] right-padded; lengths, slots: [B] -> last hidden [B, H]
+        b, t, _ = embeds.shape
+        max_pos = caches.backbone.max_len - 1
+        positions = torch.arange(t, device=embeds.device).clamp(max=max_pos).expand(b, t)
+        hidden = self.backbone_model(embeds, caches.backbone, slots, positions)
+        # Padding positions wrote K/V past a row's end; each is rewritten by that row's
+        # own frame step before any query can see it.
+        return hidden[torch.arange(b, device=embeds.device), lengths - 1]
+
+    # --- one frame ------------------------------------------------------------------------
+
+    def _depth_codes(self, inputs: FrameInputs, caches: CsmCaches, logits_out: list | None):
+        b = inputs.hidden.shape[0]
+        device = inputs.hidden.device
+        depth = self.depth_decoder.model
+        rows = torch.arange(b, device=device)
+        history = inputs.history
+
+        def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
+            if logits_out is not None:
+                logits_out.append(logits.float())
+            return sample(logits, inputs.sampling, inputs.frame_index, k, history[:, k, :],
+                          self.codebook_size)
+
+        code = pick(self.lm_head(inputs.hidden), 0)
+        codes = [code]
+        # Position 0: the backbone state; position 1: codebook 0's embedding.
+        x = torch.stack([inputs.hidden, depth.embed_tokens(code)], dim=1)
+        positions = torch.arange(2, device=device).expand(b, 2)
+        out = depth(depth.inputs_embeds_projector(x), caches.depth, rows, positions)[:, 1]
+        for k in range(1, self.num_codebooks):
+            code = pick(out @ self.depth_decoder.codebooks_head.weight[k - 1], k)
+            codes.append(code)
+            if k + 1 < self.num_codebooks:
+                x = depth.embed_tokens(code + k * self.config.audio_vocab_size)[:, None]
+                positions = torch.full((b, 1), k + 1, dtype=torch.int64, device=device)
+                out = depth(depth.inputs_embeds_projector(x), caches.depth, rows, positions)[:, 0]
+        return torch.stack(codes, dim=1)
+
+    def is_stop_frame(self, codes: torch.Tensor) -> torch.Tensor:
+        # codes: [B, N] -> [B] bool
+        return (codes[:, : self.num_codebooks - 1] == self.config.codebook_eos_token_id).all(dim=1)
+
+    def decode_frame(self, inputs: FrameInputs, caches: CsmCaches,
+                     return_logits: bool = False) -> FrameOutputs:
+        logits: list[torch.Tensor] | None = [] if return_logits else None
+        codes = self._depth_codes(inputs, caches, logits)  # [B, N]
+        stop = self.is_stop_frame(codes) & (inputs.frame_index >= inputs.min_frames)
+        embeds = self.embed_frames(codes)[:, None]           # [B, 1, H]
+        hidden = self.backbone_model(embeds, caches.backbone, inputs.slots,
+                                     inputs.positions[:, None])[:, 0]
+        history = inputs.history
+        if history.shape[-1] > 0:
+            history = torch.cat([history[:, :, 1:], codes[:, :, None]], dim=-1)
+        return FrameOutputs(codes=codes, stop=stop, hidden=hidden, history=history,
+                            logits=torch.stack(logits, dim=1) if logits is not None else None)

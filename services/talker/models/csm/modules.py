@@ -1,0 +1,179 @@
+"""Llama-style transformer pieces for CSM, reading and writing a static KV cache.
+
+Shapes: B rows, T query positions per row, H hidden, Hq/Hkv heads, D head_dim.
+The KV cache of a stack is ``[num_layers, num_slots, max_len, Hkv, D]`` (keys and
+values), written by index: slot ids and positions are tensors, so the same code serves
+prefill (T > 1) and decode (T = 1) and can be captured in a CUDA graph (no ``.item()``,
+no branches on tensor values, no data-dependent shapes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.talker.models.csm.config import RopeConfig, TransformerConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [D/2] for the default or llama3-scaled rotary embedding."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "default":
+        return inv_freq
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between
+    # them interpolated smoothly.
+    low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+    high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryTable(nn.Module):
+    """cos/sin for every position, precomputed: [max_len, D] each (half-rotation layout)."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_len: int) -> None:
+        super().__init__()
+        self.rope, self.head_dim, self.max_len = rope, head_dim, max_len
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        if not self.cos.is_meta:  # built on meta by the loader: materialized after loading
+            self.materialize(self.cos.device)
+
+    def materialize(self, device: torch.device | str) -> None:
+        """(Re)computes the tables in fp32 on ``device`` (after loading from meta)."""
+        positions = torch.arange(self.max_len, dtype=torch.int64).float()
+        freqs = positions[:, None] * rope_inv_freq(self.rope, self.head_dim)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [B, T] -> cos, sin: [B, T, 1, D]
+        return self.cos[positions].to(dtype)[:, :, None], self.sin[positions].to(dtype)[:, :, None]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache:
+    """Static keys and values of one stack: [num_layers, num_slots, max_len, Hkv, D]."""
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                layer: int, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, H]; slots: [B]; positions: [B, T] (where this row's tokens go)
+        b, t, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(b, t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        rows = slots[:, None].expand(b, t)
+        cache.k[layer].index_put_((rows, positions), k)  # write first, then attend
+        cache.v[layer].index_put_((rows, positions), v)
+        keys = cache.k[layer][slots].transpose(1, 2)      # [B, Hkv, L, D]
+        values = cache.v[layer][slots].transpose(1, 2)
+        # A query at position p sees keys 0..p of its own row: [B, 1, T, L]
+        key_pos = torch.arange(cache.max_len, device=x.device)
+        visible = (key_pos[None, None, :] <= positions[:, :, None])[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, layer, slots, positions):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, slots, positions)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """A decoder stack with final norm; parameter names follow the on-disk CSM layout
+    (``layers.{i}.self_attn.q_proj.weight``, ``norm.weight``)."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryTable(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+
+    def new_cache(self, num_slots: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
+        weight = self.norm.weight
+        return KVCache(self.cfg.num_layers, num_slots, max_len or self.cfg.max_position_embeddings,
+                       self.cfg.num_kv_heads, self.cfg.head_dim, dtype or weight.dtype,
+                       device or weight.device)
+
+    def forward(self, x: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, H] -> normed hidden states [B, T, H]
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, slots, positions)
+        return self.norm(x)
