@@ -2,8 +2,9 @@
 
 A tiny checkpoint of the real CSM architecture (a few layers, 8 codebooks of 64 codes)
 written in the layout transformers' ``save_pretrained`` uses: ``config.json`` (with a
-tiny Mimi ``codec_config``), ``model.safetensors`` and a byte-level tokenizer built with
-the ``tokenizers`` library. Nothing is downloaded. The same seed gives byte-identical
+tiny Mimi ``codec_config``), ``model.safetensors`` (talker and codec weights, the codec
+part from services/code2wav/tiny.py) and a byte-level tokenizer built with the
+``tokenizers`` library. Nothing is downloaded. The same seed gives byte-identical
 files. It is untrained: its audio is noise-like.
 
 :func:`ensure_tiny_checkpoint` creates it on first use in the cache folder, under a
@@ -24,7 +25,7 @@ from filelock import FileLock
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 NAME = "voxring-tiny"
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|AUDIO|>", "<|audio_eos|>")
 NUM_CODEBOOKS = 8
@@ -120,7 +121,10 @@ def write_tiny_checkpoint(folder: str | Path, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     config = tiny_config()
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(tiny_weights(config, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    from services.code2wav.tiny import codec_weights
+
+    tensors = {**tiny_weights(config, seed), **codec_weights(config["codec_config"], seed)}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     build_tokenizer().save(str(folder / "tokenizer.json"))
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[0],
                         "eos_token": SPECIAL_TOKENS[1], "pad_token": SPECIAL_TOKENS[2],

@@ -24,7 +24,8 @@ def tiny_csm_config(**overrides):
                       num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                       intermediate_size=64, sliding_window=8, upsampling_ratios=[8, 6, 5, 4],
                       num_residual_layers=1, upsample_groups=32,
-                      vector_quantization_hidden_dimension=16)
+                      vector_quantization_hidden_dimension=16,
+                      layer_scale_initial_scale=1.0)  # so the transformer shapes the audio
     depth = CsmDepthDecoderConfig(num_codebooks=8, backbone_hidden_size=96, vocab_size=67,
                                   hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2,
@@ -39,19 +40,38 @@ def tiny_csm_config(**overrides):
     return CsmConfig(**fields)
 
 
-def save_transformers_tiny(folder: Path, seed: int = 0) -> Path:
-    """Instantiates the tiny config with a seeded random init, randomises the Mimi
-    codebooks (a fresh Mimi has all-zero codebooks), and saves with save_pretrained."""
-    from transformers import CsmForConditionalGeneration
-
-    torch.manual_seed(seed)
-    model = CsmForConditionalGeneration(tiny_csm_config()).eval()
+def randomise_codebooks(mimi) -> None:
+    """A fresh Mimi has all-zero codebooks (every code decodes the same): randomise them."""
     with torch.no_grad():
-        for name, tensor in model.codec_model.named_buffers():
+        for name, tensor in mimi.named_buffers():
             if name.endswith("codebook.embed_sum"):
                 tensor.normal_()
             elif name.endswith("codebook.cluster_usage"):
                 tensor.uniform_(0.5, 2.0)
+        for module in mimi.modules():
+            if hasattr(module, "_embed"):
+                module._embed = None  # derived vectors are cached by transformers
+
+
+def save_transformers_tiny(folder: Path, seed: int = 0) -> Path:
+    """Instantiates the tiny config with a seeded random init, randomises the Mimi
+    codebooks, and saves with save_pretrained."""
+    from transformers import CsmForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = CsmForConditionalGeneration(tiny_csm_config()).eval()
+    randomise_codebooks(model.codec_model)
     model.generation_config._from_model_config = False
+    model.save_pretrained(folder)
+    return folder
+
+
+def save_transformers_mimi(folder: Path, seed: int = 0) -> Path:
+    """A standalone tiny MimiModel checkpoint (random codebooks), as save_pretrained writes it."""
+    from transformers import MimiModel
+
+    torch.manual_seed(seed)
+    model = MimiModel(tiny_csm_config().codec_config).eval()
+    randomise_codebooks(model)
     model.save_pretrained(folder)
     return folder

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.errors import CheckpointError
 
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded; the message names the cause."""
+__all__ = ["CheckpointError", "CsmConfig", "RopeConfig", "TransformerConfig"]
 
 
 @dataclass(frozen=True)
