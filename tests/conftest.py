@@ -16,6 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run under its interpreter on CPU machines; set before anything
+    # imports triton (the talker model imports the kernels).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 10.0  # a stage must report SERVING within this
@@ -33,13 +39,56 @@ def pytest_collection_modifyitems(config, items):
             if "soak" in item.keywords:
                 item.add_marker(skip)
     gpu_items = [item for item in items if "gpu" in item.keywords]
-    if gpu_items:
-        import torch
+    if gpu_items and not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
+        for item in gpu_items:
+            item.add_marker(skip)
 
-        if not torch.cuda.is_available():
-            skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
-            for item in gpu_items:
-                item.add_marker(skip)
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIXES = ("voxring-", "sem.voxring-")  # ring segments and their wake-up semaphores
+SHM_SETTLE_S = 5.0  # peers still exiting may unlink theirs this long after the last test
+
+
+def _voxring_shm_entries() -> set[str]:
+    try:
+        return {name for name in os.listdir(SHM_DIR) if name.startswith(SHM_PREFIXES)}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_voxring_shm_left():
+    """After the whole suite no voxring entry may remain in /dev/shm. What this run left
+    is reported (the run fails) and then removed; entries that were there before the run
+    started are not this run's and are left alone."""
+    before = _voxring_shm_entries()
+    yield
+    deadline = time.monotonic() + SHM_SETTLE_S
+    left = _voxring_shm_entries() - before
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = _voxring_shm_entries() - before
+    for name in sorted(left):
+        with contextlib.suppress(FileNotFoundError):
+            (SHM_DIR / name).unlink()
+    if left:
+        pytest.fail(f"the test run left {len(left)} voxring entr{'y' if len(left) == 1 else 'ies'} in "
+                    f"/dev/shm (now removed): {', '.join(sorted(left))}", pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    """Every process of the test session makes and finds voxring-tiny here, not in the
+    user's cache folder."""
+    path = tmp_path_factory.mktemp("voxring-cache")
+    previous = os.environ.get("VOXRING_CACHE_DIR")
+    os.environ["VOXRING_CACHE_DIR"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("VOXRING_CACHE_DIR", None)
+    else:
+        os.environ["VOXRING_CACHE_DIR"] = previous
 
 
 @pytest.fixture
@@ -69,7 +118,9 @@ class StageProcess:
 
 
 def stage_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VOXRING_")}
+    """The environment for a stage process: no stage config overrides leak in from the
+    caller (VOXRING_<STAGE>__...), the test session's model cache is kept."""
+    env = {k: v for k, v in os.environ.items() if not (k.startswith("VOXRING_") and "__" in k)}
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
@@ -131,6 +182,9 @@ def start_stage(sock_dir):
 
 
 def unix_config(sock_dir: Path, stage: str, extra: str = "") -> str:
-    """A minimal stage config listening on a unix socket in sock_dir."""
-    return (f"server:\n  listen: unix:{sock_dir}/{stage}.sock\n  drain_timeout: 2\n"
-            f"  grace: 1\n{extra}")
+    """A minimal stage config listening on a unix socket in sock_dir (Code2Wav attaches
+    to the talker socket there, never to a TCP port)."""
+    config = f"server:\n  listen: unix:{sock_dir}/{stage}.sock\n  drain_timeout: 2\n  grace: 1\n"
+    if stage == "code2wav":
+        config += f"talkers: {{attach: [{{id: talker-0, address: 'unix:{sock_dir}/talker.sock'}}]}}\n"
+    return config + extra

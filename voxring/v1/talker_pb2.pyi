@@ -17,20 +17,24 @@ class AttachRequest(_message.Message):
     def __init__(self, consumer_id: _Optional[str] = ..., consumer_instance_token: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("ring_name", "wakeup_semaphore", "capacity_bytes", "generation", "talker_instance_token", "liveness_timeout_s")
+    __slots__ = ("ring_name", "wakeup_semaphore", "capacity_bytes", "generation", "talker_instance_token", "liveness_timeout_s", "transport", "address")
     RING_NAME_FIELD_NUMBER: _ClassVar[int]
     WAKEUP_SEMAPHORE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TALKER_INSTANCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LIVENESS_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ring_name: str
     wakeup_semaphore: str
     capacity_bytes: int
     generation: int
     talker_instance_token: int
     liveness_timeout_s: float
-    def __init__(self, ring_name: _Optional[str] = ..., wakeup_semaphore: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., generation: _Optional[int] = ..., talker_instance_token: _Optional[int] = ..., liveness_timeout_s: _Optional[float] = ...) -> None: ...
+    transport: str
+    address: str
+    def __init__(self, ring_name: _Optional[str] = ..., wakeup_semaphore: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., generation: _Optional[int] = ..., talker_instance_token: _Optional[int] = ..., liveness_timeout_s: _Optional[float] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
