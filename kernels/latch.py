@@ -1,0 +1,86 @@
+"""The process-level fallback latch that stands between a Triton kernel and its eager twin.
+
+One ``KernelLatch`` per kernel. Two ways to the twin:
+
+* **configured off** (``enabled = False``): a strict switch for triage; the twin serves every call
+  and nothing is logged;
+* **tripped**: the first call whose kernel raises (a compile error, a launch failure, a missing
+  backend) logs one warning with the exception and the twin serves that call and every later one
+  for the rest of the process. A kernel that failed once is never retried: retrying on every call
+  would pay the failure (and its log line) per frame.
+
+Compilation happens on the first call with a new specialisation, so run one eager warm-up before
+capturing a CUDA graph: a failure then trips the latch outside the capture and the graph records
+the twin.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class KernelLatch:
+    """Routes calls to a kernel or to its eager twin; see the module docstring for the rules."""
+
+    def __init__(self, name: str, enabled: bool = True) -> None:
+        self.name = name
+        self._enabled = _strict_bool(name, enabled)
+        self._failure: BaseException | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        """The configured switch (True unless turned off for triage)."""
+        return self._enabled
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The exception that tripped the latch, or None."""
+        return self._failure
+
+    @property
+    def active(self) -> bool:
+        """True when the next call goes to the kernel."""
+        return self._enabled and self._failure is None
+
+    def configure(self, enabled: bool) -> None:
+        """Sets the switch; only a real bool is accepted (no truthy strings or ints)."""
+        self._enabled = _strict_bool(self.name, enabled)
+
+    def reset(self) -> None:
+        """Forgets a trip (tests only: in service the latch stays tripped for the process)."""
+        with self._lock:
+            self._failure = None
+
+    def call(self, kernel: Callable[P, R], twin: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """kernel(*args, **kwargs) while active; the twin when off, tripped, or the kernel raises."""
+        if not self.active:
+            return twin(*args, **kwargs)
+        try:
+            return kernel(*args, **kwargs)
+        except Exception as exc:  # compile / launch failures of any kind: the twin takes over
+            self._trip(exc)
+        return twin(*args, **kwargs)
+
+    def _trip(self, exc: Exception) -> None:
+        with self._lock:
+            first = self._failure is None
+            if first:
+                self._failure = exc
+        if first:
+            log.warning("kernel %s failed; its eager twin serves the rest of this process",
+                        self.name, exc_info=exc)
+
+
+def _strict_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"kernels.{name}: enabled must be a bool, got {value!r}")
+    return value
