@@ -8,7 +8,7 @@ relays. An :class:`EngineThread` owns one thread that runs an :class:`Engine`:
   then runs one ``step()``; while the engine has nothing to do it blocks on the inbox
   for at most ``tick_interval`` seconds, so it uses no CPU when idle yet still calls
   ``tick()`` (heartbeats) at least that often;
-- results travel back with :meth:`EngineThread.resolve`/:meth:`reply`, which use
+- results travel back with :meth:`EngineThread.resolve`/:meth:`fail`/:meth:`reply`, which use
   ``loop.call_soon_threadsafe`` so that futures are only touched on their loop.
 
 An engine that raises stops the thread; the error is kept and logged, and ``post``
@@ -91,6 +91,11 @@ class EngineThread:
         loop.call_soon_threadsafe(_set_result, future, value)
 
     @staticmethod
+    def fail(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException) -> None:
+        """Sets ``future``'s exception on its own loop (callable from any thread)."""
+        loop.call_soon_threadsafe(_set_exception, future, error)
+
+    @staticmethod
     def reply(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
         """Runs ``callback(*args)`` on ``loop`` (callable from any thread)."""
         loop.call_soon_threadsafe(callback, *args)
@@ -132,3 +137,8 @@ class EngineThread:
 def _set_result(future: asyncio.Future, value: Any) -> None:
     if not future.done():
         future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

@@ -53,6 +53,10 @@ class Cancelled(ServiceError):
     code = "CANCELLED"
 
 
+class FailedPrecondition(ServiceError):
+    code = "FAILED_PRECONDITION"
+
+
 class Unimplemented(ServiceError):
     code = "UNIMPLEMENTED"
 

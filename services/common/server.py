@@ -50,7 +50,9 @@ FIELD_METADATA = "voxring-field"
 
 class Component(Protocol):
     """A long-running part of a stage (an engine thread) that the host starts before
-    serving and stops after the drain."""
+    serving and stops after the drain. During the drain the host also waits (within
+    ``drain_timeout``) until every component that has an ``idle()`` method says True:
+    work accepted by a unary call (a submitted request) finishes too."""
 
     def start(self) -> None: ...
 
@@ -128,13 +130,14 @@ class _Interceptor(grpc.aio.ServerInterceptor):
     """The one place domain errors become status codes; also tracks calls in flight,
     refuses new calls while draining, and sets the request id for logging."""
 
-    def __init__(self, tracker: _CallTracker) -> None:
+    def __init__(self, tracker: _CallTracker, drain_exempt: frozenset[str] = frozenset()) -> None:
         self._tracker = tracker
+        self._drain_exempt = drain_exempt
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method.startswith(_INFRA_PREFIXES):
+        if handler is None or method.startswith(_INFRA_PREFIXES) or method in self._drain_exempt:
             return handler
         if handler.unary_unary:
             wrapped = self._wrap_unary(handler.unary_unary, method)
@@ -211,8 +214,15 @@ class ServiceHost:
         services: Sequence[ServiceBinding],
         components: Sequence[Component] = (),
         ready_file: str | os.PathLike[str] | None = None,
+        drain_exempt: Sequence[str] = (),
+        on_bound: Callable[[str], None] | None = None,
     ) -> None:
+        """``drain_exempt``: full method names ("/pkg.Service/Method") still answered
+        while draining (e.g. Cancel), without being counted as work in flight.
+        ``on_bound``: called with the bound address before the server starts."""
         self.stage = stage
+        self.drain_exempt = frozenset(drain_exempt)
+        self.on_bound = on_bound
         self.config = config
         self.services = list(services)
         self.components = list(components)
@@ -226,7 +236,7 @@ class ServiceHost:
         tracker = _CallTracker()
         limit = self.config.max_message_mb * 1024 * 1024
         server = grpc.aio.server(
-            interceptors=[_Interceptor(tracker)],
+            interceptors=[_Interceptor(tracker, self.drain_exempt)],
             options=[("grpc.max_receive_message_length", limit),
                      ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0)],
@@ -240,6 +250,8 @@ class ServiceHost:
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME], server)
         self.address = self._bind(server)
+        if self.on_bound is not None:
+            self.on_bound(self.address)
         self._install_signal_handlers()
         for component in self.components:
             component.start()
@@ -303,7 +315,10 @@ class ServiceHost:
         started = time.monotonic()
         await health_servicer.enter_graceful_shutdown()
         tracker.accepting = False
+        deadline = time.monotonic() + self.config.drain_timeout
         drained = await self._wait_drained(tracker)
+        if drained:
+            drained = await self._wait_components_idle(deadline)
         if drained:
             # Calls already on the wire when the last one finished still get their
             # UNAVAILABLE refusal before the transport goes away.
@@ -327,6 +342,15 @@ class ServiceHost:
         finally:
             force.cancel()
         return idle.done() and idle.result()
+
+    async def _wait_components_idle(self, deadline: float) -> bool:
+        waiting = [c for c in self.components if hasattr(c, "idle")]
+        while waiting and not all(c.idle() for c in waiting):
+            if time.monotonic() >= deadline or self._force.is_set():
+                log.warning("drain timeout: work still in progress is abandoned")
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     def _write_ready_file(self) -> None:
         if self.ready_file is None:

@@ -11,17 +11,18 @@ import argparse
 import asyncio
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from services.common.config import ConfigError, load_config
 from services.common.log import configure_logging
-from services.common.server import Component, ServiceBinding, ServiceHost
+from services.common.server import ServiceHost
 
 C = TypeVar("C")
 
-Builder = Callable[[Any, Path | None], tuple[Sequence[ServiceBinding], Sequence[Component]]]
+# build(config, config_path) -> (services, components) or (services, components, host options)
+Builder = Callable[[Any, Path | None], tuple]
 
 
 def run_stage(stage: str, config_cls: type[C], build: Builder, argv: list[str] | None = None) -> int:
@@ -35,12 +36,17 @@ def run_stage(stage: str, config_cls: type[C], build: Builder, argv: list[str] |
     args = parser.parse_args(argv)
     try:
         config = load_config(config_cls, args.config, stage)
-        services, components = build(config, args.config)
     except ConfigError as exc:
         print(f"voxring {stage}: config error: {exc}", file=sys.stderr)
         return 2
     configure_logging(stage, config.logging.level, config.logging.json)
-    host = ServiceHost(stage, config.server, services, components, args.ready_file)
+    try:
+        built = build(config, args.config)
+    except ConfigError as exc:
+        print(f"voxring {stage}: config error: {exc}", file=sys.stderr)
+        return 2
+    services, components, options = (*built, {}) if len(built) == 2 else built
+    host = ServiceHost(stage, config.server, services, components, args.ready_file, **options)
     try:
         asyncio.run(host.run())
     except OSError as exc:

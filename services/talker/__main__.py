@@ -1,24 +1,118 @@
 """``python -m services.talker --config deploy/configs/talker.yaml``
 
-The process serves ``voxring.v1.Talker`` with health and reflection. Its RPCs answer
-UNIMPLEMENTED until the talker engine (scheduler, runner, rings) is built on top.
+Loads the model (a CSM checkpoint folder, or voxring-tiny made on first use), builds the
+engine (scheduler, runner with its graphs, consumers' rings) on its own thread, and
+serves ``voxring.v1.Talker`` (plus ``voxring.v1.FrameStream`` for the grpc transport).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import secrets
 import sys
 from pathlib import Path
 
+import kernels
+from services.common.config import ConfigError
+from services.common.devices import resolve_device
+from services.common.engine_thread import EngineThread
+from services.common.errors import CheckpointError
+from services.common.frame_stream import FrameStreamServicer
+from services.common.ring_sweep import sweep_stale
 from services.common.server import ServiceBinding
 from services.common.stage import run_stage
 from services.talker.config import TalkerConfig
-from voxring.v1 import talker_pb2, talker_pb2_grpc
+from services.talker.consumers import Consumers
+from services.talker.core import TalkerCore
+from services.talker.engine import TalkerEngine
+from services.talker.models.csm.loader import load_talker
+from services.talker.runner import Runner
+from services.talker.scheduler import Scheduler
+from services.talker.servicer import ModelFacts, TalkerServicer
+from services.talker.tiny import ensure_tiny_checkpoint
+from voxring.v1 import frames_pb2, frames_pb2_grpc, talker_pb2, talker_pb2_grpc
+
+log = logging.getLogger("talker")
+
+
+class EngineComponent:
+    """Starts the engine thread before serving; after the drain stops it and unlinks
+    the rings (the talker owns them)."""
+
+    def __init__(self, thread: EngineThread, core: TalkerCore) -> None:
+        self.thread, self.core = thread, core
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def idle(self) -> bool:
+        return self.core.idle() or not self.thread.alive
+
+    def stop(self, timeout: float) -> None:
+        self.thread.stop(timeout)
+        self.core.close()
+
+
+def model_info(folder: Path, model, max_len: int) -> talker_pb2.ModelInfoResponse:
+    tokenizer = folder / "tokenizer.json"
+    names = {}
+    for path in (folder / "voxring.json", folder / "tokenizer_config.json"):
+        if path.exists():
+            names.update(json.loads(path.read_text()))
+    bos, eos = names.get("bos_token", "<|begin_of_text|>"), names.get("eos_token", "<|end_of_text|>")
+    return talker_pb2.ModelInfoResponse(
+        model_name=names.get("name", folder.name),
+        tokenizer_json=tokenizer.read_bytes() if tokenizer.exists() else b"",
+        # Tokenize the formatted text without adding special tokens: they are in the format.
+        prompt_format=f"{bos}[{{speaker}}]{{text}}{eos}",
+        max_len=max_len, num_codebooks=model.num_codebooks, codebook_size=model.codebook_size,
+        frame_rate=model.frame_rate, sample_rate=model.sample_rate)
 
 
 def build(config: TalkerConfig, config_path: Path | None):
-    name = talker_pb2.DESCRIPTOR.services_by_name["Talker"].full_name
-    servicer = talker_pb2_grpc.TalkerServicer()  # every RPC: UNIMPLEMENTED for now
-    return [ServiceBinding(name, talker_pb2_grpc.add_TalkerServicer_to_server, servicer)], []
+    kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention)
+    device = resolve_device(config.model.device)
+    folder = Path(config.model.checkpoint) if config.model.checkpoint else ensure_tiny_checkpoint(
+        config.model.tiny_seed)
+    try:
+        model = load_talker(folder, config.model.dtype, device)
+    except CheckpointError as exc:
+        raise ConfigError(f"model.checkpoint: {exc}") from None
+    engine_cfg = config.engine
+    max_len = engine_cfg.max_len or model.max_len
+    if max_len > model.max_len:
+        raise ConfigError(f"engine.max_len: {max_len} exceeds the model's {model.max_len}")
+    if config.transport.kind == "shm":
+        swept = sweep_stale(config.transport.liveness_timeout)
+        if swept:
+            log.info("removed %d stale ring segment(s) of dead talkers", len(swept))
+    runner = Runner(model, num_slots=engine_cfg.max_num_seqs, max_len=max_len, buckets=engine_cfg.buckets,
+                    k_max=engine_cfg.k_max, max_repetition_window=engine_cfg.max_repetition_window,
+                    use_graphs=engine_cfg.cuda_graphs and device.type == "cuda")
+    scheduler = Scheduler(num_slots=engine_cfg.max_num_seqs, max_num_seqs=engine_cfg.max_num_seqs,
+                          k_max=engine_cfg.k_max, prefill_token_budget=engine_cfg.prefill_token_budget,
+                          max_waiting=engine_cfg.max_waiting, stall_timeout=engine_cfg.stall_timeout)
+    frame_servicer = FrameStreamServicer() if config.transport.kind == "grpc" else None
+    consumers = Consumers(config.transport, secrets.randbits(64), frame_servicer)
+    engine = TalkerEngine(runner, scheduler, consumers.sink_for,
+                          max_pending_frames=engine_cfg.max_pending_frames)
+    core = TalkerCore(engine, consumers)
+    thread = EngineThread("talker-engine", core, tick_interval=config.transport.heartbeat_interval / 2)
+    facts = ModelFacts(model.num_codebooks, model.codebook_size, model.config.text_vocab_size, max_len,
+                       engine_cfg.max_repetition_window)
+    servicer = TalkerServicer(thread, config, facts, model_info(folder, model, max_len))
+    bindings = [ServiceBinding(talker_pb2.DESCRIPTOR.services_by_name["Talker"].full_name,
+                               talker_pb2_grpc.add_TalkerServicer_to_server, servicer)]
+    if frame_servicer is not None:
+        bindings.append(ServiceBinding(frames_pb2.DESCRIPTOR.services_by_name["FrameStream"].full_name,
+                                       frames_pb2_grpc.add_FrameStreamServicer_to_server, frame_servicer))
+    log.info("model %s on %s (%s), max_len %d, buckets %s", folder, device, config.model.dtype, max_len,
+             list(engine_cfg.buckets))
+    return bindings, [EngineComponent(thread, core)], {
+        "drain_exempt": ["/voxring.v1.Talker/Cancel", "/voxring.v1.Talker/Stats"],
+        "on_bound": (lambda address: setattr(frame_servicer, "address", address)) if frame_servicer else None,
+    }
 
 
 if __name__ == "__main__":

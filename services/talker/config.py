@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.sections import LoggingSection, ServerSection
+from services.common.config import ConfigValueError
+from services.common.frame_transport import TransportSection
+from services.common.sections import ChunkSection, LoggingSection, ModelSection, ServerSection
 
 
 @dataclass(frozen=True)
@@ -13,6 +15,52 @@ class TalkerServerSection(ServerSection):
 
 
 @dataclass(frozen=True)
+class EngineSection:
+    k_max: int = 8                          # frames per step at most
+    buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # batch sizes with a captured graph
+    max_num_seqs: int = 64                  # rows running at once (KV slots)
+    max_len: int = 0                        # KV positions per slot; 0: the model's maximum
+    prefill_token_budget: int = 4096        # prompt tokens prefilled per step
+    max_waiting: int = 256                  # queued requests beyond this: RESOURCE_EXHAUSTED
+    max_repetition_window: int = 64         # largest repetition_window a request may ask
+    max_pending_frames: int = 64            # frames kept for a full ring before the row pauses
+    stall_timeout: float = 5.0              # a row paused longer ends STALLED
+    cuda_graphs: bool = True                # capture the frame per bucket on CUDA
+
+    def __post_init__(self) -> None:
+        positive = {"k_max": self.k_max, "max_num_seqs": self.max_num_seqs,
+                    "prefill_token_budget": self.prefill_token_budget, "max_waiting": self.max_waiting,
+                    "max_pending_frames": self.max_pending_frames}
+        for key, value in positive.items():
+            if value < 1:
+                raise ConfigValueError(key, f"must be >= 1, got {value}")
+        if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
+            raise ConfigValueError("buckets", f"must be distinct positive sizes in ascending order, "
+                                   f"got {list(self.buckets)}")
+        if self.buckets[-1] < self.max_num_seqs:
+            raise ConfigValueError("buckets", f"the largest bucket ({self.buckets[-1]}) must hold "
+                                   f"max_num_seqs ({self.max_num_seqs})")
+        if self.max_len < 0 or self.max_repetition_window < 0:
+            raise ConfigValueError("max_len" if self.max_len < 0 else "max_repetition_window", "must be >= 0")
+        if not self.stall_timeout > 0:
+            raise ConfigValueError("stall_timeout", f"must be > 0 seconds, got {self.stall_timeout}")
+
+
+@dataclass(frozen=True)
+class KernelsSection:
+    """Triton kernels on CUDA (each falls back to its eager twin if it fails); false turns
+    one off for triage."""
+
+    sampler: bool = True
+    decode_attention: bool = True
+
+
+@dataclass(frozen=True)
 class TalkerConfig:
     server: TalkerServerSection = field(default_factory=TalkerServerSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    chunks: ChunkSection = field(default_factory=ChunkSection)
+    transport: TransportSection = field(default_factory=TransportSection)
+    kernels: KernelsSection = field(default_factory=KernelsSection)

@@ -15,22 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from services.talker.models.family import FrameInputs, PromptSegment, TalkerModel
+from services.talker.request import Sampling
 from services.talker.sampler import SamplingParams
+
+__all__ = ["GenerationRequest", "GenerationResult", "Sampling", "generate", "sampling_params"]
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """One request's sampling settings (DESIGN.md's sampler); the defaults are greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    repetition_window: int = 0
-    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,8 +60,10 @@ def _check(request: GenerationRequest, prompt_len: int, max_len: int, index: int
 
 @torch.inference_mode()
 def generate(model: TalkerModel, requests: Sequence[GenerationRequest],
-             return_logits: bool = False) -> list[GenerationResult]:
-    """Generates every request in one batch; each row stops on its own."""
+             return_logits: bool = False, cache_len: int | None = None) -> list[GenerationResult]:
+    """Generates every request in one batch; each row stops on its own. ``cache_len``
+    sets the KV cache length (default: just enough); the engine's length gives
+    bit-identical attention to the engine's."""
     device = next(model.parameters()).device
     prompts = [model.prompt_embeds(r.segments) for r in requests]
     lengths_cpu = [p.shape[0] for p in prompts]
@@ -78,7 +71,7 @@ def generate(model: TalkerModel, requests: Sequence[GenerationRequest],
         _check(request, length, model.max_len, i)
     b = len(requests)
     max_frames = max(r.max_frames for r in requests)
-    cache_len = min(model.max_len, max(lengths_cpu) + max_frames)
+    cache_len = cache_len or min(model.max_len, max(lengths_cpu) + max_frames)
     caches = model.new_caches(num_slots=b, max_len=cache_len, batch_size=b)
     embeds = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)  # [B, T, H]
     lengths = torch.tensor(lengths_cpu, dtype=torch.int64, device=device)

@@ -57,6 +57,7 @@ class TalkerModel(Protocol):
 
     num_codebooks: int
     codebook_size: int
+    hidden_size: int
     max_len: int
     frame_rate: float
     sample_rate: int

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.sampler import sample  # the Triton kernel on CUDA, its eager twin elsewhere
 from services.talker.models.csm.config import CsmConfig
 from services.talker.models.csm.modules import KVCache, Transformer
 from services.talker.models.family import FrameInputs, FrameOutputs, PromptSegment
-from services.talker.sampler import sample
 
 
 class AudioEmbeddings(nn.Module):
@@ -81,6 +81,7 @@ class CsmTalker(nn.Module):
         self.config = config
         self.num_codebooks = config.num_codebooks
         self.codebook_size = config.codebook_size
+        self.hidden_size = config.backbone.hidden_size
         self.max_len = config.max_len
         self.frame_rate = config.frame_rate
         self.sample_rate = config.sample_rate

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.decode_attention import decode_attention
 from services.talker.models.csm.config import RopeConfig, TransformerConfig
 
 
@@ -119,6 +120,10 @@ class Attention(nn.Module):
         rows = slots[:, None].expand(b, t)
         cache.k[layer].index_put_((rows, positions), k)  # write first, then attend
         cache.v[layer].index_put_((rows, positions), v)
+        if t == 1 and x.is_cuda:  # decode: read only each row's valid keys, in place
+            out = decode_attention(q[:, 0], cache.k[layer], cache.v[layer], slots, positions[:, 0] + 1,
+                                   self.head_dim ** -0.5)                     # [B, Hq, D]
+            return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim))
         keys = cache.k[layer][slots].transpose(1, 2)      # [B, Hkv, L, D]
         values = cache.v[layer][slots].transpose(1, 2)
         # A query at position p sees keys 0..p of its own row: [B, 1, T, L]

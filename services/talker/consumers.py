@@ -1,0 +1,69 @@
+"""The talker's edges: one frame producer per consumer (a Code2Wav instance).
+
+PROTOCOL.md, Rings: the talker owns its rings. ``attach`` creates a ring (mode 0600,
+named with this talker's instance token) for a consumer instance; the same instance
+attaching again gets the same ring; a new instance of the same consumer retires the old
+ring (its rows are dropped by the engine) and gets a new generation. Heartbeats are
+stored from the engine thread; a consumer whose heartbeat goes stale is reported dead.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from services.common.frame_transport import Endpoint, FrameProducer, TransportSection, open_producer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Edge:
+    producer: FrameProducer
+    endpoint: Endpoint
+    instance_token: int
+
+
+class Consumers:
+    def __init__(self, transport: TransportSection, talker_token: int, frame_servicer=None) -> None:
+        self.transport = transport
+        self.talker_token = talker_token
+        self.frame_servicer = frame_servicer  # grpc transport only
+        self.edges: dict[str, Edge] = {}
+
+    def attach(self, consumer_id: str, instance_token: int) -> tuple[Endpoint, bool]:
+        """The consumer's endpoint, and whether an older instance's edge was retired."""
+        old = self.edges.get(consumer_id)
+        if old is not None and old.instance_token == instance_token and old.producer.consumer_alive():
+            return old.endpoint, False
+        generation = old.endpoint.generation + 1 if old is not None else 1
+        if old is not None:
+            self.remove(consumer_id)
+        producer, endpoint = open_producer(self.transport, talker_instance_token=self.talker_token,
+                                           consumer_id=consumer_id, generation=generation,
+                                           servicer=self.frame_servicer)
+        self.edges[consumer_id] = Edge(producer, endpoint, instance_token)
+        log.info("consumer %s attached (generation %d)", consumer_id, generation)
+        return endpoint, old is not None
+
+    def sink_for(self, consumer_id: str) -> FrameProducer | None:
+        edge = self.edges.get(consumer_id)
+        return edge.producer if edge is not None else None
+
+    def tick(self) -> list[str]:
+        """Stores this side's heartbeats; returns the consumers found dead."""
+        dead = []
+        for consumer_id, edge in self.edges.items():
+            edge.producer.tick()
+            if not edge.producer.consumer_alive():
+                dead.append(consumer_id)
+        return dead
+
+    def remove(self, consumer_id: str) -> None:
+        edge = self.edges.pop(consumer_id, None)
+        if edge is not None:
+            edge.producer.close()  # the owner unlinks its ring
+
+    def close(self) -> None:
+        for consumer_id in list(self.edges):
+            self.remove(consumer_id)

@@ -1,0 +1,92 @@
+"""What runs on the talker's engine thread: the engine, its consumers' edges, and the
+commands the gRPC servicer posts (Attach, Submit, Cancel, Stats).
+
+Commands are plain callables taking the core; the servicer waits for their answers on
+futures resolved with ``loop.call_soon_threadsafe``. Nothing here touches the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from services.common.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
+from services.common.frame_transport import Endpoint
+from services.talker.consumers import Consumers
+from services.talker.engine import TalkerEngine
+from services.talker.request import TalkerRequest
+from services.talker.scheduler import QueueFull
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    running: int
+    waiting: int
+    free_slots: int
+    paused_rows: int
+    steps_per_s: float
+    frames_per_s: float
+    mean_frames_per_step: float
+
+
+class TalkerCore:
+    """The Engine of the talker's EngineThread."""
+
+    def __init__(self, engine: TalkerEngine, consumers: Consumers) -> None:
+        self.engine = engine
+        self.consumers = consumers
+        self._window = (time.monotonic(), 0, 0)  # start, steps, frames of the Stats window
+
+    # --- EngineThread protocol ------------------------------------------------------------------
+
+    def handle(self, command) -> None:
+        command(self)
+
+    def step(self) -> bool:
+        return self.engine.step()
+
+    def tick(self) -> None:
+        for consumer_id in self.consumers.tick():
+            self.engine.drop_consumer(consumer_id)
+            self.consumers.remove(consumer_id)
+
+    def idle(self) -> bool:
+        return not self.engine.busy
+
+    # --- commands ---------------------------------------------------------------------------------
+
+    def attach(self, consumer_id: str, instance_token: int) -> Endpoint:
+        endpoint, replaced = self.consumers.attach(consumer_id, instance_token)
+        if replaced:  # a new instance: the old ring's rows cannot be delivered any more
+            self.engine.drop_consumer(consumer_id)
+        return endpoint
+
+    def submit(self, request: TalkerRequest) -> int:
+        if self.consumers.sink_for(request.consumer_id) is None:
+            raise FailedPrecondition(f"consumer_id: {request.consumer_id!r} has not attached")
+        try:
+            return self.engine.scheduler.add(request)
+        except QueueFull as exc:
+            raise ResourceExhausted(f"talker queue full: {exc}") from None
+        except KeyError:
+            raise AlreadyExists(f"handle {request.handle} is already in flight for consumer "
+                                f"{request.consumer_id!r}") from None
+
+    def cancel(self, consumer_id: str, handle: int) -> bool:
+        return self.engine.scheduler.cancel(consumer_id, handle)
+
+    def stats(self) -> StatsSnapshot:
+        scheduler, counters = self.engine.scheduler, self.engine.counters
+        start, steps, frames = self._window
+        now = time.monotonic()
+        elapsed = max(now - start, 1e-9)
+        snapshot = StatsSnapshot(
+            running=len(scheduler.running), waiting=len(scheduler.waiting), free_slots=len(scheduler.slots),
+            paused_rows=scheduler.paused, steps_per_s=(counters.steps - steps) / elapsed,
+            frames_per_s=(counters.frames - frames) / elapsed,
+            mean_frames_per_step=counters.step_frames / counters.steps if counters.steps else 0.0)
+        self._window = (now, counters.steps, counters.frames)
+        return snapshot
+
+    def close(self) -> None:
+        self.consumers.close()

@@ -1,0 +1,204 @@
+"""The talker's model runner: the only owner of device tensors and CUDA graphs.
+
+Per-request state lives in pools indexed by KV slot (hidden state, position, frame
+index, min frames, repetition history, sampling parameters), never by batch row. A
+decode step of K frames for rows ``slots``:
+
+1. stages the slot ids through pinned memory in one copy and gathers the rows' state
+   from the pools into the static buffers of the smallest bucket that fits (padding
+   rows use a spare slot whose results are never read);
+2. runs the one-frame function K times: on CUDA a graph captured per bucket at start-up
+   (largest first, one memory pool), on the CPU the same function eagerly. The function
+   updates the static buffers in place (hidden, position, frame index, history) so
+   replay k+1 continues from replay k with no host sync;
+3. scatters the state back to the pools and copies the step's ``[K, B, N + 1]`` codes
+   and stop flags to the host in **one** device-to-host copy.
+
+A row that stops at frame j keeps running as padding until the step ends; its frames
+after j are discarded by the engine, so output is identical for every K when the same
+bucket runs. Prefill stays eager.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from services.talker.models.family import FrameInputs, PromptSegment, TalkerModel
+from services.talker.request import Sampling
+from services.talker.sampler import SamplingParams
+
+log = logging.getLogger(__name__)
+_SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
+
+
+@dataclass
+class PrefillRow:
+    slot: int
+    segments: Sequence[PromptSegment]
+    sampling: Sampling
+    min_frames: int
+
+
+@dataclass
+class _RowState:
+    """Per-row state tensors; as pools they are [num_slots + 1, ...], as bucket buffers [B, ...]."""
+
+    hidden: torch.Tensor       # [., H]
+    positions: torch.Tensor    # [.] int64
+    frame_index: torch.Tensor  # [.] int64
+    min_frames: torch.Tensor   # [.] int64
+    history: torch.Tensor      # [., N, W] int64, -1 = empty
+    sampling: SamplingParams   # tensors [.]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.hidden, self.positions, self.frame_index, self.min_frames, self.history,
+                *(getattr(self.sampling, name) for name in _SAMPLING_FIELDS)]
+
+
+def _empty_state(rows: int, hidden: int, num_codebooks: int, window: int, dtype, device) -> _RowState:
+    def zeros(dt):
+        return torch.zeros(rows, dtype=dt, device=device)
+    sampling = SamplingParams(temperature=zeros(torch.float32), top_k=zeros(torch.int64),
+                              top_p=torch.ones(rows, device=device),
+                              repetition_penalty=torch.ones(rows, device=device),
+                              repetition_window=zeros(torch.int64), seed=zeros(torch.int64))
+    return _RowState(torch.zeros(rows, hidden, dtype=dtype, device=device), zeros(torch.int64),
+                     zeros(torch.int64), zeros(torch.int64),
+                     torch.full((rows, num_codebooks, window), -1, dtype=torch.int64, device=device),
+                     sampling)
+
+
+class Runner:
+    def __init__(self, model: TalkerModel, *, num_slots: int, max_len: int, buckets: Sequence[int],
+                 k_max: int, max_repetition_window: int, use_graphs: bool | None = None) -> None:
+        self.model = model
+        weight = next(model.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
+        self.num_slots, self.max_len, self.k_max = num_slots, max_len, k_max
+        self.buckets = sorted(set(buckets))
+        self.pad_slot = num_slots  # a spare slot for padding rows
+        self.num_codebooks = model.num_codebooks
+        hidden = model.hidden_size
+        self.caches = model.new_caches(num_slots + 1, max_len, self.buckets[-1])
+        self.pool = _empty_state(num_slots + 1, hidden, self.num_codebooks, max_repetition_window,
+                                 self.dtype, self.device)
+        self.buffers = {b: _empty_state(b, hidden, self.num_codebooks, max_repetition_window,
+                                        self.dtype, self.device) for b in self.buckets}
+        self.slot_ids = {b: torch.full((b,), self.pad_slot, dtype=torch.int64, device=self.device)
+                         for b in self.buckets}
+        self.results = {b: torch.zeros(b, self.num_codebooks + 1, dtype=torch.int32, device=self.device)
+                        for b in self.buckets}
+        pin = self.device.type == "cuda"
+        self.out = torch.zeros(k_max, self.buckets[-1], self.num_codebooks + 1, dtype=torch.int32,
+                               device=self.device)
+        self.out_host = torch.zeros(self.out.shape, dtype=torch.int32, pin_memory=pin)
+        self.slots_host = torch.zeros(self.buckets[-1], dtype=torch.int64, pin_memory=pin)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if use_graphs is None:
+            use_graphs = self.device.type == "cuda"
+        if use_graphs:
+            self._capture_all()
+
+    # --- prefill ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, rows: Sequence[PrefillRow]) -> None:
+        """Runs the prompts into their slots and resets the slots' frame state."""
+        prompts = [self.model.prompt_embeds(r.segments) for r in rows]
+        lengths = torch.tensor([p.shape[0] for p in prompts], dtype=torch.int64, device=self.device)
+        slots = torch.tensor([r.slot for r in rows], dtype=torch.int64, device=self.device)
+        embeds = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)
+        hidden = self.model.prefill(embeds, lengths, slots, self.caches)
+        pool = self.pool
+        pool.hidden[slots] = hidden
+        pool.positions[slots] = lengths
+        pool.frame_index[slots] = 0
+        pool.min_frames[slots] = torch.tensor([r.min_frames for r in rows], device=self.device)
+        pool.history[slots] = -1
+        for name in _SAMPLING_FIELDS:
+            values = [getattr(r.sampling, name) for r in rows]
+            if name == "seed":  # uint64 seeds travel as their int64 bit pattern
+                values = [v - (1 << 64) if v >= 1 << 63 else v for v in values]
+            target = getattr(pool.sampling, name)
+            target[slots] = torch.tensor(values, dtype=target.dtype, device=self.device)
+
+    # --- decode -----------------------------------------------------------------------------------
+
+    def bucket_for(self, rows: int) -> int:
+        for bucket in self.buckets:
+            if bucket >= rows:
+                return bucket
+        raise ValueError(f"{rows} rows exceed the largest bucket {self.buckets[-1]}")
+
+    @torch.inference_mode()
+    def decode(self, slots: Sequence[int], k: int) -> np.ndarray:
+        """K frames for ``slots`` -> int32 array [K, len(slots), N + 1]: codes, then the stop flag."""
+        if not 1 <= k <= self.k_max:
+            raise ValueError(f"k must be in [1, {self.k_max}], got {k}")
+        bucket = self.bucket_for(len(slots))
+        ids, buf = self.slot_ids[bucket], self.buffers[bucket]
+        staged = self.slots_host[:bucket]
+        staged.fill_(self.pad_slot)
+        staged[: len(slots)] = torch.as_tensor(list(slots), dtype=torch.int64)
+        ids.copy_(staged, non_blocking=True)
+        for dst, src in zip(buf.tensors(), self.pool.tensors(), strict=True):
+            dst.copy_(src[ids])
+        for i in range(k):
+            self._frame(bucket)
+            self.out[i, :bucket].copy_(self.results[bucket])
+        for dst, src in zip(self.pool.tensors(), buf.tensors(), strict=True):
+            dst[ids] = src  # padding rows all land on the spare slot
+        host = self.out_host[:k, :bucket]
+        host.copy_(self.out[:k, :bucket], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return host[:, : len(slots)].numpy().copy()
+
+    def _frame(self, bucket: int) -> None:
+        graph = self.graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._frame_eager(bucket)
+
+    def _frame_eager(self, bucket: int) -> None:
+        """One frame for the bucket's rows, reading and updating its static buffers."""
+        buf = self.buffers[bucket]
+        out = self.model.decode_frame(FrameInputs(
+            hidden=buf.hidden, slots=self.slot_ids[bucket], positions=buf.positions,
+            frame_index=buf.frame_index, min_frames=buf.min_frames, sampling=buf.sampling,
+            history=buf.history), self.caches)
+        buf.hidden.copy_(out.hidden)
+        buf.positions.add_(1).clamp_(max=self.max_len - 1)  # a stopped row rides along safely
+        buf.frame_index.add_(1)
+        buf.history.copy_(out.history)
+        result = self.results[bucket]
+        result[:, : self.num_codebooks].copy_(out.codes)
+        result[:, self.num_codebooks].copy_(out.stop)
+
+    # --- CUDA graphs ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        """Captures the one-frame function per bucket, largest first, into one pool. The
+        capture runs real frames on the spare slot only, so no request state changes."""
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for bucket in reversed(self.buckets):
+                self._frame_eager(bucket)  # warm-up (allocations, kernel selection)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        for bucket in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._frame_eager(bucket)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+        log.info("captured the frame graph for buckets %s", self.buckets)

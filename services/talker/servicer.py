@@ -1,0 +1,162 @@
+"""``voxring.v1.Talker``: protobuf in, commands to the engine thread, protobuf out.
+
+Validation that needs no engine state happens here, on the event loop; everything else
+(admission, the attached consumers) is decided on the engine thread. Errors are domain
+errors; the server interceptor maps them to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.common.engine_thread import EngineStopped, EngineThread
+from services.common.errors import InvalidArgument, Unavailable
+from services.talker.config import TalkerConfig
+from services.talker.models.family import PromptSegment
+from services.talker.request import ChunkSchedule, Sampling, TalkerRequest
+from voxring.v1 import talker_pb2, talker_pb2_grpc
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the engine's model allows; the limits Submit is checked against."""
+
+    num_codebooks: int
+    codebook_size: int
+    text_vocab_size: int
+    max_len: int
+    max_repetition_window: int
+
+
+def _segments(req: talker_pb2.SubmitRequest, facts: ModelFacts) -> tuple[list[PromptSegment], int]:
+    """The prompt and the KV positions it takes (CSM: text tokens, frames + 1 end frame)."""
+    if not req.segments:
+        raise InvalidArgument("segments", "the prompt needs at least one segment")
+    segments, length = [], 0
+    for i, seg in enumerate(req.segments):
+        ids = list(seg.text_token_ids)
+        if any(t >= facts.text_vocab_size for t in ids):
+            raise InvalidArgument(f"segments[{i}].text_token_ids", f"ids must be < {facts.text_vocab_size}")
+        frames = None
+        if seg.HasField("frames") and seg.frames.num_frames:
+            frames = _frames(seg.frames, facts, f"segments[{i}].frames")
+            length += len(frames) + 1
+        length += len(ids)
+        segments.append(PromptSegment(ids, frames))
+    if length == 0:
+        raise InvalidArgument("segments", "the prompt is empty")
+    return segments, length
+
+
+def _frames(frames: talker_pb2.Frames, facts: ModelFacts, field: str) -> torch.Tensor:
+    if frames.num_codebooks != facts.num_codebooks:
+        raise InvalidArgument(f"{field}.num_codebooks", f"must be {facts.num_codebooks}")
+    expected = frames.num_frames * frames.num_codebooks * 2
+    if len(frames.codes) != expected:
+        raise InvalidArgument(f"{field}.codes", f"{len(frames.codes)} bytes; {expected} expected "
+                              "(int16 [num_frames, num_codebooks])")
+    codes = np.frombuffer(frames.codes, dtype="<i2").reshape(frames.num_frames, frames.num_codebooks)
+    if codes.min() < 0 or codes.max() >= facts.codebook_size:
+        raise InvalidArgument(f"{field}.codes", f"codes must be in [0, {facts.codebook_size})")
+    return torch.from_numpy(codes.astype(np.int64))
+
+
+def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, default_schedule: ChunkSchedule,
+                  now: float) -> TalkerRequest:
+    if not req.consumer_id:
+        raise InvalidArgument("consumer_id", "must not be empty")
+    if req.max_frames < 1:
+        raise InvalidArgument("max_frames", f"must be >= 1, got {req.max_frames}")
+    if req.min_frames > req.max_frames:
+        raise InvalidArgument("min_frames", "must not exceed max_frames")
+    if not req.timeout_s >= 0:
+        raise InvalidArgument("timeout_s", f"must be >= 0, got {req.timeout_s}")
+    segments, prompt_len = _segments(req, facts)
+    if prompt_len + req.max_frames > facts.max_len:
+        raise InvalidArgument("max_frames", f"prompt ({prompt_len}) + max_frames ({req.max_frames}) "
+                              f"exceeds the model's max length {facts.max_len}")
+    s = req.sampling
+    if s.repetition_window > facts.max_repetition_window:
+        raise InvalidArgument("sampling.repetition_window",
+                              f"must be <= {facts.max_repetition_window}, got {s.repetition_window}")
+    try:
+        sampling = Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
+                            repetition_penalty=s.repetition_penalty or 1.0,
+                            repetition_window=s.repetition_window, seed=s.seed)
+        cs = req.chunk_schedule
+        schedule = (ChunkSchedule(cs.first_frames, cs.growth, cs.steady_frames)
+                    if req.HasField("chunk_schedule") else default_schedule)
+    except ValueError as exc:
+        field, _, reason = str(exc).partition(": ")
+        raise InvalidArgument(field.split()[0], reason or str(exc)) from None
+    return TalkerRequest(
+        request_id=req.request_id or f"handle-{req.handle}", handle=req.handle,
+        consumer_id=req.consumer_id, prompt=segments, prompt_len=prompt_len,
+        max_frames=req.max_frames, min_frames=req.min_frames, sampling=sampling, schedule=schedule,
+        arrival=now, deadline=now + req.timeout_s if req.timeout_s else None)
+
+
+class TalkerServicer(talker_pb2_grpc.TalkerServicer):
+    def __init__(self, thread: EngineThread, config: TalkerConfig, facts: ModelFacts,
+                 model_info: talker_pb2.ModelInfoResponse) -> None:
+        self._thread = thread
+        self._liveness_timeout = config.transport.liveness_timeout
+        self._facts = facts
+        self._model_info = model_info
+        self._default_schedule = ChunkSchedule(config.chunks.first_frames, config.chunks.growth,
+                                               config.chunks.steady_frames)
+
+    async def _call(self, command):
+        """Runs ``command(core)`` on the engine thread and returns its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def run(core):
+            try:
+                EngineThread.resolve(loop, future, command(core))
+            except Exception as exc:  # travels back to the RPC, mapped by the interceptor
+                EngineThread.fail(loop, future, exc)
+
+        try:
+            self._thread.post(run)
+        except EngineStopped:
+            raise Unavailable("talker engine is not running") from None
+        return await future
+
+    async def Attach(self, request, context):
+        if not request.consumer_id:
+            raise InvalidArgument("consumer_id", "must not be empty")
+        endpoint = await self._call(lambda core: core.attach(request.consumer_id,
+                                                             request.consumer_instance_token))
+        return talker_pb2.AttachResponse(
+            ring_name=endpoint.ring_name, wakeup_semaphore=endpoint.wake_name,
+            capacity_bytes=endpoint.capacity_bytes, generation=endpoint.generation,
+            talker_instance_token=endpoint.talker_instance_token,
+            liveness_timeout_s=self._liveness_timeout,
+            transport=endpoint.kind, address=endpoint.address)
+
+    async def ModelInfo(self, request, context):
+        return self._model_info
+
+    async def Submit(self, request, context):
+        talker_request = build_request(request, self._facts, self._default_schedule, time.monotonic())
+        position = await self._call(lambda core: core.submit(talker_request))
+        admission = (talker_pb2.SubmitResponse.ADMISSION_ADMITTED if position == 0
+                     else talker_pb2.SubmitResponse.ADMISSION_QUEUED)
+        return talker_pb2.SubmitResponse(admission=admission, queue_position=position)
+
+    async def Cancel(self, request, context):
+        found = await self._call(lambda core: core.cancel(request.consumer_id, request.handle))
+        return talker_pb2.CancelResponse(found=found)
+
+    async def Stats(self, request, context):
+        snap = await self._call(lambda core: core.stats())
+        return talker_pb2.TalkerStats(
+            running=snap.running, waiting=snap.waiting, free_slots=snap.free_slots,
+            paused_rows=snap.paused_rows, steps_per_s=snap.steps_per_s, frames_per_s=snap.frames_per_s,
+            mean_frames_per_step=snap.mean_frames_per_step, model_name=self._model_info.model_name)

@@ -1,0 +1,179 @@
+"""The talker scheduler on hand-built steps: admission, K per step, endings, pauses.
+Pure Python; no model, no torch."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.talker.request import ChunkSchedule, FinishReason, RequestState, TalkerRequest
+from services.talker.scheduler import QueueFull, RowFrames, Scheduler
+
+
+def req(handle: int, *, prompt_len: int = 10, max_frames: int = 100, consumer: str = "c0",
+        schedule: ChunkSchedule | None = None, deadline: float | None = None) -> TalkerRequest:
+    return TalkerRequest(request_id=f"r{handle}", handle=handle, consumer_id=consumer, prompt=None,
+                         prompt_len=prompt_len, max_frames=max_frames, deadline=deadline,
+                         schedule=schedule or ChunkSchedule(first_frames=2, growth=2.0, steady_frames=8))
+
+
+def sched(**overrides) -> Scheduler:
+    args = dict(num_slots=4, max_num_seqs=4, k_max=8, prefill_token_budget=64, max_waiting=8,
+                stall_timeout=1.0)
+    args.update(overrides)
+    return Scheduler(**args)
+
+
+def run_step(s: Scheduler, now: float, stop: set[int] = frozenset()):
+    """Schedules, then pretends every decode row produced k frames (or stopped at once)."""
+    plan = s.schedule(now)
+    produced = {r: RowFrames(frames=[] if r.handle in stop else [None] * plan.k, stopped=r.handle in stop)
+                for r in plan.decode}
+    return plan, s.update(plan, produced)
+
+
+def test_chunk_schedule_boundaries():
+    schedule = ChunkSchedule(first_frames=2, growth=2.0, steady_frames=8)
+    assert [schedule.chunk_frames(i) for i in range(5)] == [2, 4, 8, 8, 8]
+    assert [schedule.next_boundary(n) for n in (0, 1, 2, 5, 6, 13, 14)] == [2, 2, 6, 6, 14, 14, 22]
+    with pytest.raises(ValueError, match="first_frames"):
+        ChunkSchedule(first_frames=0)
+    with pytest.raises(ValueError, match="growth"):
+        ChunkSchedule(growth=0.5)
+
+
+def test_k_follows_the_chunk_schedule_of_a_lone_request():
+    s = sched()
+    r = req(1, max_frames=30)
+    s.add(r)
+    ks = []
+    while r.finish is None:
+        plan, _ = run_step(s, 0.0)
+        ks.append(plan.k)
+    # chunks of 2, 4, 8, 8 then the last 8 frames capped at max_frames by k_max
+    assert ks == [2, 4, 8, 8, 8]
+    assert r.frames_done == 30 and r.finish is FinishReason.LENGTH
+
+
+def test_k_is_the_fewest_frames_to_any_boundary_and_1_while_waiting():
+    s = sched(num_slots=1, max_num_seqs=1)
+    s.add(req(1))
+    plan, _ = run_step(s, 0.0)
+    assert [r.handle for r in plan.prefill] == [1] and plan.k == 2
+    s.add(req(2))  # no slot: it waits, so steps shrink to one frame
+    plan, _ = run_step(s, 0.0)
+    assert plan.k == 1 and [r.handle for r in s.waiting] == [2]
+
+
+def test_admission_respects_slots_max_num_seqs_and_prefill_budget():
+    s = sched(num_slots=3, max_num_seqs=2, prefill_token_budget=25)
+    for h in range(4):
+        s.add(req(h, prompt_len=10))
+    plan = s.schedule(0.0)
+    assert [r.handle for r in plan.prefill] == [0, 1]  # max_num_seqs
+    s2 = sched(prefill_token_budget=25)
+    for h in range(4):
+        s2.add(req(h, prompt_len=10))
+    assert [r.handle for r in s2.schedule(0.0).prefill] == [0, 1]  # 10 + 10 <= 25 < 30
+    assert [r.handle for r in s2.schedule(0.0).prefill] == [2, 3]
+    s3 = sched(prefill_token_budget=5)
+    s3.add(req(9, prompt_len=50))
+    assert [r.handle for r in s3.schedule(0.0).prefill] == [9]  # a long prompt still runs alone
+
+
+def test_more_requests_than_slots_queue_and_all_complete():
+    s = sched(num_slots=2, max_num_seqs=2)
+    requests = [req(h, max_frames=5) for h in range(6)]
+    for r in requests:
+        s.add(r)
+    for _ in range(100):
+        if all(r.finish for r in requests):
+            break
+        plan, _ = run_step(s, 0.0)
+        assert len(plan.decode) <= 2
+        assert len({r.slot for r in plan.decode}) == len(plan.decode)
+    assert all(r.finish is FinishReason.LENGTH and r.frames_done == 5 for r in requests)
+    assert len(s.slots) == 2 and not s.running and not s.by_key
+
+
+def test_queue_bound_and_duplicate_handles():
+    s = sched(max_waiting=2, num_slots=1, max_num_seqs=1)
+    s.add(req(1))
+    s.add(req(2))
+    with pytest.raises(QueueFull):
+        s.add(req(3))
+    with pytest.raises(KeyError, match="handle 1"):
+        s.add(req(1))
+
+
+def test_queue_position_is_reported():
+    s = sched(num_slots=1, max_num_seqs=1)
+    assert s.add(req(1)) == 0
+    assert s.add(req(2)) == 1
+    assert s.add(req(3)) == 2
+
+
+def test_stop_frees_the_slot_at_the_step_boundary():
+    s = sched(num_slots=1, max_num_seqs=1)
+    s.add(req(1))
+    s.add(req(2))
+    run_step(s, 0.0)
+    plan, ended = run_step(s, 0.0, stop={1})
+    assert [r.handle for r in ended] == [1] and ended[0].finish is FinishReason.STOP
+    plan = s.schedule(0.0)
+    assert [r.handle for r in plan.prefill] == [2]
+
+
+def test_cancel_and_deadline_end_at_the_next_boundary():
+    s = sched()
+    a, b, c = req(1), req(2, deadline=5.0), req(3)
+    for r in (a, b, c):
+        s.add(r)
+    run_step(s, 0.0)
+    assert s.cancel("c0", 1) is True
+    assert s.cancel("c0", 1) is True  # idempotent until it ends
+    assert s.cancel("c0", 99) is False
+    plan, _ = run_step(s, 6.0)
+    assert {(r.handle, r.finish) for r in plan.finished} == {(1, FinishReason.CANCELLED),
+                                                              (2, FinishReason.DEADLINE)}
+    assert [r.handle for r in plan.decode] == [3]
+    assert s.cancel("c0", 1) is False  # already ended
+    assert len(s.slots) == 3
+
+
+def test_waiting_request_can_be_cancelled():
+    s = sched(num_slots=1, max_num_seqs=1)
+    s.add(req(1))
+    s.add(req(2))
+    s.cancel("c0", 2)
+    plan = s.schedule(0.0)
+    assert [(r.handle, r.finish) for r in plan.finished] == [(2, FinishReason.CANCELLED)]
+    assert not s.waiting
+
+
+def test_paused_rows_are_not_scheduled_and_stall_after_the_timeout():
+    s = sched(stall_timeout=1.0)
+    a, b = req(1), req(2)
+    s.add(a)
+    s.add(b)
+    run_step(s, 0.0)
+    s.set_paused(a, True, now=10.0)
+    plan, _ = run_step(s, 10.5)
+    assert [r.handle for r in plan.decode] == [2] and s.paused == 1
+    s.set_paused(a, False, now=10.6)
+    plan, _ = run_step(s, 10.7)
+    assert [r.handle for r in plan.decode] == [1, 2]
+    s.set_paused(a, True, now=11.0)
+    plan, _ = run_step(s, 12.5)
+    assert [(r.handle, r.finish) for r in plan.finished] == [(1, FinishReason.STALLED)]
+
+
+def test_drop_ends_a_consumers_rows():
+    s = sched()
+    rows = [req(1, consumer="x"), req(2, consumer="y"), req(3, consumer="x")]
+    for r in rows:
+        s.add(r)
+    run_step(s, 0.0)
+    dropped = s.drop(lambda r: r.consumer_id == "x", FinishReason.ERROR)
+    assert sorted(r.handle for r in dropped) == [1, 3]
+    assert [r.handle for r in s.running] == [2] and len(s.slots) == 3
+    assert all(r.state is RequestState.FINISHED for r in dropped)
