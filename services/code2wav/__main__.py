@@ -1,24 +1,77 @@
 """``python -m services.code2wav --config deploy/configs/code2wav.yaml``
 
-The process serves ``voxring.v1.Code2Wav`` with health and reflection. Its RPCs answer
-UNIMPLEMENTED until the Code2Wav engine (codec, ring consumer) is built on top.
+Loads the codec (the codec part of a CSM checkpoint, or voxring-tiny made on first
+use), attaches to the configured talkers and serves ``voxring.v1.Code2Wav``.
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
 import sys
 from pathlib import Path
 
+from services.code2wav.codec.loader import load_codec
 from services.code2wav.config import Code2WavConfig
+from services.code2wav.engine import Code2WavEngine
+from services.code2wav.graphs import CodecDecoder
+from services.code2wav.servicer import Code2WavServicer
+from services.code2wav.talkers import TalkerLink
+from services.common.config import ConfigError
+from services.common.devices import resolve_device
+from services.common.engine_thread import EngineThread
+from services.common.errors import CheckpointError
 from services.common.server import ServiceBinding
 from services.common.stage import run_stage
+from services.talker.request import ChunkSchedule
+from services.talker.tiny import ensure_tiny_checkpoint
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc
+
+log = logging.getLogger("code2wav")
+
+
+class EngineComponent:
+    def __init__(self, thread: EngineThread, engine: Code2WavEngine) -> None:
+        self.thread, self.engine = thread, engine
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float) -> None:
+        self.thread.stop(timeout)
+        self.engine.close_links()
 
 
 def build(config: Code2WavConfig, config_path: Path | None):
+    device = resolve_device(config.model.device)
+    folder = Path(config.model.checkpoint) if config.model.checkpoint else ensure_tiny_checkpoint(
+        config.model.tiny_seed)
+    try:
+        codec = load_codec(folder, config.model.dtype, device)
+    except CheckpointError as exc:
+        raise ConfigError(f"model.checkpoint: {exc}") from None
+    talkers = config.talkers
+    instance_token = secrets.randbits(64)
+    links = {t.id: TalkerLink(t.id, t.address, talkers.consumer_id, instance_token, config.transport,
+                              talkers.reattach_interval) for t in talkers.attach}
+    eng = config.engine
+    decoder = CodecDecoder(codec, eng.max_slots, buckets=eng.graph_buckets,
+                           chunk_frames=eng.graph_chunk_frames,
+                           max_graphs=eng.max_graphs if eng.cuda_graphs else 0, max_graph_mb=eng.max_graph_mb)
+    engine = Code2WavEngine(decoder, links, max_slots=config.engine.max_slots,
+                            max_undelivered_seconds=config.engine.max_undelivered_seconds,
+                            max_records_per_step=config.engine.max_records_per_step)
+    thread = EngineThread("code2wav-engine", engine, tick_interval=config.transport.heartbeat_interval / 2)
+    chunks = config.chunks
+    servicer = Code2WavServicer(thread, {t.id: t.address for t in talkers.attach}, talkers.consumer_id,
+                                ChunkSchedule(chunks.first_frames, chunks.growth, chunks.steady_frames),
+                                1.0 / codec.config.frame_rate)
     name = code2wav_pb2.DESCRIPTOR.services_by_name["Code2Wav"].full_name
-    servicer = code2wav_pb2_grpc.Code2WavServicer()  # every RPC: UNIMPLEMENTED for now
-    return [ServiceBinding(name, code2wav_pb2_grpc.add_Code2WavServicer_to_server, servicer)], []
+    log.info("codec %s on %s (%s), %d slots, talkers %s", folder, device, config.model.dtype,
+             config.engine.max_slots, ", ".join(f"{t.id}={t.address}" for t in talkers.attach))
+    return ([ServiceBinding(name, code2wav_pb2_grpc.add_Code2WavServicer_to_server, servicer)],
+            [EngineComponent(thread, engine)],
+            {"drain_exempt": ["/voxring.v1.Code2Wav/Stats"]})
 
 
 if __name__ == "__main__":

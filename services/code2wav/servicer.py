@@ -1,0 +1,162 @@
+"""``voxring.v1.Code2Wav``: Open streams audio back, EncodeVoice, Stats.
+
+The event loop only validates and relays: Open registers the request on the engine
+thread and then forwards the messages the engine queues for it. When the client
+cancels the stream (or it ends any other way), the request is closed on the engine and,
+unless it finished normally, cancelled on its talker too (so a dead gateway still frees
+the talker's row). A chunk counts as delivered once gRPC flow control took it, which is
+what the engine's audio backpressure reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import secrets
+
+import grpc
+
+from services.code2wav.engine import Code2WavEngine
+from services.code2wav.streams import OpenStream
+from services.code2wav.voice import VoiceClipError, encode_voice, pcm16_to_float
+from services.common.engine_thread import EngineStopped, EngineThread
+from services.common.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    ServiceError,
+    Unavailable,
+)
+from services.talker.request import ChunkSchedule
+from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc, common_pb2, talker_pb2, talker_pb2_grpc
+
+log = logging.getLogger(__name__)
+ERRORS = {"UNAVAILABLE": Unavailable, "INTERNAL": Internal, "DEADLINE_EXCEEDED": DeadlineExceeded,
+          "CANCELLED": Cancelled}
+
+
+class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
+    def __init__(self, thread: EngineThread, talkers: dict[str, str], consumer_id: str,
+                 default_schedule: ChunkSchedule, frame_seconds: float) -> None:
+        self._thread = thread
+        self._talkers = talkers  # talker id -> address (for Cancel)
+        self._consumer_id = consumer_id
+        self._default_schedule = default_schedule
+        self._frame_seconds = frame_seconds
+        self._instance = secrets.randbits(32) or 1  # handle = instance << 32 | counter
+        self._counter = itertools.count(1)
+        self._stubs: dict[str, talker_pb2_grpc.TalkerStub] = {}
+        self._cancels: set[asyncio.Task] = set()  # Talker.Cancel calls in flight
+
+    async def _call(self, command):
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def run(engine):
+            try:
+                EngineThread.resolve(loop, future, command(engine))
+            except Exception as exc:
+                EngineThread.fail(loop, future, exc)
+
+        try:
+            self._thread.post(run)
+        except EngineStopped:
+            raise Unavailable("Code2Wav engine is not running") from None
+        return await future
+
+    def _post(self, command) -> None:
+        with contextlib.suppress(EngineStopped):  # shutting down: nothing left to update
+            self._thread.post(command)
+
+    def _schedule(self, request: code2wav_pb2.OpenRequest) -> ChunkSchedule:
+        if not request.HasField("chunk_schedule"):
+            return self._default_schedule
+        cs = request.chunk_schedule
+        try:
+            return ChunkSchedule(cs.first_frames, cs.growth, cs.steady_frames)
+        except ValueError as exc:
+            field, _, reason = str(exc).partition(" ")
+            raise InvalidArgument(field, reason) from None
+
+    async def Open(self, request, context):
+        if request.talker_id not in self._talkers:
+            raise InvalidArgument("talker_id", f"unknown talker {request.talker_id!r} "
+                                  f"(known: {', '.join(sorted(self._talkers))})")
+        if request.max_frames < 1:
+            raise InvalidArgument("max_frames", f"must be >= 1, got {request.max_frames}")
+        schedule = self._schedule(request)
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        handle = (self._instance << 32) | (next(self._counter) & 0xFFFFFFFF)
+
+        def make(slot: int) -> OpenStream:
+            return OpenStream(handle, request.request_id, request.talker_id, slot, schedule,
+                              request.max_frames, loop, queue)
+
+        await self._call(lambda engine: engine.open(make))
+        finished = False
+        try:
+            yield code2wav_pb2.OpenResponse(opened=code2wav_pb2.Opened(handle=handle))
+            while True:
+                kind, *payload = await queue.get()
+                if kind == "chunk":
+                    chunk = payload[0]
+                    yield code2wav_pb2.OpenResponse(chunk=code2wav_pb2.AudioChunk(
+                        pcm=chunk.pcm, chunk_index=chunk.chunk_index, sample_offset=chunk.sample_offset,
+                        num_frames=chunk.num_frames))
+                    seconds = chunk.num_frames * self._frame_seconds
+                    self._post(lambda engine, s=seconds: engine.delivered(handle, s))
+                elif kind == "finished":
+                    done = payload[0]
+                    finished = True
+                    yield code2wav_pb2.OpenResponse(finished=code2wav_pb2.Finished(
+                        finish_reason=done.finish_reason, frames=done.frames,
+                        first_frame_s=done.first_frame_s, first_chunk_s=done.first_chunk_s,
+                        decode_s=done.decode_s))
+                    return
+                else:
+                    code, message = payload
+                    finished = code != "CANCELLED"  # the talker ended it; no Cancel needed
+                    raise ERRORS.get(code, Internal)(message)
+        finally:
+            self._post(lambda engine: engine.close(handle))
+            if not finished:
+                task = asyncio.ensure_future(self._cancel_on_talker(request.talker_id, handle))
+                self._cancels.add(task)
+                task.add_done_callback(self._cancels.discard)
+
+    async def _cancel_on_talker(self, talker_id: str, handle: int) -> None:
+        stub = self._stubs.get(talker_id)
+        if stub is None:
+            stub = talker_pb2_grpc.TalkerStub(grpc.aio.insecure_channel(self._talkers[talker_id]))
+            self._stubs[talker_id] = stub
+        try:
+            await stub.Cancel(talker_pb2.CancelRequest(consumer_id=self._consumer_id, handle=handle),
+                              timeout=2.0)
+        except grpc.aio.AioRpcError as exc:
+            log.info("cancel of handle %x on talker %s: %s", handle, talker_id, exc.code().name)
+
+    async def EncodeVoice(self, request, context):
+        try:
+            samples = pcm16_to_float(request.audio)
+        except VoiceClipError as exc:
+            raise InvalidArgument(*str(exc).split(": ", 1)) from None
+
+        def encode(engine: Code2WavEngine):
+            try:
+                return encode_voice(engine.codec, samples, request.sample_rate_hz)
+            except VoiceClipError as exc:
+                raise InvalidArgument(*str(exc).split(": ", 1)) from None
+
+        codes = await self._call(encode)  # [T, K] int64
+        return code2wav_pb2.EncodeVoiceResponse(frames=common_pb2.Frames(
+            num_frames=codes.shape[0], num_codebooks=codes.shape[1],
+            codes=codes.numpy().astype("<i2").tobytes()))
+
+    async def Stats(self, request, context):
+        return code2wav_pb2.Code2WavStats(**await self._call(lambda engine: engine.stats()))
+
+
+__all__ = ["Code2WavServicer", "ServiceError"]

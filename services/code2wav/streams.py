@@ -1,0 +1,100 @@
+"""One open request on Code2Wav: its frames waiting to be decoded, its chunk schedule and
+what it has sent. Pure Python + numpy; owned by the engine thread.
+
+Messages to the request's gRPC stream travel through an asyncio queue on the event loop
+(``loop.call_soon_threadsafe``): ("chunk", AudioChunkData), ("finished", Finish) or
+("error", status name, message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.talker.request import ChunkSchedule
+
+
+@dataclass(frozen=True)
+class ChunkOut:
+    pcm: bytes           # int16 little-endian mono
+    chunk_index: int
+    sample_offset: int
+    num_frames: int
+
+
+@dataclass(frozen=True)
+class FinishOut:
+    finish_reason: int
+    frames: int
+    first_frame_s: float
+    first_chunk_s: float
+    decode_s: float
+
+
+@dataclass(eq=False)
+class OpenStream:
+    handle: int
+    request_id: str
+    talker_id: str
+    slot: int
+    schedule: ChunkSchedule
+    max_frames: int
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    opened: float = field(default_factory=time.monotonic)
+
+    pending: list[np.ndarray] = field(default_factory=list)  # [frames, K] int16 blocks
+    pending_frames: int = 0
+    frames_received: int = 0
+    frames_decoded: int = 0
+    next_seq: int = 0
+    chunk_index: int = 0
+    sample_offset: int = 0
+    last_reason: int | None = None       # set when the LAST record arrived
+    undelivered_s: float = 0.0           # audio sent to the queue, not yet written to the client
+    first_frame_at: float | None = None
+    first_chunk_at: float | None = None
+    decode_s: float = 0.0
+    closed: bool = False
+
+    def send(self, *message) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, message)
+
+    def add_frames(self, codes: np.ndarray) -> None:
+        if not len(codes):
+            return
+        if self.first_frame_at is None:
+            self.first_frame_at = time.monotonic()
+        self.pending.append(np.array(codes, dtype=np.int16))  # copy out of the ring
+        self.pending_frames += len(codes)
+        self.frames_received += len(codes)
+
+    def chunk_frames(self) -> int:
+        """Frames the next chunk needs (its schedule size, capped at max frames)."""
+        size = self.schedule.chunk_frames(self.chunk_index)
+        return max(1, min(size, self.max_frames - self.frames_decoded))
+
+    def ready_frames(self) -> int:
+        """Frames to decode now: a full chunk, or whatever is left once LAST came."""
+        if self.closed:
+            return 0
+        need = self.chunk_frames()
+        if self.pending_frames >= need:
+            return need
+        return self.pending_frames if self.last_reason is not None else 0
+
+    def take(self, frames: int) -> np.ndarray:
+        """The next ``frames`` pending frames as [frames, K] int16."""
+        block = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
+        taken, rest = block[:frames], block[frames:]
+        self.pending = [rest] if len(rest) else []
+        self.pending_frames -= frames
+        return taken
+
+    def finish_out(self) -> FinishOut:
+        return FinishOut(self.last_reason or 0, self.frames_decoded,
+                         (self.first_frame_at or time.monotonic()) - self.opened,
+                         (self.first_chunk_at or time.monotonic()) - self.opened, self.decode_s)

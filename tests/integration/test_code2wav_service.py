@@ -1,0 +1,317 @@
+"""Code2Wav as a real process (real gRPC, a real ring fed by a scripted talker process):
+audio equals the offline whole-sequence decode for several chunk schedules and many
+concurrent requests, cancel frees the slot and cancels on the talker, a killed talker
+fails its requests UNAVAILABLE and a new one is attached, sequence faults are counted,
+a client that stops reading pauses only its own request, EncodeVoice equals the
+offline encoder."""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from services.code2wav.codec.loader import load_codec
+from services.code2wav.voice import encode_voice
+from services.common.ring_layout import FinishReason, RecordFlags
+from services.common.ring_sweep import sweep_stale
+from services.talker.tiny import ensure_tiny_checkpoint
+from tests.conftest import REPO, stage_env
+from tests.talker_client import wait_for
+from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc, common_pb2
+
+LIVENESS = 0.4
+SPF = 1920
+
+
+class FakeTalkerProcess:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.c2w_peers.fake_talker", "--listen", address,
+             "--liveness-timeout", str(LIVENESS)],
+            cwd=REPO, env=stage_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.events: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.expect("ready")
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.events.put(json.loads(line))
+
+    def expect(self, key: str, timeout: float = 15.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                event = self.events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if key in event:
+                return event
+        raise AssertionError(f"fake talker: no {key!r} within {timeout} s")
+
+    def put(self, handle: int, seq: int, codes: np.ndarray | None, first_frame: int = 0,
+            flags: int = 0, finish: int = 0) -> None:
+        self.proc.stdin.write(json.dumps({"put": dict(
+            handle=handle, seq=seq, first_frame=first_frame,
+            codes=None if codes is None else codes.tolist(), flags=flags, finish=finish)}) + "\n")
+        self.proc.stdin.flush()
+
+    def send_frames(self, handle: int, codes: np.ndarray, sizes: list[int], finish=FinishReason.STOP) -> None:
+        """Writes ``codes`` as records of ``sizes`` frames, LAST on the final one."""
+        start = 0
+        for seq, size in enumerate(sizes):
+            last = seq == len(sizes) - 1
+            self.put(handle, seq, codes[start:start + size], start, int(RecordFlags.LAST) if last else 0,
+                     int(finish) if last else 0)
+            start += size
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(model_cache):
+    ensure_tiny_checkpoint(root=model_cache / "models")  # made once, before any timed start
+    return model_cache
+
+
+@pytest.fixture(scope="module")
+def codec(cache_dir):
+    return load_codec(ensure_tiny_checkpoint(root=cache_dir / "models"))
+
+
+@pytest.fixture
+def pair(start_stage, sock_dir, cache_dir):
+    """(fake talker, Code2Wav stub, Code2Wav process)."""
+    talker = FakeTalkerProcess(f"unix:{sock_dir}/talker.sock")
+    config = (f"server: {{listen: 'unix:{sock_dir}/c2w.sock', drain_timeout: 2, grace: 1}}\n"
+              f"engine: {{max_slots: 24, max_undelivered_seconds: 0.5}}\n"
+              f"talkers: {{attach: [{{id: t0, address: 'unix:{sock_dir}/talker.sock'}}],"
+              f" reattach_interval: 0.1}}\n"
+              f"transport: {{liveness_timeout: {LIVENESS}, heartbeat_interval: 0.05}}\n")
+    svc = start_stage("code2wav", config)
+    talker.expect("attached")
+    channel = grpc.insecure_channel(svc.address)
+    yield talker, code2wav_pb2_grpc.Code2WavStub(channel), svc
+    channel.close()
+    talker.stop()
+    sweep_stale(LIVENESS)  # what a killed talker left (a new talker's start-up sweep)
+
+
+def schedule(first, growth, steady):
+    return common_pb2.ChunkSchedule(first_frames=first, growth=growth, steady_frames=steady)
+
+
+def open_stream(stub, request_id: str, max_frames: int, chunk_schedule, timeout: float = 60):
+    stream = stub.Open(code2wav_pb2.OpenRequest(request_id=request_id, talker_id="t0", max_frames=max_frames,
+                                                chunk_schedule=chunk_schedule), timeout=timeout)
+    return stream, next(stream).opened.handle
+
+
+def collect(stream) -> tuple[np.ndarray, list, object]:
+    pcm, chunks, finished = [], [], None
+    for message in stream:
+        if message.HasField("chunk"):
+            chunks.append(message.chunk)
+            pcm.append(np.frombuffer(message.chunk.pcm, "<i2"))
+        elif message.HasField("finished"):
+            finished = message.finished
+    return (np.concatenate(pcm) if pcm else np.zeros(0, np.int16)), chunks, finished
+
+
+def expected_pcm(codec, codes: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        audio = codec.decode(torch.from_numpy(codes.astype(np.int64)).T[None])[0]
+    return (audio.clamp(-1, 1) * 32767).round().numpy()
+
+
+def assert_audio_equal(pcm: np.ndarray, expected: np.ndarray) -> None:
+    assert pcm.shape == expected.shape
+    err = np.abs(pcm.astype(np.float64) - expected)
+    # int16 rounding of float audio that agrees to ~1e-6: at most one step apart
+    assert err.max() <= 1.0, err.max()
+
+
+def random_codes(seed: int, frames: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 64, size=(frames, 8), dtype=np.int16)
+
+
+@pytest.mark.parametrize(("sched", "sizes"), [
+    ((1, 2.0, 8), [3, 5, 1, 7, 4, 6, 4]),
+    ((2, 1.0, 2), [30]),
+    ((3, 1.5, 5), [1] * 30),
+    ((4, 3.0, 16), [10, 10, 10]),
+])
+def test_audio_equals_offline_decode_for_each_chunk_schedule(pair, codec, sched, sizes):
+    talker, stub, _ = pair
+    codes = random_codes(1, sum(sizes))
+    stream, handle = open_stream(stub, "sched", len(codes), schedule(*sched))
+    talker.send_frames(handle, codes, sizes)
+    pcm, chunks, finished = collect(stream)
+    assert_audio_equal(pcm, expected_pcm(codec, codes))
+    assert [c.chunk_index for c in chunks] == list(range(len(chunks)))
+    offsets = np.cumsum([0] + [c.num_frames * SPF for c in chunks[:-1]])
+    assert [c.sample_offset for c in chunks] == offsets.tolist()
+    first, growth, steady = sched
+    planned = [min(steady, int(np.ceil(first * growth ** i))) for i in range(len(chunks))]
+    assert [c.num_frames for c in chunks][:-1] == planned[:-1]
+    assert finished.finish_reason == common_pb2.FINISH_REASON_STOP and finished.frames == len(codes)
+
+
+def test_sixteen_concurrent_requests_of_different_lengths(pair, codec):
+    talker, stub, _ = pair
+    results, errors = {}, []
+
+    def run(i: int) -> None:
+        try:
+            codes = random_codes(100 + i, 5 + 3 * i)
+            time.sleep(0.02 * (i % 5))  # different start times
+            stream, handle = open_stream(stub, f"r{i}", len(codes), schedule(1 + i % 3, 2.0, 8))
+            sizes = [min(4, len(codes) - s) for s in range(0, len(codes), 4)]
+            talker.send_frames(handle, codes, sizes)
+            results[i] = (codes, collect(stream))
+        except Exception as exc:  # reported below with its request
+            errors.append((i, exc))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    for codes, (pcm, _, finished) in results.values():
+        assert_audio_equal(pcm, expected_pcm(codec, codes))
+        assert finished.frames == len(codes)
+    stats = stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=10)
+    assert stats.sequence_gaps == 0 and stats.duplicate_records == 0 and stats.active_slots == 0
+
+
+def test_cancelling_the_stream_frees_the_slot_and_cancels_on_the_talker(pair):
+    talker, stub, _ = pair
+    stream, handle = open_stream(stub, "cancel-me", 500, schedule(1, 1.0, 1))
+    talker.put(handle, 0, random_codes(3, 4))
+    next(stream)  # one chunk arrived
+    stream.cancel()
+    assert talker.expect("cancel")["cancel"] == handle
+    wait_for(lambda: stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).active_slots == 0,
+             timeout=2, what="slot freed")
+    talker.put(handle, 1, random_codes(4, 2))  # a late record for the closed handle
+    wait_for(lambda: stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).dropped_records >= 1,
+             what="late record dropped")
+
+
+def test_cancelled_record_ends_the_stream_cancelled(pair):
+    talker, stub, _ = pair
+    stream, handle = open_stream(stub, "talker-cancel", 100, schedule(2, 1.0, 2))
+    talker.put(handle, 0, random_codes(5, 2))
+    talker.put(handle, 1, None, flags=int(RecordFlags.CANCELLED), finish=int(FinishReason.CANCELLED))
+    with pytest.raises(grpc.RpcError) as info:
+        collect(stream)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+
+
+@pytest.mark.parametrize(("reason", "code"), [(FinishReason.DEADLINE, grpc.StatusCode.DEADLINE_EXCEEDED),
+                                              (FinishReason.ERROR, grpc.StatusCode.INTERNAL),
+                                              (FinishReason.STALLED, grpc.StatusCode.UNAVAILABLE)])
+def test_talker_endings_map_to_status_codes(pair, reason, code):
+    talker, stub, _ = pair
+    stream, handle = open_stream(stub, "ending", 100, schedule(2, 1.0, 2))
+    talker.send_frames(handle, random_codes(6, 3), [3], finish=reason)
+    with pytest.raises(grpc.RpcError) as info:
+        collect(stream)
+    assert info.value.code() == code
+
+
+def test_killed_talker_fails_requests_then_a_new_one_is_attached(pair, codec):
+    talker, stub, _ = pair
+    stream, handle = open_stream(stub, "orphan", 100, schedule(1, 1.0, 1))
+    talker.put(handle, 0, random_codes(7, 2))
+    next(stream)
+    talker.stop(signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        collect(stream)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "lost" in info.value.details()
+    assert time.monotonic() - killed <= LIVENESS + 0.5
+    fresh = FakeTalkerProcess(talker.address)
+    try:
+        fresh.expect("attached")
+        codes = random_codes(8, 6)
+        stream, handle = open_stream(stub, "after", len(codes), schedule(2, 1.0, 2))
+        fresh.send_frames(handle, codes, [6])
+        pcm, _, finished = collect(stream)
+        assert_audio_equal(pcm, expected_pcm(codec, codes))
+        assert finished.frames == len(codes)
+    finally:
+        fresh.stop()
+
+
+def test_gaps_and_duplicates_are_counted(pair):
+    talker, stub, _ = pair
+    stream, handle = open_stream(stub, "faults", 100, schedule(1, 1.0, 4))
+    codes = random_codes(9, 6)
+    talker.put(handle, 0, codes[:2])
+    talker.put(handle, 0, codes[:2])   # duplicate
+    talker.put(handle, 2, codes[2:4], first_frame=2)  # seq 1 missing: a gap
+    talker.put(handle, 3, codes[4:], first_frame=4, flags=int(RecordFlags.LAST),
+               finish=int(FinishReason.STOP))
+    collect(stream)
+    stats = stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5)
+    assert stats.duplicate_records == 1 and stats.sequence_gaps == 1
+
+
+def test_a_client_that_stops_reading_pauses_only_its_own_request(pair, codec):
+    talker, stub, svc = pair
+    # No BDP probing: the receive window stays small, so flow control pushes back soon.
+    slow_channel = grpc.insecure_channel(svc.address, options=[("grpc.http2.bdp_probe", 0)])
+    slow_stub = code2wav_pb2_grpc.Code2WavStub(slow_channel)
+    slow_codes = random_codes(10, 400)
+    slow, slow_handle = open_stream(slow_stub, "slow", 400, schedule(8, 1.0, 8))
+    talker.send_frames(slow_handle, slow_codes, [40] * 10)  # all frames arrive; nobody reads
+    fast_codes = random_codes(11, 40)
+    fast, fast_handle = open_stream(stub, "fast", 40, schedule(8, 1.0, 8))
+    talker.send_frames(fast_handle, fast_codes, [8] * 5)
+    pcm, _, _ = collect(fast)
+    assert_audio_equal(pcm, expected_pcm(codec, fast_codes))
+    time.sleep(0.5)
+    queued = stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).queued_frames
+    time.sleep(0.5)
+    # The slow request's decoding stopped once its undelivered audio passed the limit;
+    # its remaining frames wait undecoded while the fast one completed.
+    assert queued >= 200, queued
+    assert stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).queued_frames == queued
+    pcm, _, finished = collect(slow)  # reading again: everything arrives, correct
+    assert_audio_equal(pcm, expected_pcm(codec, slow_codes))
+    assert finished.finish_reason == common_pb2.FINISH_REASON_STOP
+    slow_channel.close()
+
+
+def test_encode_voice_equals_the_offline_encoder(pair, codec):
+    _, stub, _ = pair
+    rng = np.random.default_rng(12)
+    clip = (0.3 * np.sin(np.arange(32000) * 2 * np.pi * 330 / 16000) + 0.05 * rng.standard_normal(32000))
+    pcm = (clip * 32767).astype("<i2")
+    reply = stub.EncodeVoice(code2wav_pb2.EncodeVoiceRequest(audio=pcm.tobytes(), sample_rate_hz=16000),
+                             timeout=30)
+    frames = np.frombuffer(reply.frames.codes, "<i2").reshape(reply.frames.num_frames, 8)
+    expected = encode_voice(codec, pcm.astype(np.float32) / 32768.0, 16000).numpy()
+    np.testing.assert_array_equal(frames, expected)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.EncodeVoice(code2wav_pb2.EncodeVoiceRequest(audio=pcm.tobytes(), sample_rate_hz=0), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sample_rate_hz" in info.value.details()
