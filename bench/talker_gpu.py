@@ -162,12 +162,18 @@ def step_wall_ms(runner: Runner, bucket: int, k: int, steps: int = 10) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("bench/results/talker_gpu.json"))
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="eager twins instead of the Triton sampler and decode attention")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("talker_gpu.py needs a CUDA GPU")
+    import kernels
+
+    kernels.configure(sampler=not args.no_kernels, decode_attention=not args.no_kernels)
     from services.talker.tiny import tiny_config
 
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton_kernels": not args.no_kernels,
               "python": platform.python_version(),
               "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                        text=True).stdout.strip()}
