@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -111,7 +112,9 @@ def transformers_reference() -> dict:
 
 
 def git_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # the device's copy of the tree has no .git: pass VOXRING_COMMIT there
+    return os.environ.get("VOXRING_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def main() -> None:

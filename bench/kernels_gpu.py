@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -57,7 +58,8 @@ def metadata() -> dict:
     props = torch.cuda.get_device_properties(0)
     return {"gpu": torch.cuda.get_device_name(0), "sm_count": props.multi_processor_count,
             "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-            "git_commit": git("rev-parse", "HEAD"), "git_dirty": git("status", "--porcelain") != "",
+            "git_commit": os.environ.get("VOXRING_COMMIT") or git("rev-parse", "HEAD"),
+            "git_dirty": git("status", "--porcelain") != "",
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -175,8 +176,9 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton_kernels": not args.no_kernels,
               "python": platform.python_version(),
-              "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip()}
+              # the device's copy of the tree has no .git: pass VOXRING_COMMIT there
+              "commit": os.environ.get("VOXRING_COMMIT") or subprocess.run(
+                  ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}
     tiny = Runner(random_model(tiny_config(), torch.float32), num_slots=16, max_len=256,
                   buckets=[1, 2, 4, 8, 16], k_max=8, max_repetition_window=8, use_graphs=True)
     for sampled in (False, True):
