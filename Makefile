@@ -18,15 +18,15 @@ PYTEST_ARGS ?=
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-6s %s\n", $$1, $$2}'
 
-setup: $(STAMP) proto  ## create .venv, install torch + voxring[server,test], generate protobuf code
+setup: $(STAMP) proto  ## create .venv, install torch + voxring[server,gateway,test], generate protobuf code
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) with $(PYTHON_BASE)"
 	@test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
 	@echo "==> installing $(TORCH_SPEC)"
 	@$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_SPEC)
-	@echo "==> installing voxring with server and test extras"
-	@$(PY) -m pip install --quiet --disable-pip-version-check -e '.[server,test]'
+	@echo "==> installing voxring with server, gateway and test extras"
+	@$(PY) -m pip install --quiet --disable-pip-version-check -e '.[server,gateway,test]'
 	@touch $@
 	@echo "==> environment ready"
 
@@ -43,7 +43,7 @@ test: setup  ## run the whole suite (CPU; GPU tests skip with a reason)
 lint: setup  ## ruff
 	@$(VENV)/bin/ruff check .
 
-demo: setup  ## bring the local stack up, check health, take it down
+demo: setup  ## stack up on the tiny model, synthesize demo.wav, stack down
 	@$(VENV)/bin/voxring demo
 
 up: setup  ## start gateway, talker and Code2Wav in the background

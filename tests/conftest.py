@@ -182,9 +182,12 @@ def start_stage(sock_dir):
 
 
 def unix_config(sock_dir: Path, stage: str, extra: str = "") -> str:
-    """A minimal stage config listening on a unix socket in sock_dir (Code2Wav attaches
-    to the talker socket there, never to a TCP port)."""
+    """A minimal stage config listening on a unix socket in sock_dir; Code2Wav attaches
+    to the talker socket there and the gateway routes to the pair there, never to TCP."""
     config = f"server:\n  listen: unix:{sock_dir}/{stage}.sock\n  drain_timeout: 2\n  grace: 1\n"
     if stage == "code2wav":
         config += f"talkers: {{attach: [{{id: talker-0, address: 'unix:{sock_dir}/talker.sock'}}]}}\n"
+    if stage == "gateway":
+        config += (f"engines: {{pairs: [{{talker: 'unix:{sock_dir}/talker.sock',"
+                   f" code2wav: 'unix:{sock_dir}/code2wav.sock'}}]}}\n")
     return config + extra

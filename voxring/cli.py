@@ -1,15 +1,29 @@
-"""The ``voxring`` command: run a local stack (``up``, ``down``, ``status``, ``demo``).
+"""The ``voxring`` command: run a local stack and talk to a server.
 
-Imports neither torch nor the engines.
+``up``, ``down``, ``status`` and ``demo`` run the local stack; ``say``, ``voices`` and
+``bench`` use a server's public API.
+
+Imports neither torch nor the engines. grpc is imported only by the commands that talk
+to a server (``voxring.client`` is loaded inside them): ``up`` spawns processes, and a
+process must not fork after importing grpc.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import struct
 import sys
+import time
 from pathlib import Path
 
+from voxring.errors import VoxringError
 from voxring.stack import STAGES, Stack, StackError, find_root
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+_FORMATS = {"wav": "wav", "pcm": "pcm", "ogg": "ogg_opus"}  # --format -> SDK encoding
+_UNKNOWN_SIZE = 0xFFFFFFFF  # a streaming WAV header's RIFF and data sizes
 
 
 def _stack(args: argparse.Namespace) -> Stack:
@@ -72,6 +86,188 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print("stack stopped")
 
 
+def fix_wav_sizes(path: Path) -> bool:
+    """Writes the real RIFF and data sizes into a WAV file whose header a streaming server
+    wrote before the length was known (sizes 0xFFFFFFFF, or past the end of the file).
+    The data chunk is taken to run to the end of the file. True when it changed the file."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        riff, riff_size, wave = struct.unpack("<4sI4s", f.read(12).ljust(12, b"\0"))
+        if riff != b"RIFF" or wave != b"WAVE":
+            raise ValueError(f"{path} is not a RIFF/WAVE file")
+        position = 12
+        while position + 8 <= size:  # walk the chunks to "data"
+            f.seek(position)
+            chunk_id, chunk_size = struct.unpack("<4sI", f.read(8))
+            if chunk_id == b"data":
+                break
+            position += 8 + chunk_size + (chunk_size & 1)
+        else:
+            raise ValueError(f"{path} has no data chunk")
+        data_size = size - position - 8
+        if size - 8 >= _UNKNOWN_SIZE:
+            raise ValueError(f"{path} is too large for a WAV file ({size} bytes)")
+        changed = False
+        if chunk_size == _UNKNOWN_SIZE or chunk_size > data_size:
+            f.seek(position + 4)
+            f.write(struct.pack("<I", data_size))
+            changed = True
+        if riff_size == _UNKNOWN_SIZE or riff_size > size - 8 or changed:
+            f.seek(4)
+            f.write(struct.pack("<I", size - 8))
+            changed = True
+        return changed
+
+
+def _say_streaming(client, args: argparse.Namespace, options: dict):
+    """Writes the chunks as they arrive; a request refused before its first chunk leaves
+    no file, and a stream that fails later removes what it wrote."""
+    out = None
+    try:
+        with client.stream(args.text, timeout=args.timeout, **options) as stream, \
+                contextlib.ExitStack() as files:
+            for chunk in stream:
+                if out is None:
+                    out = files.enter_context(open(args.output, "wb"))
+                out.write(chunk.audio)
+    except BaseException:
+        if out is not None:
+            args.output.unlink(missing_ok=True)
+        raise
+    return stream.result, stream.time_to_first_audio_s, out is not None
+
+
+def cmd_say(args: argparse.Namespace) -> int:
+    from voxring.client import Client
+
+    options = {"voice": args.voice, "seed": args.seed, "encoding": _FORMATS[args.format],
+               "sample_rate_hz": args.rate, "language_code": args.language}
+    try:
+        with Client(args.target) as client:
+            if args.stream:
+                result, first_audio_s, wrote = _say_streaming(client, args, options)
+            else:
+                started = time.perf_counter()
+                result = client.synthesize(args.text, timeout=args.timeout, **options)
+                first_audio_s = time.perf_counter() - started
+                wrote = bool(result.audio)
+                if wrote:
+                    args.output.write_bytes(result.audio)
+        if not wrote:
+            print("voxring say: the server sent no audio; nothing written", file=sys.stderr)
+            return 1
+        if args.format == "wav":
+            fix_wav_sizes(args.output)
+    except VoxringError as exc:
+        print(f"voxring say: {exc.describe()}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # the WAV the server sent cannot be repaired
+        print(f"voxring say: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("voxring say: interrupted; the request was cancelled", file=sys.stderr)
+        return 130
+    _print_say_summary(args, result, first_audio_s)
+    return 0
+
+
+def _print_say_summary(args: argparse.Namespace, result, first_audio_s: float | None) -> None:
+    usage = result.usage
+    print(f"wrote {args.output}: {args.output.stat().st_size} bytes, {args.format} at "
+          f"{result.sample_rate_hz} Hz (finish: {result.finish_reason}, seed {usage.seed})")
+    here = f", {first_audio_s:.3f} s here" if first_audio_s is not None else ""
+    print(f"time to first audio: {usage.time_to_first_audio_s:.3f} s at the server{here}")
+    print(f"audio duration: {usage.audio_seconds:.3f} s")
+    print(f"real-time factor: {usage.real_time_factor:.3f}")
+
+
+def cmd_voices(args: argparse.Namespace) -> int:
+    from voxring.client import Client
+
+    try:
+        with Client(args.target, timeout=args.timeout) as client:
+            voices = client.voices()
+    except VoxringError as exc:
+        print(f"voxring voices: {exc.describe()}", file=sys.stderr)
+        return 1
+    rows = [("", "NAME", "SPEAKER", "LANGUAGE", "REFERENCE", "DESCRIPTION")]
+    rows += [("*" if v.is_default else "", v.name, str(v.speaker_id), v.language_code,
+              "yes" if v.has_reference else "no", v.description) for v in voices]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    print(f"(* default voice: {voices.default_voice or 'none'})")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from voxring.loadgen import DEFAULT_TEXT, BenchConfig, format_report, run
+
+    config = BenchConfig(target=args.target, num_requests=args.requests,
+                         concurrency=args.concurrency, text=args.text or DEFAULT_TEXT, seed=args.seed,
+                         voice=args.voice, request_timeout_s=args.timeout,
+                         max_total_s=args.max_time)
+    try:
+        report = run(config)
+    except VoxringError as exc:
+        print(f"voxring bench: {exc.describe()}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
+    return 1 if report.errors else 0
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def _add_client_commands(sub) -> None:
+    say = sub.add_parser("say", help="synthesize text into an audio file",
+                         description="Synthesize TEXT into an audio file and report time to "
+                                     "first audio, duration and real-time factor.")
+    say.set_defaults(fn=cmd_say)
+    say.add_argument("text")
+    say.add_argument("-o", "--output", type=Path, required=True, help="the audio file to write")
+    say.add_argument("--voice", default=None, help="voice name (default: the server's)")
+    say.add_argument("--seed", type=int, default=None, help="sampling seed (default: the server picks)")
+    say.add_argument("--format", choices=sorted(_FORMATS), default="wav")
+    say.add_argument("--rate", type=int, default=0, help="sample rate in Hz (default: the model's)")
+    say.add_argument("--language", default=None, help="language code (default: the server's)")
+    say.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
+                     help="stream the audio and write it as it arrives (default) or ask for "
+                          "the whole clip at once")
+    say.add_argument("--timeout", type=_positive(float), default=120.0, help="deadline, seconds")
+
+    voices = sub.add_parser("voices", help="list the server's voices",
+                            description="List the server's voices; * marks the default.")
+    voices.set_defaults(fn=cmd_voices)
+    voices.add_argument("--timeout", type=_positive(float), default=10.0, help="deadline, seconds")
+
+    bench = sub.add_parser("bench", help="load a server with streaming requests",
+                           description="N streaming requests, C at a time: time to first audio, "
+                                       "chunk gaps, underruns, admitted vs rejected, audio-s per "
+                                       "s. Exits 1 when a request failed (other than rejected).")
+    bench.set_defaults(fn=cmd_bench)
+    bench.add_argument("--requests", type=_positive(int), default=16)
+    bench.add_argument("--concurrency", type=_positive(int), default=4)
+    bench.add_argument("--text", default=None, help="the text of every request")
+    bench.add_argument("--seed", type=int, default=None, help="the seed of every request")
+    bench.add_argument("--voice", default=None)
+    bench.add_argument("--timeout", type=_positive(float), default=60.0,
+                       help="deadline of each request, seconds")
+    bench.add_argument("--max-time", type=_positive(float), default=600.0,
+                       help="bound on the whole run, seconds")
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    for parser in (say, voices, bench):
+        parser.add_argument("--target", default=DEFAULT_TARGET,
+                            help=f"the gateway, HOST:PORT or unix:PATH (default {DEFAULT_TARGET})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="voxring", description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=None,
@@ -92,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(fn=fn)
         if timeout:
             p.add_argument("--timeout", type=float, default=timeout, help="seconds (bounded wait)")
+    _add_client_commands(sub)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -38,7 +38,13 @@ class NotFound(ServiceError):
 
 
 class ResourceExhausted(ServiceError):
+    """No capacity now; ``retry_after`` (seconds) travels as the "retry-after-s" trailer."""
+
     code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class Unavailable(ServiceError):

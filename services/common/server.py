@@ -46,6 +46,7 @@ _INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 REQUEST_ID_METADATA = "x-request-id"
 _SETTLE_S = 0.1  # after the drain: time for calls already sent to be refused cleanly
 FIELD_METADATA = "voxring-field"
+RETRY_AFTER_METADATA = "retry-after-s"
 
 
 class Component(Protocol):
@@ -120,9 +121,13 @@ def _request_id_of(request: Any, context: grpc.aio.ServicerContext) -> str:
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
-    field = getattr(exc, "field", None)
-    if field:
-        context.set_trailing_metadata(((FIELD_METADATA, field),))
+    trailers = []
+    if getattr(exc, "field", None):
+        trailers.append((FIELD_METADATA, exc.field))
+    if getattr(exc, "retry_after", None) is not None:
+        trailers.append((RETRY_AFTER_METADATA, f"{exc.retry_after:g}"))
+    if trailers:
+        context.set_trailing_metadata(tuple(trailers))
     await context.abort(grpc.StatusCode[exc.code], exc.message)
 
 

@@ -8,7 +8,9 @@ from pathlib import Path
 from services.common.server import ServiceBinding
 from services.common.stage import run_stage
 from services.gateway.config import GatewayConfig
-from services.gateway.servicer import NoEngineBackend, SynthesizerServicer
+from services.gateway.engines import EnginePair, Router
+from services.gateway.pipeline import SynthesisPipeline
+from services.gateway.servicer import SynthesizerServicer
 from services.gateway.voices import VoiceCatalog
 from voxring.v1 import synthesizer_pb2, synthesizer_pb2_grpc
 
@@ -19,7 +21,9 @@ def build(config: GatewayConfig, config_path: Path | None):
     else:
         base = config_path.parent if config_path is not None else Path.cwd()
         voices = VoiceCatalog.load(base / config.voices.file)
-    servicer = SynthesizerServicer(config, voices, NoEngineBackend())
+    pairs = [EnginePair(f"pair-{i}", p.talker, p.code2wav, p.talker_id, p.consumer_id)
+             for i, p in enumerate(config.engines.pairs)]
+    servicer = SynthesizerServicer(config, voices, SynthesisPipeline(config, Router(pairs), voices))
     name = synthesizer_pb2.DESCRIPTOR.services_by_name["Synthesizer"].full_name
     binding = ServiceBinding(name, synthesizer_pb2_grpc.add_SynthesizerServicer_to_server,
                              servicer)

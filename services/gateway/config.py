@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.config import ConfigValueError
-from services.common.sections import LoggingSection, ServerSection
+from services.common.sections import LoggingSection, ServerSection, parse_listen
 
 # Sample rates Opus can encode; other rates are refused for OGG_OPUS.
 OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
@@ -31,11 +31,14 @@ class TextSection:
 @dataclass(frozen=True)
 class LimitsSection:
     max_audio_seconds: float = 120.0    # a request may ask for less, never more
+    default_audio_seconds: float = 30.0  # the cap when a request sets none
     max_request_id_chars: int = 128
 
     def __post_init__(self) -> None:
         if not self.max_audio_seconds > 0:
             raise ConfigValueError("max_audio_seconds", f"must be > 0, got {self.max_audio_seconds}")
+        if not 0 < self.default_audio_seconds <= self.max_audio_seconds:
+            raise ConfigValueError("default_audio_seconds", "must be in (0, max_audio_seconds]")
         if self.max_request_id_chars < 1:
             raise ConfigValueError("max_request_id_chars",
                                    f"must be >= 1, got {self.max_request_id_chars}")
@@ -60,6 +63,81 @@ class VoicesSection:
 
 
 @dataclass(frozen=True)
+class PairEntry:
+    talker: str                      # the talker's control API
+    code2wav: str                    # its Code2Wav, on the same host
+    talker_id: str = "talker-0"      # how that Code2Wav names the talker (its talkers.attach id)
+    consumer_id: str = "code2wav-0"  # the consumer id that Code2Wav attached with
+
+    def __post_init__(self) -> None:
+        for key in ("talker", "code2wav"):
+            try:
+                parse_listen(getattr(self, key))
+            except ValueError as exc:
+                raise ConfigValueError(key, str(exc)) from None
+
+
+@dataclass(frozen=True)
+class EnginesSection:
+    pairs: tuple[PairEntry, ...] = (PairEntry("127.0.0.1:50052", "127.0.0.1:50053"),)
+
+    def __post_init__(self) -> None:
+        if not self.pairs:
+            raise ConfigValueError("pairs", "needs at least one engine pair")
+
+
+@dataclass(frozen=True)
+class AdmissionSection:
+    max_in_flight: int = 64          # beyond: RESOURCE_EXHAUSTED with a retry hint
+    retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1:
+            raise ConfigValueError("max_in_flight", f"must be >= 1, got {self.max_in_flight}")
+        if not self.retry_after_s > 0:
+            raise ConfigValueError("retry_after_s", "must be > 0")
+
+
+@dataclass(frozen=True)
+class SamplingSection:
+    """Defaults for the sampling fields a request leaves unset."""
+
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    repetition_window: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1
+                and self.repetition_penalty > 0 and self.repetition_window >= 0):
+            raise ConfigValueError("temperature", "sampling defaults out of range "
+                                   "(temperature >= 0, top_k >= 0, 0 < top_p <= 1, penalty > 0)")
+
+
+@dataclass(frozen=True)
+class GatewayChunksSection:
+    """The chunk schedule the gateway chooses per request: a small first chunk while the
+    pair is quiet (first audio sooner), ``first_frames_busy`` above ``busy_threshold``
+    requests in flight; ``adaptive: false`` pins ``first_frames``."""
+
+    first_frames: int = 1
+    first_frames_busy: int = 4
+    busy_threshold: int = 8
+    growth: float = 2.0
+    steady_frames: int = 16
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.first_frames < 1 or self.first_frames_busy < 1:
+            raise ConfigValueError("first_frames", "must be >= 1")
+        if not self.growth >= 1:
+            raise ConfigValueError("growth", f"must be >= 1, got {self.growth}")
+        if self.steady_frames < max(self.first_frames, self.first_frames_busy):
+            raise ConfigValueError("steady_frames", "must be >= the first chunk sizes")
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     server: GatewayServerSection = field(default_factory=GatewayServerSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
@@ -67,3 +145,7 @@ class GatewayConfig:
     limits: LimitsSection = field(default_factory=LimitsSection)
     audio: AudioSection = field(default_factory=AudioSection)
     voices: VoicesSection = field(default_factory=VoicesSection)
+    engines: EnginesSection = field(default_factory=EnginesSection)
+    admission: AdmissionSection = field(default_factory=AdmissionSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+    chunks: GatewayChunksSection = field(default_factory=GatewayChunksSection)

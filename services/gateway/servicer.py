@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from services.common.errors import Unimplemented
 from services.common.log import request_id_var
 from services.gateway.config import GatewayConfig
 from services.gateway.inflight import InFlightRequests
+from services.gateway.pipeline import bind_context
 from services.gateway.validation import ValidRequest, validate
 from services.gateway.voices import VoiceCatalog
 from voxring.v1 import synthesizer_pb2 as pb
@@ -28,21 +28,6 @@ class SynthesisBackend(Protocol):
     async def whole(self, request: ValidRequest) -> pb.SynthesizeSpeechResponse: ...
 
 
-class NoEngineBackend:
-    """The backend of a gateway without engines: every valid request is refused with
-    UNIMPLEMENTED. Validation, voices and health work fully in front of it."""
-
-    _MESSAGE = ("synthesis is not available in this build: the talker and Code2Wav "
-                "engines are not connected yet (requests are validated only)")
-
-    async def stream(self, request: ValidRequest) -> AsyncIterator[pb.SynthesizeSpeechResponse]:
-        raise Unimplemented(self._MESSAGE)
-        yield  # pragma: no cover - makes this an async generator
-
-    async def whole(self, request: ValidRequest) -> pb.SynthesizeSpeechResponse:
-        raise Unimplemented(self._MESSAGE)
-
-
 class SynthesizerServicer(synthesizer_pb2_grpc.SynthesizerServicer):
     def __init__(self, config: GatewayConfig, voices: VoiceCatalog,
                  backend: SynthesisBackend) -> None:
@@ -51,18 +36,19 @@ class SynthesizerServicer(synthesizer_pb2_grpc.SynthesizerServicer):
         self._backend = backend
         self.in_flight = InFlightRequests()
 
-    def _accept(self, request: pb.SynthesizeSpeechRequest) -> ValidRequest:
+    def _accept(self, request: pb.SynthesizeSpeechRequest, context) -> ValidRequest:
         valid = validate(request, self._config, self._voices)
         request_id_var.set(valid.request_id)  # this RPC's task: tags its log lines
+        bind_context(context)  # its deadline reaches both stages
         return valid
 
     async def Synthesize(self, request, context):
-        valid = self._accept(request)
+        valid = self._accept(request, context)
         with self.in_flight.reserve(valid.request_id):
             return await self._backend.whole(valid)
 
     async def SynthesizeOnline(self, request, context):
-        valid = self._accept(request)
+        valid = self._accept(request, context)
         with self.in_flight.reserve(valid.request_id):
             async for message in self._backend.stream(valid):
                 yield message

@@ -23,6 +23,7 @@ text: {max_chars: 50, language_codes: [en-US, en-GB]}
 limits: {max_audio_seconds: 30, max_request_id_chars: 64}
 audio: {sample_rates: [16000, 22050, 24000, 44100, 48000]}
 voices: {file: voices.yaml}
+engines: {pairs: [{talker: 'unix:%(dir)s/no-talker.sock', code2wav: 'unix:%(dir)s/no-c2w.sock'}]}
 """
 VOICES = """\
 default_voice: narrator
@@ -123,8 +124,9 @@ def test_valid_requests_pass_validation(gateway, fields, streaming):
     stub, _ = gateway
     request = pb.SynthesizeSpeechRequest(**{"text": "Hello there.", **fields})
     error = _call(stub, request, streaming)
-    # Without engines the gateway answers UNIMPLEMENTED after validation.
-    assert error is not None and error.code() == grpc.StatusCode.UNIMPLEMENTED, error
+    # No engine pair runs here: past validation the gateway answers UNAVAILABLE.
+    assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE, error
+    assert "no engine pair" in error.details()
 
 
 def test_list_voices(gateway):

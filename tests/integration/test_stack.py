@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import wave
 
 import pytest
 
@@ -87,5 +88,8 @@ def test_demo_brings_the_stack_up_checks_it_and_takes_it_down(voxring, sock_dir)
     result = voxring("demo", check_rc=0)
     assert "gateway health: SERVING" in result.stdout
     assert "empty text -> INVALID_ARGUMENT" in result.stdout
+    assert "wrote demo.wav" in result.stdout and "time to first audio" in result.stdout
+    with wave.open(str(sock_dir / "demo.wav")) as clip:
+        assert clip.getframerate() == 24000 and clip.getnframes() % 1920 == 0 and clip.getnframes() > 0
     assert "stack stopped" in result.stdout
     assert not _pids(sock_dir)

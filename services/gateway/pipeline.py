@@ -1,0 +1,233 @@
+"""One synthesis request through an engine pair (PROTOCOL.md, One request):
+
+admission -> route to a pair -> build the prompt (the voice's speaker, its reference
+clip as an audio-context turn) -> choose the chunk schedule from load -> Code2Wav.Open
+(its first message is the handle) -> Talker.Submit with that handle -> relay the PCM
+chunks, encoded (PCM, WAV, Ogg/Opus) at the client's rate, ending with the finish
+reason and usage. A client cancel or deadline cancels the Open stream and the talker's
+row; a stage's error status reaches the client as PROTOCOL.md's endings table says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from services.common import errors
+from services.gateway.audio import make_encoder, wav_bytes
+from services.gateway.config import GatewayConfig
+from services.gateway.engines import EnginePair, Router
+from services.gateway.validation import ValidRequest
+from services.gateway.voice_cache import VoiceCache
+from services.gateway.voices import VoiceCatalog
+from voxring.v1 import code2wav_pb2, common_pb2, talker_pb2
+from voxring.v1 import synthesizer_pb2 as pb
+
+# The servicer binds each RPC's context here, so its deadline reaches both stages.
+_CURRENT_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("grpc_context")
+
+
+def bind_context(context) -> None:
+    _CURRENT_CONTEXT.set(context)
+
+
+ATTACH_WAIT_S, ATTACH_WAIT_STEPS = 0.1, 20  # up to 2 s for a Code2Wav to attach
+
+STATUS_ERRORS = {grpc.StatusCode.UNAVAILABLE: errors.Unavailable, grpc.StatusCode.INTERNAL: errors.Internal,
+                 grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+                 grpc.StatusCode.CANCELLED: errors.Cancelled,
+                 grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted}
+
+
+@dataclass
+class Started:
+    """A request whose stages are running."""
+
+    pair: EnginePair
+    call: grpc.aio.UnaryStreamCall
+    handle: int
+    seed: int
+    arrival: float
+
+
+def _stage_error(exc: grpc.aio.AioRpcError, stage: str) -> errors.ServiceError:
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        field, _, reason = exc.details().partition(": ")
+        return errors.InvalidArgument(field, reason)
+    kind = STATUS_ERRORS.get(exc.code(), errors.Internal)
+    return kind(f"{stage}: {exc.details()}")
+
+
+class SynthesisPipeline:
+    def __init__(self, config: GatewayConfig, router: Router, voices: VoiceCatalog) -> None:
+        self.config = config
+        self.router = router
+        self.voice_cache = VoiceCache(voices)
+
+    # --- the public shapes -----------------------------------------------------------------------
+
+    async def stream(self, request: ValidRequest) -> AsyncIterator[pb.SynthesizeSpeechResponse]:
+        async with self._running(request) as started:
+            facts = started.pair.facts
+            out_rate = request.sample_rate_hz or facts.sample_rate
+            encoder = make_encoder(request.encoding, facts.sample_rate, out_rate)
+            first_audio = None
+            async for message in self._chunks(started):
+                if message.HasField("chunk"):
+                    first_audio = first_audio or time.monotonic()
+                    chunk = message.chunk
+                    yield pb.SynthesizeSpeechResponse(
+                        audio=encoder.encode(chunk.pcm), chunk_index=chunk.chunk_index,
+                        sample_offset=chunk.sample_offset * out_rate // facts.sample_rate,
+                        sample_rate_hz=out_rate, encoding=request.encoding, request_id=request.request_id)
+                else:
+                    yield self._final(request, started, message.finished, encoder.finish(), out_rate,
+                                      first_audio)
+
+    async def whole(self, request: ValidRequest) -> pb.SynthesizeSpeechResponse:
+        """The whole clip in one message: a complete WAV (correct sizes) or the stream's bytes."""
+        as_pcm = request.encoding == pb.WAV
+        inner = ValidRequest(**{**request.__dict__, "encoding": pb.LINEAR_PCM}) if as_pcm else request
+        audio, final = [], None
+        async for message in self.stream(inner):
+            audio.append(message.audio)
+            final = message
+        data = b"".join(audio)
+        if as_pcm:
+            data = wav_bytes(data, final.sample_rate_hz)
+        return pb.SynthesizeSpeechResponse(audio=data, sample_rate_hz=final.sample_rate_hz,
+                                           encoding=request.encoding, request_id=request.request_id,
+                                           finish_reason=final.finish_reason, usage=final.usage)
+
+    # --- the steps -------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _running(self, request: ValidRequest):
+        limit = self.config.admission.max_in_flight
+        if self.router.in_flight >= limit:
+            raise errors.ResourceExhausted(f"{limit} requests in flight; retry shortly",
+                                           retry_after=self.config.admission.retry_after_s)
+        pair = await self.router.pick()
+        pair.in_flight += 1
+        started = None
+        try:
+            started = await self._start(pair, request)
+            yield started
+        finally:
+            pair.in_flight -= 1
+            if started is not None and not started.call.done():
+                started.call.cancel()  # client cancel or deadline: end it on both stages
+                await self._cancel_on_talker(started)
+
+    async def _start(self, pair: EnginePair, request: ValidRequest) -> Started:
+        facts = await pair.model_facts()
+        msg = request.message
+        seed = msg.seed if msg.HasField("seed") else secrets.randbits(63)
+        seconds = msg.max_audio_seconds if msg.HasField("max_audio_seconds") else \
+            self.config.limits.default_audio_seconds
+        # max_audio_seconds is a float32: 1.6 s is 1.60000002 s, which must still be 20 frames
+        max_frames = max(1, math.ceil(seconds * facts.frame_rate - 1e-4))
+        segments = await self.voice_cache.context(request.voice, facts, pair)
+        segments.append(talker_pb2.PromptSegment(
+            text_token_ids=facts.prompt_ids(request.voice.speaker_id, request.text)))
+        prompt_len = sum(len(s.text_token_ids) + (s.frames.num_frames + 1 if s.frames.num_frames else 0)
+                         for s in segments)
+        if prompt_len + max_frames > facts.max_len:
+            field = "max_audio_seconds" if msg.HasField("max_audio_seconds") else "text"
+            raise errors.InvalidArgument(field, f"the prompt ({prompt_len} positions) and {max_frames} "
+                                         f"frames of audio exceed the model's length {facts.max_len}")
+        schedule = self._schedule(pair)
+        call = pair.code2wav.Open(code2wav_pb2.OpenRequest(
+            request_id=request.request_id, talker_id=pair.talker_id, chunk_schedule=schedule,
+            max_frames=max_frames), timeout=self._remaining())
+        started = Started(pair, call, 0, seed, time.monotonic())
+        try:
+            opened = await call.read()
+            started.handle = opened.opened.handle
+            await self._submit(pair, talker_pb2.SubmitRequest(
+                request_id=request.request_id, handle=started.handle, consumer_id=pair.consumer_id,
+                segments=segments, sampling=self._sampling(msg, seed), max_frames=max_frames,
+                chunk_schedule=schedule, timeout_s=self._remaining() or 0.0))
+        except grpc.aio.AioRpcError as exc:
+            call.cancel()
+            raise _stage_error(exc, "engine") from None
+        return started
+
+    @staticmethod
+    async def _submit(pair: EnginePair, submit: talker_pb2.SubmitRequest) -> None:
+        """Submit, waiting briefly while the pair's Code2Wav (re-)attaches to its talker
+        (a pair that just started, or whose Code2Wav restarted)."""
+        for _ in range(ATTACH_WAIT_STEPS):
+            try:
+                await pair.talker.Submit(submit, timeout=5.0)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+            await asyncio.sleep(ATTACH_WAIT_S)
+        raise errors.Unavailable(f"engine pair {pair.name}: Code2Wav is not attached to its talker")
+
+    async def _chunks(self, started: Started):
+        """The Open stream's messages after the first (read() throughout: grpc.aio does
+        not allow mixing it with async iteration)."""
+        try:
+            while (message := await started.call.read()) is not grpc.aio.EOF:
+                yield message
+        except grpc.aio.AioRpcError as exc:
+            raise _stage_error(exc, "code2wav") from None
+
+    async def _cancel_on_talker(self, started: Started) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            await started.pair.talker.Cancel(talker_pb2.CancelRequest(
+                consumer_id=started.pair.consumer_id, handle=started.handle), timeout=2.0)
+
+    def _schedule(self, pair: EnginePair) -> common_pb2.ChunkSchedule:
+        """A small first chunk when the pair is quiet (first audio sooner), a larger one
+        under load (fewer, larger decode calls); pinned when the config says so."""
+        chunks = self.config.chunks
+        first = chunks.first_frames
+        if chunks.adaptive:
+            busy = pair.in_flight > chunks.busy_threshold
+            first = chunks.first_frames_busy if busy else chunks.first_frames
+        return common_pb2.ChunkSchedule(first_frames=first, growth=chunks.growth,
+                                        steady_frames=max(chunks.steady_frames, first))
+
+    def _sampling(self, msg, seed: int) -> common_pb2.SamplingParams:
+        d = self.config.sampling
+
+        def pick(name):
+            return getattr(msg, name) if msg.HasField(name) else getattr(d, name)
+
+        return common_pb2.SamplingParams(
+            temperature=pick("temperature"), top_k=pick("top_k"), top_p=pick("top_p"),
+            repetition_penalty=pick("repetition_penalty"), repetition_window=pick("repetition_window"),
+            seed=seed)
+
+    @staticmethod
+    def _remaining() -> float | None:
+        context = _CURRENT_CONTEXT.get(None)
+        remaining = context.time_remaining() if context is not None else None
+        return max(remaining, 0.001) if remaining is not None else None
+
+    def _final(self, request: ValidRequest, started: Started, finished, tail: bytes, out_rate: int,
+               first_audio: float | None) -> pb.SynthesizeSpeechResponse:
+        facts = started.pair.facts
+        audio_s = finished.frames / facts.frame_rate
+        wall = time.monotonic() - started.arrival
+        reasons = {common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH}
+        usage = pb.Usage(frames=finished.frames, audio_seconds=audio_s,
+                         time_to_first_audio_s=(first_audio or time.monotonic()) - started.arrival,
+                         real_time_factor=wall / audio_s if audio_s else 0.0, seed=started.seed)
+        return pb.SynthesizeSpeechResponse(
+            audio=tail, sample_rate_hz=out_rate, encoding=request.encoding, request_id=request.request_id,
+            finish_reason=finished.finish_reason if finished.finish_reason in reasons
+            else common_pb2.FINISH_REASON_STOP, usage=usage)
+

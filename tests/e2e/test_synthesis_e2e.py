@@ -1,0 +1,222 @@
+"""End to end: gateway, talker and Code2Wav as three processes, real rings, the tiny
+model; the client speaks only the public API."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import tempfile
+import threading
+import time
+import wave
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from services.code2wav.codec.loader import load_codec
+from services.talker.generate import GenerationRequest, Sampling, generate
+from services.talker.models.csm.loader import load_talker
+from services.talker.models.family import PromptSegment
+from services.talker.tiny import build_tokenizer, ensure_tiny_checkpoint
+from tests.conftest import spawn_stage, wait_ready
+from tests.talker_client import wait_for
+from voxring.v1 import (
+    code2wav_pb2,
+    code2wav_pb2_grpc,
+    common_pb2,
+    synthesizer_pb2_grpc,
+    talker_pb2,
+    talker_pb2_grpc,
+)
+from voxring.v1 import synthesizer_pb2 as pb
+
+MAX_LEN = 512
+SPF = 1920
+
+
+@pytest.fixture(scope="module")
+def stack(model_cache):
+    ensure_tiny_checkpoint(root=model_cache / "models")
+    d = Path(tempfile.mkdtemp(prefix="vx-e2e-", dir="/tmp"))  # short: unix socket paths
+    configs = {
+        "talker": f"server: {{listen: 'unix:{d}/talker.sock', drain_timeout: 5, grace: 1}}\n"
+                  f"engine: {{k_max: 4, buckets: [1, 2, 4, 8, 16, 32], max_num_seqs: 32,"
+                  f" max_len: {MAX_LEN}}}\n",
+        "code2wav": f"server: {{listen: 'unix:{d}/code2wav.sock', drain_timeout: 5, grace: 1}}\n"
+                    f"engine: {{max_slots: 40}}\n"
+                    f"talkers: {{attach: [{{id: talker-0, address: 'unix:{d}/talker.sock'}}]}}\n",
+        "gateway": f"server: {{listen: 'unix:{d}/gateway.sock', drain_timeout: 5, grace: 1}}\n"
+                   f"engines: {{pairs: [{{talker: 'unix:{d}/talker.sock',"
+                   f" code2wav: 'unix:{d}/code2wav.sock'}}]}}\n"
+                   f"admission: {{max_in_flight: 20}}\n"
+                   f"limits: {{default_audio_seconds: 2.0}}\n"
+                   f"chunks: {{adaptive: false, first_frames: 2, growth: 2.0, steady_frames: 8}}\n",
+    }
+    procs = {}
+    try:
+        for stage in ("talker", "code2wav", "gateway"):
+            procs[stage] = spawn_stage(stage, d, configs[stage])
+            wait_ready(stage, procs[stage], d, timeout=30)
+        channels = {s: grpc.insecure_channel(f"unix:{d}/{s}.sock") for s in procs}
+        yield {"gateway": synthesizer_pb2_grpc.SynthesizerStub(channels["gateway"]),
+               "talker": talker_pb2_grpc.TalkerStub(channels["talker"]),
+               "code2wav": code2wav_pb2_grpc.Code2WavStub(channels["code2wav"]), "dir": d}
+        for channel in channels.values():
+            channel.close()
+    finally:
+        for proc in reversed(list(procs.values())):
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                assert proc.wait(timeout=20) == 0
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def online(stub, **fields):
+    chunks, final = [], None
+    started = time.monotonic()
+    first = None
+    for message in stub.SynthesizeOnline(pb.SynthesizeSpeechRequest(**fields), timeout=120):
+        if message.usage.frames or message.finish_reason:
+            final = message
+        if message.audio and first is None:
+            first = time.monotonic() - started
+        chunks.append(message)
+    return chunks, final, first
+
+
+def check_contiguous(chunks):
+    audio_chunks = [c for c in chunks if c.audio]
+    indices = [c.chunk_index for c in audio_chunks][: len(audio_chunks) - 1]  # the last: the final message
+    assert indices == list(range(len(audio_chunks) - 1))
+
+
+def test_stream_sample_count_and_unary_equals_stream(stack):
+    stub = stack["gateway"]
+    chunks, final, _ = online(stub, text="Hello from the whole stack.", seed=5)
+    pcm = b"".join(c.audio for c in chunks)
+    assert final.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+    assert len(pcm) // 2 == final.usage.frames * SPF and final.usage.seed == 5
+    offsets = [c.sample_offset for c in chunks if c.audio and c is not final]
+    sizes = [len(c.audio) // 2 for c in chunks if c.audio and c is not final]
+    assert offsets == list(np.cumsum([0, *sizes[:-1]]))
+    check_contiguous(chunks)
+    whole = stub.Synthesize(pb.SynthesizeSpeechRequest(text="Hello from the whole stack.", seed=5),
+                            timeout=120)
+    assert whole.audio == pcm  # same seed, idle stack: byte-identical
+    again, _, _ = online(stub, text="Hello from the whole stack.", seed=5)
+    assert b"".join(c.audio for c in again) == pcm
+
+
+def test_audio_equals_eager_generation_and_whole_decode(stack, model_cache):
+    stub = stack["gateway"]
+    chunks, final, _ = online(stub, text="Check me against the offline path.", seed=11, max_audio_seconds=1.6)
+    pcm = np.frombuffer(b"".join(c.audio for c in chunks), "<i2").astype(np.float64)
+    folder = ensure_tiny_checkpoint(root=model_cache / "models")
+    text = "<|begin_of_text|>[0]Check me against the offline path.<|end_of_text|>"
+    ids = build_tokenizer().encode(text, add_special_tokens=False).ids
+    talker = load_talker(folder)
+    result = generate(talker, [GenerationRequest([PromptSegment(ids)], max_frames=20,
+                                                  sampling=Sampling(temperature=0.9, top_k=50, seed=11))],
+                      cache_len=MAX_LEN)[0]
+    assert final.usage.frames == len(result.codes)
+    with torch.no_grad():
+        audio = load_codec(folder).decode(result.codes.T[None])[0]
+    expected = (audio.clamp(-1, 1) * 32767).round().numpy()
+    assert pcm.shape == expected.shape and np.abs(pcm - expected).max() <= 1.0
+
+
+def test_sixteen_concurrent_streams(stack):
+    stub = stack["gateway"]
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            results[i] = online(stub, text=f"Stream number {i} speaks.", seed=100 + i,
+                                max_audio_seconds=(10 + i) / 12.5)  # 10 + i frames
+        except Exception as exc:  # reported below
+            errors.append((i, exc))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    ttfa = []
+    for i, (chunks, final, first) in results.items():
+        pcm = b"".join(c.audio for c in chunks)
+        assert len(pcm) // 2 == final.usage.frames * SPF
+        limit = 10 + i
+        assert final.usage.frames == limit or (final.finish_reason == common_pb2.FINISH_REASON_STOP
+                                               and final.usage.frames < limit)
+        check_contiguous(chunks)
+        ttfa.append(first)
+    print(f"16 streams: time to first audio p50 {np.median(ttfa) * 1e3:.0f} ms, max {max(ttfa) * 1e3:.0f} ms")
+
+
+def test_wav_ogg_and_resampling(stack):
+    stub = stack["gateway"]
+    whole = stub.Synthesize(pb.SynthesizeSpeechRequest(text="A wave file.", seed=3, encoding=pb.WAV,
+                                                       sample_rate_hz=16000), timeout=120)
+    with wave.open(io.BytesIO(whole.audio)) as clip:
+        assert clip.getframerate() == 16000
+        assert abs(clip.getnframes() - whole.usage.frames * SPF * 2 // 3) <= 1
+    chunks, _, _ = online(stub, text="Streamed wave.", seed=3, encoding=pb.WAV)
+    assert chunks[0].audio[:4] == b"RIFF" and chunks[0].audio[4:8] == b"\xff\xff\xff\xff"
+    chunks, _, _ = online(stub, text="Opus please.", seed=3, encoding=pb.OGG_OPUS, sample_rate_hz=48000)
+    data = b"".join(c.audio for c in chunks)
+    assert data[:4] == b"OggS" and b"OpusHead" in data[:100]
+
+
+def test_client_cancel_frees_both_stages(stack):
+    stub = stack["gateway"]
+    call = stub.SynthesizeOnline(pb.SynthesizeSpeechRequest(text="Cancel me soon.", max_audio_seconds=30),
+                                 timeout=120)
+    next(call)
+    call.cancel()
+    cancelled = time.monotonic()
+    wait_for(lambda: stack["talker"].Stats(talker_pb2.TalkerStatsRequest(), timeout=5).running == 0
+             and stack["code2wav"].Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).active_slots == 0,
+             timeout=5, what="both stages freed")
+    assert time.monotonic() - cancelled < 1.0 + 0.5
+
+
+def test_deadline_ends_deadline_exceeded_and_frees_everything(stack):
+    stub = stack["gateway"]
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in stub.SynthesizeOnline(pb.SynthesizeSpeechRequest(text="Too slow.", max_audio_seconds=30),
+                                       timeout=0.5):
+            pass
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: stack["talker"].Stats(talker_pb2.TalkerStatsRequest(), timeout=5).running == 0
+             and stack["code2wav"].Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).active_slots == 0,
+             timeout=5, what="both stages freed")
+
+
+def test_overload_is_resource_exhausted_while_admitted_complete(stack):
+    stub = stack["gateway"]
+    codes, done = [], []
+
+    def run(i):
+        try:
+            _, final, _ = online(stub, text=f"Load {i}.", seed=i, max_audio_seconds=4)
+            done.append(final.usage.frames)
+        except grpc.RpcError as exc:
+            codes.append(exc.code())
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                assert dict(exc.trailing_metadata() or ()).get("retry-after-s") == "1"
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(26)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert codes and set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert len(done) + len(codes) == 26 and all(frames > 0 for frames in done)

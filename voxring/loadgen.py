@@ -1,0 +1,212 @@
+"""The load generator behind ``voxring bench``: N streaming requests, C at a time, through
+one ``AsyncClient``, and the numbers users judge a speech server by.
+
+Per request it records when each audio chunk arrived and how much audio had been
+delivered once it was in. From those: time to first audio (client side, from sending
+the request), the gaps between chunks, and **underruns**: a player that starts at the
+first chunk and plays in real time stalls when a gap is longer than the audio it still
+has buffered; it resumes when the next chunk arrives (the stall shifts the rest of the
+playback). Requests refused with RESOURCE_EXHAUSTED count as rejected, not admitted.
+
+Everything is bounded: the number of requests, the time of each request, and the whole
+run (``max_total_s``; requests still running then are cancelled and counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from itertools import pairwise
+
+from voxring.client import AsyncClient
+from voxring.errors import VoxringError
+
+DEFAULT_TEXT = "Hello from voxring. This sentence measures how fast the first audio arrives."
+_BYTES_PER_SAMPLE = 2  # the bench asks for raw int16 mono PCM
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str
+    num_requests: int
+    concurrency: int
+    text: str = DEFAULT_TEXT
+    seed: int | None = None           # None: the server picks one per request
+    voice: str | None = None
+    request_timeout_s: float = 60.0   # deadline of each request
+    max_total_s: float = 600.0        # bound on the whole run
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        for name in ("request_timeout_s", "max_total_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class RequestTrace:
+    """One request as the client saw it."""
+
+    # (seconds since the request was sent, audio seconds delivered once this chunk is in)
+    arrivals: list[tuple[float, float]] = field(default_factory=list)
+    outcome: str = "unfinished"   # "ok", "rejected", a status code name, or "unfinished"
+    audio_seconds: float = 0.0    # the final usage's (what was delivered if none came)
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    p50: float | None
+    p90: float | None
+    p99: float | None
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    num_requests: int
+    concurrency: int
+    completed: int         # ended OK with a final message
+    admitted: int          # not refused with RESOURCE_EXHAUSTED
+    rejected: int          # refused with RESOURCE_EXHAUSTED
+    errors: dict[str, int] # other endings by status code name ("unfinished": cut by max_total_s)
+    ttfa_s: Percentiles    # time to first audio, client side
+    gap_max_s: float | None
+    gap_p99_s: float | None
+    underruns: int         # playback stalls over all streams
+    streams_with_underruns: int
+    stall_s: float         # total time playback would have stalled
+    audio_seconds: float
+    wall_s: float
+    audio_s_per_s: float
+    timed_out: bool        # max_total_s ended the run
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100), interpolating linearly between closest ranks; None
+    when there are no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def playback_stalls(arrivals: Sequence[tuple[float, float]]) -> tuple[int, float]:
+    """(number of stalls, seconds stalled) of a real-time player that starts at the first
+    arrival. ``arrivals``: (arrival time, audio seconds delivered once that chunk is in),
+    in arrival order."""
+    if not arrivals:
+        return 0, 0.0
+    origin = arrivals[0][0]  # the wall time at which audio position 0 plays
+    stalls, stalled = 0, 0.0
+    for (_, delivered), (arrival, _) in pairwise(arrivals):
+        runs_out = origin + delivered
+        if arrival > runs_out:
+            stalls += 1
+            stalled += arrival - runs_out
+            origin += arrival - runs_out
+    return stalls, stalled
+
+
+def summarize(config: BenchConfig, traces: Sequence[RequestTrace], wall_s: float,
+              timed_out: bool = False) -> BenchReport:
+    outcomes = Counter(trace.outcome for trace in traces)
+    ttfa = [trace.arrivals[0][0] for trace in traces if trace.arrivals]
+    gaps = [b - a for trace in traces for (a, _), (b, _) in pairwise(trace.arrivals)]
+    stalls = [playback_stalls(trace.arrivals) for trace in traces]
+    audio_seconds = sum(trace.audio_seconds for trace in traces)
+    errors = {code: n for code, n in sorted(outcomes.items()) if code not in ("ok", "rejected")}
+    return BenchReport(
+        num_requests=config.num_requests, concurrency=config.concurrency,
+        completed=outcomes["ok"], admitted=len(traces) - outcomes["rejected"],
+        rejected=outcomes["rejected"], errors=errors,
+        ttfa_s=Percentiles(*(percentile(ttfa, q) for q in (50, 90, 99))),
+        gap_max_s=max(gaps, default=None), gap_p99_s=percentile(gaps, 99),
+        underruns=sum(n for n, _ in stalls), streams_with_underruns=sum(n > 0 for n, _ in stalls),
+        stall_s=sum(s for _, s in stalls), audio_seconds=audio_seconds, wall_s=wall_s,
+        audio_s_per_s=audio_seconds / wall_s if wall_s > 0 else 0.0, timed_out=timed_out)
+
+
+async def _one_request(client: AsyncClient, config: BenchConfig, trace: RequestTrace) -> None:
+    started = time.perf_counter()
+    stream = client.stream(config.text, voice=config.voice, seed=config.seed, encoding="pcm",
+                           timeout=config.request_timeout_s)
+    try:
+        async for chunk in stream:
+            delivered = (chunk.sample_offset + len(chunk.audio) // _BYTES_PER_SAMPLE) / max(
+                chunk.sample_rate_hz, 1)
+            trace.arrivals.append((time.perf_counter() - started, delivered))
+    except VoxringError as exc:
+        trace.outcome = "rejected" if exc.code == "RESOURCE_EXHAUSTED" else exc.code
+    else:
+        trace.outcome = "ok"
+    if stream.result is not None:
+        trace.audio_seconds = stream.result.usage.audio_seconds
+    elif trace.arrivals:
+        trace.audio_seconds = trace.arrivals[-1][1]
+
+
+async def run_bench(config: BenchConfig) -> BenchReport:
+    """Runs the load; ListVoices first connects the channel (and fails fast, with a typed
+    error, when no server answers)."""
+    async with AsyncClient(config.target) as client:
+        await client.voices(timeout=min(10.0, config.max_total_s))
+        traces: list[RequestTrace] = []
+
+        async def worker() -> None:
+            while len(traces) < config.num_requests:
+                trace = RequestTrace()
+                traces.append(trace)
+                await _one_request(client, config, trace)
+
+        started = time.perf_counter()
+        tasks = [asyncio.create_task(worker()) for _ in range(min(config.concurrency,
+                                                                 config.num_requests))]
+        done, pending = await asyncio.wait(tasks, timeout=config.max_total_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        wall_s = time.perf_counter() - started
+        for task in done:
+            task.result()  # a bug in the load generator must not pass as a report
+    return summarize(config, traces, wall_s, timed_out=bool(pending))
+
+
+def run(config: BenchConfig) -> BenchReport:
+    """``run_bench`` in a fresh event loop."""
+    return asyncio.run(run_bench(config))
+
+
+def format_report(report: BenchReport) -> str:
+    """The report as a few lines for people."""
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.1f} ms"
+
+    t = report.ttfa_s
+    lines = [
+        f"requests      {report.num_requests} at concurrency {report.concurrency}: "
+        f"{report.admitted} admitted, {report.rejected} rejected (RESOURCE_EXHAUSTED), "
+        f"{report.completed} completed",
+        f"first audio   p50 {ms(t.p50)}  p90 {ms(t.p90)}  p99 {ms(t.p99)}",
+        f"chunk gaps    max {ms(report.gap_max_s)}  p99 {ms(report.gap_p99_s)}",
+        f"underruns     {report.underruns} in {report.streams_with_underruns} streams "
+        f"({report.stall_s:.3f} s of stalled playback)",
+        f"audio         {report.audio_seconds:.2f} s in {report.wall_s:.2f} s "
+        f"= {report.audio_s_per_s:.2f} audio-s per s",
+    ]
+    if report.errors:
+        lines.append("errors        " + ", ".join(f"{code} {n}" for code, n in report.errors.items()))
+    if report.timed_out:
+        lines.append("the run reached its time bound; unfinished requests were cancelled")
+    return "\n".join(lines)
