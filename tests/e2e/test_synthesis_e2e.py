@@ -4,7 +4,10 @@ model; the client speaks only the public API."""
 from __future__ import annotations
 
 import io
+import json
+import os
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -21,7 +24,7 @@ from services.talker.generate import GenerationRequest, Sampling, generate
 from services.talker.models.csm.loader import load_talker
 from services.talker.models.family import PromptSegment
 from services.talker.tiny import build_tokenizer, ensure_tiny_checkpoint
-from tests.conftest import spawn_stage, wait_ready
+from tests.conftest import REPO, spawn_stage, wait_ready
 from tests.talker_client import wait_for
 from voxring.v1 import (
     code2wav_pb2,
@@ -220,3 +223,31 @@ def test_overload_is_resource_exhausted_while_admitted_complete(stack):
         t.join(timeout=300)
     assert codes and set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert len(done) + len(codes) == 26 and all(frames > 0 for frames in done)
+
+
+@pytest.fixture(scope="module")
+def node_modules(tmp_path_factory):
+    """@grpc/grpc-js and @grpc/proto-loader from the npm registry. Without npm the test
+    skips locally; under CI=true a missing npm is a failure."""
+    npm = shutil.which("npm")
+    if npm is None or shutil.which("node") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("node and npm are required under CI=true")
+        pytest.skip("node/npm not installed")
+    folder = tmp_path_factory.mktemp("node")
+    subprocess.run([npm, "install", "--no-audit", "--no-fund", "--silent", "--prefix", str(folder),
+                    "@grpc/grpc-js", "@grpc/proto-loader"], check=True, timeout=300)
+    return folder / "node_modules"
+
+
+def test_the_proto_works_from_node(stack, node_modules):
+    script = Path(__file__).parent / "node" / "synthesize.js"
+    result = subprocess.run(
+        ["node", str(script), str(REPO / "protos"), f"unix:{stack['dir']}/gateway.sock",
+         "Hello from Node.", "42"],
+        env={**os.environ, "NODE_PATH": str(node_modules)}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    reply = json.loads(result.stdout.strip().splitlines()[-1])
+    assert reply["default_voice"] == "default" and reply["seed"] == "42"
+    assert reply["audio_bytes"] == reply["frames"] * SPF * 2 == reply["streamed_bytes"]
+    assert reply["finish_reason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH") and reply["chunks"] > 1
