@@ -17,6 +17,7 @@ from services.code2wav.engine import Code2WavEngine
 from services.code2wav.graphs import CodecDecoder
 from services.code2wav.servicer import Code2WavServicer
 from services.code2wav.talkers import TalkerLink
+from services.common import metrics
 from services.common.config import ConfigError
 from services.common.devices import resolve_device
 from services.common.engine_thread import EngineThread
@@ -61,6 +62,7 @@ def build(config: Code2WavConfig, config_path: Path | None):
     engine = Code2WavEngine(decoder, links, max_slots=config.engine.max_slots,
                             max_undelivered_seconds=config.engine.max_undelivered_seconds,
                             max_records_per_step=config.engine.max_records_per_step)
+    metrics.register(engine.metrics)
     thread = EngineThread("code2wav-engine", engine, tick_interval=config.transport.heartbeat_interval / 2)
     chunks = config.chunks
     servicer = Code2WavServicer(thread, {t.id: t.address for t in talkers.attach}, talkers.consumer_id,

@@ -247,6 +247,17 @@ class Code2WavEngine:
         c.window = (now, c.chunks, c.audio_s)
         return result
 
+    def metrics(self) -> dict:
+        """Read at scrape time from the metrics thread (plain reads of counters)."""
+        c = self.counters
+        return {"active_streams": ("gauge", "requests open on this Code2Wav", len(self.streams)),
+                "queued_frames": ("gauge", "frames waiting to be decoded",
+                                  sum(s.pending_frames for s in list(self.streams.values()))),
+                "chunks": ("counter", "audio chunks sent", c.chunks),
+                "audio_seconds": ("counter", "seconds of audio decoded", c.audio_s),
+                "dropped_records": ("counter", "records for unknown handles", c.dropped_records),
+                "sequence_gaps": ("counter", "missing ring records", c.sequence_gaps)}
+
     def close_links(self) -> None:
         for link in self.links.values():
             link.close()

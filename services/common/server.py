@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import ServiceError
 from services.common.log import request_context, request_id_var
+from services.common.metrics import RPC_ERRORS
 from services.common.sections import ServerSection, is_loopback
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,10 @@ class _Interceptor(grpc.aio.ServerInterceptor):
                        response_serializer=handler.response_serializer)
 
     async def _on_error(self, exc: BaseException, context, method: str) -> None:
+        code = (exc.code if isinstance(exc, ServiceError) else "UNAVAILABLE"
+                if isinstance(exc, asyncio.CancelledError) else "INTERNAL")
+        if not (isinstance(exc, asyncio.CancelledError) and not self._tracker.abandoning):
+            RPC_ERRORS.labels(method, code).inc()
         if isinstance(exc, ServiceError):
             level = logging.ERROR if exc.code == "INTERNAL" else logging.INFO
             log.log(level, "%s -> %s: %s", method, exc.code, exc.message)
@@ -175,6 +180,7 @@ class _Interceptor(grpc.aio.ServerInterceptor):
 
     async def _refuse_if_draining(self, context) -> None:
         if not self._tracker.accepting:
+            RPC_ERRORS.labels("draining", "UNAVAILABLE").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "server is shutting down; retry on another instance")
 
@@ -233,6 +239,7 @@ class ServiceHost:
         self.components = list(components)
         self.ready_file = Path(ready_file) if ready_file else None
         self.address: str | None = None
+        self.metrics_address: str | None = None  # set by the stage runner when served
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
         self._signals = 0
@@ -362,7 +369,7 @@ class ServiceHost:
             return
         tmp = self.ready_file.with_suffix(self.ready_file.suffix + ".tmp")
         tmp.write_text(json.dumps({"stage": self.stage, "address": self.address,
-                                   "pid": os.getpid()}))
+                                   "metrics": self.metrics_address, "pid": os.getpid()}))
         tmp.replace(self.ready_file)  # readers never see a half-written file
 
     def _remove_ready_file(self) -> None:

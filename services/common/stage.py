@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from services.common.config import ConfigError, load_config
 from services.common.log import configure_logging
+from services.common.metrics import serve as serve_metrics
 from services.common.server import ServiceHost
 
 C = TypeVar("C")
@@ -47,6 +48,13 @@ def run_stage(stage: str, config_cls: type[C], build: Builder, argv: list[str] |
         return 2
     services, components, options = (*built, {}) if len(built) == 2 else built
     host = ServiceHost(stage, config.server, services, components, args.ready_file, **options)
+    try:
+        host.metrics_address = serve_metrics(config.metrics)
+    except OSError as exc:
+        logging.getLogger(stage).error("cannot serve metrics on %s: %s", config.metrics.listen, exc)
+        return 1
+    if host.metrics_address:
+        logging.getLogger(stage).info("metrics at http://%s/metrics", host.metrics_address)
     try:
         asyncio.run(host.run())
     except OSError as exc:

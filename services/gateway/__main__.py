@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from services.common import metrics
 from services.common.server import ServiceBinding
 from services.common.stage import run_stage
 from services.gateway.config import GatewayConfig
@@ -23,7 +24,9 @@ def build(config: GatewayConfig, config_path: Path | None):
         voices = VoiceCatalog.load(base / config.voices.file)
     pairs = [EnginePair(f"pair-{i}", p.talker, p.code2wav, p.talker_id, p.consumer_id)
              for i, p in enumerate(config.engines.pairs)]
-    servicer = SynthesizerServicer(config, voices, SynthesisPipeline(config, Router(pairs), voices))
+    pipeline = SynthesisPipeline(config, Router(pairs), voices)
+    metrics.register(pipeline.metrics)
+    servicer = SynthesizerServicer(config, voices, pipeline)
     name = synthesizer_pb2.DESCRIPTOR.services_by_name["Synthesizer"].full_name
     binding = ServiceBinding(name, synthesizer_pb2_grpc.add_SynthesizerServicer_to_server,
                              servicer)

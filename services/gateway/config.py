@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.config import ConfigValueError
+from services.common.metrics import MetricsSection
 from services.common.sections import LoggingSection, ServerSection, parse_listen
 
 # Sample rates Opus can encode; other rates are refused for OGG_OPUS.
@@ -141,6 +142,7 @@ class GatewayChunksSection:
 class GatewayConfig:
     server: GatewayServerSection = field(default_factory=GatewayServerSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
     text: TextSection = field(default_factory=TextSection)
     limits: LimitsSection = field(default_factory=LimitsSection)
     audio: AudioSection = field(default_factory=AudioSection)

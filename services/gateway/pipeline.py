@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import errors
+from services.common.metrics import TIME_TO_FIRST_AUDIO
 from services.gateway.audio import make_encoder, wav_bytes
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EnginePair, Router
@@ -71,6 +72,15 @@ class SynthesisPipeline:
         self.config = config
         self.router = router
         self.voice_cache = VoiceCache(voices)
+        self.completed = 0          # requests that ended with their final message
+        self.frames = 0
+        self.audio_seconds = 0.0
+
+    def metrics(self) -> dict:
+        return {"active_streams": ("gauge", "requests in flight at this gateway", self.router.in_flight),
+                "requests_completed": ("counter", "requests that ended normally", self.completed),
+                "frames": ("counter", "codec frames delivered", self.frames),
+                "audio_seconds": ("counter", "seconds of audio delivered", self.audio_seconds)}
 
     # --- the public shapes -----------------------------------------------------------------------
 
@@ -82,7 +92,9 @@ class SynthesisPipeline:
             first_audio = None
             async for message in self._chunks(started):
                 if message.HasField("chunk"):
-                    first_audio = first_audio or time.monotonic()
+                    if first_audio is None:
+                        first_audio = time.monotonic()
+                        TIME_TO_FIRST_AUDIO.observe(first_audio - started.arrival)
                     chunk = message.chunk
                     yield pb.SynthesizeSpeechResponse(
                         audio=encoder.encode(chunk.pcm), chunk_index=chunk.chunk_index,
@@ -221,6 +233,9 @@ class SynthesisPipeline:
                first_audio: float | None) -> pb.SynthesizeSpeechResponse:
         facts = started.pair.facts
         audio_s = finished.frames / facts.frame_rate
+        self.completed += 1
+        self.frames += finished.frames
+        self.audio_seconds += audio_s
         wall = time.monotonic() - started.arrival
         reasons = {common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH}
         usage = pb.Usage(frames=finished.frames, audio_seconds=audio_s,

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import kernels
+from services.common import metrics
 from services.common.config import ConfigError
 from services.common.devices import resolve_device
 from services.common.engine_thread import EngineThread
@@ -98,6 +99,7 @@ def build(config: TalkerConfig, config_path: Path | None):
     engine = TalkerEngine(runner, scheduler, consumers.sink_for,
                           max_pending_frames=engine_cfg.max_pending_frames)
     core = TalkerCore(engine, consumers)
+    metrics.register(core.metrics)
     thread = EngineThread("talker-engine", core, tick_interval=config.transport.heartbeat_interval / 2)
     facts = ModelFacts(model.num_codebooks, model.codebook_size, model.config.text_vocab_size, max_len,
                        engine_cfg.max_repetition_window)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from services.common.config import ConfigValueError
 from services.common.frame_transport import TransportSection
+from services.common.metrics import MetricsSection
 from services.common.sections import ChunkSection, LoggingSection, ModelSection, ServerSection
 
 
@@ -59,6 +60,7 @@ class KernelsSection:
 class TalkerConfig:
     server: TalkerServerSection = field(default_factory=TalkerServerSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
     model: ModelSection = field(default_factory=ModelSection)
     engine: EngineSection = field(default_factory=EngineSection)
     chunks: ChunkSection = field(default_factory=ChunkSection)

@@ -88,5 +88,14 @@ class TalkerCore:
         self._window = (now, counters.steps, counters.frames)
         return snapshot
 
+    def metrics(self) -> dict:
+        """Read at scrape time from the metrics thread (plain reads of counters)."""
+        scheduler, counters = self.engine.scheduler, self.engine.counters
+        return {"running": ("gauge", "rows running", len(scheduler.running)),
+                "queue_depth": ("gauge", "requests waiting for a slot", len(scheduler.waiting)),
+                "paused_rows": ("gauge", "rows paused on a full ring", scheduler.paused),
+                "frames": ("counter", "frames generated", counters.frames),
+                "steps": ("counter", "engine steps", counters.steps)}
+
     def close(self) -> None:
         self.consumers.close()

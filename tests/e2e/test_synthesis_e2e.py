@@ -6,11 +6,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 import wave
 from pathlib import Path
 
@@ -58,15 +60,18 @@ def stack(model_cache):
                    f"limits: {{default_audio_seconds: 2.0}}\n"
                    f"chunks: {{adaptive: false, first_frames: 2, growth: 2.0, steady_frames: 8}}\n",
     }
-    procs = {}
+    procs, metrics = {}, {}
     try:
         for stage in ("talker", "code2wav", "gateway"):
-            procs[stage] = spawn_stage(stage, d, configs[stage])
+            config = configs[stage] + "metrics: {listen: '127.0.0.1:0'}\n"
+            procs[stage] = spawn_stage(stage, d, config)
             wait_ready(stage, procs[stage], d, timeout=30)
+            metrics[stage] = json.loads((d / f"{stage}.ready").read_text())["metrics"]
         channels = {s: grpc.insecure_channel(f"unix:{d}/{s}.sock") for s in procs}
         yield {"gateway": synthesizer_pb2_grpc.SynthesizerStub(channels["gateway"]),
                "talker": talker_pb2_grpc.TalkerStub(channels["talker"]),
-               "code2wav": code2wav_pb2_grpc.Code2WavStub(channels["code2wav"]), "dir": d}
+               "code2wav": code2wav_pb2_grpc.Code2WavStub(channels["code2wav"]), "dir": d,
+               "metrics": metrics}
         for channel in channels.values():
             channel.close()
     finally:
@@ -251,3 +256,28 @@ def test_the_proto_works_from_node(stack, node_modules):
     assert reply["default_voice"] == "default" and reply["seed"] == "42"
     assert reply["audio_bytes"] == reply["frames"] * SPF * 2 == reply["streamed_bytes"]
     assert reply["finish_reason"] in ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH") and reply["chunks"] > 1
+
+
+def scrape(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def test_prometheus_metrics_on_every_stage(stack):
+    stub = stack["gateway"]
+    online(stub, text="Count me.", seed=1)
+    with pytest.raises(grpc.RpcError):
+        stub.Synthesize(pb.SynthesizeSpeechRequest(text=""), timeout=10)
+    gateway, talker, code2wav = (scrape(stack["metrics"][s]) for s in ("gateway", "talker", "code2wav"))
+    count = re.search(r"^voxring_time_to_first_audio_seconds_count (\S+)$", gateway, re.M)
+    assert count and float(count.group(1)) >= 1
+    assert re.search(r'^voxring_rpc_errors_total\{code="INVALID_ARGUMENT",method="/voxring.v1.'
+                     r'Synthesizer/Synthesize"\} [1-9]', gateway, re.M)
+    for text, names in ((gateway, ["active_streams", "audio_seconds_total", "frames_total"]),
+                        (talker, ["running", "queue_depth", "frames_total", "steps_total"]),
+                        (code2wav, ["active_streams", "queued_frames", "audio_seconds_total",
+                                    "chunks_total"])):
+        for name in names:
+            assert re.search(rf"^voxring_{name} ", text, re.M), name
+    frames = float(re.search(r"^voxring_frames_total (\S+)$", talker, re.M).group(1))
+    assert frames > 0
