@@ -20,33 +20,20 @@ from services.code2wav.talkers import TalkerLink
 from services.common import metrics
 from services.common.config import ConfigError
 from services.common.devices import resolve_device
-from services.common.engine_thread import EngineThread
+from services.common.engine_thread import EngineComponent, EngineThread
 from services.common.errors import CheckpointError
 from services.common.server import ServiceBinding
 from services.common.stage import run_stage
 from services.talker.request import ChunkSchedule
-from services.talker.tiny import ensure_tiny_checkpoint
+from services.talker.tiny import checkpoint_folder
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc
 
 log = logging.getLogger("code2wav")
 
 
-class EngineComponent:
-    def __init__(self, thread: EngineThread, engine: Code2WavEngine) -> None:
-        self.thread, self.engine = thread, engine
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self, timeout: float) -> None:
-        self.thread.stop(timeout)
-        self.engine.close_links()
-
-
 def build(config: Code2WavConfig, config_path: Path | None):
     device = resolve_device(config.model.device)
-    folder = Path(config.model.checkpoint) if config.model.checkpoint else ensure_tiny_checkpoint(
-        config.model.tiny_seed)
+    folder = checkpoint_folder(config.model)
     try:
         codec = load_codec(folder, config.model.dtype, device)
     except CheckpointError as exc:
@@ -72,7 +59,7 @@ def build(config: Code2WavConfig, config_path: Path | None):
     log.info("codec %s on %s (%s), %d slots, talkers %s", folder, device, config.model.dtype,
              config.engine.max_slots, ", ".join(f"{t.id}={t.address}" for t in talkers.attach))
     return ([ServiceBinding(name, code2wav_pb2_grpc.add_Code2WavServicer_to_server, servicer)],
-            [EngineComponent(thread, engine)],
+            [EngineComponent(thread, close=engine.close_links)],
             {"drain_exempt": ["/voxring.v1.Code2Wav/Stats"]})
 
 

@@ -30,6 +30,17 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def read_config_json(folder: str | Path) -> tuple[Path, dict]:
+    """(path, parsed) of a checkpoint folder's config.json; CheckpointError naming the cause."""
+    path = Path(folder) / "config.json"
+    try:
+        return path, json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (not a checkpoint folder?)") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable: {exc}") from None
+
+
 def weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a checkpoint (single file, or the shards of its index)."""
     index = folder / "model.safetensors.index.json"

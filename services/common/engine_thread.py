@@ -134,6 +134,26 @@ class EngineThread:
                 return True
 
 
+class EngineComponent:
+    """The ServiceHost component of a stage's engine thread: started before serving; during
+    the drain ``idle`` (when given) says whether accepted work is done; after the drain the
+    thread stops, then ``close`` releases what the engine owned (rings, links)."""
+
+    def __init__(self, thread: EngineThread, close: Callable[[], None],
+                 idle: Callable[[], bool] | None = None) -> None:
+        self.thread, self._close, self._idle = thread, close, idle
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def idle(self) -> bool:
+        return self._idle is None or self._idle() or not self.thread.alive
+
+    def stop(self, timeout: float) -> None:
+        self.thread.stop(timeout)
+        self._close()
+
+
 def _set_result(future: asyncio.Future, value: Any) -> None:
     if not future.done():
         future.set_result(value)

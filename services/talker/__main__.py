@@ -17,7 +17,7 @@ import kernels
 from services.common import metrics
 from services.common.config import ConfigError
 from services.common.devices import resolve_device
-from services.common.engine_thread import EngineThread
+from services.common.engine_thread import EngineComponent, EngineThread
 from services.common.errors import CheckpointError
 from services.common.frame_stream import FrameStreamServicer
 from services.common.ring_sweep import sweep_stale
@@ -31,28 +31,10 @@ from services.talker.models.csm.loader import load_talker
 from services.talker.runner import Runner
 from services.talker.scheduler import Scheduler
 from services.talker.servicer import ModelFacts, TalkerServicer
-from services.talker.tiny import ensure_tiny_checkpoint
+from services.talker.tiny import checkpoint_folder
 from voxring.v1 import frames_pb2, frames_pb2_grpc, talker_pb2, talker_pb2_grpc
 
 log = logging.getLogger("talker")
-
-
-class EngineComponent:
-    """Starts the engine thread before serving; after the drain stops it and unlinks
-    the rings (the talker owns them)."""
-
-    def __init__(self, thread: EngineThread, core: TalkerCore) -> None:
-        self.thread, self.core = thread, core
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def idle(self) -> bool:
-        return self.core.idle() or not self.thread.alive
-
-    def stop(self, timeout: float) -> None:
-        self.thread.stop(timeout)
-        self.core.close()
 
 
 def model_info(folder: Path, model, max_len: int) -> talker_pb2.ModelInfoResponse:
@@ -74,8 +56,7 @@ def model_info(folder: Path, model, max_len: int) -> talker_pb2.ModelInfoRespons
 def build(config: TalkerConfig, config_path: Path | None):
     kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention)
     device = resolve_device(config.model.device)
-    folder = Path(config.model.checkpoint) if config.model.checkpoint else ensure_tiny_checkpoint(
-        config.model.tiny_seed)
+    folder = checkpoint_folder(config.model)
     try:
         model = load_talker(folder, config.model.dtype, device)
     except CheckpointError as exc:
@@ -111,7 +92,7 @@ def build(config: TalkerConfig, config_path: Path | None):
                                        frames_pb2_grpc.add_FrameStreamServicer_to_server, frame_servicer))
     log.info("model %s on %s (%s), max_len %d, buckets %s", folder, device, config.model.dtype, max_len,
              list(engine_cfg.buckets))
-    return bindings, [EngineComponent(thread, core)], {
+    return bindings, [EngineComponent(thread, close=core.close, idle=core.idle)], {
         "drain_exempt": ["/voxring.v1.Talker/Cancel", "/voxring.v1.Talker/Stats"],
         "on_bound": (lambda address: setattr(frame_servicer, "address", address)) if frame_servicer else None,
     }

@@ -162,3 +162,11 @@ def ensure_tiny_checkpoint(seed: int = 0, root: str | Path | None = None) -> Pat
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def checkpoint_folder(model_section) -> Path:
+    """The folder a stage's ``model`` config section names: its checkpoint, or voxring-tiny
+    (made on first use) when the checkpoint is null."""
+    if model_section.checkpoint:
+        return Path(model_section.checkpoint)
+    return ensure_tiny_checkpoint(model_section.tiny_seed)

@@ -3,12 +3,12 @@ Mimi ``config.json`` (transformers' field names)."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.checkpoint import read_config_json
 from services.common.errors import CheckpointError
 
 
@@ -122,13 +122,7 @@ class MimiConfig:
     @classmethod
     def from_folder(cls, folder: str | Path) -> MimiConfig:
         """A CSM checkpoint (its codec_config) or a standalone Mimi checkpoint."""
-        path = Path(folder) / "config.json"
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: missing (not a checkpoint folder?)") from None
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: unreadable: {exc}") from None
+        path, raw = read_config_json(folder)
         if raw.get("model_type") == "csm":
             if not isinstance(raw.get("codec_config"), dict):
                 raise CheckpointError(f"{path}: codec_config is missing")

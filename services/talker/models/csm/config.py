@@ -7,12 +7,12 @@ inconsistent fields are errors that name the field.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.checkpoint import read_config_json
 from services.common.errors import CheckpointError
 
 __all__ = ["CheckpointError", "CsmConfig", "RopeConfig", "TransformerConfig"]
@@ -149,13 +149,7 @@ class CsmConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> CsmConfig:
-        path = Path(folder) / "config.json"
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: missing (not a checkpoint folder?)") from None
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: unreadable: {exc}") from None
+        path, raw = read_config_json(folder)
         return cls.from_dict(raw, str(path))
 
 
