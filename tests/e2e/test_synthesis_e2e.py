@@ -3,7 +3,9 @@ model; the client speaks only the public API."""
 
 from __future__ import annotations
 
+import functools
 import io
+import itertools
 import json
 import os
 import re
@@ -86,8 +88,19 @@ def stack(model_cache):
         shutil.rmtree(d, ignore_errors=True)
 
 
+class Chunks(list):
+    """The messages of one stream, with their arrival times (monotonic seconds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in itertools.pairwise(self.times)]
+
+
 def online(stub, **fields):
-    chunks, final = [], None
+    chunks, final = Chunks(), None
     started = time.monotonic()
     first = None
     for message in stub.SynthesizeOnline(pb.SynthesizeSpeechRequest(**fields), timeout=120):
@@ -96,6 +109,7 @@ def online(stub, **fields):
         if message.audio and first is None:
             first = time.monotonic() - started
         chunks.append(message)
+        chunks.times.append(time.monotonic())
     return chunks, final, first
 
 
@@ -140,7 +154,24 @@ def test_audio_equals_eager_generation_and_whole_decode(stack, model_cache):
     assert pcm.shape == expected.shape and np.abs(pcm - expected).max() <= 1.0
 
 
-def test_sixteen_concurrent_streams(stack):
+@functools.cache
+def offline_models(folder: Path):
+    return load_talker(folder), load_codec(folder)
+
+
+def offline_pcm(model_cache, text: str, frames: int, seed: int) -> np.ndarray:
+    """The talker's eager generation + the whole-sequence decode for one request."""
+    talker, codec = offline_models(ensure_tiny_checkpoint(root=model_cache / "models"))
+    ids = build_tokenizer().encode(f"<|begin_of_text|>[0]{text}<|end_of_text|>", add_special_tokens=False).ids
+    result = generate(talker, [GenerationRequest(
+        [PromptSegment(ids)], max_frames=frames, sampling=Sampling(temperature=0.9, top_k=50, seed=seed))],
+        cache_len=MAX_LEN)[0]
+    with torch.no_grad():
+        audio = codec.decode(result.codes.T[None])[0]
+    return (audio.clamp(-1, 1) * 32767).round().numpy()
+
+
+def test_sixteen_concurrent_streams(stack, model_cache):
     stub = stack["gateway"]
     results, errors = {}, []
 
@@ -157,7 +188,7 @@ def test_sixteen_concurrent_streams(stack):
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
-    ttfa = []
+    ttfa, gaps, mismatched = [], [], []
     for i, (chunks, final, first) in results.items():
         pcm = b"".join(c.audio for c in chunks)
         assert len(pcm) // 2 == final.usage.frames * SPF
@@ -166,7 +197,16 @@ def test_sixteen_concurrent_streams(stack):
                                                and final.usage.frames < limit)
         check_contiguous(chunks)
         ttfa.append(first)
-    print(f"16 streams: time to first audio p50 {np.median(ttfa) * 1e3:.0f} ms, max {max(ttfa) * 1e3:.0f} ms")
+        gaps.append(max(chunks.gaps(), default=0.0))
+        expected = offline_pcm(model_cache, f"Stream number {i} speaks.", 10 + i, 100 + i)
+        got = np.frombuffer(pcm, "<i2").astype(np.float64)
+        if got.shape != expected.shape or np.abs(got - expected).max() > 1.0:
+            mismatched.append(i)
+    print(f"16 streams: time to first audio p50 {np.median(ttfa) * 1e3:.0f} ms, "
+          f"max {max(ttfa) * 1e3:.0f} ms; largest inter-chunk gap {max(gaps) * 1e3:.0f} ms")
+    # Batch composition can move logits in the last bits (DESIGN.md, Sampling): a near-tie
+    # may then flip a draw. It has not happened on this model; report it if it ever does.
+    assert not mismatched, f"streams whose audio differs from their offline decode: {mismatched}"
 
 
 def test_wav_ogg_and_resampling(stack):
