@@ -171,6 +171,9 @@ class SynthesisPipeline:
         except grpc.aio.AioRpcError as exc:
             call.cancel()
             raise _stage_error(exc, "engine") from None
+        except BaseException:  # the client left while the request was starting
+            call.cancel()  # Code2Wav then cancels it on the talker too
+            raise
         return started
 
     @staticmethod
