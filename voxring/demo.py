@@ -33,7 +33,8 @@ def check_public_api(gateway: str, out_path: str = "demo.wav") -> int:
                 return 1
     try:
         with Client(gateway) as client:
-            result = client.synthesize(SENTENCE, encoding="wav", seed=1, timeout=120)
+            result = client.synthesize(SENTENCE, encoding="wav", seed=1, max_audio_seconds=6.0,
+                                       timeout=120)
     except VoxringError as exc:
         print(f"synthesis failed: {exc.describe()}")
         return 1
