@@ -8,7 +8,6 @@ import secrets
 import threading
 import time
 
-import grpc
 import numpy as np
 
 from services.common.frame_transport import Endpoint, TransportSection, open_consumer
@@ -117,4 +116,4 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
         time.sleep(0.02)
 
 
-__all__ = ["RingReader", "grpc", "stats", "submit_request", "wait_for"]
+__all__ = ["RingReader", "stats", "submit_request", "wait_for"]

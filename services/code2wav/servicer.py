@@ -52,20 +52,11 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
         self._cancels: set[asyncio.Task] = set()  # Talker.Cancel calls in flight
 
     async def _call(self, command):
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-
-        def run(engine):
-            try:
-                EngineThread.resolve(loop, future, command(engine))
-            except Exception as exc:
-                EngineThread.fail(loop, future, exc)
-
+        """``command(engine)`` on the engine thread (see EngineThread.call)."""
         try:
-            self._thread.post(run)
+            return await self._thread.call(command)
         except EngineStopped:
             raise Unavailable("Code2Wav engine is not running") from None
-        return await future
 
     def _post(self, command) -> None:
         with contextlib.suppress(EngineStopped):  # shutting down: nothing left to update

@@ -68,6 +68,21 @@ class EngineThread:
             raise EngineStopped(f"{self.name} is not running") from self.error
         self._inbox.put(command)
 
+    async def call(self, command: Callable[[Any], Any]) -> Any:
+        """Runs ``command(engine)`` on the engine thread and returns its result (or raises
+        its exception) on the calling event loop. EngineStopped when not running."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def run(engine: Any) -> None:
+            try:
+                self.resolve(loop, future, command(engine))
+            except Exception as exc:  # travels back to the caller (an RPC: the interceptor maps it)
+                self.fail(loop, future, exc)
+
+        self.post(run)
+        return await future
+
     def stop(self, timeout: float) -> None:
         """Asks the thread to finish its step and exit; waits up to ``timeout`` s."""
         if not self._thread.is_alive():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import math
 import secrets
 import time
@@ -107,7 +108,7 @@ class SynthesisPipeline:
     async def whole(self, request: ValidRequest) -> pb.SynthesizeSpeechResponse:
         """The whole clip in one message: a complete WAV (correct sizes) or the stream's bytes."""
         as_pcm = request.encoding == pb.WAV
-        inner = ValidRequest(**{**request.__dict__, "encoding": pb.LINEAR_PCM}) if as_pcm else request
+        inner = dataclasses.replace(request, encoding=pb.LINEAR_PCM) if as_pcm else request
         audio, final = [], None
         async for message in self.stream(inner):
             audio.append(message.audio)

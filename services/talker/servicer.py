@@ -7,7 +7,6 @@ errors; the server interceptor maps them to status codes.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
@@ -112,21 +111,11 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
                                                config.chunks.steady_frames)
 
     async def _call(self, command):
-        """Runs ``command(core)`` on the engine thread and returns its result."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-
-        def run(core):
-            try:
-                EngineThread.resolve(loop, future, command(core))
-            except Exception as exc:  # travels back to the RPC, mapped by the interceptor
-                EngineThread.fail(loop, future, exc)
-
+        """``command(engine)`` on the engine thread (see EngineThread.call)."""
         try:
-            self._thread.post(run)
+            return await self._thread.call(command)
         except EngineStopped:
             raise Unavailable("talker engine is not running") from None
-        return await future
 
     async def Attach(self, request, context):
         if not request.consumer_id:

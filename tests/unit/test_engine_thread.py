@@ -83,3 +83,31 @@ def test_a_failing_engine_stops_accepting_work():
         thread.stop(timeout=1)
 
     asyncio.run(main())
+
+
+class Echo:
+    def handle(self, command):
+        command(self)
+
+    def step(self):
+        return False
+
+    def tick(self):
+        pass
+
+
+def test_call_returns_the_result_or_raises_on_the_loop():
+    async def main():
+        thread = EngineThread("echo", Echo(), tick_interval=0.02)
+        thread.start()
+        try:
+            ident = await thread.call(lambda engine: threading.get_ident())
+            assert ident != threading.get_ident()
+            with pytest.raises(KeyError, match="missing"):
+                await thread.call(lambda engine: {}["missing"])
+        finally:
+            thread.stop(timeout=2)
+        with pytest.raises(EngineStopped):
+            await thread.call(lambda engine: 1)
+
+    asyncio.run(main())
