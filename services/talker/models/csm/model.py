@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.sampler import sample  # the Triton kernel on CUDA, its eager twin elsewhere
@@ -68,9 +69,35 @@ class DepthDecoder(nn.Module):
 
 
 @dataclass
+class DepthRows:
+    """Constant index tensors of the fused depth loop, made once with the caches so a frame
+    launches nothing to build them. Sliced to a batch of b rows:
+
+    * ``first_*[: 2b]``: the first depth call's rows (b, 0), (b, 1) flattened: depth slot b,
+      positions 0 and 1, lengths 1 and 2;
+    * ``rows[:b]``: depth slot of each row (0 .. b-1); ``steps[p, :b]``: p for every row. Depth
+      step k >= 1 writes position k + 1 (``steps[k + 1]``) and sees k + 2 keys (``steps[k + 2]``)."""
+
+    first_rows: torch.Tensor     # [2 * batch_size] int64
+    first_positions: torch.Tensor
+    first_lengths: torch.Tensor
+    rows: torch.Tensor           # [batch_size] int64
+    steps: torch.Tensor          # [num_codebooks + 1, batch_size] int64
+
+    @classmethod
+    def build(cls, batch_size: int, num_codebooks: int, device) -> DepthRows:
+        rows = torch.arange(batch_size, dtype=torch.int64, device=device)
+        first_positions = torch.arange(2, dtype=torch.int64, device=device).repeat(batch_size)
+        steps = torch.arange(num_codebooks + 1, dtype=torch.int64, device=device)[:, None]
+        return cls(rows.repeat_interleave(2), first_positions, first_positions + 1, rows,
+                   steps.expand(num_codebooks + 1, batch_size).contiguous())
+
+
+@dataclass
 class CsmCaches:
     backbone: KVCache   # [Lb, num_slots, max_len, Hkv, D]
     depth: KVCache      # [Ld, batch_size, num_codebooks, Hkv, D]: frame scratch, no zeroing needed
+    depth_rows: DepthRows
 
 
 class CsmTalker(nn.Module):
@@ -116,7 +143,22 @@ class CsmTalker(nn.Module):
 
     def new_caches(self, num_slots: int, max_len: int, batch_size: int) -> CsmCaches:
         return CsmCaches(self.backbone_model.new_cache(num_slots, max_len),
-                         self.depth_decoder.model.new_cache(batch_size, self.num_codebooks))
+                         self.depth_decoder.model.new_cache(batch_size, self.num_codebooks),
+                         DepthRows.build(batch_size, self.num_codebooks, self.lm_head.weight.device))
+
+    # --- the fused frame ------------------------------------------------------------------
+
+    @property
+    def fused(self) -> bool:
+        """Whether frames take the fused path (after ``pack_weights``)."""
+        return self.backbone_model.packed
+
+    def pack_weights(self) -> None:
+        """Switches frames to the fused path: packs both stacks' QKV and gate/up weights into
+        views of one tensor each (no extra memory). Call once the model has its final device
+        and dtype. Prefill keeps the plain path either way."""
+        self.backbone_model.pack_weights()
+        self.depth_decoder.model.pack_weights()
 
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                 caches: CsmCaches) -> torch.Tensor:
@@ -131,7 +173,40 @@ class CsmTalker(nn.Module):
 
     # --- one frame ------------------------------------------------------------------------
 
+    def _depth_codes_fused(self, inputs: FrameInputs, caches: CsmCaches, logits_out: list | None):
+        """``_depth_codes`` on the fused path: the same steps, rows flattened for ``forward_rows``,
+        codebook k's embedding read from its slice of the table (no offset add)."""
+        b = inputs.hidden.shape[0]
+        depth = self.depth_decoder.model
+        table, vocab = depth.embed_tokens.weight, self.config.audio_vocab_size
+        index = caches.depth_rows
+        head = self.depth_decoder.codebooks_head.weight
+
+        def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
+            if logits_out is not None:
+                logits_out.append(logits.float())
+            return sample(logits, inputs.sampling, inputs.frame_index, k, inputs.history[:, k, :],
+                          self.codebook_size)
+
+        code = pick(self.lm_head(inputs.hidden), 0)
+        codes = [code]
+        # rows (b, position 0: the backbone state) and (b, position 1: codebook 0's embedding)
+        x = torch.stack([inputs.hidden, F.embedding(code, table[:vocab])], dim=1).view(2 * b, -1)
+        out = depth.forward_rows(depth.inputs_embeds_projector(x), caches.depth, index.first_rows[: 2 * b],
+                                 index.first_positions[: 2 * b], index.first_lengths[: 2 * b])
+        out = out.view(b, 2, -1)[:, 1]
+        for k in range(1, self.num_codebooks):
+            code = pick(out @ head[k - 1], k)
+            codes.append(code)
+            if k + 1 < self.num_codebooks:
+                x = F.embedding(code, table[k * vocab:(k + 1) * vocab])
+                out = depth.forward_rows(depth.inputs_embeds_projector(x), caches.depth, index.rows[:b],
+                                         index.steps[k + 1, :b], index.steps[k + 2, :b])
+        return torch.stack(codes, dim=1)
+
     def _depth_codes(self, inputs: FrameInputs, caches: CsmCaches, logits_out: list | None):
+        if self.fused:
+            return self._depth_codes_fused(inputs, caches, logits_out)
         b = inputs.hidden.shape[0]
         device = inputs.hidden.device
         depth = self.depth_decoder.model
@@ -168,9 +243,13 @@ class CsmTalker(nn.Module):
         logits: list[torch.Tensor] | None = [] if return_logits else None
         codes = self._depth_codes(inputs, caches, logits)  # [B, N]
         stop = self.is_stop_frame(codes) & (inputs.frame_index >= inputs.min_frames)
-        embeds = self.embed_frames(codes)[:, None]           # [B, 1, H]
-        hidden = self.backbone_model(embeds, caches.backbone, inputs.slots,
-                                     inputs.positions[:, None])[:, 0]
+        if self.fused:
+            hidden = self.backbone_model.forward_rows(self.embed_frames(codes), caches.backbone, inputs.slots,
+                                                      inputs.positions, inputs.positions + 1)
+        else:
+            embeds = self.embed_frames(codes)[:, None]           # [B, 1, H]
+            hidden = self.backbone_model(embeds, caches.backbone, inputs.slots,
+                                         inputs.positions[:, None])[:, 0]
         history = inputs.history
         if history.shape[-1] > 0:
             history = torch.cat([history[:, :, 1:], codes[:, :, None]], dim=-1)

@@ -5,6 +5,14 @@ The KV cache of a stack is ``[num_layers, num_slots, max_len, Hkv, D]`` (keys an
 values), written by index: slot ids and positions are tensors, so the same code serves
 prefill (T > 1) and decode (T = 1) and can be captured in a CUDA graph (no ``.item()``,
 no branches on tensor values, no data-dependent shapes).
+
+Two paths through a stack. ``Transformer.forward`` is the plain one: prefill, the CPU, and the
+reference every other path is checked against. ``Transformer.forward_rows`` is the fused one for
+a few query rows (a decode step, the depth decoder's first two positions), used once
+``pack_weights`` has run: per layer one packed QKV product, one rotary + KV-write kernel, decode
+attention, the output product, one gate/up product, one SiLU*mul kernel and the down product,
+with each residual add folded into the next RMSNorm (nine launches a layer where the plain path
+makes about forty-five). On the CPU the same structure runs the kernels' eager twins.
 """
 
 from __future__ import annotations
@@ -16,6 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.decode_attention import decode_attention
+from kernels.rms_norm import rms_norm, rms_norm_eager
+from kernels.rope_kv import apply_rope, rope_kv
+from kernels.silu_mul import silu_mul
 from services.talker.models.csm.config import RopeConfig, TransformerConfig
 
 
@@ -26,10 +37,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm_eager(x, self.weight, self.eps)[0]
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -74,15 +82,6 @@ class RotaryTable(nn.Module):
         return self.cos[positions].to(dtype)[:, :, None], self.sin[positions].to(dtype)[:, :, None]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
 class KVCache:
     """Static keys and values of one stack: [num_layers, num_slots, max_len, Hkv, D]."""
 
@@ -101,6 +100,19 @@ class KVCache:
         return self.k.shape[1]
 
 
+def pack_linears(*linears: nn.Linear) -> torch.Tensor:
+    """Concatenates the linears' weights into one [sum(out), in] tensor and makes each weight a
+    view of its rows, so one product computes them all and no memory is duplicated. Run after
+    the model has its final device and dtype (``.to`` afterwards would copy the views apart)."""
+    packed = torch.cat([linear.weight.detach() for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(packed[start:start + rows], requires_grad=False)
+        start += rows
+    return packed
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
@@ -109,6 +121,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_weight: torch.Tensor | None = None  # set by pack_weights
+
+    def pack_weights(self) -> None:
+        self.qkv_weight = pack_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def forward_rows(self, x: torch.Tensor, rotary: RotaryTable, cache: KVCache, layer: int,
+                     slots: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        # x: [N, H] one query per row; slots, positions, lengths (= positions + 1): [N] int64
+        n = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight)  # [N, (Hq + 2 Hkv) D]
+        q = rope_kv(qkv, rotary.cos, rotary.sin, positions, slots, cache.k[layer], cache.v[layer],
+                    self.num_heads)
+        out = decode_attention(q, cache.k[layer], cache.v[layer], slots, lengths, self.head_dim ** -0.5)
+        return self.o_proj(out.view(n, self.num_heads * self.head_dim))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 layer: int, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -140,6 +166,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by pack_weights
+
+    def pack_weights(self) -> None:
+        self.gate_up_weight = pack_linears(self.gate_proj, self.up_proj)
+
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -182,3 +215,29 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, slots, positions)
         return self.norm(x)
+
+    @property
+    def packed(self) -> bool:
+        return self.layers[0].self_attn.qkv_weight is not None
+
+    def pack_weights(self) -> None:
+        """Packs QKV and gate/up for ``forward_rows`` (idempotent)."""
+        if not self.packed:
+            for layer in self.layers:
+                layer.self_attn.pack_weights()
+                layer.mlp.pack_weights()
+
+    def forward_rows(self, x: torch.Tensor, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor,
+                     lengths: torch.Tensor) -> torch.Tensor:
+        """The fused path for independent query rows: x [N, H]; row r is at ``positions[r]`` of
+        ``slots[r]`` and sees keys 0 .. ``lengths[r] - 1`` (its position + 1). Rows of one slot may
+        stand at consecutive positions (all K/V of a layer are written before any row attends).
+        Same result as ``forward`` up to reduction order -> normed hidden states [N, H]."""
+        eps = self.norm.eps
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = rms_norm(x, layer.input_layernorm.weight, eps, residual)
+            x = layer.self_attn.forward_rows(x, self.rotary, cache, i, slots, positions, lengths)
+            x, residual = rms_norm(x, layer.post_attention_layernorm.weight, eps, residual)
+            x = layer.mlp.forward_rows(x)
+        return rms_norm(x, self.norm.weight, eps, residual)[0]
