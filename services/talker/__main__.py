@@ -54,13 +54,16 @@ def model_info(folder: Path, model, max_len: int) -> talker_pb2.ModelInfoRespons
 
 
 def build(config: TalkerConfig, config_path: Path | None):
-    kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention)
+    kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention,
+                      fused_layers=config.kernels.fused_layers)
     device = resolve_device(config.model.device)
     folder = checkpoint_folder(config.model)
     try:
         model = load_talker(folder, config.model.dtype, device)
     except CheckpointError as exc:
         raise ConfigError(f"model.checkpoint: {exc}") from None
+    if config.kernels.fused_layers and device.type == "cuda":
+        model.pack_weights()  # frames take the fused path; the CPU keeps the plain layers
     engine_cfg = config.engine
     max_len = engine_cfg.max_len or model.max_len
     if max_len > model.max_len:

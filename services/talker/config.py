@@ -50,10 +50,12 @@ class EngineSection:
 @dataclass(frozen=True)
 class KernelsSection:
     """Triton kernels on CUDA (each falls back to its eager twin if it fails); false turns
-    one off for triage."""
+    one off for triage. ``fused_layers`` is the fused frame path (packed projections and the
+    rms_norm, rope_kv and silu_mul kernels); off, frames run the plain layers."""
 
     sampler: bool = True
     decode_attention: bool = True
+    fused_layers: bool = True
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,333 @@
+"""The talker frame toward its floors: kernels per frame, device time per frame and idle gaps,
+stage by stage from the plain layers to the fused path, beside the bytes and FLOPs floors.
+GPU only (about 4 minutes on one H200).
+
+    python bench/talker_fusion.py [--out bench/results/talker_fusion.json]
+
+1. Floors (METHOD.md): bytes one frame must move (weights: the backbone once, the depth
+   decoder, its projector and one head slice per depth step; plus each row's backbone keys and
+   values) over the measured copy bandwidth, and FLOPs (2 x rows x those weights, plus attention)
+   over the measured bf16 matrix-product rate.
+2. Stages, each captured as the runner's per-bucket CUDA graphs (csm-1b shapes, bf16, random
+   weights) and timed with events over replays (median of 5 x 20), for B = 1, 8, 64, 256:
+   plain layers without kernels; plain + sampler and decode-attention kernels (the previous
+   default); the fused structure with the new kernels' eager twins (packed QKV and gate/up,
+   depth rows flattened through decode attention, index tensors made once); then the
+   rms_norm, rope_kv and silu_mul kernels switched on one at a time (the last is the default).
+   A torch.profiler trace of one replay per stage and bucket gives the kernel count, the sum
+   of kernel time and the idle time between kernels; the top kernels are listed for the
+   first plain-with-kernels stage and the final stage. The stages run greedy rows; the final
+   stage is timed once more with sampled rows (temperature, top-k and top-p all on).
+3. Exactness: tiny model fp32, fused vs plain greedy (and seeded) codes for every bucket through
+   the runner's graphs; csm-1b shapes: fp32 fused vs fp32 plain logits of the first frame
+   (relative error) and code mismatch over 8 frames; bf16 fused vs fp32 plain logits of the
+   first frame next to bf16 plain vs fp32 plain, and bf16 fused vs bf16 plain code mismatch;
+   graph replay equals eager for the fused path (bf16, every bucket).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import kernels
+from bench.talker_gpu import (
+    CSM_1B,
+    copy_bandwidth,
+    device_ms_per_frame,
+    frame_floor_bytes,
+    graph_equals_eager,
+    prefill_all,
+    step_wall_ms,
+)
+from services.talker.models.csm.config import CsmConfig
+from services.talker.models.csm.model import CsmTalker
+from services.talker.models.csm.modules import RotaryTable
+from services.talker.models.family import FrameInputs
+from services.talker.runner import Runner
+
+BUCKETS = [1, 8, 64, 256]
+MAX_LEN = 512
+PROMPT = 12  # prefill_all's prompt length: the backbone's keys per row when frames start
+
+
+def random_model(config: dict, dtype: torch.dtype, seed: int = 0) -> CsmTalker:
+    """Random weights with unit-variance activations; rotary tables in fp32 as the loader keeps them."""
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = CsmTalker(CsmConfig.from_dict(config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5 if "embed" not in name else 1.0)
+    model = model.to(dtype).eval().requires_grad_(False)
+    for module in model.modules():
+        if isinstance(module, RotaryTable):
+            module.materialize("cuda")
+    return model
+
+
+def set_kernels(*, plain_kernels: bool, rms_norm: bool, rope_kv: bool, silu_mul: bool) -> None:
+    kernels.configure(sampler=plain_kernels, decode_attention=plain_kernels, fused_layers=True)
+    for name, enabled in (("rms_norm", rms_norm), ("rope_kv", rope_kv), ("silu_mul", silu_mul)):
+        importlib.import_module(f"kernels.{name}").LATCH.configure(enabled)
+
+
+def recapture(runner: Runner) -> float:
+    runner.graphs = {}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    start = time.perf_counter()
+    runner._capture_all()
+    return time.perf_counter() - start
+
+
+def profile_replay(runner: Runner, bucket: int, top: int = 0) -> dict:
+    """Kernels of one graph replay from a torch.profiler trace: count, busy time, idle gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = runner.graphs[bucket]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+              and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    if not events:
+        return {"kernels": None, "note": "the profiler recorded no kernels inside the graph replay"}
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    busy, cursor = 0.0, spans[0][0]
+    for start, end in spans:
+        start = max(start, cursor)
+        if end > start:
+            busy += end - start
+            cursor = end
+    wall = spans[-1][1] - spans[0][0]
+    result = {"kernels": len(events), "span_ms": round(wall / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
+              "idle_ms": round((wall - busy) / 1e3, 3),
+              "mean_kernel_us": round(busy / len(events), 2)}
+    if top:
+        by_name: dict[str, list[float]] = {}
+        for e in events:
+            by_name.setdefault(e.name[:90], []).append(e.time_range.end - e.time_range.start)
+        ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+        result["top"] = [{"kernel": name, "count": len(t), "total_ms": round(sum(t) / 1e3, 3),
+                          "mean_us": round(statistics.mean(t), 2)} for name, t in ranked]
+    return result
+
+
+def matmul_rate() -> float:
+    """bf16 dense matrix-product rate (FLOP/s), median of event-timed 8192^3 products."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * 8192**3 / statistics.median(times)
+
+
+def frame_flops(model: CsmTalker, rows: int, keys: int) -> float:
+    """2 x rows x weights used per frame, plus the backbone's and depth decoder's attention."""
+    cfg = model.config
+    size = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    depth = model.depth_decoder.model
+    per_step = sum(size(layer) for layer in depth.layers) + size(depth.inputs_embeds_projector) \
+        + cfg.depth.hidden_size * cfg.audio_vocab_size
+    weights = sum(size(layer) for layer in model.backbone_model.layers) + size(model.lm_head) \
+        + (cfg.num_codebooks - 1) * per_step
+    bb, dd = cfg.backbone, cfg.depth
+    attention = 4 * bb.num_layers * bb.num_heads * bb.head_dim * keys \
+        + 4 * dd.num_layers * dd.num_heads * dd.head_dim * cfg.num_codebooks * cfg.num_codebooks / 2
+    return rows * (2 * weights + attention)
+
+
+def kv_bytes(model: CsmTalker, rows: int, keys: int) -> int:
+    bb = model.config.backbone
+    per_key = bb.num_layers * bb.num_kv_heads * bb.head_dim * 2 * model.lm_head.weight.element_size()
+    return rows * keys * per_key
+
+
+def first_frame_logits(runner: Runner) -> torch.Tensor:
+    """Codebook logits [B, N, V] of one frame for the runner's largest bucket, state untouched."""
+    bucket = runner.buckets[-1]
+    ids = torch.arange(bucket, device="cuda")
+    buf = runner.pool
+    sampling = type(buf.sampling)(**{k: v[ids].clone() for k, v in vars(buf.sampling).items()})
+    inputs = FrameInputs(hidden=buf.hidden[ids].clone(), slots=ids, positions=buf.positions[ids].clone(),
+                         frame_index=buf.frame_index[ids].clone(), min_frames=buf.min_frames[ids].clone(),
+                         sampling=sampling, history=buf.history[ids].clone())
+    k, v = runner.caches.backbone.k.clone(), runner.caches.backbone.v.clone()
+    with torch.inference_mode():
+        out = runner.model.decode_frame(inputs, runner.caches, return_logits=True)
+    runner.caches.backbone.k.copy_(k)
+    runner.caches.backbone.v.copy_(v)
+    return out.logits.double()
+
+
+def relative(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+def exactness(result: dict) -> None:
+    from services.talker.tiny import tiny_config
+
+    tiny_buckets = [1, 2, 4, 8, 16]
+    for sampled in (False, True):
+        codes = {}
+        for fused in (False, True):
+            model = random_model(tiny_config(), torch.float32)
+            if fused:
+                model.pack_weights()
+            runner = Runner(model, num_slots=16, max_len=256, buckets=tiny_buckets, k_max=8,
+                            max_repetition_window=8, use_graphs=True)
+            codes[fused] = {}
+            for b in tiny_buckets:  # every bucket from freshly prefilled rows
+                prefill_all(runner, 16, sampled)
+                codes[fused][b] = runner.decode(list(range(b)), 8)
+        key = f"tiny_fp32_fused_equals_plain_{'seeded' if sampled else 'greedy'}"
+        result[key] = {f"B={b}": bool((codes[True][b] == codes[False][b]).all()) for b in tiny_buckets}
+
+    rows = 8
+    logits, codes = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for fused in (False, True):
+            model = random_model(CSM_1B, dtype)
+            if fused:
+                model.pack_weights()
+            runner = Runner(model, num_slots=rows, max_len=64, buckets=[rows], k_max=8,
+                            max_repetition_window=16, use_graphs=False)
+            prefill_all(runner, rows, False)
+            logits[dtype, fused] = first_frame_logits(runner)
+            codes[dtype, fused] = runner.decode(list(range(rows)), 8)[:, :, :-1]
+            del model, runner
+            torch.cuda.empty_cache()
+    ref = logits[torch.float32, False]
+    mismatch = lambda a, b: float((codes[a] != codes[b]).mean())  # noqa: E731
+    result["csm1b_logits_rel_error_vs_fp32_plain"] = {
+        "fp32_fused": relative(logits[torch.float32, True], ref),
+        "bf16_plain": relative(logits[torch.bfloat16, False], ref),
+        "bf16_fused": relative(logits[torch.bfloat16, True], ref)}
+    result["csm1b_code_mismatch_8_frames_8_rows"] = {
+        "fp32_fused_vs_fp32_plain": mismatch((torch.float32, True), (torch.float32, False)),
+        "bf16_fused_vs_bf16_plain": mismatch((torch.bfloat16, True), (torch.bfloat16, False)),
+        "bf16_plain_vs_fp32_plain": mismatch((torch.bfloat16, False), (torch.float32, False))}
+
+
+def _switches(plain: bool, norm: bool, rope: bool, silu: bool) -> dict:
+    return dict(plain_kernels=plain, rms_norm=norm, rope_kv=rope, silu_mul=silu)
+
+
+STAGES = [  # name, pack weights first, kernel switches
+    ("plain, no kernels", False, _switches(False, False, False, False)),
+    ("plain + sampler/attention kernels", False, _switches(True, False, False, False)),
+    ("fused structure, twins", True, _switches(True, False, False, False)),
+    ("+ rms_norm kernel", True, _switches(True, True, False, False)),
+    ("+ rope_kv kernel", True, _switches(True, True, True, False)),
+    ("+ silu_mul kernel (default)", True, _switches(True, True, True, True)),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("bench/results/talker_fusion.json"))
+    parser.add_argument("--skip-exactness", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("talker_fusion.py needs a CUDA GPU")
+    import triton
+
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "python": platform.python_version(),
+              "commit": os.environ.get("VOXRING_COMMIT") or subprocess.run(
+                  ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "shapes": "csm-1b (backbone 16 x 2048, depth 4 x 1024, 32 codebooks), bf16, random weights",
+              "max_len": MAX_LEN, "keys_per_row_at_start": PROMPT}
+    bandwidth, rate = copy_bandwidth(), matmul_rate()
+    result["copy_bandwidth_TBps"] = round(bandwidth / 1e12, 3)
+    result["bf16_matmul_TFLOPs"] = round(rate / 1e12, 1)
+
+    model = random_model(CSM_1B, torch.bfloat16)
+    weight_bytes = frame_floor_bytes(model)
+    floors = {}
+    for b in BUCKETS:
+        moved = weight_bytes + kv_bytes(model, b, PROMPT + 8)
+        flops = frame_flops(model, b, PROMPT + 8)
+        floors[f"B={b}"] = {"bytes_MB": round(moved / 1e6, 1), "GFLOP": round(flops / 1e9, 1),
+                            "bytes_floor_ms": round(moved / bandwidth * 1e3, 3),
+                            "flops_floor_ms": round(flops / rate * 1e3, 3),
+                            "floor_ms": round(max(moved / bandwidth, flops / rate) * 1e3, 3)}
+    result["floors"] = floors
+    print(json.dumps(floors, indent=1), flush=True)
+
+    set_kernels(**STAGES[0][2])
+    runner = Runner(model, num_slots=256, max_len=MAX_LEN, buckets=BUCKETS, k_max=8,
+                    max_repetition_window=16, use_graphs=False)
+    prefill_all(runner, 256, False)
+    saved = [t.clone() for t in (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)]
+    stages = []
+    for name, pack, switches in STAGES:
+        if pack:
+            model.pack_weights()
+        set_kernels(**switches)
+        state = (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)
+        for dst, src in zip(state, saved, strict=True):
+            dst.copy_(src)
+        capture_s = recapture(runner)
+        entry = {"stage": name, "capture_s": round(capture_s, 2), "per_bucket": {}}
+        detail = name.startswith("plain +") or name.endswith("(default)")
+        for b in BUCKETS:
+            ms = device_ms_per_frame(runner, b)
+            try:
+                prof = profile_replay(runner, b, top=12 if detail and b in (1, 256) else 0)
+            except Exception as exc:  # a profiler problem must not cost the run's timings
+                prof = {"kernels": None, "profiler_error": repr(exc)}
+            entry["per_bucket"][f"B={b}"] = {"device_ms_per_frame": round(ms, 3),
+                                             "frames_per_s": round(b * 1e3 / ms, 1),
+                                             "vs_floor": round(ms / floors[f"B={b}"]["floor_ms"], 2), **prof}
+        stages.append(entry)
+        line = "  ".join(f"B={b}: {entry['per_bucket'][f'B={b}']['device_ms_per_frame']:7.2f} ms "
+                         f"({entry['per_bucket'][f'B={b}'].get('kernels')} k)" for b in BUCKETS)
+        print(f"{name:36s} {line}", flush=True)
+    result["stages"] = stages
+    b1 = stages[-1]["per_bucket"]["B=1"]["device_ms_per_frame"]
+    result["fused_B1_bandwidth_fraction"] = round(floors["B=1"]["bytes_floor_ms"] / b1, 3)
+    result["fused_step_wall_ms"] = {f"B={b}": {"K1": round(step_wall_ms(runner, b, 1), 3),
+                                               "K8": round(step_wall_ms(runner, b, 8), 3)} for b in BUCKETS}
+    prefill_all(runner, 256, True)  # T 0.9, top-k 50, top-p 0.95: every sampler step runs
+    result["fused_sampled_device_ms_per_frame"] = {f"B={b}": round(device_ms_per_frame(runner, b), 3)
+                                                   for b in BUCKETS}
+    result["fused_bf16_graph_equals_eager_seeded"] = graph_equals_eager(runner, 4)
+    del runner, model
+    torch.cuda.empty_cache()
+    if not args.skip_exactness:
+        exactness(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    summary = {k: v for k, v in result.items() if k not in ("stages", "floors")}
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
