@@ -19,10 +19,11 @@ GPU only (about 4 minutes on one H200).
    first plain-with-kernels stage and the final stage. The stages run greedy rows; the final
    stage is timed once more with sampled rows (temperature, top-k and top-p all on).
 3. Exactness: tiny model fp32, fused vs plain greedy (and seeded) codes for every bucket through
-   the runner's graphs; csm-1b shapes: fp32 fused vs fp32 plain logits of the first frame
-   (relative error) and code mismatch over 8 frames; bf16 fused vs fp32 plain logits of the
-   first frame next to bf16 plain vs fp32 plain, and bf16 fused vs bf16 plain code mismatch;
-   graph replay equals eager for the fused path (bf16, every bucket).
+   the runner's graphs. csm-1b shapes: one frame teacher-forced with the fp32 plain path's
+   codes (so a flipped code does not change the later codebooks' inputs), each variant's logits
+   of all codebooks and next hidden state against fp32 plain (relative error) and its argmax
+   mismatch, for fp32 fused, bf16 plain and bf16 fused; free-running code mismatch over 8
+   frames; graph replay equals eager for the fused path (bf16, every bucket, sampled rows).
 """
 
 from __future__ import annotations
@@ -169,8 +170,13 @@ def kv_bytes(model: CsmTalker, rows: int, keys: int) -> int:
     return rows * keys * per_key
 
 
-def first_frame_logits(runner: Runner) -> torch.Tensor:
-    """Codebook logits [B, N, V] of one frame for the runner's largest bucket, state untouched."""
+def first_frame(runner: Runner, forced: torch.Tensor | None = None):
+    """One frame for the runner's largest bucket from its pooled state, which is left untouched:
+    (logits [B, N, V] fp64, codes [B, N], next hidden [B, H] fp64). With ``forced`` codes
+    [B, N], each codebook's logits are recorded and the forced code is fed on (teacher
+    forcing), so every variant's depth logits are compared on the same inputs."""
+    import services.talker.models.csm.model as csm_model
+
     bucket = runner.buckets[-1]
     ids = torch.arange(bucket, device="cuda")
     buf = runner.pool
@@ -179,11 +185,22 @@ def first_frame_logits(runner: Runner) -> torch.Tensor:
                          frame_index=buf.frame_index[ids].clone(), min_frames=buf.min_frames[ids].clone(),
                          sampling=sampling, history=buf.history[ids].clone())
     k, v = runner.caches.backbone.k.clone(), runner.caches.backbone.v.clone()
-    with torch.inference_mode():
-        out = runner.model.decode_frame(inputs, runner.caches, return_logits=True)
+    recorded, original = [], csm_model.sample
+
+    def record(logits, params, frame, codebook, history, codebook_size):
+        recorded.append(logits.double())
+        picked = original(logits, params, frame, codebook, history, codebook_size)
+        return picked if forced is None else forced[:, codebook]
+
+    csm_model.sample = record
+    try:
+        with torch.inference_mode():
+            out = runner.model.decode_frame(inputs, runner.caches)
+    finally:
+        csm_model.sample = original
     runner.caches.backbone.k.copy_(k)
     runner.caches.backbone.v.copy_(v)
-    return out.logits.double()
+    return torch.stack(recorded, dim=1), out.codes, out.hidden.double()
 
 
 def relative(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -210,7 +227,8 @@ def exactness(result: dict) -> None:
         result[key] = {f"B={b}": bool((codes[True][b] == codes[False][b]).all()) for b in tiny_buckets}
 
     rows = 8
-    logits, codes = {}, {}
+    forced = None
+    logits, hidden, codes = {}, {}, {}
     for dtype in (torch.float32, torch.bfloat16):
         for fused in (False, True):
             model = random_model(CSM_1B, dtype)
@@ -219,20 +237,26 @@ def exactness(result: dict) -> None:
             runner = Runner(model, num_slots=rows, max_len=64, buckets=[rows], k_max=8,
                             max_repetition_window=16, use_graphs=False)
             prefill_all(runner, rows, False)
-            logits[dtype, fused] = first_frame_logits(runner)
+            if forced is None:  # the fp32 plain reference runs free; the rest follow its codes
+                _, forced, _ = first_frame(runner)
+            logits[dtype, fused], _, hidden[dtype, fused] = first_frame(runner, forced)
             codes[dtype, fused] = runner.decode(list(range(rows)), 8)[:, :, :-1]
             del model, runner
             torch.cuda.empty_cache()
-    ref = logits[torch.float32, False]
+    ref = (torch.float32, False)
+    size = CsmConfig.from_dict(CSM_1B).codebook_size
+    variants = {"fp32_fused": (torch.float32, True), "bf16_plain": (torch.bfloat16, False),
+                "bf16_fused": (torch.bfloat16, True)}
+    result["csm1b_first_frame_teacher_forced_vs_fp32_plain"] = {
+        name: {"logits_rel_error": relative(logits[key], logits[ref]),
+               "next_hidden_rel_error": relative(hidden[key], hidden[ref]),
+               "argmax_mismatch": float((logits[key][..., :size].argmax(-1) != forced).double().mean())}
+        for name, key in variants.items()}
     mismatch = lambda a, b: float((codes[a] != codes[b]).mean())  # noqa: E731
-    result["csm1b_logits_rel_error_vs_fp32_plain"] = {
-        "fp32_fused": relative(logits[torch.float32, True], ref),
-        "bf16_plain": relative(logits[torch.bfloat16, False], ref),
-        "bf16_fused": relative(logits[torch.bfloat16, True], ref)}
-    result["csm1b_code_mismatch_8_frames_8_rows"] = {
-        "fp32_fused_vs_fp32_plain": mismatch((torch.float32, True), (torch.float32, False)),
+    result["csm1b_free_running_code_mismatch_8_frames_8_rows"] = {
+        "fp32_fused_vs_fp32_plain": mismatch((torch.float32, True), ref),
         "bf16_fused_vs_bf16_plain": mismatch((torch.bfloat16, True), (torch.bfloat16, False)),
-        "bf16_plain_vs_fp32_plain": mismatch((torch.bfloat16, False), (torch.float32, False))}
+        "bf16_plain_vs_fp32_plain": mismatch((torch.bfloat16, False), ref)}
 
 
 def _switches(plain: bool, norm: bool, rope: bool, silu: bool) -> dict:

@@ -212,6 +212,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     _check(q, k_cache, v_cache, slots, lengths, out)
     if block_n is None:
         block_n = 64 if q.dtype != torch.float32 else 32 if q.shape[2] <= 64 else 16
+        # a short cache (the depth decoder's 32 positions) needs no longer block than itself
+        block_n = min(block_n, max(16, triton.next_power_of_2(k_cache.shape[1])))
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"decode attention: block_n must be a power of two >= 16, got {block_n}")
     batch, num_q_heads, head_dim = q.shape

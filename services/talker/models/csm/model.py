@@ -159,6 +159,12 @@ class CsmTalker(nn.Module):
         and dtype. Prefill keeps the plain path either way."""
         self.backbone_model.pack_weights()
         self.depth_decoder.model.pack_weights()
+        # The head [N-1, H, V] as a view of [N-1, V, H]: each codebook's product reads its slice
+        # as a transposed weight (F.linear), which keeps the rows aligned for any V (2051 is odd).
+        head = self.depth_decoder.codebooks_head
+        if head.weight.stride(-1) == 1:
+            packed = head.weight.detach().transpose(1, 2).contiguous()
+            head.weight = nn.Parameter(packed.transpose(1, 2), requires_grad=False)
 
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                 caches: CsmCaches) -> torch.Tensor:
@@ -196,7 +202,7 @@ class CsmTalker(nn.Module):
                                  index.first_positions[: 2 * b], index.first_lengths[: 2 * b])
         out = out.view(b, 2, -1)[:, 1]
         for k in range(1, self.num_codebooks):
-            code = pick(out @ head[k - 1], k)
+            code = pick(F.linear(out, head[k - 1].t()), k)
             codes.append(code)
             if k + 1 < self.num_codebooks:
                 x = F.embedding(code, table[k * vocab:(k + 1) * vocab])
