@@ -40,7 +40,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -83,12 +82,9 @@ def random_model(config: dict, dtype: torch.dtype, seed: int = 0) -> CsmTalker:
     return model
 
 
-def set_kernels(*, plain_kernels: bool, rms_norm: bool, rope_kv: bool, silu_mul: bool,
-                small_linear: bool) -> None:
+def set_kernels(*, plain_kernels: bool, rms_norm: bool, rope_kv: bool, silu_mul: bool) -> None:
     kernels.configure(sampler=plain_kernels, decode_attention=plain_kernels, fused_layers=True)
-    switches = (("rms_norm", rms_norm), ("rope_kv", rope_kv), ("silu_mul", silu_mul),
-                ("small_linear", small_linear))
-    for name, enabled in switches:
+    for name, enabled in (("rms_norm", rms_norm), ("rope_kv", rope_kv), ("silu_mul", silu_mul)):
         importlib.import_module(f"kernels.{name}").LATCH.configure(enabled)
 
 
@@ -134,63 +130,6 @@ def profile_replay(runner: Runner, bucket: int, top: int = 0) -> dict:
         result["top"] = [{"kernel": name, "count": len(t), "total_ms": round(sum(t) / 1e3, 3),
                           "mean_us": round(statistics.mean(t), 2)} for name, t in ranked]
     return result
-
-
-SWEEP_SHAPES = {  # (N, K) of the csm-1b products a small batch streams
-    "depth qkv": (1536, 1024), "depth o": (1024, 1024), "depth gate_up": (16384, 1024),
-    "depth down": (1024, 8192), "backbone qkv": (3072, 2048), "backbone o": (2048, 2048),
-    "backbone gate_up": (16384, 2048), "backbone down": (2048, 8192)}
-SWEEP_CONFIGS = [(bn, bk, w, st) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (4, 8)
-                 for st in (3, 4)]
-
-
-def rotating_median_us(call, weights: list[torch.Tensor], rep: int = 25) -> float:
-    """do_bench median of ``call(w)`` with w cycling through ``weights`` (more bytes than L2)."""
-    from triton.testing import do_bench
-
-    turn = iter(range(10**12))
-    return do_bench(lambda: call(weights[next(turn) % len(weights)]), warmup=5, rep=rep,
-                    return_mode="median") * 1e3
-
-
-def sweep_shape(n: int, k: int, rows: int, bandwidth: float) -> dict:
-    from kernels import small_linear
-
-    copies = max(2, -(-256 * 2**20 // (n * k * 2)))
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    ref = F.linear(x, weights[0]).double()
-    entry = {"floor_us": round(n * k * 2 / bandwidth * 1e6, 2),
-             "cublas_us": round(rotating_median_us(lambda w: F.linear(x, w), weights, rep=40), 2)}
-    best = None
-    for config in SWEEP_CONFIGS:
-        try:
-            if relative(small_linear._launch(0, x, weights[0], k, config=config), ref) > 1e-2:
-                continue
-            us = rotating_median_us(lambda w, c=config: small_linear._launch(0, x, w, k, config=c), weights)
-        except Exception:  # a configuration the compiler rejects (registers, shared memory)
-            continue
-        if best is None or us < best[0]:
-            best = (us, config)
-    default = (*small_linear.choose_blocks(n, k, torch.bfloat16), 3)
-    entry["default_config"] = list(default)
-    entry["default_us"] = round(rotating_median_us(
-        lambda w: small_linear._launch(0, x, w, k, config=default), weights), 2)
-    if best is not None:
-        entry["best_us"], entry["best_config"] = round(best[0], 2), list(best[1])
-    return entry
-
-
-def small_linear_sweep(bandwidth: float) -> dict:
-    """The small-row kernel (no prologue) over block configurations vs ``F.linear``, per csm-1b
-    product and M = 1 / 8 / 16 rows, weights rotated through more than L2 holds (do_bench median)."""
-    out = {}
-    for name, (n, k) in SWEEP_SHAPES.items():
-        for rows in (1, 8, 16):
-            out[f"{name} M={rows}"] = entry = sweep_shape(n, k, rows, bandwidth)
-            print(f"{name:18s} M={rows:2d} {entry}", flush=True)
-        torch.cuda.empty_cache()
-    return out
 
 
 def matmul_rate() -> float:
@@ -320,8 +259,8 @@ def exactness(result: dict) -> None:
         "bf16_plain_vs_fp32_plain": mismatch((torch.bfloat16, False), ref)}
 
 
-def _switches(plain: bool, norm: bool, rope: bool, silu: bool, small: bool = False) -> dict:
-    return dict(plain_kernels=plain, rms_norm=norm, rope_kv=rope, silu_mul=silu, small_linear=small)
+def _switches(plain: bool, norm: bool, rope: bool, silu: bool) -> dict:
+    return dict(plain_kernels=plain, rms_norm=norm, rope_kv=rope, silu_mul=silu)
 
 
 STAGES = [  # name, pack weights first, kernel switches
@@ -330,8 +269,7 @@ STAGES = [  # name, pack weights first, kernel switches
     ("fused structure, twins", True, _switches(True, False, False, False)),
     ("+ rms_norm kernel", True, _switches(True, True, False, False)),
     ("+ rope_kv kernel", True, _switches(True, True, True, False)),
-    ("+ silu_mul kernel", True, _switches(True, True, True, True)),
-    ("+ small_linear <= 16 rows (default)", True, _switches(True, True, True, True, True)),
+    ("+ silu_mul kernel (default)", True, _switches(True, True, True, True)),
 ]
 
 
@@ -339,7 +277,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("bench/results/talker_fusion.json"))
     parser.add_argument("--skip-exactness", action="store_true")
-    parser.add_argument("--sweep", action="store_true", help="block sizes of the small-row kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("talker_fusion.py needs a CUDA GPU")
@@ -355,8 +292,6 @@ def main() -> None:
     result["copy_bandwidth_TBps"] = round(bandwidth / 1e12, 3)
     result["bf16_matmul_TFLOPs"] = round(rate / 1e12, 1)
 
-    if args.sweep:
-        result["small_linear_sweep"] = small_linear_sweep(bandwidth)
     model = random_model(CSM_1B, torch.bfloat16)
     weight_bytes = frame_floor_bytes(model)
     floors = {}
@@ -385,7 +320,7 @@ def main() -> None:
             dst.copy_(src)
         capture_s = recapture(runner)
         entry = {"stage": name, "capture_s": round(capture_s, 2), "per_bucket": {}}
-        detail = name.startswith("plain +") or name.endswith("(default)") or name == "+ silu_mul kernel"
+        detail = name.startswith("plain +") or name.endswith("(default)")
         for b in BUCKETS:
             ms = device_ms_per_frame(runner, b)
             try:

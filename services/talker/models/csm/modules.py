@@ -12,9 +12,7 @@ a few query rows (a decode step, the depth decoder's first two positions), used 
 ``pack_weights`` has run: per layer one packed QKV product, one rotary + KV-write kernel, decode
 attention, the output product, one gate/up product, one SiLU*mul kernel and the down product,
 with each residual add folded into the next RMSNorm (nine launches a layer where the plain path
-makes about forty-five). For up to ``kernels.small_linear.MAX_ROWS`` rows the norms and the
-SiLU*mul ride in the products' prologues (six launches a layer). On the CPU the same structure
-runs the kernels' eager twins.
+makes about forty-five). On the CPU the same structure runs the kernels' eager twins.
 """
 
 from __future__ import annotations
@@ -29,8 +27,6 @@ from kernels.decode_attention import decode_attention
 from kernels.rms_norm import rms_norm, rms_norm_eager
 from kernels.rope_kv import apply_rope, rope_kv
 from kernels.silu_mul import silu_mul
-from kernels.small_linear import MAX_ROWS as SMALL_ROWS
-from kernels.small_linear import linear, norm_linear, silu_linear
 from services.talker.models.csm.config import RopeConfig, TransformerConfig
 
 
@@ -108,11 +104,11 @@ def pack_linears(*linears: nn.Linear) -> torch.Tensor:
     """Concatenates the linears' weights into one [sum(out), in] tensor and makes each weight a
     view of its rows, so one product computes them all and no memory is duplicated. Run after
     the model has its final device and dtype (``.to`` afterwards would copy the views apart)."""
-    packed = torch.cat([part.weight.detach() for part in linears])
+    packed = torch.cat([linear.weight.detach() for linear in linears])
     start = 0
-    for part in linears:
-        rows = part.weight.shape[0]
-        part.weight = nn.Parameter(packed[start:start + rows], requires_grad=False)
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(packed[start:start + rows], requires_grad=False)
         start += rows
     return packed
 
@@ -130,14 +126,15 @@ class Attention(nn.Module):
     def pack_weights(self) -> None:
         self.qkv_weight = pack_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def attend_rows(self, qkv: torch.Tensor, rotary: RotaryTable, cache: KVCache, layer: int,
-                    slots: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        # qkv: [N, (Hq + 2 Hkv) D] one query per row; slots, positions, lengths (= positions + 1):
-        # [N] int64 -> attention output before o_proj [N, Hq * D]
+    def forward_rows(self, x: torch.Tensor, rotary: RotaryTable, cache: KVCache, layer: int,
+                     slots: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        # x: [N, H] one query per row; slots, positions, lengths (= positions + 1): [N] int64
+        n = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight)  # [N, (Hq + 2 Hkv) D]
         q = rope_kv(qkv, rotary.cos, rotary.sin, positions, slots, cache.k[layer], cache.v[layer],
                     self.num_heads)
         out = decode_attention(q, cache.k[layer], cache.v[layer], slots, lengths, self.head_dim ** -0.5)
-        return out.view(qkv.shape[0], self.num_heads * self.head_dim)
+        return self.o_proj(out.view(n, self.num_heads * self.head_dim))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 layer: int, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -173,6 +170,9 @@ class MLP(nn.Module):
 
     def pack_weights(self) -> None:
         self.gate_up_weight = pack_linears(self.gate_proj, self.up_proj)
+
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -235,21 +235,9 @@ class Transformer(nn.Module):
         Same result as ``forward`` up to reduction order -> normed hidden states [N, H]."""
         eps = self.norm.eps
         residual = None
-        small = x.shape[0] <= SMALL_ROWS  # weight-streaming products with the norms folded in
         for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            if small:
-                qkv, residual = norm_linear(x, residual, layer.input_layernorm.weight, eps, attn.qkv_weight)
-            else:
-                x, residual = rms_norm(x, layer.input_layernorm.weight, eps, residual)
-                qkv = F.linear(x, attn.qkv_weight)
-            x = attn.attend_rows(qkv, self.rotary, cache, i, slots, positions, lengths)
-            x = linear(x, attn.o_proj.weight) if small else attn.o_proj(x)
-            if small:
-                gate_up, residual = norm_linear(x, residual, layer.post_attention_layernorm.weight, eps,
-                                                mlp.gate_up_weight)
-                x = silu_linear(gate_up, mlp.down_proj.weight)
-            else:
-                x, residual = rms_norm(x, layer.post_attention_layernorm.weight, eps, residual)
-                x = mlp.down_proj(silu_mul(F.linear(x, mlp.gate_up_weight)))
+            x, residual = rms_norm(x, layer.input_layernorm.weight, eps, residual)
+            x = layer.self_attn.forward_rows(x, self.rotary, cache, i, slots, positions, lengths)
+            x, residual = rms_norm(x, layer.post_attention_layernorm.weight, eps, residual)
+            x = layer.mlp.forward_rows(x)
         return rms_norm(x, self.norm.weight, eps, residual)[0]
