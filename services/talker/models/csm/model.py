@@ -118,6 +118,7 @@ class CsmTalker(nn.Module):
         self.backbone_model = Backbone(config, self.depth_decoder.model.embed_tokens)
         offsets = torch.arange(config.num_codebooks, dtype=torch.int64) * config.audio_vocab_size
         self.register_buffer("audio_offsets", offsets, persistent=False)
+        self._head_rows: torch.Tensor | None = None  # the padded codebook head, set by pack_weights
 
     # --- prompt and prefill -------------------------------------------------------------
 
@@ -159,12 +160,17 @@ class CsmTalker(nn.Module):
         and dtype. Prefill keeps the plain path either way."""
         self.backbone_model.pack_weights()
         self.depth_decoder.model.pack_weights()
-        # The head [N-1, H, V] as a view of [N-1, V, H]: each codebook's product reads its slice
-        # as a transposed weight (F.linear), which keeps the rows aligned for any V (2051 is odd).
+        # The head [N-1, H, V] as a view of [N-1, V_pad, H] with V padded to a multiple of 8 by
+        # zero rows: each codebook's product then writes aligned [B, V_pad] logits (V = 2051 is
+        # odd, which sends the library to a slow unaligned kernel), read back as [:, :V].
         head = self.depth_decoder.codebooks_head
-        if head.weight.stride(-1) == 1:
-            packed = head.weight.detach().transpose(1, 2).contiguous()
-            head.weight = nn.Parameter(packed.transpose(1, 2), requires_grad=False)
+        if self._head_rows is None:
+            n, hidden, vocab = head.weight.shape
+            rows = -(-vocab // 8) * 8
+            packed = head.weight.new_zeros(n, rows, hidden)
+            packed[:, :vocab].copy_(head.weight.detach().transpose(1, 2))
+            head.weight = nn.Parameter(packed[:, :vocab].transpose(1, 2), requires_grad=False)
+            self._head_rows = packed
 
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                 caches: CsmCaches) -> torch.Tensor:
@@ -186,7 +192,7 @@ class CsmTalker(nn.Module):
         depth = self.depth_decoder.model
         table, vocab = depth.embed_tokens.weight, self.config.audio_vocab_size
         index = caches.depth_rows
-        head = self.depth_decoder.codebooks_head.weight
+        head_rows = self._head_rows  # [N-1, V_pad, H]
 
         def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
             if logits_out is not None:
@@ -202,7 +208,7 @@ class CsmTalker(nn.Module):
                                  index.first_positions[: 2 * b], index.first_lengths[: 2 * b])
         out = out.view(b, 2, -1)[:, 1]
         for k in range(1, self.num_codebooks):
-            code = pick(F.linear(out, head[k - 1].t()), k)
+            code = pick(F.linear(out, head_rows[k - 1])[:, :vocab], k)
             codes.append(code)
             if k + 1 < self.num_codebooks:
                 x = F.embedding(code, table[k * vocab:(k + 1) * vocab])
