@@ -26,5 +26,8 @@ def configure(*, sampler: bool, decode_attention: bool, fused_layers: bool = Tru
     ``fused_layers`` switches the three fused decoder-layer kernels together."""
     switches = [("sampler", sampler), ("decode_attention", decode_attention),
                 *((name, fused_layers) for name in FUSED_LAYER_KERNELS)]
+    for name, enabled in switches:  # all checked before any is set
+        if not isinstance(enabled, bool):
+            raise TypeError(f"kernels.{name}: enabled must be a bool, got {enabled!r}")
     for name, enabled in switches:
         importlib.import_module(f"kernels.{name}").LATCH.configure(enabled)

@@ -1,9 +1,11 @@
 """The Triton kernels on a CUDA GPU: the unit tests' cases against the eager twins, a full-size
 batch, and capture + replay of each kernel in a CUDA graph equal to eager on fresh inputs copied
-into the captured buffers. Skipped without CUDA (tests/conftest.py)."""
+into the captured buffers; the tiny talker's fused frame against its plain one through the Runner
+with CUDA graphs. Skipped without CUDA (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -12,11 +14,33 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: the unit modules may pick the interpreter
     pytest.skip("needs a CUDA GPU; this machine has none", allow_module_level=True)
 
+import kernels
 from kernels import decode_attention as attention_kernel
+from kernels import rms_norm as rms_kernel
+from kernels import rope_kv as rope_kernel
 from kernels import sampler as sampler_kernel
+from kernels import silu_mul as silu_kernel
 from services.talker import sampler as twin
 from services.talker.sampler import SamplingParams
 from tests.unit.test_kernel_decode_attention import SHAPES, check, make_inputs
+from tests.unit.test_kernel_fused_layers import (
+    CACHE_LAYOUTS,
+    NAN,
+    ROPE_SHAPES,
+    RopeCase,
+    assert_frames_match,
+    check_rms_norm,
+    check_rope_kv,
+    check_silu_mul,
+    decode,
+    first_frame,
+    make_gate_up,
+    make_rms_inputs,
+    make_rope_case,
+    make_runner,
+    plain_and_fused,
+    rope_case,
+)
 from tests.unit.test_kernel_sampler import CASES, SEEDS, Case, assert_matches_twin, case_mixed_rows
 
 pytestmark = pytest.mark.gpu
@@ -143,3 +167,213 @@ def test_attention_graph_replay_equals_eager_on_new_lengths(num_splits: int):
         eager = attention_kernel.decode_attention_triton(q, k_cache, v_cache, slots, lengths, scale,
                                                           num_splits=num_splits)
         assert torch.equal(out, eager)
+
+
+# ---------------------------------------------------------------- fused-layer kernels
+
+
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "no_residual"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [1, 64, 100, 128, 1024, 2048, 3000, rms_kernel.MAX_HIDDEN])
+def test_rms_norm_on_cuda(hidden: int, dtype: torch.dtype, residual: bool):
+    # On CUDA the kernel rounds bf16 to nearest even as the twin does: h is bit-equal for every dtype.
+    for seed, rows in ((1, 1), (2, 7), (3, 256)):
+        inputs = make_rms_inputs(seed + hidden, (rows, hidden), dtype, residual=residual, device="cuda")
+        check_rms_norm(*inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_3d_and_strided_rows_on_cuda(dtype: torch.dtype):
+    check_rms_norm(*make_rms_inputs(4, (8, 2, 2048), dtype, device="cuda"))
+    x, weight, residual = make_rms_inputs(6, (33, 1000), dtype, row_pad=24, device="cuda")
+    assert x.stride(0) == 1024
+    check_rms_norm(x, weight, residual)
+
+
+@pytest.mark.parametrize("layout", CACHE_LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", list(ROPE_SHAPES))
+def test_rope_kv_on_cuda(shape: str, dtype: torch.dtype, layout: str):
+    for seed in (1, 2):
+        check_rope_kv(rope_case(shape, seed, dtype, device="cuda"), layout)
+
+
+def test_rope_kv_csm_backbone_batch_and_shared_slots_on_cuda():
+    # csm-1b's backbone (Hq 32, Hkv 8, D 64, llama3 rope) for a 64-row batch, and the depth
+    # decoder's first call for 64 rows: rows (b, 0), (b, 1) of each depth slot b.
+    case = make_rope_case(7, rows=64, num_slots=70, max_len=256, num_q_heads=32, num_kv_heads=8,
+                          head_dim=64, dtype=torch.bfloat16, rope="csm_backbone", device="cuda")
+    check_rope_kv(case, "layer")
+    cells = (torch.arange(64).repeat_interleave(2), torch.arange(2).repeat(64))
+    case = make_rope_case(8, rows=128, num_slots=64, max_len=33, num_q_heads=8, num_kv_heads=2, head_dim=128,
+                          dtype=torch.bfloat16, cells=cells, device="cuda")
+    check_rope_kv(case, "layer")
+
+
+def fresh_caches(case: RopeCase) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(torch.full(case.cache_shape, NAN, dtype=case.qkv.dtype, device="cuda") for _ in range(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", list(ROPE_SHAPES))
+def test_rope_kv_16bit_rounds_as_the_twin_on_cuda(shape: str, dtype: torch.dtype):
+    # The module's claim: cos, sin, each product and the sum rounded where the twin rounds them, so
+    # 16-bit q and the cache writes are bit-equal to the twin's on the GPU.
+    case = rope_case(shape, 9, dtype, device="cuda")
+    k_kernel, v_kernel = fresh_caches(case)
+    k_twin, v_twin = fresh_caches(case)
+    q = rope_kernel.rope_kv_triton(*case.args(k_kernel, v_kernel))
+    q_twin = rope_kernel.rope_kv_eager(*case.args(k_twin, v_twin))
+    assert torch.equal(q, q_twin)
+    for got, want in ((k_kernel, k_twin), (v_kernel, v_twin)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inter", [1, 100, 1500, 4096, 8192])
+def test_silu_mul_on_cuda(inter: int, dtype: torch.dtype):
+    for seed, rows in ((1, 1), (2, 5), (3, 130)):
+        check_silu_mul(make_gate_up(seed + inter, rows, inter, dtype, device="cuda"))
+    check_silu_mul(make_gate_up(4 + inter, 3, inter, dtype, row_pad=40, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_mul_16bit_rounds_as_the_twin_on_cuda(dtype: torch.dtype):
+    # libdevice's exp and a correctly rounded division, SiLU rounded to the dtype, then the product:
+    # what F.silu(gate) * up computes on the GPU, bit for bit.
+    gate_up = make_gate_up(10, 64, 8192, dtype, device="cuda")
+    assert torch.equal(silu_kernel.silu_mul_triton(gate_up), silu_kernel.silu_mul_eager(gate_up))
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "rope_kv", "silu_mul"])
+def test_fused_layer_drop_ins_run_their_kernels_on_cuda(name: str, monkeypatch):
+    module = {"rms_norm": rms_kernel, "rope_kv": rope_kernel, "silu_mul": silu_kernel}[name]
+    calls = []
+    launcher = getattr(module, f"{name}_triton")
+    monkeypatch.setattr(module, f"{name}_triton", lambda *a: calls.append(1) or launcher(*a))
+    if name == "rms_norm":
+        x, weight, residual = make_rms_inputs(11, (4, 2048), torch.bfloat16, device="cuda")
+        (out, h), (want_out, want_h) = (rms_kernel.rms_norm(x, weight, 1e-5, residual),
+                                        rms_kernel.rms_norm_eager(x, weight, 1e-5, residual))
+        assert torch.equal(h, want_h)
+        torch.testing.assert_close(out, want_out)
+    elif name == "rope_kv":
+        case = rope_case("csm_backbone", 12, torch.bfloat16, device="cuda")
+        assert torch.equal(rope_kernel.rope_kv(*case.args(*fresh_caches(case))),
+                           rope_kernel.rope_kv_eager(*case.args(*fresh_caches(case))))
+    else:
+        gate_up = make_gate_up(13, 4, 8192, torch.bfloat16, device="cuda")
+        assert torch.equal(silu_kernel.silu_mul(gate_up), silu_kernel.silu_mul_eager(gate_up))
+    assert calls == [1] and module.LATCH.active
+
+
+@pytest.mark.parametrize("entry", ["launcher", "drop_in"])
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "no_residual"])
+def test_rms_norm_graph_replay_equals_eager_on_new_inputs(residual: bool, entry: str):
+    x, weight, res = make_rms_inputs(20, (16, 2048), torch.bfloat16, residual=residual, device="cuda")
+    fn = rms_kernel.rms_norm_triton if entry == "launcher" else rms_kernel.rms_norm
+    graph, (out, h) = capture(lambda: fn(x, weight, 1e-5, res))
+    assert rms_kernel.LATCH.active
+    if not residual:
+        assert h is x
+    for seed in (21, 22, 23):  # fresh values copied into the captured buffers
+        fresh_x, _, fresh_res = make_rms_inputs(seed, (16, 2048), torch.bfloat16, residual=residual,
+                                                device="cuda")
+        x.copy_(fresh_x)
+        if residual:
+            res.copy_(fresh_res)
+            h.fill_(NAN)
+        out.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_out, want_h = rms_kernel.rms_norm_triton(x, weight, 1e-5, res)
+        assert torch.equal(out, want_out) and torch.equal(h, want_h)
+        assert torch.equal(h, rms_kernel.rms_norm_eager(x, weight, 1e-5, res)[1])
+
+
+@pytest.mark.parametrize("entry", ["launcher", "drop_in"])
+def test_rope_kv_graph_replay_equals_eager_on_new_inputs(entry: str):
+    shape = dict(rows=16, num_slots=20, max_len=128, num_q_heads=32, num_kv_heads=8, head_dim=64,
+                 dtype=torch.bfloat16, rope="csm_backbone", device="cuda")
+    static = make_rope_case(24, **shape)
+    k_cache, v_cache = fresh_caches(static)
+    fn = rope_kernel.rope_kv_triton if entry == "launcher" else rope_kernel.rope_kv
+    graph, q = capture(lambda: fn(*static.args(k_cache, v_cache)))
+    assert rope_kernel.LATCH.active
+    for seed in (25, 26, 27):  # new rows, positions and slots; the graph follows
+        fresh = make_rope_case(seed, **shape)
+        static.qkv.copy_(fresh.qkv)
+        static.positions.copy_(fresh.positions)
+        static.slots.copy_(fresh.slots)
+        k_cache.fill_(NAN)
+        v_cache.fill_(NAN)
+        q.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        k_want, v_want = fresh_caches(static)
+        assert torch.equal(q, rope_kernel.rope_kv_triton(*static.args(k_want, v_want)))
+        for got, want in ((k_cache, k_want), (v_cache, v_want)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        k_twin, v_twin = fresh_caches(static)
+        torch.testing.assert_close(q, rope_kernel.rope_kv_eager(*static.args(k_twin, v_twin)))
+        torch.testing.assert_close(k_cache, k_twin, equal_nan=True)
+
+
+@pytest.mark.parametrize("entry", ["launcher", "drop_in"])
+def test_silu_mul_graph_replay_equals_eager_on_new_inputs(entry: str):
+    gate_up = make_gate_up(28, 16, 8192, torch.bfloat16, device="cuda")
+    fn = silu_kernel.silu_mul_triton if entry == "launcher" else silu_kernel.silu_mul
+    graph, out = capture(lambda: fn(gate_up))
+    assert silu_kernel.LATCH.active
+    for seed in (29, 30, 31):
+        gate_up.copy_(make_gate_up(seed, 16, 8192, torch.bfloat16, device="cuda"))
+        out.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, silu_kernel.silu_mul_triton(gate_up))
+        torch.testing.assert_close(out, silu_kernel.silu_mul_eager(gate_up))
+
+
+# ---------------------------------------------------------------- the tiny talker's fused frame
+
+GRAPH_BUCKETS = (1, 2, 4, 8)
+FUSED_FRAME_KERNELS = (*kernels.FUSED_LAYER_KERNELS, "decode_attention")
+
+
+@pytest.fixture(scope="module")
+def cuda_runners():
+    """Runners with CUDA graphs for every bucket over the plain and the packed tiny talker in fp32
+    (moved to the GPU before pack_weights). The captures compile the kernels in their warm-up:
+    each fused-layer launcher and decode attention must have run, and no latch tripped (a tripped
+    latch would have put the twin into the graphs)."""
+    modules = {name: importlib.import_module(f"kernels.{name}") for name in FUSED_FRAME_KERNELS}
+    launches: dict[str, int] = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, module in modules.items():
+            launcher = getattr(module, f"{name}_triton")
+
+            def counted(*args, _real=launcher, _name=name, **kwargs):
+                launches[_name] = launches.get(_name, 0) + 1
+                return _real(*args, **kwargs)
+
+            patch.setattr(module, f"{name}_triton", counted)
+        plain, fused = plain_and_fused("cuda")
+        runners = (make_runner(plain, GRAPH_BUCKETS, use_graphs=True),
+                   make_runner(fused, GRAPH_BUCKETS, use_graphs=True))
+    assert set(launches) == set(FUSED_FRAME_KERNELS), launches
+    assert all(modules[name].LATCH.failure is None for name in FUSED_FRAME_KERNELS)
+    for runner in runners:
+        assert sorted(runner.graphs) == list(GRAPH_BUCKETS)
+    return runners
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 8])  # every bucket, and two padded ones
+def test_fused_frames_in_cuda_graphs_equal_the_plain_model(cuda_runners, rows: int):
+    plain, fused = cuda_runners
+    want = decode(plain, rows, 4)
+    decode(fused, rows, 4).assert_matches(want)  # codes equal, state within fp32 noise
+
+
+def test_fused_frame_logits_equal_the_plain_model_on_cuda():
+    plain, fused = plain_and_fused("cuda")
+    assert_frames_match(first_frame(fused, 4), first_frame(plain, 4))
