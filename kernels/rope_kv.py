@@ -29,6 +29,25 @@ LATCH = KernelLatch("rope_kv")
 
 
 @triton.jit
+def _round_to(x, dtype: tl.constexpr, OPAQUE: tl.constexpr):
+    """fp32 x rounded to ``dtype`` (to nearest even) and widened back. A plain ``.to(dtype).to(fp32)``
+    pair is not safe here: on the H200 the compiler dropped one product's pair and fused it into the
+    sum (an fma), off by an ulp from the twin in ~15% of outputs. The PTX conversions in inline
+    assembly cannot be folded (OPAQUE, on CUDA); the interpreter has no such pass."""
+    if dtype == tl.float32:
+        return x
+    elif OPAQUE:
+        if dtype == tl.bfloat16:
+            return tl.inline_asm_elementwise("{ .reg .b16 t; cvt.rn.bf16.f32 t, $1; cvt.f32.bf16 $0, t; }",
+                                             "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("{ .reg .b16 t; cvt.rn.f16.f32 t, $1; cvt.f32.f16 $0, t; }",
+                                             "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rope_kv_kernel(
     qkv_ptr, stride_row,  # [N, (Hq + 2 Hkv) * D]
     cos_ptr, sin_ptr, stride_table,  # [max_len, D] (fp32 as RotaryTable keeps them)
@@ -37,7 +56,7 @@ def _rope_kv_kernel(
     k_ptr, stride_ks, stride_kl, stride_kh,  # [num_slots, max_len, Hkv, D]
     v_ptr, stride_vs, stride_vl, stride_vh,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr,
-    HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, OPAQUE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row)
@@ -50,13 +69,15 @@ def _rope_kv_kernel(
     x1 = tl.load(src, mask=valid, other=0.0).to(tl.float32)  # first half of each head
     x2 = tl.load(src + HALF, mask=valid, other=0.0).to(tl.float32)
     table = pos * stride_table + j
-    c1 = tl.load(cos_ptr + table, mask=j < HALF, other=0.0).to(dtype).to(tl.float32)[None, :]
-    c2 = tl.load(cos_ptr + table + HALF, mask=j < HALF, other=0.0).to(dtype).to(tl.float32)[None, :]
-    s1 = tl.load(sin_ptr + table, mask=j < HALF, other=0.0).to(dtype).to(tl.float32)[None, :]
-    s2 = tl.load(sin_ptr + table + HALF, mask=j < HALF, other=0.0).to(dtype).to(tl.float32)[None, :]
+    c1 = _round_to(tl.load(cos_ptr + table, mask=j < HALF, other=0.0).to(tl.float32), dtype, OPAQUE)[None, :]
+    c2 = _round_to(tl.load(cos_ptr + table + HALF, mask=j < HALF, other=0.0).to(tl.float32), dtype,
+                   OPAQUE)[None, :]
+    s1 = _round_to(tl.load(sin_ptr + table, mask=j < HALF, other=0.0).to(tl.float32), dtype, OPAQUE)[None, :]
+    s2 = _round_to(tl.load(sin_ptr + table + HALF, mask=j < HALF, other=0.0).to(tl.float32), dtype,
+                   OPAQUE)[None, :]
     # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); each product rounded, then the sum
-    r1 = ((x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)).to(dtype)
-    r2 = ((x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)).to(dtype)
+    r1 = (_round_to(x1 * c1, dtype, OPAQUE) + _round_to(-x2 * s1, dtype, OPAQUE)).to(dtype)
+    r2 = (_round_to(x2 * c2, dtype, OPAQUE) + _round_to(x1 * s2, dtype, OPAQUE)).to(dtype)
 
     is_q = (h < NUM_Q)[:, None] & valid
     dst = q_ptr + row * stride_qn + h[:, None] * stride_qh + j[None, :]
@@ -148,7 +169,8 @@ def rope_kv_triton(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.
             k_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             NUM_Q=num_q_heads, NUM_KV=num_kv_heads, HALF=head_dim // 2,
-            HEADS_PAD=heads_pad, HALF_PAD=half_pad, num_warps=4 if heads_pad * half_pad <= 4096 else 8,
+            HEADS_PAD=heads_pad, HALF_PAD=half_pad, OPAQUE=qkv.is_cuda and not triton.knobs.runtime.interpret,
+            num_warps=4 if heads_pad * half_pad <= 4096 else 8,
         )
     return q
 
