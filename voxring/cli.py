@@ -1,7 +1,8 @@
 """The ``voxring`` command: run a local stack and talk to a server.
 
 ``up``, ``down``, ``status`` and ``demo`` run the local stack; ``say``, ``voices`` and
-``bench`` use a server's public API.
+``bench`` use a server's public API (with ``--token-file`` and ``--tls-ca`` for a gateway
+that wants them); ``health`` asks a service's gRPC health (for container probes).
 
 Imports neither torch nor the engines. grpc is imported only by the commands that talk
 to a server (``voxring.client`` is loaded inside them): ``up`` spawns processes, and a
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import struct
 import sys
 import time
@@ -22,6 +24,7 @@ from voxring.errors import VoxringError
 from voxring.stack import STAGES, Stack, StackError, find_root
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+TOKEN_FILE_ENV = "VOXRING_TOKEN_FILE"  # the default of --token-file
 _FORMATS = {"wav": "wav", "pcm": "pcm", "ogg": "ogg_opus"}  # --format -> SDK encoding
 _UNKNOWN_SIZE = 0xFFFFFFFF  # a streaming WAV header's RIFF and data sizes
 
@@ -120,6 +123,52 @@ def fix_wav_sizes(path: Path) -> bool:
         return changed
 
 
+class _UsageError(Exception):
+    """A bad option value (an unreadable file); the command exits 2 with the message."""
+
+
+def _tls_options(args: argparse.Namespace) -> dict:
+    """The TLS arguments of a client from --tls, --tls-ca and --tls-server-name."""
+    roots = None
+    if args.tls_ca is not None:
+        try:
+            roots = args.tls_ca.read_bytes()
+        except OSError as exc:
+            raise _UsageError(f"--tls-ca {args.tls_ca}: cannot read: {exc.strerror or exc}") from None
+        if b"-----BEGIN CERTIFICATE-----" not in roots:
+            raise _UsageError(f"--tls-ca {args.tls_ca}: holds no PEM certificate")
+    tls = bool(args.tls or roots is not None)
+    if args.tls_server_name is not None and not tls:
+        raise _UsageError("--tls-server-name: needs --tls or --tls-ca")
+    return {"tls": tls, "root_certificates": roots, "tls_server_name": args.tls_server_name}
+
+
+def _read_token(args: argparse.Namespace) -> str | None:
+    """The bearer token from --token-file, else from the file $VOXRING_TOKEN_FILE names.
+    Messages name the option or the variable, never the token."""
+    path, source = args.token_file, "--token-file"
+    if path is None and os.environ.get(TOKEN_FILE_ENV):
+        path, source = Path(os.environ[TOKEN_FILE_ENV]), f"${TOKEN_FILE_ENV}"
+    if path is None:
+        return None
+    try:
+        token = path.read_bytes().decode("ascii").strip()
+    except OSError as exc:
+        raise _UsageError(f"{source} {path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise _UsageError(f"{source} {path}: the token must be printable ASCII") from None
+    if not token:
+        raise _UsageError(f"{source} {path}: the file is empty; it must hold the bearer token")
+    if not all("!" <= ch <= "~" for ch in token):
+        raise _UsageError(f"{source} {path}: the token must be one word of printable ASCII")
+    return token
+
+
+def _connection(args: argparse.Namespace) -> dict:
+    """The Client keyword arguments for the gateway: token and TLS."""
+    return {"token": _read_token(args), **_tls_options(args)}
+
+
 def _say_streaming(client, args: argparse.Namespace, options: dict):
     """Writes the chunks as they arrive; a request refused before its first chunk leaves
     no file, and a stream that fails later removes what it wrote."""
@@ -144,7 +193,12 @@ def cmd_say(args: argparse.Namespace) -> int:
     options = {"voice": args.voice, "seed": args.seed, "encoding": _FORMATS[args.format],
                "sample_rate_hz": args.rate, "language_code": args.language}
     try:
-        with Client(args.target) as client:
+        connection = _connection(args)
+    except _UsageError as exc:
+        print(f"voxring say: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with Client(args.target, **connection) as client:
             if args.stream:
                 result, first_audio_s, wrote = _say_streaming(client, args, options)
             else:
@@ -186,7 +240,12 @@ def cmd_voices(args: argparse.Namespace) -> int:
     from voxring.client import Client
 
     try:
-        with Client(args.target, timeout=args.timeout) as client:
+        connection = _connection(args)
+    except _UsageError as exc:
+        print(f"voxring voices: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with Client(args.target, timeout=args.timeout, **connection) as client:
             voices = client.voices()
     except VoxringError as exc:
         print(f"voxring voices: {exc.describe()}", file=sys.stderr)
@@ -204,10 +263,15 @@ def cmd_voices(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from voxring.loadgen import DEFAULT_TEXT, BenchConfig, format_report, run
 
+    try:
+        connection = _connection(args)
+    except _UsageError as exc:
+        print(f"voxring bench: {exc}", file=sys.stderr)
+        return 2
     config = BenchConfig(target=args.target, num_requests=args.requests,
                          concurrency=args.concurrency, text=args.text or DEFAULT_TEXT, seed=args.seed,
                          voice=args.voice, request_timeout_s=args.timeout,
-                         max_total_s=args.max_time)
+                         max_total_s=args.max_time, **connection)
     try:
         report = run(config)
     except VoxringError as exc:
@@ -215,6 +279,45 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     return 1 if report.errors else 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Asks ADDRESS's standard gRPC health service (no token needed): prints the status
+    and exits 0 for SERVING, else prints the status or the error and exits 1."""
+    try:
+        tls = _tls_options(args)
+    except _UsageError as exc:
+        print(f"voxring health: {exc}", file=sys.stderr)
+        return 2
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from voxring.client import channel_security
+
+    credentials, options = channel_security(**tls)
+    channel = (grpc.insecure_channel(args.address, options=options) if credentials is None
+               else grpc.secure_channel(args.address, credentials, options=options))
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"voxring health: {args.address}: {exc.code().name}: {exc.details()}",
+                  file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _add_tls_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls", action="store_true",
+                        help="connect with TLS, trusting the system's root certificates")
+    parser.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
+                        help="connect with TLS, trusting the CA certificates in this PEM file")
+    parser.add_argument("--tls-server-name", default=None, metavar="NAME",
+                        help="the name the server's certificate must carry, when it is not "
+                             "the address's host")
 
 
 def _positive(kind):
@@ -266,6 +369,22 @@ def _add_client_commands(sub) -> None:
     for parser in (say, voices, bench):
         parser.add_argument("--target", default=DEFAULT_TARGET,
                             help=f"the gateway, HOST:PORT or unix:PATH (default {DEFAULT_TARGET})")
+        parser.add_argument("--token-file", type=Path, default=None, metavar="PATH",
+                            help=f"a file holding the gateway's bearer token (default: the "
+                                 f"file ${TOKEN_FILE_ENV} names, if set)")
+        _add_tls_options(parser)
+
+    health = sub.add_parser("health", help="check a service's gRPC health (container probes)",
+                            description="Ask ADDRESS's standard gRPC health service. Prints the "
+                                        "status; exits 0 when SERVING, 1 otherwise (or when it "
+                                        "cannot be reached in time). Needs no token.")
+    health.set_defaults(fn=cmd_health)
+    health.add_argument("address", metavar="ADDRESS", help="HOST:PORT or unix:PATH")
+    health.add_argument("--service", default="",
+                        help="a service name, e.g. voxring.v1.Synthesizer (default: the server "
+                             "as a whole)")
+    health.add_argument("--timeout", type=_positive(float), default=2.0, help="deadline, seconds")
+    _add_tls_options(health)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,11 @@ and ``AsyncClient`` (``grpc.aio``) with the same methods.
             play(chunk.audio)
         print(stream.result.finish_reason, stream.result.usage)
 
+A gateway with TLS and a bearer token (``auth.token_file``) is reached with
+``Client(target, token=..., root_certificates=ca_pem)`` (``tls=True`` alone trusts the
+system's roots; ``tls_server_name`` checks the certificate against another name than the
+target's host, for test certificates).
+
 ``synthesize`` and ``stream`` take the options of :func:`build_request`; only the
 optional request fields a caller passes are set on the wire (an unset one takes the
 server's default). Every gRPC error leaves as a typed :mod:`voxring.errors` error. A
@@ -41,6 +46,41 @@ _ENCODING_NAMES = {pb.ENCODING_UNSPECIFIED: "pcm", pb.LINEAR_PCM: "pcm", pb.WAV:
                    pb.OGG_OPUS: "ogg_opus"}
 
 Metadata = Sequence[tuple[str, str]]
+AUTHORIZATION_METADATA = "authorization"
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata that carries ``token`` (none for None). Raises ValueError for a token
+    a metadata value cannot carry (empty, or anything but printable ASCII without spaces)."""
+    if token is None:
+        return ()
+    if not isinstance(token, str) or not token or not all("!" <= ch <= "~" for ch in token):
+        raise ValueError("token: must be a non-empty string of printable ASCII without spaces "
+                         "(strip the newline of a token file)")
+    return ((AUTHORIZATION_METADATA, f"Bearer {token}"),)
+
+
+def channel_security(tls: bool | None = None, root_certificates: bytes | None = None,
+                     tls_server_name: str | None = None,
+                     ) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, str]]]:
+    """(credentials, channel options) for a channel: ``None`` credentials for plaintext.
+
+    ``tls``: None means TLS exactly when ``root_certificates`` (PEM bytes of the CAs to
+    trust) is given; True with no roots trusts the system's. ``tls_server_name``: the name
+    the server's certificate must carry when it is not the target's host (TLS only)."""
+    if root_certificates is not None and not isinstance(root_certificates, bytes):
+        raise TypeError(f"root_certificates: expected PEM bytes, got {type(root_certificates).__name__}")
+    if tls is None:
+        tls = root_certificates is not None
+    if not tls:
+        if root_certificates is not None or tls_server_name is not None:
+            given = "root_certificates" if root_certificates is not None else "tls_server_name"
+            raise ValueError(f"{given}: needs TLS, but tls=False")
+        return None, []
+    if tls_server_name is not None and not tls_server_name:
+        raise ValueError("tls_server_name: must not be empty")
+    options = [] if tls_server_name is None else [("grpc.ssl_target_name_override", tls_server_name)]
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates), options
 
 
 class SynthesisOptions(TypedDict, total=False):
@@ -306,10 +346,22 @@ class _LoopHold:
 
 
 class _ClientBase:
-    def __init__(self, target: str, timeout: float | None, metadata: Metadata | None) -> None:
+    def __init__(self, target: str, timeout: float | None, metadata: Metadata | None,
+                 token: str | None, tls: bool | None, root_certificates: bytes | None,
+                 tls_server_name: str | None) -> None:
+        metadata = tuple(metadata or ())
+        if token is not None and any(key.lower() == AUTHORIZATION_METADATA for key, _ in metadata):
+            raise ValueError("metadata: already has 'authorization'; pass token= or that "
+                             "metadata, not both")
         self.target = target
         self.timeout = timeout  # default deadline of every call, seconds; None: none
-        self.metadata = tuple(metadata or ())  # sent with every call
+        self.metadata = metadata + bearer_metadata(token)  # sent with every call
+        self._credentials, options = channel_security(tls, root_certificates, tls_server_name)
+        self._channel_options = [*_CHANNEL_OPTIONS, *options]
+        self.tls = self._credentials is not None
+
+    def __repr__(self) -> str:  # never shows the token
+        return f"{type(self).__name__}(target={self.target!r}, tls={self.tls})"
 
     def _call_args(self, timeout: float | None) -> dict:
         return {"timeout": self.timeout if timeout is None else timeout, "metadata": self.metadata}
@@ -317,12 +369,21 @@ class _ClientBase:
 
 class Client(_ClientBase):
     """A blocking client; ``timeout`` is the default deadline of every call (seconds),
-    ``metadata`` is sent with every call. Close it, or use it as a context manager."""
+    ``metadata`` is sent with every call. ``token``: the gateway's bearer token, sent as
+    ``authorization: Bearer <token>`` with every call (use TLS off loopback).
+    ``root_certificates`` (PEM bytes), ``tls``, ``tls_server_name``: see
+    :func:`channel_security`. Close it, or use it as a context manager."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
-                 metadata: Metadata | None = None) -> None:
-        super().__init__(target, timeout, metadata)
-        self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+                 metadata: Metadata | None = None, token: str | None = None,
+                 tls: bool | None = None, root_certificates: bytes | None = None,
+                 tls_server_name: str | None = None) -> None:
+        super().__init__(target, timeout, metadata, token, tls, root_certificates, tls_server_name)
+        if self._credentials is None:
+            self._channel = grpc.insecure_channel(target, options=self._channel_options)
+        else:
+            self._channel = grpc.secure_channel(target, self._credentials,
+                                                options=self._channel_options)
         self._stub = synthesizer_pb2_grpc.SynthesizerStub(self._channel)
 
     def synthesize(self, text: str, *, timeout: float | None = None,
@@ -360,13 +421,20 @@ class Client(_ClientBase):
 
 class AsyncClient(_ClientBase):
     """The ``grpc.aio`` client: the methods of :class:`Client`, awaited (``stream``
-    returns an :class:`AsyncSynthesisStream` to ``async for`` over). Create it in the
-    event loop that uses it; ``await close()`` it or use ``async with``."""
+    returns an :class:`AsyncSynthesisStream` to ``async for`` over), with the same
+    ``token`` and TLS arguments. Create it in the event loop that uses it; ``await
+    close()`` it or use ``async with``."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
-                 metadata: Metadata | None = None) -> None:
-        super().__init__(target, timeout, metadata)
-        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+                 metadata: Metadata | None = None, token: str | None = None,
+                 tls: bool | None = None, root_certificates: bytes | None = None,
+                 tls_server_name: str | None = None) -> None:
+        super().__init__(target, timeout, metadata, token, tls, root_certificates, tls_server_name)
+        if self._credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=self._channel_options)
+        else:
+            self._channel = grpc.aio.secure_channel(target, self._credentials,
+                                                    options=self._channel_options)
         self._stub = synthesizer_pb2_grpc.SynthesizerStub(self._channel)
 
     async def synthesize(self, text: str, *, timeout: float | None = None,

@@ -102,6 +102,12 @@ class Unavailable(_Coded):
     CODE = "UNAVAILABLE"
 
 
+class Unauthenticated(_Coded):
+    """The server wants a bearer token (``token=``) and got none, or another one."""
+
+    CODE = "UNAUTHENTICATED"
+
+
 class InternalError(_Coded):
     """The server failed on this request (or answered against the protocol)."""
 
@@ -110,7 +116,7 @@ class InternalError(_Coded):
 
 _BY_CODE: dict[str, type[_Coded]] = {cls.CODE: cls for cls in (
     InvalidArgument, AlreadyExists, ResourceExhausted, Cancelled, DeadlineExceeded,
-    Unavailable, InternalError)}
+    Unavailable, Unauthenticated, InternalError)}
 
 
 def _metadata_value(metadata: Iterable[Any] | None, key: str) -> str | None:

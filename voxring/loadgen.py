@@ -39,6 +39,11 @@ class BenchConfig:
     voice: str | None = None
     request_timeout_s: float = 60.0   # deadline of each request
     max_total_s: float = 600.0        # bound on the whole run
+    # How to reach the gateway (see voxring.client.Client): bearer token and TLS.
+    token: str | None = field(default=None, repr=False)
+    tls: bool | None = None
+    root_certificates: bytes | None = field(default=None, repr=False)
+    tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -160,7 +165,9 @@ async def _one_request(client: AsyncClient, config: BenchConfig, trace: RequestT
 async def run_bench(config: BenchConfig) -> BenchReport:
     """Runs the load; ListVoices first connects the channel (and fails fast, with a typed
     error, when no server answers)."""
-    async with AsyncClient(config.target) as client:
+    async with AsyncClient(config.target, token=config.token, tls=config.tls,
+                           root_certificates=config.root_certificates,
+                           tls_server_name=config.tls_server_name) as client:
         await client.voices(timeout=min(10.0, config.max_total_s))
         traces: list[RequestTrace] = []
 

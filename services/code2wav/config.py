@@ -7,11 +7,17 @@ from dataclasses import dataclass, field
 from services.common.config import ConfigValueError
 from services.common.frame_transport import TransportSection
 from services.common.metrics import MetricsSection
-from services.common.sections import ChunkSection, LoggingSection, ModelSection, ServerSection, parse_listen
+from services.common.sections import (
+    ChunkSection,
+    InternalServerSection,
+    LoggingSection,
+    ModelSection,
+    parse_listen,
+)
 
 
 @dataclass(frozen=True)
-class Code2WavServerSection(ServerSection):
+class Code2WavServerSection(InternalServerSection):
     listen: str = "127.0.0.1:50053"  # internal: loopback or a unix socket
 
 

@@ -3,7 +3,9 @@
 A stage builds its servicers and hands them to :class:`ServiceHost`, which
 
 - serves them on ``server.listen`` with the standard health service (overall status
-  and one per service) and server reflection;
+  and one per service) and server reflection; over TLS when ``server.tls_cert`` and
+  ``server.tls_key`` are set (read and checked when the host is made);
+- runs the stage's own interceptors (the gateway's bearer-token check) outermost;
 - maps :class:`~services.common.errors.ServiceError` to status codes in one
   interceptor, tags each RPC's log lines with its request id, and counts calls in
   flight;
@@ -37,7 +39,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.errors import ServiceError
 from services.common.log import request_context, request_id_var
 from services.common.metrics import RPC_ERRORS
-from services.common.sections import ServerSection, is_loopback
+from services.common.sections import ServerSection, is_loopback, read_tls_files
 
 log = logging.getLogger(__name__)
 
@@ -227,14 +229,22 @@ class ServiceHost:
         ready_file: str | os.PathLike[str] | None = None,
         drain_exempt: Sequence[str] = (),
         on_bound: Callable[[str], None] | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         """``drain_exempt``: full method names ("/pkg.Service/Method") still answered
         while draining (e.g. Cancel), without being counted as work in flight.
-        ``on_bound``: called with the bound address before the server starts."""
+        ``on_bound``: called with the bound address before the server starts.
+        ``interceptors``: run before the host's own one, in order (the first is the
+        outermost), so a call they refuse is never counted as work in flight.
+
+        Raises :class:`~services.common.config.ConfigError` (naming ``server.tls_cert``
+        or ``server.tls_key``) when TLS is configured and its files are unusable."""
         self.stage = stage
         self.drain_exempt = frozenset(drain_exempt)
         self.on_bound = on_bound
+        self.interceptors = list(interceptors)
         self.config = config
+        self._tls = read_tls_files(config)  # (private key, certificate chain) PEM, or None
         self.services = list(services)
         self.components = list(components)
         self.ready_file = Path(ready_file) if ready_file else None
@@ -248,7 +258,7 @@ class ServiceHost:
         tracker = _CallTracker()
         limit = self.config.max_message_mb * 1024 * 1024
         server = grpc.aio.server(
-            interceptors=[_Interceptor(tracker, self.drain_exempt)],
+            interceptors=[*self.interceptors, _Interceptor(tracker, self.drain_exempt)],
             options=[("grpc.max_receive_message_length", limit),
                      ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0)],
@@ -270,7 +280,8 @@ class ServiceHost:
         await server.start()
         for name in ("", *names):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s on %s", ", ".join(names) or "health only", self.address)
+        log.info("serving %s on %s%s", ", ".join(names) or "health only", self.address,
+                 " (TLS)" if self._tls else "")
         self._write_ready_file()
         try:
             await self._stop.wait()
@@ -285,7 +296,8 @@ class ServiceHost:
     def _bind(self, server: grpc.aio.Server) -> str:
         listen = self.config.listen
         if not is_loopback(listen):
-            log.warning("listening on non-loopback address %s", listen)
+            log.warning("listening on non-loopback address %s%s", listen,
+                        "" if self._tls else " without TLS (server.tls_cert/tls_key)")
         if listen.startswith("unix:"):
             path = Path(listen[len("unix:"):].removeprefix("//"))
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -299,10 +311,12 @@ class ServiceHost:
         host = listen.rpartition(":")[0]
         return f"{host}:{port}"
 
-    @staticmethod
-    def _add_port(server: grpc.aio.Server, listen: str) -> int:
+    def _add_port(self, server: grpc.aio.Server, listen: str) -> int:
         try:
-            port = server.add_insecure_port(listen)
+            if self._tls is None:
+                port = server.add_insecure_port(listen)
+            else:
+                port = server.add_secure_port(listen, grpc.ssl_server_credentials([self._tls]))
         except RuntimeError:  # grpc's way of saying the bind failed
             port = 0
         if port == 0:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from services.common.config import ConfigError, load_config
 from services.common.log import configure_logging
 from services.common.metrics import serve as serve_metrics
+from services.common.sections import read_tls_files
 from services.common.server import ServiceHost
 
 C = TypeVar("C")
@@ -37,17 +38,19 @@ def run_stage(stage: str, config_cls: type[C], build: Builder, argv: list[str] |
     args = parser.parse_args(argv)
     try:
         config = load_config(config_cls, args.config, stage)
+        read_tls_files(config.server)  # before build, which may load a model: fail fast
     except ConfigError as exc:
         print(f"voxring {stage}: config error: {exc}", file=sys.stderr)
         return 2
     configure_logging(stage, config.logging.level, config.logging.json)
     try:
         built = build(config, args.config)
+        services, components, options = (*built, {}) if len(built) == 2 else built
+        # Reads and checks server.tls_cert / server.tls_key when they are set.
+        host = ServiceHost(stage, config.server, services, components, args.ready_file, **options)
     except ConfigError as exc:
         print(f"voxring {stage}: config error: {exc}", file=sys.stderr)
         return 2
-    services, components, options = (*built, {}) if len(built) == 2 else built
-    host = ServiceHost(stage, config.server, services, components, args.ready_file, **options)
     try:
         host.metrics_address = serve_metrics(config.metrics)
     except OSError as exc:

@@ -2,35 +2,52 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
 from services.common import metrics
+from services.common.auth import BearerTokenInterceptor, read_token_file
 from services.common.server import ServiceBinding
 from services.common.stage import run_stage
 from services.gateway.config import GatewayConfig
+from services.gateway.discovery import PairDiscovery
 from services.gateway.engines import EnginePair, Router
 from services.gateway.pipeline import SynthesisPipeline
 from services.gateway.servicer import SynthesizerServicer
 from services.gateway.voices import VoiceCatalog
 from voxring.v1 import synthesizer_pb2, synthesizer_pb2_grpc
 
+log = logging.getLogger("services.gateway")
+
 
 def build(config: GatewayConfig, config_path: Path | None):
+    base = config_path.parent if config_path is not None else Path.cwd()
+    options = {}
+    if config.auth.token_file is not None:
+        token_path = base / config.auth.token_file
+        token = read_token_file(token_path, "auth.token_file")
+        options["interceptors"] = [BearerTokenInterceptor(token)]
+        log.info("bearer-token authentication on (token from %s); health is exempt", token_path)
     if config.voices.file is None:
         voices = VoiceCatalog.builtin()
     else:
-        base = config_path.parent if config_path is not None else Path.cwd()
         voices = VoiceCatalog.load(base / config.voices.file)
-    pairs = [EnginePair(f"pair-{i}", p.talker, p.code2wav, p.talker_id, p.consumer_id)
-             for i, p in enumerate(config.engines.pairs)]
-    pipeline = SynthesisPipeline(config, Router(pairs), voices)
+    discovery = config.engines.discovery
+    if discovery is None:
+        router = Router([EnginePair(f"pair-{i}", p.talker, p.code2wav, p.talker_id, p.consumer_id)
+                         for i, p in enumerate(config.engines.pairs)])
+        components = []
+    else:  # the pairs come from DNS, resolved in the server's loop while it runs
+        router = Router([], source=discovery.service)
+        components = [PairDiscovery(discovery, router)]
+    pipeline = SynthesisPipeline(config, router, voices)
     metrics.register(pipeline.metrics)
     servicer = SynthesizerServicer(config, voices, pipeline)
     name = synthesizer_pb2.DESCRIPTOR.services_by_name["Synthesizer"].full_name
     binding = ServiceBinding(name, synthesizer_pb2_grpc.add_SynthesizerServicer_to_server,
                              servicer)
-    return [binding], []
+    return [binding], components, options
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from services.common.config import ConfigValueError
@@ -64,6 +65,19 @@ class VoicesSection:
 
 
 @dataclass(frozen=True)
+class AuthSection:
+    # A file holding the bearer token every call but gRPC health must carry
+    # (metadata "authorization: Bearer <token>"); a relative path is taken from the
+    # config file's folder. null: no authentication.
+    token_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_file is not None and not self.token_file.strip():
+            raise ConfigValueError("token_file", "must be a file path, got an empty string "
+                                                 "(null turns authentication off)")
+
+
+@dataclass(frozen=True)
 class PairEntry:
     talker: str                      # the talker's control API
     code2wav: str                    # its Code2Wav, on the same host
@@ -79,12 +93,42 @@ class PairEntry:
 
 
 @dataclass(frozen=True)
-class EnginesSection:
-    pairs: tuple[PairEntry, ...] = (PairEntry("127.0.0.1:50052", "127.0.0.1:50053"),)
+class DiscoverySection:
+    """Engine pairs found by DNS (a Kubernetes headless Service): every A/AAAA address
+    ``service`` resolves to is one pair, its talker at ``talker_port`` and its Code2Wav at
+    ``code2wav_port``. The name is resolved again every ``refresh_s`` seconds."""
+
+    service: str                     # the DNS name, e.g. voxring-pairs.default.svc.cluster.local
+    talker_port: int = 50052
+    code2wav_port: int = 50053
+    talker_id: str = "talker-0"      # as in PairEntry, the same for every discovered pair
+    consumer_id: str = "code2wav-0"
+    refresh_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if not self.pairs:
-            raise ConfigValueError("pairs", "needs at least one engine pair")
+        if not self.service.strip() or any(c.isspace() for c in self.service):
+            raise ConfigValueError("service", f"needs a DNS name without spaces, got {self.service!r}")
+        for key in ("talker_port", "code2wav_port"):
+            if not 1 <= getattr(self, key) <= 65535:
+                raise ConfigValueError(key, f"must be 1..65535, got {getattr(self, key)}")
+        if self.talker_port == self.code2wav_port:
+            raise ConfigValueError("code2wav_port", "must differ from talker_port (one host serves both)")
+        if not 0 < self.refresh_s < math.inf:
+            raise ConfigValueError("refresh_s", f"must be > 0 seconds (finite), got {self.refresh_s}")
+
+
+@dataclass(frozen=True)
+class EnginesSection:
+    pairs: tuple[PairEntry, ...] = (PairEntry("127.0.0.1:50052", "127.0.0.1:50053"),)
+    discovery: DiscoverySection | None = None  # null: the static pairs above
+
+    def __post_init__(self) -> None:
+        if self.discovery is not None and self.pairs:
+            raise ConfigValueError("pairs", "must be empty (pairs: []) when discovery is set: engine "
+                                   "pairs come from a static list or from DNS, not both")
+        if self.discovery is None and not self.pairs:
+            raise ConfigValueError("pairs", "needs at least one engine pair (or discovery, to find "
+                                   "them by DNS)")
 
 
 @dataclass(frozen=True)
@@ -147,6 +191,7 @@ class GatewayConfig:
     limits: LimitsSection = field(default_factory=LimitsSection)
     audio: AudioSection = field(default_factory=AudioSection)
     voices: VoicesSection = field(default_factory=VoicesSection)
+    auth: AuthSection = field(default_factory=AuthSection)
     engines: EnginesSection = field(default_factory=EnginesSection)
     admission: AdmissionSection = field(default_factory=AdmissionSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)

@@ -4,13 +4,21 @@ A pair is one talker and one Code2Wav on the same host; a request is served by e
 one pair (PROTOCOL.md, Units). The gateway has no model folder: it reads
 ``Talker.ModelInfo`` from each pair (the tokenizer, prompt format, limits, rates) the
 first time it needs the pair, and refuses pairs whose model differs from the first one
-it learned. Routing picks the pair with the fewest requests in flight from this gateway.
+it learned. Routing picks the pair with the fewest requests in flight from this gateway;
+a pair that could not be reached is tried last for a while (backing off up to
+``MAX_DOWN_S``), so one dead pair does not fail requests that another pair can serve.
+
+The pairs come from the config (a static list) or from DNS discovery
+(:mod:`services.gateway.discovery`), which calls :meth:`Router.update`: a pair that left
+takes no new requests, finishes those in flight, and is closed once it has none.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -21,6 +29,8 @@ from voxring.v1 import code2wav_pb2_grpc, talker_pb2, talker_pb2_grpc
 
 log = logging.getLogger(__name__)
 MODEL_INFO_TIMEOUT_S = 5.0
+MIN_DOWN_S, MAX_DOWN_S = 1.0, 30.0  # an unreachable pair is tried last for this long, doubling
+FIRST_DISCOVERY_WAIT_S = 2.0        # a request that arrives before the first DNS answer waits
 
 
 @dataclass
@@ -48,6 +58,9 @@ class EnginePair:
     consumer_id: str     # the consumer id its Code2Wav attached with
     in_flight: int = 0
     facts: ModelFacts | None = None
+    retired: bool = False    # left discovery: no new requests; closed when in_flight is 0
+    failures: int = 0        # ModelInfo failures in a row
+    down_until: float = 0.0  # monotonic time until which the pair is tried last
     _stubs: dict = field(default_factory=dict)
     _channels: list[grpc.aio.Channel] = field(default_factory=list)
 
@@ -73,28 +86,64 @@ class EnginePair:
                 info = await self.talker.ModelInfo(talker_pb2.ModelInfoRequest(),
                                                    timeout=MODEL_INFO_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
+                self.failures += 1
+                self.down_until = time.monotonic() + min(MAX_DOWN_S, MIN_DOWN_S * 2 ** (self.failures - 1))
                 raise Unavailable(f"engine pair {self.name}: talker unreachable "
                                   f"({exc.code().name})") from None
+            self.failures, self.down_until = 0, 0.0
             self.facts = ModelFacts(info.model_name, Tokenizer.from_str(info.tokenizer_json.decode()),
                                     info.prompt_format, info.max_len, info.num_codebooks, info.frame_rate,
                                     info.sample_rate)
         return self.facts
 
     async def close(self) -> None:
-        for channel in self._channels:
+        channels, self._channels, self._stubs = self._channels, [], {}
+        for channel in channels:
             await channel.close()
 
 
 class Router:
-    def __init__(self, pairs: list[EnginePair]) -> None:
-        self.pairs = pairs
+    """Routes each request to one pair. ``pairs`` take new requests; ``retired`` pairs
+    (gone from discovery) only finish theirs. ``source`` is the DNS name the pairs are
+    discovered from (None: a static list, known from the start)."""
+
+    def __init__(self, pairs: list[EnginePair], source: str | None = None) -> None:
+        self.pairs = list(pairs)
+        self.retired: list[EnginePair] = []
+        self.source = source
         self.model_name: str | None = None
+        self.discovered = asyncio.Event()  # set by the first discovery answer (or at once: static)
+        if source is None:
+            self.discovered.set()
         self._lock = asyncio.Lock()
+        self._closing: set[asyncio.Task] = set()
+
+    async def acquire(self) -> EnginePair:
+        """A pair for one request, counted in flight until :meth:`release`."""
+        pair = await self.pick()
+        pair.in_flight += 1  # no await since pick() checked it is not retired
+        return pair
+
+    def release(self, pair: EnginePair) -> None:
+        pair.in_flight -= 1
+        if pair.retired and pair.in_flight == 0:
+            self._close(pair)
 
     async def pick(self) -> EnginePair:
-        """The least-loaded pair serving this gateway's model (learning facts as needed)."""
+        """The least-loaded pair serving this gateway's model (learning facts as needed);
+        pairs that could not be reached lately are tried last."""
+        if not self.pairs and not self.discovered.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(FIRST_DISCOVERY_WAIT_S):
+                    await self.discovered.wait()
+        if not self.pairs:
+            raise Unavailable(f"no engine pair discovered for {self.source} yet" if self.source
+                              else "no engine pair configured")
         errors = []
-        for pair in sorted(self.pairs, key=lambda p: p.in_flight):
+        now = time.monotonic()
+        for pair in sorted(self.pairs, key=lambda p: (p.down_until > now, p.in_flight)):
+            if pair.retired:  # it left discovery while an earlier candidate was being asked
+                continue
             try:
                 facts = await pair.model_facts()
             except Unavailable as exc:
@@ -107,13 +156,52 @@ class Router:
             if facts.name != self.model_name:
                 errors.append(f"engine pair {pair.name} serves {facts.name}, not {self.model_name}")
                 continue
+            if pair.retired:
+                errors.append(f"engine pair {pair.name} left discovery")
+                continue
             return pair
         raise Unavailable("no engine pair can take the request: " + "; ".join(errors))
 
+    def update(self, pairs: list[EnginePair]) -> None:
+        """Makes ``pairs`` the ones taking new requests. A pair is known by its name: one
+        already routed to (or still retiring) is kept with its channels, facts and count;
+        a pair not listed any more is retired. Call it inside the event loop."""
+        self.discovered.set()
+        known = {p.name: p for p in (*self.retired, *self.pairs)}
+        wanted = [known.get(p.name, p) for p in pairs]
+        wanted_names = {p.name for p in wanted}
+        for pair in wanted:
+            if pair.name not in known:
+                log.info("engine pair %s added (talker %s, code2wav %s)", pair.name,
+                         pair.talker_address, pair.code2wav_address)
+            elif pair.retired:
+                log.info("engine pair %s is back: taking requests again", pair.name)
+                self.retired.remove(pair)
+                pair.retired = False
+        for pair in self.pairs:
+            if pair.name not in wanted_names:
+                log.info("engine pair %s retired: no new requests, %d still in flight", pair.name,
+                         pair.in_flight)
+                pair.retired = True
+                if pair.in_flight:
+                    self.retired.append(pair)
+                else:
+                    self._close(pair)
+        self.pairs = wanted
+
+    def _close(self, pair: EnginePair) -> None:
+        with contextlib.suppress(ValueError):
+            self.retired.remove(pair)
+        task = asyncio.get_running_loop().create_task(pair.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     @property
     def in_flight(self) -> int:
-        return sum(p.in_flight for p in self.pairs)
+        return sum(p.in_flight for p in (*self.pairs, *self.retired))
 
     async def close(self) -> None:
-        for pair in self.pairs:
+        for pair in (*self.pairs, *self.retired):
             await pair.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

@@ -79,6 +79,7 @@ class SynthesisPipeline:
 
     def metrics(self) -> dict:
         return {"active_streams": ("gauge", "requests in flight at this gateway", self.router.in_flight),
+                "engine_pairs": ("gauge", "engine pairs taking new requests", len(self.router.pairs)),
                 "requests_completed": ("counter", "requests that ended normally", self.completed),
                 "frames": ("counter", "codec frames delivered", self.frames),
                 "audio_seconds": ("counter", "seconds of audio delivered", self.audio_seconds)}
@@ -128,17 +129,18 @@ class SynthesisPipeline:
         if self.router.in_flight >= limit:
             raise errors.ResourceExhausted(f"{limit} requests in flight; retry shortly",
                                            retry_after=self.config.admission.retry_after_s)
-        pair = await self.router.pick()
-        pair.in_flight += 1
+        pair = await self.router.acquire()
         started = None
         try:
             started = await self._start(pair, request)
             yield started
         finally:
-            pair.in_flight -= 1
-            if started is not None and not started.call.done():
-                started.call.cancel()  # client cancel or deadline: end it on both stages
-                await self._cancel_on_talker(started)
+            try:
+                if started is not None and not started.call.done():
+                    started.call.cancel()  # client cancel or deadline: end it on both stages
+                    await self._cancel_on_talker(started)
+            finally:
+                self.router.release(pair)  # after the Cancel: a retired pair's channels close then
 
     async def _start(self, pair: EnginePair, request: ValidRequest) -> Started:
         facts = await pair.model_facts()

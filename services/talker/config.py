@@ -7,11 +7,16 @@ from dataclasses import dataclass, field
 from services.common.config import ConfigValueError
 from services.common.frame_transport import TransportSection
 from services.common.metrics import MetricsSection
-from services.common.sections import ChunkSection, LoggingSection, ModelSection, ServerSection
+from services.common.sections import (
+    ChunkSection,
+    InternalServerSection,
+    LoggingSection,
+    ModelSection,
+)
 
 
 @dataclass(frozen=True)
-class TalkerServerSection(ServerSection):
+class TalkerServerSection(InternalServerSection):
     listen: str = "127.0.0.1:50052"  # internal: loopback or a unix socket
 
 

@@ -52,6 +52,16 @@ GOOD = [
      lambda c: c.audio.sample_rates, (8000, 48000)),
     ("env-other-stage-ignored", "", {"VOXRING_TALKER__SERVER__NOPE": "1"},
      lambda c: c.server.drain_timeout, 30.0),
+    ("tls-off-by-default", "", {}, lambda c: (c.server.tls_cert, c.server.tls_key), (None, None)),
+    ("tls-both-keys", "server: {tls_cert: tls/cert.pem, tls_key: /etc/tls/key.pem}", {},
+     lambda c: (c.server.tls_cert, c.server.tls_key), ("tls/cert.pem", "/etc/tls/key.pem")),
+    ("tls-from-env", "server: {tls_cert: c.pem}", {"VOXRING_GATEWAY__SERVER__TLS_KEY": "k.pem"},
+     lambda c: c.server.tls_key, "k.pem"),
+    ("auth-off-by-default", "", {}, lambda c: c.auth.token_file, None),
+    ("auth-token-file", "auth: {token_file: secrets/token}", {}, lambda c: c.auth.token_file,
+     "secrets/token"),
+    ("auth-token-file-env", "", {"VOXRING_GATEWAY__AUTH__TOKEN_FILE": "/run/secrets/token"},
+     lambda c: c.auth.token_file, "/run/secrets/token"),
 ]
 
 
@@ -99,6 +109,20 @@ BAD = [
      ["VOXRING_GATEWAY__GRACE", "<SECTION>__<KEY>"]),
     ("env-invalid-value", "", {"VOXRING_GATEWAY__SERVER__LISTEN": "nowhere"},
      ["VOXRING_GATEWAY__SERVER__LISTEN", "HOST:PORT"]),
+    ("tls-cert-without-key", "server: {tls_cert: cert.pem}", {},
+     ["gateway.yaml", "server.tls_key", "missing", "tls_cert is set"]),
+    ("tls-key-without-cert", "server: {tls_key: key.pem}", {},
+     ["gateway.yaml", "server.tls_cert", "missing", "tls_key is set"]),
+    ("tls-empty-cert", "server: {tls_cert: '', tls_key: key.pem}", {}, ["server.tls_cert", "empty"]),
+    ("tls-cert-not-a-string", "server: {tls_cert: 5, tls_key: key.pem}", {},
+     ["server.tls_cert", "string"]),
+    ("env-tls-cert-alone", "", {"VOXRING_GATEWAY__SERVER__TLS_CERT": "/tls/cert.pem"},
+     ["server.tls_key", "missing"]),
+    ("auth-empty-token-file", "auth: {token_file: ''}", {}, ["gateway.yaml", "auth.token_file", "empty"]),
+    ("auth-token-file-list", "auth: {token_file: [a]}", {}, ["auth.token_file", "string"]),
+    ("auth-unknown-key", "auth: {token: abc}", {}, ["auth", "unknown key token", "token_file"]),
+    ("env-auth-empty", "", {"VOXRING_GATEWAY__AUTH__TOKEN_FILE": "''"},
+     ["VOXRING_GATEWAY__AUTH__TOKEN_FILE", "empty"]),
 ]
 
 
@@ -141,3 +165,92 @@ def test_internal_stages_default_to_loopback():
     for cls in (GatewayConfig, TalkerConfig, Code2WavConfig):
         assert is_loopback(cls().server.listen)
     assert GatewayConfig().server.listen == "127.0.0.1:50051"
+
+
+@pytest.mark.parametrize(("stage", "cls"), [("talker", TalkerConfig), ("code2wav", Code2WavConfig)])
+def test_internal_stages_refuse_tls(tmp_path, stage, cls):
+    """Their peers connect in plaintext: TLS there would only break the stack."""
+    path = tmp_path / f"{stage}.yaml"
+    path.write_text("server: {tls_cert: c.pem, tls_key: k.pem}")
+    with pytest.raises(ConfigError, match=r"server\.tls_cert: TLS is served by the gateway only"):
+        load_config(cls, path, stage, environ={})
+
+
+# --- the files behind server.tls_* and auth.token_file (read at start-up) --------------------
+
+
+@pytest.fixture
+def pki(tmp_path):
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    server = ca.issue_cert("localhost")
+    paths = {name: tmp_path / f"{name}.pem" for name in ("cert", "key", "other_key", "enc_key")}
+    paths["cert"].write_bytes(b"".join(blob.bytes() for blob in server.cert_chain_pems))
+    server.private_key_pem.write_to_path(str(paths["key"]))
+    ca.issue_cert("other").private_key_pem.write_to_path(str(paths["other_key"]))
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(server.private_key_pem.bytes(), None)
+    paths["enc_key"].write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"passphrase")))
+    return paths
+
+
+def test_tls_files_are_read_and_checked(pki):
+    from services.common.sections import ServerSection, read_tls_files
+
+    assert read_tls_files(ServerSection()) is None
+    key, cert = read_tls_files(ServerSection(tls_cert=str(pki["cert"]), tls_key=str(pki["key"])))
+    assert key == pki["key"].read_bytes() and cert == pki["cert"].read_bytes()
+
+
+def test_tls_file_errors_name_the_key(pki, tmp_path, monkeypatch):
+    from services.common.sections import ServerSection, read_tls_files
+
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a PEM file\n")
+    fake_cert = tmp_path / "fake-cert.pem"
+    fake_cert.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    cert, key = str(pki["cert"]), str(pki["key"])
+    monkeypatch.chdir(tmp_path)
+    cases = [
+        (dict(tls_cert="missing.pem", tls_key=key),
+         ["server.tls_cert", "cannot read", str(tmp_path / "missing.pem"), "No such file"]),
+        (dict(tls_cert=cert, tls_key=str(tmp_path / "missing-key.pem")), ["server.tls_key", "cannot read"]),
+        (dict(tls_cert=str(tmp_path), tls_key=key), ["server.tls_cert", "cannot read"]),
+        (dict(tls_cert=str(garbage), tls_key=key), ["server.tls_cert", "no PEM certificate"]),
+        (dict(tls_cert=str(fake_cert), tls_key=key), ["server.tls_cert", "not a valid PEM certificate"]),
+        (dict(tls_cert=key, tls_key=key), ["server.tls_cert", "no PEM certificate"]),
+        (dict(tls_cert=cert, tls_key=cert), ["server.tls_key", "no PEM private key"]),
+        (dict(tls_cert=cert, tls_key=str(pki["other_key"])),
+         ["server.tls_key", "is not the private key of the certificate"]),
+        (dict(tls_cert=cert, tls_key=str(pki["enc_key"])), ["server.tls_key", "encrypted"]),
+    ]
+    for fields, needles in cases:
+        with pytest.raises(ConfigError) as info:
+            read_tls_files(ServerSection(**fields))
+        for needle in needles:
+            assert needle in str(info.value), (fields, str(info.value))
+
+
+def test_token_file_is_stripped_and_checked(tmp_path):
+    from services.common.auth import BearerTokenInterceptor, read_token_file
+
+    path = tmp_path / "token"
+    path.write_text("  abc.DEF-123_~+/=  \n")
+    assert read_token_file(path) == "abc.DEF-123_~+/="
+    assert "abc" not in repr(BearerTokenInterceptor("abc.DEF-123"))
+    cases = [
+        (b"", "is empty"), (b" \n\t\n", "is empty"), (b"two words", "one word"),
+        (b"line1\nline2", "one word"), ("t\u00f6ken".encode(), "printable ASCII"),
+    ]
+    for content, needle in cases:
+        path.write_bytes(content)
+        with pytest.raises(ConfigError, match=needle) as info:
+            read_token_file(path)
+        assert str(info.value).startswith("auth.token_file: ")
+        if content.strip():  # the message never shows the file's content
+            assert content.decode("utf-8").split()[0] not in str(info.value)
+    with pytest.raises(ConfigError, match=r"auth\.token_file: cannot read .*No such file"):
+        read_token_file(tmp_path / "missing")

@@ -225,6 +225,43 @@ def test_client_metadata_is_sent(fake):
     assert fake.metadata[-1]["x-request-id"] == "abc"
 
 
+def test_token_is_sent_as_bearer_metadata_on_every_call(fake):
+    with Client(fake.target, timeout=WAIT_S, token="s3cret-t0ken") as client:
+        client.voices()
+        client.synthesize("hi", request_id="tok-1")
+        list(client.stream("hi", request_id="tok-2"))
+        assert "s3cret" not in repr(client) and not client.tls
+    assert [m["authorization"] for m in fake.metadata[-3:]] == ["Bearer s3cret-t0ken"] * 3
+
+    async def body():
+        async with AsyncClient(fake.target, timeout=WAIT_S, token="async-t0ken") as client:
+            await client.voices()
+
+    run_async(body())
+    assert fake.metadata[-1]["authorization"] == "Bearer async-t0ken"
+
+
+@pytest.mark.parametrize(("kwargs", "error", "needle"), [
+    (dict(token=""), ValueError, "token"),
+    (dict(token="two words"), ValueError, "token"),
+    (dict(token="line\n"), ValueError, "token"),
+    (dict(token="t", metadata=[("authorization", "Bearer x")]), ValueError, "metadata"),
+    (dict(tls=False, root_certificates=b"pem"), ValueError, "root_certificates"),
+    (dict(tls_server_name="localhost"), ValueError, "tls_server_name"),
+    (dict(tls=True, tls_server_name=""), ValueError, "tls_server_name"),
+    (dict(root_certificates="pem as str"), TypeError, "root_certificates"),
+])
+def test_client_refuses_bad_security_arguments(kwargs, error, needle):
+    for cls in (Client, AsyncClient):
+        with pytest.raises(error, match=needle):
+            cls("127.0.0.1:1", **kwargs)
+
+
+def test_unauthenticated_is_typed():
+    error = errors.error_from_status("UNAUTHENTICATED", "invalid bearer token")
+    assert isinstance(error, errors.Unauthenticated) and error.code == "UNAUTHENTICATED"
+
+
 # --- results ------------------------------------------------------------------------------
 
 def test_stream_yields_chunks_then_final_usage(fake):
