@@ -1,0 +1,543 @@
+"""The deployment files, checked offline with no container engine and no cluster.
+
+- deploy/compose/docker-compose.yml against the compose-spec JSON schema
+  (check-jsonschema's vendored copy, ``--builtin-schema vendor.compose-spec``);
+- every Kubernetes manifest under deploy/k8s against the Kubernetes API schemas of the
+  oldest and the newest version it targets (kubernetes-validate, strict: unknown fields
+  are errors; its schemas ship inside the package);
+- every voxring config the two set-ups run with (deploy/configs plus the compose
+  services' VOXRING_* variables; the ConfigMap's files) through voxring's own strict
+  loader, so a misspelt key fails here rather than at start-up;
+- the properties the stages rely on: only the gateway publishes a port, the talker and
+  its Code2Wav share /dev/shm, every stage has a health check through ``voxring health``
+  or gRPC health, stop budgets cover drain_timeout + grace, GPUs are asked for, and the
+  gateway's discovery name is the headless Service's.
+
+Both validators come with the test extra. Where one is missing the test skips with the
+reason, except under CI=true, where it fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.code2wav.config import Code2WavConfig
+from services.common.config import load_config
+from services.gateway.config import GatewayConfig
+from services.gateway.voices import VoiceCatalog
+from services.talker.config import TalkerConfig
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "deploy" / "configs"
+COMPOSE_DIR = REPO / "deploy" / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
+K8S_DIR = REPO / "deploy" / "k8s"
+OLDEST_K8S = "1.30.0"  # native gRPC probes (GA in 1.27), policy/v1, restricted Pod Security
+STAGES = {"gateway": GatewayConfig, "talker": TalkerConfig, "code2wav": Code2WavConfig}
+ENGINE_STAGES = ("talker", "code2wav")
+PROFILES = ("gpu", "cpu")
+GPU = "nvidia.com/gpu"
+
+
+def _require(module: str, package: str) -> Any:
+    """Imports a validator; missing, the test skips, or fails under CI=true."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        message = (f"{package} is not installed ({exc}); it comes with the test extra: "
+                   f".venv/bin/pip install -e '.[test]'")
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true: {message}")
+        pytest.skip(message)
+
+
+def _stage_of(command: list[str]) -> str:
+    """``python -m services.<stage> --config PATH`` -> stage."""
+    module = command[command.index("-m") + 1]
+    stage = module.removeprefix("services.")
+    assert stage in STAGES, f"unexpected stage module {module!r} in {command}"
+    return stage
+
+
+def _config_arg(command: list[str]) -> str:
+    assert "--config" in command, f"no --config in {command}"
+    return command[command.index("--config") + 1]
+
+
+def _port(address: str) -> int:
+    return int(address.rpartition(":")[2])
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0]
+
+
+def _budget(config: Any) -> float:
+    return config.server.drain_timeout + config.server.grace
+
+
+# --- docker compose ------------------------------------------------------------------
+
+_VARIABLE = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)")
+_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def _interpolate(value: Any) -> Any:
+    """Compose's ${VAR:-default} with no variable set: the default (or empty)."""
+    return _VARIABLE.sub(lambda m: m.group(2) or "", value) if isinstance(value, str) else value
+
+
+def _seconds(duration: str) -> float:
+    parts = _DURATION.findall(duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, f"bad duration {duration!r}"
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def _services(compose: dict) -> dict[str, dict]:
+    return compose["services"]
+
+
+def _environment(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {key: "" if value is None else str(_interpolate(value)) for key, value in env.items()}
+
+
+def _mounts(service: dict) -> list[dict]:
+    """Each volume entry as {type, source, target, read_only}, variables at defaults."""
+    mounts = []
+    for entry in service.get("volumes") or []:
+        if isinstance(entry, str):
+            parts = _interpolate(entry).split(":")
+            source, target = parts[0], parts[1]
+            mode = parts[2] if len(parts) > 2 else ""
+            kind = "bind" if source.startswith((".", "/", "~")) else "volume"
+            mounts.append({"type": kind, "source": source, "target": target,
+                           "read_only": "ro" in mode.split(",")})
+        else:
+            mounts.append({"type": entry["type"], "source": _interpolate(entry.get("source")),
+                           "target": entry["target"], "read_only": bool(entry.get("read_only"))})
+    return mounts
+
+
+def _host_path(service: dict, container_path: str) -> Path:
+    """The file on this machine that a bind mount puts at ``container_path``."""
+    for mount in _mounts(service):
+        if mount["type"] == "bind" and container_path.startswith(mount["target"].rstrip("/") + "/"):
+            rel = container_path[len(mount["target"].rstrip("/")) + 1:]
+            return (COMPOSE_DIR / mount["source"]).resolve() / rel
+    raise AssertionError(f"{container_path} is not under any bind mount of {service.get('command')}")
+
+
+def _compose_configs(compose: dict) -> dict[str, tuple[str, Any]]:
+    """{service name: (stage, the config it runs with)}, loaded by the strict loader."""
+    loaded = {}
+    for name, service in _services(compose).items():
+        stage = _stage_of(service["command"])
+        path = _host_path(service, _config_arg(service["command"]))
+        assert path.is_file(), f"{name}: {path} does not exist"
+        loaded[name] = (stage, load_config(STAGES[stage], path, stage, environ=_environment(service)))
+    return loaded
+
+
+def _by_profile(compose: dict) -> dict[str, dict[str, str]]:
+    """{profile: {stage: service name}}."""
+    table: dict[str, dict[str, str]] = {}
+    for name, service in _services(compose).items():
+        profiles = service.get("profiles") or []
+        assert len(profiles) == 1 and profiles[0] in PROFILES, \
+            f"{name}: expected exactly one of the profiles {PROFILES}, got {profiles}"
+        stage = _stage_of(service["command"])
+        assert stage not in table.setdefault(profiles[0], {}), f"two {stage}s in profile {profiles[0]}"
+        table[profiles[0]][stage] = name
+    return table
+
+
+def test_compose_file_matches_the_compose_spec(tmp_path):
+    _require("check_jsonschema", "check-jsonschema")
+
+    def check(path: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema",
+                               "vendor.compose-spec", str(path)], capture_output=True, text=True,
+                              timeout=60)
+
+    result = check(COMPOSE_FILE)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The schema has teeth: a misspelt service key is refused.
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(COMPOSE_FILE.read_text().replace("stop_grace_period:", "stop_grace_periode:", 1))
+    result = check(broken)
+    assert result.returncode == 1 and "stop_grace_periode" in result.stdout, result.stdout + result.stderr
+
+
+def test_compose_profiles_gpu_by_default_and_one_full_stack_each(compose):
+    table = _by_profile(compose)
+    assert set(table) == set(PROFILES)
+    for profile, stages in table.items():
+        assert set(stages) == set(STAGES), f"profile {profile}: {stages}"
+    env_file = dict(line.split("=", 1) for line in (COMPOSE_DIR / ".env").read_text().splitlines()
+                    if line.strip() and not line.startswith("#"))
+    assert env_file.get("COMPOSE_PROFILES") == "gpu"
+
+
+def test_compose_configs_load_through_the_strict_loader(compose):
+    loaded = _compose_configs(compose)
+    assert {stage for stage, _ in loaded.values()} == set(STAGES)
+
+
+def test_compose_only_the_gateway_publishes_a_port(compose):
+    loaded = _compose_configs(compose)
+    for name, service in _services(compose).items():
+        stage, config = loaded[name]
+        assert service.get("network_mode") != "host", name
+        if stage != "gateway":
+            assert not service.get("ports"), f"{name} publishes {service.get('ports')}"
+            continue
+        ports = service["ports"]
+        assert len(ports) == 1, ports
+        target = ports[0]["target"] if isinstance(ports[0], dict) else int(str(ports[0]).split(":")[-1])
+        assert target == _port(config.server.listen) == 50051
+
+
+def test_compose_pairs_route_and_attach_within_their_profile(compose):
+    loaded = _compose_configs(compose)
+    for profile, stages in _by_profile(compose).items():
+        talker, code2wav = loaded[stages["talker"]][1], loaded[stages["code2wav"]][1]
+        gateway = loaded[stages["gateway"]][1]
+        for stage in ENGINE_STAGES:  # reachable from the gateway's container
+            assert _host(loaded[stages[stage]][1].server.listen) == "0.0.0.0", stages[stage]
+        (pair,) = gateway.engines.pairs
+        assert pair.talker == f"{stages['talker']}:{_port(talker.server.listen)}", profile
+        assert pair.code2wav == f"{stages['code2wav']}:{_port(code2wav.server.listen)}", profile
+        (attach,) = code2wav.talkers.attach
+        assert attach.address == pair.talker
+        assert pair.talker_id == attach.id and pair.consumer_id == code2wav.talkers.consumer_id
+        devices = {"gpu": "cuda", "cpu": "cpu"}[profile]
+        assert talker.model.device == code2wav.model.device == devices
+
+
+def test_compose_talker_and_code2wav_share_dev_shm(compose):
+    services = _services(compose)
+    for profile, stages in _by_profile(compose).items():
+        talker, code2wav = services[stages["talker"]], services[stages["code2wav"]]
+        if code2wav.get("ipc") == f"service:{stages['talker']}":
+            assert talker.get("ipc") == "shareable", profile
+            continue
+        shm = [{m["source"] for m in _mounts(s) if m["target"] == "/dev/shm" and m["type"] == "volume"}
+               for s in (talker, code2wav)]
+        assert shm[0] and shm[0] == shm[1], f"{profile}: talker and code2wav mount no common /dev/shm"
+        volume = compose["volumes"][shm[0].pop()]
+        assert volume["driver_opts"]["type"] == "tmpfs", volume
+
+
+def test_compose_every_service_has_a_voxring_health_check(compose):
+    loaded = _compose_configs(compose)
+    for name, service in _services(compose).items():
+        test = service["healthcheck"]["test"]
+        assert test[0] == "CMD" and test[1:3] == ["voxring", "health"], f"{name}: {test}"
+        assert test[3] == f"127.0.0.1:{_port(loaded[name][1].server.listen)}", f"{name}: {test}"
+
+
+def test_compose_stop_grace_covers_drain_and_grace(compose):
+    loaded = _compose_configs(compose)
+    for name, service in _services(compose).items():
+        budget = _budget(loaded[name][1])
+        assert _seconds(service["stop_grace_period"]) >= budget, f"{name}: below {budget} s"
+        assert service.get("restart") in ("unless-stopped", "always", "on-failure"), name
+
+
+def test_compose_gpu_reservations_only_in_the_gpu_profile(compose):
+    services = _services(compose)
+    for profile, stages in _by_profile(compose).items():
+        for stage, name in stages.items():
+            devices = (services[name].get("deploy") or {}).get("resources", {}) \
+                .get("reservations", {}).get("devices", [])
+            if profile == "gpu" and stage in ENGINE_STAGES:
+                assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}], name
+            else:
+                assert not devices, f"{name} reserves {devices}"
+
+
+def test_compose_configs_and_models_mounted_read_only(compose):
+    for name, service in _services(compose).items():
+        by_target = {m["target"]: m for m in _mounts(service)}
+        config_dir = str(Path(_config_arg(service["command"])).parent)
+        assert by_target[config_dir]["read_only"], f"{name}: {config_dir} is writable"
+        if _stage_of(service["command"]) in ENGINE_STAGES:
+            assert by_target["/models"]["read_only"], f"{name}: /models is writable"
+
+
+def test_dockerfiles_pin_their_bases_and_run_as_non_root():
+    for name in ("Dockerfile.engine", "Dockerfile.gateway"):
+        text = (COMPOSE_DIR / name).read_text()
+        bases = re.findall(r"^ARG \w*IMAGE=(\S+)$", text, re.MULTILINE)
+        assert bases, name
+        for base in bases:
+            assert re.search(r":\S*\d", base) and not base.endswith(":latest"), f"{name}: {base}"
+        users = re.findall(r"^USER (\S+)$", text, re.MULTILINE)
+        assert users and users[-1].split(":")[0] not in ("0", "root"), f"{name}: USER {users}"
+    gateway = (COMPOSE_DIR / "Dockerfile.gateway").read_text()
+    assert "[gateway]" in gateway and "[server]" not in gateway and "TORCH" not in gateway
+
+
+# --- Kubernetes ----------------------------------------------------------------------
+
+
+def _k8s_files() -> list[Path]:
+    return sorted(p for p in K8S_DIR.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+@pytest.fixture(scope="module")
+def manifests() -> list[dict]:
+    docs = []
+    for path in _k8s_files():
+        docs += [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return docs
+
+
+@pytest.fixture(scope="module")
+def applied() -> list[dict]:
+    """What ``kubectl apply -k deploy/k8s`` applies (examples excluded)."""
+    kustomization = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    docs = []
+    for name in kustomization["resources"]:
+        docs += [doc for doc in yaml.safe_load_all((K8S_DIR / name).read_text()) if doc]
+    return docs
+
+
+def _one(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def _pod(docs: list[dict], name: str) -> dict:
+    return _one(docs, "Deployment", name)["spec"]["template"]
+
+
+def _file_in_pod(pod: dict, container: dict, path: str) -> tuple[str, str, str]:
+    """(volume kind, object name, key) of the ConfigMap or Secret file at ``path``."""
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    for mount in container["volumeMounts"]:
+        prefix = mount["mountPath"].rstrip("/") + "/"
+        if not path.startswith(prefix):
+            continue
+        rel = path[len(prefix):]
+        volume = volumes[mount["name"]]
+        kind = "configMap" if "configMap" in volume else "secret"
+        source = volume[kind]
+        name = source["name"] if kind == "configMap" else source["secretName"]
+        items = {item["path"]: item["key"] for item in source.get("items", [])}
+        if items:
+            assert rel in items, f"{path}: not among the items of volume {mount['name']}"
+        return kind, name, items.get(rel, rel)
+    raise AssertionError(f"{path} is not under any mount of container {container['name']}")
+
+
+@pytest.fixture(scope="module")
+def k8s_configs(manifests, tmp_path_factory) -> dict[str, Any]:
+    """{container name: its config}, from the ConfigMap files each command names,
+    written out beside each other and loaded by the strict loader."""
+    folder = tmp_path_factory.mktemp("k8s-config")
+    loaded = {}
+    for deployment in ("voxring-pair", "voxring-gateway"):
+        pod = _pod(manifests, deployment)
+        for container in pod["spec"]["containers"]:
+            stage = _stage_of(container["command"])
+            kind, name, key = _file_in_pod(pod, container, _config_arg(container["command"]))
+            assert kind == "configMap", container["name"]
+            data = _one(manifests, "ConfigMap", name)["data"]
+            for file_name, text in data.items():
+                (folder / file_name).write_text(text)
+            loaded[container["name"]] = load_config(STAGES[stage], folder / key, stage, environ={})
+    return loaded
+
+
+def test_k8s_manifests_match_the_kubernetes_schemas(manifests):
+    kubernetes_validate = _require("kubernetes_validate", "kubernetes-validate")
+    errors = []
+    for version in (OLDEST_K8S, f"{kubernetes_validate.latest_version()}.0"):
+        for doc in manifests:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                where = ".".join(str(p) for p in exc.path)
+                errors.append(f"{doc['kind']}/{doc['metadata']['name']} on {version}: {where}: {exc.message}")
+    assert not errors, "\n".join(errors)
+    # The schemas have teeth: a misspelt field is refused.
+    broken = yaml.safe_load(yaml.safe_dump(_one(manifests, "Deployment", "voxring-pair")))
+    broken["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, OLDEST_K8S, strict=True)
+
+
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+
+
+def test_k8s_resource_quantities_parse(manifests):
+    """The schemas take any string for a quantity; the API server does not."""
+    for doc in manifests:
+        if doc["kind"] != "Deployment":
+            continue
+        spec = doc["spec"]["template"]["spec"]
+        for container in spec["containers"]:
+            for group in ("requests", "limits"):
+                for resource, value in container.get("resources", {}).get(group, {}).items():
+                    assert _QUANTITY.match(str(value)), f"{container['name']} {group}.{resource}: {value!r}"
+        for volume in spec["volumes"]:
+            size = (volume.get("emptyDir") or {}).get("sizeLimit")
+            assert size is None or _QUANTITY.match(str(size)), f"{volume['name']}: {size!r}"
+
+
+def test_k8s_kustomization_applies_everything_but_the_examples(manifests, applied):
+    kustomization = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    expected = sorted(p.name for p in _k8s_files() if ".example." not in p.name)
+    assert sorted(kustomization["resources"]) == expected
+    assert not any(d["kind"] == "Secret" for d in applied), "Secrets with placeholder values would be applied"
+    (namespace,) = [d["metadata"]["name"] for d in applied if d["kind"] == "Namespace"]
+    for doc in manifests:
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") == namespace, f"{doc['kind']}/{doc['metadata']['name']}"
+
+
+def test_k8s_configmap_configs_load_through_the_strict_loader(manifests, k8s_configs, tmp_path):
+    assert {_stage_of(c["command"]) for d in ("voxring-pair", "voxring-gateway")
+            for c in _pod(manifests, d)["spec"]["containers"]} == set(STAGES)
+    gateway = k8s_configs["gateway"]
+    data = _one(manifests, "ConfigMap", "voxring-config")["data"]
+    voices = tmp_path / gateway.voices.file
+    voices.write_text(data[gateway.voices.file])
+    VoiceCatalog.load(voices)
+    # The same voices as the local stack's.
+    assert yaml.safe_load(voices.read_text()) == yaml.safe_load((CONFIGS / "voices.yaml").read_text())
+
+
+def test_k8s_pair_pod_shares_a_memory_dev_shm(manifests):
+    pod = _pod(manifests, "voxring-pair")
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    containers = {_stage_of(c["command"]): c for c in pod["spec"]["containers"]}
+    assert set(containers) == set(ENGINE_STAGES)
+    shm = set()
+    for container in containers.values():
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        assert not mount.get("readOnly")
+        shm.add(mount["name"])
+    assert len(shm) == 1, "talker and code2wav mount different /dev/shm volumes"
+    empty_dir = volumes[shm.pop()]["emptyDir"]
+    assert empty_dir["medium"] == "Memory" and empty_dir.get("sizeLimit")
+
+
+def test_k8s_pair_pod_gpus_probes_and_stop_budget(manifests, k8s_configs):
+    pod = _pod(manifests, "voxring-pair")
+    budgets = []
+    for container in pod["spec"]["containers"]:
+        config = k8s_configs[container["name"]]
+        port = _port(config.server.listen)
+        assert _host(config.server.listen) == "0.0.0.0", container["name"]  # the gateway dials the Pod IP
+        assert port in [p["containerPort"] for p in container["ports"]]
+        assert int(container["resources"]["limits"][GPU]) >= 1, f"{container['name']}: no {GPU}"
+        assert config.model.device.startswith("cuda")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == port, f"{container['name']} {probe}"
+        budgets.append(_budget(config))
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= max(budgets)
+
+
+def test_k8s_pair_code2wav_attaches_to_its_own_talker(k8s_configs):
+    talker, code2wav = k8s_configs["talker"], k8s_configs["code2wav"]
+    (attach,) = code2wav.talkers.attach
+    assert attach.address == f"127.0.0.1:{_port(talker.server.listen)}"  # same Pod, same network
+
+
+def test_k8s_headless_service_selects_the_pair_pods(manifests, k8s_configs):
+    service = _one(manifests, "Service", "voxring-pairs")
+    assert service["spec"]["clusterIP"] == "None"
+    assert not service["spec"].get("publishNotReadyAddresses")  # draining pairs drop out of DNS
+    pod = _pod(manifests, "voxring-pair")
+    labels = pod["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    named = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"]}
+    targets = {port["port"]: named.get(port["targetPort"], port["targetPort"])
+               for port in service["spec"]["ports"]}
+    for stage in ENGINE_STAGES:
+        port = _port(k8s_configs[stage].server.listen)
+        assert targets.get(port) == port, f"{stage} port {port} not served by the headless Service"
+
+
+def test_k8s_gateway_discovers_the_headless_service(manifests, k8s_configs):
+    gateway = k8s_configs["gateway"]
+    service = _one(manifests, "Service", "voxring-pairs")
+    discovery = gateway.engines.discovery
+    assert discovery is not None and gateway.engines.pairs == ()
+    name, namespace = service["metadata"]["name"], service["metadata"]["namespace"]
+    assert discovery.service == f"{name}.{namespace}.svc.cluster.local"
+    assert discovery.talker_port == _port(k8s_configs["talker"].server.listen)
+    assert discovery.code2wav_port == _port(k8s_configs["code2wav"].server.listen)
+    code2wav = k8s_configs["code2wav"]
+    assert discovery.talker_id == code2wav.talkers.attach[0].id
+    assert discovery.consumer_id == code2wav.talkers.consumer_id
+
+
+def test_k8s_gateway_tls_token_probes_and_replicas(manifests, k8s_configs):
+    deployment = _one(manifests, "Deployment", "voxring-gateway")
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    config = k8s_configs["gateway"]
+    assert deployment["spec"]["replicas"] >= 2
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= _budget(config)
+    secrets = {}
+    for key in ("tls_cert", "tls_key"):
+        secrets[key] = _file_in_pod(pod, container, getattr(config.server, key))
+    secrets["token_file"] = _file_in_pod(pod, container, config.auth.token_file)
+    assert all(kind == "secret" for kind, _, _ in secrets.values()), secrets
+    service = _one(manifests, "Service", "voxring-gateway")
+    port = _port(config.server.listen)
+    assert {p["port"] for p in service["spec"]["ports"]} == {port}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = container[probe]["exec"]["command"]
+        assert command[:3] == ["voxring", "health", f"127.0.0.1:{port}"], command
+        ca = command[command.index("--tls-ca") + 1]
+        kind, name, _ = _file_in_pod(pod, container, ca)
+        assert kind == "secret" and name == secrets["tls_cert"][1], f"{probe}: CA {ca} not in the TLS Secret"
+        server_name = command[command.index("--tls-server-name") + 1]
+        assert server_name == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+    budget = _one(manifests, "PodDisruptionBudget", "voxring-gateway")
+    assert budget["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+
+
+def test_k8s_example_secrets_match_what_the_gateway_mounts(manifests):
+    pod = _pod(manifests, "voxring-gateway")
+    for volume in pod["spec"]["volumes"]:
+        if "secret" not in volume:
+            continue
+        secret = _one(manifests, "Secret", volume["secret"]["secretName"])
+        keys = set(secret.get("stringData", {})) | set(secret.get("data", {}))
+        assert {item["key"] for item in volume["secret"]["items"]} <= keys, volume["name"]
+
+
+def test_k8s_pods_run_non_root_on_a_read_only_root(manifests):
+    for name in ("voxring-pair", "voxring-gateway"):
+        spec = _pod(manifests, name)["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["runAsUser"] != 0, name
+        for container in spec["containers"]:
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] is True, container["name"]
+            assert context["allowPrivilegeEscalation"] is False, container["name"]
+            assert context["capabilities"]["drop"] == ["ALL"], container["name"]
