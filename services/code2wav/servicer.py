@@ -86,7 +86,11 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
             return OpenStream(handle, request.request_id, request.talker_id, slot, schedule,
                               request.max_frames, loop, queue)
 
-        await self._call(lambda engine: engine.open(make))
+        try:
+            await self._call(lambda engine: engine.open(make))
+        except asyncio.CancelledError:  # the caller left while the engine was opening it
+            self._post(lambda engine: engine.close(handle))  # runs after the open: frees its slot
+            raise
         finished = False
         try:
             yield code2wav_pb2.OpenResponse(opened=code2wav_pb2.Opened(handle=handle))
@@ -121,7 +125,8 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
     async def _cancel_on_talker(self, talker_id: str, handle: int) -> None:
         stub = self._stubs.get(talker_id)
         if stub is None:
-            stub = talker_pb2_grpc.TalkerStub(grpc.aio.insecure_channel(self._talkers[talker_id]))
+            stub = talker_pb2_grpc.TalkerStub(grpc.aio.insecure_channel(self._talkers[talker_id], options=[
+                ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]))
             self._stubs[talker_id] = stub
         try:
             await stub.Cancel(talker_pb2.CancelRequest(consumer_id=self._consumer_id, handle=handle),

@@ -61,7 +61,12 @@ class TalkerLink:
 
     def _attach(self) -> FrameConsumer:
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.address)
+            # gRPC's own reconnect backoff grows to 120 s while a talker is down, and would
+            # then delay the re-attach long after it is back: keep it at the attach pace.
+            backoff_ms = max(100, int(self.reattach_interval * 1000))
+            self._channel = grpc.insecure_channel(self.address, options=[
+                ("grpc.initial_reconnect_backoff_ms", backoff_ms),
+                ("grpc.max_reconnect_backoff_ms", backoff_ms)])
         stub = talker_pb2_grpc.TalkerStub(self._channel)
         reply = stub.Attach(talker_pb2.AttachRequest(consumer_id=self.consumer_id,
                                                      consumer_instance_token=self.instance_token),

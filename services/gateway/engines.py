@@ -30,7 +30,11 @@ from voxring.v1 import code2wav_pb2_grpc, talker_pb2, talker_pb2_grpc
 log = logging.getLogger(__name__)
 MODEL_INFO_TIMEOUT_S = 5.0
 MIN_DOWN_S, MAX_DOWN_S = 1.0, 30.0  # an unreachable pair is tried last for this long, doubling
+REQUEST_DOWN_S = 2.0                # at most this long after a failed request (it fails over)
 FIRST_DISCOVERY_WAIT_S = 2.0        # a request that arrives before the first DNS answer waits
+# gRPC's default reconnect backoff grows to 120 s while a stage is down; requests would
+# keep failing fast that long after it is back. Redial a restarted stage within a second.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 @dataclass
@@ -67,7 +71,7 @@ class EnginePair:
     def _stub(self, kind: str, address: str, factory):
         """Channels open on first use, inside the server's event loop."""
         if kind not in self._stubs:
-            channel = grpc.aio.insecure_channel(address)
+            channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
             self._channels.append(channel)
             self._stubs[kind] = factory(channel)
         return self._stubs[kind]
@@ -80,17 +84,29 @@ class EnginePair:
     def code2wav(self) -> code2wav_pb2_grpc.Code2WavStub:
         return self._stub("code2wav", self.code2wav_address, code2wav_pb2_grpc.Code2WavStub)
 
+    def mark_down(self, longest: float = MAX_DOWN_S) -> None:
+        """The pair failed a ModelInfo call or a request: tried last for a while (1 s,
+        doubling up to ``longest`` while it keeps failing). A request on a pair that is
+        tried last fails over at the cost of one refused call, so the request path keeps
+        ``longest`` short and a restarted pair gets traffic again within seconds; an
+        unreachable pair's ModelInfo can wait out its timeout, so that path backs off longer."""
+        self.failures += 1
+        self.down_until = time.monotonic() + min(longest, MIN_DOWN_S * 2 ** (self.failures - 1))
+
+    def mark_up(self) -> None:
+        """The pair served: back in the normal order."""
+        self.failures, self.down_until = 0, 0.0
+
     async def model_facts(self) -> ModelFacts:
         if self.facts is None:
             try:
                 info = await self.talker.ModelInfo(talker_pb2.ModelInfoRequest(),
                                                    timeout=MODEL_INFO_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
-                self.failures += 1
-                self.down_until = time.monotonic() + min(MAX_DOWN_S, MIN_DOWN_S * 2 ** (self.failures - 1))
+                self.mark_down()
                 raise Unavailable(f"engine pair {self.name}: talker unreachable "
                                   f"({exc.code().name})") from None
-            self.failures, self.down_until = 0, 0.0
+            self.mark_up()
             self.facts = ModelFacts(info.model_name, Tokenizer.from_str(info.tokenizer_json.decode()),
                                     info.prompt_format, info.max_len, info.num_codebooks, info.frame_rate,
                                     info.sample_rate)
@@ -118,9 +134,10 @@ class Router:
         self._lock = asyncio.Lock()
         self._closing: set[asyncio.Task] = set()
 
-    async def acquire(self) -> EnginePair:
-        """A pair for one request, counted in flight until :meth:`release`."""
-        pair = await self.pick()
+    async def acquire(self, exclude: frozenset[str] = frozenset()) -> EnginePair:
+        """A pair for one request (none named in ``exclude``), counted in flight until
+        :meth:`release`."""
+        pair = await self.pick(exclude)
         pair.in_flight += 1  # no await since pick() checked it is not retired
         return pair
 
@@ -129,7 +146,7 @@ class Router:
         if pair.retired and pair.in_flight == 0:
             self._close(pair)
 
-    async def pick(self) -> EnginePair:
+    async def pick(self, exclude: frozenset[str] = frozenset()) -> EnginePair:
         """The least-loaded pair serving this gateway's model (learning facts as needed);
         pairs that could not be reached lately are tried last."""
         if not self.pairs and not self.discovered.is_set():
@@ -142,7 +159,7 @@ class Router:
         errors = []
         now = time.monotonic()
         for pair in sorted(self.pairs, key=lambda p: (p.down_until > now, p.in_flight)):
-            if pair.retired:  # it left discovery while an earlier candidate was being asked
+            if pair.retired or pair.name in exclude:  # left discovery meanwhile, or already tried
                 continue
             try:
                 facts = await pair.model_facts()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import logging
 import math
 import secrets
 import time
@@ -26,7 +27,7 @@ from services.common import errors
 from services.common.metrics import TIME_TO_FIRST_AUDIO
 from services.gateway.audio import make_encoder, wav_bytes
 from services.gateway.config import GatewayConfig
-from services.gateway.engines import EnginePair, Router
+from services.gateway.engines import REQUEST_DOWN_S, EnginePair, Router
 from services.gateway.validation import ValidRequest
 from services.gateway.voice_cache import VoiceCache
 from services.gateway.voices import VoiceCatalog
@@ -60,6 +61,8 @@ class Started:
     arrival: float
 
 
+log = logging.getLogger(__name__)
+
 def _stage_error(exc: grpc.aio.AioRpcError, stage: str) -> errors.ServiceError:
     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
         field, _, reason = exc.details().partition(": ")
@@ -76,6 +79,8 @@ class SynthesisPipeline:
         self.completed = 0          # requests that ended with their final message
         self.frames = 0
         self.audio_seconds = 0.0
+        self._admitting = 0         # admitted, still waiting in router.acquire()
+        self._cancels: set[asyncio.Task] = set()  # Talker.Cancel calls in flight
 
     def metrics(self) -> dict:
         return {"active_streams": ("gauge", "requests in flight at this gateway", self.router.in_flight),
@@ -126,21 +131,57 @@ class SynthesisPipeline:
     @contextlib.asynccontextmanager
     async def _running(self, request: ValidRequest):
         limit = self.config.admission.max_in_flight
-        if self.router.in_flight >= limit:
+        if self.router.in_flight + self._admitting >= limit:
             raise errors.ResourceExhausted(f"{limit} requests in flight; retry shortly",
                                            retry_after=self.config.admission.retry_after_s)
-        pair = await self.router.acquire()
-        started = None
+        pair, started = await self._start_on_some_pair(request)
         try:
-            started = await self._start(pair, request)
             yield started
         finally:
             try:
                 if started is not None and not started.call.done():
                     started.call.cancel()  # client cancel or deadline: end it on both stages
                     await self._cancel_on_talker(started)
+                elif started is not None and await started.call.code() != grpc.StatusCode.OK:
+                    if await started.call.code() == grpc.StatusCode.UNAVAILABLE:
+                        pair.mark_down(REQUEST_DOWN_S)  # a stage died: new requests go elsewhere first
+                    # Code2Wav failed or died: free the talker's row now (PROTOCOL.md), not at
+                    # its liveness timeout; in the background, the client's status goes first.
+                    task = asyncio.ensure_future(self._cancel_on_talker(started))
+                    self._cancels.add(task)
+                    task.add_done_callback(self._cancels.discard)
             finally:
                 self.router.release(pair)  # after the Cancel: a retired pair's channels close then
+
+    async def _start_on_some_pair(self, request: ValidRequest) -> tuple[EnginePair, Started]:
+        """Starts the request on the best pair; a pair that cannot start it (a stage
+        unreachable or restarting: UNAVAILABLE) is marked down and the next pair is tried,
+        each pair once. Nothing has reached the client yet, so a retry is invisible to it."""
+        tried: frozenset[str] = frozenset()
+        while True:
+            # Admission counts the request in _admitting while no pair holds it (acquire()
+            # may wait for discovery or a pair's first ModelInfo), then in the pair's count.
+            self._admitting += 1
+            try:
+                pair = await self.router.acquire(tried)
+            finally:
+                self._admitting -= 1
+            try:
+                started = await self._start(pair, request)
+            except errors.Unavailable:
+                self.router.release(pair)
+                pair.mark_down(REQUEST_DOWN_S)
+                tried |= {pair.name}
+                if not any(p.name not in tried and not p.retired for p in self.router.pairs):
+                    raise
+                log.warning("engine pair %s could not start request %s; trying another pair",
+                            pair.name, request.request_id)
+                continue
+            except BaseException:
+                self.router.release(pair)
+                raise
+            pair.mark_up()
+            return pair, started
 
     async def _start(self, pair: EnginePair, request: ValidRequest) -> Started:
         facts = await pair.model_facts()
