@@ -52,9 +52,35 @@ up: setup  ## start gateway, talker and Code2Wav in the background
 down:  ## stop the local stack gracefully
 	@if [ -x $(VENV)/bin/voxring ]; then $(VENV)/bin/voxring down; else echo "no stack (no $(VENV))"; fi
 
-bench: setup  ## GPU only: benchmarks under bench/ (writes JSON there)
-	@echo "bench needs a CUDA GPU; the benchmark scripts arrive with the engine issues" && \
-	  $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: make bench runs on the GPU machine only')"
+# make bench runs where torch sees a GPU: with .venv's python when there is one, else the
+# image's python3 (the GPU machine has no internet, so no `setup` there; carry .whl, see
+# bench/README.md). Each part has its own wall-clock cap; a tiers part cut by its cap
+# (exit 3) is run once more and measures only the tiers it is missing.
+BENCH_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+BENCH_OUT ?= bench/results
+BENCH_PART_S ?= 600
+BENCH_WALL_S ?= 540
+BENCH_ARGS ?=
+BENCH_RUN = timeout -s TERM -k 30 $(BENCH_PART_S) $(BENCH_PY) bench/server_gpu.py --out $(BENCH_OUT) \
+	--max-wall $(BENCH_WALL_S) $(BENCH_ARGS)
+
+bench:  ## GPU only: the whole server under load (without, with MPS) and the transformers baseline
+	@$(BENCH_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: make bench \
+	runs on the GPU machine only (bench/README.md); on a CPU: python bench/server_gpu.py --smoke')"
+	@fail=0; \
+	for mps in off on; do \
+	  for attempt in 1 2; do \
+	    echo "==> bench: tiers, MPS $$mps (attempt $$attempt)"; \
+	    $(BENCH_RUN) --part tiers --mps $$mps; rc=$$?; \
+	    [ $$rc -eq 3 ] || break; \
+	  done; \
+	  [ $$rc -eq 0 ] || { echo "==> bench: tiers with MPS $$mps ended with exit $$rc"; fail=1; }; \
+	done; \
+	echo "==> bench: baseline (transformers generate, talker frame vs its floor)"; \
+	$(BENCH_RUN) --part baseline || { echo "==> bench: baseline ended with exit $$?"; fail=1; }; \
+	$(BENCH_PY) bench/server_gpu.py --part report --out $(BENCH_OUT) > /dev/null; \
+	echo "==> bench: results, table (server_gpu.md) and plots in $(BENCH_OUT)"; \
+	exit $$fail
 
 soak: setup  ## longer fault and load runs (bounded); not part of make test
 	@$(PY) -m pytest -m soak --run-soak tests $(PYTEST_ARGS)

@@ -93,25 +93,38 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def tiny_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded weights for every talker tensor of the on-disk layout."""
+def tiny_weights(config: dict, seed: int, *, dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Seeded weights for every talker tensor of the on-disk layout, returned on the CPU.
+
+    The defaults give voxring-tiny's bytes. ``config`` may be any CSM config (the
+    benchmarks pass csm-1b's shapes): ``dtype`` casts each tensor as soon as it is drawn
+    (a full-size model then never exists in fp32 at once) and ``device`` draws the numbers
+    there (a CUDA generator is much faster for 1.6 B parameters; its stream differs from
+    the CPU's, so the values differ, the distribution does not)."""
     from services.talker.models.csm.config import CsmConfig
     from services.talker.models.csm.loader import TIED, build_meta
 
     model = build_meta(CsmConfig.from_dict(config))
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(shape: torch.Size) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, device=device)
+
     tensors = {}
     for name, param in sorted(model.named_parameters(remove_duplicate=False)):
         if name in TIED:
             continue
         if name.endswith("norm.weight"):
-            tensor = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
+            tensor = 1.0 + 0.1 * randn(param.shape)
         elif "embed" in name:
-            tensor = torch.randn(param.shape, generator=generator)
+            tensor = randn(param.shape)
         else:
             fan_in = param.shape[-2] if name.endswith("codebooks_head.weight") else param.shape[-1]
-            tensor = torch.randn(param.shape, generator=generator) / fan_in ** 0.5
-        tensors[name] = tensor.contiguous()
+            tensor = randn(param.shape) / fan_in ** 0.5
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        tensors[name] = tensor.contiguous().cpu()
     return tensors
 
 

@@ -1,0 +1,70 @@
+"""bench/server_gpu.py's orchestration on the CPU (``--smoke``): the three stages on the
+tiny model started and found ready, two load tiers through the SDK's load generator,
+Stats and metrics read, JSON and the table written, every stage stopped with SIGTERM
+(exit 0) and nothing left in /dev/shm; and the baseline part (voxring's talker and
+transformers' generate on the same tiny checkpoint). The numbers themselves are the GPU
+run's business."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, stage_env
+
+SCRIPT = REPO / "bench" / "server_gpu.py"
+RUN_TIMEOUT_S = 120  # a bound, not an expectation: the tiers part takes ~10 s on 2 cores
+
+
+def _run(*args: str, out) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), *args], cwd=REPO,
+                          env=stage_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+
+
+def _run_dirs() -> set[Path]:
+    return set(Path("/tmp").glob("vxb-*"))  # where server_gpu.py makes them
+
+
+def test_smoke_tiers(tmp_path):
+    run_dirs = _run_dirs()
+    done = _run("--part", "tiers", "--max-wall", "100", out=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "server_gpu_tiers_smoke.json").read_text())
+    assert sorted(result["tiers"]) == ["1", "2"]
+    for tier in result["tiers"].values():
+        assert tier["status"] == "done" and tier["clean"], tier
+        assert tier["admitted"] == tier["completed"] == 2 and tier["rejected"] == 0
+        assert tier["ttfa_ms"]["p50"] is not None and tier["audio_s_per_s"] > 0
+        assert tier["talker"]["frames"] >= 2 * 10  # 2 requests x 0.8 s x 12.5 frames/s
+        assert tier["talker"]["mean_k"] >= 1 and tier["code2wav"]["chunks"] >= 2
+        assert tier["code2wav"]["sequence_gaps"] == 0
+        assert tier["engines_idle_after"]
+    run = result["runs"][-1]
+    assert "error" not in run, run
+    assert run["exit_codes"] == {"gateway": 0, "code2wav": 0, "talker": 0}  # SIGTERM, graceful
+    assert run["shm_left"] == []
+    assert result["realtime_streams_per_gpu"] == 2
+    assert result["configs"]["talker"]["model"] == {"checkpoint": None, "dtype": "float32", "device": "cpu"}
+    table = (tmp_path / "server_gpu.md").read_text()
+    assert "| 2 | 2 / 0 |" in table and table in done.stdout
+
+    again = _run("--part", "tiers", out=tmp_path)  # same configuration: nothing left to measure
+    assert again.returncode == 0, again.stderr
+    assert "already in" in again.stderr
+    assert _run_dirs() == run_dirs  # the stages' private folders (sockets, configs, logs) are gone
+
+
+def test_smoke_baseline(tmp_path):
+    pytest.importorskip("transformers")
+    done = _run("--part", "baseline", "--max-wall", "100", out=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "server_gpu_baseline_smoke.json").read_text())
+    for side in ("voxring", "transformers"):
+        for batch in ("B=1", "B=8"):
+            assert result[side][batch], (side, batch, result[side])
+    assert result["transformers"]["B=8"]["frames"] == 8  # --hf-frames' smoke default, greedy
+    assert result["voxring"]["B=8"]["wall_frames_per_s"] > 0
