@@ -501,6 +501,35 @@ def random_text(rng: random.Random, low: int = 1, high: int = 30) -> str:
     return " ".join(rng.choices(WORDS, k=rng.randint(low, high))).capitalize() + "."
 
 
+@contextlib.contextmanager
+def running_stack(model_cache: Path, report: Callable[[str], None]):
+    """Two warm engine pairs behind a gateway for a module's tests; at the end every stage
+    must exit 0 on SIGTERM, and the processes and their folder are gone either way."""
+    from services.talker.tiny import ensure_tiny_checkpoint
+
+    ensure_tiny_checkpoint(root=model_cache / "models")  # made once, before any timed start
+    stack = FaultStack(pairs=2)
+    try:
+        started = time.monotonic()
+        stack.start()
+        warm_up(stack)
+        report(f"stack of 5 processes up and warm in {time.monotonic() - started:.1f} s")
+        yield stack
+        codes = stack.close()
+        assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n{stack.logs()}"
+    finally:
+        stack.close()
+        stack.remove()
+
+
+def healed(stack: FaultStack, report: Callable[[str], None]) -> FaultStack:
+    """The shared stack, whole again: whatever an earlier test left dead is restarted."""
+    restarted = stack.heal()
+    if restarted:
+        report(f"restarted {restarted}, left dead by an earlier test")
+    return stack
+
+
 def warm_up(stack: FaultStack, gateway: str = "gateway") -> None:
     """One completed and one cancelled request per pair (two at a time, so the gateway
     routes one to each pair): every lazily made channel (gateway -> each stage, Code2Wav

@@ -25,23 +25,20 @@ left dead. Each test prints what it measured (run with -s to see it).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from services.talker.tiny import ensure_tiny_checkpoint
 from tests.e2e.stack_helpers import (
-    FaultStack,
     cancel_storm,
     format_leaks,
+    healed,
     kill_code2wav,
     kill_gateway,
     kill_talker,
     overload_scenario,
+    running_stack,
     sigterm_gateway,
     sigterm_talker,
     soak_scenario,
-    warm_up,
 )
 
 # Overload: RSS may not grow more than this after the first round (MB). The first round
@@ -65,28 +62,13 @@ def report(line: str) -> None:
 
 @pytest.fixture(scope="module")
 def stack(model_cache):
-    ensure_tiny_checkpoint(root=model_cache / "models")  # made once, before any timed start
-    st = FaultStack(pairs=2)
-    try:
-        started = time.monotonic()
-        st.start()
-        warm_up(st)
-        report(f"stack of 5 processes up and warm in {time.monotonic() - started:.1f} s")
+    with running_stack(model_cache, report) as st:
         yield st
-        codes = st.close()
-        assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n{st.logs()}"
-    finally:
-        st.close()
-        st.remove()
 
 
 @pytest.fixture
 def fresh(stack):
-    """The shared stack, whole again: whatever an earlier test left dead is restarted."""
-    restarted = stack.heal()
-    if restarted:
-        report(f"restarted {restarted}, left dead by an earlier test")
-    return stack
+    return healed(stack, report)
 
 
 def test_kill9_talker(fresh):

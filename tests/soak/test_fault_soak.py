@@ -12,19 +12,18 @@ import time
 
 import pytest
 
-from services.talker.tiny import ensure_tiny_checkpoint
 from tests.e2e.stack_helpers import (
-    FaultStack,
     cancel_storm,
     format_leaks,
+    healed,
     kill_code2wav,
     kill_gateway,
     kill_talker,
     overload_scenario,
+    running_stack,
     sigterm_gateway,
     sigterm_talker,
     soak_scenario,
-    warm_up,
 )
 
 pytestmark = pytest.mark.soak
@@ -54,25 +53,13 @@ def report(line: str) -> None:
 
 @pytest.fixture(scope="module")
 def stack(model_cache):
-    ensure_tiny_checkpoint(root=model_cache / "models")
-    st = FaultStack(pairs=2)
-    try:
-        st.start()
-        warm_up(st)
+    with running_stack(model_cache, report) as st:
         yield st
-        codes = st.close()
-        assert all(code == 0 for code in codes.values()), f"exit codes {codes}\n{st.logs()}"
-    finally:
-        st.close()
-        st.remove()
 
 
 @pytest.fixture
 def fresh(stack):
-    restarted = stack.heal()
-    if restarted:
-        report(f"restarted {restarted}, left dead by an earlier test")
-    return stack
+    return healed(stack, report)
 
 
 def test_repeated_kills_and_restarts(fresh):

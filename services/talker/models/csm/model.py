@@ -185,6 +185,14 @@ class CsmTalker(nn.Module):
 
     # --- one frame ------------------------------------------------------------------------
 
+    def _pick(self, inputs: FrameInputs, logits: torch.Tensor, k: int,
+              logits_out: list | None) -> torch.Tensor:
+        """Codebook k's code from its logits (kept in ``logits_out`` when asked)."""
+        if logits_out is not None:
+            logits_out.append(logits.float())
+        return sample(logits, inputs.sampling, inputs.frame_index, k, inputs.history[:, k, :],
+                      self.codebook_size)
+
     def _depth_codes_fused(self, inputs: FrameInputs, caches: CsmCaches, logits_out: list | None):
         """``_depth_codes`` on the fused path: the same steps, rows flattened for ``forward_rows``,
         codebook k's embedding read from its slice of the table (no offset add)."""
@@ -195,10 +203,7 @@ class CsmTalker(nn.Module):
         head_rows = self._head_rows  # [N-1, V_pad, H]
 
         def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
-            if logits_out is not None:
-                logits_out.append(logits.float())
-            return sample(logits, inputs.sampling, inputs.frame_index, k, inputs.history[:, k, :],
-                          self.codebook_size)
+            return self._pick(inputs, logits, k, logits_out)
 
         code = pick(self.lm_head(inputs.hidden), 0)
         codes = [code]
@@ -223,13 +228,9 @@ class CsmTalker(nn.Module):
         device = inputs.hidden.device
         depth = self.depth_decoder.model
         rows = torch.arange(b, device=device)
-        history = inputs.history
 
         def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
-            if logits_out is not None:
-                logits_out.append(logits.float())
-            return sample(logits, inputs.sampling, inputs.frame_index, k, history[:, k, :],
-                          self.codebook_size)
+            return self._pick(inputs, logits, k, logits_out)
 
         code = pick(self.lm_head(inputs.hidden), 0)
         codes = [code]
