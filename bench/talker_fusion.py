@@ -13,7 +13,8 @@ GPU only (about 4 minutes on one H200).
    plain layers without kernels; plain + sampler and decode-attention kernels (the previous
    default); the fused structure with the new kernels' eager twins (packed QKV and gate/up,
    depth rows flattened through decode attention, index tensors made once); then the
-   rms_norm, rope_kv and silu_mul kernels switched on one at a time (the last is the default).
+   rms_norm, rope_kv and silu_mul kernels switched on one at a time; then stack_step, one
+   persistent launch per depth call of up to 16 rows (B <= 8; the default).
    A torch.profiler trace of one replay per stage and bucket gives the kernel count, the sum
    of kernel time and the idle time between kernels; the top kernels are listed for the
    first plain-with-kernels stage and the final stage. The stages run greedy rows; the final
@@ -82,9 +83,10 @@ def random_model(config: dict, dtype: torch.dtype, seed: int = 0) -> CsmTalker:
     return model
 
 
-def set_kernels(*, plain_kernels: bool, rms_norm: bool, rope_kv: bool, silu_mul: bool) -> None:
+def set_kernels(*, plain_kernels: bool, rms_norm: bool, rope_kv: bool, silu_mul: bool, stack_step: bool) -> None:
     kernels.configure(sampler=plain_kernels, decode_attention=plain_kernels, fused_layers=True)
-    for name, enabled in (("rms_norm", rms_norm), ("rope_kv", rope_kv), ("silu_mul", silu_mul)):
+    for name, enabled in (("rms_norm", rms_norm), ("rope_kv", rope_kv), ("silu_mul", silu_mul),
+                          ("stack_step", stack_step)):
         importlib.import_module(f"kernels.{name}").LATCH.configure(enabled)
 
 
@@ -259,8 +261,8 @@ def exactness(result: dict) -> None:
         "bf16_plain_vs_fp32_plain": mismatch((torch.bfloat16, False), ref)}
 
 
-def _switches(plain: bool, norm: bool, rope: bool, silu: bool) -> dict:
-    return dict(plain_kernels=plain, rms_norm=norm, rope_kv=rope, silu_mul=silu)
+def _switches(plain: bool, norm: bool, rope: bool, silu: bool, stack: bool = False) -> dict:
+    return dict(plain_kernels=plain, rms_norm=norm, rope_kv=rope, silu_mul=silu, stack_step=stack)
 
 
 STAGES = [  # name, pack weights first, kernel switches
@@ -269,7 +271,8 @@ STAGES = [  # name, pack weights first, kernel switches
     ("fused structure, twins", True, _switches(True, False, False, False)),
     ("+ rms_norm kernel", True, _switches(True, True, False, False)),
     ("+ rope_kv kernel", True, _switches(True, True, True, False)),
-    ("+ silu_mul kernel (default)", True, _switches(True, True, True, True)),
+    ("+ silu_mul kernel", True, _switches(True, True, True, True)),
+    ("+ stack_step, depth calls of <= 16 rows (default)", True, _switches(True, True, True, True, True)),
 ]
 
 
@@ -277,6 +280,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("bench/results/talker_fusion.json"))
     parser.add_argument("--skip-exactness", action="store_true")
+    parser.add_argument("--last-stages", type=int, default=len(STAGES),
+                        help="time only the last N stages (the earlier ones are in an earlier run's JSON)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("talker_fusion.py needs a CUDA GPU")
@@ -311,7 +316,7 @@ def main() -> None:
     prefill_all(runner, 256, False)
     saved = [t.clone() for t in (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)]
     stages = []
-    for name, pack, switches in STAGES:
+    for name, pack, switches in STAGES[-args.last_stages:]:
         if pack:
             model.pack_weights()
         set_kernels(**switches)
@@ -320,7 +325,7 @@ def main() -> None:
             dst.copy_(src)
         capture_s = recapture(runner)
         entry = {"stage": name, "capture_s": round(capture_s, 2), "per_bucket": {}}
-        detail = name.startswith("plain +") or name.endswith("(default)")
+        detail = name.startswith("plain +") or name.endswith("(default)") or name == "+ silu_mul kernel"
         for b in BUCKETS:
             ms = device_ms_per_frame(runner, b)
             try:

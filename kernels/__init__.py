@@ -3,8 +3,9 @@
 One file per op: ``sampler`` (the fused sampler; its twin is ``services.talker.sampler``),
 ``decode_attention`` (one query per row over the static per-slot KV cache; twin in the same
 file), the fused decoder-layer ops ``rms_norm`` (residual add + RMSNorm), ``rope_kv`` (rotary
-embedding + KV-cache write) and ``silu_mul`` (SiLU(gate) * up), each with its twin, and
-``latch`` (the process-level switch between a kernel and its twin).
+embedding + KV-cache write) and ``silu_mul`` (SiLU(gate) * up), ``stack_step`` (a whole decode
+step of a short stack, such as the depth decoder, in one persistent launch), each with its twin,
+and ``latch`` (the process-level switch between a kernel and its twin).
 
 ``configure`` is the one place a service's config reaches the kernels: it sets each kernel's
 switch (False = the eager twin serves every call, for triage). Submodules are imported only when
@@ -18,12 +19,12 @@ import importlib
 __all__ = ["configure"]
 
 
-FUSED_LAYER_KERNELS = ("rms_norm", "rope_kv", "silu_mul")
+FUSED_LAYER_KERNELS = ("rms_norm", "rope_kv", "silu_mul", "stack_step")
 
 
 def configure(*, sampler: bool, decode_attention: bool, fused_layers: bool = True) -> None:
     """Turns each kernel on or off for the rest of the process; only real bools are accepted.
-    ``fused_layers`` switches the three fused decoder-layer kernels together."""
+    ``fused_layers`` switches the fused decoder-layer kernels together."""
     switches = [("sampler", sampler), ("decode_attention", decode_attention),
                 *((name, fused_layers) for name in FUSED_LAYER_KERNELS)]
     for name, enabled in switches:  # all checked before any is set

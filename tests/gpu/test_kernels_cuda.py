@@ -1,6 +1,7 @@
 """The Triton kernels on a CUDA GPU: the unit tests' cases against the eager twins, a full-size
 batch, and capture + replay of each kernel in a CUDA graph equal to eager on fresh inputs copied
-into the captured buffers; the tiny talker's fused frame against its plain one through the Runner
+into the captured buffers; stack_step's one launch with grid barriers against its phase-by-phase
+launches, bit for bit; the tiny talker's fused frame against its plain one through the Runner
 with CUDA graphs. Skipped without CUDA (tests/conftest.py)."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kernels import rms_norm as rms_kernel
 from kernels import rope_kv as rope_kernel
 from kernels import sampler as sampler_kernel
 from kernels import silu_mul as silu_kernel
+from kernels import stack_step as stack_kernel
 from services.talker import sampler as twin
 from services.talker.sampler import SamplingParams
 from tests.unit.test_kernel_decode_attention import SHAPES, check, make_inputs
@@ -42,6 +44,17 @@ from tests.unit.test_kernel_fused_layers import (
     rope_case,
 )
 from tests.unit.test_kernel_sampler import CASES, SEEDS, Case, assert_matches_twin, case_mixed_rows
+from tests.unit.test_kernel_stack_step import CSM_DEPTH
+from tests.unit.test_kernel_stack_step import ROWS as STACK_ROWS
+from tests.unit.test_kernel_stack_step import SHAPES as STACK_SHAPES
+from tests.unit.test_kernel_stack_step import TOLERANCE as STACK_TOLERANCE
+from tests.unit.test_kernel_stack_step import WAYS as STACK_WAYS
+from tests.unit.test_kernel_stack_step import assert_caches as assert_stack_caches
+from tests.unit.test_kernel_stack_step import clean as stack_clean
+from tests.unit.test_kernel_stack_step import make_case as make_stack_case
+from tests.unit.test_kernel_stack_step import reference as stack_reference
+from tests.unit.test_kernel_stack_step import relative_error as stack_error
+from tests.unit.test_kernel_stack_step import run as stack_run
 
 pytestmark = pytest.mark.gpu
 
@@ -377,3 +390,79 @@ def test_fused_frames_in_cuda_graphs_equal_the_plain_model(cuda_runners, rows: i
 def test_fused_frame_logits_equal_the_plain_model_on_cuda():
     plain, fused = plain_and_fused("cuda")
     assert_frames_match(first_frame(fused, 4), first_frame(plain, 4))
+
+
+# ---------------------------------------------------------------- stack_step: one launch with grid barriers
+
+
+def one_launch(*args, **kwargs):
+    return stack_kernel.stack_step_triton(*args, **kwargs, phased=False)
+
+
+def phased(*args, **kwargs):
+    return stack_kernel.stack_step_triton(*args, **kwargs, phased=True)
+
+
+def assert_same_result(got, want) -> None:
+    assert torch.equal(got.out, want.out)
+    for name in ("k_cache", "v_cache"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), equal_nan=True, rtol=0, atol=0)
+
+
+# Each (shape, dtype, way) compiles the kernel twice (barriers, phases): every dtype with rows
+# gathered by code, and the other two ways in bf16.
+STACK_GPU_CASES = [(shape, dtype, "gather") for shape in STACK_SHAPES
+                   for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+STACK_GPU_CASES += [("tiny_depth", torch.bfloat16, way) for way in STACK_WAYS if way != "gather"]
+
+
+@pytest.mark.parametrize(("shape", "dtype", "way"), STACK_GPU_CASES)
+def test_stack_step_one_launch_equals_its_phases_on_cuda(shape: str, dtype: torch.dtype, way: str):
+    # The same phase code with barriers instead of launch boundaries: bit for bit, and both within
+    # tolerance of the float64 reference.
+    case = make_stack_case(STACK_SHAPES[shape], 21, STACK_ROWS["three"], dtype=dtype, way=way)
+    got, want, ref = stack_run(case, one_launch), stack_run(case, phased), stack_reference(case)
+    assert_same_result(got, want)
+    assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[dtype]
+    assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
+    assert stack_kernel.faults("cuda") == 0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stack_step_csm_depth_shapes_on_cuda(dtype: torch.dtype, rows: int):
+    # csm-1b's depth decoder: 4 layers of 1024, 8 / 2 heads of 128, 8192 wide MLP, projector from
+    # 2048, the padded codebook head; rows in pairs at positions 0 and 1 (the first depth call) or
+    # one per slot further on.
+    placed = [(r // 2, r % 2) for r in range(rows)] if rows % 2 == 0 and rows > 2 else \
+        [(slot, 3 + slot) for slot in range(rows)]
+    case = make_stack_case(CSM_DEPTH, 22, placed, dtype=dtype, way="gather")
+    got, want, ref = stack_run(case, one_launch), stack_run(case, phased), stack_reference(case)
+    assert_same_result(got, want)
+    assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[dtype]
+    assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
+    assert stack_kernel.faults("cuda") == 0
+
+
+def test_stack_step_graph_replay_equals_eager_on_new_codes():
+    # 31 launches in one graph (the depth loop's shape: each reads the previous one's output), and
+    # the barrier counter is reset by each launch itself: replays on fresh codes equal eager runs.
+    case = stack_clean(make_stack_case(STACK_SHAPES["tiny_depth"], 23, STACK_ROWS["three"], way="gather"))
+    table, proj, head, codes = (case.inputs[k] for k in ("src", "proj", "head", "codes"))
+    vocab = table.shape[0]
+
+    def chain(start: torch.Tensor) -> torch.Tensor:
+        code = start
+        for _ in range(31):
+            logits = stack_kernel.stack_step_triton(*case.args, src=table, codes=code, proj=proj, head=head)
+            code = logits.argmax(dim=1) % vocab
+        return logits
+
+    graph, out = capture(lambda: chain(codes))
+    for seed in range(3):
+        codes.copy_(torch.randint(0, vocab, codes.shape, generator=torch.Generator().manual_seed(seed)))
+        out.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, chain(codes.clone()))
+    assert stack_kernel.faults("cuda") == 0

@@ -33,7 +33,9 @@ import kernels
 from kernels import rms_norm as rms_kernel
 from kernels import rope_kv as rope_kernel
 from kernels import silu_mul as silu_kernel
+from kernels import stack_step as stack_kernel
 from kernels.latch import KernelLatch
+from services.talker.models.csm import model as csm_model
 from services.talker.models.csm.config import CsmConfig, RopeConfig
 from services.talker.models.csm.model import CsmTalker, DepthRows
 from services.talker.models.csm.modules import RotaryTable
@@ -794,9 +796,11 @@ def talkers() -> tuple[CsmTalker, CsmTalker]:
 
 @pytest.fixture
 def on_the_kernels(fresh_latches, monkeypatch) -> Counter:
-    """The fused path's drop-ins (the fused-layer kernels and decode attention; the sampler stays
-    on its twin) send CPU tensors to their kernels, the interpreter here; counts each launcher's
-    calls. After the test: no latch tripped."""
+    """The fused path's drop-ins (the fused-layer kernels, stack_step among them, and decode
+    attention; the sampler stays on its twin) send CPU tensors to their kernels, the interpreter
+    here; counts each launcher's calls. Every depth call takes stack_step (``STACK_STEP_ROWS`` raised
+    to the kernel's limit). After the test: no latch tripped."""
+    monkeypatch.setattr(csm_model, "STACK_STEP_ROWS", stack_kernel.MAX_ROWS)
     launches: Counter = Counter()
     for name in (*kernels.FUSED_LAYER_KERNELS, "decode_attention"):
         module = KERNEL_MODULES[name]
@@ -814,18 +818,21 @@ def on_the_kernels(fresh_latches, monkeypatch) -> Counter:
     assert not tripped, f"latches tripped: {tripped}"
 
 
-# One frame of the tiny talker: 4 backbone layers, and 2 depth-decoder layers in each of 7 calls (the
-# first two positions together, then one per codebook 2 .. 7). A layer: two norms, one rope_kv, one
-# decode attention, one silu_mul; a stack call: one final norm.
-LAYERS_PER_FRAME = 4 + 7 * 2
-STACK_CALLS_PER_FRAME = 1 + 7
+# One frame of the tiny talker: the backbone's 4 layers through forward_rows (a layer: two norms, one
+# rope_kv, one decode attention, one silu_mul; the stack's final norm), and the depth decoder's 7
+# calls (the first two positions together, then one per codebook 2 .. 7): each one stack_step, or,
+# for calls of more rows than STACK_STEP_ROWS, forward_rows through its 2 layers.
+BACKBONE_LAYERS_PER_FRAME = 4
+DEPTH_CALLS_PER_FRAME = 7
+DEPTH_LAYERS = 2
 
 
-def assert_frames_ran_on_the_kernels(launches: Counter, frames: int) -> None:
-    layers = frames * LAYERS_PER_FRAME
-    assert launches == Counter({"rms_norm_triton": 2 * layers + frames * STACK_CALLS_PER_FRAME,
-                                "rope_kv_triton": layers, "decode_attention_triton": layers,
-                                "silu_mul_triton": layers})
+def assert_frames_ran_on_the_kernels(launches: Counter, frames: int, stack_calls: int = DEPTH_CALLS_PER_FRAME) -> None:
+    row_calls = DEPTH_CALLS_PER_FRAME - stack_calls  # depth calls through forward_rows, per frame
+    layers = frames * (BACKBONE_LAYERS_PER_FRAME + DEPTH_LAYERS * row_calls)
+    assert launches == Counter({"rms_norm_triton": 2 * layers + frames * (1 + row_calls), "rope_kv_triton": layers,
+                                "decode_attention_triton": layers, "silu_mul_triton": layers,
+                                "stack_step_triton": frames * stack_calls})
 
 
 @pytest.fixture(scope="module")
@@ -869,6 +876,15 @@ interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA: tests/gp
 def test_fused_frames_on_the_kernels_equal_the_plain_model(talkers, plain_codes, on_the_kernels, rows: int):
     decode(make_runner(talkers[1]), rows, 2).assert_matches(plain_codes[(rows, "greedy")])
     assert_frames_ran_on_the_kernels(on_the_kernels, 2)
+
+
+@interpreter_only
+def test_depth_calls_past_stack_step_rows_take_forward_rows(talkers, plain_codes, on_the_kernels, monkeypatch):
+    # Two rows with the threshold at 2: the first depth call (4 rows) goes through forward_rows,
+    # the six one-position calls (2 rows) through stack_step; the codes are the plain model's.
+    monkeypatch.setattr(csm_model, "STACK_STEP_ROWS", 2)
+    decode(make_runner(talkers[1]), 2, 2).assert_matches(plain_codes[(2, "greedy")])
+    assert_frames_ran_on_the_kernels(on_the_kernels, 2, stack_calls=DEPTH_CALLS_PER_FRAME - 1)
 
 
 @interpreter_only

@@ -27,9 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.sampler import sample  # the Triton kernel on CUDA, its eager twin elsewhere
+from kernels.stack_step import fits as stack_fits
+from kernels.stack_step import stack_step
 from services.talker.models.csm.config import CsmConfig
 from services.talker.models.csm.modules import KVCache, Transformer
 from services.talker.models.family import FrameInputs, FrameOutputs, PromptSegment
+
+# Depth calls of at most this many rows take ``stack_step`` (one launch a call). On the H200 a call
+# of 1 or 2 rows is faster that way (B=1 frame 7.50 -> 7.08 ms); at 8 and 16 rows the kernel's
+# products stream weights slower than the library's and the frame is slower (B=8 7.05 -> 7.58 ms):
+# bench/results/talker_fusion_stack_step.json.
+STACK_STEP_ROWS = 2
 
 
 class AudioEmbeddings(nn.Module):
@@ -194,31 +202,46 @@ class CsmTalker(nn.Module):
                       self.codebook_size)
 
     def _depth_codes_fused(self, inputs: FrameInputs, caches: CsmCaches, logits_out: list | None):
-        """``_depth_codes`` on the fused path: the same steps, rows flattened for ``forward_rows``,
-        codebook k's embedding read from its slice of the table (no offset add)."""
+        """``_depth_codes`` on the fused path: the same steps, rows flattened, codebook k's embedding
+        read from its slice of the table (no offset add). Where ``stack_step`` takes the rows (a
+        CUDA device, up to ``STACK_STEP_ROWS`` rows a call), each depth call is one launch: projection (with the
+        embedding lookup), the four layers, the final norm and the next codebook's head; elsewhere
+        ``forward_rows`` and separate products."""
         b = inputs.hidden.shape[0]
         depth = self.depth_decoder.model
         table, vocab = depth.embed_tokens.weight, self.config.audio_vocab_size
+        proj = depth.inputs_embeds_projector.weight
         index = caches.depth_rows
         head_rows = self._head_rows  # [N-1, V_pad, H]
+        cache = caches.depth
 
         def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
             return self._pick(inputs, logits, k, logits_out)
+
+        def step_logits(rows: tuple[torch.Tensor, ...], head: torch.Tensor, src: torch.Tensor,
+                        codes: torch.Tensor | None = None, pairs: bool = False) -> torch.Tensor:
+            # logits [b, V_pad] of one depth call over ``rows`` = (slots, positions, lengths); with
+            # ``pairs`` the rows come two per batch row and only the second's logits are wanted
+            inputs_ = dict(src=src, codes=codes, proj=proj, head=head)
+            if rows[0].shape[0] <= STACK_STEP_ROWS and stack_fits(depth.stack, cache.k, cache.v, *rows, **inputs_):
+                logits = stack_step(depth.stack, cache.k, cache.v, *rows, **inputs_)
+                return logits.view(b, 2, -1)[:, 1] if pairs else logits
+            x = src if codes is None else F.embedding(codes, src)
+            out = depth.forward_rows(F.linear(x, proj), cache, *rows)
+            return F.linear(out.view(b, 2, -1)[:, 1] if pairs else out, head)
 
         code = pick(self.lm_head(inputs.hidden), 0)
         codes = [code]
         # rows (b, position 0: the backbone state) and (b, position 1: codebook 0's embedding)
         x = torch.stack([inputs.hidden, F.embedding(code, table[:vocab])], dim=1).view(2 * b, -1)
-        out = depth.forward_rows(depth.inputs_embeds_projector(x), caches.depth, index.first_rows[: 2 * b],
-                                 index.first_positions[: 2 * b], index.first_lengths[: 2 * b])
-        out = out.view(b, 2, -1)[:, 1]
+        first = (index.first_rows[: 2 * b], index.first_positions[: 2 * b], index.first_lengths[: 2 * b])
+        logits = step_logits(first, head_rows[0], x, pairs=True)
         for k in range(1, self.num_codebooks):
-            code = pick(F.linear(out, head_rows[k - 1])[:, :vocab], k)
+            code = pick(logits[:, :vocab], k)
             codes.append(code)
             if k + 1 < self.num_codebooks:
-                x = F.embedding(code, table[k * vocab:(k + 1) * vocab])
-                out = depth.forward_rows(depth.inputs_embeds_projector(x), caches.depth, index.rows[:b],
-                                         index.steps[k + 1, :b], index.steps[k + 2, :b])
+                rows = (index.rows[:b], index.steps[k + 1, :b], index.steps[k + 2, :b])
+                logits = step_logits(rows, head_rows[k], table[k * vocab:(k + 1) * vocab], code)
         return torch.stack(codes, dim=1)
 
     def _depth_codes(self, inputs: FrameInputs, caches: CsmCaches, logits_out: list | None):

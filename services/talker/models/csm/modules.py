@@ -27,6 +27,7 @@ from kernels.decode_attention import decode_attention
 from kernels.rms_norm import rms_norm, rms_norm_eager
 from kernels.rope_kv import apply_rope, rope_kv
 from kernels.silu_mul import silu_mul
+from kernels.stack_step import StackWeights
 from services.talker.models.csm.config import RopeConfig, TransformerConfig
 
 
@@ -100,16 +101,31 @@ class KVCache:
         return self.k.shape[1]
 
 
+def stack_linears(groups: list[list[nn.Linear]]) -> torch.Tensor:
+    """Stacks groups of linears into one [len(groups), sum(out), in] tensor (each group's weights
+    concatenated) and makes each weight a view of its rows, so one product computes a group and
+    one pointer reaches every layer, with no memory duplicated. Run after the model has its final
+    device and dtype (``.to`` afterwards would copy the views apart)."""
+    packed = torch.stack([torch.cat([linear.weight.detach() for linear in group]) for group in groups])
+    for i, group in enumerate(groups):
+        start = 0
+        for linear in group:
+            rows = linear.weight.shape[0]
+            linear.weight = nn.Parameter(packed[i, start:start + rows], requires_grad=False)
+            start += rows
+    return packed
+
+
 def pack_linears(*linears: nn.Linear) -> torch.Tensor:
-    """Concatenates the linears' weights into one [sum(out), in] tensor and makes each weight a
-    view of its rows, so one product computes them all and no memory is duplicated. Run after
-    the model has its final device and dtype (``.to`` afterwards would copy the views apart)."""
-    packed = torch.cat([linear.weight.detach() for linear in linears])
-    start = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight = nn.Parameter(packed[start:start + rows], requires_grad=False)
-        start += rows
+    """One group of ``stack_linears``: [sum(out), in]."""
+    return stack_linears([list(linears)])[0]
+
+
+def _stack_norms(norms: list[RMSNorm]) -> torch.Tensor:
+    """The norms' weights as rows of one [len(norms), H] tensor, each weight a view of its row."""
+    packed = torch.stack([norm.weight.detach() for norm in norms])
+    for i, norm in enumerate(norms):
+        norm.weight = nn.Parameter(packed[i], requires_grad=False)
     return packed
 
 
@@ -201,6 +217,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        self.stack: StackWeights | None = None  # set by pack_weights
 
     def new_cache(self, num_slots: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
         weight = self.norm.weight
@@ -221,11 +238,24 @@ class Transformer(nn.Module):
         return self.layers[0].self_attn.qkv_weight is not None
 
     def pack_weights(self) -> None:
-        """Packs QKV and gate/up for ``forward_rows`` (idempotent)."""
-        if not self.packed:
-            for layer in self.layers:
-                layer.self_attn.pack_weights()
-                layer.mlp.pack_weights()
+        """Packs QKV and gate/up for ``forward_rows`` and stacks every layer's weights for
+        ``stack_step`` (``self.stack``); all views, no extra memory (idempotent)."""
+        if self.packed:
+            return
+        layers = list(self.layers)
+        qkv = stack_linears([[la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj] for la in layers])
+        gate_up = stack_linears([[la.mlp.gate_proj, la.mlp.up_proj] for la in layers])
+        for i, layer in enumerate(layers):
+            layer.self_attn.qkv_weight = qkv[i]
+            layer.mlp.gate_up_weight = gate_up[i]
+        self.stack = StackWeights(
+            qkv=qkv, o=stack_linears([[la.self_attn.o_proj] for la in layers]), gate_up=gate_up,
+            down=stack_linears([[la.mlp.down_proj] for la in layers]),
+            input_norm=_stack_norms([la.input_layernorm for la in layers]),
+            post_norm=_stack_norms([la.post_attention_layernorm for la in layers]),
+            final_norm=self.norm.weight.detach(), cos=self.rotary.cos, sin=self.rotary.sin,
+            num_q_heads=self.cfg.num_heads, num_kv_heads=self.cfg.num_kv_heads,
+            head_dim=self.cfg.head_dim, eps=self.norm.eps)
 
     def forward_rows(self, x: torch.Tensor, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor,
                      lengths: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,207 @@
+"""``stack_step`` on csm-1b's depth decoder against the path it replaces, per depth call, timed
+inside CUDA graphs. GPU only (about 2 minutes on one H200).
+
+    python bench/probe_stack_step.py [--out bench/results/probe_stack_step.json]
+
+One depth call: the embedding lookup, the projector (2048 -> 1024), 4 layers, the final norm and
+one codebook's head (2,056 padded rows), bf16, random weights. The replaced path is
+``F.embedding`` + ``F.linear`` + ``Transformer.forward_rows`` (with the fused-layer kernels) +
+``F.linear``. For 1, 2, 8 and 16 rows: 31 calls captured in one graph (a frame's depth loop),
+timed with CUDA events over replays (median of 5 x 10 after warm-up), for the default tuning and
+a sweep of tile sizes, warps, pipeline stages and grid sizes; the achieved weight bandwidth
+(bytes of the call's weights over its time); the one launch against its phase-by-phase launches
+(bit for bit) and against the replaced path (relative error of the logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.talker_fusion import random_model
+from bench.talker_gpu import CSM_1B, copy_bandwidth
+from kernels import stack_step as stack_kernel
+
+ROWS = [1, 8, 16]
+CALLS = 31
+SWEEP = [  # changes to the default tuning
+    {"BN_QKV": 32},
+    {"KS_DOWN": 8},
+    {"KS_O": 2},
+    {"num_stages": 4},
+]
+
+
+def graph_us_per_call(fn) -> float:
+    """Median device time of one call, from graphs of CALLS calls replayed under CUDA events."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (10 * CALLS))
+    return statistics.median(times)
+
+
+def phase_profile(call, num_layers: int) -> dict:
+    """Mean device time of each phase, from a profiler trace of the phase-by-phase launches (same
+    phase code; each launch boundary stands where the one launch has a barrier)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    times = [e.time_range.end - e.time_range.start for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and "stack_step" in e.name]
+    names = [name for name, bit in zip(("QKV", "ATT", "O", "O_REDUCE", "MLP", "DOWN", "DOWN_REDUCE"),
+                                       stack_kernel.LAYER_PHASES, strict=True)
+             if (bit != stack_kernel.O_REDUCE or stack_kernel.TUNING["KS_O"] > 1)
+             and (bit != stack_kernel.DOWN_REDUCE or stack_kernel.TUNING["KS_DOWN"] > 1)]
+    if len(times) != 2 + num_layers * len(names):
+        return {"note": f"{len(times)} launches in the trace"}
+    per = {"PJ": times[0], "OUT": times[-1]}
+    for i, name in enumerate(names):
+        per[name] = statistics.mean(times[1 + i:1 + num_layers * len(names):len(names)])
+    per["sum"] = sum(times)
+    return {k: round(v, 2) for k, v in per.items()}
+
+
+def barrier_overhead(stack) -> float:
+    """One launch of the same phase structure (4 layers, 21 barriers) with negligible weights:
+    launch, barriers and each phase's latency, but almost no bytes."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    L, H, I, hq, hkv, d = stack.num_layers, 64, 64, 8, 2, 16  # noqa: E741
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16) * 0.1
+
+    small = stack_kernel.StackWeights(
+        qkv=rand(L, (hq + 2 * hkv) * d, H), o=rand(L, H, hq * d), gate_up=rand(L, 2 * I, H), down=rand(L, H, I),
+        input_norm=rand(L, H) + 1, post_norm=rand(L, H) + 1, final_norm=rand(H) + 1, cos=stack.cos[:, :d].contiguous(),
+        sin=stack.sin[:, :d].contiguous(), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, eps=1e-5)
+    k = torch.zeros(L, 1, 32, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    src, proj, head = rand(64, 128), rand(H, 128), rand(64, H)
+    codes = torch.zeros(1, dtype=torch.int64, device="cuda")
+    rows = (torch.zeros(1, dtype=torch.int64, device="cuda"), torch.full((1,), 5, device="cuda"),
+            torch.full((1,), 6, device="cuda"))
+    return round(graph_us_per_call(lambda: stack_kernel.stack_step_triton(
+        small, k, v, *rows, src=src, codes=codes, proj=proj, head=head)), 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("bench/results/probe_stack_step.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("probe_stack_step.py needs a CUDA GPU")
+    import triton
+
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "python": platform.python_version(),
+              "commit": os.environ.get("VOXRING_COMMIT") or subprocess.run(
+                  ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+              "default_tuning": stack_kernel.TUNING}
+    bandwidth = copy_bandwidth()
+    result["copy_bandwidth_TBps"] = round(bandwidth / 1e12, 3)
+
+    model = random_model(CSM_1B, torch.bfloat16)
+    model.pack_weights()
+    depth = model.depth_decoder.model
+    stack = depth.stack
+    vocab = model.config.audio_vocab_size
+    table = depth.embed_tokens.weight[3 * vocab:4 * vocab]
+    proj = depth.inputs_embeds_projector.weight
+    head = model._head_rows[3]
+    cache = model.new_caches(16, 64, 16).depth
+    weight_bytes = sum(t.numel() * t.element_size() for t in (stack.qkv, stack.o, stack.gate_up, stack.down, proj,
+                                                                head))
+    result["weight_MB_per_call"] = round(weight_bytes / 1e6, 1)
+    result["bytes_floor_us_per_call"] = round(weight_bytes / bandwidth * 1e6, 2)
+    print(json.dumps({k: result[k] for k in ("sms", "copy_bandwidth_TBps", "weight_MB_per_call",
+                                               "bytes_floor_us_per_call")}), flush=True)
+
+    result["barrier_overhead_us_per_call"] = barrier_overhead(stack)
+    print(json.dumps({"barrier_overhead_us_per_call": result["barrier_overhead_us_per_call"]}), flush=True)
+    per_rows = {}
+    for n in ROWS:
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        codes = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+        rows = (torch.arange(n, device="cuda"), torch.full((n,), 5, device="cuda"),
+                torch.full((n,), 6, device="cuda"))
+
+        def replaced():
+            x = F.linear(F.embedding(codes, table), proj)
+            return F.linear(depth.forward_rows(x, cache, *rows), head)
+
+        def kernel(tuning=None, num_programs=None, phased=False):
+            return stack_kernel.stack_step_triton(stack, cache.k, cache.v, *rows, src=table, codes=codes, proj=proj,
+                                                  head=head, tuning=tuning, num_programs=num_programs, phased=phased)
+
+        entry = {}
+        want = replaced()
+        start = time.perf_counter()
+        got = kernel()
+        torch.cuda.synchronize()
+        entry["first_call_s"] = round(time.perf_counter() - start, 2)
+        entry["one_launch_equals_phased"] = bool(torch.equal(got, kernel(phased=True)))
+        entry["logits_rel_error_vs_replaced"] = float((got.double() - want.double()).norm() / want.double().norm())
+        entry["replaced_us"] = round(graph_us_per_call(replaced), 2)
+        entry["default_us"] = round(graph_us_per_call(kernel), 2)
+        entry["default_weight_TBps"] = round(weight_bytes / (entry["default_us"] * 1e-6) / 1e12, 3)
+        sweep = []
+        for tuning in SWEEP:
+            try:
+                us = graph_us_per_call(lambda tuning=tuning: kernel(tuning))
+                error = float((kernel(tuning).double() - want.double()).norm() / want.double().norm())
+                sweep.append({**tuning, "us": round(us, 2), "rel_error": round(error, 6)})
+            except Exception as exc:  # a configuration that does not compile or fit is a result too
+                sweep.append({**tuning, "error": repr(exc)[:200]})
+        for programs in (result["sms"] // 2,):  # fewer, never more: all must be resident
+            try:
+                us = graph_us_per_call(lambda programs=programs: kernel(num_programs=programs))
+                sweep.append({"num_programs": programs, "us": round(us, 2)})
+            except Exception as exc:
+                sweep.append({"num_programs": programs, "error": repr(exc)[:200]})
+        entry["sweep"] = sweep
+        if n == 1:
+            entry["phases_us"] = phase_profile(lambda: kernel(phased=True), stack.num_layers)
+        entry["faults"] = stack_kernel.faults("cuda")
+        per_rows[f"N={n}"] = entry
+        print(f"N={n}: {json.dumps(entry)}", flush=True)
+    result["per_rows"] = per_rows
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""``stack_step`` (one decode step of a short stack in one persistent launch) against its eager twin
+and a float64 reference, by METHOD.md's error norm, on fresh random stacks from fixed seeds: the
+tiny depth decoder's shapes and an odd one (H, I, D not powers of two, GQA groups of 2, a cache
+longer than one attention block); the three ways in (a residual stream, projected rows, rows
+gathered from an embedding table by code) with and without a head; rows sharing a slot at
+consecutive positions (the depth decoder's first call); the most rows a step takes; each K/V write
+landing at its (slot, position) of a NaN-poisoned cache and nowhere else; the launcher's checks,
+naming what it refuses; the drop-in, ``fits`` and the latch. On a CPU machine the kernel runs
+under Triton's interpreter, phase by phase (the interpreter cannot run a grid barrier); the one
+launch with barriers is checked against the phased launches on the GPU (tests/gpu)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("kernel tests on CPU need the Triton interpreter, but triton was imported "
+                           "without it: run pytest with TRITON_INTERPRET=1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels import stack_step as ss
+from kernels.latch import KernelLatch
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+NAN = float("nan")
+EPS = 1e-5
+# Relative error against the float64 reference: fp32 only reduction order; 16-bit results carry
+# the roundings of every intermediate the twin rounds (two layers of them), which the kernel repeats.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+TWIN_FP32 = 2e-6  # kernel against twin in fp32
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    inter: int
+    num_q: int
+    num_kv: int
+    head_dim: int
+    slots: int
+    max_len: int
+    src_width: int  # the projection's input width
+    vocab: int      # head rows (and the embedding table's rows)
+
+
+SHAPES = {
+    "tiny_depth": Shape(2, 64, 128, 4, 2, 16, 4, 9, 128, 72),
+    "odd": Shape(1, 100, 150, 6, 3, 20, 4, 40, 70, 50),  # 40 keys: two attention blocks in fp32
+}
+CSM_DEPTH = Shape(4, 1024, 8192, 8, 2, 128, 16, 32, 2048, 2056)  # the GPU tests' full size
+
+
+@dataclass
+class Case:
+    weights: ss.StackWeights
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    lengths: torch.Tensor
+    inputs: dict
+
+    @property
+    def args(self) -> tuple:
+        return (self.weights, self.k_cache, self.v_cache, self.slots, self.positions, self.lengths)
+
+    def fresh(self) -> Case:
+        """The same case with its own caches and inputs (a run writes the caches and may reuse x)."""
+        inputs = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.inputs.items()}
+        return replace(self, k_cache=self.k_cache.clone(), v_cache=self.v_cache.clone(), inputs=inputs)
+
+    def to(self, dtype: torch.dtype) -> Case:
+        """Weights, caches and float inputs in ``dtype`` (the rotary tables stay fp32)."""
+        w = self.weights
+        cast = {f: getattr(w, f).to(dtype) for f in ("qkv", "o", "gate_up", "down", "input_norm", "post_norm",
+                                                      "final_norm")}
+        inputs = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v)
+                  for k, v in self.inputs.items()}
+        return replace(self, weights=replace(w, **cast), k_cache=self.k_cache.to(dtype),
+                       v_cache=self.v_cache.to(dtype), inputs=inputs)
+
+
+def make_case(shape: Shape, seed: int, rows: list[tuple[int, int]], dtype: torch.dtype = torch.float32,
+              way: str = "project", head: bool = True, device: str = DEVICE) -> Case:
+    """A random stack with unit-scale activations and a NaN-poisoned cache except each row's keys
+    before its position. ``rows``: (slot, position) per row; ``way``: "x" (the residual stream is
+    the input), "project" (dense rows times the projection) or "gather" (table rows by code)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [(slot, min(position, shape.max_len - 1)) for slot, position in rows]
+
+    def rand(*size: int, scale: float | None = None) -> torch.Tensor:
+        return torch.randn(*size, generator=g) * (size[-1] ** -0.5 if scale is None else scale)
+
+    s, d = shape, shape.head_dim
+    angles = torch.rand(s.max_len + 4, d // 2, generator=g) * 6.0
+    cos = torch.cat([angles.cos(), angles.cos()], dim=1)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=1)
+    weights = ss.StackWeights(
+        qkv=rand(s.layers, (s.num_q + 2 * s.num_kv) * d, s.hidden), o=rand(s.layers, s.hidden, s.num_q * d),
+        gate_up=rand(s.layers, 2 * s.inter, s.hidden), down=rand(s.layers, s.hidden, s.inter),
+        input_norm=1 + rand(s.layers, s.hidden, scale=0.2), post_norm=1 + rand(s.layers, s.hidden, scale=0.2),
+        final_norm=1 + rand(s.hidden, scale=0.2), cos=cos, sin=sin, num_q_heads=s.num_q, num_kv_heads=s.num_kv,
+        head_dim=d, eps=EPS)
+    k_cache = rand(s.layers, s.slots, s.max_len, s.num_kv, d, scale=1.0)
+    v_cache = rand(s.layers, s.slots, s.max_len, s.num_kv, d, scale=1.0)
+    seen = torch.zeros(s.slots, s.max_len, dtype=torch.bool)
+    for slot, position in rows:
+        seen[slot, : position + 1] = True
+    k_cache[:, ~seen] = NAN  # never read: a read of one would poison the output
+    v_cache[:, ~seen] = NAN
+    slots = torch.tensor([r[0] for r in rows])
+    positions = torch.tensor([r[1] for r in rows])
+    n = len(rows)
+    inputs: dict = {"head": rand(s.vocab, s.hidden) if head else None}
+    if way == "x":
+        inputs["x"] = rand(n, s.hidden, scale=1.0)
+    elif way == "project":
+        inputs.update(src=rand(n, s.src_width, scale=1.0), proj=rand(s.hidden, s.src_width))
+    else:
+        inputs.update(src=rand(s.vocab, s.src_width, scale=1.0), proj=rand(s.hidden, s.src_width),
+                      codes=torch.randint(0, s.vocab, (n,), generator=g))
+    case = Case(weights, k_cache, v_cache, slots, positions, positions + 1, inputs).to(dtype)
+    return move(case, device)
+
+
+def move(case: Case, device: str) -> Case:
+    w = case.weights
+    weights = replace(w, **{f: getattr(w, f).to(device) for f in ("qkv", "o", "gate_up", "down", "input_norm",
+                                                                   "post_norm", "final_norm", "cos", "sin")})
+    inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in case.inputs.items()}
+    return replace(case, weights=weights, k_cache=case.k_cache.to(device), v_cache=case.v_cache.to(device),
+                   slots=case.slots.to(device), positions=case.positions.to(device),
+                   lengths=case.lengths.to(device), inputs=inputs)
+
+
+@dataclass
+class Result:
+    out: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+def run(case: Case, fn) -> Result:
+    """fn on a fresh copy of the case; the twin (which reads every key, masked or not, and so
+    would carry a poisoned key's NaN) gets the poison replaced by zeros."""
+    c = case.fresh()
+    if fn is ss.stack_step_eager:
+        c.k_cache.nan_to_num_(0.0)
+        c.v_cache.nan_to_num_(0.0)
+    out = fn(*c.args, **c.inputs)
+    return Result(out, c.k_cache, c.v_cache)
+
+
+def clean(case: Case) -> Case:
+    """The case without its poison (for calls that may reach the twin)."""
+    return replace(case, k_cache=case.k_cache.nan_to_num(0.0), v_cache=case.v_cache.nan_to_num(0.0))
+
+
+def reference(case: Case) -> Result:
+    """The twin in float64 on the CPU."""
+    return run(move(case, "cpu").to(torch.float64), ss.stack_step_eager)
+
+
+def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.cpu().double(), ref.cpu().double()
+    return float((a - ref).norm() / ref.norm())
+
+
+def written(case: Case) -> torch.Tensor:
+    """[slots, max_len] True at each row's (slot, position): where a step writes K/V."""
+    mask = torch.zeros(case.k_cache.shape[1:3], dtype=torch.bool)
+    mask[case.slots.cpu(), case.positions.cpu()] = True
+    return mask
+
+
+def assert_caches(got: Result, want: Result, case: Case, tolerance: float) -> None:
+    """Written entries within tolerance of the reference's; every other entry untouched (NaN stays NaN)."""
+    mask = written(case)
+    for name in ("k_cache", "v_cache"):
+        before, after, ref = getattr(case, name).cpu(), getattr(got, name).cpu(), getattr(want, name).cpu()
+        assert relative_error(after[:, mask], ref[:, mask]) <= tolerance, name
+        torch.testing.assert_close(after[:, ~mask], before[:, ~mask], equal_nan=True, rtol=0, atol=0)
+
+
+ROWS = {
+    "one": [(2, 5)],
+    "three": [(0, 3), (1, 37), (3, 0)],  # 37: past one attention block where the cache allows
+    "pairs": [(0, 0), (0, 1), (2, 0), (2, 1)],  # the depth decoder's first call: a slot's two positions
+}
+WAYS = ["x", "project", "gather"]
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("rows", list(ROWS))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fp32_equals_twin_and_reference(shape: str, rows: str, way: str):
+    case = make_case(SHAPES[shape], 1, ROWS[rows], way=way, head=way != "x")
+    got, twin, ref = run(case, ss.stack_step_triton), run(case, ss.stack_step_eager), reference(case)
+    assert got.out.shape == twin.out.shape and got.out.dtype == torch.float32
+    assert relative_error(got.out, twin.out) <= TWIN_FP32
+    assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
+    assert_caches(got, ref, case, TOLERANCE[torch.float32])
+
+
+def test_head_or_hidden_out():
+    case = make_case(SHAPES["tiny_depth"], 2, ROWS["three"], head=False)
+    got, ref = run(case, ss.stack_step_triton), reference(case)
+    assert got.out.shape == (3, SHAPES["tiny_depth"].hidden)  # the final norm's output
+    assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
+
+
+def test_most_rows_a_step_takes():
+    shape = SHAPES["tiny_depth"]
+    rows = [(slot, pos) for slot in range(shape.slots) for pos in (1, 2, 3, 4)][: ss.MAX_ROWS]
+    case = make_case(shape, 3, rows, way="gather")
+    got, ref = run(case, ss.stack_step_triton), reference(case)
+    assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
+    assert_caches(got, ref, case, TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("programs", [1, 2, 7])
+def test_any_grid_gives_the_same_result(programs: int):
+    # Items are shared round-robin: the result must not depend on how many programs share them.
+    case = make_case(SHAPES["odd"], 4, ROWS["three"])
+    want = run(case, ss.stack_step_triton)
+    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, num_programs=programs))
+    assert torch.equal(got.out, want.out)
+    assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
+
+
+@pytest.mark.parametrize("tuning", [{"KS_O": 2, "KS_DOWN": 4}, {"BN": 32, "BN_WIDE": 16, "BK": 32}],
+                         ids=["split_reductions", "other_tiles"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tunings_equal_the_reference(shape: str, tuning: dict):
+    # Split reductions (partial sums added in a fixed order by a reduce phase) and other tiles.
+    case = make_case(SHAPES[shape], 11, ROWS["three"], way="gather")
+    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
+    ref = reference(case)
+    assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
+    assert_caches(got, ref, case, TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] if DEVICE == "cpu" else [torch.float16, torch.bfloat16])
+def test_16bit_within_tolerance(dtype: torch.dtype):
+    # bf16 runs on the GPU only: the interpreter casts fp32 -> bf16 by truncation, and the bias of
+    # a whole stack of truncations is not what the kernel does on a GPU.
+    case = make_case(SHAPES["tiny_depth"], 5, ROWS["pairs"], dtype=dtype)
+    got, twin, ref = run(case, ss.stack_step_triton), run(case, ss.stack_step_eager), reference(case)
+    assert got.out.dtype == dtype
+    assert relative_error(got.out, ref.out) <= TOLERANCE[dtype]
+    assert relative_error(twin.out, ref.out) <= TOLERANCE[dtype]
+    assert_caches(got, ref, case, TOLERANCE[dtype])
+
+
+def test_x_is_scratch_and_the_other_inputs_are_kept():
+    case = make_case(SHAPES["tiny_depth"], 6, ROWS["three"], way="gather")
+    c = case.fresh()
+    kept = {k: v.clone() for k, v in c.inputs.items() if torch.is_tensor(v)}
+    ss.stack_step_triton(*c.args, **c.inputs)
+    for name, value in kept.items():
+        assert torch.equal(c.inputs[name], value), name
+
+
+# ---------------------------------------------------------------- checks, drop-in, latch
+
+
+def _bad_cases() -> list[tuple[str, dict, str]]:
+    """(what, changes to the case's arguments, a word the error must name)."""
+    shape = SHAPES["tiny_depth"]
+    base = make_case(shape, 7, ROWS["three"], way="gather")
+    w = base.weights
+    return [
+        ("17 rows", dict(rows=[(0, 1)] * 17), "rows"),
+        ("int32 slots", dict(slots=base.slots.int()), "slots"),
+        ("positions of another length", dict(positions=base.positions[:2]), "positions"),
+        ("lengths not contiguous", dict(lengths=torch.stack([base.lengths, base.lengths], 1)[:, 0]), "lengths"),
+        ("a 3-D cache", dict(k_cache=base.k_cache[0]), "k_cache"),
+        ("v cache of another dtype", dict(v_cache=base.v_cache.double()), "v_cache"),
+        ("a cache past MAX_KEYS", dict(k_cache=torch.zeros(2, 4, ss.MAX_KEYS + 1, 2, 16, device=DEVICE),
+                                       v_cache=torch.zeros(2, 4, ss.MAX_KEYS + 1, 2, 16, device=DEVICE)), "256"),
+        ("qkv of the wrong width", dict(weights=replace(w, qkv=w.qkv[:, :-16])), "qkv"),
+        ("fp64 weights", dict(weights=replace(w, **{f: getattr(w, f).double() for f in
+                                                    ("qkv", "o", "gate_up", "down", "input_norm", "post_norm",
+                                                     "final_norm")})), "weights"),
+        ("a strided down", dict(weights=replace(w, down=w.down.transpose(1, 2).contiguous().transpose(1, 2))),
+         "down"),
+        ("cos of another head size", dict(weights=replace(w, cos=w.cos[:, :8].contiguous())), "cos"),
+        ("codes of int32", dict(codes=base.inputs["codes"].int()), "codes"),
+        ("no src", dict(src=None), "src"),
+        ("head of another width", dict(head=base.inputs["head"][:, :10].contiguous()), "head"),
+        ("no x and no proj", dict(proj=None, src=None, codes=None), "x"),
+    ]
+
+
+def _apply(changes: dict) -> tuple[tuple, dict]:
+    base = make_case(SHAPES["tiny_depth"], 7, changes.pop("rows", ROWS["three"]), way="gather")
+    args = dict(weights=base.weights, k_cache=base.k_cache, v_cache=base.v_cache, slots=base.slots,
+                positions=base.positions, lengths=base.lengths)
+    inputs = dict(base.inputs)
+    for key, value in changes.items():
+        (args if key in args else inputs)[key] = value
+    return tuple(args.values()), inputs
+
+
+@pytest.mark.parametrize(("what", "changes", "names"), _bad_cases(), ids=[c[0] for c in _bad_cases()])
+def test_launcher_rejects_what_it_cannot_take(what: str, changes: dict, names: str):
+    args, inputs = _apply(dict(changes))
+    with pytest.raises(ValueError, match=names):
+        ss.stack_step_triton(*args, **inputs)
+    assert not ss.fits(*args, **inputs)
+
+
+@pytest.fixture
+def fresh_latch(monkeypatch) -> KernelLatch:
+    latch = KernelLatch("stack_step")
+    monkeypatch.setattr(ss, "LATCH", latch)
+    return latch
+
+
+def test_drop_in_keeps_cpu_tensors_on_the_twin(fresh_latch, monkeypatch):
+    monkeypatch.setattr(ss, "stack_step_triton", lambda *a, **k: pytest.fail("kernel called for CPU tensors"))
+    case = clean(move(make_case(SHAPES["tiny_depth"], 8, ROWS["three"]), "cpu"))
+    assert not ss.fits(*case.args, **case.inputs)  # callers take their usual path on the CPU
+    got, want = run(case, ss.stack_step), run(case, ss.stack_step_eager)
+    assert torch.equal(got.out, want.out)
+
+
+def test_drop_in_and_fits_follow_the_latch(fresh_latch, monkeypatch):
+    monkeypatch.setattr(ss, "kernel_device", lambda tensor: True)
+    case = clean(make_case(SHAPES["tiny_depth"], 9, ROWS["three"]))
+    assert ss.fits(*case.args, **case.inputs)
+    calls = []
+    real = ss.stack_step_triton
+    monkeypatch.setattr(ss, "stack_step_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = run(case, ss.stack_step)
+    assert calls == [1] and relative_error(got.out, run(case, ss.stack_step_eager).out) <= TWIN_FP32
+    fresh_latch.configure(False)
+    assert not ss.fits(*case.args, **case.inputs)
+    run(case, ss.stack_step)
+    assert calls == [1]  # configured off: the twin
+
+
+def test_a_failing_kernel_trips_the_latch_and_the_twin_serves(fresh_latch, monkeypatch, caplog):
+    monkeypatch.setattr(ss, "kernel_device", lambda tensor: True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(ss, "stack_step_triton", broken)
+    case = clean(make_case(SHAPES["tiny_depth"], 10, ROWS["one"]))
+    got, want = run(case, ss.stack_step), run(case, ss.stack_step_eager)
+    assert torch.equal(got.out, want.out)
+    assert isinstance(fresh_latch.failure, RuntimeError) and not ss.fits(*case.args, **case.inputs)
+    assert sum("stack_step failed" in r.getMessage() for r in caplog.records) == 1
