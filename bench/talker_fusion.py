@@ -14,7 +14,8 @@ GPU only (about 4 minutes on one H200).
    default); the fused structure with the new kernels' eager twins (packed QKV and gate/up,
    depth rows flattened through decode attention, index tensors made once); then the
    rms_norm, rope_kv and silu_mul kernels switched on one at a time; then stack_step, one
-   persistent launch per depth call of up to 16 rows (B <= 8; the default).
+   persistent launch per depth call: with nested product loops for calls of <= 2 rows, with flat
+   loops for calls of <= 16 rows (B <= 8), and with flat loops for calls of <= 2 rows (the default).
    A torch.profiler trace of one replay per stage and bucket gives the kernel count, the sum
    of kernel time and the idle time between kernels; the top kernels are listed for the
    first plain-with-kernels stage and the final stage. The stages run greedy rows; the final
@@ -265,15 +266,38 @@ def _switches(plain: bool, norm: bool, rope: bool, silu: bool, stack: bool = Fal
     return dict(plain_kernels=plain, rms_norm=norm, rope_kv=rope, silu_mul=silu, stack_step=stack)
 
 
-STAGES = [  # name, pack weights first, kernel switches
-    ("plain, no kernels", False, _switches(False, False, False, False)),
-    ("plain + sampler/attention kernels", False, _switches(True, False, False, False)),
-    ("fused structure, twins", True, _switches(True, False, False, False)),
-    ("+ rms_norm kernel", True, _switches(True, True, False, False)),
-    ("+ rope_kv kernel", True, _switches(True, True, True, False)),
-    ("+ silu_mul kernel", True, _switches(True, True, True, True)),
-    ("+ stack_step, depth calls of <= 16 rows (default)", True, _switches(True, True, True, True, True)),
+STAGES = [  # name, pack weights first, kernel switches, stack_step settings
+    ("plain, no kernels", False, _switches(False, False, False, False), None),
+    ("plain + sampler/attention kernels", False, _switches(True, False, False, False), None),
+    ("fused structure, twins", True, _switches(True, False, False, False), None),
+    ("+ rms_norm kernel", True, _switches(True, True, False, False), None),
+    ("+ rope_kv kernel", True, _switches(True, True, True, False), None),
+    ("+ silu_mul kernel", True, _switches(True, True, True, True), None),
+    ("+ stack_step, nested loops, depth calls <= 2 rows", True, _switches(True, True, True, True, True),
+     {"FLAT": False, "rows": 2}),
+    ("+ stack_step, depth calls <= 16 rows", True, _switches(True, True, True, True, True), {"rows": 16}),
+    ("+ stack_step, depth calls <= 2 rows (default)", True, _switches(True, True, True, True, True), {}),
 ]
+
+
+def apply_stack_settings(settings: dict | None) -> None:
+    """The default stack_step tuning and row limit, changed by a stage's settings."""
+    import kernels.stack_step as stack_kernel
+    import services.talker.models.csm.model as csm_model
+
+    settings = dict(settings or {})
+    stack_kernel.TUNING.update(_DEFAULT_TUNING, **{k: v for k, v in settings.items() if k != "rows"})
+    csm_model.STACK_STEP_ROWS = settings.get("rows", _DEFAULT_ROWS)
+
+
+def _defaults() -> tuple[dict, int]:
+    import kernels.stack_step as stack_kernel
+    import services.talker.models.csm.model as csm_model
+
+    return dict(stack_kernel.TUNING), csm_model.STACK_STEP_ROWS
+
+
+_DEFAULT_TUNING, _DEFAULT_ROWS = _defaults()
 
 
 def main() -> None:
@@ -311,15 +335,17 @@ def main() -> None:
     print(json.dumps(floors, indent=1), flush=True)
 
     set_kernels(**STAGES[0][2])
+    apply_stack_settings(None)
     runner = Runner(model, num_slots=256, max_len=MAX_LEN, buckets=BUCKETS, k_max=8,
                     max_repetition_window=16, use_graphs=False)
     prefill_all(runner, 256, False)
     saved = [t.clone() for t in (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)]
     stages = []
-    for name, pack, switches in STAGES[-args.last_stages:]:
+    for name, pack, switches, settings in STAGES[-args.last_stages:]:
         if pack:
             model.pack_weights()
         set_kernels(**switches)
+        apply_stack_settings(settings)
         state = (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)
         for dst, src in zip(state, saved, strict=True):
             dst.copy_(src)

@@ -72,8 +72,10 @@ _NEG_INF = tl.constexpr(float("-inf"))
 # BN_QKV is the tile of rotary pairs of the QKV product, BN_WIDE that of the wide products (gate/up,
 # head); KS_O and KS_DOWN split the reductions of the narrow ones (H outputs), whose H / BN tiles
 # alone would leave SMs idle.
+# FLAT runs each product phase as one loop over items x reduction blocks (the pipeline does not
+# drain between items); without it, a loop over items around a pipelined reduction loop.
 TUNING = {"BN": 16, "BN_QKV": 16, "BN_WIDE": 32, "BK": 256, "KS_O": 1, "KS_DOWN": 4, "num_warps": 4,
-          "num_stages": 3}
+          "num_stages": 3, "FLAT": True}
 
 # Phases within a layer (bit i of the ``PHASES`` mask); the reduce phases run only with split products
 QKV, ATT, O, MLP, DOWN, O_REDUCE, DOWN_REDUCE = 1, 2, 4, 8, 16, 32, 64
@@ -270,6 +272,130 @@ def _phase_qkv(h_ptr, n_rows, norm_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_p
 
 
 @triton.jit
+def _flat_single(rows_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, pid, N_OUT: tl.constexpr,
+                 K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, dtype: tl.constexpr,
+                 OPAQUE: tl.constexpr, UPCAST: tl.constexpr):
+    """A product phase as one flat loop over (this program's items) x (reduction blocks), so the
+    pipeline runs on from one item into the next: dst[rows, N_OUT] = operand @ w[:, :K].T, items of
+    BN outputs times KS reduction parts. RESIDUAL: dst += the product (KS == 1), or fp32 partial
+    sums [KS, BM, N_OUT] for ``_phase_reduce``; else dst = the product. Programs past the last item
+    run masked iterations (loads and stores off)."""
+    m = tl.arange(0, BM)
+    ITEMS: tl.constexpr = ((N_OUT + BN - 1) // BN) * KS
+    KP: tl.constexpr = K // KS
+    KI: tl.constexpr = (KP + BK - 1) // BK
+    acc = tl.zeros([BM, BN], tl.float32)
+    for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
+        item = pid + (t // KI) * NPROG
+        ki = t % KI
+        tile = item // KS
+        split = item % KS
+        n = tile * BN + tl.arange(0, BN)
+        n_ok = (n < N_OUT) & (item < ITEMS)
+        kk = split * KP + ki * BK + tl.arange(0, BK)
+        k_ok = kk < (split + 1) * KP
+        a = _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, dtype, OPAQUE)
+        w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        acc += _dot(a, tl.trans(w), UPCAST)
+        if ki == KI - 1:
+            ok = row_ok[:, None] & n_ok[None, :]
+            if RESIDUAL:
+                if KS == 1:
+                    dst = dst_ptr + m[:, None] * N_OUT + n[None, :]
+                    res = tl.load(dst, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+                    tl.store(dst, (res + _round_to(acc, dtype, OPAQUE)).to(dtype), mask=ok)
+                else:
+                    tl.store(part_ptr + (split * BM + m[:, None]) * N_OUT + n[None, :], acc, mask=ok)
+            else:
+                tl.store(dst_ptr + m[:, None] * N_OUT + n[None, :], acc.to(dtype), mask=ok)
+            acc = tl.zeros([BM, BN], tl.float32)
+
+
+@triton.jit
+def _flat_dual(rows_ptr, row_ok, rstd, norm_ptr, w_ptr, pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr,
+               stride_cs, stride_cl, stride_ch, act_ptr, H: tl.constexpr, NUM_Q: tl.constexpr,
+               NUM_KV: tl.constexpr, HALF: tl.constexpr, I: tl.constexpr, NPROG: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, dtype: tl.constexpr,
+               OPAQUE: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """The two paired products as one flat loop (see ``_flat_single``), RMS-normed operand: the QKV
+    product by rotary pairs (rows j and j + HALF of a head; rotation, q to scratch, k and v into
+    the cache), or with MLP the gate and up rows (SiLU(gate) * up to ``act``)."""
+    m = tl.arange(0, BM)
+    BLOCKS: tl.constexpr = (HALF + BN - 1) // BN
+    ITEMS: tl.constexpr = ((I + BN - 1) // BN) if MLP else (NUM_Q + 2 * NUM_KV) * BLOCKS
+    KI: tl.constexpr = (H + BK - 1) // BK
+    acc1 = tl.zeros([BM, BN], tl.float32)
+    acc2 = tl.zeros([BM, BN], tl.float32)
+    for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
+        item = pid + (t // KI) * NPROG
+        ki = t % KI
+        if MLP:
+            n1 = item * BN + tl.arange(0, BN)
+            n_ok = (n1 < I) & (item < ITEMS)
+            n2 = n1 + I
+        else:
+            head = item // BLOCKS
+            j = (item % BLOCKS) * BN + tl.arange(0, BN)
+            n_ok = (j < HALF) & (item < ITEMS)
+            n1 = head * 2 * HALF + j
+            n2 = n1 + HALF
+        kk = ki * BK + tl.arange(0, BK)
+        k_ok = kk < H
+        a = _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, True, dtype, OPAQUE)
+        mask = n_ok[:, None] & k_ok[None, :]
+        w1 = tl.load(w_ptr + n1[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        w2 = tl.load(w_ptr + n2[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        acc1 += _dot(a, tl.trans(w1), UPCAST)
+        acc2 += _dot(a, tl.trans(w2), UPCAST)
+        if ki == KI - 1:
+            ok = row_ok[:, None] & n_ok[None, :]
+            x1 = _round_to(acc1, dtype, OPAQUE)
+            x2 = _round_to(acc2, dtype, OPAQUE)
+            if MLP:
+                if LIBDEVICE:  # noqa: SIM108 (a constexpr branch): the silu_mul kernel's exp on CUDA
+                    e = libdevice.exp(-x1)
+                else:
+                    e = tl.exp(-x1)
+                silu = _round_to(tl.math.div_rn(x1, 1.0 + e), dtype, OPAQUE)
+                tl.store(act_ptr + m[:, None] * I + n1[None, :], (silu * x2).to(dtype), mask=ok)
+            else:
+                _qkv_store(x1, x2, head, j, ok, m, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr, stride_cs,
+                           stride_cl, stride_ch, NUM_Q, NUM_KV, HALF, dtype, OPAQUE)
+            acc1 = tl.zeros([BM, BN], tl.float32)
+            acc2 = tl.zeros([BM, BN], tl.float32)
+
+
+@triton.jit
+def _qkv_store(x1, x2, head, j, ok, m, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr, stride_cs, stride_cl,
+               stride_ch, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr,
+               OPAQUE: tl.constexpr):
+    """One item of the QKV product (rows j and j + HALF of ``head``, as the twin rounds them): q and
+    k heads rotated by the rope_kv twin's roundings, q to scratch, k and v into the cache."""
+    if head < NUM_Q + NUM_KV:
+        table = pos[:, None] * (2 * HALF) + j[None, :]
+        c1 = _round_to(tl.load(cos_ptr + table, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
+        c2 = _round_to(tl.load(cos_ptr + table + HALF, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
+        s1 = _round_to(tl.load(sin_ptr + table, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
+        s2 = _round_to(tl.load(sin_ptr + table + HALF, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
+        r1 = (_round_to(x1 * c1, dtype, OPAQUE) + _round_to(-x2 * s1, dtype, OPAQUE)).to(dtype)
+        r2 = (_round_to(x2 * c2, dtype, OPAQUE) + _round_to(x1 * s2, dtype, OPAQUE)).to(dtype)
+        if head < NUM_Q:
+            dst = q_ptr + m[:, None] * (NUM_Q * 2 * HALF) + head * 2 * HALF + j[None, :]
+        else:
+            dst = (kc_ptr + slot[:, None] * stride_cs + pos[:, None] * stride_cl
+                   + (head - NUM_Q) * stride_ch + j[None, :])
+        tl.store(dst, r1, mask=ok)
+        tl.store(dst + HALF, r2, mask=ok)
+    else:  # v heads: no rotation
+        dst = (vc_ptr + slot[:, None] * stride_cs + pos[:, None] * stride_cl
+               + (head - NUM_Q - NUM_KV) * stride_ch + j[None, :])
+        tl.store(dst, x1.to(dtype), mask=ok)
+        tl.store(dst + HALF, x2.to(dtype), mask=ok)
+
+
+@triton.jit
 def _phase_attention(q_ptr, attn_ptr, n_rows, kc_ptr, vc_ptr, stride_cs, stride_cl, stride_ch,
                      slot_ptr, len_ptr, max_len, scale, pid, nprog,
                      NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -446,15 +572,26 @@ def _stack_step_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_L: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN_QKV: tl.constexpr, BN_WIDE: tl.constexpr, BK: tl.constexpr,
     KS_O: tl.constexpr,
-    KS_DOWN: tl.constexpr, PROJECT: tl.constexpr, GATHER: tl.constexpr, HEAD: tl.constexpr,
+    KS_DOWN: tl.constexpr, NUM_OUT: tl.constexpr, NPROG: tl.constexpr, FLAT: tl.constexpr, PROJECT: tl.constexpr, GATHER: tl.constexpr, HEAD: tl.constexpr,
     SYNC: tl.constexpr,
     OPAQUE: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    nprog = NPROG  # the grid
     dtype = x_ptr.dtype.element_ty
+    m = tl.arange(0, BM)
+    row_ok = m < n_rows
     epoch = 0
-    if PROJECT and run_pj != 0:
+    if PROJECT and run_pj != 0 and FLAT:
+        if GATHER:
+            src_rows = src_ptr + tl.load(codes_ptr + m, mask=row_ok, other=0) * stride_src
+        else:
+            src_rows = src_ptr + m * stride_src
+        _flat_single(src_rows, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid, H, HIN, 1, NPROG, BM, BN,
+                     BK, False, False, dtype, OPAQUE, UPCAST)
+        epoch += 1
+        _grid_sync(sync_ptr, epoch, nprog, SYNC)
+    if PROJECT and run_pj != 0 and not FLAT:
         _phase_project(src_ptr, stride_src, codes_ptr, x_ptr, n_rows, proj_ptr, pid, nprog, H, HIN, BM, BN, BK,
                        GATHER, dtype, OPAQUE, UPCAST)
         epoch += 1
@@ -463,7 +600,17 @@ def _stack_step_kernel(
     while layer < layer_end:
         kc = kc_ptr + layer * stride_cl_layer
         vc = vc_ptr + layer * stride_cl_layer
-        if (phases & 1) != 0:
+        if (phases & 1) != 0 and FLAT:
+            h_rows = x_ptr + m * H
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, BK)
+            pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
+            slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
+            _flat_dual(h_rows, row_ok, rstd, ln1_ptr + layer * H, qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H), pid,
+                       cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H, NUM_Q,
+                       NUM_KV, D // 2, I, NPROG, BM, BN_QKV, BK, False, dtype, OPAQUE, UPCAST, LIBDEVICE)
+            epoch += 1
+            _grid_sync(sync_ptr, epoch, nprog, SYNC)
+        if (phases & 1) != 0 and not FLAT:
             _phase_qkv(x_ptr, n_rows, ln1_ptr + layer * H, qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H), cos_ptr,
                        sin_ptr, pos_ptr, slot_ptr, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, eps, pid, nprog,
                        H, NUM_Q, NUM_KV, D // 2, BM, BN_QKV, BK, dtype, OPAQUE, UPCAST)
@@ -475,7 +622,13 @@ def _stack_step_kernel(
                              BLOCK_L, UPCAST)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
-        if (phases & 4) != 0:
+        if (phases & 4) != 0 and FLAT:
+            a_rows = attn_ptr + m * (NUM_Q * D)
+            _flat_single(a_rows, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr, pid, H,
+                         NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, dtype, OPAQUE, UPCAST)
+            epoch += 1
+            _grid_sync(sync_ptr, epoch, nprog, SYNC)
+        if (phases & 4) != 0 and not FLAT:
             _phase_residual_product(attn_ptr, x_ptr, part_ptr, n_rows, o_ptr + layer * (H * NUM_Q * D), pid, nprog,
                                     H, NUM_Q * D, KS_O, BM, BN, BK, dtype, OPAQUE, UPCAST)
             epoch += 1
@@ -484,12 +637,26 @@ def _stack_step_kernel(
             _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_O, BM, BN, dtype, OPAQUE)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
-        if (phases & 8) != 0:
+        if (phases & 8) != 0 and FLAT:
+            h_rows = x_ptr + m * H
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, BK)
+            _flat_dual(h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * I * H), pid, cos_ptr, sin_ptr,
+                       m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H, NUM_Q, NUM_KV, D // 2, I,
+                       NPROG, BM, BN_WIDE, BK, True, dtype, OPAQUE, UPCAST, LIBDEVICE)
+            epoch += 1
+            _grid_sync(sync_ptr, epoch, nprog, SYNC)
+        if (phases & 8) != 0 and not FLAT:
             _phase_mlp(x_ptr, act_ptr, n_rows, ln2_ptr + layer * H, gu_ptr + layer * (2 * I * H), eps, pid, nprog,
                        H, I, BM, BN_WIDE, BK, dtype, OPAQUE, UPCAST, LIBDEVICE)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
-        if (phases & 16) != 0:
+        if (phases & 16) != 0 and FLAT:
+            a_rows = act_ptr + m * I
+            _flat_single(a_rows, row_ok, a_rows, a_rows, down_ptr + layer * (H * I), x_ptr, part_ptr, pid, H, I,
+                         KS_DOWN, NPROG, BM, BN, BK, False, True, dtype, OPAQUE, UPCAST)
+            epoch += 1
+            _grid_sync(sync_ptr, epoch, nprog, SYNC)
+        if (phases & 16) != 0 and not FLAT:
             _phase_residual_product(act_ptr, x_ptr, part_ptr, n_rows, down_ptr + layer * (H * I), pid, nprog, H, I,
                                     KS_DOWN, BM, BN, BK, dtype, OPAQUE, UPCAST)
             epoch += 1
@@ -499,7 +666,12 @@ def _stack_step_kernel(
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
         layer += 1
-    if run_out != 0:
+    if run_out != 0 and FLAT and HEAD:
+        h_rows = x_ptr + m * H
+        rstd = _rstd(h_rows, row_ok, eps, H, BM, BK)
+        _flat_single(h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, NUM_OUT, H, 1, NPROG, BM,
+                     BN_WIDE, BK, True, False, dtype, OPAQUE, UPCAST)
+    if run_out != 0 and not (FLAT and HEAD):
         _phase_out(x_ptr, out_ptr, n_rows, final_ptr, head_ptr, num_out, eps, pid, nprog, H, BM, BN_WIDE, BK, HEAD,
                    dtype, OPAQUE, UPCAST)
     _grid_exit(sync_ptr, pid, nprog, SYNC)
@@ -659,7 +831,7 @@ def stack_step_triton(weights: StackWeights, k_cache: torch.Tensor, v_cache: tor
         BLOCK_D=max(16, triton.next_power_of_2(d)), GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)),
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))),
         BM=MAX_ROWS, BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BK=block_k, KS_O=tune["KS_O"],
-        KS_DOWN=tune["KS_DOWN"], PROJECT=proj is not None, GATHER=codes is not None,
+        KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], FLAT=tune["FLAT"], PROJECT=proj is not None, GATHER=codes is not None,
         HEAD=head is not None, OPAQUE=device.type == "cuda" and not interpret,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=device.type == "cuda" and not interpret,
         num_warps=8 if fp32 else tune["num_warps"], num_stages=tune["num_stages"],

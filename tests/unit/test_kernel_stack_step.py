@@ -235,8 +235,10 @@ def test_any_grid_gives_the_same_result(programs: int):
     assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
 
 
-@pytest.mark.parametrize("tuning", [{"KS_O": 2, "KS_DOWN": 4}, {"BN": 32, "BN_WIDE": 16, "BK": 32}],
-                         ids=["split_reductions", "other_tiles"])
+@pytest.mark.parametrize("tuning", [{"KS_O": 2, "KS_DOWN": 4}, {"BN": 32, "BN_WIDE": 16, "BK": 32},
+                                    {"FLAT": True, "KS_O": 2}, {"FLAT": True, "BK": 32, "KS_DOWN": 1},
+                                    {"FLAT": False}],
+                         ids=["split_reductions", "other_tiles", "flat", "flat_other_tiles", "nested"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_tunings_equal_the_reference(shape: str, tuning: dict):
     # Split reductions (partial sums added in a fixed order by a reduce phase) and other tiles.
