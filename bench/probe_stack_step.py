@@ -79,17 +79,26 @@ def phase_profile(call, num_layers: int) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
-    times = [e.time_range.end - e.time_range.start for e in prof.events()
-             if e.device_type == torch.autograd.DeviceType.CUDA and "stack_step" in e.name]
-    names = [name for name, bit in zip(("QKV", "ATT", "O", "O_REDUCE", "MLP", "DOWN", "DOWN_REDUCE"),
-                                       stack_kernel.LAYER_PHASES, strict=True)
-             if (bit != stack_kernel.O_REDUCE or stack_kernel.TUNING["KS_O"] > 1)
-             and (bit != stack_kernel.DOWN_REDUCE or stack_kernel.TUNING["KS_DOWN"] > 1)]
+    times = [
+        e.time_range.end - e.time_range.start
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and "stack_step" in e.name
+    ]
+    names = [
+        name
+        for name, bit in zip(
+            ("QKV", "ATT", "OUT_PROJ", "OUT_PROJ_REDUCE", "MLP", "DOWN", "DOWN_REDUCE"),
+            stack_kernel.LAYER_PHASES,
+            strict=True,
+        )
+        if (bit != stack_kernel.OUT_PROJ_REDUCE or stack_kernel.TUNING["KS_O"] > 1)
+        and (bit != stack_kernel.DOWN_REDUCE or stack_kernel.TUNING["KS_DOWN"] > 1)
+    ]
     if len(times) != 2 + num_layers * len(names):
         return {"note": f"{len(times)} launches in the trace"}
     per = {"PJ": times[0], "OUT": times[-1]}
     for i, name in enumerate(names):
-        per[name] = statistics.mean(times[1 + i:1 + num_layers * len(names):len(names)])
+        per[name] = statistics.mean(times[1 + i : 1 + num_layers * len(names) : len(names)])
     per["sum"] = sum(times)
     return {k: round(v, 2) for k, v in per.items()}
 
@@ -104,17 +113,37 @@ def barrier_overhead(stack) -> float:
         return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16) * 0.1
 
     small = stack_kernel.StackWeights(
-        qkv=rand(L, (hq + 2 * hkv) * d, H), o=rand(L, H, hq * d), gate_up=rand(L, 2 * I, H), down=rand(L, H, I),
-        input_norm=rand(L, H) + 1, post_norm=rand(L, H) + 1, final_norm=rand(H) + 1, cos=stack.cos[:, :d].contiguous(),
-        sin=stack.sin[:, :d].contiguous(), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, eps=1e-5)
+        qkv=rand(L, (hq + 2 * hkv) * d, H),
+        o=rand(L, H, hq * d),
+        gate_up=rand(L, 2 * I, H),
+        down=rand(L, H, I),
+        input_norm=rand(L, H) + 1,
+        post_norm=rand(L, H) + 1,
+        final_norm=rand(H) + 1,
+        cos=stack.cos[:, :d].contiguous(),
+        sin=stack.sin[:, :d].contiguous(),
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        eps=1e-5,
+    )
     k = torch.zeros(L, 1, 32, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.zeros_like(k)
     src, proj, head = rand(64, 128), rand(H, 128), rand(64, H)
     codes = torch.zeros(1, dtype=torch.int64, device="cuda")
-    rows = (torch.zeros(1, dtype=torch.int64, device="cuda"), torch.full((1,), 5, device="cuda"),
-            torch.full((1,), 6, device="cuda"))
-    return round(graph_us_per_call(lambda: stack_kernel.stack_step_triton(
-        small, k, v, *rows, src=src, codes=codes, proj=proj, head=head)), 2)
+    rows = (
+        torch.zeros(1, dtype=torch.int64, device="cuda"),
+        torch.full((1,), 5, device="cuda"),
+        torch.full((1,), 6, device="cuda"),
+    )
+    return round(
+        graph_us_per_call(
+            lambda: stack_kernel.stack_step_triton(
+                small, k, v, *rows, src=src, codes=codes, proj=proj, head=head
+            )
+        ),
+        2,
+    )
 
 
 def main() -> None:
@@ -125,12 +154,16 @@ def main() -> None:
         sys.exit("probe_stack_step.py needs a CUDA GPU")
     import triton
 
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(),
-              "commit": os.environ.get("VOXRING_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-              "sms": torch.cuda.get_device_properties(0).multi_processor_count,
-              "default_tuning": stack_kernel.TUNING}
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "commit": os.environ.get("VOXRING_COMMIT")
+        or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "default_tuning": stack_kernel.TUNING,
+    }
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_TBps"] = round(bandwidth / 1e12, 3)
 
@@ -139,16 +172,24 @@ def main() -> None:
     depth = model.depth_decoder.model
     stack = depth.stack
     vocab = model.config.audio_vocab_size
-    table = depth.embed_tokens.weight[3 * vocab:4 * vocab]
+    table = depth.embed_tokens.weight[3 * vocab : 4 * vocab]
     proj = depth.inputs_embeds_projector.weight
     head = model._head_rows[3]
     cache = model.new_caches(16, 64, 16).depth
-    weight_bytes = sum(t.numel() * t.element_size() for t in (stack.qkv, stack.o, stack.gate_up, stack.down, proj,
-                                                                head))
+    weight_bytes = sum(
+        t.numel() * t.element_size() for t in (stack.qkv, stack.o, stack.gate_up, stack.down, proj, head)
+    )
     result["weight_MB_per_call"] = round(weight_bytes / 1e6, 1)
     result["bytes_floor_us_per_call"] = round(weight_bytes / bandwidth * 1e6, 2)
-    print(json.dumps({k: result[k] for k in ("sms", "copy_bandwidth_TBps", "weight_MB_per_call",
-                                               "bytes_floor_us_per_call")}), flush=True)
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in ("sms", "copy_bandwidth_TBps", "weight_MB_per_call", "bytes_floor_us_per_call")
+            }
+        ),
+        flush=True,
+    )
 
     result["barrier_overhead_us_per_call"] = barrier_overhead(stack)
     print(json.dumps({"barrier_overhead_us_per_call": result["barrier_overhead_us_per_call"]}), flush=True)
@@ -156,16 +197,30 @@ def main() -> None:
     for n in ROWS:
         gen = torch.Generator(device="cuda").manual_seed(n)
         codes = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
-        rows = (torch.arange(n, device="cuda"), torch.full((n,), 5, device="cuda"),
-                torch.full((n,), 6, device="cuda"))
+        rows = (
+            torch.arange(n, device="cuda"),
+            torch.full((n,), 5, device="cuda"),
+            torch.full((n,), 6, device="cuda"),
+        )
 
-        def replaced():
+        def replaced(codes=codes, rows=rows):
             x = F.linear(F.embedding(codes, table), proj)
             return F.linear(depth.forward_rows(x, cache, *rows), head)
 
-        def kernel(tuning=None, num_programs=None, phased=False):
-            return stack_kernel.stack_step_triton(stack, cache.k, cache.v, *rows, src=table, codes=codes, proj=proj,
-                                                  head=head, tuning=tuning, num_programs=num_programs, phased=phased)
+        def kernel(tuning=None, num_programs=None, phased=False, codes=codes, rows=rows):
+            return stack_kernel.stack_step_triton(
+                stack,
+                cache.k,
+                cache.v,
+                *rows,
+                src=table,
+                codes=codes,
+                proj=proj,
+                head=head,
+                tuning=tuning,
+                num_programs=num_programs,
+                phased=phased,
+            )
 
         entry = {}
         want = replaced()
@@ -174,7 +229,9 @@ def main() -> None:
         torch.cuda.synchronize()
         entry["first_call_s"] = round(time.perf_counter() - start, 2)
         entry["one_launch_equals_phased"] = bool(torch.equal(got, kernel(phased=True)))
-        entry["logits_rel_error_vs_replaced"] = float((got.double() - want.double()).norm() / want.double().norm())
+        entry["logits_rel_error_vs_replaced"] = float(
+            (got.double() - want.double()).norm() / want.double().norm()
+        )
         entry["replaced_us"] = round(graph_us_per_call(replaced), 2)
         entry["default_us"] = round(graph_us_per_call(kernel), 2)
         entry["default_weight_TBps"] = round(weight_bytes / (entry["default_us"] * 1e-6) / 1e12, 3)

@@ -14,7 +14,7 @@ split into work items the programs share, with a grid-wide barrier between phase
   ``QKV``: RMSNorm of the residual stream as the product's prologue, the packed QKV product with
   each head's two rotary halves in one item, rotation, q to scratch and k, v into the cache;
   ``ATT``: attention of each (row, kv head) over its slot's keys;
-  ``O``: the output product plus the residual add;
+  ``OUT_PROJ``: the output product plus the residual add;
   ``MLP``: RMSNorm prologue, gate and up products, SiLU*mul;
   ``DOWN``: the down product plus the residual add;
 * ``OUT``: the final norm, written out, or as the prologue of the head product (logits).
@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.decode_attention import decode_attention_eager
+from kernels.decode_attention import _dot, decode_attention_eager
 from kernels.latch import KernelLatch
 from kernels.rms_norm import rms_norm_eager
 from kernels.rope_kv import _round_to, rope_kv_eager
@@ -72,30 +72,36 @@ _NEG_INF = tl.constexpr(float("-inf"))
 # BN_QKV is the tile of rotary pairs of the QKV product, BN_WIDE that of the wide products (gate/up,
 # head); KS_O and KS_DOWN split the reductions of the narrow ones (H outputs), whose H / BN tiles
 # alone would leave SMs idle.
-# FLAT runs each product phase as one loop over items x reduction blocks (the pipeline does not
-# drain between items); without it, a loop over items around a pipelined reduction loop.
-TUNING = {"BN": 16, "BN_QKV": 16, "BN_WIDE": 32, "BK": 256, "KS_O": 1, "KS_DOWN": 4, "num_warps": 4,
-          "num_stages": 3, "FLAT": True}
+TUNING = {
+    "BN": 16,
+    "BN_QKV": 16,
+    "BN_WIDE": 32,
+    "BK": 256,
+    "KS_O": 1,
+    "KS_DOWN": 4,
+    "num_warps": 4,
+    "num_stages": 3,
+}
 
 # Phases within a layer (bit i of the ``PHASES`` mask); the reduce phases run only with split products
-QKV, ATT, O, MLP, DOWN, O_REDUCE, DOWN_REDUCE = 1, 2, 4, 8, 16, 32, 64
-LAYER_PHASES = (QKV, ATT, O, O_REDUCE, MLP, DOWN, DOWN_REDUCE)
+QKV, ATT, OUT_PROJ, MLP, DOWN, OUT_PROJ_REDUCE, DOWN_REDUCE = 1, 2, 4, 8, 16, 32, 64
+LAYER_PHASES = (QKV, ATT, OUT_PROJ, OUT_PROJ_REDUCE, MLP, DOWN, DOWN_REDUCE)
 ALL_LAYER_PHASES = sum(LAYER_PHASES)
 
 
 @dataclass(frozen=True)
 class StackWeights:
     """A stack's weights as stacked views (``Transformer.pack_weights`` makes them): L layers,
-    hidden H, Hq query and Hkv key/value heads of D, intermediate I."""
+    hidden H, Hq query and Hkv key/value heads of D, intermediate INTER."""
 
-    qkv: torch.Tensor          # [L, (Hq + 2 Hkv) D, H]
-    o: torch.Tensor            # [L, H, Hq D]
-    gate_up: torch.Tensor      # [L, 2 I, H] (gate rows, then up rows)
-    down: torch.Tensor         # [L, H, I]
-    input_norm: torch.Tensor   # [L, H]
-    post_norm: torch.Tensor    # [L, H]
-    final_norm: torch.Tensor   # [H]
-    cos: torch.Tensor          # [max_pos, D] rotary tables (fp32 unless the model was cast)
+    qkv: torch.Tensor  # [L, (Hq + 2 Hkv) D, H]
+    o: torch.Tensor  # [L, H, Hq D]
+    gate_up: torch.Tensor  # [L, 2 INTER, H] (gate rows, then up rows)
+    down: torch.Tensor  # [L, H, INTER]
+    input_norm: torch.Tensor  # [L, H]
+    post_norm: torch.Tensor  # [L, H]
+    final_norm: torch.Tensor  # [H]
+    cos: torch.Tensor  # [max_pos, D] rotary tables (fp32 unless the model was cast)
     sin: torch.Tensor
     num_q_heads: int
     num_kv_heads: int
@@ -116,16 +122,6 @@ class StackWeights:
 
 
 # ---------------------------------------------------------------- kernel pieces
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    # fp32 accumulation; exact fp32 products (no TF32). UPCAST only under the interpreter, whose
-    # tl.dot misreads bf16 operands (bf16 x bf16 products are exact in fp32: the same math).
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -171,18 +167,22 @@ def _rstd(rows_ptr, row_ok, eps, K: tl.constexpr, BM: tl.constexpr, BK: tl.const
     total = tl.zeros([BM], tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
-        a = tl.load(rows_ptr[:, None] + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0,
-                    cache_modifier=".cg").to(tl.float32)
+        a = tl.load(
+            rows_ptr[:, None] + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0,
+            cache_modifier=".cg",
+        ).to(tl.float32)
         total += tl.sum(a * a, axis=1)
     return tl.math.rsqrt(total / K + eps)
 
 
 @triton.jit
-def _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM: tl.constexpr, dtype: tl.constexpr,
-             OPAQUE: tl.constexpr):
+def _operand(
+    rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr
+):
     """A [BM, BK] slice of the left operand: rows as stored, or RMS-normed (the twin's roundings)."""
-    a = tl.load(rows_ptr[:, None] + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                cache_modifier=".cg")
+    a = tl.load(
+        rows_ptr[:, None] + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg"
+    )
     if NORM:
         normed = _round_to(a.to(tl.float32) * rstd[:, None], dtype, OPAQUE)
         w = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
@@ -191,91 +191,12 @@ def _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM: tl.constexpr, dty
 
 
 @triton.jit
-def _product(rows_ptr, row_ok, rstd, norm_ptr, w_ptr, n, n_ok, K: tl.constexpr, BM: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, dtype: tl.constexpr,
-             OPAQUE: tl.constexpr, UPCAST: tl.constexpr, W_STRIDE: tl.constexpr = 0):
-    """[BM, BN] fp32 = operand rows @ w[n, :K].T (w rows W_STRIDE elements apart, default K)."""
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        k_ok = kk < K
-        a = _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, dtype, OPAQUE)
-        w = tl.load(w_ptr + n[:, None] * (K if W_STRIDE == 0 else W_STRIDE) + kk[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        acc += _dot(a, tl.trans(w), UPCAST)
-    return acc
-
-
-@triton.jit
-def _product2(rows_ptr, row_ok, rstd, norm_ptr, w_ptr, n1, n2, n_ok, K: tl.constexpr, BM: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, dtype: tl.constexpr,
-              OPAQUE: tl.constexpr, UPCAST: tl.constexpr):
-    """Two products sharing the left operand: rows n1 and rows n2 of w."""
-    acc1 = tl.zeros([BM, BN], tl.float32)
-    acc2 = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        k_ok = kk < K
-        a = _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, dtype, OPAQUE)
-        mask = n_ok[:, None] & k_ok[None, :]
-        w1 = tl.load(w_ptr + n1[:, None] * K + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        w2 = tl.load(w_ptr + n2[:, None] * K + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        acc1 += _dot(a, tl.trans(w1), UPCAST)
-        acc2 += _dot(a, tl.trans(w2), UPCAST)
-    return acc1, acc2
-
-
-@triton.jit
-def _phase_qkv(h_ptr, n_rows, norm_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr,
-               kc_ptr, vc_ptr, stride_cs, stride_cl, stride_ch, eps, pid, nprog,
-               H: tl.constexpr, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, dtype: tl.constexpr,
-               OPAQUE: tl.constexpr, UPCAST: tl.constexpr):
-    m = tl.arange(0, BM)
-    row_ok = m < n_rows
-    rows = h_ptr + m * H
-    rstd = _rstd(rows, row_ok, eps, H, BM, BK)
-    pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
-    slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
-    item = pid
-    while item < (NUM_Q + 2 * NUM_KV) * ((HALF + BN - 1) // BN):
-        head = item // ((HALF + BN - 1) // BN)
-        j = (item % ((HALF + BN - 1) // BN)) * BN + tl.arange(0, BN)  # this item's rotary pairs (j, j + HALF)
-        j_ok = j < HALF
-        n1 = head * 2 * HALF + j
-        acc1, acc2 = _product2(rows, row_ok, rstd, norm_ptr, w_ptr, n1, n1 + HALF, j_ok, H, BM, BN, BK,
-                               True, dtype, OPAQUE, UPCAST)
-        x1 = _round_to(acc1, dtype, OPAQUE)  # the packed product's outputs, as the twin holds them
-        x2 = _round_to(acc2, dtype, OPAQUE)
-        ok = row_ok[:, None] & j_ok[None, :]
-        if head < NUM_Q + NUM_KV:  # q and k heads rotate (the rope_kv twin's roundings)
-            table = pos[:, None] * (2 * HALF) + j[None, :]
-            c1 = _round_to(tl.load(cos_ptr + table, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
-            c2 = _round_to(tl.load(cos_ptr + table + HALF, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
-            s1 = _round_to(tl.load(sin_ptr + table, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
-            s2 = _round_to(tl.load(sin_ptr + table + HALF, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
-            r1 = (_round_to(x1 * c1, dtype, OPAQUE) + _round_to(-x2 * s1, dtype, OPAQUE)).to(dtype)
-            r2 = (_round_to(x2 * c2, dtype, OPAQUE) + _round_to(x1 * s2, dtype, OPAQUE)).to(dtype)
-            if head < NUM_Q:
-                dst = q_ptr + m[:, None] * (NUM_Q * 2 * HALF) + head * 2 * HALF + j[None, :]
-            else:
-                dst = (kc_ptr + slot[:, None] * stride_cs + pos[:, None] * stride_cl
-                       + (head - NUM_Q) * stride_ch + j[None, :])
-            tl.store(dst, r1, mask=ok)
-            tl.store(dst + HALF, r2, mask=ok)
-        else:  # v heads: no rotation
-            dst = (vc_ptr + slot[:, None] * stride_cs + pos[:, None] * stride_cl
-                   + (head - NUM_Q - NUM_KV) * stride_ch + j[None, :])
-            tl.store(dst, x1.to(dtype), mask=ok)
-            tl.store(dst + HALF, x2.to(dtype), mask=ok)
-        item += nprog
-
-
-@triton.jit
-def _flat_single(rows_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, pid, N_OUT: tl.constexpr,
-                 K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, dtype: tl.constexpr,
-                 OPAQUE: tl.constexpr, UPCAST: tl.constexpr):
+def _flat_single(
+    rows_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, pid, N_OUT: tl.constexpr, K: tl.constexpr,
+    KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """A product phase as one flat loop over (this program's items) x (reduction blocks), so the
     pipeline runs on from one item into the next: dst[rows, N_OUT] = operand @ w[:, :K].T, items of
     BN outputs times KS reduction parts. RESIDUAL: dst += the product (KS == 1), or fp32 partial
@@ -296,8 +217,10 @@ def _flat_single(rows_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, pid
         kk = split * KP + ki * BK + tl.arange(0, BK)
         k_ok = kk < (split + 1) * KP
         a = _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, dtype, OPAQUE)
-        w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")
+        w = tl.load(
+            w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+            eviction_policy="evict_first",
+        )
         acc += _dot(a, tl.trans(w), UPCAST)
         if ki == KI - 1:
             ok = row_ok[:, None] & n_ok[None, :]
@@ -314,17 +237,19 @@ def _flat_single(rows_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, pid
 
 
 @triton.jit
-def _flat_dual(rows_ptr, row_ok, rstd, norm_ptr, w_ptr, pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr,
-               stride_cs, stride_cl, stride_ch, act_ptr, H: tl.constexpr, NUM_Q: tl.constexpr,
-               NUM_KV: tl.constexpr, HALF: tl.constexpr, I: tl.constexpr, NPROG: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, dtype: tl.constexpr,
-               OPAQUE: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _flat_dual(
+    rows_ptr, row_ok, rstd, norm_ptr, w_ptr, pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr,
+    stride_cs, stride_cl, stride_ch, act_ptr, H: tl.constexpr, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
+    HALF: tl.constexpr, INTER: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, MLP: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
     """The two paired products as one flat loop (see ``_flat_single``), RMS-normed operand: the QKV
     product by rotary pairs (rows j and j + HALF of a head; rotation, q to scratch, k and v into
     the cache), or with MLP the gate and up rows (SiLU(gate) * up to ``act``)."""
     m = tl.arange(0, BM)
     BLOCKS: tl.constexpr = (HALF + BN - 1) // BN
-    ITEMS: tl.constexpr = ((I + BN - 1) // BN) if MLP else (NUM_Q + 2 * NUM_KV) * BLOCKS
+    ITEMS: tl.constexpr = ((INTER + BN - 1) // BN) if MLP else (NUM_Q + 2 * NUM_KV) * BLOCKS
     KI: tl.constexpr = (H + BK - 1) // BK
     acc1 = tl.zeros([BM, BN], tl.float32)
     acc2 = tl.zeros([BM, BN], tl.float32)
@@ -333,8 +258,8 @@ def _flat_dual(rows_ptr, row_ok, rstd, norm_ptr, w_ptr, pid, cos_ptr, sin_ptr, p
         ki = t % KI
         if MLP:
             n1 = item * BN + tl.arange(0, BN)
-            n_ok = (n1 < I) & (item < ITEMS)
-            n2 = n1 + I
+            n_ok = (n1 < INTER) & (item < ITEMS)
+            n2 = n1 + INTER
         else:
             head = item // BLOCKS
             j = (item % BLOCKS) * BN + tl.arange(0, BN)
@@ -345,8 +270,12 @@ def _flat_dual(rows_ptr, row_ok, rstd, norm_ptr, w_ptr, pid, cos_ptr, sin_ptr, p
         k_ok = kk < H
         a = _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, True, dtype, OPAQUE)
         mask = n_ok[:, None] & k_ok[None, :]
-        w1 = tl.load(w_ptr + n1[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-        w2 = tl.load(w_ptr + n2[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+        w1 = tl.load(
+            w_ptr + n1[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+        )
+        w2 = tl.load(
+            w_ptr + n2[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+        )
         acc1 += _dot(a, tl.trans(w1), UPCAST)
         acc2 += _dot(a, tl.trans(w2), UPCAST)
         if ki == KI - 1:
@@ -359,18 +288,22 @@ def _flat_dual(rows_ptr, row_ok, rstd, norm_ptr, w_ptr, pid, cos_ptr, sin_ptr, p
                 else:
                     e = tl.exp(-x1)
                 silu = _round_to(tl.math.div_rn(x1, 1.0 + e), dtype, OPAQUE)
-                tl.store(act_ptr + m[:, None] * I + n1[None, :], (silu * x2).to(dtype), mask=ok)
+                tl.store(act_ptr + m[:, None] * INTER + n1[None, :], (silu * x2).to(dtype), mask=ok)
             else:
-                _qkv_store(x1, x2, head, j, ok, m, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr, stride_cs,
-                           stride_cl, stride_ch, NUM_Q, NUM_KV, HALF, dtype, OPAQUE)
+                _qkv_store(
+                    x1, x2, head, j, ok, m, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr, stride_cs,
+                    stride_cl, stride_ch, NUM_Q, NUM_KV, HALF, dtype, OPAQUE,
+                )
             acc1 = tl.zeros([BM, BN], tl.float32)
             acc2 = tl.zeros([BM, BN], tl.float32)
 
 
 @triton.jit
-def _qkv_store(x1, x2, head, j, ok, m, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr, stride_cs, stride_cl,
-               stride_ch, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr,
-               OPAQUE: tl.constexpr):
+def _qkv_store(
+    x1, x2, head, j, ok, m, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr, stride_cs, stride_cl,
+    stride_ch, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr,
+    OPAQUE: tl.constexpr,
+):
     """One item of the QKV product (rows j and j + HALF of ``head``, as the twin rounds them): q and
     k heads rotated by the rope_kv twin's roundings, q to scratch, k and v into the cache."""
     if head < NUM_Q + NUM_KV:
@@ -384,23 +317,33 @@ def _qkv_store(x1, x2, head, j, ok, m, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_pt
         if head < NUM_Q:
             dst = q_ptr + m[:, None] * (NUM_Q * 2 * HALF) + head * 2 * HALF + j[None, :]
         else:
-            dst = (kc_ptr + slot[:, None] * stride_cs + pos[:, None] * stride_cl
-                   + (head - NUM_Q) * stride_ch + j[None, :])
+            dst = (
+                kc_ptr
+                + slot[:, None] * stride_cs
+                + pos[:, None] * stride_cl
+                + (head - NUM_Q) * stride_ch
+                + j[None, :]
+            )
         tl.store(dst, r1, mask=ok)
         tl.store(dst + HALF, r2, mask=ok)
     else:  # v heads: no rotation
-        dst = (vc_ptr + slot[:, None] * stride_cs + pos[:, None] * stride_cl
-               + (head - NUM_Q - NUM_KV) * stride_ch + j[None, :])
+        dst = (
+            vc_ptr
+            + slot[:, None] * stride_cs
+            + pos[:, None] * stride_cl
+            + (head - NUM_Q - NUM_KV) * stride_ch
+            + j[None, :]
+        )
         tl.store(dst, x1.to(dtype), mask=ok)
         tl.store(dst + HALF, x2.to(dtype), mask=ok)
 
 
 @triton.jit
-def _phase_attention(q_ptr, attn_ptr, n_rows, kc_ptr, vc_ptr, stride_cs, stride_cl, stride_ch,
-                     slot_ptr, len_ptr, max_len, scale, pid, nprog,
-                     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_L: tl.constexpr,
-                     UPCAST: tl.constexpr):
+def _phase_attention(
+    q_ptr, attn_ptr, n_rows, kc_ptr, vc_ptr, stride_cs, stride_cl, stride_ch, slot_ptr, len_ptr, max_len,
+    scale, pid, nprog, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_L: tl.constexpr, UPCAST: tl.constexpr,
+):
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, BLOCK_D)
     item = pid
@@ -411,8 +354,10 @@ def _phase_attention(q_ptr, attn_ptr, n_rows, kc_ptr, vc_ptr, stride_cs, stride_
         length = tl.minimum(tl.load(len_ptr + row), max_len).to(tl.int32)
         heads = kv_head * GROUP + g
         q_ok = (g < GROUP)[:, None] & (d < D)[None, :]
-        q = tl.load(q_ptr + row * (NUM_Q * D) + heads[:, None] * D + d[None, :], mask=q_ok, other=0.0,
-                    cache_modifier=".cg")
+        q = tl.load(
+            q_ptr + row * (NUM_Q * D) + heads[:, None] * D + d[None, :], mask=q_ok, other=0.0,
+            cache_modifier=".cg",
+        )
         k_base = kc_ptr + slot * stride_cs + kv_head * stride_ch
         v_base = vc_ptr + slot * stride_cs + kv_head * stride_ch
         m_run = tl.full([GROUP_PAD], _NEG_INF, tl.float32)
@@ -422,8 +367,12 @@ def _phase_attention(q_ptr, attn_ptr, n_rows, kc_ptr, vc_ptr, stride_cs, stride_
         while start < length:
             n = start + tl.arange(0, BLOCK_L)
             kv_ok = (n < length)[:, None] & (d < D)[None, :]
-            k = tl.load(k_base + n[:, None] * stride_cl + d[None, :], mask=kv_ok, other=0.0, cache_modifier=".cg")
-            v = tl.load(v_base + n[:, None] * stride_cl + d[None, :], mask=kv_ok, other=0.0, cache_modifier=".cg")
+            k = tl.load(
+                k_base + n[:, None] * stride_cl + d[None, :], mask=kv_ok, other=0.0, cache_modifier=".cg"
+            )
+            v = tl.load(
+                v_base + n[:, None] * stride_cl + d[None, :], mask=kv_ok, other=0.0, cache_modifier=".cg"
+            )
             s = _dot(q, tl.trans(k), UPCAST) * (scale * _LOG2E)
             s = tl.where((n < length)[None, :], s, _NEG_INF)
             m_new = tl.maximum(m_run, tl.max(s, axis=1))
@@ -434,42 +383,18 @@ def _phase_attention(q_ptr, attn_ptr, n_rows, kc_ptr, vc_ptr, stride_cs, stride_
             m_run = m_new
             start += BLOCK_L
         out = acc / total[:, None]
-        tl.store(attn_ptr + row * (NUM_Q * D) + heads[:, None] * D + d[None, :],
-                 out.to(attn_ptr.dtype.element_ty), mask=q_ok)
+        tl.store(
+            attn_ptr + row * (NUM_Q * D) + heads[:, None] * D + d[None, :], out.to(attn_ptr.dtype.element_ty),
+            mask=q_ok,
+        )
         item += nprog
 
 
 @triton.jit
-def _phase_residual_product(a_ptr, h_ptr, part_ptr, n_rows, w_ptr, pid, nprog, H: tl.constexpr, K: tl.constexpr,
-                            KS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                            dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr):
-    """h += a @ w.T for a [rows, K] (the output and down products with their residual adds). With
-    KS > 1 the reduction is split in KS parts, written as fp32 partial sums [KS, rows, H] for
-    ``_phase_reduce`` (more items than H / BN keep every SM streaming)."""
-    m = tl.arange(0, BM)
-    row_ok = m < n_rows
-    item = pid
-    while item < ((H + BN - 1) // BN) * KS:
-        tile = item // KS
-        split = item % KS
-        n = tile * BN + tl.arange(0, BN)
-        n_ok = n < H
-        rows = a_ptr + m * K + split * (K // KS)
-        acc = _product(rows, row_ok, rows, rows, w_ptr + split * (K // KS), n, n_ok, K // KS, BM, BN, BK, False,
-                       dtype, OPAQUE, UPCAST, K)
-        ok = row_ok[:, None] & n_ok[None, :]
-        if KS == 1:
-            dst = h_ptr + m[:, None] * H + n[None, :]
-            res = tl.load(dst, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            tl.store(dst, (res + _round_to(acc, dtype, OPAQUE)).to(dtype), mask=ok)
-        else:
-            tl.store(part_ptr + (split * BM + m[:, None]) * H + n[None, :], acc, mask=ok)
-        item += nprog
-
-
-@triton.jit
-def _phase_reduce(h_ptr, part_ptr, n_rows, pid, nprog, H: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr):
+def _phase_reduce(
+    h_ptr, part_ptr, n_rows, pid, nprog, H: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
+):
     """h += the KS partial sums, added in a fixed order (the result does not depend on the grid)."""
     m = tl.arange(0, BM)
     row_ok = m < n_rows
@@ -479,8 +404,10 @@ def _phase_reduce(h_ptr, part_ptr, n_rows, pid, nprog, H: tl.constexpr, KS: tl.c
         ok = row_ok[:, None] & (n < H)[None, :]
         acc = tl.zeros([BM, BN], tl.float32)
         for split in range(KS):
-            acc += tl.load(part_ptr + (split * BM + m[:, None]) * H + n[None, :], mask=ok, other=0.0,
-                           cache_modifier=".cg")
+            acc += tl.load(
+                part_ptr + (split * BM + m[:, None]) * H + n[None, :], mask=ok, other=0.0,
+                cache_modifier=".cg",
+            )
         dst = h_ptr + m[:, None] * H + n[None, :]
         res = tl.load(dst, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(dst, (res + _round_to(acc, dtype, OPAQUE)).to(dtype), mask=ok)
@@ -488,93 +415,90 @@ def _phase_reduce(h_ptr, part_ptr, n_rows, pid, nprog, H: tl.constexpr, KS: tl.c
 
 
 @triton.jit
-def _phase_mlp(h_ptr, act_ptr, n_rows, norm_ptr, w_ptr, eps, pid, nprog, H: tl.constexpr, I: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, dtype: tl.constexpr,
-               OPAQUE: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _phase_norm(
+    h_ptr, out_ptr, n_rows, norm_ptr, eps, pid, nprog, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
+):
+    """The final norm written out [rows, H] (a step without a head)."""
     m = tl.arange(0, BM)
     row_ok = m < n_rows
     rows = h_ptr + m * H
     rstd = _rstd(rows, row_ok, eps, H, BM, BK)
-    item = pid
-    while item < (I + BN - 1) // BN:
-        n = item * BN + tl.arange(0, BN)
-        n_ok = n < I
-        acc_g, acc_u = _product2(rows, row_ok, rstd, norm_ptr, w_ptr, n, n + I, n_ok, H, BM, BN, BK,
-                                 True, dtype, OPAQUE, UPCAST)
-        g = _round_to(acc_g, dtype, OPAQUE)
-        u = _round_to(acc_u, dtype, OPAQUE)
-        if LIBDEVICE:  # noqa: SIM108 (a constexpr branch): the silu_mul kernel's exp on CUDA
-            e = libdevice.exp(-g)
-        else:
-            e = tl.exp(-g)
-        silu = _round_to(tl.math.div_rn(g, 1.0 + e), dtype, OPAQUE)
-        tl.store(act_ptr + m[:, None] * I + n[None, :], (silu * u).to(dtype), mask=row_ok[:, None] & n_ok[None, :])
-        item += nprog
-
-
-@triton.jit
-def _phase_project(src_ptr, stride_src, codes_ptr, x_ptr, n_rows, w_ptr, pid, nprog, H: tl.constexpr,
-                   HIN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   GATHER: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr):
-    """x = src rows @ w.T; with GATHER, row r is the table row codes[r] (an embedding lookup)."""
-    m = tl.arange(0, BM)
-    row_ok = m < n_rows
-    if GATHER:
-        rows = src_ptr + tl.load(codes_ptr + m, mask=row_ok, other=0) * stride_src
-    else:
-        rows = src_ptr + m * stride_src
     item = pid
     while item < (H + BN - 1) // BN:
         n = item * BN + tl.arange(0, BN)
         n_ok = n < H
-        acc = _product(rows, row_ok, rows, rows, w_ptr, n, n_ok, HIN, BM, BN, BK, False, dtype, OPAQUE, UPCAST)
-        tl.store(x_ptr + m[:, None] * H + n[None, :], acc.to(dtype), mask=row_ok[:, None] & n_ok[None, :])
-        item += nprog
-
-
-@triton.jit
-def _phase_out(h_ptr, out_ptr, n_rows, norm_ptr, head_ptr, num_out, eps, pid, nprog, H: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HEAD: tl.constexpr, dtype: tl.constexpr,
-               OPAQUE: tl.constexpr, UPCAST: tl.constexpr):
-    """The final norm, written out [rows, H]; with HEAD, the head product's prologue ([rows, num_out])."""
-    m = tl.arange(0, BM)
-    row_ok = m < n_rows
-    rows = h_ptr + m * H
-    rstd = _rstd(rows, row_ok, eps, H, BM, BK)
-    item = pid
-    while item < (num_out + BN - 1) // BN:
-        n = item * BN + tl.arange(0, BN)
-        n_ok = n < num_out
-        ok = row_ok[:, None] & n_ok[None, :]
-        if HEAD:
-            acc = _product(rows, row_ok, rstd, norm_ptr, head_ptr, n, n_ok, H, BM, BN, BK, True, dtype,
-                           OPAQUE, UPCAST)
-            tl.store(out_ptr + m[:, None] * num_out + n[None, :], acc.to(dtype), mask=ok)
-        else:
-            out = _operand(rows, row_ok, n, n_ok, rstd, norm_ptr, True, dtype, OPAQUE)
-            tl.store(out_ptr + m[:, None] * H + n[None, :], out, mask=ok)
+        out = _operand(rows, row_ok, n, n_ok, rstd, norm_ptr, True, dtype, OPAQUE)
+        tl.store(out_ptr + m[:, None] * H + n[None, :], out, mask=row_ok[:, None] & n_ok[None, :])
         item += nprog
 
 
 @triton.jit
 def _stack_step_kernel(
-    src_ptr, stride_src, codes_ptr, proj_ptr,  # PJ: source rows (dense or a table), codes [N], proj [H, HIN]
+    src_ptr,
+    stride_src,
+    codes_ptr,
+    proj_ptr,  # PJ: source rows (dense or a table), codes [N], proj [H, HIN]
     x_ptr,  # [N, H] the residual stream (the input when not PROJECT; overwritten)
-    qkv_ptr, o_ptr, gu_ptr, down_ptr, ln1_ptr, ln2_ptr, final_ptr, head_ptr,  # stacked weights, head [V, H]
-    cos_ptr, sin_ptr,  # [max_pos, D]
-    kc_ptr, vc_ptr, stride_cl_layer, stride_cs, stride_cl, stride_ch,  # caches [L, S, M, Hkv, D]
-    slot_ptr, pos_ptr, len_ptr,  # [N] int64
-    q_ptr, attn_ptr, act_ptr, part_ptr, out_ptr,  # scratch [N, Hq D] x2, [N, I], [KS, 16, H]; out
+    qkv_ptr,
+    o_ptr,
+    gu_ptr,
+    down_ptr,
+    ln1_ptr,
+    ln2_ptr,
+    final_ptr,
+    head_ptr,  # stacked weights, head [V, H]
+    cos_ptr,
+    sin_ptr,  # [max_pos, D]
+    kc_ptr,
+    vc_ptr,
+    stride_cl_layer,
+    stride_cs,
+    stride_cl,
+    stride_ch,  # caches [L, S, M, Hkv, D]
+    slot_ptr,
+    pos_ptr,
+    len_ptr,  # [N] int64
+    q_ptr,
+    attn_ptr,
+    act_ptr,
+    part_ptr,
+    out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H]; out
     sync_ptr,  # int32 [4]: arrivals, exits, fault flag
-    n_rows, num_out, max_len, eps, scale,
-    run_pj, layer_begin, layer_end, phases, run_out,  # what this launch runs (all of it, or one phase)
-    H: tl.constexpr, HIN: tl.constexpr, I: tl.constexpr, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_L: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BN_QKV: tl.constexpr, BN_WIDE: tl.constexpr, BK: tl.constexpr,
+    n_rows,
+    max_len,
+    eps,
+    scale,
+    run_pj,
+    layer_begin,
+    layer_end,
+    phases,
+    run_out,  # what this launch runs (all of it, or one phase)
+    H: tl.constexpr,
+    HIN: tl.constexpr,
+    INTER: tl.constexpr,
+    NUM_Q: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BN_QKV: tl.constexpr,
+    BN_WIDE: tl.constexpr,
+    BK: tl.constexpr,
     KS_O: tl.constexpr,
-    KS_DOWN: tl.constexpr, NUM_OUT: tl.constexpr, NPROG: tl.constexpr, FLAT: tl.constexpr, PROJECT: tl.constexpr, GATHER: tl.constexpr, HEAD: tl.constexpr,
+    KS_DOWN: tl.constexpr,
+    NUM_OUT: tl.constexpr,
+    NPROG: tl.constexpr,
+    PROJECT: tl.constexpr,
+    GATHER: tl.constexpr,
+    HEAD: tl.constexpr,
     SYNC: tl.constexpr,
-    OPAQUE: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr,
+    OPAQUE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = NPROG  # the grid
@@ -582,119 +506,108 @@ def _stack_step_kernel(
     m = tl.arange(0, BM)
     row_ok = m < n_rows
     epoch = 0
-    if PROJECT and run_pj != 0 and FLAT:
+    if PROJECT and run_pj != 0:
         if GATHER:
             src_rows = src_ptr + tl.load(codes_ptr + m, mask=row_ok, other=0) * stride_src
         else:
             src_rows = src_ptr + m * stride_src
-        _flat_single(src_rows, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid, H, HIN, 1, NPROG, BM, BN,
-                     BK, False, False, dtype, OPAQUE, UPCAST)
+        _flat_single(
+            src_rows, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid, H, HIN, 1, NPROG, BM, BN,
+            BK, False, False, dtype, OPAQUE, UPCAST,
+        )
         epoch += 1
         _grid_sync(sync_ptr, epoch, nprog, SYNC)
-    if PROJECT and run_pj != 0 and not FLAT:
-        _phase_project(src_ptr, stride_src, codes_ptr, x_ptr, n_rows, proj_ptr, pid, nprog, H, HIN, BM, BN, BK,
-                       GATHER, dtype, OPAQUE, UPCAST)
-        epoch += 1
-        _grid_sync(sync_ptr, epoch, nprog, SYNC)
+    h_rows = x_ptr + m * H
     layer = layer_begin
     while layer < layer_end:
         kc = kc_ptr + layer * stride_cl_layer
         vc = vc_ptr + layer * stride_cl_layer
-        if (phases & 1) != 0 and FLAT:
-            h_rows = x_ptr + m * H
+        if (phases & 1) != 0:  # QKV
             rstd = _rstd(h_rows, row_ok, eps, H, BM, BK)
             pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
             slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
-            _flat_dual(h_rows, row_ok, rstd, ln1_ptr + layer * H, qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H), pid,
-                       cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H, NUM_Q,
-                       NUM_KV, D // 2, I, NPROG, BM, BN_QKV, BK, False, dtype, OPAQUE, UPCAST, LIBDEVICE)
+            _flat_dual(
+                h_rows, row_ok, rstd, ln1_ptr + layer * H, qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H),
+                pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H,
+                NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, dtype, OPAQUE, UPCAST, LIBDEVICE,
+            )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
-        if (phases & 1) != 0 and not FLAT:
-            _phase_qkv(x_ptr, n_rows, ln1_ptr + layer * H, qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H), cos_ptr,
-                       sin_ptr, pos_ptr, slot_ptr, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, eps, pid, nprog,
-                       H, NUM_Q, NUM_KV, D // 2, BM, BN_QKV, BK, dtype, OPAQUE, UPCAST)
+        if (phases & 2) != 0:  # ATT
+            _phase_attention(
+                q_ptr, attn_ptr, n_rows, kc, vc, stride_cs, stride_cl, stride_ch, slot_ptr, len_ptr, max_len,
+                scale, pid, nprog, NUM_Q, NUM_KV, D, BLOCK_D, NUM_Q // NUM_KV, GROUP_PAD, BLOCK_L, UPCAST,
+            )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
-        if (phases & 2) != 0:
-            _phase_attention(q_ptr, attn_ptr, n_rows, kc, vc, stride_cs, stride_cl, stride_ch, slot_ptr, len_ptr,
-                             max_len, scale, pid, nprog, NUM_Q, NUM_KV, D, BLOCK_D, NUM_Q // NUM_KV, GROUP_PAD,
-                             BLOCK_L, UPCAST)
-            epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC)
-        if (phases & 4) != 0 and FLAT:
+        if (phases & 4) != 0:  # OUT_PROJ
             a_rows = attn_ptr + m * (NUM_Q * D)
-            _flat_single(a_rows, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr, pid, H,
-                         NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, dtype, OPAQUE, UPCAST)
+            _flat_single(
+                a_rows, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr, pid, H,
+                NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, dtype, OPAQUE, UPCAST,
+            )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
-        if (phases & 4) != 0 and not FLAT:
-            _phase_residual_product(attn_ptr, x_ptr, part_ptr, n_rows, o_ptr + layer * (H * NUM_Q * D), pid, nprog,
-                                    H, NUM_Q * D, KS_O, BM, BN, BK, dtype, OPAQUE, UPCAST)
-            epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC)
-        if KS_O > 1 and (phases & 32) != 0:
+        if KS_O > 1 and (phases & 32) != 0:  # OUT_PROJ_REDUCE
             _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_O, BM, BN, dtype, OPAQUE)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
-        if (phases & 8) != 0 and FLAT:
-            h_rows = x_ptr + m * H
+        if (phases & 8) != 0:  # MLP
             rstd = _rstd(h_rows, row_ok, eps, H, BM, BK)
-            _flat_dual(h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * I * H), pid, cos_ptr, sin_ptr,
-                       m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H, NUM_Q, NUM_KV, D // 2, I,
-                       NPROG, BM, BN_WIDE, BK, True, dtype, OPAQUE, UPCAST, LIBDEVICE)
+            _flat_dual(
+                h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), pid, cos_ptr,
+                sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H, NUM_Q, NUM_KV,
+                D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, dtype, OPAQUE, UPCAST, LIBDEVICE,
+            )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
-        if (phases & 8) != 0 and not FLAT:
-            _phase_mlp(x_ptr, act_ptr, n_rows, ln2_ptr + layer * H, gu_ptr + layer * (2 * I * H), eps, pid, nprog,
-                       H, I, BM, BN_WIDE, BK, dtype, OPAQUE, UPCAST, LIBDEVICE)
+        if (phases & 16) != 0:  # DOWN
+            a_rows = act_ptr + m * INTER
+            _flat_single(
+                a_rows, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr, pid, H,
+                INTER, KS_DOWN, NPROG, BM, BN, BK, False, True, dtype, OPAQUE, UPCAST,
+            )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
-        if (phases & 16) != 0 and FLAT:
-            a_rows = act_ptr + m * I
-            _flat_single(a_rows, row_ok, a_rows, a_rows, down_ptr + layer * (H * I), x_ptr, part_ptr, pid, H, I,
-                         KS_DOWN, NPROG, BM, BN, BK, False, True, dtype, OPAQUE, UPCAST)
-            epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC)
-        if (phases & 16) != 0 and not FLAT:
-            _phase_residual_product(act_ptr, x_ptr, part_ptr, n_rows, down_ptr + layer * (H * I), pid, nprog, H, I,
-                                    KS_DOWN, BM, BN, BK, dtype, OPAQUE, UPCAST)
-            epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC)
-        if KS_DOWN > 1 and (phases & 64) != 0:
+        if KS_DOWN > 1 and (phases & 64) != 0:  # DOWN_REDUCE
             _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, dtype, OPAQUE)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
         layer += 1
-    if run_out != 0 and FLAT and HEAD:
-        h_rows = x_ptr + m * H
-        rstd = _rstd(h_rows, row_ok, eps, H, BM, BK)
-        _flat_single(h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, NUM_OUT, H, 1, NPROG, BM,
-                     BN_WIDE, BK, True, False, dtype, OPAQUE, UPCAST)
-    if run_out != 0 and not (FLAT and HEAD):
-        _phase_out(x_ptr, out_ptr, n_rows, final_ptr, head_ptr, num_out, eps, pid, nprog, H, BM, BN_WIDE, BK, HEAD,
-                   dtype, OPAQUE, UPCAST)
+    if run_out != 0:
+        if HEAD:  # the final norm as the head product's prologue
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, BK)
+            _flat_single(
+                h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, NUM_OUT, H, 1, NPROG, BM,
+                BN_WIDE, BK, True, False, dtype, OPAQUE, UPCAST,
+            )
+        else:
+            _phase_norm(x_ptr, out_ptr, n_rows, final_ptr, eps, pid, nprog, H, BM, BN_WIDE, BK, dtype, OPAQUE)
     _grid_exit(sync_ptr, pid, nprog, SYNC)
 
 
 # ---------------------------------------------------------------- the eager twin
 
 
-def stack_step_eager(weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
-                     src: torch.Tensor | None = None, codes: torch.Tensor | None = None,
-                     proj: torch.Tensor | None = None, head: torch.Tensor | None = None) -> torch.Tensor:
+def stack_step_eager(
+    weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
+    src: torch.Tensor | None = None, codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
+    head: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The twin: what ``Transformer.forward_rows`` computes with the fused layers' twins, after the
     optional projection (``F.linear(src, proj)``, or of ``F.embedding(codes, src)``) and before
     the optional head (``F.linear(out, head)``). See ``stack_step`` for the arguments."""
     if proj is not None:
         x = F.linear(src if codes is None else F.embedding(codes, src), proj)
     residual = None
-    scale = weights.head_dim ** -0.5
+    scale = weights.head_dim**-0.5
     for layer in range(weights.num_layers):
         h, residual = rms_norm_eager(x, weights.input_norm[layer], weights.eps, residual)
-        q = rope_kv_eager(F.linear(h, weights.qkv[layer]), weights.cos, weights.sin, positions, slots,
-                          k_cache[layer], v_cache[layer], weights.num_q_heads)
+        q = rope_kv_eager(
+            F.linear(h, weights.qkv[layer]), weights.cos, weights.sin, positions, slots, k_cache[layer],
+            v_cache[layer], weights.num_q_heads,
+        )
         attn = decode_attention_eager(q, k_cache[layer], v_cache[layer], slots, lengths, scale)
         x = F.linear(attn.reshape(x.shape[0], -1), weights.o[layer])
         h, residual = rms_norm_eager(x, weights.post_norm[layer], weights.eps, residual)
@@ -727,9 +640,11 @@ def _num_programs(device: torch.device) -> int:
     return 3  # the interpreter: a few programs, so items are shared unevenly
 
 
-def check(weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-          positions: torch.Tensor, lengths: torch.Tensor, x: torch.Tensor | None, src: torch.Tensor | None,
-          codes: torch.Tensor | None, proj: torch.Tensor | None, head: torch.Tensor | None) -> None:
+def check(
+    weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    positions: torch.Tensor, lengths: torch.Tensor, x: torch.Tensor | None, src: torch.Tensor | None,
+    codes: torch.Tensor | None, proj: torch.Tensor | None, head: torch.Tensor | None,
+) -> None:
     """Raises ValueError naming what the kernel cannot take."""
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     num_layers, hidden, d = weights.num_layers, weights.hidden, weights.head_dim
@@ -737,21 +652,25 @@ def check(weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     dtype = weights.qkv.dtype
     if dtype not in dtypes:
         raise ValueError(f"stack_step: weights must be one of {dtypes}, got {dtype}")
-    shapes = {"qkv": (weights.qkv, (num_layers, (hq + 2 * hkv) * d, hidden)),
-              "o": (weights.o, (num_layers, hidden, hq * d)),
-              "gate_up": (weights.gate_up, (num_layers, 2 * inter, hidden)),
-              "down": (weights.down, (num_layers, hidden, inter)),
-              "input_norm": (weights.input_norm, (num_layers, hidden)),
-              "post_norm": (weights.post_norm, (num_layers, hidden)),
-              "final_norm": (weights.final_norm, (hidden,))}
+    shapes = {
+        "qkv": (weights.qkv, (num_layers, (hq + 2 * hkv) * d, hidden)),
+        "o": (weights.o, (num_layers, hidden, hq * d)),
+        "gate_up": (weights.gate_up, (num_layers, 2 * inter, hidden)),
+        "down": (weights.down, (num_layers, hidden, inter)),
+        "input_norm": (weights.input_norm, (num_layers, hidden)),
+        "post_norm": (weights.post_norm, (num_layers, hidden)),
+        "final_norm": (weights.final_norm, (hidden,)),
+    }
     if proj is not None:
         shapes["proj"] = (proj, (hidden, proj.shape[-1]))
     if head is not None:
         shapes["head"] = (head, (head.shape[0], hidden))
     for name, (t, shape) in shapes.items():
         if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"stack_step: {name} must be a contiguous {shape} {dtype} tensor, "
-                             f"got {tuple(t.shape)} {t.dtype}")
+            raise ValueError(
+                f"stack_step: {name} must be a contiguous {shape} {dtype} tensor, "
+                f"got {tuple(t.shape)} {t.dtype}"
+            )
     if hq < 1 or hkv < 1 or hq % hkv or d % 2 or d > 256:
         raise ValueError(f"stack_step: need Hq a multiple of Hkv and an even D <= 256, got {hq}, {hkv}, {d}")
     for name, table in (("cos", weights.cos), ("sin", weights.sin)):
@@ -760,8 +679,10 @@ def check(weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     cache_shape = (num_layers, k_cache.shape[1], k_cache.shape[2], hkv, d)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if tuple(cache.shape) != cache_shape or cache.dtype != dtype or not cache.is_contiguous():
-            raise ValueError(f"stack_step: {name} must be a contiguous [L, S, M, Hkv, D] = {cache_shape} "
-                             f"{dtype} tensor, got {tuple(cache.shape)} {cache.dtype}")
+            raise ValueError(
+                f"stack_step: {name} must be a contiguous [L, S, M, Hkv, D] = {cache_shape} "
+                f"{dtype} tensor, got {tuple(cache.shape)} {cache.dtype}"
+            )
     if k_cache.shape[2] > MAX_KEYS:
         raise ValueError(f"stack_step: caches longer than {MAX_KEYS} positions take forward_rows")
     rows = slots.shape[0] if slots.dim() == 1 else -1
@@ -776,23 +697,34 @@ def check(weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, s
     else:
         width = proj.shape[1]
         if src is None or src.dim() != 2 or src.shape[1] != width or src.dtype != dtype or src.stride(1) != 1:
-            raise ValueError(f"stack_step: src must be [*, {width}] {dtype} with unit stride in the last dimension")
+            raise ValueError(
+                f"stack_step: src must be [*, {width}] {dtype} with unit stride in the last dimension"
+            )
         if codes is None and src.shape[0] != rows:
             raise ValueError(f"stack_step: src must have {rows} rows (or codes index a table)")
-        if codes is not None and (codes.shape != (rows,) or codes.dtype != torch.int64 or not codes.is_contiguous()):
+        if codes is not None and (
+            codes.shape != (rows,) or codes.dtype != torch.int64 or not codes.is_contiguous()
+        ):
             raise ValueError(f"stack_step: codes must be a contiguous [{rows}] int64 tensor")
-    tensors = [t for t in (k_cache, v_cache, slots, positions, lengths, x, src, codes, proj, head, weights.cos,
-                           weights.sin, *(shape[0] for shape in shapes.values())) if t is not None]
+    tensors = [
+        t
+        for t in (
+            k_cache, v_cache, slots, positions, lengths, x, src, codes, proj, head, weights.cos, weights.sin,
+            *(shape[0] for shape in shapes.values()),
+        )
+        if t is not None
+    ]
     if any(t.device != weights.qkv.device for t in tensors):
         raise ValueError(f"stack_step: every tensor must be on {weights.qkv.device}")
 
 
-def stack_step_triton(weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                      positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
-                      src: torch.Tensor | None = None, codes: torch.Tensor | None = None,
-                      proj: torch.Tensor | None = None, head: torch.Tensor | None = None,
-                      phased: bool | None = None, num_programs: int | None = None,
-                      tuning: dict | None = None) -> torch.Tensor:
+def stack_step_triton(
+    weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
+    src: torch.Tensor | None = None, codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
+    head: torch.Tensor | None = None, phased: bool | None = None, num_programs: int | None = None,
+    tuning: dict | None = None,
+) -> torch.Tensor:
     """The kernel, with the twin's arguments and result. ``phased`` (default: under the interpreter)
     launches phase by phase instead of once with grid barriers; ``num_programs`` overrides the
     grid (default one per SM); ``tuning`` overrides ``TUNING`` (benchmarks)."""
@@ -802,10 +734,8 @@ def stack_step_triton(weights: StackWeights, k_cache: torch.Tensor, v_cache: tor
     phased = interpret if phased is None else phased
     rows, hidden, d = slots.shape[0], weights.hidden, weights.head_dim
     hq, hkv, inter, dtype = weights.num_q_heads, weights.num_kv_heads, weights.intermediate, weights.qkv.dtype
-    if proj is None:
-        residual = x
-    else:
-        residual = torch.empty(rows, hidden, dtype=dtype, device=device)
+    # the residual stream: x itself, or the projection's output
+    residual = x if proj is None else torch.empty(rows, hidden, dtype=dtype, device=device)
     q = torch.empty(rows, hq * d, dtype=dtype, device=device)
     attn = torch.empty_like(q)
     act = torch.empty(rows, inter, dtype=dtype, device=device)
@@ -813,26 +743,29 @@ def stack_step_triton(weights: StackWeights, k_cache: torch.Tensor, v_cache: tor
     for name, width in (("KS_O", hq * d), ("KS_DOWN", inter)):
         if width % tune[name]:
             tune[name] = 1  # a split must cut the reduction into equal parts
-    part = torch.empty(max(tune["KS_O"], tune["KS_DOWN"]), MAX_ROWS, hidden, dtype=torch.float32, device=device)
+    part = torch.empty(
+        max(tune["KS_O"], tune["KS_DOWN"]), MAX_ROWS, hidden, dtype=torch.float32, device=device
+    )
     num_out = hidden if head is None else head.shape[0]
     out = torch.empty(rows, num_out, dtype=dtype, device=device)
     grid = (num_programs or _num_programs(device),)
     fp32 = dtype == torch.float32
     block_k = min(tune["BK"], max(16, triton.next_power_of_2(hidden)))
-    args = (src if src is not None else residual, src.stride(0) if src is not None else 0,
-            codes if codes is not None else slots, proj if proj is not None else residual, residual,
-            weights.qkv, weights.o, weights.gate_up, weights.down, weights.input_norm, weights.post_norm,
-            weights.final_norm, head if head is not None else weights.final_norm, weights.cos, weights.sin,
-            k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
-            slots, positions, lengths, q, attn, act, part, out, _sync_buffer(device),
-            rows, num_out, k_cache.shape[2], weights.eps, d ** -0.5)
+    args = (
+        src if src is not None else residual, src.stride(0) if src is not None else 0,
+        codes if codes is not None else slots, proj if proj is not None else residual, residual, weights.qkv,
+        weights.o, weights.gate_up, weights.down, weights.input_norm, weights.post_norm, weights.final_norm,
+        head if head is not None else weights.final_norm, weights.cos, weights.sin, k_cache, v_cache,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), slots, positions, lengths,
+        q, attn, act, part, out, _sync_buffer(device), rows, k_cache.shape[2], weights.eps, d**-0.5,
+    )
     static = dict(
-        H=hidden, HIN=proj.shape[1] if proj is not None else hidden, I=inter, NUM_Q=hq, NUM_KV=hkv, D=d,
+        H=hidden, HIN=proj.shape[1] if proj is not None else hidden, INTER=inter, NUM_Q=hq, NUM_KV=hkv, D=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)), GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)),
-        BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))),
-        BM=MAX_ROWS, BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BK=block_k, KS_O=tune["KS_O"],
-        KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], FLAT=tune["FLAT"], PROJECT=proj is not None, GATHER=codes is not None,
-        HEAD=head is not None, OPAQUE=device.type == "cuda" and not interpret,
+        BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
+        BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BK=block_k, KS_O=tune["KS_O"],
+        KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
+        GATHER=codes is not None, HEAD=head is not None, OPAQUE=device.type == "cuda" and not interpret,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=device.type == "cuda" and not interpret,
         num_warps=8 if fp32 else tune["num_warps"], num_stages=tune["num_stages"],
     )
@@ -841,8 +774,13 @@ def stack_step_triton(weights: StackWeights, k_cache: torch.Tensor, v_cache: tor
         launches = [everything]
     else:
         launches = [(1, 0, 0, 0, 0)]
-        launches += [(0, layer, layer + 1, phase, 0) for layer in range(weights.num_layers) for phase in LAYER_PHASES
-                     if (phase != O_REDUCE or tune["KS_O"] > 1) and (phase != DOWN_REDUCE or tune["KS_DOWN"] > 1)]
+        launches += [
+            (0, layer, layer + 1, phase, 0)
+            for layer in range(weights.num_layers)
+            for phase in LAYER_PHASES
+            if (phase != OUT_PROJ_REDUCE or tune["KS_O"] > 1)
+            and (phase != DOWN_REDUCE or tune["KS_DOWN"] > 1)
+        ]
         launches += [(0, 0, 0, 0, 1)]
     for launch in launches:  # phased: the same compiled kernel each time (what runs is an argument)
         _stack_step_kernel[grid](*args, *launch, SYNC=not phased, **static)
@@ -857,24 +795,30 @@ def kernel_device(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
-def fits(weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-         positions: torch.Tensor, lengths: torch.Tensor, **inputs: torch.Tensor | None) -> bool:
+def fits(
+    weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    positions: torch.Tensor, lengths: torch.Tensor, **inputs: torch.Tensor | None,
+) -> bool:
     """Whether the kernel takes this call (on a device where it runs, with the latch active):
     callers with other work for larger batches ask first and take their usual path otherwise."""
     if not (kernel_device(weights.qkv) and LATCH.active):
         return False
     try:
-        check(weights, k_cache, v_cache, slots, positions, lengths, inputs.get("x"), inputs.get("src"),
-              inputs.get("codes"), inputs.get("proj"), inputs.get("head"))
+        check(
+            weights, k_cache, v_cache, slots, positions, lengths, inputs.get("x"), inputs.get("src"),
+            inputs.get("codes"), inputs.get("proj"), inputs.get("head"),
+        )
     except ValueError:
         return False
     return True
 
 
-def stack_step(weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-               positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
-               src: torch.Tensor | None = None, codes: torch.Tensor | None = None,
-               proj: torch.Tensor | None = None, head: torch.Tensor | None = None) -> torch.Tensor:
+def stack_step(
+    weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
+    src: torch.Tensor | None = None, codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
+    head: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One decode step of a stack for N <= 16 rows, each one query at ``positions[r]`` of KV slot
     ``slots[r]`` seeing keys 0 .. ``lengths[r] - 1`` (rows of one slot may stand at consecutive
     positions: every K/V of a layer is written before any row attends).

@@ -55,8 +55,9 @@ class EngineSection:
 @dataclass(frozen=True)
 class KernelsSection:
     """Triton kernels on CUDA (each falls back to its eager twin if it fails); false turns
-    one off for triage. ``fused_layers`` is the fused frame path (packed projections and the
-    rms_norm, rope_kv and silu_mul kernels); off, frames run the plain layers."""
+    one off for triage. ``fused_layers`` is the fused frame path (packed projections; the
+    rms_norm, rope_kv and silu_mul kernels; stack_step, one launch per small depth-decoder call);
+    off, frames run the plain layers."""
 
     sampler: bool = True
     decode_attention: bool = True

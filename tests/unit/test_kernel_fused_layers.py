@@ -827,10 +827,12 @@ DEPTH_CALLS_PER_FRAME = 7
 DEPTH_LAYERS = 2
 
 
-def assert_frames_ran_on_the_kernels(launches: Counter, frames: int, stack_calls: int = DEPTH_CALLS_PER_FRAME) -> None:
+def assert_frames_ran_on_the_kernels(launches: Counter, frames: int,
+                                     stack_calls: int = DEPTH_CALLS_PER_FRAME) -> None:
     row_calls = DEPTH_CALLS_PER_FRAME - stack_calls  # depth calls through forward_rows, per frame
     layers = frames * (BACKBONE_LAYERS_PER_FRAME + DEPTH_LAYERS * row_calls)
-    assert launches == Counter({"rms_norm_triton": 2 * layers + frames * (1 + row_calls), "rope_kv_triton": layers,
+    assert launches == Counter({"rms_norm_triton": 2 * layers + frames * (1 + row_calls),
+                                "rope_kv_triton": layers,
                                 "decode_attention_triton": layers, "silu_mul_triton": layers,
                                 "stack_step_triton": frames * stack_calls})
 
@@ -879,7 +881,8 @@ def test_fused_frames_on_the_kernels_equal_the_plain_model(talkers, plain_codes,
 
 
 @interpreter_only
-def test_depth_calls_past_stack_step_rows_take_forward_rows(talkers, plain_codes, on_the_kernels, monkeypatch):
+def test_depth_calls_past_stack_step_rows_take_forward_rows(talkers, plain_codes, on_the_kernels,
+                                                            monkeypatch):
     # Two rows with the threshold at 2: the first depth call (4 rows) goes through forward_rows,
     # the six one-position calls (2 rows) through stack_step; the codes are the plain model's.
     monkeypatch.setattr(csm_model, "STACK_STEP_ROWS", 2)

@@ -20,8 +20,10 @@ import torch
 
 if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("kernel tests on CPU need the Triton interpreter, but triton was imported "
-                           "without it: run pytest with TRITON_INTERPRET=1")
+        raise RuntimeError(
+            "kernel tests on CPU need the Triton interpreter, but triton was imported "
+            "without it: run pytest with TRITON_INTERPRET=1"
+        )
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels import stack_step as ss
@@ -47,7 +49,7 @@ class Shape:
     slots: int
     max_len: int
     src_width: int  # the projection's input width
-    vocab: int      # head rows (and the embedding table's rows)
+    vocab: int  # head rows (and the embedding table's rows)
 
 
 SHAPES = {
@@ -79,16 +81,32 @@ class Case:
     def to(self, dtype: torch.dtype) -> Case:
         """Weights, caches and float inputs in ``dtype`` (the rotary tables stay fp32)."""
         w = self.weights
-        cast = {f: getattr(w, f).to(dtype) for f in ("qkv", "o", "gate_up", "down", "input_norm", "post_norm",
-                                                      "final_norm")}
-        inputs = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v)
-                  for k, v in self.inputs.items()}
-        return replace(self, weights=replace(w, **cast), k_cache=self.k_cache.to(dtype),
-                       v_cache=self.v_cache.to(dtype), inputs=inputs)
+        cast = {
+            f: getattr(w, f).to(dtype)
+            for f in ("qkv", "o", "gate_up", "down", "input_norm", "post_norm", "final_norm")
+        }
+        inputs = {
+            k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v)
+            for k, v in self.inputs.items()
+        }
+        return replace(
+            self,
+            weights=replace(w, **cast),
+            k_cache=self.k_cache.to(dtype),
+            v_cache=self.v_cache.to(dtype),
+            inputs=inputs,
+        )
 
 
-def make_case(shape: Shape, seed: int, rows: list[tuple[int, int]], dtype: torch.dtype = torch.float32,
-              way: str = "project", head: bool = True, device: str = DEVICE) -> Case:
+def make_case(
+    shape: Shape,
+    seed: int,
+    rows: list[tuple[int, int]],
+    dtype: torch.dtype = torch.float32,
+    way: str = "project",
+    head: bool = True,
+    device: str = DEVICE,
+) -> Case:
     """A random stack with unit-scale activations and a NaN-poisoned cache except each row's keys
     before its position. ``rows``: (slot, position) per row; ``way``: "x" (the residual stream is
     the input), "project" (dense rows times the projection) or "gather" (table rows by code)."""
@@ -103,11 +121,20 @@ def make_case(shape: Shape, seed: int, rows: list[tuple[int, int]], dtype: torch
     cos = torch.cat([angles.cos(), angles.cos()], dim=1)
     sin = torch.cat([angles.sin(), angles.sin()], dim=1)
     weights = ss.StackWeights(
-        qkv=rand(s.layers, (s.num_q + 2 * s.num_kv) * d, s.hidden), o=rand(s.layers, s.hidden, s.num_q * d),
-        gate_up=rand(s.layers, 2 * s.inter, s.hidden), down=rand(s.layers, s.hidden, s.inter),
-        input_norm=1 + rand(s.layers, s.hidden, scale=0.2), post_norm=1 + rand(s.layers, s.hidden, scale=0.2),
-        final_norm=1 + rand(s.hidden, scale=0.2), cos=cos, sin=sin, num_q_heads=s.num_q, num_kv_heads=s.num_kv,
-        head_dim=d, eps=EPS)
+        qkv=rand(s.layers, (s.num_q + 2 * s.num_kv) * d, s.hidden),
+        o=rand(s.layers, s.hidden, s.num_q * d),
+        gate_up=rand(s.layers, 2 * s.inter, s.hidden),
+        down=rand(s.layers, s.hidden, s.inter),
+        input_norm=1 + rand(s.layers, s.hidden, scale=0.2),
+        post_norm=1 + rand(s.layers, s.hidden, scale=0.2),
+        final_norm=1 + rand(s.hidden, scale=0.2),
+        cos=cos,
+        sin=sin,
+        num_q_heads=s.num_q,
+        num_kv_heads=s.num_kv,
+        head_dim=d,
+        eps=EPS,
+    )
     k_cache = rand(s.layers, s.slots, s.max_len, s.num_kv, d, scale=1.0)
     v_cache = rand(s.layers, s.slots, s.max_len, s.num_kv, d, scale=1.0)
     seen = torch.zeros(s.slots, s.max_len, dtype=torch.bool)
@@ -124,20 +151,35 @@ def make_case(shape: Shape, seed: int, rows: list[tuple[int, int]], dtype: torch
     elif way == "project":
         inputs.update(src=rand(n, s.src_width, scale=1.0), proj=rand(s.hidden, s.src_width))
     else:
-        inputs.update(src=rand(s.vocab, s.src_width, scale=1.0), proj=rand(s.hidden, s.src_width),
-                      codes=torch.randint(0, s.vocab, (n,), generator=g))
+        inputs.update(
+            src=rand(s.vocab, s.src_width, scale=1.0),
+            proj=rand(s.hidden, s.src_width),
+            codes=torch.randint(0, s.vocab, (n,), generator=g),
+        )
     case = Case(weights, k_cache, v_cache, slots, positions, positions + 1, inputs).to(dtype)
     return move(case, device)
 
 
 def move(case: Case, device: str) -> Case:
     w = case.weights
-    weights = replace(w, **{f: getattr(w, f).to(device) for f in ("qkv", "o", "gate_up", "down", "input_norm",
-                                                                   "post_norm", "final_norm", "cos", "sin")})
+    weights = replace(
+        w,
+        **{
+            f: getattr(w, f).to(device)
+            for f in ("qkv", "o", "gate_up", "down", "input_norm", "post_norm", "final_norm", "cos", "sin")
+        },
+    )
     inputs = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in case.inputs.items()}
-    return replace(case, weights=weights, k_cache=case.k_cache.to(device), v_cache=case.v_cache.to(device),
-                   slots=case.slots.to(device), positions=case.positions.to(device),
-                   lengths=case.lengths.to(device), inputs=inputs)
+    return replace(
+        case,
+        weights=weights,
+        k_cache=case.k_cache.to(device),
+        v_cache=case.v_cache.to(device),
+        slots=case.slots.to(device),
+        positions=case.positions.to(device),
+        lengths=case.lengths.to(device),
+        inputs=inputs,
+    )
 
 
 @dataclass
@@ -235,13 +277,15 @@ def test_any_grid_gives_the_same_result(programs: int):
     assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
 
 
-@pytest.mark.parametrize("tuning", [{"KS_O": 2, "KS_DOWN": 4}, {"BN": 32, "BN_WIDE": 16, "BK": 32},
-                                    {"FLAT": True, "KS_O": 2}, {"FLAT": True, "BK": 32, "KS_DOWN": 1},
-                                    {"FLAT": False}],
-                         ids=["split_reductions", "other_tiles", "flat", "flat_other_tiles", "nested"])
+@pytest.mark.parametrize(
+    "tuning",
+    [{"KS_O": 2, "KS_DOWN": 8}, {"KS_O": 1, "KS_DOWN": 1}, {"BN": 32, "BN_QKV": 32, "BN_WIDE": 16, "BK": 32}],
+    ids=["split_reductions", "no_splits", "other_tiles"],
+)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_tunings_equal_the_reference(shape: str, tuning: dict):
-    # Split reductions (partial sums added in a fixed order by a reduce phase) and other tiles.
+    # Split reductions (partial sums added in a fixed order by a reduce phase), none, and other tiles
+    # (items of several reduction blocks, a flat loop's item boundaries inside a block row).
     case = make_case(SHAPES[shape], 11, ROWS["three"], way="gather")
     got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
     ref = reference(case)
@@ -282,17 +326,40 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
         ("17 rows", dict(rows=[(0, 1)] * 17), "rows"),
         ("int32 slots", dict(slots=base.slots.int()), "slots"),
         ("positions of another length", dict(positions=base.positions[:2]), "positions"),
-        ("lengths not contiguous", dict(lengths=torch.stack([base.lengths, base.lengths], 1)[:, 0]), "lengths"),
+        (
+            "lengths not contiguous",
+            dict(lengths=torch.stack([base.lengths, base.lengths], 1)[:, 0]),
+            "lengths",
+        ),
         ("a 3-D cache", dict(k_cache=base.k_cache[0]), "k_cache"),
         ("v cache of another dtype", dict(v_cache=base.v_cache.double()), "v_cache"),
-        ("a cache past MAX_KEYS", dict(k_cache=torch.zeros(2, 4, ss.MAX_KEYS + 1, 2, 16, device=DEVICE),
-                                       v_cache=torch.zeros(2, 4, ss.MAX_KEYS + 1, 2, 16, device=DEVICE)), "256"),
+        (
+            "a cache past MAX_KEYS",
+            dict(
+                k_cache=torch.zeros(2, 4, ss.MAX_KEYS + 1, 2, 16, device=DEVICE),
+                v_cache=torch.zeros(2, 4, ss.MAX_KEYS + 1, 2, 16, device=DEVICE),
+            ),
+            "256",
+        ),
         ("qkv of the wrong width", dict(weights=replace(w, qkv=w.qkv[:, :-16])), "qkv"),
-        ("fp64 weights", dict(weights=replace(w, **{f: getattr(w, f).double() for f in
-                                                    ("qkv", "o", "gate_up", "down", "input_norm", "post_norm",
-                                                     "final_norm")})), "weights"),
-        ("a strided down", dict(weights=replace(w, down=w.down.transpose(1, 2).contiguous().transpose(1, 2))),
-         "down"),
+        (
+            "fp64 weights",
+            dict(
+                weights=replace(
+                    w,
+                    **{
+                        f: getattr(w, f).double()
+                        for f in ("qkv", "o", "gate_up", "down", "input_norm", "post_norm", "final_norm")
+                    },
+                )
+            ),
+            "weights",
+        ),
+        (
+            "a strided down",
+            dict(weights=replace(w, down=w.down.transpose(1, 2).contiguous().transpose(1, 2))),
+            "down",
+        ),
         ("cos of another head size", dict(weights=replace(w, cos=w.cos[:, :8].contiguous())), "cos"),
         ("codes of int32", dict(codes=base.inputs["codes"].int()), "codes"),
         ("no src", dict(src=None), "src"),
@@ -303,8 +370,14 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
 
 def _apply(changes: dict) -> tuple[tuple, dict]:
     base = make_case(SHAPES["tiny_depth"], 7, changes.pop("rows", ROWS["three"]), way="gather")
-    args = dict(weights=base.weights, k_cache=base.k_cache, v_cache=base.v_cache, slots=base.slots,
-                positions=base.positions, lengths=base.lengths)
+    args = dict(
+        weights=base.weights,
+        k_cache=base.k_cache,
+        v_cache=base.v_cache,
+        slots=base.slots,
+        positions=base.positions,
+        lengths=base.lengths,
+    )
     inputs = dict(base.inputs)
     for key, value in changes.items():
         (args if key in args else inputs)[key] = value

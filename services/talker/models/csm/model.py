@@ -204,8 +204,9 @@ class CsmTalker(nn.Module):
     def _depth_codes_fused(self, inputs: FrameInputs, caches: CsmCaches, logits_out: list | None):
         """``_depth_codes`` on the fused path: the same steps, rows flattened, codebook k's embedding
         read from its slice of the table (no offset add). Where ``stack_step`` takes the rows (a
-        CUDA device, up to ``STACK_STEP_ROWS`` rows a call), each depth call is one launch: projection (with the
-        embedding lookup), the four layers, the final norm and the next codebook's head; elsewhere
+        CUDA device, up to ``STACK_STEP_ROWS`` rows a call), each depth call is one launch:
+        projection (with the embedding lookup), the four layers, the final norm and the next
+        codebook's head; elsewhere
         ``forward_rows`` and separate products."""
         b = inputs.hidden.shape[0]
         depth = self.depth_decoder.model
@@ -223,7 +224,8 @@ class CsmTalker(nn.Module):
             # logits [b, V_pad] of one depth call over ``rows`` = (slots, positions, lengths); with
             # ``pairs`` the rows come two per batch row and only the second's logits are wanted
             inputs_ = dict(src=src, codes=codes, proj=proj, head=head)
-            if rows[0].shape[0] <= STACK_STEP_ROWS and stack_fits(depth.stack, cache.k, cache.v, *rows, **inputs_):
+            small = rows[0].shape[0] <= STACK_STEP_ROWS
+            if small and stack_fits(depth.stack, cache.k, cache.v, *rows, **inputs_):
                 logits = stack_step(depth.stack, cache.k, cache.v, *rows, **inputs_)
                 return logits.view(b, 2, -1)[:, 1] if pairs else logits
             x = src if codes is None else F.embedding(codes, src)

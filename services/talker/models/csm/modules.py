@@ -243,7 +243,8 @@ class Transformer(nn.Module):
         if self.packed:
             return
         layers = list(self.layers)
-        qkv = stack_linears([[la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj] for la in layers])
+        attention = [la.self_attn for la in layers]
+        qkv = stack_linears([[at.q_proj, at.k_proj, at.v_proj] for at in attention])
         gate_up = stack_linears([[la.mlp.gate_proj, la.mlp.up_proj] for la in layers])
         for i, layer in enumerate(layers):
             layer.self_attn.qkv_weight = qkv[i]
