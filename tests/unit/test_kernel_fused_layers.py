@@ -33,7 +33,6 @@ import kernels
 from kernels import rms_norm as rms_kernel
 from kernels import rope_kv as rope_kernel
 from kernels import silu_mul as silu_kernel
-from kernels import stack_step as stack_kernel
 from kernels.latch import KernelLatch
 from services.talker.models.csm import model as csm_model
 from services.talker.models.csm.config import CsmConfig, RopeConfig
@@ -798,9 +797,7 @@ def talkers() -> tuple[CsmTalker, CsmTalker]:
 def on_the_kernels(fresh_latches, monkeypatch) -> Counter:
     """The fused path's drop-ins (the fused-layer kernels, stack_step among them, and decode
     attention; the sampler stays on its twin) send CPU tensors to their kernels, the interpreter
-    here; counts each launcher's calls. Every depth call takes stack_step (``STACK_STEP_ROWS`` raised
-    to the kernel's limit). After the test: no latch tripped."""
-    monkeypatch.setattr(csm_model, "STACK_STEP_ROWS", stack_kernel.MAX_ROWS)
+    here; counts each launcher's calls. After the test: no latch tripped."""
     launches: Counter = Counter()
     for name in (*kernels.FUSED_LAYER_KERNELS, "decode_attention"):
         module = KERNEL_MODULES[name]
@@ -821,20 +818,27 @@ def on_the_kernels(fresh_latches, monkeypatch) -> Counter:
 # One frame of the tiny talker: the backbone's 4 layers through forward_rows (a layer: two norms, one
 # rope_kv, one decode attention, one silu_mul; the stack's final norm), and the depth decoder's 7
 # calls (the first two positions together, then one per codebook 2 .. 7): each one stack_step, or,
-# for calls of more rows than STACK_STEP_ROWS, forward_rows through its 2 layers.
+# for calls of more rows than STACK_STEP_ROWS (2), forward_rows through its 2 layers. A bucket of b
+# rows makes a first call of 2 b rows and six calls of b rows.
 BACKBONE_LAYERS_PER_FRAME = 4
 DEPTH_CALLS_PER_FRAME = 7
 DEPTH_LAYERS = 2
 
 
-def assert_frames_ran_on_the_kernels(launches: Counter, frames: int,
-                                     stack_calls: int = DEPTH_CALLS_PER_FRAME) -> None:
-    row_calls = DEPTH_CALLS_PER_FRAME - stack_calls  # depth calls through forward_rows, per frame
+def stack_calls(bucket: int) -> int:
+    """Depth calls per frame that take stack_step for a bucket of ``bucket`` rows."""
+    limit = csm_model.STACK_STEP_ROWS
+    return (2 * bucket <= limit) + (DEPTH_CALLS_PER_FRAME - 1) * (bucket <= limit)
+
+
+def assert_frames_ran_on_the_kernels(launches: Counter, frames: int, bucket: int) -> None:
+    stack = stack_calls(bucket)
+    row_calls = DEPTH_CALLS_PER_FRAME - stack  # depth calls through forward_rows, per frame
     layers = frames * (BACKBONE_LAYERS_PER_FRAME + DEPTH_LAYERS * row_calls)
     assert launches == Counter({"rms_norm_triton": 2 * layers + frames * (1 + row_calls),
                                 "rope_kv_triton": layers,
                                 "decode_attention_triton": layers, "silu_mul_triton": layers,
-                                "stack_step_triton": frames * stack_calls})
+                                "stack_step_triton": frames * stack})
 
 
 @pytest.fixture(scope="module")
@@ -874,26 +878,17 @@ interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA: tests/gp
 
 
 @interpreter_only
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])  # buckets 1 (all stack_step), 2 (both), 4 (forward_rows)
 def test_fused_frames_on_the_kernels_equal_the_plain_model(talkers, plain_codes, on_the_kernels, rows: int):
+    assert [stack_calls(b) for b in (1, 2, 4)] == [7, 6, 0]
     decode(make_runner(talkers[1]), rows, 2).assert_matches(plain_codes[(rows, "greedy")])
-    assert_frames_ran_on_the_kernels(on_the_kernels, 2)
-
-
-@interpreter_only
-def test_depth_calls_past_stack_step_rows_take_forward_rows(talkers, plain_codes, on_the_kernels,
-                                                            monkeypatch):
-    # Two rows with the threshold at 2: the first depth call (4 rows) goes through forward_rows,
-    # the six one-position calls (2 rows) through stack_step; the codes are the plain model's.
-    monkeypatch.setattr(csm_model, "STACK_STEP_ROWS", 2)
-    decode(make_runner(talkers[1]), 2, 2).assert_matches(plain_codes[(2, "greedy")])
-    assert_frames_ran_on_the_kernels(on_the_kernels, 2, stack_calls=DEPTH_CALLS_PER_FRAME - 1)
+    assert_frames_ran_on_the_kernels(on_the_kernels, 2, bucket=1 if rows == 1 else 2 if rows == 2 else 4)
 
 
 @interpreter_only
 def test_fused_seeded_sampling_on_the_kernels_equals_the_plain_model(talkers, plain_codes, on_the_kernels):
     decode(make_runner(talkers[1]), 2, 2, seeded).assert_matches(plain_codes[(2, "seeded")])
-    assert_frames_ran_on_the_kernels(on_the_kernels, 2)
+    assert_frames_ran_on_the_kernels(on_the_kernels, 2, bucket=2)
 
 
 @interpreter_only
@@ -902,4 +897,4 @@ def test_fused_frame_logits_on_the_kernels_equal_the_plain_model(talkers, on_the
     want = first_frame(plain, 2)
     assert not on_the_kernels  # the plain path on the CPU never meets a kernel
     assert_frames_match(first_frame(fused, 2), want)
-    assert_frames_ran_on_the_kernels(on_the_kernels, 1)
+    assert_frames_ran_on_the_kernels(on_the_kernels, 1, bucket=2)

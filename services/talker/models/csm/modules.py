@@ -104,15 +104,20 @@ class KVCache:
 def stack_linears(groups: list[list[nn.Linear]]) -> torch.Tensor:
     """Stacks groups of linears into one [len(groups), sum(out), in] tensor (each group's weights
     concatenated) and makes each weight a view of its rows, so one product computes a group and
-    one pointer reaches every layer, with no memory duplicated. Run after the model has its final
-    device and dtype (``.to`` afterwards would copy the views apart)."""
-    packed = torch.stack([torch.cat([linear.weight.detach() for linear in group]) for group in groups])
+    one pointer reaches every layer, with no memory duplicated: each weight is copied in and then
+    let go, so the move costs at most one weight's extra memory. Run after the model has its final
+    device and dtype (``.to`` afterwards would copy the views apart). Every group must have the
+    same shapes (a stack's layers do)."""
+    first = groups[0][0].weight
+    rows = sum(linear.weight.shape[0] for linear in groups[0])
+    packed = first.new_empty(len(groups), rows, first.shape[1])
     for i, group in enumerate(groups):
         start = 0
         for linear in group:
-            rows = linear.weight.shape[0]
-            linear.weight = nn.Parameter(packed[i, start:start + rows], requires_grad=False)
-            start += rows
+            end = start + linear.weight.shape[0]
+            packed[i, start:end].copy_(linear.weight.detach())
+            linear.weight = nn.Parameter(packed[i, start:end], requires_grad=False)
+            start = end
     return packed
 
 
@@ -123,8 +128,9 @@ def pack_linears(*linears: nn.Linear) -> torch.Tensor:
 
 def _stack_norms(norms: list[RMSNorm]) -> torch.Tensor:
     """The norms' weights as rows of one [len(norms), H] tensor, each weight a view of its row."""
-    packed = torch.stack([norm.weight.detach() for norm in norms])
+    packed = norms[0].weight.new_empty(len(norms), norms[0].weight.shape[0])
     for i, norm in enumerate(norms):
+        packed[i].copy_(norm.weight.detach())
         norm.weight = nn.Parameter(packed[i], requires_grad=False)
     return packed
 
