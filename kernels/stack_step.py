@@ -16,19 +16,28 @@ split into work items the programs share, with a grid-wide barrier between phase
   ``ATT``: attention of each (row, kv head) over its slot's keys;
   ``OUT_PROJ``: the output product plus the residual add;
   ``MLP``: RMSNorm prologue, gate and up products, SiLU*mul;
-  ``DOWN``: the down product plus the residual add;
+  ``DOWN``: the down product plus the residual add, its reduction split in ``KS_DOWN`` parts
+  whose fp32 partial sums a ``DOWN_REDUCE`` phase adds in a fixed order (so the result does not
+  depend on the grid);
 * ``OUT``: the final norm, written out, or as the prologue of the head product (logits).
 
 Every item recomputes the row norms it needs from the residual stream (rows <= 16, so the sums
-cost a few kilobytes of L2 reads), which is what lets a norm live inside the next product.
+cost a few kilobytes of L2 reads), which is what lets a norm live inside the next product. Each
+product phase is one loop over (this program's items) x (reduction blocks), so the software
+pipeline runs on from one item into the next.
 
 The grid barrier is a counter in device memory: each program adds one after its stores (release)
-and spins until all programs have arrived (acquire). It needs every program resident at once:
-the grid is one program per SM and a program's registers and shared memory leave room for two,
-so a neighbour's kernels (Code2Wav under MPS) delay the barrier but cannot block it. The last
-program out resets the counter, so consecutive launches (and CUDA-graph replays) need no memset.
-A spin that runs past ``_MAX_SPINS`` gives up and raises a fault flag (``faults``) instead of
-hanging the GPU. Launches of this kernel must not overlap: one stream per device.
+and spins until all programs have arrived (acquire). It needs every program resident at once;
+the grid is one program per SM, so a neighbour's kernels (Code2Wav under MPS) can delay a barrier
+until they finish and free their SM, but not block it for good. The last program out resets the
+counter, so consecutive launches (and CUDA-graph replays) need no memset. A spin that runs past
+``_MAX_SPINS`` (about a second) gives up and raises a fault flag instead of hanging the GPU; from
+then on that launch's results are wrong, and ``faults`` (a host sync) says so. The talker does not
+read the flag. Launches of this kernel must not overlap: one stream per device.
+
+Where it pays (bench/README.md): a call of 1 or 2 rows on the H200 is faster than the nine-launch
+layers; at 8 or 16 rows it is slower, so the CSM talker sends only calls of up to
+``STACK_STEP_ROWS`` rows here.
 
 The Triton interpreter runs programs one after another, so a barrier there would wait forever:
 ``stack_step_triton(..., phased=True)`` launches each phase on its own (the launch boundary is
@@ -126,9 +135,10 @@ class StackWeights:
 
 @triton.jit
 def _wait(count_ptr, target, fault_ptr):
-    """Spins until *count_ptr >= target, or gives up after _MAX_SPINS and raises the fault flag. Once
-    the flag is up every wait returns at once: a launch that lost a program finishes (with results
-    that are wrong, which ``faults`` reports) instead of holding the GPU."""
+    """Spins until *count_ptr >= target, or gives up after _MAX_SPINS: then it raises the launch's
+    fault flag (``fault_ptr``, cleared when the launch ends) and counts one fault (``fault_ptr + 1``,
+    kept for ``faults``). While the flag is up every wait returns at once: a launch that lost a
+    program finishes, with wrong results, instead of holding the GPU; the next launch waits again."""
     spins = 0
     while (tl.load(count_ptr, volatile=True) < target) & (spins < _MAX_SPINS):
         spins += 1
@@ -136,6 +146,7 @@ def _wait(count_ptr, target, fault_ptr):
             spins = _MAX_SPINS + 1
     if spins == _MAX_SPINS:
         tl.atomic_max(fault_ptr, 1, sem="relaxed", scope="gpu")
+        tl.atomic_add(fault_ptr + 1, 1, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -159,6 +170,7 @@ def _grid_exit(sync_ptr, pid, nprog, SYNC: tl.constexpr):
             _wait(sync_ptr + 1, nprog, sync_ptr + 2)
             tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -464,7 +476,7 @@ def _stack_step_kernel(
     act_ptr,
     part_ptr,
     out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H]; out
-    sync_ptr,  # int32 [4]: arrivals, exits, fault flag
+    sync_ptr,  # int32 [4]: arrivals, exits, this launch's fault flag, faults so far
     n_rows,
     max_len,
     eps,
@@ -625,12 +637,12 @@ def _sync_buffer(device: torch.device) -> torch.Tensor:
 
 
 def faults(device: torch.device | str) -> int:
-    """How many launches on ``device`` gave up waiting at a barrier (0 unless something is wrong;
-    reading it synchronises the device)."""
+    """How many barrier waits on ``device`` gave up (0 unless something is wrong: each one means a
+    launch whose results are wrong; reading it synchronises the device)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return int(_sync_buffer(device)[2].item())
+    return int(_sync_buffer(device)[3].item())
 
 
 @functools.lru_cache(maxsize=8)
@@ -729,9 +741,43 @@ def stack_step_triton(
     launches phase by phase instead of once with grid barriers; ``num_programs`` overrides the
     grid (default one per SM); ``tuning`` overrides ``TUNING`` (benchmarks)."""
     check(weights, k_cache, v_cache, slots, positions, lengths, x, src, codes, proj, head)
-    device = weights.qkv.device
     interpret = bool(triton.knobs.runtime.interpret)
     phased = interpret if phased is None else phased
+    args, static, grid, out, tune = launch_plan(
+        weights, k_cache, v_cache, slots, positions, lengths, x=x, src=src, codes=codes, proj=proj, head=head,
+        num_programs=num_programs, tuning=tuning, compiled=weights.qkv.is_cuda and not interpret,
+    )
+    everything = (1, 0, weights.num_layers, ALL_LAYER_PHASES, 1)  # run_pj, layers, phases, run_out
+    if not phased:
+        launches = [everything]
+    else:
+        launches = [(1, 0, 0, 0, 0)]
+        launches += [
+            (0, layer, layer + 1, phase, 0)
+            for layer in range(weights.num_layers)
+            for phase in LAYER_PHASES
+            if (phase != OUT_PROJ_REDUCE or tune["KS_O"] > 1)
+            and (phase != DOWN_REDUCE or tune["KS_DOWN"] > 1)
+        ]
+        launches += [(0, 0, 0, 0, 1)]
+    for launch in launches:  # phased: the same compiled kernel each time (what runs is an argument)
+        _stack_step_kernel[grid](*args, *launch, SYNC=not phased, **static)
+    return out
+
+
+def launch_plan(
+    weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
+    src: torch.Tensor | None = None, codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
+    head: torch.Tensor | None = None, num_programs: int | None = None, tuning: dict | None = None,
+    compiled: bool = True,
+) -> tuple[tuple, dict, tuple[int], torch.Tensor, dict]:
+    """The kernel's arguments (scratch and output allocated on the weights' device), its static
+    parameters, the grid, the output and the tuning in force: shapes and dtypes decide everything,
+    so the tests can compile the GPU's kernel from meta tensors. ``compiled``: for a GPU (PTX
+    rounding and libdevice), not the interpreter."""
+    device = weights.qkv.device
+    interpret = not compiled
     rows, hidden, d = slots.shape[0], weights.hidden, weights.head_dim
     hq, hkv, inter, dtype = weights.num_q_heads, weights.num_kv_heads, weights.intermediate, weights.qkv.dtype
     # the residual stream: x itself, or the projection's output
@@ -765,26 +811,11 @@ def stack_step_triton(
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BK=block_k, KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
-        GATHER=codes is not None, HEAD=head is not None, OPAQUE=device.type == "cuda" and not interpret,
-        UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=device.type == "cuda" and not interpret,
+        GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
+        UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,
         num_warps=8 if fp32 else tune["num_warps"], num_stages=tune["num_stages"],
     )
-    everything = (1, 0, weights.num_layers, ALL_LAYER_PHASES, 1)  # run_pj, layers, phases, run_out
-    if not phased:
-        launches = [everything]
-    else:
-        launches = [(1, 0, 0, 0, 0)]
-        launches += [
-            (0, layer, layer + 1, phase, 0)
-            for layer in range(weights.num_layers)
-            for phase in LAYER_PHASES
-            if (phase != OUT_PROJ_REDUCE or tune["KS_O"] > 1)
-            and (phase != DOWN_REDUCE or tune["KS_DOWN"] > 1)
-        ]
-        launches += [(0, 0, 0, 0, 1)]
-    for launch in launches:  # phased: the same compiled kernel each time (what runs is an argument)
-        _stack_step_kernel[grid](*args, *launch, SYNC=not phased, **static)
-    return out
+    return args, static, grid, out, tune
 
 
 # ---------------------------------------------------------------- the drop-in

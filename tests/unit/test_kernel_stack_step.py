@@ -7,13 +7,17 @@ consecutive positions (the depth decoder's first call); the most rows a step tak
 landing at its (slot, position) of a NaN-poisoned cache and nowhere else; the launcher's checks,
 naming what it refuses; the drop-in, ``fits`` and the latch. On a CPU machine the kernel runs
 under Triton's interpreter, phase by phase (the interpreter cannot run a grid barrier); the one
-launch with barriers is checked against the phased launches on the GPU (tests/gpu)."""
+launch with barriers is compiled for the H200 here (it must compile, and one program must fit on
+an SM) and checked against the phased launches on the GPU (tests/gpu)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -434,3 +438,24 @@ def test_a_failing_kernel_trips_the_latch_and_the_twin_serves(fresh_latch, monke
     assert torch.equal(got.out, want.out)
     assert isinstance(fresh_latch.failure, RuntimeError) and not ss.fits(*case.args, **case.inputs)
     assert sum("stack_step failed" in r.getMessage() for r in caplog.records) == 1
+
+
+# ---------------------------------------------------------------- the GPU's kernel, compiled here
+
+
+def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm():
+    # The barrier path never runs on a CPU machine; compiling it for sm_90 here catches what only the
+    # GPU would, and checks what the barrier relies on: one program fits on an SM (registers, shared
+    # memory), so the whole grid is resident. The products' loads are pipelined (cp.async). In a
+    # process of its own: this one may be running Triton's interpreter, which cannot compile.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.unit.stack_step_hopper"], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["barrier_atomics"] and report["pipelined_loads"]
+    assert report["shared_bytes"] <= 227 * 1024  # the H200's shared memory per block
+    if report["registers"] is None:
+        assert os.environ.get("CI") != "true", f"ptxas is missing from the triton wheel: {report['ptxas']}"
+        pytest.skip(f"no ptxas at {report['ptxas']} to count registers")
+    assert report["registers"] * 32 * report["num_warps"] <= 65536, report  # the SM's register file

@@ -34,8 +34,8 @@ from services.talker.models.csm.modules import KVCache, Transformer
 from services.talker.models.family import FrameInputs, FrameOutputs, PromptSegment
 
 # Depth calls of at most this many rows take ``stack_step`` (one launch a call). On the H200 a call
-# of 1 or 2 rows is faster that way (B=1 frame 7.50 -> 7.08 ms); at 8 and 16 rows the kernel's
-# products stream weights slower than the library's and the frame is slower (B=8 7.05 -> 7.58 ms):
+# of 1 or 2 rows is faster that way (B=1 frame 7.49 -> 6.90 ms); at 8 and 16 rows the kernel's
+# products stream weights slower than the library's and the frame is slower (B=8 7.06 -> 7.20 ms):
 # bench/results/talker_fusion_stack_step.json.
 STACK_STEP_ROWS = 2
 
@@ -206,8 +206,7 @@ class CsmTalker(nn.Module):
         read from its slice of the table (no offset add). Where ``stack_step`` takes the rows (a
         CUDA device, up to ``STACK_STEP_ROWS`` rows a call), each depth call is one launch:
         projection (with the embedding lookup), the four layers, the final norm and the next
-        codebook's head; elsewhere
-        ``forward_rows`` and separate products."""
+        codebook's head; elsewhere ``forward_rows`` and separate products."""
         b = inputs.hidden.shape[0]
         depth = self.depth_decoder.model
         table, vocab = depth.embed_tokens.weight, self.config.audio_vocab_size

@@ -1,0 +1,95 @@
+"""Compiles ``stack_step``'s one launch (grid barriers) for an H200 (sm_90) on any machine and prints
+what the barrier relies on as one JSON line: shared memory and registers of one program, the
+barrier's atomics, pipelined (cp.async) loads. Used by tests/unit/test_kernel_stack_step.py in a
+process of its own (Triton's interpreter, which that test module may run, cannot compile).
+
+    python -m tests.unit.stack_step_hopper
+
+csm-1b's depth decoder in bf16, one row, projection from gathered rows and the padded codebook head;
+pointers 16-byte aligned, as the JIT sees the real tensors; one program per SM (132)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("stack_step_hopper compiles for the GPU: run it without TRITON_INTERPRET=1")
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+
+from kernels import stack_step as ss
+
+LAYERS, HIDDEN, INTER, NUM_Q, NUM_KV, HEAD_DIM = 4, 1024, 8192, 8, 2, 128
+SLOTS, MAX_LEN, SRC_WIDTH, VOCAB, SMS = 16, 32, 2048, 2056, 132
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
+                 torch.int32: "*i32"}
+
+
+def meta(*size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(*size, dtype=dtype, device="meta")
+
+
+def compile_kernel():
+    d = HEAD_DIM
+    weights = ss.StackWeights(
+        qkv=meta(LAYERS, (NUM_Q + 2 * NUM_KV) * d, HIDDEN), o=meta(LAYERS, HIDDEN, NUM_Q * d),
+        gate_up=meta(LAYERS, 2 * INTER, HIDDEN), down=meta(LAYERS, HIDDEN, INTER),
+        input_norm=meta(LAYERS, HIDDEN), post_norm=meta(LAYERS, HIDDEN), final_norm=meta(HIDDEN),
+        cos=meta(64, d, dtype=torch.float32), sin=meta(64, d, dtype=torch.float32), num_q_heads=NUM_Q,
+        num_kv_heads=NUM_KV, head_dim=d, eps=1e-5)
+    cache = meta(LAYERS, SLOTS, MAX_LEN, NUM_KV, d)
+    index = meta(1, dtype=torch.int64)
+    args, static, _, _, _ = ss.launch_plan(
+        weights, cache, cache, index, index, index, src=meta(VOCAB, SRC_WIDTH), codes=index,
+        proj=meta(HIDDEN, SRC_WIDTH), head=meta(VOCAB, HIDDEN), num_programs=SMS, compiled=True)
+    options = {"num_warps": static.pop("num_warps"), "num_stages": static.pop("num_stages")}
+    static["SYNC"] = True
+    values = iter([*args, 1, 0, LAYERS, ss.ALL_LAYER_PHASES, 1])  # then run_pj, layers, phases, run_out
+    fn = ss._stack_step_kernel
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in static:
+            signature[name], constexprs[(i,)] = "constexpr", static[name]
+            continue
+        value = next(values)
+        if torch.is_tensor(value):
+            signature[name], attrs[(i,)] = POINTER_TYPES[value.dtype], [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if isinstance(value, float) else "i32"
+    if next(values, None) is not None:
+        raise RuntimeError("launch_plan's arguments do not match the kernel's parameters")
+    source = ASTSource(fn, signature, constexprs, attrs)
+    return compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def registers(ptx: str, ptxas: Path) -> int | None:
+    if not ptxas.exists():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        command = [str(ptxas), "-arch=sm_90a", "-v", str(source), "-o", str(Path(tmp) / "k.cubin")]
+        report = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stderr
+    return int(re.search(r"Used (\d+) registers", report).group(1))
+
+
+def main() -> None:
+    kernel = compile_kernel()
+    ptx = kernel.asm["ptx"]
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    print(json.dumps({"shared_bytes": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
+                      "registers": registers(ptx, ptxas), "ptxas": str(ptxas),
+                      "barrier_atomics": "atom.global" in ptx, "pipelined_loads": "cp.async" in ptx}))
+
+
+if __name__ == "__main__":
+    main()
