@@ -48,6 +48,20 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(q, k, v, valid, m, total, acc, scale, UPCAST: tl.constexpr):
+    """One block of keys into the running (max, sum, weighted value sum) of a query group: q [G, D],
+    k and v [N, D] with ``valid`` [N] marking real keys (at least one per block) -> (m, total, acc)."""
+    s = _dot(q, tl.trans(k), UPCAST) * (scale * _LOG2E)  # [G, N]
+    s = tl.where(valid[None, :], s, _NEG_INF)
+    m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every block holds a valid key
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    total = total * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+    return m_new, total, acc
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, stride_qb, stride_qh,  # [B, Hq, D]
     k_ptr, stride_ks, stride_kl, stride_kh,  # [num_slots, max_len, Hkv, D]
@@ -86,14 +100,7 @@ def _split_kernel(
         kv_mask = (n < stop)[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_base + n[:, None] * stride_kl + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
         v = tl.load(v_base + n[:, None] * stride_vl + d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST) * (scale * _LOG2E)  # [G, N]
-        s = tl.where((n < stop)[None, :], s, _NEG_INF)
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every block holds a valid key
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
-        m = m_new
+        m, total, acc = _online_softmax_step(q, k, v, n < stop, m, total, acc, scale, UPCAST)
         pos += BLOCK_N
 
     o_mask = q_mask

@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.decode_attention import _dot, decode_attention_eager
+from kernels.decode_attention import _dot, _online_softmax_step, decode_attention_eager
 from kernels.latch import KernelLatch
 from kernels.rms_norm import rms_norm_eager
 from kernels.rope_kv import _round_to, rope_kv_eager
@@ -73,7 +73,6 @@ LATCH = KernelLatch("stack_step")
 MAX_ROWS = 16  # rows of one step (the products' M tile)
 MAX_KEYS = 256  # positions one row may attend to: the kernel's attention has no split
 _MAX_SPINS = tl.constexpr(1 << 21)  # a barrier wait this long (about a second) is a fault, not a neighbour
-_LOG2E = tl.constexpr(1.4426950408889634)
 _NEG_INF = tl.constexpr(float("-inf"))
 
 # Tile sizes and launch parameters (bench/probe_stack_step.py sweeps them on the H200): BN output
@@ -385,14 +384,7 @@ def _phase_attention(
             v = tl.load(
                 v_base + n[:, None] * stride_cl + d[None, :], mask=kv_ok, other=0.0, cache_modifier=".cg"
             )
-            s = _dot(q, tl.trans(k), UPCAST) * (scale * _LOG2E)
-            s = tl.where((n < length)[None, :], s, _NEG_INF)
-            m_new = tl.maximum(m_run, tl.max(s, axis=1))
-            alpha = tl.exp2(m_run - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            total = total * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
-            m_run = m_new
+            m_run, total, acc = _online_softmax_step(q, k, v, n < length, m_run, total, acc, scale, UPCAST)
             start += BLOCK_L
         out = acc / total[:, None]
         tl.store(
