@@ -64,17 +64,22 @@ BENCH_ARGS ?=
 BENCH_RUN = timeout -s TERM -k 30 $(BENCH_PART_S) $(BENCH_PY) bench/server_gpu.py --out $(BENCH_OUT) \
 	--max-wall $(BENCH_WALL_S) $(BENCH_ARGS)
 
+# BENCH_LAYOUTS="one two-pairs split" adds the two-GPU layouts (bench/README.md, scale-out).
+BENCH_LAYOUTS ?= one
+
 bench:  ## GPU only: the whole server under load (without, with MPS) and the transformers baseline
 	@$(BENCH_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: make bench \
 	runs on the GPU machine only (bench/README.md); on a CPU: python bench/server_gpu.py --smoke')"
 	@fail=0; \
+	for layout in $(BENCH_LAYOUTS); do \
 	for mps in off on; do \
 	  for attempt in 1 2; do \
-	    echo "==> bench: tiers, MPS $$mps (attempt $$attempt)"; \
-	    $(BENCH_RUN) --part tiers --mps $$mps; rc=$$?; \
+	    echo "==> bench: tiers, layout $$layout, MPS $$mps (attempt $$attempt)"; \
+	    $(BENCH_RUN) --part tiers --layout $$layout --mps $$mps; rc=$$?; \
 	    [ $$rc -eq 3 ] || break; \
 	  done; \
-	  [ $$rc -eq 0 ] || { echo "==> bench: tiers with MPS $$mps ended with exit $$rc"; fail=1; }; \
+	  [ $$rc -eq 0 ] || { echo "==> bench: tiers, layout $$layout, MPS $$mps ended with exit $$rc"; fail=1; }; \
+	done; \
 	done; \
 	echo "==> bench: baseline (transformers generate, talker frame vs its floor)"; \
 	$(BENCH_RUN) --part baseline || { echo "==> bench: baseline ended with exit $$?"; fail=1; }; \

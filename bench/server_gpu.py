@@ -1,7 +1,8 @@
-"""The whole server under load on one GPU, beside transformers. GPU only (``--smoke``: CPU).
+"""The whole server under load on one GPU (or two), beside transformers. GPU only (``--smoke``: CPU).
 
     python bench/server_gpu.py --part tiers --mps off [--max-wall 540] [--out bench/results]
     python bench/server_gpu.py --part tiers --mps on  [--max-wall 540]
+    python bench/server_gpu.py --part tiers --layout two-pairs|split [--mps off|on]   # 2 GPUs
     python bench/server_gpu.py --part baseline        [--max-wall 540]
     python bench/server_gpu.py --part report          # table and plots from the JSON there
     python bench/server_gpu.py --smoke [--out DIR]    # CPU: the orchestration, tiny model
@@ -18,6 +19,15 @@ emit the stop frame, so each request runs to that cap), the tier itself capped a
 ``--tier-max-s``. ``--mps on`` runs the same with the NVIDIA MPS control daemon started
 for the run (stopped again in every case); when it cannot start, the run says so and
 goes on without it.
+
+``--layout`` places the engines (each stage's ``CUDA_VISIBLE_DEVICES``): ``one`` (the
+default) is one engine pair on GPU 0; ``two-pairs`` is one pair per GPU on two GPUs, with
+one gateway spreading streams over both (least loaded first); ``split`` is one pair with
+the talker on GPU 0 and Code2Wav on GPU 1, so their kernels never share a GPU. Every
+engine is sized for the top tier. The result file of a layout other than ``one`` is
+prefixed with its name (``server_gpu_tiers_two-pairs-mps-off.json``), and the report adds
+a scale-out table (audio-s/s and real-time streams against the one-pair run, time to first
+audio at equal load per GPU, the gateway's CPU per stream) when those runs are there.
 
 Per tier, from the load generator (client side): admitted vs rejected, time to first
 audio p50/p90/p99, inter-chunk gap p99, underruns (a real-time player's stalls), audio
@@ -76,7 +86,14 @@ TIERS = (1, 8, 32, 64, 128, 256, 512, 1024)
 SMOKE_TIERS = (1, 2)
 # One fixed prompt for every request (the load generator sends one text): ~85 prompt tokens.
 PROMPT = "The quick brown fox jumps over the lazy dog while seven birds sing near the old stone bridge."
-STAGES = ("talker", "code2wav", "gateway")   # start order; stop order is the reverse
+STAGE_KINDS = ("talker", "code2wav", "gateway")
+# Where the engines run. Stage names: pair 0's are "talker" and "code2wav", pair i's
+# "talker-i" and "code2wav-i"; start order is the list's, stop order the reverse.
+LAYOUTS = {
+    "one": "one engine pair on GPU 0 (talker and Code2Wav share the GPU)",
+    "two-pairs": "two engine pairs, one per GPU (the gateway spreads streams over them)",
+    "split": "one pair over two GPUs: talker on GPU 0, Code2Wav on GPU 1 (no sharing)",
+}
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIXES = ("voxring-", "sem.voxring-")  # ring segments and their wake-up semaphores
 STOP_MARGIN_S = 45.0       # wall time kept for stopping the stages and writing the results
@@ -96,11 +113,43 @@ def log(message: str) -> None:
 
 # --- settings ---------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class StageSpec:
+    name: str          # talker, code2wav, talker-1, code2wav-1, gateway
+    kind: str          # one of STAGE_KINDS
+    pair: int | None   # the engine pair it belongs to (None: the gateway)
+    gpu: int | None    # which of the layout's GPUs it runs on (None: no GPU)
+
+
+def layout_stages(layout: str) -> list[StageSpec]:
+    """The stages of a layout in start order (each pair's talker before its Code2Wav, which
+    attaches to it; the gateway last)."""
+    def pair(i: int, talker_gpu: int, code2wav_gpu: int) -> list[StageSpec]:
+        suffix = "" if i == 0 else f"-{i}"
+        return [StageSpec(f"talker{suffix}", "talker", i, talker_gpu),
+                StageSpec(f"code2wav{suffix}", "code2wav", i, code2wav_gpu)]
+
+    if layout == "one":
+        engines = pair(0, 0, 0)
+    elif layout == "two-pairs":
+        engines = pair(0, 0, 0) + pair(1, 1, 1)
+    elif layout == "split":
+        engines = pair(0, 0, 1)
+    else:
+        raise ValueError(f"layout: unknown {layout!r} (one of {', '.join(LAYOUTS)})")
+    return [*engines, StageSpec("gateway", "gateway", None, None)]
+
+
+def layout_gpus(layout: str) -> int:
+    return 1 + max(spec.gpu for spec in layout_stages(layout) if spec.gpu is not None)
+
+
 @dataclass
 class Settings:
     part: str
     smoke: bool
     mps: bool
+    layout: str
     out: Path
     tiers: tuple[int, ...]
     requests_per_stream: int
@@ -125,7 +174,14 @@ class Settings:
 
     @property
     def mode(self) -> str:
-        return "smoke" if self.smoke else f"mps-{'on' if self.mps else 'off'}"
+        """Names the result file: the one-pair layout keeps the plain names (mps-off, mps-on,
+        smoke); the others are prefixed with the layout (two-pairs-mps-off, ...)."""
+        base = "smoke" if self.smoke else f"mps-{'on' if self.mps else 'off'}"
+        return base if self.layout == "one" else f"{self.layout}-{base}"
+
+    @property
+    def stages(self) -> list[StageSpec]:
+        return layout_stages(self.layout)
 
 
 def pow2_up_to(limit: int) -> list[int]:
@@ -137,10 +193,12 @@ def pow2_up_to(limit: int) -> list[int]:
 
 
 def stage_configs(s: Settings, run_dir: Path, checkpoint: Path | None) -> dict[str, dict]:
-    """The three stages' configs (the deploy/configs keys). ``VOXRING_<STAGE>__...`` variables
-    in the environment still override them (and are recorded with the results)."""
+    """Every stage's config (the deploy/configs keys), by stage name in start order.
+    ``VOXRING_<STAGE>__...`` variables in the environment still override them (and are
+    recorded with the results). Every engine is sized for the top tier on its own, since the
+    gateway's least-loaded routing may send it any share."""
     top = max(s.tiers)
-    sock = {stage: f"unix:{run_dir}/{stage}.sock" for stage in STAGES}
+    sock = {spec.name: f"unix:{run_dir}/{spec.name}.sock" for spec in s.stages}
     model = {"checkpoint": str(checkpoint) if checkpoint else None,
              "dtype": "float32" if s.smoke else "bfloat16", "device": "cpu" if s.smoke else "cuda"}
     frames = -(-round(s.audio_seconds * 1000) * 125 // 10000)  # ceil(seconds * 12.5)
@@ -149,36 +207,45 @@ def stage_configs(s: Settings, run_dir: Path, checkpoint: Path | None) -> dict[s
     server = {"drain_timeout": 5, "grace": 2}
     metrics = {"listen": "127.0.0.1:0"}
     logging_ = {"level": "info", "json": False}
-    talker = {
-        "server": {"listen": sock["talker"], **server}, "metrics": metrics, "logging": logging_,
-        "model": model,
-        "engine": {"k_max": 8, "buckets": pow2_up_to(top), "max_num_seqs": top, "max_len": max_len,
-                   "max_waiting": max(256, 2 * top), "cuda_graphs": not s.smoke},
-    }
     graph_buckets = [b for b in pow2_up_to(min(top, s.c2w_graph_max_bucket))]
     chunk_frames = [1, 2, 4, 8, 16]
-    code2wav = {
-        "server": {"listen": sock["code2wav"], **server}, "metrics": metrics, "logging": logging_,
-        "model": model,
-        "engine": {"max_slots": top, "cuda_graphs": not s.smoke, "graph_buckets": graph_buckets,
-                   "graph_chunk_frames": chunk_frames, "max_graphs": len(graph_buckets) * len(chunk_frames),
-                   "max_graph_mb": 16384},
-        "talkers": {"consumer_id": "code2wav-0", "attach": [{"id": "talker-0", "address": sock["talker"]}]},
-    }
-    gateway = {
-        "server": {"listen": sock["gateway"], **server}, "metrics": metrics, "logging": logging_,
-        "limits": {"max_audio_seconds": s.audio_seconds, "default_audio_seconds": s.audio_seconds},
-        "voices": {"file": None},
-        "engines": {"pairs": [{"talker": sock["talker"], "code2wav": sock["code2wav"],
-                               "talker_id": "talker-0", "consumer_id": "code2wav-0"}]},
-        "admission": {"max_in_flight": top},
-    }
-    return {"talker": talker, "code2wav": code2wav, "gateway": gateway}
+    talkers = {spec.pair: spec.name for spec in s.stages if spec.kind == "talker"}
+    code2wavs = {spec.pair: spec.name for spec in s.stages if spec.kind == "code2wav"}
+    configs: dict[str, dict] = {}
+    for spec in s.stages:
+        common = {"server": {"listen": sock[spec.name], **server}, "metrics": metrics, "logging": logging_}
+        if spec.kind == "talker":
+            configs[spec.name] = {
+                **common, "model": model,
+                "engine": {"k_max": 8, "buckets": pow2_up_to(top), "max_num_seqs": top, "max_len": max_len,
+                           "max_waiting": max(256, 2 * top), "cuda_graphs": not s.smoke},
+            }
+        elif spec.kind == "code2wav":
+            configs[spec.name] = {
+                **common, "model": model,
+                "engine": {"max_slots": top, "cuda_graphs": not s.smoke, "graph_buckets": graph_buckets,
+                           "graph_chunk_frames": chunk_frames,
+                           "max_graphs": len(graph_buckets) * len(chunk_frames), "max_graph_mb": 16384},
+                "talkers": {"consumer_id": f"code2wav-{spec.pair}",
+                            "attach": [{"id": f"talker-{spec.pair}", "address": sock[talkers[spec.pair]]}]},
+            }
+        else:
+            configs[spec.name] = {
+                **common,
+                "limits": {"max_audio_seconds": s.audio_seconds, "default_audio_seconds": s.audio_seconds},
+                "voices": {"file": None},
+                "engines": {"pairs": [{"talker": sock[talkers[i]], "code2wav": sock[code2wavs[i]],
+                                       "talker_id": f"talker-{i}", "consumer_id": f"code2wav-{i}"}
+                                      for i in sorted(talkers)]},
+                "admission": {"max_in_flight": top},
+            }
+    return configs
 
 
 def fingerprint(configs: dict, s: Settings, checkpoint_name: str | None) -> str:
     """Identifies a configuration: tiers measured under another one are not reused."""
-    blob = json.dumps({"configs": _portable(configs), "requests_per_stream": s.requests_per_stream,
+    blob = json.dumps({"configs": _portable(configs), "layout": s.layout,
+                       "requests_per_stream": s.requests_per_stream,
                        "audio_seconds": s.audio_seconds, "tier_max_s": s.tier_max_s,
                        "checkpoint": checkpoint_name, "env": overrides_env(), "prompt": PROMPT},
                       sort_keys=True)
@@ -188,12 +255,12 @@ def fingerprint(configs: dict, s: Settings, checkpoint_name: str | None) -> str:
 def _portable(configs: dict) -> dict:
     """The configs without the run folder's paths (they differ every run)."""
     text = json.dumps(configs)
-    for stage in STAGES:
-        text = text.replace(json.dumps(configs[stage]["server"]["listen"])[1:-1], f"unix:<run>/{stage}.sock")
+    for stage, config in configs.items():
+        text = text.replace(json.dumps(config["server"]["listen"])[1:-1], f"unix:<run>/{stage}.sock")
     out = json.loads(text)
-    for stage in ("talker", "code2wav"):
-        if out[stage]["model"]["checkpoint"]:
-            out[stage]["model"]["checkpoint"] = Path(out[stage]["model"]["checkpoint"]).name
+    for config in out.values():
+        if config.get("model", {}).get("checkpoint"):
+            config["model"]["checkpoint"] = Path(config["model"]["checkpoint"]).name
     return out
 
 
@@ -216,12 +283,29 @@ def run_cmd(args: list[str], timeout: float = 10.0, env: dict | None = None,
 
 
 def gpu_info() -> dict:
+    """The first GPU's name, driver and memory, and how many GPUs nvidia-smi lists."""
     code, out = run_cmd(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                          "--format=csv,noheader,nounits"])
     if code != 0:
         return {"error": out}
-    name, driver, total = (x.strip() for x in out.splitlines()[0].split(","))
-    return {"name": name, "driver": driver, "memory_total_mib": int(total)}
+    rows = [line for line in out.splitlines() if line.strip()]
+    name, driver, total = (x.strip() for x in rows[0].split(","))
+    return {"name": name, "driver": driver, "memory_total_mib": int(total), "count": len(rows)}
+
+
+def physical_gpus(count: int) -> list[str]:
+    """The ids to put in each stage's CUDA_VISIBLE_DEVICES for the layout's GPUs 0..count-1:
+    this process's own CUDA_VISIBLE_DEVICES entries where it has one, else 0..count-1.
+    Raises BenchError when the machine has fewer GPUs than the layout needs."""
+    visible = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    if not visible:
+        code, out = run_cmd(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"])
+        if code != 0:
+            raise BenchError(f"nvidia-smi cannot list the GPUs: {out}")
+        visible = [line.strip() for line in out.splitlines() if line.strip()]
+    if len(visible) < count:
+        raise BenchError(f"--layout needs {count} GPUs; this machine has {len(visible)} ({visible})")
+    return visible[:count]
 
 
 def versions() -> dict:
@@ -243,14 +327,16 @@ def commit() -> str:
 
 
 class GpuSampler:
-    """memory.used of GPU 0 from nvidia-smi once a second on a thread; ``peak()`` since the
-    last ``reset()``. Off (None everywhere) when disabled or nvidia-smi does not answer."""
+    """memory.used of each of ``gpus`` (nvidia-smi ids) once a second on a thread: ``peak()``
+    and ``last()`` give {id: MiB}, peaks since the last ``reset()``. Off (empty) when disabled
+    or nvidia-smi does not answer."""
 
-    def __init__(self, enabled: bool, interval: float = 1.0) -> None:
-        self.enabled = enabled
+    def __init__(self, enabled: bool, gpus: list[str], interval: float = 1.0) -> None:
+        self.enabled = enabled and bool(gpus)
+        self.gpus = gpus
         self.interval = interval
-        self._peak: int | None = None
-        self._last: int | None = None
+        self._peak: dict[str, int] = {}
+        self._last: dict[str, int] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="gpu-sampler", daemon=True)
@@ -265,34 +351,38 @@ class GpuSampler:
         if self._thread.is_alive():
             self._thread.join(timeout=15)
 
-    def sample(self) -> int | None:
-        code, out = run_cmd(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                             "--id=0"], timeout=10)
-        try:
-            return int(out.splitlines()[0]) if code == 0 else None
-        except (ValueError, IndexError):
-            return None
+    def sample(self) -> dict[str, int]:
+        code, out = run_cmd(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                            timeout=10)
+        values = {}
+        if code == 0:
+            for line in out.splitlines():
+                with contextlib.suppress(ValueError):
+                    index, used = (x.strip() for x in line.split(","))
+                    if index in self.gpus:
+                        values[index] = int(used)
+        return values
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            value = self.sample()
-            if value is not None:
-                with self._lock:
-                    self._last = value
-                    self._peak = value if self._peak is None else max(self._peak, value)
+            values = self.sample()
+            with self._lock:
+                for gpu, value in values.items():
+                    self._last[gpu] = value
+                    self._peak[gpu] = max(self._peak.get(gpu, value), value)
             self._stop.wait(self.interval)
 
     def reset(self) -> None:
         with self._lock:
-            self._peak = self._last
+            self._peak = dict(self._last)
 
-    def peak(self) -> int | None:
+    def peak(self) -> dict[str, int]:
         with self._lock:
-            return self._peak
+            return dict(self._peak)
 
-    def last(self) -> int | None:
+    def last(self) -> dict[str, int]:
         with self._lock:
-            return self._last
+            return dict(self._last)
 
 
 class Mps:
@@ -368,7 +458,7 @@ class Mps:
 
 @dataclass
 class StageProc:
-    stage: str
+    spec: StageSpec
     proc: subprocess.Popen
     log_path: Path
     ready_path: Path
@@ -390,33 +480,48 @@ def child_env(extra: dict[str, str], smoke: bool) -> dict[str, str]:
 
 
 class Server:
-    """The three stage processes of one run. They stay in this process's group (no new
-    session), so a kill of the whole command takes them too; ``stop()`` (always called)
-    sends SIGTERM in reverse order and waits, bounded, then SIGKILL."""
+    """The stage processes of one run (``specs``, in start order). They stay in this
+    process's group (no new session), so a kill of the whole command takes them too;
+    ``stop()`` (always called) sends SIGTERM in reverse order and waits, bounded, then
+    SIGKILL. ``gpus``: the CUDA_VISIBLE_DEVICES id of each of the layout's GPUs (None: the
+    stages inherit this process's, as on the CPU)."""
 
-    def __init__(self, run_dir: Path, configs: dict[str, dict], env: dict[str, str]) -> None:
+    def __init__(self, run_dir: Path, specs: list[StageSpec], configs: dict[str, dict], env: dict[str, str],
+                 gpus: list[str] | None = None) -> None:
         self.run_dir = run_dir
+        self.specs = specs
         self.configs = configs
         self.env = env
+        self.gpus = gpus
         self.procs: dict[str, StageProc] = {}
         self.exit_codes: dict[str, int | None] = {}
+
+    def names(self, kind: str) -> list[str]:
+        return [spec.name for spec in self.specs if spec.kind == kind]
+
+    def _env(self, spec: StageSpec) -> dict[str, str]:
+        if self.gpus is None or spec.gpu is None:
+            return self.env
+        return {**self.env, "CUDA_VISIBLE_DEVICES": self.gpus[spec.gpu]}
 
     def start(self, timeout: float) -> None:
         import yaml
 
-        for stage in STAGES:
+        for spec in self.specs:
+            stage = spec.name
             config = self.run_dir / f"{stage}.yaml"
             config.write_text(yaml.safe_dump(self.configs[stage], sort_keys=False))
             ready, log_path = self.run_dir / f"{stage}.ready", self.run_dir / f"{stage}.log"
             with open(log_path, "wb") as out:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", f"services.{stage}", "--config", str(config),
+                    [sys.executable, "-m", f"services.{spec.kind}", "--config", str(config),
                      "--ready-file", str(ready)],
-                    cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-            self.procs[stage] = StageProc(stage, proc, log_path, ready)
-        _record_pids({s: p.proc.pid for s, p in self.procs.items()}, self.run_dir)
+                    cwd=REPO, env=self._env(spec), stdin=subprocess.DEVNULL, stdout=out,
+                    stderr=subprocess.STDOUT)
+            self.procs[stage] = StageProc(spec, proc, log_path, ready)
+        _record_pids({s: (p.spec.kind, p.proc.pid) for s, p in self.procs.items()}, self.run_dir)
         deadline = time.monotonic() + timeout
-        pending = list(STAGES)
+        pending = [spec.name for spec in self.specs]
         while pending:
             for stage in list(pending):
                 sp = self.procs[stage]
@@ -435,7 +540,7 @@ class Server:
             time.sleep(0.1)
         from voxring.stack import StackError, wait_serving  # grpc only now: every process is spawned
 
-        for stage in STAGES:
+        for stage in self.procs:
             try:
                 wait_serving(self.procs[stage].address, max(1.0, deadline - time.monotonic()), stage)
             except StackError as exc:
@@ -445,7 +550,8 @@ class Server:
         return [f"{s} (exit {p.proc.returncode})" for s, p in self.procs.items() if p.proc.poll() is not None]
 
     def stop(self, timeout: float = 20.0) -> dict[str, int | None]:
-        for stage in reversed(STAGES):
+        for spec in reversed(self.specs):
+            stage = spec.name
             sp = self.procs.get(stage)
             if sp is None:
                 continue
@@ -478,7 +584,7 @@ def _proc_cpu_s(pid: int) -> float | None:
         return None
 
 
-def _record_pids(pids: dict[str, int], run_dir: Path | None) -> None:
+def _record_pids(pids: dict[str, tuple[str, int]], run_dir: Path | None) -> None:
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     path = STATE_DIR / "stages.json"
     if pids:
@@ -496,12 +602,13 @@ def reap_stale() -> None:
         state = json.loads(path.read_text())
     except (FileNotFoundError, ValueError):
         return
-    for stage, pid in state.get("pids", {}).items():
+    for stage, entry in state.get("pids", {}).items():
+        kind, pid = entry if isinstance(entry, list) else (stage, entry)  # older runs: name == kind
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if f"services.{stage}".encode() in cmdline and any(
+        if f"services.{kind}".encode() in cmdline and any(
                 state["run_dir"].encode() in arg for arg in cmdline):
             log(f"stopping {stage} (pid {pid}) left by an earlier run")
             with contextlib.suppress(ProcessLookupError):
@@ -545,18 +652,22 @@ def scrape(address: str | None) -> dict[str, float]:
 
 
 def engine_stats(server: Server) -> dict:
-    """Talker and Code2Wav Stats (each call also restarts the stage's rate window)."""
+    """Every talker's and Code2Wav's Stats, by stage name (each call also restarts that
+    stage's rate window)."""
     import grpc
 
     from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc, talker_pb2, talker_pb2_grpc
 
     out = {}
-    with grpc.insecure_channel(server.procs["talker"].address) as channel:
-        reply = talker_pb2_grpc.TalkerStub(channel).Stats(talker_pb2.TalkerStatsRequest(), timeout=10)
-        out["talker"] = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
-    with grpc.insecure_channel(server.procs["code2wav"].address) as channel:
-        reply = code2wav_pb2_grpc.Code2WavStub(channel).Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=10)
-        out["code2wav"] = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
+    for name in server.names("talker"):
+        with grpc.insecure_channel(server.procs[name].address) as channel:
+            reply = talker_pb2_grpc.TalkerStub(channel).Stats(talker_pb2.TalkerStatsRequest(), timeout=10)
+        out[name] = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
+    for name in server.names("code2wav"):
+        with grpc.insecure_channel(server.procs[name].address) as channel:
+            reply = code2wav_pb2_grpc.Code2WavStub(channel).Stats(code2wav_pb2.Code2WavStatsRequest(),
+                                                                   timeout=10)
+        out[name] = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
     return out
 
 
@@ -566,21 +677,24 @@ class Snapshot:
     stats: dict
     metrics: dict[str, dict[str, float]]
     cpu: dict[str, float | None]
+    talkers: list[str]
+    code2wavs: list[str]
 
 
 def snapshot(server: Server) -> Snapshot:
     stats = engine_stats(server)
-    metrics = {stage: scrape(server.procs[stage].metrics) for stage in STAGES}
-    return Snapshot(time.monotonic(), stats, metrics, server.cpu_seconds())
+    metrics = {stage: scrape(server.procs[stage].metrics) for stage in server.procs}
+    return Snapshot(time.monotonic(), stats, metrics, server.cpu_seconds(), server.names("talker"),
+                    server.names("code2wav"))
 
 
 def wait_idle(server: Server, timeout: float) -> bool:
-    """True once the talker runs and queues nothing and Code2Wav has no open slot."""
+    """True once every talker runs and queues nothing and no Code2Wav has an open slot."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         stats = engine_stats(server)
-        t, c = stats["talker"], stats["code2wav"]
-        if t["running"] == 0 and t["waiting"] == 0 and c["active_slots"] == 0:
+        if all(stats[t]["running"] == 0 and stats[t]["waiting"] == 0 for t in server.names("talker")) and all(
+                stats[c]["active_slots"] == 0 for c in server.names("code2wav")):
             return True
         time.sleep(0.2)
     return False
@@ -598,39 +712,99 @@ def _delta(before: Snapshot, after: Snapshot, stage: str, name: str) -> float | 
     return None if a is None or b is None else b - a
 
 
-def engine_numbers(before: Snapshot, after: Snapshot, rates: dict) -> dict:
-    """A tier's engine numbers: counter differences over the window between the two idle
-    snapshots; ``rates``: the Stats read as the load ended (their window began at ``before``)."""
+def _sum(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else sum(values)
+
+
+def _talker_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -> dict:
     window = after.at - before.at
-    frames, steps = _delta(before, after, "talker", "frames"), _delta(before, after, "talker", "steps")
-    k0, k1 = before.stats["talker"]["mean_frames_per_step"], after.stats["talker"]["mean_frames_per_step"]
-    s0, s1 = _counter(before.metrics["talker"], "steps"), _counter(after.metrics["talker"], "steps")
+    frames, steps = _delta(before, after, name, "frames"), _delta(before, after, name, "steps")
+    k0, k1 = before.stats[name]["mean_frames_per_step"], after.stats[name]["mean_frames_per_step"]
+    s0, s1 = _counter(before.metrics[name], "steps"), _counter(after.metrics[name], "steps")
     talker = {"window_s": round(window, 3), "frames": frames, "steps": steps,
-              "frames_per_s_stats": round(rates["talker"]["frames_per_s"], 1),
-              "steps_per_s_stats": round(rates["talker"]["steps_per_s"], 2)}
+              "frames_per_s_stats": round(rates[name]["frames_per_s"], 1),
+              "steps_per_s_stats": round(rates[name]["steps_per_s"], 2)}
+    if steps == 0:
+        talker["step_frames"] = 0.0  # an engine the router sent nothing in this tier
     if frames is not None and steps:
         # mean K over this tier: the cumulative mean times the cumulative steps, differenced
         step_frames = k1 * s1 - k0 * s0
         talker.update({"frames_per_s": round(frames / window, 1),
                        "step_ms": round(window * 1e3 / steps, 2),
                        "mean_k": round(step_frames / steps, 2),
+                       "step_frames": step_frames,
                        "mean_rows_per_step": round(frames / step_frames, 1) if step_frames else None})
-    c2w = after.stats["code2wav"]
-    chunks = _delta(before, after, "code2wav", "chunks")
-    audio = _delta(before, after, "code2wav", "audio_seconds")
-    code2wav = {"chunks_per_s_stats": round(rates["code2wav"]["chunks_per_s"], 1),
-                "audio_s_per_s_stats": round(rates["code2wav"]["audio_seconds_per_s"], 1),
-                "chunks": chunks, "audio_seconds": audio,
-                "chunks_per_s": round(chunks / window, 1) if chunks is not None else None,
-                "sequence_gaps": c2w["sequence_gaps"], "duplicate_records": c2w["duplicate_records"],
-                "dropped_records": c2w["dropped_records"]}
+    return talker
+
+
+def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -> dict:
+    window = after.at - before.at
+    c2w = after.stats[name]
+    chunks = _delta(before, after, name, "chunks")
+    audio = _delta(before, after, name, "audio_seconds")
+    return {"chunks_per_s_stats": round(rates[name]["chunks_per_s"], 1),
+            "audio_s_per_s_stats": round(rates[name]["audio_seconds_per_s"], 1),
+            "chunks": chunks, "audio_seconds": audio,
+            "chunks_per_s": round(chunks / window, 1) if chunks is not None else None,
+            "sequence_gaps": c2w["sequence_gaps"], "duplicate_records": c2w["duplicate_records"],
+            "dropped_records": c2w["dropped_records"]}
+
+
+def engine_numbers(before: Snapshot, after: Snapshot, rates: dict, concurrency: int) -> dict:
+    """A tier's engine numbers: counter differences over the window between the two idle
+    snapshots; ``rates``: the Stats read as the load ended (their window began at ``before``).
+    With several engine pairs, ``talker`` and ``code2wav`` hold the totals (step time and K
+    averaged over the talkers' steps) and ``per_engine`` each stage's own numbers."""
+    window = after.at - before.at
+    talkers = {n: _talker_numbers(before, after, rates, n) for n in after.talkers}
+    code2wavs = {n: _code2wav_numbers(before, after, rates, n) for n in after.code2wavs}
+    if len(talkers) == 1:
+        talker = next(iter(talkers.values()))
+        talker.pop("step_frames", None)
+    else:
+        parts = list(talkers.values())
+        frames, steps = _sum([t["frames"] for t in parts]), _sum([t["steps"] for t in parts])
+        talker = {"window_s": round(window, 3), "frames": frames, "steps": steps,
+                  "frames_per_s_stats": round(sum(t["frames_per_s_stats"] for t in parts), 1),
+                  "steps_per_s_stats": round(sum(t["steps_per_s_stats"] for t in parts), 2)}
+        step_frames = _sum([t.get("step_frames") for t in parts])
+        if frames is not None and steps and step_frames is not None:
+            talker.update({"frames_per_s": round(frames / window, 1),
+                           "step_ms": round(window * 1e3 * len(parts) / steps, 2),  # mean over talkers
+                           "mean_k": round(step_frames / steps, 2),
+                           "mean_rows_per_step": round(frames / step_frames, 1) if step_frames else None})
+        for t in parts:
+            t.pop("step_frames", None)
+    if len(code2wavs) == 1:
+        code2wav = next(iter(code2wavs.values()))
+    else:
+        parts = list(code2wavs.values())
+        chunks = _sum([c["chunks"] for c in parts])
+        code2wav = {key: round(sum(c[key] for c in parts), 1)
+                    for key in ("chunks_per_s_stats", "audio_s_per_s_stats")}
+        code2wav.update({"chunks": chunks, "audio_seconds": _sum([c["audio_seconds"] for c in parts]),
+                         "chunks_per_s": round(chunks / window, 1) if chunks is not None else None})
+        code2wav.update({key: sum(c[key] for c in parts)
+                         for key in ("sequence_gaps", "duplicate_records", "dropped_records")})
     ttfa_sum = _delta(before, after, "gateway", "time_to_first_audio_seconds_sum")
     ttfa_n = _delta(before, after, "gateway", "time_to_first_audio_seconds_count")
-    gateway = {"server_ttfa_mean_ms": round(ttfa_sum / ttfa_n * 1e3, 1) if ttfa_n else None}
     cpu = {stage: (round((after.cpu[stage] - before.cpu[stage]) / window, 2)
                    if after.cpu.get(stage) is not None and before.cpu.get(stage) is not None else None)
            for stage in after.cpu}
-    return {"talker": talker, "code2wav": code2wav, "gateway": gateway, "cpu_cores_busy": cpu}
+    gateway = {"server_ttfa_mean_ms": round(ttfa_sum / ttfa_n * 1e3, 1) if ttfa_n else None}
+    # Whether the gateway (one process, one event loop) could be what limits a tier: its CPU
+    # per stream, and per second of audio it forwarded (Code2Wav's audio over the window).
+    g0, g1 = before.cpu.get("gateway"), after.cpu.get("gateway")
+    gateway_cpu_s = g1 - g0 if g0 is not None and g1 is not None else None
+    if gateway_cpu_s is not None:
+        gateway["cpu_cores"] = cpu["gateway"]
+        gateway["cpu_cores_per_stream"] = round(gateway_cpu_s / window / concurrency, 4)
+        if code2wav.get("audio_seconds"):
+            gateway["cpu_ms_per_audio_s"] = round(gateway_cpu_s * 1e3 / code2wav["audio_seconds"], 2)
+    out = {"talker": talker, "code2wav": code2wav, "gateway": gateway, "cpu_cores_busy": cpu}
+    if len(talkers) > 1 or len(code2wavs) > 1:
+        out["per_engine"] = {**talkers, **code2wavs}
+    return out
 
 
 # --- the load ---------------------------------------------------------------------------------------
@@ -691,6 +865,10 @@ def part_tiers(s: Settings) -> int:
     reap_stale()
     if not s.smoke and shutil.which("nvidia-cuda-mps-control"):
         Mps().quit_stale()  # a daemon a killed --mps on run left must not serve this run
+    try:  # before the checkpoint: a machine with too few GPUs is told so at once
+        gpus = None if s.smoke else physical_gpus(layout_gpus(s.layout))
+    except BenchError as exc:
+        raise SystemExit(f"server_gpu: {exc}") from None
     checkpoint, checkpoint_name = None, None
     if s.checkpoint is not None:
         checkpoint = s.checkpoint
@@ -713,7 +891,8 @@ def part_tiers(s: Settings) -> int:
     done = {int(c): t for c, t in result.get("tiers", {}).items() if t.get("status") == "done"}
     todo = [c for c in s.tiers if c not in done]
     result.update(base_result(s))
-    result.update({"part": "tiers", "mode": s.mode, "fingerprint": fp, "prompt": PROMPT,
+    result.update({"part": "tiers", "mode": s.mode, "layout": s.layout, "layout_text": LAYOUTS[s.layout],
+                   "gpus_used": layout_gpus(s.layout), "fingerprint": fp, "prompt": PROMPT,
                    "audio_seconds": s.audio_seconds, "requests_per_stream": s.requests_per_stream,
                    "tier_max_s": s.tier_max_s, "checkpoint": checkpoint_name or "voxring-tiny",
                    "configs": _portable(configs)})
@@ -735,7 +914,8 @@ def part_tiers(s: Settings) -> int:
         result["mps"] = mps.status if mps else {"requested": False}
         if s.left() - STOP_MARGIN_S < 2 * MIN_TIER_S:
             raise BenchError(f"only {s.left():.0f} s of --max-wall left: not enough to start the stages")
-        server = Server(run_dir, configs, child_env(extra, s.smoke))
+        result["gpu_ids"] = gpus
+        server = Server(run_dir, s.stages, configs, child_env(extra, s.smoke), gpus)
         started = time.monotonic()
         log(f"starting the stages ({s.mode}; ready within {s.start_timeout:.0f} s)")
         server.start(min(s.start_timeout, max(10.0, s.left() - STOP_MARGIN_S)))
@@ -743,7 +923,7 @@ def part_tiers(s: Settings) -> int:
         if mps:
             mps.check_clients()
             result["mps"] = mps.status
-        with GpuSampler(enabled=not s.smoke) as gpu:
+        with GpuSampler(enabled=not s.smoke, gpus=gpus or []) as gpu:
             time.sleep(0 if s.smoke else 1.5)
             run_log["gpu_memory_after_start_mib"] = gpu.last()
             target = server.procs["gateway"].address
@@ -770,7 +950,7 @@ def part_tiers(s: Settings) -> int:
                 idle = wait_idle(server, IDLE_TIMEOUT_S)
                 after = snapshot(server)      # counters once idle: consistent with each other
                 tier = tier_record(concurrency, requests, cap, cap < s.tier_max_s, report,
-                                   engine_numbers(before, after, rates),
+                                   engine_numbers(before, after, rates, concurrency),
                                    {"peak": gpu.peak(), "after_start": run_log["gpu_memory_after_start_mib"]})
                 tier["engines_idle_after"] = idle
                 result["tiers"][str(concurrency)] = tier
@@ -818,7 +998,9 @@ def part_tiers(s: Settings) -> int:
         else:
             shutil.rmtree(run_dir, ignore_errors=True)
         clean = [int(c) for c, t in result["tiers"].items() if t.get("clean")]
-        result["realtime_streams_per_gpu"] = max(clean) if clean else 0
+        result["realtime_streams"] = max(clean) if clean else 0
+        per_gpu = result["realtime_streams"] / layout_gpus(s.layout)
+        result["realtime_streams_per_gpu"] = int(per_gpu) if per_gpu.is_integer() else per_gpu
         run_log["finished"] = time.strftime("%H:%M:%S")
         write_json(path, result)
     missing = [c for c in s.tiers if c not in done]
@@ -1018,16 +1200,21 @@ def report(out: Path) -> str:
         if mps is not None and mps.get("requested") and not mps.get("active"):
             note = f" — MPS requested but NOT active ({mps.get('error', 'unknown')})"
         gpu = data.get("gpu", {})
-        per_tier = "2 requests" if mode == "smoke" else f"{data.get('requests_per_stream')} x C requests"
+        per_tier = ("2 requests" if "smoke" in mode
+                    else f"{data.get('requests_per_stream')} x C requests")
+        gpus_used = data.get("gpus_used", 1)
         lines += [f"### {mode}: {gpu.get('name', '?')}, driver {gpu.get('driver', '-')}, torch "
                   f"{data.get('versions', {}).get('torch')}, commit {data.get('commit', '?')[:12]}{note}", "",
+                  f"Layout: {data.get('layout_text', LAYOUTS['one'])}. "
                   f"{per_tier} per tier of {data.get('audio_seconds')} s audio each (one fixed prompt), "
-                  f"each tier capped at {data.get('tier_max_s')} s. "
-                  f"Real-time streams per GPU: **{data.get('realtime_streams_per_gpu', 0)}**.", "",
+                  f"each tier capped at {data.get('tier_max_s')} s. Real-time streams: "
+                  f"**{data.get('realtime_streams', data.get('realtime_streams_per_gpu', 0))}** on "
+                  f"{gpus_used} GPU{'s' if gpus_used > 1 else ''} "
+                  f"({data.get('realtime_streams_per_gpu', 0)} per GPU).", "",
                   "| C | admitted / rejected | TTFA p50 / p90 / p99 ms | gap p99 ms | underruns | "
                   "audio-s/s | RTF | talker frames/s | step ms | mean K | rows/step | C2W chunks/s | "
-                  "GPU MiB peak | clean |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "gateway CPU cores | GPU MiB peak | clean |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c, t in sorted(data.get("tiers", {}).items(), key=lambda kv: int(kv[0])):
             tk, cw, ttfa = t.get("talker", {}), t.get("code2wav", {}), t["ttfa_ms"]
             errors = f" ({', '.join(f'{k} {v}' for k, v in t['errors'].items())})" if t["errors"] else ""
@@ -1037,9 +1224,11 @@ def report(out: Path) -> str:
                 f"{_fmt(t['audio_s_per_s'])} | {_fmt(t['rtf'], 3)} | {_fmt(tk.get('frames_per_s'))} | "
                 f"{_fmt(tk.get('step_ms'))} | {_fmt(tk.get('mean_k'), 2)} | "
                 f"{_fmt(tk.get('mean_rows_per_step'))} | {_fmt(cw.get('chunks_per_s'))} | "
-                f"{_fmt(t.get('gpu_memory_mib', {}).get('peak'))} | "
+                f"{_fmt(t.get('cpu_cores_busy', {}).get('gateway'), 2)} | "
+                f"{_memory(t.get('gpu_memory_mib', {}).get('peak'))} | "
                 f"{'yes' if t['clean'] else 'no'}{' (partial)' if t['status'] == 'partial' else ''} |")
         lines.append("")
+    lines += scale_out_tables(runs)
     for path in sorted(out.glob("server_gpu_baseline*.json")):
         with contextlib.suppress(ValueError):
             lines += baseline_table(json.loads(path.read_text()))
@@ -1047,6 +1236,64 @@ def report(out: Path) -> str:
     (out / "server_gpu.md").write_text(text)
     plots(out, runs)
     return text
+
+
+def _memory(peak) -> str:
+    """A tier's peak GPU memory: one number (older results) or one per GPU."""
+    if isinstance(peak, dict):
+        return " + ".join(str(peak[k]) for k in sorted(peak)) if peak else "-"
+    return _fmt(peak)
+
+
+def scale_out_tables(runs: dict) -> list[str]:
+    """Each multi-GPU layout against the one-pair run with the same MPS setting (when both
+    are in the folder): audio-s/s per tier and its ratio, the largest clean tier, time to
+    first audio at equal load per GPU (the one-pair run at C against this one at 2C), and the
+    gateway's CPU per stream."""
+    lines: list[str] = []
+    for mode, data in runs.items():
+        layout = data.get("layout", "one")
+        if layout == "one":
+            continue
+        base_mode = mode.removeprefix(f"{layout}-")
+        base = runs.get(base_mode)
+        if base is None:
+            continue
+        tiers, base_tiers = data.get("tiers", {}), base.get("tiers", {})
+        clean = data.get("realtime_streams", 0)
+        base_clean = base.get("realtime_streams", base.get("realtime_streams_per_gpu", 0))
+        ratio = f"{clean / base_clean:.2f}x" if base_clean else "-"
+        gpus = data.get("gpus_used", 2)
+        lines += [f"### Scale-out: {mode} against {base_mode} (one pair on one GPU)", "",
+                  f"Largest tier with every request admitted, completed and zero underruns: **{clean}** "
+                  f"against **{base_clean}** ({ratio}).", "",
+                  f"| C | audio-s/s, one pair | audio-s/s, {layout} | ratio | clean, one pair / {layout} | "
+                  f"gateway CPU cores per stream ({layout}) | gateway CPU ms per audio-s ({layout}) |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in sorted({*map(int, tiers), *map(int, base_tiers)}):
+            t, b = tiers.get(str(c)), base_tiers.get(str(c))
+            a1 = b["audio_s_per_s"] if b else None
+            a2 = t["audio_s_per_s"] if t else None
+            gw = (t or {}).get("gateway", {})
+            lines.append(f"| {c} | {_fmt(a1)} | {_fmt(a2)} | "
+                         f"{f'{a2 / a1:.2f}x' if a1 and a2 else '-'} | "
+                         f"{'yes' if b and b['clean'] else 'no' if b else '-'} / "
+                         f"{'yes' if t and t['clean'] else 'no' if t else '-'} | "
+                         f"{_fmt(gw.get('cpu_cores_per_stream'), 4)} | "
+                         f"{_fmt(gw.get('cpu_ms_per_audio_s'), 2)} |")
+        lines += ["", f"Time to first audio at equal load per GPU (one pair at C streams, {layout} at "
+                  f"{gpus}C over {gpus} GPUs):", "",
+                  f"| C per GPU | one pair: TTFA p50 / p99 ms | {layout} at {gpus}C: TTFA p50 / p99 ms | "
+                  f"underruns, one pair / {layout} |", "|---|---|---|---|"]
+        for c in sorted(map(int, base_tiers)):
+            b, t = base_tiers[str(c)], tiers.get(str(gpus * c))
+            if t is None:
+                continue
+            lines.append(f"| {c} | {_fmt(b['ttfa_ms']['p50'])} / {_fmt(b['ttfa_ms']['p99'])} | "
+                         f"{_fmt(t['ttfa_ms']['p50'])} / {_fmt(t['ttfa_ms']['p99'])} | "
+                         f"{b['underruns']} / {t['underruns']} |")
+        lines.append("")
+    return lines
 
 
 def baseline_table(data: dict) -> list[str]:
@@ -1152,6 +1399,9 @@ def parse_args(argv: list[str] | None) -> Settings:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--part", choices=["tiers", "baseline", "report"], default="tiers")
     parser.add_argument("--mps", choices=["off", "on"], default="off", help="tiers: NVIDIA MPS for the run")
+    parser.add_argument("--layout", choices=list(LAYOUTS), default="one",
+                        help="tiers: where the engines run: "
+                        + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
     parser.add_argument("--smoke", action="store_true",
                         help="CPU: voxring-tiny, tiers 1 and 2 of 2 requests, no MPS/nvidia-smi")
     parser.add_argument("--out", type=Path, default=None,
@@ -1183,7 +1433,8 @@ def parse_args(argv: list[str] | None) -> Settings:
     if args.requests_per_stream < 1 or args.tier_max_s <= 0 or args.max_wall <= 0:
         parser.error("--requests-per-stream, --tier-max-s and --max-wall must be positive")
     return Settings(
-        part=args.part, smoke=args.smoke, mps=args.mps == "on", out=(args.out or default_out).resolve(),
+        part=args.part, smoke=args.smoke, mps=args.mps == "on", layout=args.layout,
+        out=(args.out or default_out).resolve(),
         tiers=args.tiers or (SMOKE_TIERS if args.smoke else TIERS),
         requests_per_stream=args.requests_per_stream,
         audio_seconds=args.audio_seconds or (0.8 if args.smoke else 4.0),

@@ -1,7 +1,8 @@
 """bench/server_gpu.py's orchestration on the CPU (``--smoke``): the three stages on the
 tiny model started and found ready, two load tiers through the SDK's load generator,
 Stats and metrics read, JSON and the table written, every stage stopped with SIGTERM
-(exit 0) and nothing left in /dev/shm; and the baseline part (voxring's talker and
+(exit 0) and nothing left in /dev/shm, once with one engine pair and once with two behind
+one gateway; and the baseline part (voxring's talker and
 transformers' generate on the same tiny checkpoint). The numbers themselves are the GPU
 run's business."""
 
@@ -55,6 +56,31 @@ def test_smoke_tiers(tmp_path):
     again = _run("--part", "tiers", out=tmp_path)  # same configuration: nothing left to measure
     assert again.returncode == 0, again.stderr
     assert "already in" in again.stderr
+
+    # Two engine pairs behind one gateway (on the GPU machine, one per GPU): both serve.
+    two = _run("--part", "tiers", "--layout", "two-pairs", "--max-wall", "100", out=tmp_path)
+    assert two.returncode == 0, two.stdout + two.stderr
+    result = json.loads((tmp_path / "server_gpu_tiers_two-pairs-smoke.json").read_text())
+    assert result["layout"] == "two-pairs" and result["gpus_used"] == 2
+    run = result["runs"][-1]
+    assert "error" not in run, run
+    stages = ("gateway", "code2wav-1", "talker-1", "code2wav", "talker")
+    assert run["exit_codes"] == dict.fromkeys(stages, 0)
+    assert run["shm_left"] == []
+    pairs = result["configs"]["gateway"]["engines"]["pairs"]
+    assert [p["talker"] for p in pairs] == ["unix:<run>/talker.sock", "unix:<run>/talker-1.sock"]
+    assert result["configs"]["code2wav-1"]["talkers"]["attach"] == [
+        {"id": "talker-1", "address": "unix:<run>/talker-1.sock"}]
+    tier = result["tiers"]["2"]
+    assert tier["clean"], tier
+    per_engine = tier["per_engine"]
+    assert per_engine["talker"]["frames"] > 0 and per_engine["talker-1"]["frames"] > 0  # least loaded
+    assert tier["talker"]["frames"] == per_engine["talker"]["frames"] + per_engine["talker-1"]["frames"]
+    assert tier["code2wav"]["chunks"] == per_engine["code2wav"]["chunks"] + per_engine["code2wav-1"]["chunks"]
+    assert tier["gateway"]["cpu_cores_per_stream"] is not None
+    assert result["realtime_streams"] == 2 and result["realtime_streams_per_gpu"] == 1
+    table = (tmp_path / "server_gpu.md").read_text()
+    assert "### Scale-out: two-pairs-smoke against smoke" in table
     assert _run_dirs() == run_dirs  # the stages' private folders (sockets, configs, logs) are gone
 
 

@@ -1,0 +1,83 @@
+"""bench/server_gpu.py's engine layouts: which stages run where and how they are wired
+(pure functions; the smoke e2e test starts them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import server_gpu
+
+
+def _settings(layout: str, smoke: bool = False) -> server_gpu.Settings:
+    return server_gpu.parse_args(["--layout", layout, "--tiers", "1,8", *(["--smoke"] if smoke else [])])
+
+
+def test_layout_stages():
+    def placed(layout):
+        return [(s.name, s.kind, s.pair, s.gpu) for s in server_gpu.layout_stages(layout)]
+
+    assert placed("one") == [("talker", "talker", 0, 0), ("code2wav", "code2wav", 0, 0),
+                             ("gateway", "gateway", None, None)]
+    assert placed("split") == [("talker", "talker", 0, 0), ("code2wav", "code2wav", 0, 1),
+                               ("gateway", "gateway", None, None)]
+    assert placed("two-pairs") == [("talker", "talker", 0, 0), ("code2wav", "code2wav", 0, 0),
+                                   ("talker-1", "talker", 1, 1), ("code2wav-1", "code2wav", 1, 1),
+                                   ("gateway", "gateway", None, None)]
+    assert [server_gpu.layout_gpus(x) for x in ("one", "split", "two-pairs")] == [1, 2, 2]
+    with pytest.raises(ValueError, match="layout"):
+        server_gpu.layout_stages("three")
+
+
+def test_modes_name_the_layout():
+    assert _settings("one").mode == "mps-off"
+    assert _settings("two-pairs").mode == "two-pairs-mps-off"
+    assert _settings("split", smoke=True).mode == "split-smoke"
+
+
+def test_two_pairs_configs_wire_each_code2wav_to_its_talker(tmp_path: Path):
+    s = _settings("two-pairs")
+    configs = server_gpu.stage_configs(s, tmp_path, None)
+    assert list(configs) == ["talker", "code2wav", "talker-1", "code2wav-1", "gateway"]
+    listen = {name: c["server"]["listen"] for name, c in configs.items()}
+    assert len(set(listen.values())) == 5
+    assert configs["code2wav-1"]["talkers"] == {
+        "consumer_id": "code2wav-1", "attach": [{"id": "talker-1", "address": listen["talker-1"]}]}
+    assert configs["gateway"]["engines"]["pairs"] == [
+        {"talker": listen["talker"], "code2wav": listen["code2wav"], "talker_id": "talker-0",
+         "consumer_id": "code2wav-0"},
+        {"talker": listen["talker-1"], "code2wav": listen["code2wav-1"], "talker_id": "talker-1",
+         "consumer_id": "code2wav-1"}]
+    for name in ("talker", "talker-1"):  # each engine sized for the whole top tier
+        assert configs[name]["engine"]["max_num_seqs"] == 8
+    assert server_gpu.fingerprint(configs, s, None) != server_gpu.fingerprint(
+        server_gpu.stage_configs(_settings("one"), tmp_path, None), _settings("one"), None)
+
+
+def test_physical_gpus_follow_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert server_gpu.physical_gpus(2) == ["3", "5"]
+    assert server_gpu.physical_gpus(1) == ["3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
+    with pytest.raises(server_gpu.BenchError, match="needs 2 GPUs; this machine has 1"):
+        server_gpu.physical_gpus(2)
+
+
+def test_scale_out_table_compares_with_the_one_pair_run():
+    def tier(c, audio, clean, p50):
+        return {"concurrency": c, "audio_s_per_s": audio, "clean": clean, "underruns": 0 if clean else 3,
+                "ttfa_ms": {"p50": p50, "p90": p50, "p99": p50 * 2},
+                "gateway": {"cpu_cores_per_stream": 0.01, "cpu_ms_per_audio_s": 2.5}}
+
+    runs = {
+        "mps-off": {"layout": "one", "realtime_streams": 8,
+                    "tiers": {"8": tier(8, 100.0, True, 40.0), "16": tier(16, 150.0, False, 90.0)}},
+        "two-pairs-mps-off": {"layout": "two-pairs", "gpus_used": 2, "realtime_streams": 16,
+                              "tiers": {"8": tier(8, 110.0, True, 35.0), "16": tier(16, 200.0, True, 45.0)}},
+    }
+    text = "\n".join(server_gpu.scale_out_tables(runs))
+    assert "**16** against **8** (2.00x)" in text
+    assert "| 16 | 150.0 | 200.0 | 1.33x | no / yes | 0.0100 | 2.50 |" in text
+    # equal load per GPU: one pair's C=8 against two pairs' C=16 (not their C=8)
+    assert "| 8 | 40.0 / 80.0 | 45.0 / 90.0 | 0 / 0 |" in text
