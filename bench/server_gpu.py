@@ -495,6 +495,7 @@ class Server:
         self.gpus = gpus
         self.procs: dict[str, StageProc] = {}
         self.exit_codes: dict[str, int | None] = {}
+        self._log_offsets: dict[str, int] = {}
 
     def names(self, kind: str) -> list[str]:
         return [spec.name for spec in self.specs if spec.kind == kind]
@@ -545,6 +546,24 @@ class Server:
                 wait_serving(self.procs[stage].address, max(1.0, deadline - time.monotonic()), stage)
             except StackError as exc:
                 raise BenchError(f"{exc}\n{_tail(self.procs[stage].log_path)}") from None
+
+    def new_warnings(self, limit: int = 8) -> dict[str, dict]:
+        """Each stage's WARNING and ERROR log lines written since the last call: how many,
+        and the last ``limit`` of them (what a tier's errors or slow steps came from)."""
+        out = {}
+        offsets = self._log_offsets
+        for stage, sp in self.procs.items():
+            try:
+                with open(sp.log_path, "rb") as f:
+                    f.seek(offsets.get(stage, 0))
+                    text = f.read().decode(errors="replace")
+                    offsets[stage] = f.tell()
+            except OSError:
+                continue
+            lines = [line for line in text.splitlines() if " WARNING " in line or " ERROR " in line]
+            if lines:
+                out[stage] = {"count": len(lines), "last": lines[-limit:]}
+        return out
 
     def dead(self) -> list[str]:
         return [f"{s} (exit {p.proc.returncode})" for s, p in self.procs.items() if p.proc.poll() is not None]
@@ -934,6 +953,7 @@ def part_tiers(s: Settings) -> int:
                     f"--- {st}\n{_tail(p.log_path, 8)}" for st, p in server.procs.items()))
             if not wait_idle(server, IDLE_TIMEOUT_S):
                 raise BenchError("the engines are not idle after the warm-up")
+            run_log["warmup"]["stage_warnings"] = server.new_warnings()
             for concurrency in todo:
                 left = s.left() - STOP_MARGIN_S
                 if left < MIN_TIER_S:
@@ -953,6 +973,7 @@ def part_tiers(s: Settings) -> int:
                                    engine_numbers(before, after, rates, concurrency),
                                    {"peak": gpu.peak(), "after_start": run_log["gpu_memory_after_start_mib"]})
                 tier["engines_idle_after"] = idle
+                tier["stage_warnings"] = server.new_warnings()
                 result["tiers"][str(concurrency)] = tier
                 if tier["status"] == "done":
                     done[concurrency] = tier
@@ -1327,6 +1348,18 @@ def _nan(value: float | None) -> float:
     return float("nan") if value is None else value
 
 
+def _log_if_positive(ax) -> str:
+    """A log y axis when any plotted value is positive (matplotlib refuses one otherwise)."""
+    import math
+
+    for line in ax.get_lines():
+        for y in line.get_ydata():
+            with contextlib.suppress(TypeError, ValueError):
+                if math.isfinite(float(y)) and float(y) > 0:
+                    return "log"
+    return "linear"
+
+
 def _tier_axis(ax, runs: dict) -> None:
     """A base-2 log axis labelled with the tiers themselves."""
     from matplotlib.ticker import NullLocator
@@ -1347,6 +1380,7 @@ def plots(out: Path, runs: dict) -> None:
     except ImportError:
         log("matplotlib is not installed: no plots (the JSON and the table hold every number)")
         return
+    runs = {mode: data for mode, data in runs.items() if data.get("tiers")}
     if not runs:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -1355,7 +1389,7 @@ def plots(out: Path, runs: dict) -> None:
         xs = [t["concurrency"] for t in tiers]
         for key, style in (("p50", "-o"), ("p99", "--s")):
             ax.plot(xs, [_nan(t["ttfa_ms"][key]) for t in tiers], style, label=f"{mode} {key}")
-    ax.set(yscale="log", xlabel="concurrent streams", ylabel="time to first audio (ms)",
+    ax.set(yscale=_log_if_positive(ax), xlabel="concurrent streams", ylabel="time to first audio (ms)",
            title="Time to first audio vs concurrency")
     _tier_axis(ax, runs)
     ax.grid(True, which="both", alpha=0.3)
@@ -1371,7 +1405,7 @@ def plots(out: Path, runs: dict) -> None:
         top = max([top, *xs])
         ax.plot(xs, [_nan(t["audio_s_per_s"]) for t in tiers], "-o", label=mode)
     ax.plot([1, top], [1, top], ":", color="gray", label="real time for every stream")
-    ax.set(yscale="log", xlabel="concurrent streams", ylabel="audio seconds per second",
+    ax.set(yscale=_log_if_positive(ax), xlabel="concurrent streams", ylabel="audio seconds per second",
            title="Audio produced vs concurrency")
     _tier_axis(ax, runs)
     ax.grid(True, which="both", alpha=0.3)

@@ -50,7 +50,9 @@ def build(config: Code2WavConfig, config_path: Path | None):
                             max_undelivered_seconds=config.engine.max_undelivered_seconds,
                             max_records_per_step=config.engine.max_records_per_step)
     metrics.register(engine.metrics)
-    thread = EngineThread("code2wav-engine", engine, tick_interval=config.transport.heartbeat_interval / 2)
+    thread = EngineThread("code2wav-engine", engine, tick_interval=config.transport.heartbeat_interval / 2,
+                          keepalive_limit=config.transport.step_keepalive,
+                          slow_step=config.transport.liveness_timeout)
     chunks = config.chunks
     servicer = Code2WavServicer(thread, {t.id: t.address for t in talkers.attach}, talkers.consumer_id,
                                 ChunkSchedule(chunks.first_frames, chunks.growth, chunks.steady_frames),

@@ -120,6 +120,12 @@ class Code2WavEngine:
                     self._talker_lost(link)
             link.ensure(now)
 
+    def keepalive(self) -> None:
+        """The engine thread's keeper, during a long step (a large decode, a first-use
+        compile): this side's heartbeats only (PROTOCOL.md, Rings 2)."""
+        for link in list(self.links.values()):
+            link.keepalive()
+
     def _talker_lost(self, link: TalkerLink) -> None:
         lost = [s for s in self.streams.values() if s.talker_id == link.talker_id]
         log.warning("talker %s lost; ending %d open request(s) UNAVAILABLE", link.talker_id, len(lost))

@@ -80,6 +80,18 @@ class TalkerLink:
     def alive(self) -> bool:
         return self.consumer is not None and self.consumer.producer_alive()
 
+    def keepalive(self) -> None:
+        """Stores this side's heartbeat and nothing else (PROTOCOL.md, Rings 2): the engine
+        thread's keeper calls it, from its own thread, while a long step runs. A consumer
+        the engine thread closes meanwhile ignores it (its tick() does nothing once closed)."""
+        consumer = self.consumer
+        if consumer is None:
+            return
+        try:
+            consumer.tick()
+        except Exception as exc:  # a transport closing under us: the engine thread decides
+            log.debug("keepalive of talker %s skipped: %s", self.talker_id, exc)
+
     def drop(self) -> None:
         """Forgets the ring (never unlinks it: the talker owns it)."""
         if self.consumer is not None:

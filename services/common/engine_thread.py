@@ -9,7 +9,12 @@ relays. An :class:`EngineThread` owns one thread that runs an :class:`Engine`:
   for at most ``tick_interval`` seconds, so it uses no CPU when idle yet still calls
   ``tick()`` (heartbeats) at least that often;
 - results travel back with :meth:`EngineThread.resolve`/:meth:`fail`/:meth:`reply`, which use
-  ``loop.call_soon_threadsafe`` so that futures are only touched on their loop.
+  ``loop.call_soon_threadsafe`` so that futures are only touched on their loop;
+- one step can outlast the peers' liveness timeout (a kernel compiled on first use, a
+  large batch): while a step runs, a keeper thread calls the engine's ``keepalive()``
+  (store this side's own heartbeats, nothing else) every ``tick_interval``, for at most
+  ``keepalive_limit`` seconds of that step. A step stuck longer stops its heartbeats, so
+  the peers still find a hung engine dead (PROTOCOL.md, Rings 2).
 
 An engine that raises stops the thread; the error is kept and logged, and ``post``
 then fails, so the stage stops accepting work instead of hanging.
@@ -38,6 +43,10 @@ class Engine(Protocol):
     def tick(self) -> None:
         """Periodic housekeeping (heartbeats); called at least every tick_interval."""
 
+    # Optional: ``keepalive()`` stores this side's own heartbeats and nothing else. The
+    # keeper thread calls it while a step runs, concurrently with that step, so it must be
+    # safe against the engine thread (the transports' tick() is).
+
 
 class EngineStopped(RuntimeError):
     """The engine thread is not running (stopped, or failed: see __cause__)."""
@@ -47,20 +56,36 @@ _STOP = object()
 
 
 class EngineThread:
-    def __init__(self, name: str, engine: Engine, tick_interval: float = 0.05) -> None:
+    def __init__(self, name: str, engine: Engine, tick_interval: float = 0.05,
+                 keepalive_limit: float = 0.0, slow_step: float = 1.0) -> None:
+        """``keepalive_limit``: seconds of one step during which the keeper keeps the
+        heartbeats (0, or an engine without ``keepalive``: no keeper). A step longer than
+        ``slow_step`` seconds is logged."""
+        if keepalive_limit < 0:
+            raise ValueError(f"keepalive_limit must be >= 0, got {keepalive_limit}")
         self.name = name
         self.engine = engine
         self.tick_interval = tick_interval
+        self.keepalive_limit = keepalive_limit
+        self.slow_step = slow_step
         self.error: BaseException | None = None
+        self.keepalives = 0          # keeper calls so far (a count for tests and logs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._running = False
+        self._step_started: float | None = None  # monotonic start of the step running now
+        self._stopped = threading.Event()
+        self._keeper = None
+        if keepalive_limit > 0 and callable(getattr(engine, "keepalive", None)):
+            self._keeper = threading.Thread(target=self._keep, name=f"{name}-keepalive", daemon=True)
 
     # --- event-loop side ------------------------------------------------------------
 
     def start(self) -> None:
         self._running = True
         self._thread.start()
+        if self._keeper is not None:
+            self._keeper.start()
 
     def post(self, command: Any) -> None:
         """Queues ``command`` for the engine; never blocks."""
@@ -87,12 +112,19 @@ class EngineThread:
         """Asks the thread to finish its step and exit; waits up to ``timeout`` s."""
         if not self._thread.is_alive():
             self._running = False
+            self._stop_keeper()
             return
         self._running = False
         self._inbox.put(_STOP)
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.error("%s did not stop within %.1f s", self.name, timeout)
+        self._stop_keeper()
+
+    def _stop_keeper(self) -> None:
+        self._stopped.set()
+        if self._keeper is not None and self._keeper.is_alive():
+            self._keeper.join(max(1.0, 4 * self.tick_interval))
 
     @property
     def alive(self) -> bool:
@@ -127,11 +159,44 @@ class EngineThread:
                 if now - last_tick >= self.tick_interval:
                     self.engine.tick()
                     last_tick = now
-                busy = self.engine.step()
+                self._step_started = now
+                try:
+                    busy = self.engine.step()
+                finally:
+                    self._step_started = None
+                took = time.monotonic() - now
+                if took > self.slow_step:
+                    log.warning("%s: one step took %.2f s (heartbeats kept by the keeper for up to %.0f s "
+                                "of a step)", self.name, took, self.keepalive_limit)
         except BaseException as exc:  # the stage must see the failure, not a silent hang
             self.error = exc
             self._running = False
             log.exception("%s failed; it accepts no more work", self.name)
+        finally:
+            self._stopped.set()
+
+    def _keep(self) -> None:
+        """The keeper: during a step longer than one tick interval, the engine's own
+        heartbeats, until the step ends or has run ``keepalive_limit`` seconds."""
+        warned_for = None
+        while not self._stopped.wait(self.tick_interval):
+            started = self._step_started
+            if started is None:
+                continue
+            running = time.monotonic() - started
+            if running < self.tick_interval:
+                continue
+            if running > self.keepalive_limit:
+                if warned_for != started:
+                    warned_for = started
+                    log.error("%s: one step has run %.1f s, past keepalive_limit %.1f s: heartbeats stop, "
+                              "so peers will find this stage dead", self.name, running, self.keepalive_limit)
+                continue
+            try:
+                self.engine.keepalive()
+                self.keepalives += 1
+            except Exception:  # never fatal: the engine thread's own tick() follows the step
+                log.exception("%s: keepalive failed", self.name)
 
     def _take_commands(self, timeout: float) -> bool:
         """Hands every queued command to the engine; False when asked to stop."""

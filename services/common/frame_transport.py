@@ -30,6 +30,10 @@ class TransportSection:
     spin_us: int = 50                 # consumer spins this long before sleeping
     liveness_timeout: float = 1.0     # a peer heard from longer ago than this is dead
     heartbeat_interval: float = 0.1   # each side stores its heartbeat at least this often
+    # During one engine step longer than a tick (a kernel compiled on first use, a large
+    # batch), a keeper thread stores this side's heartbeats for at most this many seconds
+    # of the step; a step stuck longer goes silent and peers find it dead. 0: no keeper.
+    step_keepalive: float = 30.0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -42,6 +46,9 @@ class TransportSection:
         if not 0 < self.heartbeat_interval <= 0.1:
             raise ConfigValueError("heartbeat_interval", f"must be in (0, 0.1] seconds (PROTOCOL.md), "
                                    f"got {self.heartbeat_interval}")
+        if not 0 <= self.step_keepalive <= 3600:
+            raise ConfigValueError("step_keepalive",
+                                   f"must be in [0, 3600] seconds, got {self.step_keepalive}")
         if not self.liveness_timeout >= 2 * self.heartbeat_interval:
             raise ConfigValueError("liveness_timeout", f"must be at least twice heartbeat_interval "
                                    f"({2 * self.heartbeat_interval} s), got {self.liveness_timeout}")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+import threading
 import time
 
 import numpy as np
@@ -101,6 +102,7 @@ class RingProducer:
         self._posted_epoch = 0
         self._last_tick_ns = 0
         self._closed = False
+        self._hb_lock = threading.Lock()  # tick() may come from the engine's keeper thread
         self._created_ns = self._ctl[CREATED_NS]
 
     @classmethod
@@ -245,9 +247,13 @@ class RingProducer:
 
     def tick(self) -> None:
         """Stores the producer heartbeat (the engine thread calls this at least every
-        heartbeat interval, idle or not)."""
+        heartbeat interval, idle or not; during a long step the engine thread's keeper
+        does, PROTOCOL.md). Nothing once closed."""
         now = time.monotonic_ns()
-        self._ctl[PRODUCER_HB] = now
+        with self._hb_lock:
+            if self._closed:
+                return
+            self._ctl[PRODUCER_HB] = now
         self._last_tick_ns = now
 
     def _tick_if_due(self, now: int) -> None:
@@ -268,17 +274,18 @@ class RingProducer:
     def close(self) -> None:
         """Marks the ring closed, wakes the consumer, unlinks both names and unmaps.
         Idempotent; records not yet read are still readable by an attached consumer."""
-        if self._closed:
-            return
-        self._closed = True
-        self._ctl[CLOSED] = 1
-        with contextlib.suppress(posix_ipc.Error):
-            self._sem.release()
-        unlink_quietly(self.name, self.wake_name)
-        with contextlib.suppress(posix_ipc.Error):
-            self._sem.close()
-        self._ctl = None
-        self._map.close()
+        with self._hb_lock:  # no heartbeat store races the unmap
+            if self._closed:
+                return
+            self._closed = True
+            self._ctl[CLOSED] = 1
+            with contextlib.suppress(posix_ipc.Error):
+                self._sem.release()
+            unlink_quietly(self.name, self.wake_name)
+            with contextlib.suppress(posix_ipc.Error):
+                self._sem.close()
+            self._ctl = None
+            self._map.close()
 
     def __enter__(self) -> RingProducer:
         return self

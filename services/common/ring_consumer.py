@@ -12,6 +12,7 @@ check the producer's.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import posix_ipc
@@ -75,6 +76,7 @@ class RingConsumer:
         self._epoch = time.monotonic_ns()
         self._last_tick_ns = 0
         self._closed = False
+        self._hb_lock = threading.Lock()  # tick() may come from the engine's keeper thread
         self.tick()
 
     @classmethod
@@ -235,9 +237,14 @@ class RingConsumer:
     # --- liveness and lifetime -------------------------------------------------------
 
     def tick(self) -> None:
-        """Stores the consumer heartbeat (engine thread, at least every heartbeat interval)."""
+        """Stores the consumer heartbeat (engine thread, at least every heartbeat interval;
+        during a long step the engine thread's keeper, PROTOCOL.md). Nothing once closed:
+        close()'s "gone" mark is never overwritten."""
         now = time.monotonic_ns()
-        self._ctl[CONSUMER_HB] = now
+        with self._hb_lock:
+            if self._closed:
+                return
+            self._ctl[CONSUMER_HB] = now
         self._last_tick_ns = now
 
     def _tick_if_due(self, now: int) -> None:
@@ -255,14 +262,15 @@ class RingConsumer:
     def close(self) -> None:
         """Detaches: marks the consumer gone (its heartbeat becomes stale at once) and
         unmaps. Never unlinks: the producer owns the names. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._ctl[CONSUMER_HB] = 1  # long ago: the producer sees this consumer gone now
-        self._ctl = None
-        with contextlib.suppress(posix_ipc.Error):
-            self._sem.close()
-        self._map.close()
+        with self._hb_lock:  # no heartbeat store races the mark or the unmap
+            if self._closed:
+                return
+            self._closed = True
+            self._ctl[CONSUMER_HB] = 1  # long ago: the producer sees this consumer gone now
+            self._ctl = None
+            with contextlib.suppress(posix_ipc.Error):
+                self._sem.close()
+            self._map.close()
 
     def __enter__(self) -> RingConsumer:
         return self

@@ -84,7 +84,9 @@ def build(config: TalkerConfig, config_path: Path | None):
                           max_pending_frames=engine_cfg.max_pending_frames)
     core = TalkerCore(engine, consumers)
     metrics.register(core.metrics)
-    thread = EngineThread("talker-engine", core, tick_interval=config.transport.heartbeat_interval / 2)
+    thread = EngineThread("talker-engine", core, tick_interval=config.transport.heartbeat_interval / 2,
+                          keepalive_limit=config.transport.step_keepalive,
+                          slow_step=config.transport.liveness_timeout)
     facts = ModelFacts(model.num_codebooks, model.codebook_size, model.config.text_vocab_size, max_len,
                        engine_cfg.max_repetition_window)
     servicer = TalkerServicer(thread, config, facts, model_info(folder, model, max_len))

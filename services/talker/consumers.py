@@ -59,6 +59,16 @@ class Consumers:
                 dead.append(consumer_id)
         return dead
 
+    def keepalive(self) -> None:
+        """Stores this side's heartbeats and nothing else (PROTOCOL.md, Rings 2): called by
+        the engine thread's keeper while a long step runs, so from another thread. A ring
+        the engine thread closes meanwhile ignores it."""
+        for edge in list(self.edges.values()):
+            try:
+                edge.producer.tick()
+            except Exception as exc:  # a transport closing under us: its own tick() decides
+                log.debug("keepalive of %s skipped: %s", edge.endpoint.consumer_id, exc)
+
     def remove(self, consumer_id: str) -> None:
         edge = self.edges.pop(consumer_id, None)
         if edge is not None:

@@ -50,6 +50,10 @@ class TalkerCore:
             self.engine.drop_consumer(consumer_id)
             self.consumers.remove(consumer_id)
 
+    def keepalive(self) -> None:
+        """The engine thread's keeper, during a long step: this side's heartbeats only."""
+        self.consumers.keepalive()
+
     def idle(self) -> bool:
         return not self.engine.busy
 

@@ -1,0 +1,175 @@
+"""A long engine step keeps its side's heartbeats (PROTOCOL.md, Rings 2): the engine
+thread's keeper stores them while the step runs, for at most ``keepalive_limit`` seconds
+of it, so a first-use kernel compile or a large batch does not make the peer call a live
+stage dead, while a stuck step still goes silent. Real rings on both sides: the talker's
+producers (``Consumers.keepalive``) and Code2Wav's link (``TalkerLink.keepalive``)."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+import pytest
+
+from services.code2wav.talkers import TalkerLink
+from services.common.engine_thread import EngineThread
+from services.common.frame_transport import TransportSection, open_consumer
+from services.common.ring import RingConsumer, RingProducer
+from services.talker.consumers import Consumers
+
+TICK = 0.02
+LIVENESS = 0.3
+SECTION = TransportSection(liveness_timeout=LIVENESS, heartbeat_interval=0.04)
+
+
+class SlowStep:
+    """One step that blocks for ``seconds`` (as a compile would), then idles; keepalive()
+    runs ``keep`` and records when and from which thread it was called."""
+
+    def __init__(self, seconds: float, keep=lambda: None) -> None:
+        self.seconds = seconds
+        self.keep = keep
+        self.pending = True
+        self.step_thread = None
+        self.step_span = (0.0, 0.0)
+        self.keepalive_calls: list[tuple[float, int]] = []
+        self.ticks_during_step = 0
+        self._in_step = False
+        self.done = threading.Event()
+
+    def handle(self, command) -> None:
+        pass
+
+    def step(self) -> bool:
+        if not self.pending:
+            return False
+        self.pending = False
+        self.step_thread = threading.get_ident()
+        self._in_step = True
+        start = time.monotonic()
+        time.sleep(self.seconds)
+        self.step_span = (start, time.monotonic())
+        self._in_step = False
+        self.done.set()
+        return True
+
+    def tick(self) -> None:
+        if self._in_step:
+            self.ticks_during_step += 1
+
+    def keepalive(self) -> None:
+        self.keepalive_calls.append((time.monotonic(), threading.get_ident()))
+        self.keep()
+
+
+def _run(engine, limit: float, watch=None, timeout: float = 5.0) -> list:
+    """Runs the engine's one slow step on an EngineThread; ``watch()`` is sampled from this
+    thread every 20 ms until the step ends. Returns the samples."""
+    thread = EngineThread("keep-test", engine, tick_interval=TICK, keepalive_limit=limit)
+    samples = []
+    thread.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not engine.done.is_set():
+            assert time.monotonic() < deadline, "the step did not end"
+            if watch is not None:
+                samples.append(watch())
+            time.sleep(0.02)
+    finally:
+        thread.stop(timeout=2)
+    assert not thread.alive and thread.error is None
+    return samples
+
+
+def test_the_keeper_calls_keepalive_during_a_long_step_from_its_own_thread():
+    engine = SlowStep(0.5)
+    _run(engine, limit=5.0)
+    start, end = engine.step_span
+    during = [t for t, _ in engine.keepalive_calls if start <= t <= end]
+    assert len(during) >= 10  # every tick interval (20 ms) of a 500 ms step, less the first
+    assert {ident for _, ident in engine.keepalive_calls} != {engine.step_thread}
+    assert engine.ticks_during_step == 0  # tick() (peer checks) stays on the engine thread
+
+
+def test_the_keeper_stops_at_the_limit_so_a_stuck_step_goes_silent():
+    engine = SlowStep(0.8)
+    _run(engine, limit=0.2)
+    start, _ = engine.step_span
+    assert engine.keepalive_calls, "the keeper never ran"
+    assert max(t for t, _ in engine.keepalive_calls) - start <= 0.2 + 2 * TICK
+
+
+def test_no_keeper_without_a_limit_or_a_keepalive_method():
+    engine = SlowStep(0.3)
+    _run(engine, limit=0.0)
+    assert engine.keepalive_calls == []
+
+    class NoKeepalive(SlowStep):
+        keepalive = None
+
+    thread = EngineThread("keep-test", NoKeepalive(0.1), tick_interval=TICK, keepalive_limit=5.0)
+    assert thread._keeper is None
+    with pytest.raises(ValueError, match="keepalive_limit"):
+        EngineThread("keep-test", engine, keepalive_limit=-1.0)
+
+
+@pytest.fixture
+def talker_edge():
+    """The talker's side (Consumers with one attached consumer) and Code2Wav's ring reader."""
+    consumers = Consumers(SECTION, secrets.randbits(64))
+    endpoint, _ = consumers.attach("code2wav-keep", instance_token=7)
+    reader = open_consumer(SECTION, endpoint, 7)
+    yield consumers, reader
+    reader.close()
+    consumers.close()
+
+
+def test_talker_side_a_long_step_keeps_the_producer_alive(talker_edge):
+    consumers, reader = talker_edge
+    consumers.tick()
+    reader.tick()
+    engine = SlowStep(4 * LIVENESS, keep=consumers.keepalive)
+    samples = _run(engine, limit=30.0, watch=reader.producer_alive)
+    assert samples and all(samples), "Code2Wav's reader found the talker dead during its long step"
+
+
+def test_talker_side_a_step_past_the_limit_is_found_dead(talker_edge):
+    consumers, reader = talker_edge
+    consumers.tick()
+    engine = SlowStep(LIVENESS + 0.2 + 0.5, keep=consumers.keepalive)
+    samples = _run(engine, limit=0.2, watch=reader.producer_alive)
+    assert samples[0] and not samples[-1]
+
+
+def test_code2wav_side_a_long_step_keeps_the_consumer_alive():
+    producer = RingProducer.create(secrets.randbits(64), "c2w-keep", 1, 4096, liveness_timeout=LIVENESS)
+    link = TalkerLink("talker-keep", "unix:/nonexistent", "c2w-keep", 9, SECTION, reattach_interval=0.5)
+    link.consumer = RingConsumer.attach(producer.name, producer.wake_name, liveness_timeout=LIVENESS)
+    try:
+        link.consumer.tick()
+        engine = SlowStep(4 * LIVENESS, keep=link.keepalive)
+        samples = _run(engine, limit=30.0, watch=producer.consumer_alive)
+        assert samples and all(samples), "the talker found Code2Wav dead during its long step"
+        link.drop()  # closed and forgotten: a keepalive now neither fails nor revives it
+        link.keepalive()
+        assert not producer.consumer_alive()
+    finally:
+        link.close()
+        producer.close()
+
+
+def test_a_tick_after_close_keeps_the_consumer_gone():
+    producer = RingProducer.create(secrets.randbits(64), "c2w-keep", 1, 4096, liveness_timeout=LIVENESS)
+    consumer = RingConsumer.attach(producer.name, producer.wake_name, liveness_timeout=LIVENESS)
+    try:
+        consumer.tick()
+        assert producer.consumer_alive()
+        consumer.close()
+        consumer.tick()  # the keeper racing a close: nothing, no error
+        assert not producer.consumer_alive()
+        producer.close()
+        producer.tick()
+    finally:
+        consumer.close()
+        producer.close()
