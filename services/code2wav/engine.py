@@ -68,6 +68,7 @@ class Code2WavEngine:
         self.frame_seconds = 1.0 / codec.config.frame_rate
         self.device = codec.upsample.conv.weight.device
         self._turn = -1
+        self._to_reset: list[int] = []  # slots opened since the last step: state zeroed then
 
     # --- commands from the servicer ------------------------------------------------------------
 
@@ -82,7 +83,9 @@ class Code2WavEngine:
         if not self.free_slots:
             raise ResourceExhausted(f"all {self.max_slots} decoder slots are in use")
         slot = self.free_slots.popleft()
-        self.codec.reset(torch.tensor([slot], device=self.device))
+        # Zeroed in one batch at the next step (before any decode): a burst of opens then
+        # costs one reset, not one host-to-device copy and a dozen kernels each.
+        self._to_reset.append(slot)
         stream = stream_factory(slot)
         self.streams[stream.handle] = stream
         return stream
@@ -104,6 +107,9 @@ class Code2WavEngine:
     def step(self) -> bool:
         """One pass; when nothing was ready it waits up to IDLE_WAIT_S on a ring (the idle
         block), so it reports work whenever a talker is attached."""
+        if self._to_reset:
+            slots, self._to_reset = self._to_reset, []
+            self.codec.reset(torch.tensor(slots, device=self.device))
         took = self._consume()
         decoded = self._decode_ready()
         if took or decoded:

@@ -10,11 +10,12 @@ relays. An :class:`EngineThread` owns one thread that runs an :class:`Engine`:
   ``tick()`` (heartbeats) at least that often;
 - results travel back with :meth:`EngineThread.resolve`/:meth:`fail`/:meth:`reply`, which use
   ``loop.call_soon_threadsafe`` so that futures are only touched on their loop;
-- one step can outlast the peers' liveness timeout (a kernel compiled on first use, a
-  large batch): while a step runs, a keeper thread calls the engine's ``keepalive()``
-  (store this side's own heartbeats, nothing else) every ``tick_interval``, for at most
-  ``keepalive_limit`` seconds of that step. A step stuck longer stops its heartbeats, so
-  the peers still find a hung engine dead (PROTOCOL.md, Rings 2).
+- one step, or a burst of commands before it, can outlast the peers' liveness timeout (a
+  kernel compiled on first use, a large batch, a thousand requests opened at once): while
+  the thread works, a keeper thread calls the engine's ``keepalive()`` (store this side's
+  own heartbeats, nothing else) every ``tick_interval``, for at most ``keepalive_limit``
+  seconds of that step. A step stuck longer stops its heartbeats, so the peers still find
+  a hung engine dead (PROTOCOL.md, Rings 2).
 
 An engine that raises stops the thread; the error is kept and logged, and ``post``
 then fails, so the stage stops accepting work instead of hanging.
@@ -153,21 +154,22 @@ class EngineThread:
         try:
             while True:
                 timeout = 0.0 if busy else self.tick_interval
-                if not self._take_commands(timeout):
-                    return
-                now = time.monotonic()
-                if now - last_tick >= self.tick_interval:
-                    self.engine.tick()
-                    last_tick = now
-                self._step_started = now
                 try:
+                    if not self._take_commands(timeout):  # marks the thread busy once a command came
+                        return
+                    now = time.monotonic()
+                    if self._step_started is None:
+                        self._step_started = now
+                    if now - last_tick >= self.tick_interval:
+                        self.engine.tick()
+                        last_tick = now
                     busy = self.engine.step()
+                    took = time.monotonic() - self._step_started
                 finally:
                     self._step_started = None
-                took = time.monotonic() - now
                 if took > self.slow_step:
-                    log.warning("%s: one step took %.2f s (heartbeats kept by the keeper for up to %.0f s "
-                                "of a step)", self.name, took, self.keepalive_limit)
+                    log.warning("%s: one step (with the commands before it) took %.2f s; heartbeats are kept "
+                                "by the keeper for up to %.0f s", self.name, took, self.keepalive_limit)
         except BaseException as exc:  # the stage must see the failure, not a silent hang
             self.error = exc
             self._running = False
@@ -176,8 +178,9 @@ class EngineThread:
             self._stopped.set()
 
     def _keep(self) -> None:
-        """The keeper: during a step longer than one tick interval, the engine's own
-        heartbeats, until the step ends or has run ``keepalive_limit`` seconds."""
+        """The keeper: during a step (and the commands handled before it) longer than one
+        tick interval, the engine's own heartbeats, until it ends or has run
+        ``keepalive_limit`` seconds."""
         warned_for = None
         while not self._stopped.wait(self.tick_interval):
             started = self._step_started
@@ -204,6 +207,7 @@ class EngineThread:
             command = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
         except queue.Empty:
             return True
+        self._step_started = time.monotonic()  # a burst of commands is work the keeper covers
         while True:
             if command is _STOP:
                 return False

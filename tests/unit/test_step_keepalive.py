@@ -92,6 +92,27 @@ def test_the_keeper_calls_keepalive_during_a_long_step_from_its_own_thread():
     assert engine.ticks_during_step == 0  # tick() (peer checks) stays on the engine thread
 
 
+def test_a_burst_of_slow_commands_is_covered_too():
+    """A thousand requests opened at once are handled before the next step, outside it."""
+    engine = SlowStep(0.0)
+    engine.pending = False
+    handled = threading.Event()
+
+    def slow_command(_engine):
+        time.sleep(0.4)
+        handled.set()
+
+    engine.handle = slow_command
+    thread = EngineThread("keep-test", engine, tick_interval=TICK, keepalive_limit=5.0)
+    thread.start()
+    try:
+        thread.post(None)
+        assert handled.wait(5)
+    finally:
+        thread.stop(timeout=2)
+    assert len(engine.keepalive_calls) >= 8  # every 20 ms of the 400 ms command, less the first
+
+
 def test_the_keeper_stops_at_the_limit_so_a_stuck_step_goes_silent():
     engine = SlowStep(0.8)
     _run(engine, limit=0.2)
