@@ -84,7 +84,7 @@ class Code2WavEngine:
             raise ResourceExhausted(f"all {self.max_slots} decoder slots are in use")
         slot = self.free_slots.popleft()
         # Zeroed in one batch at the next step (before any decode): a burst of opens then
-        # costs one reset, not one host-to-device copy and a dozen kernels each.
+        # costs one reset, not a host-to-device copy and a kernel per state tensor each.
         self._to_reset.append(slot)
         stream = stream_factory(slot)
         self.streams[stream.handle] = stream
