@@ -1371,6 +1371,17 @@ def _tier_axis(ax, runs: dict) -> None:
         ax.set_xticks(ticks, [str(t) for t in ticks])
 
 
+def _save_plot(plt, fig, ax, runs: dict, path: Path, ylabel: str, title: str) -> None:
+    """Labels, axes, grid and legend of one plot against concurrency; writes it and closes it."""
+    ax.set(yscale=_log_if_positive(ax), xlabel="concurrent streams", ylabel=ylabel, title=title)
+    _tier_axis(ax, runs)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plots(out: Path, runs: dict) -> None:
     try:
         import matplotlib
@@ -1389,14 +1400,8 @@ def plots(out: Path, runs: dict) -> None:
         xs = [t["concurrency"] for t in tiers]
         for key, style in (("p50", "-o"), ("p99", "--s")):
             ax.plot(xs, [_nan(t["ttfa_ms"][key]) for t in tiers], style, label=f"{mode} {key}")
-    ax.set(yscale=_log_if_positive(ax), xlabel="concurrent streams", ylabel="time to first audio (ms)",
-           title="Time to first audio vs concurrency")
-    _tier_axis(ax, runs)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "server_gpu_ttfa.png", dpi=120)
-    plt.close(fig)
+    _save_plot(plt, fig, ax, runs, out / "server_gpu_ttfa.png", "time to first audio (ms)",
+               "Time to first audio vs concurrency")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     top = 1
     for mode, data in runs.items():
@@ -1405,14 +1410,8 @@ def plots(out: Path, runs: dict) -> None:
         top = max([top, *xs])
         ax.plot(xs, [_nan(t["audio_s_per_s"]) for t in tiers], "-o", label=mode)
     ax.plot([1, top], [1, top], ":", color="gray", label="real time for every stream")
-    ax.set(yscale=_log_if_positive(ax), xlabel="concurrent streams", ylabel="audio seconds per second",
-           title="Audio produced vs concurrency")
-    _tier_axis(ax, runs)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "server_gpu_audio_rate.png", dpi=120)
-    plt.close(fig)
+    _save_plot(plt, fig, ax, runs, out / "server_gpu_audio_rate.png", "audio seconds per second",
+               "Audio produced vs concurrency")
     log(f"plots: {out / 'server_gpu_ttfa.png'}, {out / 'server_gpu_audio_rate.png'}")
 
 
