@@ -37,15 +37,10 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning
-    {"PF": 0},  # no L2 prefetch (the tuning before it)
-    {"PF": 1},
-    {"PF_EARLY": 1},
-    {"PF": 0, "PF_EARLY": 0, "num_stages": 4},
-    {"num_stages": 4},
-    {"num_stages": 2},
     {"BN_QKV": 32},
     {"KS_DOWN": 8},
     {"KS_O": 2},
+    {"num_stages": 4},
 ]
 
 

@@ -14,11 +14,9 @@ GPU only (about 4 minutes on one H200).
    default); the fused structure with the new kernels' eager twins (packed QKV and gate/up,
    depth rows flattened through decode attention, index tensors made once); then the
    rms_norm, rope_kv and silu_mul kernels switched on one at a time; then stack_step, one
-   persistent launch per depth call: without the L2 prefetch of the next product's weights (the
-   tuning before it) for calls of <= 2 rows, then with it for calls of <= 16 rows (B <= 8) and for
-   calls of <= 2 rows (the default). (A stage with nested product loops, an item loop around each
-   pipelined reduction, ran at 2530d3e: `results/talker_fusion_stack_step.json`; it was as fast
-   and was removed.)
+   persistent launch per depth call, for calls of <= 16 rows (B <= 8), and for calls of <= 2 rows
+   (the default). (A stage with nested product loops, an item loop around each pipelined reduction,
+   ran at 2530d3e: `results/talker_fusion_stack_step.json`; it was as fast and was removed.)
    A torch.profiler trace of one replay per stage and bucket gives the kernel count, the sum
    of kernel time and the idle time between kernels; the top kernels are listed for the
    first plain-with-kernels stage and the final stage. The stages run greedy rows; the final
@@ -277,12 +275,8 @@ STAGES = [  # name, pack weights first, kernel switches, stack_step settings
     ("+ rms_norm kernel", True, _switches(True, True, False, False), None),
     ("+ rope_kv kernel", True, _switches(True, True, True, False), None),
     ("+ silu_mul kernel", True, _switches(True, True, True, True), None),
-    ("+ stack_step, depth calls <= 2 rows, no L2 prefetch", True, _switches(True, True, True, True, True),
-     {"PF": 0}),
-    ("+ stack_step, L2 prefetch, depth calls <= 16 rows", True, _switches(True, True, True, True, True),
-     {"rows": 16}),
-    ("+ stack_step, L2 prefetch, depth calls <= 2 rows (default)", True,
-     _switches(True, True, True, True, True), {}),
+    ("+ stack_step, depth calls <= 16 rows", True, _switches(True, True, True, True, True), {"rows": 16}),
+    ("+ stack_step, depth calls <= 2 rows (default)", True, _switches(True, True, True, True, True), {}),
 ]
 
 

@@ -79,9 +79,7 @@ _NEG_INF = tl.constexpr(float("-inf"))
 # columns and BK reduction elements per step of a product, warps per program, pipeline stages.
 # BN_QKV is the tile of rotary pairs of the QKV product, BN_WIDE that of the wide products (gate/up,
 # head); KS_O and KS_DOWN split the reductions of the narrow ones (H outputs), whose H / BN tiles
-# alone would leave SMs idle. PF: how many of its items of the next product each program asks the
-# L2 to fetch ahead (0: none), when it has finished its items of this product (PF_EARLY: before
-# starting them).
+# alone would leave SMs idle.
 TUNING = {
     "BN": 16,
     "BN_QKV": 16,
@@ -91,8 +89,6 @@ TUNING = {
     "KS_DOWN": 4,
     "num_warps": 4,
     "num_stages": 3,
-    "PF": 2,
-    "PF_EARLY": 0,
 }
 
 # Phases within a layer (bit i of the ``PHASES`` mask); the reduce phases run only with split products
@@ -145,7 +141,9 @@ def _wait(count_ptr, target, fault_ptr):
     spins = 0
     while (tl.load(count_ptr, volatile=True) < target) & (spins < _MAX_SPINS):
         spins += 1
-        if spins % 64 == 0:  # noqa: SIM102 (no short circuit in Triton): the flag only now and then
+        # one load a spin, on the counter: a program that arrives last is seen one L2 round trip
+        # later, not two (bench/README.md: 181 -> 173 us a depth call); the flag now and then
+        if spins % 64 == 0:  # noqa: SIM102 (Triton has no short circuit: `and` would load every spin)
             if tl.load(fault_ptr, volatile=True) != 0:
                 spins = _MAX_SPINS + 1
     if spins == _MAX_SPINS:
@@ -175,88 +173,6 @@ def _grid_exit(sync_ptr, pid, nprog, SYNC: tl.constexpr):
             tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _prefetch_l2(ptr, nbytes):
-    """Asks the L2 to fetch ``nbytes`` (a multiple of 16) from ``ptr`` (16-byte aligned): one bulk
-    prefetch (sm_90), issued by the program's first thread. Nothing waits for it and no register
-    or shared memory holds the bytes, so a program can have a whole product in flight."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred p;
-        .reg .b32 t;
-        mov.u32 t, %tid.x;
-        setp.eq.u32 p, t, 0;
-        @p cp.async.bulk.prefetch.L2.global [$1], $2;
-        mov.u32 $0, 0;
-        }""",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
-@triton.jit
-def _prefetch_single(
-    w_ptr, pid, N_OUT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr,
-    BN: tl.constexpr, ESIZE: tl.constexpr, PF: tl.constexpr,
-):
-    """Prefetches the weights of this program's first PF items of a ``_flat_single`` product: an
-    item's BN rows are one contiguous slab, or with a split reduction BN row pieces."""
-    ITEMS: tl.constexpr = ((N_OUT + BN - 1) // BN) * KS
-    KP: tl.constexpr = K // KS
-    for i in tl.static_range(PF):
-        item = pid + i * NPROG
-        if item < ITEMS:
-            tile = item // KS
-            rows = tl.minimum(N_OUT - tile * BN, BN)
-            if KS == 1:
-                _prefetch_l2(w_ptr + tile * (BN * K), rows * (K * ESIZE))
-            else:
-                for r in range(0, rows):
-                    _prefetch_l2(w_ptr + (tile * BN + r) * K + (item % KS) * KP, KP * ESIZE)
-
-
-@triton.jit
-def _prefetch_dual(
-    w_ptr, pid, H: tl.constexpr, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr,
-    INTER: tl.constexpr, NPROG: tl.constexpr, BN: tl.constexpr, MLP: tl.constexpr, ESIZE: tl.constexpr,
-    PF: tl.constexpr,
-):
-    """Prefetches the weights of this program's first PF items of a ``_flat_dual`` product: the
-    two slabs of BN rows each item pairs (gate and up rows, or a head's two rotary halves)."""
-    BLOCKS: tl.constexpr = (HALF + BN - 1) // BN
-    ITEMS: tl.constexpr = ((INTER + BN - 1) // BN) if MLP else (NUM_Q + 2 * NUM_KV) * BLOCKS
-    for i in tl.static_range(PF):
-        item = pid + i * NPROG
-        if item < ITEMS:
-            if MLP:
-                n1 = item * BN
-                rows = tl.minimum(INTER - n1, BN)
-                n2 = n1 + INTER
-            else:
-                j = (item % BLOCKS) * BN
-                rows = tl.minimum(HALF - j, BN)
-                n1 = (item // BLOCKS) * 2 * HALF + j
-                n2 = n1 + HALF
-            _prefetch_l2(w_ptr + n1 * H, rows * (H * ESIZE))
-            _prefetch_l2(w_ptr + n2 * H, rows * (H * ESIZE))
-
-
-@triton.jit
-def _prefetch_after_layer(
-    qkv_ptr, head_ptr, layer, layer_end, run_out, pid, H: tl.constexpr, NUM_Q: tl.constexpr,
-    NUM_KV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, NUM_OUT: tl.constexpr, NPROG: tl.constexpr,
-    BN_QKV: tl.constexpr, BN_WIDE: tl.constexpr, HEAD: tl.constexpr, ESIZE: tl.constexpr, PF: tl.constexpr,
-):
-    """The product after a layer's down product: the next layer's QKV, or after the last the head."""
-    if layer + 1 < layer_end:
-        _prefetch_dual(
-            qkv_ptr + (layer + 1) * ((NUM_Q + 2 * NUM_KV) * D * H), pid, H, NUM_Q, NUM_KV, D // 2, INTER,
-            NPROG, BN_QKV, False, ESIZE, PF,
-        )
-    elif HEAD:  # noqa: SIM102 (a constexpr branch)
-        if run_out != 0:
-            _prefetch_single(head_ptr, pid, NUM_OUT, H, 1, NPROG, BN_WIDE, ESIZE, PF)
 
 
 @triton.jit
@@ -581,9 +497,6 @@ def _stack_step_kernel(
     BK: tl.constexpr,
     KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
-    PF: tl.constexpr,
-    PF_EARLY: tl.constexpr,
-    ESIZE: tl.constexpr,
     NUM_OUT: tl.constexpr,
     NPROG: tl.constexpr,
     PROJECT: tl.constexpr,
@@ -600,15 +513,7 @@ def _stack_step_kernel(
     m = tl.arange(0, BM)
     row_ok = m < n_rows
     epoch = 0
-    QKV_ROWS: tl.constexpr = (NUM_Q + 2 * NUM_KV) * D
     if PROJECT and run_pj != 0:
-        if PF > 0:  # the first product (later ones are asked for as the one before them ends)
-            _prefetch_single(proj_ptr, pid, H, HIN, 1, NPROG, BN, ESIZE, PF)
-            if PF_EARLY and layer_begin < layer_end:
-                _prefetch_dual(
-                    qkv_ptr + layer_begin * (QKV_ROWS * H), pid, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG,
-                    BN_QKV, False, ESIZE, PF,
-                )
         if GATHER:
             src_rows = src_ptr + tl.load(codes_ptr + m, mask=row_ok, other=0) * stride_src
         else:
@@ -617,11 +522,6 @@ def _stack_step_kernel(
             src_rows, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid, H, HIN, 1, NPROG, BM, BN,
             BK, False, False, dtype, OPAQUE, UPCAST,
         )
-        if PF > 0 and not PF_EARLY and layer_begin < layer_end:
-            _prefetch_dual(
-                qkv_ptr + layer_begin * (QKV_ROWS * H), pid, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BN_QKV,
-                False, ESIZE, PF,
-            )
         epoch += 1
         _grid_sync(sync_ptr, epoch, nprog, SYNC)
     h_rows = x_ptr + m * H
@@ -629,12 +529,7 @@ def _stack_step_kernel(
     while layer < layer_end:
         kc = kc_ptr + layer * stride_cl_layer
         vc = vc_ptr + layer * stride_cl_layer
-        o_layer = o_ptr + layer * (H * NUM_Q * D)
-        gu_layer = gu_ptr + layer * (2 * INTER * H)
-        down_layer = down_ptr + layer * (H * INTER)
         if (phases & 1) != 0:  # QKV
-            if PF > 0 and PF_EARLY:
-                _prefetch_single(o_layer, pid, H, NUM_Q * D, KS_O, NPROG, BN, ESIZE, PF)
             rstd = _rstd(h_rows, row_ok, eps, H, BM, BK)
             pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
             slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
@@ -643,8 +538,6 @@ def _stack_step_kernel(
                 pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H,
                 NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, dtype, OPAQUE, UPCAST, LIBDEVICE,
             )
-            if PF > 0 and not PF_EARLY:
-                _prefetch_single(o_layer, pid, H, NUM_Q * D, KS_O, NPROG, BN, ESIZE, PF)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
         if (phases & 2) != 0:  # ATT
@@ -655,19 +548,11 @@ def _stack_step_kernel(
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
         if (phases & 4) != 0:  # OUT_PROJ
-            if PF > 0 and PF_EARLY:
-                _prefetch_dual(
-                    gu_layer, pid, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BN_WIDE, True, ESIZE, PF
-                )
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
-                a_rows, row_ok, a_rows, a_rows, o_layer, x_ptr, part_ptr, pid, H, NUM_Q * D, KS_O, NPROG, BM,
-                BN, BK, False, True, dtype, OPAQUE, UPCAST,
+                a_rows, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr, pid, H,
+                NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, dtype, OPAQUE, UPCAST,
             )
-            if PF > 0 and not PF_EARLY:
-                _prefetch_dual(
-                    gu_layer, pid, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BN_WIDE, True, ESIZE, PF
-                )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
         if KS_O > 1 and (phases & 32) != 0:  # OUT_PROJ_REDUCE
@@ -675,34 +560,20 @@ def _stack_step_kernel(
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
         if (phases & 8) != 0:  # MLP
-            if PF > 0 and PF_EARLY:
-                _prefetch_single(down_layer, pid, H, INTER, KS_DOWN, NPROG, BN, ESIZE, PF)
             rstd = _rstd(h_rows, row_ok, eps, H, BM, BK)
             _flat_dual(
-                h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_layer, pid, cos_ptr, sin_ptr, m, m, q_ptr, kc,
-                vc, stride_cs, stride_cl, stride_ch, act_ptr, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM,
-                BN_WIDE, BK, True, dtype, OPAQUE, UPCAST, LIBDEVICE,
+                h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), pid, cos_ptr,
+                sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H, NUM_Q, NUM_KV,
+                D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, dtype, OPAQUE, UPCAST, LIBDEVICE,
             )
-            if PF > 0 and not PF_EARLY:
-                _prefetch_single(down_layer, pid, H, INTER, KS_DOWN, NPROG, BN, ESIZE, PF)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
         if (phases & 16) != 0:  # DOWN
-            if PF > 0 and PF_EARLY:
-                _prefetch_after_layer(
-                    qkv_ptr, head_ptr, layer, layer_end, run_out, pid, H, NUM_Q, NUM_KV, D, INTER, NUM_OUT,
-                    NPROG, BN_QKV, BN_WIDE, HEAD, ESIZE, PF,
-                )
             a_rows = act_ptr + m * INTER
             _flat_single(
-                a_rows, row_ok, a_rows, a_rows, down_layer, x_ptr, part_ptr, pid, H, INTER, KS_DOWN, NPROG,
-                BM, BN, BK, False, True, dtype, OPAQUE, UPCAST,
+                a_rows, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr, pid, H,
+                INTER, KS_DOWN, NPROG, BM, BN, BK, False, True, dtype, OPAQUE, UPCAST,
             )
-            if PF > 0 and not PF_EARLY:
-                _prefetch_after_layer(
-                    qkv_ptr, head_ptr, layer, layer_end, run_out, pid, H, NUM_Q, NUM_KV, D, INTER, NUM_OUT,
-                    NPROG, BN_QKV, BN_WIDE, HEAD, ESIZE, PF,
-                )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, SYNC)
         if KS_DOWN > 1 and (phases & 64) != 0:  # DOWN_REDUCE
@@ -767,15 +638,6 @@ def faults(device: torch.device | str) -> int:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return int(_sync_buffer(device)[3].item())
-
-
-@functools.lru_cache(maxsize=8)
-def _bulk_prefetch(device: torch.device) -> bool:
-    """Whether the kernel compiled for ``device`` may use the bulk L2 prefetch (sm_90 and later; a
-    meta device stands for the H200 the tests compile for)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (9, 0)
-    return device.type == "meta"
 
 
 @functools.lru_cache(maxsize=8)
@@ -927,18 +789,6 @@ def launch_plan(
     )
     num_out = hidden if head is None else head.shape[0]
     out = torch.empty(rows, num_out, dtype=dtype, device=device)
-    esize = weights.qkv.element_size()
-    # the bulk prefetch takes 16-byte aligned pieces: every weight slab an item reads must start and end so
-    products = [weights.qkv, weights.o, weights.gate_up, weights.down]
-    products += [t for t in (proj, head) if t is not None]
-    widths = [hidden, hq * d // tune["KS_O"], inter // tune["KS_DOWN"]]
-    widths += [proj.shape[1]] if proj is not None else []
-    prefetch = (
-        compiled
-        and _bulk_prefetch(device)
-        and all(t.device.type == "meta" or t.data_ptr() % 16 == 0 for t in products)
-        and all(width * esize % 16 == 0 for width in widths)
-    )
     grid = (num_programs or _num_programs(device),)
     fp32 = dtype == torch.float32
     block_k = min(tune["BK"], max(16, triton.next_power_of_2(hidden)))
@@ -955,8 +805,7 @@ def launch_plan(
         BLOCK_D=max(16, triton.next_power_of_2(d)), GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)),
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BK=block_k, KS_O=tune["KS_O"],
-        KS_DOWN=tune["KS_DOWN"], PF=tune["PF"] if prefetch else 0, PF_EARLY=bool(tune["PF_EARLY"]),
-        ESIZE=esize, NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
+        KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,
         num_warps=8 if fp32 else tune["num_warps"], num_stages=tune["num_stages"],

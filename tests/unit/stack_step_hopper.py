@@ -1,8 +1,7 @@
 """Compiles ``stack_step``'s one launch (grid barriers) for an H200 (sm_90) on any machine and prints
 what the barrier relies on as one JSON line: shared memory and registers of one program, the
-barrier's atomics, pipelined (cp.async) loads, and how many bulk L2 prefetches the PTX holds. Used
-by tests/unit/test_kernel_stack_step.py in a process of its own (Triton's interpreter, which that
-test module may run, cannot compile).
+barrier's atomics, pipelined (cp.async) loads. Used by tests/unit/test_kernel_stack_step.py in a
+process of its own (Triton's interpreter, which that test module may run, cannot compile).
 
     python -m tests.unit.stack_step_hopper
 
@@ -89,8 +88,7 @@ def main() -> None:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     print(json.dumps({"shared_bytes": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
                       "registers": registers(ptx, ptxas), "ptxas": str(ptxas),
-                      "barrier_atomics": "atom.global" in ptx, "pipelined_loads": "cp.async" in ptx,
-                      "l2_prefetches": ptx.count("cp.async.bulk.prefetch.L2.global")}))
+                      "barrier_atomics": "atom.global" in ptx, "pipelined_loads": "cp.async" in ptx}))
 
 
 if __name__ == "__main__":
