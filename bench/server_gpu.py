@@ -828,6 +828,10 @@ def engine_numbers(before: Snapshot, after: Snapshot, rates: dict, concurrency: 
 
 # --- the load ---------------------------------------------------------------------------------------
 
+WARMUP = [(2, 1), (16, 8), (32, 16)]  # (requests, concurrency) rounds before the first tier, not counted
+WARMUP_SMOKE = [(1, 1)]
+
+
 def load(target: str, requests: int, concurrency: int, cap_s: float) -> dict:
     from voxring.loadgen import BenchConfig, run_bench
 
@@ -838,6 +842,13 @@ def load(target: str, requests: int, concurrency: int, cap_s: float) -> dict:
 
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 1)
+
+
+def _stall_chunks(counts: dict | None) -> str:
+    """" (chunk 2: 3, 3: 1)": which chunk of a stream the stalls waited for."""
+    if not counts:
+        return ""
+    return " (chunk " + ", ".join(f"{k}: {n}" for k, n in counts.items()) + ")"
 
 
 def tier_record(concurrency: int, requests: int, cap_s: float, cut_by_wall: bool, report: dict,
@@ -854,6 +865,7 @@ def tier_record(concurrency: int, requests: int, cap_s: float, cut_by_wall: bool
         "ttfa_ms": {k: _ms(v) for k, v in ttfa.items()},
         "gap_p99_ms": _ms(report["gap_p99_s"]), "gap_max_ms": _ms(report["gap_max_s"]),
         "underruns": report["underruns"], "streams_with_underruns": report["streams_with_underruns"],
+        "stalls_by_chunk": report["stalls_by_chunk"],
         "audio_s_per_s": round(report["audio_s_per_s"], 2),
         "rtf": round(streams / report["audio_s_per_s"], 3) if report["audio_s_per_s"] else None,
         "wall_s": round(report["wall_s"], 2), "timed_out": report["timed_out"], "clean": clean,
@@ -946,11 +958,18 @@ def part_tiers(s: Settings) -> int:
             time.sleep(0 if s.smoke else 1.5)
             run_log["gpu_memory_after_start_mib"] = gpu.last()
             target = server.procs["gateway"].address
-            warm = load(target, 1 if s.smoke else 2, 1 if s.smoke else 2, min(60.0, max(5.0, s.left() / 4)))
-            run_log["warmup"] = {k: warm[k] for k in ("completed", "errors", "wall_s")}
-            if not warm["completed"]:
-                raise BenchError(f"the warm-up requests failed ({warm['errors']}):\n" + "\n".join(
-                    f"--- {st}\n{_tail(p.log_path, 8)}" for st, p in server.procs.items()))
+            # first-use work (lazy module loads, each decode batch's and chunk size's first replay) must
+            # not land in the first tiers: one stream alone, 8 at once (the quiet schedule's 1-frame
+            # first chunk), then 16 at once (past the busy threshold: 4-frame first chunks)
+            run_log["warmup"] = {"rounds": []}
+            for requests, concurrency in WARMUP_SMOKE if s.smoke else WARMUP:
+                warm = load(target, requests, concurrency, min(60.0, max(5.0, s.left() / 8)))
+                run_log["warmup"]["rounds"].append(
+                    {"requests": requests, "concurrency": concurrency,
+                     **{k: warm[k] for k in ("completed", "errors", "wall_s")}})
+                if not warm["completed"]:
+                    raise BenchError(f"the warm-up requests failed ({warm['errors']}):\n" + "\n".join(
+                        f"--- {st}\n{_tail(p.log_path, 8)}" for st, p in server.procs.items()))
             if not wait_idle(server, IDLE_TIMEOUT_S):
                 raise BenchError("the engines are not idle after the warm-up")
             run_log["warmup"]["stage_warnings"] = server.new_warnings()
@@ -1241,7 +1260,8 @@ def report(out: Path) -> str:
             errors = f" ({', '.join(f'{k} {v}' for k, v in t['errors'].items())})" if t["errors"] else ""
             lines.append(
                 f"| {c} | {t['admitted']} / {t['rejected']}{errors} | {_fmt(ttfa['p50'])} / "
-                f"{_fmt(ttfa['p90'])} / {_fmt(ttfa['p99'])} | {_fmt(t['gap_p99_ms'])} | {t['underruns']} | "
+                f"{_fmt(ttfa['p90'])} / {_fmt(ttfa['p99'])} | {_fmt(t['gap_p99_ms'])} | "
+                f"{t['underruns']}{_stall_chunks(t.get('stalls_by_chunk'))} | "
                 f"{_fmt(t['audio_s_per_s'])} | {_fmt(t['rtf'], 3)} | {_fmt(tk.get('frames_per_s'))} | "
                 f"{_fmt(tk.get('step_ms'))} | {_fmt(tk.get('mean_k'), 2)} | "
                 f"{_fmt(tk.get('mean_rows_per_step'))} | {_fmt(cw.get('chunks_per_s'))} | "

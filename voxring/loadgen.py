@@ -6,7 +6,9 @@ delivered once it was in. From those: time to first audio (client side, from sen
 the request), the gaps between chunks, and **underruns**: a player that starts at the
 first chunk and plays in real time stalls when a gap is longer than the audio it still
 has buffered; it resumes when the next chunk arrives (the stall shifts the rest of the
-playback). Requests refused with RESOURCE_EXHAUSTED count as rejected, not admitted.
+playback). Each stall is counted by the chunk it waited for, which tells a stream's opening
+(small first chunks) from its steady state. Requests refused with RESOURCE_EXHAUSTED count
+as rejected, not admitted.
 
 Everything is bounded: the number of requests, the time of each request, and the whole
 run (``max_total_s``; requests still running then are cancelled and counted).
@@ -86,6 +88,7 @@ class BenchReport:
     underruns: int         # playback stalls over all streams
     streams_with_underruns: int
     stall_s: float         # total time playback would have stalled
+    stalls_by_chunk: dict[str, int]  # stalls by the number of the chunk waited for ("2", ..., "8+")
     audio_seconds: float
     wall_s: float
     audio_s_per_s: float
@@ -107,21 +110,37 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def playback_stalls(arrivals: Sequence[tuple[float, float]]) -> tuple[int, float]:
-    """(number of stalls, seconds stalled) of a real-time player that starts at the first
-    arrival. ``arrivals``: (arrival time, audio seconds delivered once that chunk is in),
-    in arrival order."""
+def stall_events(arrivals: Sequence[tuple[float, float]]) -> list[tuple[int, float, float]]:
+    """The stalls of a real-time player that starts at the first arrival, each as (the
+    number of the chunk it waited for, 2 for the second, audio seconds played when it
+    stopped, seconds stalled). ``arrivals``: (arrival time, audio seconds delivered once
+    that chunk is in), in arrival order."""
     if not arrivals:
-        return 0, 0.0
+        return []
     origin = arrivals[0][0]  # the wall time at which audio position 0 plays
-    stalls, stalled = 0, 0.0
-    for (_, delivered), (arrival, _) in pairwise(arrivals):
+    events = []
+    for number, ((_, delivered), (arrival, _)) in enumerate(pairwise(arrivals), start=2):
         runs_out = origin + delivered
         if arrival > runs_out:
-            stalls += 1
-            stalled += arrival - runs_out
+            events.append((number, delivered, arrival - runs_out))
             origin += arrival - runs_out
-    return stalls, stalled
+    return events
+
+
+def playback_stalls(arrivals: Sequence[tuple[float, float]]) -> tuple[int, float]:
+    """(number of stalls, seconds stalled): ``stall_events`` summed."""
+    events = stall_events(arrivals)
+    return len(events), sum(stalled for _, _, stalled in events)
+
+
+STALL_CHUNKS_CAP = 8  # stalls at chunk 8 or later are counted together ("8+")
+
+
+def stalls_by_chunk(events: Sequence[tuple[int, float, float]]) -> dict[str, int]:
+    """How many stalls waited for each chunk number (where in a stream they fall: the
+    first chunks follow the chunk schedule's small opening sizes), "8+" for the rest."""
+    counts = Counter(str(n) if n < STALL_CHUNKS_CAP else f"{STALL_CHUNKS_CAP}+" for n, _, _ in events)
+    return {key: counts[key] for key in sorted(counts, key=lambda k: int(k.rstrip("+")))}
 
 
 def summarize(config: BenchConfig, traces: Sequence[RequestTrace], wall_s: float,
@@ -129,7 +148,7 @@ def summarize(config: BenchConfig, traces: Sequence[RequestTrace], wall_s: float
     outcomes = Counter(trace.outcome for trace in traces)
     ttfa = [trace.arrivals[0][0] for trace in traces if trace.arrivals]
     gaps = [b - a for trace in traces for (a, _), (b, _) in pairwise(trace.arrivals)]
-    stalls = [playback_stalls(trace.arrivals) for trace in traces]
+    events = [stall_events(trace.arrivals) for trace in traces]
     audio_seconds = sum(trace.audio_seconds for trace in traces)
     errors = {code: n for code, n in sorted(outcomes.items()) if code not in ("ok", "rejected")}
     return BenchReport(
@@ -138,8 +157,10 @@ def summarize(config: BenchConfig, traces: Sequence[RequestTrace], wall_s: float
         rejected=outcomes["rejected"], errors=errors,
         ttfa_s=Percentiles(*(percentile(ttfa, q) for q in (50, 90, 99))),
         gap_max_s=max(gaps, default=None), gap_p99_s=percentile(gaps, 99),
-        underruns=sum(n for n, _ in stalls), streams_with_underruns=sum(n > 0 for n, _ in stalls),
-        stall_s=sum(s for _, s in stalls), audio_seconds=audio_seconds, wall_s=wall_s,
+        underruns=sum(map(len, events)), streams_with_underruns=sum(bool(e) for e in events),
+        stall_s=sum(stalled for e in events for _, _, stalled in e),
+        stalls_by_chunk=stalls_by_chunk([event for e in events for event in e]),
+        audio_seconds=audio_seconds, wall_s=wall_s,
         audio_s_per_s=audio_seconds / wall_s if wall_s > 0 else 0.0, timed_out=timed_out)
 
 
@@ -208,7 +229,9 @@ def format_report(report: BenchReport) -> str:
         f"first audio   p50 {ms(t.p50)}  p90 {ms(t.p90)}  p99 {ms(t.p99)}",
         f"chunk gaps    max {ms(report.gap_max_s)}  p99 {ms(report.gap_p99_s)}",
         f"underruns     {report.underruns} in {report.streams_with_underruns} streams "
-        f"({report.stall_s:.3f} s of stalled playback)",
+        f"({report.stall_s:.3f} s of stalled playback"
+        + (", waiting for chunk " + ", ".join(f"{k}: {n}" for k, n in report.stalls_by_chunk.items())
+           if report.stalls_by_chunk else "") + ")",
         f"audio         {report.audio_seconds:.2f} s in {report.wall_s:.2f} s "
         f"= {report.audio_s_per_s:.2f} audio-s per s",
     ]

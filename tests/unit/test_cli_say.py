@@ -16,7 +16,16 @@ import pytest
 from tests.conftest import REPO
 from tests.unit.test_sdk import RATE, WAIT_S, FakeSynthesizer, Step, pcm, serve_fake, streaming_wav_header
 from voxring.cli import fix_wav_sizes, main
-from voxring.loadgen import BenchConfig, RequestTrace, percentile, playback_stalls, run, summarize
+from voxring.loadgen import (
+    BenchConfig,
+    RequestTrace,
+    percentile,
+    playback_stalls,
+    run,
+    stall_events,
+    stalls_by_chunk,
+    summarize,
+)
 from voxring.v1 import synthesizer_pb2 as pb
 
 
@@ -152,6 +161,19 @@ def test_playback_stalls_follow_a_real_time_player():
     assert playback_stalls([]) == (0, 0.0)
 
 
+def test_each_stall_names_the_chunk_it_waited_for():
+    # the third chunk is late (0.2 s played), then, after the shift, the fifth (0.4 s played)
+    arrivals = [(0.0, 0.1), (0.05, 0.2), (0.3, 0.3), (0.35, 0.4), (0.8, 0.5)]
+    events = stall_events(arrivals)
+    assert [(n, played) for n, played, _ in events] == [(3, pytest.approx(0.2)), (5, pytest.approx(0.4))]
+    assert [stalled for *_, stalled in events] == [pytest.approx(0.1), pytest.approx(0.3)]
+    assert stall_events([]) == [] and stall_events([(0.1, 0.1)]) == []
+    # counted per chunk number in numeric order, chunk 8 and later together
+    events = [(n, 0.0, 0.01) for n in (12, 2, 3, 2, 8, 10, 7)]
+    assert list(stalls_by_chunk(events).items()) == [("2", 2), ("3", 1), ("7", 1), ("8+", 3)]
+    assert stalls_by_chunk([]) == {}
+
+
 def test_summarize_counts_and_times_hand_built_traces():
     config = BenchConfig(target="unused", num_requests=5, concurrency=2)
     traces = [
@@ -170,6 +192,7 @@ def test_summarize_counts_and_times_hand_built_traces():
     assert report.gap_p99_s == pytest.approx(0.05 + 0.98 * (0.3 - 0.05))  # gaps 0.05, 0.05, 0.3
     assert (report.underruns, report.streams_with_underruns) == (1, 1)
     assert report.stall_s == pytest.approx(0.15)  # 0.2 s delivered by 0.35, next at 0.65
+    assert report.stalls_by_chunk == {"3": 1}
     assert report.audio_seconds == pytest.approx(0.6)
     assert report.audio_s_per_s == pytest.approx(0.3)
 
@@ -184,6 +207,7 @@ def test_bench_measures_scripted_chunk_timings(fake):
     assert 0.35 <= report.gap_max_s < 0.55
     assert (report.underruns, report.streams_with_underruns) == (4, 4)
     assert report.stall_s == pytest.approx(4 * 0.17, abs=0.25)
+    assert report.stalls_by_chunk == {"3": 4}  # the hole is before each stream's third chunk
     assert report.audio_seconds == pytest.approx(1.6)
     assert report.audio_s_per_s == pytest.approx(1.6 / report.wall_s)
     assert 0.85 <= report.wall_s < 2 * WAIT_S and not report.timed_out
