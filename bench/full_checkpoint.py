@@ -43,7 +43,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 NAME = "voxring-bench-csm-1b-random"
-FORMAT_VERSION = 1  # bump when the written files change: cached folders are then rewritten
+FORMAT_VERSION = 2  # bump when the written files change: cached folders are then rewritten
 
 # Mimi as csm-1b carries it (transformers' MimiConfig defaults, field names as saved).
 MIMI_CONFIG = {

@@ -1188,7 +1188,8 @@ def transformers_generate(folder: Path, device, dtype, s: Settings) -> dict:
     started = time.perf_counter()
     model = transformers.CsmForConditionalGeneration.from_pretrained(folder, dtype=dtype).to(device).eval()
     out: dict = {"version": transformers.__version__, "load_s": round(time.perf_counter() - started, 1),
-                 "dtype": str(dtype).removeprefix("torch."), "greedy": True}
+                 "dtype": str(dtype).removeprefix("torch."), "greedy": True,
+                 "tied_by_hand": _tie_audio_embeddings(model)}
     codebook_size = model.config.codec_config.codebook_size
     suppress = list(range(codebook_size, model.config.vocab_size))  # ids Mimi cannot decode
     ids = build_tokenizer().encode(f"[0]{PROMPT}").ids
@@ -1213,6 +1214,24 @@ def transformers_generate(folder: Path, device, dtype, s: Settings) -> dict:
                              "frames_per_s": round(batch * frames / wall, 1),
                              "ms_per_frame_step": round(wall * 1e3 / max(frames, 1), 2)}
     return out
+
+
+def _tie_audio_embeddings(model) -> list[str]:
+    """The checkpoint stores the audio embedding the backbone and the depth decoder share once
+    (``loader.TIED``, as csm-1b does). transformers versions that load it tied (5.24) need
+    nothing; those whose CsmConfig turns tying off (5.17) leave the backbone's copy missing,
+    randomly initialised: point it at the stored tensor, so both models run the same weights.
+    Returns the parameters tied here."""
+    from services.talker.models.csm.loader import TIED
+
+    tied = []
+    for alias, stored in TIED.items():
+        weight = model.get_parameter(stored)
+        if model.get_parameter(alias).data_ptr() != weight.data_ptr():
+            owner, _, name = alias.rpartition(".")
+            setattr(model.get_submodule(owner), name, weight)
+            tied.append(alias)
+    return tied
 
 
 # --- the report -------------------------------------------------------------------------------------

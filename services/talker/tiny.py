@@ -25,7 +25,7 @@ from filelock import FileLock
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 NAME = "voxring-tiny"
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|AUDIO|>", "<|audio_eos|>")
 NUM_CODEBOOKS = 8
@@ -53,7 +53,7 @@ def tiny_config() -> dict:
         "bos_token_id": 256, "eos_token_id": None, "pad_token_id": 258, "audio_token_id": 258,
         "audio_eos_token_id": 259, "codebook_eos_token_id": 0,
         "codebook_pad_token_id": AUDIO_VOCAB - 1, "tie_codebooks_embeddings": True,
-        "tie_word_embeddings": True, "dtype": "float32",
+        "tie_word_embeddings": False, "dtype": "float32",
         "depth_decoder_config": {
             "model_type": "csm_depth_decoder_model", "num_codebooks": NUM_CODEBOOKS,
             "backbone_hidden_size": 128, "vocab_size": AUDIO_VOCAB, "hidden_size": 64,

@@ -81,3 +81,20 @@ def test_scale_out_table_compares_with_the_one_pair_run():
     assert "| 16 | 150.0 | 200.0 | 1.33x | no / yes | 0.0100 | 2.50 |" in text
     # equal load per GPU: one pair's C=8 against two pairs' C=16 (not their C=8)
     assert "| 8 | 40.0 / 80.0 | 45.0 / 90.0 | 0 / 0 |" in text
+
+
+def test_the_baseline_ties_the_audio_embedding_where_transformers_does_not(tmp_path):
+    # transformers 5.17 loads csm checkpoints with tying off, leaving the backbone's audio
+    # embedding (stored once) random: the baseline points it at the stored tensor
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from services.talker.tiny import write_tiny_checkpoint
+
+    model = transformers.CsmForConditionalGeneration.from_pretrained(write_tiny_checkpoint(tmp_path / "tiny"))
+    alias = "backbone_model.embed_tokens.embed_audio_tokens.weight"
+    stored = model.get_parameter("depth_decoder.model.embed_tokens.weight")
+    assert server_gpu._tie_audio_embeddings(model) == []  # this version already shares it
+    model.backbone_model.embed_tokens.embed_audio_tokens.weight = torch.nn.Parameter(torch.randn_like(stored))
+    assert server_gpu._tie_audio_embeddings(model) == [alias]
+    assert model.get_parameter(alias) is stored
