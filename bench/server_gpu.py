@@ -844,6 +844,17 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 1)
 
 
+def clean_through(tiers: dict) -> int:
+    """The largest C up to which every tier is clean (0 if the first is not): "real-time
+    streams" is the highest clean tier, which a lower tier's stalls do not lower."""
+    through = 0
+    for c, tier in sorted(tiers.items(), key=lambda kv: int(kv[0])):
+        if not tier.get("clean"):
+            break
+        through = int(c)
+    return through
+
+
 def _stall_chunks(counts: dict | None) -> str:
     """" (chunk 2: 3, 3: 1)": which chunk of a stream the stalls waited for."""
     if not counts:
@@ -1269,7 +1280,8 @@ def report(out: Path) -> str:
                   f"each tier capped at {data.get('tier_max_s')} s. Real-time streams: "
                   f"**{data.get('realtime_streams', data.get('realtime_streams_per_gpu', 0))}** on "
                   f"{gpus_used} GPU{'s' if gpus_used > 1 else ''} "
-                  f"({data.get('realtime_streams_per_gpu', 0)} per GPU).", "",
+                  f"({data.get('realtime_streams_per_gpu', 0)} per GPU); every tier clean up to "
+                  f"**{clean_through(data.get('tiers', {}))}**.", "",
                   "| C | admitted / rejected | TTFA p50 / p90 / p99 ms | gap p99 ms | underruns | "
                   "audio-s/s | RTF | talker frames/s | step ms | mean K | rows/step | C2W chunks/s | "
                   "gateway CPU cores | GPU MiB peak | clean |",

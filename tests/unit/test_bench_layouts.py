@@ -98,3 +98,10 @@ def test_the_baseline_ties_the_audio_embedding_where_transformers_does_not(tmp_p
     model.backbone_model.embed_tokens.embed_audio_tokens.weight = torch.nn.Parameter(torch.randn_like(stored))
     assert server_gpu._tie_audio_embeddings(model) == [alias]
     assert model.get_parameter(alias) is stored
+
+
+def test_clean_through_stops_at_the_first_tier_that_is_not_clean():
+    tiers = {"1": {"clean": True}, "8": {"clean": True}, "32": {"clean": False}, "128": {"clean": True}}
+    assert server_gpu.clean_through(tiers) == 8  # the highest clean tier (128) is reported apart
+    assert server_gpu.clean_through({"1": {"clean": False}, "8": {"clean": True}}) == 0
+    assert server_gpu.clean_through({}) == 0
