@@ -37,9 +37,9 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning
-    {"BN_QKV": 32},
-    {"KS_DOWN": 8},
-    {"KS_O": 2},
+    {"SPIN_ACQUIRE": 0},  # the barrier's spin as before: volatile loads, no acquire
+    {"SPIN_SLEEP_NS": 32},
+    {"SPIN_SLEEP_NS": 128},
     {"num_stages": 4},
 ]
 
@@ -149,6 +149,8 @@ def barrier_overhead(stack) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("bench/results/probe_stack_step.json"))
+    parser.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=ROWS,
+                        help=f"rows per call to measure (default {','.join(map(str, ROWS))})")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_stack_step.py needs a CUDA GPU")
@@ -194,7 +196,7 @@ def main() -> None:
     result["barrier_overhead_us_per_call"] = barrier_overhead(stack)
     print(json.dumps({"barrier_overhead_us_per_call": result["barrier_overhead_us_per_call"]}), flush=True)
     per_rows = {}
-    for n in ROWS:
+    for n in args.rows:
         gen = torch.Generator(device="cuda").manual_seed(n)
         codes = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
         rows = (
