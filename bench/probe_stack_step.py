@@ -37,9 +37,9 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning
-    {"SPIN_ACQUIRE": 0},  # the barrier's spin as before: volatile loads, no acquire
-    {"SPIN_SLEEP_NS": 32},
-    {"SPIN_SLEEP_NS": 128},
+    {"BN_QKV": 32},
+    {"KS_DOWN": 8},
+    {"KS_O": 2},
     {"num_stages": 4},
 ]
 

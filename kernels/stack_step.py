@@ -89,8 +89,6 @@ TUNING = {
     "KS_DOWN": 4,
     "num_warps": 4,
     "num_stages": 3,
-    "SPIN_ACQUIRE": 1,
-    "SPIN_SLEEP_NS": 0,
 }
 
 # Phases within a layer (bit i of the ``PHASES`` mask); the reduce phases run only with split products
@@ -144,15 +142,7 @@ def _load_acquire(ptr):
 
 
 @triton.jit
-def _sleep(ns: tl.constexpr):
-    """Suspends the thread for about ``ns`` nanoseconds (a spin's back-off)."""
-    tl.inline_asm_elementwise(
-        "nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [ns], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _wait(count_ptr, target, fault_ptr, ACQUIRE: tl.constexpr = False, SLEEP_NS: tl.constexpr = 0):
+def _wait(count_ptr, target, fault_ptr, ACQUIRE: tl.constexpr):
     """Spins until *count_ptr >= target, or gives up after _MAX_SPINS: then it raises the launch's
     fault flag (``fault_ptr``, cleared when the launch ends) and counts one fault (``fault_ptr + 1``,
     kept for ``faults``). While the flag is up every wait returns at once: a launch that lost a
@@ -160,8 +150,6 @@ def _wait(count_ptr, target, fault_ptr, ACQUIRE: tl.constexpr = False, SLEEP_NS:
     spins = 0
     while (_count(count_ptr, ACQUIRE) < target) & (spins < _MAX_SPINS):
         spins += 1
-        if SLEEP_NS > 0:
-            _sleep(SLEEP_NS)
         # one load a spin, on the counter: a program that arrives last is seen one L2 round trip
         # later, not two (bench/README.md: 181 -> 173 us a depth call); the flag now and then
         if spins % 64 == 0:  # noqa: SIM102 (Triton has no short circuit: `and` would load every spin)
@@ -181,16 +169,15 @@ def _count(count_ptr, ACQUIRE: tl.constexpr):
 
 
 @triton.jit
-def _grid_sync(sync_ptr, epoch, nprog, SYNC: tl.constexpr, ACQUIRE: tl.constexpr, SLEEP_NS: tl.constexpr):
+def _grid_sync(sync_ptr, epoch, nprog, SYNC: tl.constexpr):
     """Waits until all programs have finished the phase before barrier ``epoch`` (1, 2, ...).
-    ACQUIRE: every thread spins on an acquire load, so the wait ends one L2 round trip after the
-    last arrival; else the spin is volatile and one acquire atomic follows it."""
+    Every thread spins on an acquire load of the counter, so what the other programs stored before
+    their release is visible once the count is reached. (An acquire atomic adding 0 after a
+    volatile spin, as this was first written, is dropped by the compiler: its result is unused.)"""
     if SYNC:
         tl.debug_barrier()  # this program's stores are issued before it arrives
         tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-        _wait(sync_ptr, epoch * nprog, sync_ptr + 2, ACQUIRE, SLEEP_NS)
-        if not ACQUIRE:
-            tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+        _wait(sync_ptr, epoch * nprog, sync_ptr + 2, True)
         tl.debug_barrier()
 
 
@@ -201,7 +188,7 @@ def _grid_exit(sync_ptr, pid, nprog, SYNC: tl.constexpr):
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
         if pid == 0:
-            _wait(sync_ptr + 1, nprog, sync_ptr + 2)
+            _wait(sync_ptr + 1, nprog, sync_ptr + 2, False)  # then only resets the counters
             tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
@@ -529,8 +516,6 @@ def _stack_step_kernel(
     BK: tl.constexpr,
     KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
-    SPIN_ACQUIRE: tl.constexpr,
-    SPIN_SLEEP_NS: tl.constexpr,
     NUM_OUT: tl.constexpr,
     NPROG: tl.constexpr,
     PROJECT: tl.constexpr,
@@ -557,7 +542,7 @@ def _stack_step_kernel(
             BK, False, False, dtype, OPAQUE, UPCAST,
         )
         epoch += 1
-        _grid_sync(sync_ptr, epoch, nprog, SYNC, SPIN_ACQUIRE, SPIN_SLEEP_NS)
+        _grid_sync(sync_ptr, epoch, nprog, SYNC)
     h_rows = x_ptr + m * H
     layer = layer_begin
     while layer < layer_end:
@@ -573,14 +558,14 @@ def _stack_step_kernel(
                 NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, dtype, OPAQUE, UPCAST, LIBDEVICE,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC, SPIN_ACQUIRE, SPIN_SLEEP_NS)
+            _grid_sync(sync_ptr, epoch, nprog, SYNC)
         if (phases & 2) != 0:  # ATT
             _phase_attention(
                 q_ptr, attn_ptr, n_rows, kc, vc, stride_cs, stride_cl, stride_ch, slot_ptr, len_ptr, max_len,
                 scale, pid, nprog, NUM_Q, NUM_KV, D, BLOCK_D, NUM_Q // NUM_KV, GROUP_PAD, BLOCK_L, UPCAST,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC, SPIN_ACQUIRE, SPIN_SLEEP_NS)
+            _grid_sync(sync_ptr, epoch, nprog, SYNC)
         if (phases & 4) != 0:  # OUT_PROJ
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
@@ -588,11 +573,11 @@ def _stack_step_kernel(
                 NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, dtype, OPAQUE, UPCAST,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC, SPIN_ACQUIRE, SPIN_SLEEP_NS)
+            _grid_sync(sync_ptr, epoch, nprog, SYNC)
         if KS_O > 1 and (phases & 32) != 0:  # OUT_PROJ_REDUCE
             _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_O, BM, BN, dtype, OPAQUE)
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC, SPIN_ACQUIRE, SPIN_SLEEP_NS)
+            _grid_sync(sync_ptr, epoch, nprog, SYNC)
         if (phases & 8) != 0:  # MLP
             rstd = _rstd(h_rows, row_ok, eps, H, BM, BK)
             _flat_dual(
@@ -601,7 +586,7 @@ def _stack_step_kernel(
                 D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, dtype, OPAQUE, UPCAST, LIBDEVICE,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC, SPIN_ACQUIRE, SPIN_SLEEP_NS)
+            _grid_sync(sync_ptr, epoch, nprog, SYNC)
         if (phases & 16) != 0:  # DOWN
             a_rows = act_ptr + m * INTER
             _flat_single(
@@ -609,11 +594,11 @@ def _stack_step_kernel(
                 INTER, KS_DOWN, NPROG, BM, BN, BK, False, True, dtype, OPAQUE, UPCAST,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC, SPIN_ACQUIRE, SPIN_SLEEP_NS)
+            _grid_sync(sync_ptr, epoch, nprog, SYNC)
         if KS_DOWN > 1 and (phases & 64) != 0:  # DOWN_REDUCE
             _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, dtype, OPAQUE)
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC, SPIN_ACQUIRE, SPIN_SLEEP_NS)
+            _grid_sync(sync_ptr, epoch, nprog, SYNC)
         layer += 1
     if run_out != 0:
         if HEAD:  # the final norm as the head product's prologue
@@ -839,8 +824,7 @@ def launch_plan(
         BLOCK_D=max(16, triton.next_power_of_2(d)), GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)),
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BK=block_k, KS_O=tune["KS_O"],
-        KS_DOWN=tune["KS_DOWN"], SPIN_ACQUIRE=bool(tune["SPIN_ACQUIRE"]),
-        SPIN_SLEEP_NS=int(tune["SPIN_SLEEP_NS"]), NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
+        KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,
         num_warps=8 if fp32 else tune["num_warps"], num_stages=tune["num_stages"],

@@ -1,7 +1,8 @@
 """Compiles ``stack_step``'s one launch (grid barriers) for an H200 (sm_90) on any machine and prints
 what the barrier relies on as one JSON line: shared memory and registers of one program, the
-barrier's atomics, pipelined (cp.async) loads. Used by tests/unit/test_kernel_stack_step.py in a
-process of its own (Triton's interpreter, which that test module may run, cannot compile).
+barrier's atomics and acquire loads, pipelined (cp.async) loads. Used by
+tests/unit/test_kernel_stack_step.py in a process of its own (Triton's interpreter, which that test
+module may run, cannot compile).
 
     python -m tests.unit.stack_step_hopper
 
@@ -88,7 +89,8 @@ def main() -> None:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     print(json.dumps({"shared_bytes": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
                       "registers": registers(ptx, ptxas), "ptxas": str(ptxas),
-                      "barrier_atomics": "atom.global" in ptx, "pipelined_loads": "cp.async" in ptx}))
+                      "barrier_atomics": "atom.global" in ptx, "pipelined_loads": "cp.async" in ptx,
+                      "acquire_waits": ptx.count("ld.acquire.gpu.global")}))
 
 
 if __name__ == "__main__":

@@ -454,6 +454,8 @@ def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm()
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["barrier_atomics"] and report["pipelined_loads"]
+    # the wait acquires: an acquire atomic of 0 with its result unused would be compiled away
+    assert report["acquire_waits"] > 0, report
     assert report["shared_bytes"] <= 227 * 1024  # the H200's shared memory per block
     if report["registers"] is None:
         assert os.environ.get("CI") != "true", f"ptxas is missing from the triton wheel: {report['ptxas']}"
