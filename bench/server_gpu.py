@@ -856,7 +856,7 @@ def clean_through(tiers: dict) -> int:
 
 
 def _stall_chunks(counts: dict | None) -> str:
-    """" (chunk 2: 3, 3: 1)": which chunk of a stream the stalls waited for."""
+    """Which chunk of a stream the stalls waited for, as ' (chunk 2: 3, 3: 1)' after the count."""
     if not counts:
         return ""
     return " (chunk " + ", ".join(f"{k}: {n}" for k, n in counts.items()) + ")"

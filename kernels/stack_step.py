@@ -162,6 +162,7 @@ def _wait(count_ptr, target, fault_ptr, ACQUIRE: tl.constexpr):
 
 @triton.jit
 def _count(count_ptr, ACQUIRE: tl.constexpr):
+    """The barrier counter: an acquire load (a barrier's wait), or a volatile one (the exit's)."""
     if ACQUIRE:
         return _load_acquire(count_ptr)
     else:
