@@ -753,7 +753,41 @@ def _talker_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -
                        "mean_k": round(step_frames / steps, 2),
                        "step_frames": step_frames,
                        "mean_rows_per_step": round(frames / step_frames, 1) if step_frames else None})
+        split = step_split(before, after, name, window, steps)
+        if split:
+            talker["step_split_ms"] = split
     return talker
+
+
+STEP_PARTS = ("schedule", "prefill", "decode", "emit")
+
+
+def step_split_table(tiers: dict) -> list[str]:
+    """Markdown: each tier's talker step split (nothing when no tier has one)."""
+    rows = [(c, t["talker"]["step_split_ms"]) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
+            if t.get("talker", {}).get("step_split_ms")]
+    if not rows:
+        return []
+    head = " | ".join((*STEP_PARTS, "other"))
+    lines = [f"Talker step, ms per decode step: {head}.", "",
+             f"| C | step ms | mean K | {head} |", "|---|---|---|" + "---|" * (len(STEP_PARTS) + 1)]
+    for c, split in rows:
+        talker = tiers[c]["talker"]
+        lines.append(f"| {c} | {_fmt(talker.get('step_ms'), 2)} | {_fmt(talker.get('mean_k'), 2)} | "
+                     + " | ".join(_fmt(split[part], 2) for part in (*STEP_PARTS, "other")) + " |")
+    return [*lines, ""]
+
+
+def step_split(before: Snapshot, after: Snapshot, name: str, window: float, steps: float) -> dict | None:
+    """Where a talker step's time went over the tier, in ms per decode step: the engine's own
+    seconds counters (planning, prefill, the runner's decode, records), and ``other``, the rest of
+    the window (commands, housekeeping, waiting for work). None for a talker without them."""
+    parts = {part: _delta(before, after, name, f"step_{part}_seconds") for part in STEP_PARTS}
+    if any(v is None for v in parts.values()):
+        return None
+    split = {part: round(seconds * 1e3 / steps, 2) for part, seconds in parts.items()}
+    split["other"] = round((window - sum(parts.values())) * 1e3 / steps, 2)
+    return split
 
 
 def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -> dict:
@@ -1300,6 +1334,7 @@ def report(out: Path) -> str:
                 f"{_memory(t.get('gpu_memory_mib', {}).get('peak'))} | "
                 f"{'yes' if t['clean'] else 'no'}{' (partial)' if t['status'] == 'partial' else ''} |")
         lines.append("")
+        lines += step_split_table(data.get("tiers", {}))
     lines += scale_out_tables(runs)
     for path in sorted(out.glob("server_gpu_baseline*.json")):
         with contextlib.suppress(ValueError):

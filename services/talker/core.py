@@ -99,7 +99,14 @@ class TalkerCore:
                 "queue_depth": ("gauge", "requests waiting for a slot", len(scheduler.waiting)),
                 "paused_rows": ("gauge", "rows paused on a full ring", scheduler.paused),
                 "frames": ("counter", "frames generated", counters.frames),
-                "steps": ("counter", "engine steps", counters.steps)}
+                "steps": ("counter", "engine steps", counters.steps),
+                "step_schedule_seconds": ("counter", "engine time planning steps", counters.schedule_s),
+                "step_prefill_seconds": ("counter", "engine time prefilling admitted rows",
+                                         counters.prefill_s),
+                "step_decode_seconds": ("counter", "engine time in the runner's decode (graph replays, copy "
+                                        "to host)", counters.decode_s),
+                "step_emit_seconds": ("counter", "engine time turning frames into records and writing them",
+                                      counters.emit_s)}
 
     def close(self) -> None:
         self.consumers.close()

@@ -62,6 +62,14 @@ class EngineCounters:
     frames: int = 0
     step_frames: int = 0  # sum of K over steps
     started: float = field(default_factory=time.monotonic)
+    # Seconds of the engine thread in each part of its steps (where a step's time goes under load):
+    # the scheduler's plan; prefill of admitted rows; the runner's decode (K graph replays and the
+    # one copy to the host, waiting for the device); turning the frames into records and writing
+    # them. The thread's other time is commands, ring housekeeping and waiting for work.
+    schedule_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    emit_s: float = 0.0
 
 
 class TalkerEngine:
@@ -80,15 +88,23 @@ class TalkerEngine:
 
     def step(self) -> bool:
         """Runs one step; False when there was nothing to do."""
+        counters = self.counters
+        started = time.perf_counter()
         now = self.clock()
         plan = self.scheduler.schedule(now)
+        planned = time.perf_counter()
+        counters.schedule_s += planned - started
         for request in plan.finished:
             self._final_record(request)
         if plan.prefill:
+            begun = time.perf_counter()
             self._prefill(plan)
+            counters.prefill_s += time.perf_counter() - begun
         if plan.decode:
             self._decode(plan)
+        begun = time.perf_counter()
         self._flush(now)
+        counters.emit_s += time.perf_counter() - begun
         return bool(plan.decode or plan.prefill or plan.finished)
 
     def _prefill(self, plan: StepPlan) -> None:
@@ -102,6 +118,7 @@ class TalkerEngine:
             plan.decode = [r for r in plan.decode if r.finish is None]
 
     def _decode(self, plan: StepPlan) -> None:
+        begun = time.perf_counter()
         try:
             out = self.runner.decode([r.slot for r in plan.decode], plan.k)  # [K, B, N + 1]
         except Exception:
@@ -109,6 +126,9 @@ class TalkerEngine:
             for request in plan.decode:
                 self._end_with_error(request)
             return
+        finally:
+            decoded = time.perf_counter()
+            self.counters.decode_s += decoded - begun
         produced = {request: self._row_frames(out[:, row]) for row, request in enumerate(plan.decode)}
         self.scheduler.update(plan, produced)
         self.counters.steps += 1
@@ -122,6 +142,7 @@ class TalkerEngine:
                 self._queue(request, codes, first_frame=request.frames_done - len(frames),
                             flags=int(RecordFlags.LAST) if ended else 0,
                             finish=request.finish or FinishReason.UNSPECIFIED)
+        self.counters.emit_s += time.perf_counter() - decoded
 
     def _row_frames(self, row: np.ndarray) -> RowFrames:
         """row: [K, N + 1]. Frames up to (not including) the first stop frame."""

@@ -44,6 +44,9 @@ def test_smoke_tiers(tmp_path):
         assert tier["talker"]["mean_k"] >= 1 and tier["code2wav"]["chunks"] >= 2
         assert tier["code2wav"]["sequence_gaps"] == 0
         assert tier["engines_idle_after"]
+        split = tier["talker"]["step_split_ms"]  # the talker's own seconds counters, per decode step
+        assert split["decode"] > 0 and split["prefill"] > 0 and split["schedule"] >= 0 and split["emit"] >= 0
+        assert split["other"] > -1.0  # the rest of the window: what the engine counted fits in it
     run = result["runs"][-1]
     assert "error" not in run, run
     assert run["exit_codes"] == {"gateway": 0, "code2wav": 0, "talker": 0}  # SIGTERM, graceful
@@ -52,6 +55,7 @@ def test_smoke_tiers(tmp_path):
     assert result["configs"]["talker"]["model"] == {"checkpoint": None, "dtype": "float32", "device": "cpu"}
     table = (tmp_path / "server_gpu.md").read_text()
     assert "| 2 | 2 / 0 |" in table and table in done.stdout
+    assert "Talker step, ms per decode step: schedule | prefill | decode | emit | other." in table
 
     again = _run("--part", "tiers", out=tmp_path)  # same configuration: nothing left to measure
     assert again.returncode == 0, again.stderr

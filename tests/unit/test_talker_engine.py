@@ -5,6 +5,8 @@ eager generation API gives; records are one per request per step, in order."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -145,6 +147,20 @@ def test_engine_equals_the_eager_generation_api(folder):
                         cache_len=MAX_LEN)[0]
     assert reason == FinishReason.LENGTH and expected.finish_reason == "length"
     np.testing.assert_array_equal(codes, expected.codes.numpy())
+
+
+def test_the_engine_counts_where_its_steps_spend_their_time(folder):
+    # the seconds counters behind voxring_step_*_seconds: each part ran, and together they fit in
+    # the wall time of the steps
+    engine, _ = make_engine(folder, k_max=4)
+    started = time.perf_counter()
+    run(engine, _batch(stop_frames=False))
+    elapsed = time.perf_counter() - started
+    c = engine.counters
+    parts = (c.schedule_s, c.prefill_s, c.decode_s, c.emit_s)
+    assert all(part > 0 for part in parts), parts
+    assert sum(parts) <= elapsed
+    assert c.decode_s > c.schedule_s  # the model's work, not the plan, is most of a CPU step
 
 
 def test_max_frames_exact_and_one_record_per_step(folder):
