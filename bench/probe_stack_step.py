@@ -37,11 +37,15 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning
-    {"BN_QKV": 32},
-    {"KS_DOWN": 8},
-    {"KS_O": 2},
+    {"SPIN_WARP": 1},
+    {"RSTD_BK": 512},
+    {"BN_DOWN": 32},
+    {"BN_DOWN": 32, "KS_DOWN": 8},
+    {"BN_HEAD": 16},
     {"num_stages": 4},
+    {"SPIN_WARP": 1, "RSTD_BK": 512, "BN_DOWN": 32, "BN_HEAD": 16},
 ]
+TRACE_CALLS = 20
 
 
 def graph_us_per_call(fn) -> float:
@@ -103,6 +107,59 @@ def phase_profile(call, num_layers: int) -> dict:
     return {k: round(v, 2) for k, v in per.items()}
 
 
+def phase_names(tuning: dict, num_layers: int) -> list[str]:
+    """The phase before each barrier of one launch, in order, then the last (``OUT``)."""
+    layer = ["QKV", "ATT", "OUT_PROJ"] + (["OUT_PROJ_REDUCE"] if tuning["KS_O"] > 1 else [])
+    layer += ["MLP", "DOWN"] + (["DOWN_REDUCE"] if tuning["KS_DOWN"] > 1 else [])
+    return ["PJ", *layer * num_layers, "OUT"]
+
+
+def trace_breakdown(call, tuning: dict, num_layers: int, programs: int) -> dict:
+    """Where one launch's time goes, from the kernel's own timer (``trace``): per phase, the time
+    from the first program leaving the barrier before it to the last one reaching the barrier after
+    it (span), the median and slowest program's work in it, and each barrier's latency (the last
+    arrival to the first departure). Medians over TRACE_CALLS launches; phases of the same kind
+    averaged over the layers. µs."""
+    names = phase_names({**stack_kernel.TUNING, **tuning}, num_layers)
+    trace = torch.zeros(programs, 64, 2, dtype=torch.int64, device="cuda")
+    rows = []
+    for _ in range(TRACE_CALLS + 3):
+        trace.zero_()
+        call(trace)
+        torch.cuda.synchronize()
+        rows.append(trace.double().cpu() / 1e3)
+    rows = rows[3:]
+    per_call = []
+    for t in rows:
+        e_last = len(names)
+        entry = {"total": float(t[:, e_last, 0].max() - t[:, 0, 1].min())}
+        spans = []
+        for e, name in enumerate(names, start=1):
+            start, arrive = t[:, e - 1, 1], t[:, e, 0]
+            work = arrive - start
+            spans.append((name, float(arrive.max() - start.min()), float(work.median()), float(work.max()),
+                          float(t[:, e, 1].min() - arrive.max()) if e < e_last else 0.0))
+        entry["phases"] = spans
+        per_call.append(entry)
+    result = {"total_us": round(statistics.median(c["total"] for c in per_call), 2), "per_phase": {}}
+    kinds = list(dict.fromkeys(names))
+    barriers = []
+    for kind in kinds:
+        cols = {"span": [], "work_median": [], "work_max": [], "barrier": []}
+        for c in per_call:
+            picked = [p for p in c["phases"] if p[0] == kind]
+            for key, i in (("span", 1), ("work_median", 2), ("work_max", 3), ("barrier", 4)):
+                cols[key].append(statistics.mean(p[i] for p in picked))
+        count = names.count(kind)
+        medians = {k: round(statistics.median(v), 2) for k, v in cols.items()}
+        result["per_phase"][kind] = {"count": count, **medians}
+        if kind != "OUT":
+            barriers.append(count * statistics.median(cols["barrier"]))
+    result["barriers_us"] = round(sum(barriers), 2)
+    result["spans_us"] = round(sum(v["count"] * v["span"] for v in result["per_phase"].values()), 2)
+    return result
+
+
 def barrier_overhead(stack) -> float:
     """One launch of the same phase structure (4 layers, 21 barriers) with negligible weights:
     launch, barriers and each phase's latency, but almost no bytes."""
@@ -151,6 +208,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/probe_stack_step.json"))
     parser.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=ROWS,
                         help=f"rows per call to measure (default {','.join(map(str, ROWS))})")
+    parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[-1]],
+                        help="JSON list of tunings to trace besides the default")
+    parser.add_argument("--skip-sweep", action="store_true", help="the default tuning and its trace only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_stack_step.py needs a CUDA GPU")
@@ -209,7 +269,7 @@ def main() -> None:
             x = F.linear(F.embedding(codes, table), proj)
             return F.linear(depth.forward_rows(x, cache, *rows), head)
 
-        def kernel(tuning=None, num_programs=None, phased=False, codes=codes, rows=rows):
+        def kernel(tuning=None, num_programs=None, phased=False, codes=codes, rows=rows, trace=None):
             return stack_kernel.stack_step_triton(
                 stack,
                 cache.k,
@@ -222,6 +282,7 @@ def main() -> None:
                 tuning=tuning,
                 num_programs=num_programs,
                 phased=phased,
+                trace=trace,
             )
 
         entry = {}
@@ -238,14 +299,19 @@ def main() -> None:
         entry["default_us"] = round(graph_us_per_call(kernel), 2)
         entry["default_weight_TBps"] = round(weight_bytes / (entry["default_us"] * 1e-6) / 1e12, 3)
         sweep = []
-        for tuning in SWEEP:
+        for tuning in [] if args.skip_sweep else SWEEP:
             try:
                 us = graph_us_per_call(lambda tuning=tuning: kernel(tuning))
-                error = float((kernel(tuning).double() - want.double()).norm() / want.double().norm())
-                sweep.append({**tuning, "us": round(us, 2), "rel_error": round(error, 6)})
+                got = kernel(tuning)
+                error = float((got.double() - want.double()).norm() / want.double().norm())
+                same = bool(torch.equal(got, kernel(tuning, phased=True)))
+                sweep.append(
+                    {**tuning, "us": round(us, 2), "rel_error": round(error, 6), "equals_phased": same}
+                )
+                print(json.dumps(sweep[-1]), flush=True)
             except Exception as exc:  # a configuration that does not compile or fit is a result too
                 sweep.append({**tuning, "error": repr(exc)[:200]})
-        for programs in (result["sms"] // 2,):  # fewer, never more: all must be resident
+        for programs in () if args.skip_sweep else (result["sms"] // 2,):  # fewer, never more: all resident
             try:
                 us = graph_us_per_call(lambda programs=programs: kernel(num_programs=programs))
                 sweep.append({"num_programs": programs, "us": round(us, 2)})
@@ -253,6 +319,14 @@ def main() -> None:
                 sweep.append({"num_programs": programs, "error": repr(exc)[:200]})
         entry["sweep"] = sweep
         if n == 1:
+            sms = result["sms"]
+            layers = stack.num_layers
+            entry["trace"] = {"default": trace_breakdown(lambda t: kernel(trace=t), {}, layers, sms)}
+            for tuning in args.trace_tunings:
+                entry["trace"][json.dumps(tuning)] = trace_breakdown(
+                    lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms
+                )
+            print(json.dumps({"trace": entry["trace"]}), flush=True)
             entry["phases_us"] = phase_profile(lambda: kernel(phased=True), stack.num_layers)
         entry["faults"] = stack_kernel.faults("cuda")
         per_rows[f"N={n}"] = entry

@@ -77,14 +77,20 @@ _NEG_INF = tl.constexpr(float("-inf"))
 
 # Tile sizes and launch parameters (bench/probe_stack_step.py sweeps them on the H200): BN output
 # columns and BK reduction elements per step of a product, warps per program, pipeline stages.
-# BN_QKV is the tile of rotary pairs of the QKV product, BN_WIDE that of the wide products (gate/up,
-# head); KS_O and KS_DOWN split the reductions of the narrow ones (H outputs), whose H / BN tiles
-# alone would leave SMs idle.
+# BN_QKV is the tile of rotary pairs of the QKV product, BN_WIDE that of the gate/up product; KS_O
+# and KS_DOWN split the reductions of the narrow ones (H outputs), whose H / BN tiles alone would
+# leave SMs idle. BN_DOWN and BN_HEAD are the down product's and the head's tiles; RSTD_BK
+# is the block of a norm's sum of squares; SPIN_WARP: one warp of a program polls a barrier (the rest
+# wait at the program's own barrier), else every thread polls.
 TUNING = {
     "BN": 16,
     "BN_QKV": 16,
     "BN_WIDE": 32,
+    "BN_DOWN": 16,
+    "BN_HEAD": 32,
     "BK": 256,
+    "RSTD_BK": 256,
+    "SPIN_WARP": 0,
     "KS_O": 1,
     "KS_DOWN": 4,
     "num_warps": 4,
@@ -142,6 +148,17 @@ def _load_acquire(ptr):
 
 
 @triton.jit
+def _load_acquire_warp0(ptr):
+    """``_load_acquire`` in the program's first warp; the other warps get INT32_MAX at once (they wait
+    at the program's barrier instead, which orders them after warp 0's acquire)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, 32; mov.b32 $0, 2147483647; "
+        "@p ld.acquire.gpu.global.b32 $0, [$1]; }",
+        "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1,
+    )
+
+
+@triton.jit
 def _wait(count_ptr, target, fault_ptr, ACQUIRE: tl.constexpr):
     """Spins until *count_ptr >= target, or gives up after _MAX_SPINS: then it raises the launch's
     fault flag (``fault_ptr``, cleared when the launch ends) and counts one fault (``fault_ptr + 1``,
@@ -162,24 +179,47 @@ def _wait(count_ptr, target, fault_ptr, ACQUIRE: tl.constexpr):
 
 @triton.jit
 def _count(count_ptr, ACQUIRE: tl.constexpr):
-    """The barrier counter: an acquire load (a barrier's wait), or a volatile one (the exit's)."""
-    if ACQUIRE:
+    """The barrier counter: an acquire load (a barrier's wait: 1 in every thread, 2 in the first
+    warp only), or a volatile one (the exit's)."""
+    if ACQUIRE == 2:
+        return _load_acquire_warp0(count_ptr)
+    elif ACQUIRE == 1:
         return _load_acquire(count_ptr)
     else:
         return tl.load(count_ptr, volatile=True)
 
 
 @triton.jit
-def _grid_sync(sync_ptr, epoch, nprog, SYNC: tl.constexpr):
+def _now():
+    """The GPU's global timer (ns; comparable across SMs)."""
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _mark(trace_ptr, pid, epoch, side, TRACE: tl.constexpr):
+    """With TRACE, the timer when program ``pid`` reaches (side 0) or leaves (side 1) barrier ``epoch``
+    into trace [programs, 64, 2] int64 (epoch 0: the launch's start; bench/probe_stack_step.py)."""
+    if TRACE:
+        tl.store(trace_ptr + (pid * 64 + epoch) * 2 + side, _now())
+
+
+@triton.jit
+def _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC: tl.constexpr, SPIN_WARP: tl.constexpr,
+               TRACE: tl.constexpr):
     """Waits until all programs have finished the phase before barrier ``epoch`` (1, 2, ...).
-    Every thread spins on an acquire load of the counter, so what the other programs stored before
-    their release is visible once the count is reached. (An acquire atomic adding 0 after a
-    volatile spin, as this was first written, is dropped by the compiler: its result is unused.)"""
+    Every thread (or with SPIN_WARP the first warp, the others held by the program's own barrier)
+    spins on an acquire load of the counter, so what the other programs stored before their release
+    is visible once the count is reached. (An acquire atomic adding 0 after a volatile spin, as this
+    was first written, is dropped by the compiler: its result is unused.)"""
     if SYNC:
         tl.debug_barrier()  # this program's stores are issued before it arrives
+        _mark(trace_ptr, pid, epoch, 0, TRACE)
         tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-        _wait(sync_ptr, epoch * nprog, sync_ptr + 2, True)
+        _wait(sync_ptr, epoch * nprog, sync_ptr + 2, SPIN_WARP + 1)
         tl.debug_barrier()
+        _mark(trace_ptr, pid, epoch, 1, TRACE)
 
 
 @triton.jit
@@ -492,6 +532,7 @@ def _stack_step_kernel(
     part_ptr,
     out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H]; out
     sync_ptr,  # int32 [4]: arrivals, exits, this launch's fault flag, faults so far
+    trace_ptr,  # int64 [programs, 64, 2] barrier times (TRACE)
     n_rows,
     max_len,
     eps,
@@ -514,7 +555,10 @@ def _stack_step_kernel(
     BN: tl.constexpr,
     BN_QKV: tl.constexpr,
     BN_WIDE: tl.constexpr,
+    BN_DOWN: tl.constexpr,
+    BN_HEAD: tl.constexpr,
     BK: tl.constexpr,
+    RSTD_BK: tl.constexpr,
     KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
     NUM_OUT: tl.constexpr,
@@ -523,6 +567,8 @@ def _stack_step_kernel(
     GATHER: tl.constexpr,
     HEAD: tl.constexpr,
     SYNC: tl.constexpr,
+    SPIN_WARP: tl.constexpr,
+    TRACE: tl.constexpr,
     OPAQUE: tl.constexpr,
     UPCAST: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -533,6 +579,7 @@ def _stack_step_kernel(
     m = tl.arange(0, BM)
     row_ok = m < n_rows
     epoch = 0
+    _mark(trace_ptr, pid, 0, 1, TRACE)
     if PROJECT and run_pj != 0:
         if GATHER:
             src_rows = src_ptr + tl.load(codes_ptr + m, mask=row_ok, other=0) * stride_src
@@ -543,14 +590,14 @@ def _stack_step_kernel(
             BK, False, False, dtype, OPAQUE, UPCAST,
         )
         epoch += 1
-        _grid_sync(sync_ptr, epoch, nprog, SYNC)
+        _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
     h_rows = x_ptr + m * H
     layer = layer_begin
     while layer < layer_end:
         kc = kc_ptr + layer * stride_cl_layer
         vc = vc_ptr + layer * stride_cl_layer
         if (phases & 1) != 0:  # QKV
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, BK)
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
             slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
             _flat_dual(
@@ -559,14 +606,14 @@ def _stack_step_kernel(
                 NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, dtype, OPAQUE, UPCAST, LIBDEVICE,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC)
+            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
         if (phases & 2) != 0:  # ATT
             _phase_attention(
                 q_ptr, attn_ptr, n_rows, kc, vc, stride_cs, stride_cl, stride_ch, slot_ptr, len_ptr, max_len,
                 scale, pid, nprog, NUM_Q, NUM_KV, D, BLOCK_D, NUM_Q // NUM_KV, GROUP_PAD, BLOCK_L, UPCAST,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC)
+            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
         if (phases & 4) != 0:  # OUT_PROJ
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
@@ -574,42 +621,47 @@ def _stack_step_kernel(
                 NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, dtype, OPAQUE, UPCAST,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC)
+            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
         if KS_O > 1 and (phases & 32) != 0:  # OUT_PROJ_REDUCE
             _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_O, BM, BN, dtype, OPAQUE)
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC)
+            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
         if (phases & 8) != 0:  # MLP
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, BK)
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             _flat_dual(
                 h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), pid, cos_ptr,
                 sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H, NUM_Q, NUM_KV,
                 D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, dtype, OPAQUE, UPCAST, LIBDEVICE,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC)
+            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
         if (phases & 16) != 0:  # DOWN
             a_rows = act_ptr + m * INTER
             _flat_single(
                 a_rows, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr, pid, H,
-                INTER, KS_DOWN, NPROG, BM, BN, BK, False, True, dtype, OPAQUE, UPCAST,
+                INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK, False, True, dtype, OPAQUE, UPCAST,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC)
+            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
         if KS_DOWN > 1 and (phases & 64) != 0:  # DOWN_REDUCE
             _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, dtype, OPAQUE)
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, SYNC)
+            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
         layer += 1
     if run_out != 0:
         if HEAD:  # the final norm as the head product's prologue
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, BK)
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             _flat_single(
                 h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, NUM_OUT, H, 1, NPROG, BM,
-                BN_WIDE, BK, True, False, dtype, OPAQUE, UPCAST,
+                BN_HEAD, BK, True, False, dtype, OPAQUE, UPCAST,
             )
         else:
-            _phase_norm(x_ptr, out_ptr, n_rows, final_ptr, eps, pid, nprog, H, BM, BN_WIDE, BK, dtype, OPAQUE)
+            _phase_norm(
+                x_ptr, out_ptr, n_rows, final_ptr, eps, pid, nprog, H, BM, BN_WIDE, RSTD_BK, dtype, OPAQUE
+            )
+    if SYNC:
+        tl.debug_barrier()
+        _mark(trace_ptr, pid, epoch + 1, 0, TRACE)
     _grid_exit(sync_ptr, pid, nprog, SYNC)
 
 
@@ -750,17 +802,20 @@ def stack_step_triton(
     positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
     src: torch.Tensor | None = None, codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
     head: torch.Tensor | None = None, phased: bool | None = None, num_programs: int | None = None,
-    tuning: dict | None = None,
+    tuning: dict | None = None, trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernel, with the twin's arguments and result. ``phased`` (default: under the interpreter)
     launches phase by phase instead of once with grid barriers; ``num_programs`` overrides the
-    grid (default one per SM); ``tuning`` overrides ``TUNING`` (benchmarks)."""
+    grid (default one per SM); ``tuning`` overrides ``TUNING`` (benchmarks); ``trace`` (int64
+    [programs, 64, 2], the one launch only) receives each program's global-timer ns at the start
+    ([p, 0, 1]), on reaching and leaving barrier e ([p, e, 0] and [p, e, 1]) and at the end
+    ([p, barriers + 1, 0]), for a benchmark's breakdown of a call."""
     check(weights, k_cache, v_cache, slots, positions, lengths, x, src, codes, proj, head)
     interpret = bool(triton.knobs.runtime.interpret)
     phased = interpret if phased is None else phased
     args, static, grid, out, tune = launch_plan(
         weights, k_cache, v_cache, slots, positions, lengths, x=x, src=src, codes=codes, proj=proj, head=head,
-        num_programs=num_programs, tuning=tuning, compiled=weights.qkv.is_cuda and not interpret,
+        num_programs=num_programs, tuning=tuning, compiled=weights.qkv.is_cuda and not interpret, trace=trace,
     )
     everything = (1, 0, weights.num_layers, ALL_LAYER_PHASES, 1)  # run_pj, layers, phases, run_out
     if not phased:
@@ -785,7 +840,7 @@ def launch_plan(
     positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
     src: torch.Tensor | None = None, codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
     head: torch.Tensor | None = None, num_programs: int | None = None, tuning: dict | None = None,
-    compiled: bool = True,
+    compiled: bool = True, trace: torch.Tensor | None = None,
 ) -> tuple[tuple, dict, tuple[int], torch.Tensor, dict]:
     """The kernel's arguments (scratch and output allocated on the weights' device), its static
     parameters, the grid, the output and the tuning in force: shapes and dtypes decide everything,
@@ -812,19 +867,28 @@ def launch_plan(
     grid = (num_programs or _num_programs(device),)
     fp32 = dtype == torch.float32
     block_k = min(tune["BK"], max(16, triton.next_power_of_2(hidden)))
+    rstd_block = min(tune["RSTD_BK"], max(16, triton.next_power_of_2(hidden)))
+    if trace is not None and (
+        not compiled or trace.dtype != torch.int64 or tuple(trace.shape) != (grid[0], 64, 2)
+        or trace.device != device or not trace.is_contiguous()
+    ):
+        raise ValueError(f"stack_step: trace must be a contiguous [{grid[0]}, 64, 2] int64 tensor on the GPU")
     args = (
         src if src is not None else residual, src.stride(0) if src is not None else 0,
         codes if codes is not None else slots, proj if proj is not None else residual, residual, weights.qkv,
         weights.o, weights.gate_up, weights.down, weights.input_norm, weights.post_norm, weights.final_norm,
         head if head is not None else weights.final_norm, weights.cos, weights.sin, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), slots, positions, lengths,
-        q, attn, act, part, out, _sync_buffer(device), rows, k_cache.shape[2], weights.eps, d**-0.5,
+        q, attn, act, part, out, _sync_buffer(device), trace if trace is not None else _sync_buffer(device),
+        rows, k_cache.shape[2], weights.eps, d**-0.5,
     )
     static = dict(
         H=hidden, HIN=proj.shape[1] if proj is not None else hidden, INTER=inter, NUM_Q=hq, NUM_KV=hkv, D=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)), GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)),
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
-        BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BK=block_k, KS_O=tune["KS_O"],
+        BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
+        BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block,
+        SPIN_WARP=int(tune["SPIN_WARP"]), TRACE=trace is not None, KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,
