@@ -81,20 +81,25 @@ _NEG_INF = tl.constexpr(float("-inf"))
 # and KS_DOWN split the reductions of the narrow ones (H outputs), whose H / BN tiles alone would
 # leave SMs idle. BN_DOWN and BN_HEAD are the down product's and the head's tiles; RSTD_BK
 # is the block of a norm's sum of squares; SPIN_WARP: one warp of a program polls a barrier (the rest
-# wait at the program's own barrier), else every thread polls.
+# wait at the program's own barrier), else every thread polls. PF_MLP: each program asks the L2 for
+# its items of the layer's gate/up weights ahead (1: as attention starts; 2: as QKV starts when it has
+# no QKV item, else as attention starts); PF_DOWN: for its items of the down weights as attention
+# starts. The small phases before them leave most SMs and most of the DRAM bandwidth idle.
 TUNING = {
     "BN": 16,
     "BN_QKV": 16,
     "BN_WIDE": 32,
-    "BN_DOWN": 16,
-    "BN_HEAD": 32,
+    "BN_DOWN": 32,
+    "BN_HEAD": 16,
     "BK": 256,
     "RSTD_BK": 256,
     "SPIN_WARP": 0,
+    "PF_MLP": 0,
+    "PF_DOWN": 0,
     "KS_O": 1,
     "KS_DOWN": 4,
     "num_warps": 4,
-    "num_stages": 3,
+    "num_stages": 4,
 }
 
 # Phases within a layer (bit i of the ``PHASES`` mask); the reduce phases run only with split products
@@ -233,6 +238,42 @@ def _grid_exit(sync_ptr, pid, nprog, SYNC: tl.constexpr):
             tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _prefetch_l2(ptr, nbytes):
+    """Asks the L2 for ``nbytes`` (a multiple of 16) at ``ptr`` (16-byte aligned): one bulk prefetch
+    (sm_90) from the program's first thread. Nothing waits for it, and no register or shared memory
+    holds the bytes."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1,
+    )
+
+
+@triton.jit
+def _prefetch_items(
+    w_ptr, pid, N_OUT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BN: tl.constexpr,
+    SECOND: tl.constexpr, ESIZE: tl.constexpr,
+):
+    """Asks the L2 for the weights of all this program's items of a product of N_OUT outputs tiled
+    by BN (``_flat_single``; with SECOND, ``_flat_dual``'s gate/up pairs: rows n and n + N_OUT): an
+    item's BN rows are one slab, or with a split reduction KS, BN row pieces."""
+    ITEMS: tl.constexpr = ((N_OUT + BN - 1) // BN) * KS
+    KP: tl.constexpr = K // KS
+    for i in tl.static_range((ITEMS + NPROG - 1) // NPROG):
+        item = pid + i * NPROG
+        if item < ITEMS:
+            tile = item // KS
+            rows = tl.minimum(N_OUT - tile * BN, BN)
+            if KS == 1:
+                _prefetch_l2(w_ptr + tile * (BN * K), rows * (K * ESIZE))
+                if SECOND:
+                    _prefetch_l2(w_ptr + (N_OUT + tile * BN) * K, rows * (K * ESIZE))
+            else:
+                for r in range(0, rows):
+                    _prefetch_l2(w_ptr + (tile * BN + r) * K + (item % KS) * KP, KP * ESIZE)
 
 
 @triton.jit
@@ -568,6 +609,8 @@ def _stack_step_kernel(
     HEAD: tl.constexpr,
     SYNC: tl.constexpr,
     SPIN_WARP: tl.constexpr,
+    PF_MLP: tl.constexpr,
+    PF_DOWN: tl.constexpr,
     TRACE: tl.constexpr,
     OPAQUE: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -592,11 +635,17 @@ def _stack_step_kernel(
         epoch += 1
         _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
     h_rows = x_ptr + m * H
+    ESIZE: tl.constexpr = 4 if dtype == tl.float32 else 2
+    QKV_ITEMS: tl.constexpr = (NUM_Q + 2 * NUM_KV) * ((D // 2 + BN_QKV - 1) // BN_QKV)
     layer = layer_begin
     while layer < layer_end:
         kc = kc_ptr + layer * stride_cl_layer
         vc = vc_ptr + layer * stride_cl_layer
+        gu_layer = gu_ptr + layer * (2 * INTER * H)
+        down_layer = down_ptr + layer * (H * INTER)
         if (phases & 1) != 0:  # QKV
+            if PF_MLP == 2 and pid >= QKV_ITEMS:
+                _prefetch_items(gu_layer, pid, INTER, H, 1, NPROG, BN_WIDE, True, ESIZE)
             rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
             slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
@@ -608,6 +657,10 @@ def _stack_step_kernel(
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
         if (phases & 2) != 0:  # ATT
+            if PF_MLP == 1 or (PF_MLP == 2 and pid < QKV_ITEMS):
+                _prefetch_items(gu_layer, pid, INTER, H, 1, NPROG, BN_WIDE, True, ESIZE)
+            if PF_DOWN:
+                _prefetch_items(down_layer, pid, H, INTER, KS_DOWN, NPROG, BN_DOWN, False, ESIZE)
             _phase_attention(
                 q_ptr, attn_ptr, n_rows, kc, vc, stride_cs, stride_cl, stride_ch, slot_ptr, len_ptr, max_len,
                 scale, pid, nprog, NUM_Q, NUM_KV, D, BLOCK_D, NUM_Q // NUM_KV, GROUP_PAD, BLOCK_L, UPCAST,
@@ -888,7 +941,8 @@ def launch_plan(
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
         BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block,
-        SPIN_WARP=int(tune["SPIN_WARP"]), TRACE=trace is not None, KS_O=tune["KS_O"],
+        SPIN_WARP=int(tune["SPIN_WARP"]), PF_MLP=int(tune["PF_MLP"]) if compiled else 0,
+        PF_DOWN=int(tune["PF_DOWN"]) if compiled else 0, TRACE=trace is not None, KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,

@@ -283,7 +283,11 @@ def test_any_grid_gives_the_same_result(programs: int):
 
 @pytest.mark.parametrize(
     "tuning",
-    [{"KS_O": 2, "KS_DOWN": 8}, {"KS_O": 1, "KS_DOWN": 1}, {"BN": 32, "BN_QKV": 32, "BN_WIDE": 16, "BK": 32}],
+    [
+        {"KS_O": 2, "KS_DOWN": 8},
+        {"KS_O": 1, "KS_DOWN": 1},
+        {"BN": 32, "BN_QKV": 32, "BN_WIDE": 16, "BN_DOWN": 64, "BN_HEAD": 64, "BK": 32, "RSTD_BK": 16},
+    ],
     ids=["split_reductions", "no_splits", "other_tiles"],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
