@@ -37,12 +37,11 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning
-    {"BN_DOWN": 16, "BN_HEAD": 32, "num_stages": 3},  # the default until this run (204ca18)
-    {"PF_MLP": 1},
-    {"PF_MLP": 2},
-    {"PF_MLP": 2, "PF_DOWN": 1},
+    {"BN_DOWN": 16, "BN_HEAD": 32, "num_stages": 3, "RSTD_UNROLL": 0},  # 204ca18's tuning
+    {"RSTD_UNROLL": 0},  # the norms' loads one block at a time
+    {"RSTD_BK": 512},
+    {"RSTD_BK": 1024},
     {"KS_DOWN": 8},
-    {"num_stages": 3},
 ]
 TRACE_CALLS = 20
 
@@ -207,7 +206,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/probe_stack_step.json"))
     parser.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=ROWS,
                         help=f"rows per call to measure (default {','.join(map(str, ROWS))})")
-    parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[0], SWEEP[2]],
+    parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[0], SWEEP[1]],
                         help="JSON list of tunings to trace besides the default")
     parser.add_argument("--skip-sweep", action="store_true", help="the default tuning and its trace only")
     args = parser.parse_args()

@@ -79,12 +79,9 @@ _NEG_INF = tl.constexpr(float("-inf"))
 # columns and BK reduction elements per step of a product, warps per program, pipeline stages.
 # BN_QKV is the tile of rotary pairs of the QKV product, BN_WIDE that of the gate/up product; KS_O
 # and KS_DOWN split the reductions of the narrow ones (H outputs), whose H / BN tiles alone would
-# leave SMs idle. BN_DOWN and BN_HEAD are the down product's and the head's tiles; RSTD_BK
-# is the block of a norm's sum of squares; SPIN_WARP: one warp of a program polls a barrier (the rest
-# wait at the program's own barrier), else every thread polls. PF_MLP: each program asks the L2 for
-# its items of the layer's gate/up weights ahead (1: as attention starts; 2: as QKV starts when it has
-# no QKV item, else as attention starts); PF_DOWN: for its items of the down weights as attention
-# starts. The small phases before them leave most SMs and most of the DRAM bandwidth idle.
+# leave SMs idle. BN_DOWN and BN_HEAD are the down product's and the head's tiles (32 and 16 put
+# every SM to work there: 128 and 129 items). RSTD_BK is the block of a norm's sum of squares, and
+# RSTD_UNROLL makes those blocks straight-line code, so their loads are in flight together.
 TUNING = {
     "BN": 16,
     "BN_QKV": 16,
@@ -93,9 +90,7 @@ TUNING = {
     "BN_HEAD": 16,
     "BK": 256,
     "RSTD_BK": 256,
-    "SPIN_WARP": 0,
-    "PF_MLP": 0,
-    "PF_DOWN": 0,
+    "RSTD_UNROLL": 1,
     "KS_O": 1,
     "KS_DOWN": 4,
     "num_warps": 4,
@@ -153,17 +148,6 @@ def _load_acquire(ptr):
 
 
 @triton.jit
-def _load_acquire_warp0(ptr):
-    """``_load_acquire`` in the program's first warp; the other warps get INT32_MAX at once (they wait
-    at the program's barrier instead, which orders them after warp 0's acquire)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.lt.u32 p, t, 32; mov.b32 $0, 2147483647; "
-        "@p ld.acquire.gpu.global.b32 $0, [$1]; }",
-        "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
-@triton.jit
 def _wait(count_ptr, target, fault_ptr, ACQUIRE: tl.constexpr):
     """Spins until *count_ptr >= target, or gives up after _MAX_SPINS: then it raises the launch's
     fault flag (``fault_ptr``, cleared when the launch ends) and counts one fault (``fault_ptr + 1``,
@@ -184,11 +168,8 @@ def _wait(count_ptr, target, fault_ptr, ACQUIRE: tl.constexpr):
 
 @triton.jit
 def _count(count_ptr, ACQUIRE: tl.constexpr):
-    """The barrier counter: an acquire load (a barrier's wait: 1 in every thread, 2 in the first
-    warp only), or a volatile one (the exit's)."""
-    if ACQUIRE == 2:
-        return _load_acquire_warp0(count_ptr)
-    elif ACQUIRE == 1:
+    """The barrier counter: an acquire load (a barrier's wait), or a volatile one (the exit's)."""
+    if ACQUIRE:
         return _load_acquire(count_ptr)
     else:
         return tl.load(count_ptr, volatile=True)
@@ -211,18 +192,18 @@ def _mark(trace_ptr, pid, epoch, side, TRACE: tl.constexpr):
 
 
 @triton.jit
-def _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC: tl.constexpr, SPIN_WARP: tl.constexpr,
-               TRACE: tl.constexpr):
+def _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC: tl.constexpr, TRACE: tl.constexpr):
     """Waits until all programs have finished the phase before barrier ``epoch`` (1, 2, ...).
-    Every thread (or with SPIN_WARP the first warp, the others held by the program's own barrier)
-    spins on an acquire load of the counter, so what the other programs stored before their release
-    is visible once the count is reached. (An acquire atomic adding 0 after a volatile spin, as this
-    was first written, is dropped by the compiler: its result is unused.)"""
+    Every thread spins on an acquire load of the counter, so what the other programs stored before
+    their release is visible once the count is reached. (An acquire atomic adding 0 after a volatile
+    spin, as this was first written, is dropped by the compiler: its result is unused.) A single
+    polling warp per program (the others held at the program's barrier) measured slower.
+    With TRACE, the timer on reaching and leaving the barrier."""
     if SYNC:
         tl.debug_barrier()  # this program's stores are issued before it arrives
         _mark(trace_ptr, pid, epoch, 0, TRACE)
         tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-        _wait(sync_ptr, epoch * nprog, sync_ptr + 2, SPIN_WARP + 1)
+        _wait(sync_ptr, epoch * nprog, sync_ptr + 2, True)
         tl.debug_barrier()
         _mark(trace_ptr, pid, epoch, 1, TRACE)
 
@@ -241,52 +222,30 @@ def _grid_exit(sync_ptr, pid, nprog, SYNC: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptr, nbytes):
-    """Asks the L2 for ``nbytes`` (a multiple of 16) at ``ptr`` (16-byte aligned): one bulk prefetch
-    (sm_90) from the program's first thread. Nothing waits for it, and no register or shared memory
-    holds the bytes."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
-@triton.jit
-def _prefetch_items(
-    w_ptr, pid, N_OUT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BN: tl.constexpr,
-    SECOND: tl.constexpr, ESIZE: tl.constexpr,
-):
-    """Asks the L2 for the weights of all this program's items of a product of N_OUT outputs tiled
-    by BN (``_flat_single``; with SECOND, ``_flat_dual``'s gate/up pairs: rows n and n + N_OUT): an
-    item's BN rows are one slab, or with a split reduction KS, BN row pieces."""
-    ITEMS: tl.constexpr = ((N_OUT + BN - 1) // BN) * KS
-    KP: tl.constexpr = K // KS
-    for i in tl.static_range((ITEMS + NPROG - 1) // NPROG):
-        item = pid + i * NPROG
-        if item < ITEMS:
-            tile = item // KS
-            rows = tl.minimum(N_OUT - tile * BN, BN)
-            if KS == 1:
-                _prefetch_l2(w_ptr + tile * (BN * K), rows * (K * ESIZE))
-                if SECOND:
-                    _prefetch_l2(w_ptr + (N_OUT + tile * BN) * K, rows * (K * ESIZE))
-            else:
-                for r in range(0, rows):
-                    _prefetch_l2(w_ptr + (tile * BN + r) * K + (item % KS) * KP, KP * ESIZE)
-
-
-@triton.jit
-def _rstd(rows_ptr, row_ok, eps, K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of each row of [BM, K] (rows given as pointers)."""
-    total = tl.zeros([BM], tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        a = tl.load(
-            rows_ptr[:, None] + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0,
-            cache_modifier=".cg",
-        ).to(tl.float32)
-        total += tl.sum(a * a, axis=1)
+def _rstd(rows_ptr, row_ok, eps, K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each row of [BM, K] (rows given as pointers). UNROLL: the blocks
+    as straight-line code adding squares elementwise, one row sum at the end, so every block's load
+    can be in flight at once (the loop waits for each block's load, and sums across the program,
+    in turn)."""
+    if UNROLL:
+        squares = tl.zeros([BM, BK], tl.float32)
+        for k0 in tl.static_range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            a = tl.load(
+                rows_ptr[:, None] + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0,
+                cache_modifier=".cg",
+            ).to(tl.float32)
+            squares += a * a
+        total = tl.sum(squares, axis=1)
+    else:
+        total = tl.zeros([BM], tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + tl.arange(0, BK)
+            a = tl.load(
+                rows_ptr[:, None] + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0,
+                cache_modifier=".cg",
+            ).to(tl.float32)
+            total += tl.sum(a * a, axis=1)
     return tl.math.rsqrt(total / K + eps)
 
 
@@ -531,7 +490,7 @@ def _phase_norm(
     m = tl.arange(0, BM)
     row_ok = m < n_rows
     rows = h_ptr + m * H
-    rstd = _rstd(rows, row_ok, eps, H, BM, BK)
+    rstd = _rstd(rows, row_ok, eps, H, BM, BK, 0)
     item = pid
     while item < (H + BN - 1) // BN:
         n = item * BN + tl.arange(0, BN)
@@ -600,6 +559,7 @@ def _stack_step_kernel(
     BN_HEAD: tl.constexpr,
     BK: tl.constexpr,
     RSTD_BK: tl.constexpr,
+    RSTD_UNROLL: tl.constexpr,
     KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
     NUM_OUT: tl.constexpr,
@@ -608,9 +568,6 @@ def _stack_step_kernel(
     GATHER: tl.constexpr,
     HEAD: tl.constexpr,
     SYNC: tl.constexpr,
-    SPIN_WARP: tl.constexpr,
-    PF_MLP: tl.constexpr,
-    PF_DOWN: tl.constexpr,
     TRACE: tl.constexpr,
     OPAQUE: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -633,20 +590,14 @@ def _stack_step_kernel(
             BK, False, False, dtype, OPAQUE, UPCAST,
         )
         epoch += 1
-        _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
+        _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
     h_rows = x_ptr + m * H
-    ESIZE: tl.constexpr = 4 if dtype == tl.float32 else 2
-    QKV_ITEMS: tl.constexpr = (NUM_Q + 2 * NUM_KV) * ((D // 2 + BN_QKV - 1) // BN_QKV)
     layer = layer_begin
     while layer < layer_end:
         kc = kc_ptr + layer * stride_cl_layer
         vc = vc_ptr + layer * stride_cl_layer
-        gu_layer = gu_ptr + layer * (2 * INTER * H)
-        down_layer = down_ptr + layer * (H * INTER)
         if (phases & 1) != 0:  # QKV
-            if PF_MLP == 2 and pid >= QKV_ITEMS:
-                _prefetch_items(gu_layer, pid, INTER, H, 1, NPROG, BN_WIDE, True, ESIZE)
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK, RSTD_UNROLL)
             pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
             slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
             _flat_dual(
@@ -655,18 +606,14 @@ def _stack_step_kernel(
                 NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, dtype, OPAQUE, UPCAST, LIBDEVICE,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
+            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
         if (phases & 2) != 0:  # ATT
-            if PF_MLP == 1 or (PF_MLP == 2 and pid < QKV_ITEMS):
-                _prefetch_items(gu_layer, pid, INTER, H, 1, NPROG, BN_WIDE, True, ESIZE)
-            if PF_DOWN:
-                _prefetch_items(down_layer, pid, H, INTER, KS_DOWN, NPROG, BN_DOWN, False, ESIZE)
             _phase_attention(
                 q_ptr, attn_ptr, n_rows, kc, vc, stride_cs, stride_cl, stride_ch, slot_ptr, len_ptr, max_len,
                 scale, pid, nprog, NUM_Q, NUM_KV, D, BLOCK_D, NUM_Q // NUM_KV, GROUP_PAD, BLOCK_L, UPCAST,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
+            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
         if (phases & 4) != 0:  # OUT_PROJ
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
@@ -674,20 +621,20 @@ def _stack_step_kernel(
                 NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, dtype, OPAQUE, UPCAST,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
+            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
         if KS_O > 1 and (phases & 32) != 0:  # OUT_PROJ_REDUCE
             _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_O, BM, BN, dtype, OPAQUE)
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
+            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
         if (phases & 8) != 0:  # MLP
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK, RSTD_UNROLL)
             _flat_dual(
                 h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), pid, cos_ptr,
                 sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H, NUM_Q, NUM_KV,
                 D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, dtype, OPAQUE, UPCAST, LIBDEVICE,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
+            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
         if (phases & 16) != 0:  # DOWN
             a_rows = act_ptr + m * INTER
             _flat_single(
@@ -695,15 +642,15 @@ def _stack_step_kernel(
                 INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK, False, True, dtype, OPAQUE, UPCAST,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
+            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
         if KS_DOWN > 1 and (phases & 64) != 0:  # DOWN_REDUCE
             _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, dtype, OPAQUE)
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, SPIN_WARP, TRACE)
+            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
         layer += 1
     if run_out != 0:
         if HEAD:  # the final norm as the head product's prologue
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK, RSTD_UNROLL)
             _flat_single(
                 h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, NUM_OUT, H, 1, NPROG, BM,
                 BN_HEAD, BK, True, False, dtype, OPAQUE, UPCAST,
@@ -940,9 +887,8 @@ def launch_plan(
         BLOCK_D=max(16, triton.next_power_of_2(d)), GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)),
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
-        BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block,
-        SPIN_WARP=int(tune["SPIN_WARP"]), PF_MLP=int(tune["PF_MLP"]) if compiled else 0,
-        PF_DOWN=int(tune["PF_DOWN"]) if compiled else 0, TRACE=trace is not None, KS_O=tune["KS_O"],
+        BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block, RSTD_UNROLL=int(tune["RSTD_UNROLL"]),
+        TRACE=trace is not None, KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,
