@@ -90,7 +90,7 @@ TUNING = {
     "BN_HEAD": 16,
     "BK": 256,
     "RSTD_BK": 256,
-    "RSTD_UNROLL": 1,
+    "RSTD_UNROLL": 0,
     "KS_O": 1,
     "KS_DOWN": 4,
     "num_warps": 4,
