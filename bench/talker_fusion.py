@@ -275,8 +275,8 @@ STAGES = [  # name, pack weights first, kernel switches, stack_step settings
     ("+ rms_norm kernel", True, _switches(True, True, False, False), None),
     ("+ rope_kv kernel", True, _switches(True, True, True, False), None),
     ("+ silu_mul kernel", True, _switches(True, True, True, True), None),
-    ("+ stack_step, depth calls <= 16 rows", True, _switches(True, True, True, True, True), {"rows": 16}),
-    ("+ stack_step, depth calls <= 2 rows (default)", True, _switches(True, True, True, True, True), {}),
+    ("+ stack_step, depth calls <= 2 rows", True, _switches(True, True, True, True, True), {"rows": 2}),
+    ("+ stack_step, depth calls <= 16 rows (default)", True, _switches(True, True, True, True, True), {}),
 ]
 
 

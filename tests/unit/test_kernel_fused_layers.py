@@ -818,8 +818,9 @@ def on_the_kernels(fresh_latches, monkeypatch) -> Counter:
 # One frame of the tiny talker: the backbone's 4 layers through forward_rows (a layer: two norms, one
 # rope_kv, one decode attention, one silu_mul; the stack's final norm), and the depth decoder's 7
 # calls (the first two positions together, then one per codebook 2 .. 7): each one stack_step, or,
-# for calls of more rows than STACK_STEP_ROWS (2), forward_rows through its 2 layers. A bucket of b
-# rows makes a first call of 2 b rows and six calls of b rows.
+# for calls of more rows than STACK_STEP_ROWS, forward_rows through its 2 layers. A bucket of b
+# rows makes a first call of 2 b rows and six calls of b rows. The tiny model's buckets (1, 2, 4) all
+# fit the default limit (16), so the tests that need both paths set it to 2 (``limit_2``).
 BACKBONE_LAYERS_PER_FRAME = 4
 DEPTH_CALLS_PER_FRAME = 7
 DEPTH_LAYERS = 2
@@ -839,6 +840,13 @@ def assert_frames_ran_on_the_kernels(launches: Counter, frames: int, bucket: int
                                 "rope_kv_triton": layers,
                                 "decode_attention_triton": layers, "silu_mul_triton": layers,
                                 "stack_step_triton": frames * stack})
+
+
+@pytest.fixture
+def limit_2(monkeypatch) -> None:
+    """Depth calls of more than 2 rows take forward_rows: buckets 1, 2 and 4 then take stack_step
+    for all, some and none of their depth calls."""
+    monkeypatch.setattr(csm_model, "STACK_STEP_ROWS", 2)
 
 
 @pytest.fixture(scope="module")
@@ -879,20 +887,34 @@ interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA: tests/gp
 
 @interpreter_only
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])  # buckets 1 (all stack_step), 2 (both), 4 (forward_rows)
-def test_fused_frames_on_the_kernels_equal_the_plain_model(talkers, plain_codes, on_the_kernels, rows: int):
+def test_fused_frames_on_the_kernels_equal_the_plain_model(
+    talkers, plain_codes, on_the_kernels, limit_2, rows: int
+):
     assert [stack_calls(b) for b in (1, 2, 4)] == [7, 6, 0]
     decode(make_runner(talkers[1]), rows, 2).assert_matches(plain_codes[(rows, "greedy")])
     assert_frames_ran_on_the_kernels(on_the_kernels, 2, bucket=1 if rows == 1 else 2 if rows == 2 else 4)
 
 
 @interpreter_only
-def test_fused_seeded_sampling_on_the_kernels_equals_the_plain_model(talkers, plain_codes, on_the_kernels):
+def test_fused_frames_at_the_default_limit_take_stack_step_for_every_depth_call(
+    talkers, plain_codes, on_the_kernels
+):
+    # bucket 4: a first depth call of 8 rows, then six of 4, every one a stack_step launch
+    assert csm_model.STACK_STEP_ROWS == 16 and stack_calls(4) == DEPTH_CALLS_PER_FRAME
+    decode(make_runner(talkers[1]), 4, 2).assert_matches(plain_codes[(4, "greedy")])
+    assert_frames_ran_on_the_kernels(on_the_kernels, 2, bucket=4)
+
+
+@interpreter_only
+def test_fused_seeded_sampling_on_the_kernels_equals_the_plain_model(
+    talkers, plain_codes, on_the_kernels, limit_2
+):
     decode(make_runner(talkers[1]), 2, 2, seeded).assert_matches(plain_codes[(2, "seeded")])
     assert_frames_ran_on_the_kernels(on_the_kernels, 2, bucket=2)
 
 
 @interpreter_only
-def test_fused_frame_logits_on_the_kernels_equal_the_plain_model(talkers, on_the_kernels):
+def test_fused_frame_logits_on_the_kernels_equal_the_plain_model(talkers, on_the_kernels, limit_2):
     plain, fused = talkers
     want = first_frame(plain, 2)
     assert not on_the_kernels  # the plain path on the CPU never meets a kernel

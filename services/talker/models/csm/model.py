@@ -33,11 +33,11 @@ from services.talker.models.csm.config import CsmConfig
 from services.talker.models.csm.modules import KVCache, Transformer
 from services.talker.models.family import FrameInputs, FrameOutputs, PromptSegment
 
-# Depth calls of at most this many rows take ``stack_step`` (one launch a call). On the H200 a call
-# of 1 or 2 rows is faster that way (B=1 frame 7.49 -> 6.90 ms); at 8 and 16 rows the kernel's
-# products stream weights slower than the library's and the frame is slower (B=8 7.06 -> 7.20 ms):
-# bench/results/talker_fusion_stack_step.json.
-STACK_STEP_ROWS = 2
+# Depth calls of at most this many rows (the kernel's MAX_ROWS) take ``stack_step``, one launch a
+# call. On the H200, since its down and head tiles let every SM stream (c9401fa), a call of 8 or 16
+# rows is faster that way too: 157 / 158 us against 189 / 197 us for the library's products, and a
+# B=8 frame 7.07 -> 6.56 ms (bench/README.md, "Every SM streams the down product").
+STACK_STEP_ROWS = 16
 
 
 class AudioEmbeddings(nn.Module):
