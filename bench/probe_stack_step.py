@@ -1,16 +1,18 @@
 """``stack_step`` on csm-1b's depth decoder against the path it replaces, per depth call, timed
-inside CUDA graphs. GPU only (about 2 minutes on one H200).
+inside CUDA graphs. GPU only (about 5 minutes at one row with the sweep, on one H200).
 
-    python bench/probe_stack_step.py [--out bench/results/probe_stack_step.json]
+    python bench/probe_stack_step.py [--rows 1,8,16] [--skip-sweep] [--out FILE.json]
 
 One depth call: the embedding lookup, the projector (2048 -> 1024), 4 layers, the final norm and
 one codebook's head (2,056 padded rows), bf16, random weights. The replaced path is
 ``F.embedding`` + ``F.linear`` + ``Transformer.forward_rows`` (with the fused-layer kernels) +
 ``F.linear``. For 1, 2, 8 and 16 rows: 31 calls captured in one graph (a frame's depth loop),
 timed with CUDA events over replays (median of 5 x 10 after warm-up), for the default tuning and
-a sweep of tile sizes, warps, pipeline stages and grid sizes; the achieved weight bandwidth
-(bytes of the call's weights over its time); the one launch against its phase-by-phase launches
-(bit for bit) and against the replaced path (relative error of the logits).
+a sweep of tunings and a smaller grid; the achieved weight bandwidth (bytes of the call's weights
+over its time); the one launch against its phase-by-phase launches (bit for bit) and against the
+replaced path (relative error of the logits). At one row, where the call's time goes: the phased
+launches under the profiler, and the one launch's own timer trace per phase and barrier (for the
+default and ``--trace-tunings``). ``--skip-sweep``: the default and its trace only.
 """
 
 from __future__ import annotations

@@ -35,9 +35,10 @@ counter, so consecutive launches (and CUDA-graph replays) need no memset. A spin
 then on that launch's results are wrong, and ``faults`` (a host sync) says so. The talker does not
 read the flag. Launches of this kernel must not overlap: one stream per device.
 
-Where it pays (bench/README.md): a call of 1 or 2 rows on the H200 is faster than the nine-launch
-layers; at 8 or 16 rows it is slower, so the CSM talker sends only calls of up to
-``STACK_STEP_ROWS`` rows here.
+Where it pays (bench/README.md): on the H200 a call of 1 to 16 rows is faster than the nine-launch
+layers (158 against 189 to 204 us), so the CSM talker sends every call of up to ``STACK_STEP_ROWS``
+(16) rows here. ``trace`` times each program at each barrier from inside the launch, which is how
+bench/probe_stack_step.py splits a call into its phases and barriers.
 
 The Triton interpreter runs programs one after another, so a barrier there would wait forever:
 ``stack_step_triton(..., phased=True)`` launches each phase on its own (the launch boundary is
