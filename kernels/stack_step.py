@@ -814,6 +814,8 @@ def stack_step_triton(
     check(weights, k_cache, v_cache, slots, positions, lengths, x, src, codes, proj, head)
     interpret = bool(triton.knobs.runtime.interpret)
     phased = interpret if phased is None else phased
+    if trace is not None and phased:
+        raise ValueError("stack_step: trace times the one launch, not phased launches")
     args, static, grid, out, tune = launch_plan(
         weights, k_cache, v_cache, slots, positions, lengths, x=x, src=src, codes=codes, proj=proj, head=head,
         num_programs=num_programs, tuning=tuning, compiled=weights.qkv.is_cuda and not interpret, trace=trace,
@@ -869,11 +871,15 @@ def launch_plan(
     fp32 = dtype == torch.float32
     block_k = min(tune["BK"], max(16, triton.next_power_of_2(hidden)))
     rstd_block = min(tune["RSTD_BK"], max(16, triton.next_power_of_2(hidden)))
-    if trace is not None and (
-        not compiled or trace.dtype != torch.int64 or tuple(trace.shape) != (grid[0], 64, 2)
-        or trace.device != device or not trace.is_contiguous()
-    ):
-        raise ValueError(f"stack_step: trace must be a contiguous [{grid[0]}, 64, 2] int64 tensor on the GPU")
+    if trace is not None:
+        per_layer = 5 + (tune["KS_O"] > 1) + (tune["KS_DOWN"] > 1)
+        barriers = (proj is not None) + weights.num_layers * per_layer
+        if not compiled or trace.dtype != torch.int64 or tuple(trace.shape) != (grid[0], 64, 2) or (
+            trace.device != device or not trace.is_contiguous()
+        ):
+            raise ValueError(f"stack_step: trace must be a contiguous [{grid[0]}, 64, 2] int64 GPU tensor")
+        if barriers + 1 >= 64:
+            raise ValueError(f"stack_step: trace holds 62 barriers, this stack has {barriers}")
     args = (
         src if src is not None else residual, src.stride(0) if src is not None else 0,
         codes if codes is not None else slots, proj if proj is not None else residual, residual, weights.qkv,

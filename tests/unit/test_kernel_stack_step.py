@@ -400,6 +400,44 @@ def test_launcher_rejects_what_it_cannot_take(what: str, changes: dict, names: s
     assert not ss.fits(*args, **inputs)
 
 
+def _meta_stack(layers: int) -> ss.StackWeights:
+    h, inter, hq, hkv, d = 64, 128, 4, 2, 16
+
+    def meta(*size):
+        return torch.empty(*size, dtype=torch.bfloat16, device="meta")
+
+    return ss.StackWeights(
+        qkv=meta(layers, (hq + 2 * hkv) * d, h), o=meta(layers, h, hq * d),
+        gate_up=meta(layers, 2 * inter, h), down=meta(layers, h, inter), input_norm=meta(layers, h),
+        post_norm=meta(layers, h), final_norm=meta(h), cos=meta(32, d), sin=meta(32, d), num_q_heads=hq,
+        num_kv_heads=hkv, head_dim=d, eps=1e-5,
+    )
+
+
+def test_a_trace_is_taken_only_where_it_fits():
+    # The timer trace times the one launch on a GPU, 64 barrier slots a program.
+    args, inputs = _apply({})
+    trace = torch.zeros(3, 64, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="one launch"):
+        ss.stack_step_triton(*args, **inputs, trace=trace)  # the interpreter launches phase by phase
+    with pytest.raises(ValueError, match="GPU tensor"):
+        ss.launch_plan(*args, **inputs, num_programs=3, compiled=False, trace=trace)
+
+    def plan(layers: int, shape=(132, 64, 2)):
+        stack = _meta_stack(layers)
+        cache = torch.empty(layers, 2, 32, 2, 16, dtype=torch.bfloat16, device="meta")
+        index = torch.empty(1, dtype=torch.int64, device="meta")
+        x = torch.empty(1, 64, dtype=torch.bfloat16, device="meta")
+        trace = torch.empty(*shape, dtype=torch.int64, device="meta")
+        return ss.launch_plan(stack, cache, cache, index, index, index, x=x, num_programs=132, trace=trace)
+
+    assert plan(4)[1]["TRACE"]  # 4 layers: 21 barriers
+    with pytest.raises(ValueError, match="GPU tensor"):
+        plan(4, (66, 64, 2))  # one row a program
+    with pytest.raises(ValueError, match="62 barriers, this stack has 66"):
+        plan(11)
+
+
 @pytest.fixture
 def fresh_latch(monkeypatch) -> KernelLatch:
     latch = KernelLatch("stack_step")
