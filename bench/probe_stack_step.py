@@ -40,7 +40,6 @@ ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning
     {"BN_DOWN": 16, "BN_HEAD": 32, "num_stages": 3},  # 204ca18's tuning
-    {"RSTD_UNROLL": 1},  # the norms' loads all in flight at once
     {"RSTD_BK": 512},
     {"RSTD_BK": 1024},
     {"KS_DOWN": 8},
@@ -88,16 +87,7 @@ def phase_profile(call, num_layers: int) -> dict:
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and "stack_step" in e.name
     ]
-    names = [
-        name
-        for name, bit in zip(
-            ("QKV", "ATT", "OUT_PROJ", "OUT_PROJ_REDUCE", "MLP", "DOWN", "DOWN_REDUCE"),
-            stack_kernel.LAYER_PHASES,
-            strict=True,
-        )
-        if (bit != stack_kernel.OUT_PROJ_REDUCE or stack_kernel.TUNING["KS_O"] > 1)
-        and (bit != stack_kernel.DOWN_REDUCE or stack_kernel.TUNING["KS_DOWN"] > 1)
-    ]
+    names = phase_names(stack_kernel.TUNING, 1)[1:-1]  # one layer's phases
     if len(times) != 2 + num_layers * len(names):
         return {"note": f"{len(times)} launches in the trace"}
     per = {"PJ": times[0], "OUT": times[-1]}
@@ -208,7 +198,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/probe_stack_step.json"))
     parser.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=ROWS,
                         help=f"rows per call to measure (default {','.join(map(str, ROWS))})")
-    parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[0], SWEEP[1]],
+    parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[0]],
                         help="JSON list of tunings to trace besides the default")
     parser.add_argument("--skip-sweep", action="store_true", help="the default tuning and its trace only")
     args = parser.parse_args()

@@ -81,8 +81,7 @@ _NEG_INF = tl.constexpr(float("-inf"))
 # BN_QKV is the tile of rotary pairs of the QKV product, BN_WIDE that of the gate/up product; KS_O
 # and KS_DOWN split the reductions of the narrow ones (H outputs), whose H / BN tiles alone would
 # leave SMs idle. BN_DOWN and BN_HEAD are the down product's and the head's tiles (32 and 16 put
-# every SM to work there: 128 and 129 items). RSTD_BK is the block of a norm's sum of squares, and
-# RSTD_UNROLL makes those blocks straight-line code, so their loads are in flight together.
+# every SM to work there: 128 and 129 items). RSTD_BK is the block of a norm's sum of squares.
 TUNING = {
     "BN": 16,
     "BN_QKV": 16,
@@ -91,7 +90,6 @@ TUNING = {
     "BN_HEAD": 16,
     "BK": 256,
     "RSTD_BK": 256,
-    "RSTD_UNROLL": 0,
     "KS_O": 1,
     "KS_DOWN": 4,
     "num_warps": 4,
@@ -223,30 +221,16 @@ def _grid_exit(sync_ptr, pid, nprog, SYNC: tl.constexpr):
 
 
 @triton.jit
-def _rstd(rows_ptr, row_ok, eps, K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, UNROLL: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of each row of [BM, K] (rows given as pointers). UNROLL: the blocks
-    as straight-line code adding squares elementwise, one row sum at the end, so every block's load
-    can be in flight at once (the loop waits for each block's load, and sums across the program,
-    in turn)."""
-    if UNROLL:
-        squares = tl.zeros([BM, BK], tl.float32)
-        for k0 in tl.static_range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            a = tl.load(
-                rows_ptr[:, None] + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0,
-                cache_modifier=".cg",
-            ).to(tl.float32)
-            squares += a * a
-        total = tl.sum(squares, axis=1)
-    else:
-        total = tl.zeros([BM], tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + tl.arange(0, BK)
-            a = tl.load(
-                rows_ptr[:, None] + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0,
-                cache_modifier=".cg",
-            ).to(tl.float32)
-            total += tl.sum(a * a, axis=1)
+def _rstd(rows_ptr, row_ok, eps, K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each row of [BM, K] (rows given as pointers)."""
+    total = tl.zeros([BM], tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        a = tl.load(
+            rows_ptr[:, None] + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0,
+            cache_modifier=".cg",
+        ).to(tl.float32)
+        total += tl.sum(a * a, axis=1)
     return tl.math.rsqrt(total / K + eps)
 
 
@@ -491,7 +475,7 @@ def _phase_norm(
     m = tl.arange(0, BM)
     row_ok = m < n_rows
     rows = h_ptr + m * H
-    rstd = _rstd(rows, row_ok, eps, H, BM, BK, 0)
+    rstd = _rstd(rows, row_ok, eps, H, BM, BK)
     item = pid
     while item < (H + BN - 1) // BN:
         n = item * BN + tl.arange(0, BN)
@@ -560,7 +544,6 @@ def _stack_step_kernel(
     BN_HEAD: tl.constexpr,
     BK: tl.constexpr,
     RSTD_BK: tl.constexpr,
-    RSTD_UNROLL: tl.constexpr,
     KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
     NUM_OUT: tl.constexpr,
@@ -598,7 +581,7 @@ def _stack_step_kernel(
         kc = kc_ptr + layer * stride_cl_layer
         vc = vc_ptr + layer * stride_cl_layer
         if (phases & 1) != 0:  # QKV
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK, RSTD_UNROLL)
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
             slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
             _flat_dual(
@@ -628,7 +611,7 @@ def _stack_step_kernel(
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
         if (phases & 8) != 0:  # MLP
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK, RSTD_UNROLL)
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             _flat_dual(
                 h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), pid, cos_ptr,
                 sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H, NUM_Q, NUM_KV,
@@ -651,7 +634,7 @@ def _stack_step_kernel(
         layer += 1
     if run_out != 0:
         if HEAD:  # the final norm as the head product's prologue
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK, RSTD_UNROLL)
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             _flat_single(
                 h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, NUM_OUT, H, 1, NPROG, BM,
                 BN_HEAD, BK, True, False, dtype, OPAQUE, UPCAST,
@@ -660,7 +643,7 @@ def _stack_step_kernel(
             _phase_norm(
                 x_ptr, out_ptr, n_rows, final_ptr, eps, pid, nprog, H, BM, BN_WIDE, RSTD_BK, dtype, OPAQUE
             )
-    if SYNC:
+    if SYNC and TRACE:
         tl.debug_barrier()
         _mark(trace_ptr, pid, epoch + 1, 0, TRACE)
     _grid_exit(sync_ptr, pid, nprog, SYNC)
@@ -894,7 +877,7 @@ def launch_plan(
         BLOCK_D=max(16, triton.next_power_of_2(d)), GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)),
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
-        BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block, RSTD_UNROLL=int(tune["RSTD_UNROLL"]),
+        BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block,
         TRACE=trace is not None, KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,

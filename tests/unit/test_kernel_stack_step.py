@@ -285,7 +285,7 @@ def test_any_grid_gives_the_same_result(programs: int):
     "tuning",
     [
         {"KS_O": 2, "KS_DOWN": 8},
-        {"KS_O": 1, "KS_DOWN": 1, "RSTD_UNROLL": 1},
+        {"KS_O": 1, "KS_DOWN": 1},
         {"BN": 32, "BN_QKV": 32, "BN_WIDE": 16, "BN_DOWN": 64, "BN_HEAD": 64, "BK": 32, "RSTD_BK": 16},
     ],
     ids=["split_reductions", "no_splits", "other_tiles"],
