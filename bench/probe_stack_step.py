@@ -11,8 +11,9 @@ timed with CUDA events over replays (median of 5 x 10 after warm-up), for the de
 a sweep of tunings and a smaller grid; the achieved weight bandwidth (bytes of the call's weights
 over its time); the one launch against its phase-by-phase launches (bit for bit) and against the
 replaced path (relative error of the logits). At one row, where the call's time goes: the phased
-launches under the profiler, and the one launch's own timer trace per phase and barrier (for the
-default and ``--trace-tunings``). ``--skip-sweep``: the default and its trace only.
+launches under the profiler, the one launch's own timer trace per phase and barrier, and its marks
+inside phases for how long each norm's sums take (for the default and ``--trace-tunings``).
+``--skip-sweep``: the default and its traces only. The JSON is written after each row count.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning
-    {"BN_DOWN": 16, "BN_HEAD": 32, "num_stages": 3},  # 204ca18's tuning
-    {"RSTD_BK": 512},
-    {"RSTD_BK": 1024},
-    {"KS_DOWN": 8},
+    {"SSQ": 1},  # norms from the producers' sums of squares
+    {"SSQ": 1, "BN_QKV": 8},  # 96 QKV items instead of 48
+    {"SSQ": 1, "KS_DOWN": 1, "BN_DOWN": 8},  # no down reduce phase (and no barrier for it)
+    {"SSQ": 1, "KS_DOWN": 2, "BN_DOWN": 16},
 ]
 TRACE_CALLS = 20
 
@@ -148,6 +149,43 @@ def trace_breakdown(call, tuning: dict, num_layers: int, programs: int) -> dict:
     result["barriers_us"] = round(sum(barriers), 2)
     result["spans_us"] = round(sum(v["count"] * v["span"] for v in result["per_phase"].values()), 2)
     return result
+
+
+def norm_breakdown(call, tuning: dict, num_layers: int, programs: int) -> dict:
+    """How long each norm's sums take, from the kernel's marks inside phases (a trace of 128 slots):
+    from leaving the barrier before the phase to the norm's rstd being computed, per norm kind (QKV's,
+    gate/up's, the head's), for the median program and for the program that reaches the next barrier
+    last (the one the phase waits for). Medians over TRACE_CALLS launches, kinds averaged over the
+    layers. µs."""
+    names = phase_names({**stack_kernel.TUNING, **tuning}, num_layers)
+    trace = torch.zeros(programs, 128, 2, dtype=torch.int64, device="cuda")
+    barrier = {"QKV": [], "MLP": []}  # the barrier each phase starts after
+    for e, name in enumerate(names[:-1], start=1):
+        if name in barrier:
+            barrier[name].append(e - 1)
+    kinds = {"QKV": [(64 + 2 * layer, e) for layer, e in enumerate(barrier["QKV"])],
+             "MLP": [(65 + 2 * layer, e) for layer, e in enumerate(barrier["MLP"])],
+             "OUT": [(126, len(names) - 1)]}
+    samples = {kind: {"median": [], "last": []} for kind in kinds}
+    for i in range(TRACE_CALLS + 3):
+        trace.zero_()
+        call(trace)
+        torch.cuda.synchronize()
+        if i < 3:
+            continue
+        t = trace.double().cpu() / 1e3
+        for kind, marks in kinds.items():
+            med, last = [], []
+            for slot, e in marks:
+                took = t[:, slot, 0] - t[:, e, 1]
+                arrive = t[:, e + 1, 0]
+                med.append(float(took.median()))
+                last.append(float(took[int(arrive.argmax())]))
+            samples[kind]["median"].append(statistics.mean(med))
+            samples[kind]["last"].append(statistics.mean(last))
+    return {
+        kind: {k: round(statistics.median(v), 2) for k, v in cols.items()} for kind, cols in samples.items()
+    }
 
 
 def barrier_overhead(stack) -> float:
@@ -312,18 +350,22 @@ def main() -> None:
             sms = result["sms"]
             layers = stack.num_layers
             entry["trace"] = {"default": trace_breakdown(lambda t: kernel(trace=t), {}, layers, sms)}
+            entry["norms"] = {"default": norm_breakdown(lambda t: kernel(trace=t), {}, layers, sms)}
             for tuning in args.trace_tunings:
                 entry["trace"][json.dumps(tuning)] = trace_breakdown(
                     lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms
                 )
-            print(json.dumps({"trace": entry["trace"]}), flush=True)
+                entry["norms"][json.dumps(tuning)] = norm_breakdown(
+                    lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms
+                )
+            print(json.dumps({"trace": entry["trace"], "norms": entry["norms"]}), flush=True)
             entry["phases_us"] = phase_profile(lambda: kernel(phased=True), stack.num_layers)
         entry["faults"] = stack_kernel.faults("cuda")
         per_rows[f"N={n}"] = entry
         print(f"N={n}: {json.dumps(entry)}", flush=True)
-    result["per_rows"] = per_rows
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+        result["per_rows"] = per_rows  # written after each row count: a time limit keeps what is done
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ TUNING = {
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,
+    "SSQ": 0,
     "num_warps": 4,
     "num_stages": 4,
 }
@@ -183,15 +184,27 @@ def _now():
 
 
 @triton.jit
-def _mark(trace_ptr, pid, epoch, side, TRACE: tl.constexpr):
-    """With TRACE, the timer when program ``pid`` reaches (side 0) or leaves (side 1) barrier ``epoch``
-    into trace [programs, 64, 2] int64 (epoch 0: the launch's start; bench/probe_stack_step.py)."""
+def _mark(trace_row, epoch, side, TRACE: tl.constexpr):
+    """With TRACE, the timer when this program reaches (side 0) or leaves (side 1) barrier ``epoch``
+    into its row of trace [programs, 64 or 128, 2] int64 (epoch 0: the launch's start; slots from 64
+    on: marks inside phases; bench/probe_stack_step.py)."""
     if TRACE:
-        tl.store(trace_ptr + (pid * 64 + epoch) * 2 + side, _now())
+        tl.store(trace_row + epoch * 2 + side, _now())
 
 
 @triton.jit
-def _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC: tl.constexpr, TRACE: tl.constexpr):
+def _mark_after(trace_row, epoch, side, value, TRACE: tl.constexpr):
+    """With TRACE, the timer once ``value`` (a tensor) is computed, into slot (epoch, side): a store of
+    its sum (into slot (63, 1), which no barrier uses) waits for every element, and a program barrier
+    for every thread, before the timer is read."""
+    if TRACE:
+        tl.store(trace_row + 63 * 2 + 1, tl.sum(value.to(tl.float32)).to(tl.int64))
+        tl.debug_barrier()
+        _mark(trace_row, epoch, side, TRACE)
+
+
+@triton.jit
+def _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC: tl.constexpr, TRACE: tl.constexpr):
     """Waits until all programs have finished the phase before barrier ``epoch`` (1, 2, ...).
     Every thread spins on an acquire load of the counter, so what the other programs stored before
     their release is visible once the count is reached. (An acquire atomic adding 0 after a volatile
@@ -200,11 +213,11 @@ def _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC: tl.constexpr, TRACE
     With TRACE, the timer on reaching and leaving the barrier."""
     if SYNC:
         tl.debug_barrier()  # this program's stores are issued before it arrives
-        _mark(trace_ptr, pid, epoch, 0, TRACE)
+        _mark(trace_row, epoch, 0, TRACE)
         tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
         _wait(sync_ptr, epoch * nprog, sync_ptr + 2, True)
         tl.debug_barrier()
-        _mark(trace_ptr, pid, epoch, 1, TRACE)
+        _mark(trace_row, epoch, 1, TRACE)
 
 
 @triton.jit
@@ -235,6 +248,26 @@ def _rstd(rows_ptr, row_ok, eps, K: tl.constexpr, BM: tl.constexpr, BK: tl.const
 
 
 @triton.jit
+def _rstd_parts(ssq_ptr, count, eps, K: tl.constexpr, BM: tl.constexpr, TILES: tl.constexpr):
+    """``_rstd`` from the sums of squares the producing phase left: ``count`` tiles' fp32 partial sums
+    [count, BM] (of the values as stored), added in a fixed order, so one load instead of a loop."""
+    t = tl.arange(0, TILES)
+    m = tl.arange(0, BM)
+    parts = tl.load(ssq_ptr + t[:, None] * BM + m[None, :], mask=(t < count)[:, None], other=0.0,
+                    cache_modifier=".cg")
+    return tl.math.rsqrt(tl.sum(parts, axis=0) / K + eps)
+
+
+@triton.jit
+def _ssq_store(ssq_ptr, tile, tile_ok, value, ok, BM: tl.constexpr):
+    """A tile's partial sums of squares of the values it stored ([BM, BN] in the stream's dtype):
+    row r's sum over the tile's columns to ssq[tile, r]."""
+    v = value.to(tl.float32)
+    m = tl.arange(0, BM)
+    tl.store(ssq_ptr + tile * BM + m, tl.sum(tl.where(ok, v * v, 0.0), axis=1), mask=tile_ok)
+
+
+@triton.jit
 def _operand(
     rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr
 ):
@@ -251,16 +284,17 @@ def _operand(
 
 @triton.jit
 def _flat_single(
-    rows_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, pid, N_OUT: tl.constexpr, K: tl.constexpr,
-    KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    rows_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, ssq_ptr, pid, N_OUT: tl.constexpr,
+    K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SSQ: tl.constexpr, dtype: tl.constexpr,
+    OPAQUE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """A product phase as one flat loop over (this program's items) x (reduction blocks), so the
     pipeline runs on from one item into the next: dst[rows, N_OUT] = operand @ w[:, :K].T, items of
     BN outputs times KS reduction parts. RESIDUAL: dst += the product (KS == 1), or fp32 partial
-    sums [KS, BM, N_OUT] for ``_phase_reduce``; else dst = the product. Programs past the last item
-    run masked iterations (loads and stores off)."""
+    sums [KS, BM, N_OUT] for ``_phase_reduce``; else dst = the product. SSQ (KS == 1): each tile's
+    partial sums of squares of what it stored, for the next norm (``_rstd_parts``). Programs past the
+    last item run masked iterations (loads and stores off)."""
     m = tl.arange(0, BM)
     ITEMS: tl.constexpr = ((N_OUT + BN - 1) // BN) * KS
     KP: tl.constexpr = K // KS
@@ -287,11 +321,17 @@ def _flat_single(
                 if KS == 1:
                     dst = dst_ptr + m[:, None] * N_OUT + n[None, :]
                     res = tl.load(dst, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    tl.store(dst, (res + _round_to(acc, dtype, OPAQUE)).to(dtype), mask=ok)
+                    new = (res + _round_to(acc, dtype, OPAQUE)).to(dtype)
+                    tl.store(dst, new, mask=ok)
+                    if SSQ:
+                        _ssq_store(ssq_ptr, tile, item < ITEMS, new, ok, BM)
                 else:
                     tl.store(part_ptr + (split * BM + m[:, None]) * N_OUT + n[None, :], acc, mask=ok)
             else:
-                tl.store(dst_ptr + m[:, None] * N_OUT + n[None, :], acc.to(dtype), mask=ok)
+                new = acc.to(dtype)
+                tl.store(dst_ptr + m[:, None] * N_OUT + n[None, :], new, mask=ok)
+                if SSQ:
+                    _ssq_store(ssq_ptr, tile, item < ITEMS, new, ok, BM)
             acc = tl.zeros([BM, BN], tl.float32)
 
 
@@ -444,10 +484,11 @@ def _phase_attention(
 
 @triton.jit
 def _phase_reduce(
-    h_ptr, part_ptr, n_rows, pid, nprog, H: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
+    h_ptr, part_ptr, ssq_ptr, n_rows, pid, nprog, H: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, SSQ: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
 ):
-    """h += the KS partial sums, added in a fixed order (the result does not depend on the grid)."""
+    """h += the KS partial sums, added in a fixed order (the result does not depend on the grid);
+    SSQ: each tile's partial sums of squares for the next norm, as in ``_flat_single``."""
     m = tl.arange(0, BM)
     row_ok = m < n_rows
     item = pid
@@ -462,20 +503,22 @@ def _phase_reduce(
             )
         dst = h_ptr + m[:, None] * H + n[None, :]
         res = tl.load(dst, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(dst, (res + _round_to(acc, dtype, OPAQUE)).to(dtype), mask=ok)
+        new = (res + _round_to(acc, dtype, OPAQUE)).to(dtype)
+        tl.store(dst, new, mask=ok)
+        if SSQ:
+            _ssq_store(ssq_ptr, item, True, new, ok, BM)
         item += nprog
 
 
 @triton.jit
 def _phase_norm(
-    h_ptr, out_ptr, n_rows, norm_ptr, eps, pid, nprog, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
+    h_ptr, out_ptr, n_rows, norm_ptr, rstd, pid, nprog, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    dtype: tl.constexpr, OPAQUE: tl.constexpr,
 ):
     """The final norm written out [rows, H] (a step without a head)."""
     m = tl.arange(0, BM)
     row_ok = m < n_rows
     rows = h_ptr + m * H
-    rstd = _rstd(rows, row_ok, eps, H, BM, BK)
     item = pid
     while item < (H + BN - 1) // BN:
         n = item * BN + tl.arange(0, BN)
@@ -515,9 +558,10 @@ def _stack_step_kernel(
     attn_ptr,
     act_ptr,
     part_ptr,
-    out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H]; out
+    ssq_ptr,
+    out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H], [SSQ_TILES, 16]; out
     sync_ptr,  # int32 [4]: arrivals, exits, this launch's fault flag, faults so far
-    trace_ptr,  # int64 [programs, 64, 2] barrier times (TRACE)
+    trace_ptr,  # int64 [programs, TRACE_SLOTS, 2] timer marks (TRACE)
     n_rows,
     max_len,
     eps,
@@ -553,6 +597,15 @@ def _stack_step_kernel(
     HEAD: tl.constexpr,
     SYNC: tl.constexpr,
     TRACE: tl.constexpr,
+    TRACE_IN: tl.constexpr,
+    TRACE_SLOTS: tl.constexpr,
+    SSQ: tl.constexpr,
+    SSQ_O: tl.constexpr,
+    SSQ_DOWN: tl.constexpr,
+    SSQ_TILES: tl.constexpr,
+    NT_PJ: tl.constexpr,
+    NT_O: tl.constexpr,
+    NT_DOWN: tl.constexpr,
     OPAQUE: tl.constexpr,
     UPCAST: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -563,25 +616,39 @@ def _stack_step_kernel(
     m = tl.arange(0, BM)
     row_ok = m < n_rows
     epoch = 0
-    _mark(trace_ptr, pid, 0, 1, TRACE)
+    trace_row = trace_ptr + pid * (TRACE_SLOTS * 2)
+    _mark(trace_row, 0, 1, TRACE)
+    # TRACE_IN: the timer once each norm's sums are done, in slots from 64 on: layer l's QKV (64 + 2 l,
+    # 0), its gate/up (65 + 2 l, 0), the head's (126, 0). (A mark inside a product's loop would stop
+    # its software pipeline, so there are none.)
     if PROJECT and run_pj != 0:
         if GATHER:
             src_rows = src_ptr + tl.load(codes_ptr + m, mask=row_ok, other=0) * stride_src
         else:
             src_rows = src_ptr + m * stride_src
         _flat_single(
-            src_rows, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid, H, HIN, 1, NPROG, BM, BN,
-            BK, False, False, dtype, OPAQUE, UPCAST,
+            src_rows, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, ssq_ptr, pid, H, HIN, 1,
+            NPROG, BM, BN, BK, False, False, SSQ, dtype, OPAQUE, UPCAST,
         )
         epoch += 1
-        _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
+        _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
     h_rows = x_ptr + m * H
     layer = layer_begin
     while layer < layer_end:
         kc = kc_ptr + layer * stride_cl_layer
         vc = vc_ptr + layer * stride_cl_layer
+        mark = 64 + layer * 2
         if (phases & 1) != 0:  # QKV
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+            if SSQ and PROJECT:  # the projection left the first layer's sums
+                rstd = _rstd_parts(ssq_ptr, tl.where(layer == 0, NT_PJ, NT_DOWN), eps, H, BM, SSQ_TILES)
+            elif SSQ:
+                if layer > 0:
+                    rstd = _rstd_parts(ssq_ptr, NT_DOWN, eps, H, BM, SSQ_TILES)
+                else:  # the caller's x
+                    rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+            else:
+                rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+            _mark_after(trace_row, mark, 0, rstd, TRACE_IN)
             pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
             slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
             _flat_dual(
@@ -590,62 +657,70 @@ def _stack_step_kernel(
                 NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, dtype, OPAQUE, UPCAST, LIBDEVICE,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
+            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 2) != 0:  # ATT
             _phase_attention(
                 q_ptr, attn_ptr, n_rows, kc, vc, stride_cs, stride_cl, stride_ch, slot_ptr, len_ptr, max_len,
                 scale, pid, nprog, NUM_Q, NUM_KV, D, BLOCK_D, NUM_Q // NUM_KV, GROUP_PAD, BLOCK_L, UPCAST,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
+            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 4) != 0:  # OUT_PROJ
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
-                a_rows, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr, pid, H,
-                NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, dtype, OPAQUE, UPCAST,
+                a_rows, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr, ssq_ptr,
+                pid, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, SSQ_O, dtype, OPAQUE, UPCAST,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
+            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if KS_O > 1 and (phases & 32) != 0:  # OUT_PROJ_REDUCE
-            _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_O, BM, BN, dtype, OPAQUE)
+            _phase_reduce(x_ptr, part_ptr, ssq_ptr, n_rows, pid, nprog, H, KS_O, BM, BN, SSQ, dtype, OPAQUE)
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
+            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 8) != 0:  # MLP
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+            if SSQ:
+                rstd = _rstd_parts(ssq_ptr, NT_O, eps, H, BM, SSQ_TILES)
+            else:
+                rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+            _mark_after(trace_row, mark + 1, 0, rstd, TRACE_IN)
             _flat_dual(
                 h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), pid, cos_ptr,
-                sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H, NUM_Q, NUM_KV,
-                D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, dtype, OPAQUE, UPCAST, LIBDEVICE,
+                sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H, NUM_Q,
+                NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, dtype, OPAQUE, UPCAST, LIBDEVICE,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
+            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 16) != 0:  # DOWN
             a_rows = act_ptr + m * INTER
             _flat_single(
-                a_rows, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr, pid, H,
-                INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK, False, True, dtype, OPAQUE, UPCAST,
+                a_rows, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr, ssq_ptr, pid,
+                H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK, False, True, SSQ_DOWN, dtype, OPAQUE, UPCAST,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
+            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if KS_DOWN > 1 and (phases & 64) != 0:  # DOWN_REDUCE
-            _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, dtype, OPAQUE)
+            _phase_reduce(
+                x_ptr, part_ptr, ssq_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, SSQ, dtype, OPAQUE
+            )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_ptr, pid, SYNC, TRACE)
+            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         layer += 1
     if run_out != 0:
-        if HEAD:  # the final norm as the head product's prologue
+        if SSQ:
+            rstd = _rstd_parts(ssq_ptr, NT_DOWN, eps, H, BM, SSQ_TILES)
+        else:
             rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+        _mark_after(trace_row, 126, 0, rstd, TRACE_IN)
+        if HEAD:  # the final norm as the head product's prologue
             _flat_single(
-                h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, NUM_OUT, H, 1, NPROG, BM,
-                BN_HEAD, BK, True, False, dtype, OPAQUE, UPCAST,
+                h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, ssq_ptr, pid, NUM_OUT, H, 1,
+                NPROG, BM, BN_HEAD, BK, True, False, False, dtype, OPAQUE, UPCAST,
             )
         else:
-            _phase_norm(
-                x_ptr, out_ptr, n_rows, final_ptr, eps, pid, nprog, H, BM, BN_WIDE, RSTD_BK, dtype, OPAQUE
-            )
+            _phase_norm(x_ptr, out_ptr, n_rows, final_ptr, rstd, pid, nprog, H, BM, BN_WIDE, dtype, OPAQUE)
     if SYNC and TRACE:
         tl.debug_barrier()
-        _mark(trace_ptr, pid, epoch + 1, 0, TRACE)
+        _mark(trace_row, epoch + 1, 0, TRACE)
     _grid_exit(sync_ptr, pid, nprog, SYNC)
 
 
@@ -848,28 +923,41 @@ def launch_plan(
     part = torch.empty(
         max(tune["KS_O"], tune["KS_DOWN"]), MAX_ROWS, hidden, dtype=torch.float32, device=device
     )
+    tiles = -(-hidden // tune["BN"])  # the tiles of a phase that writes the residual stream
+    tiles_down = tiles if tune["KS_DOWN"] > 1 else -(-hidden // tune["BN_DOWN"])
+    ssq_tiles = triton.next_power_of_2(max(tiles, tiles_down))
+    ssq = torch.empty(ssq_tiles, MAX_ROWS, dtype=torch.float32, device=device)
     num_out = hidden if head is None else head.shape[0]
     out = torch.empty(rows, num_out, dtype=dtype, device=device)
     grid = (num_programs or _num_programs(device),)
     fp32 = dtype == torch.float32
     block_k = min(tune["BK"], max(16, triton.next_power_of_2(hidden)))
     rstd_block = min(tune["RSTD_BK"], max(16, triton.next_power_of_2(hidden)))
+    trace_slots = 64
     if trace is not None:
         per_layer = 5 + (tune["KS_O"] > 1) + (tune["KS_DOWN"] > 1)
         barriers = (proj is not None) + weights.num_layers * per_layer
-        if not compiled or trace.dtype != torch.int64 or tuple(trace.shape) != (grid[0], 64, 2) or (
+        trace_slots = trace.shape[1] if trace.dim() == 3 and trace.shape[1] in (64, 128) else 64
+        if not compiled or trace.dtype != torch.int64 or tuple(trace.shape) != (grid[0], trace_slots, 2) or (
             trace.device != device or not trace.is_contiguous()
         ):
-            raise ValueError(f"stack_step: trace must be a contiguous [{grid[0]}, 64, 2] int64 GPU tensor")
+            raise ValueError(
+                f"stack_step: trace must be a contiguous [{grid[0]}, 64 or 128, 2] int64 GPU tensor"
+            )
         if barriers + 1 >= 64:
             raise ValueError(f"stack_step: trace holds 62 barriers, this stack has {barriers}")
+        if trace_slots == 128 and weights.num_layers > 31:
+            raise ValueError(
+                f"stack_step: marks inside phases fit 31 layers, this stack has {weights.num_layers}"
+            )
     args = (
         src if src is not None else residual, src.stride(0) if src is not None else 0,
         codes if codes is not None else slots, proj if proj is not None else residual, residual, weights.qkv,
         weights.o, weights.gate_up, weights.down, weights.input_norm, weights.post_norm, weights.final_norm,
         head if head is not None else weights.final_norm, weights.cos, weights.sin, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), slots, positions, lengths,
-        q, attn, act, part, out, _sync_buffer(device), trace if trace is not None else _sync_buffer(device),
+        q, attn, act, part, ssq, out, _sync_buffer(device),
+        trace if trace is not None else _sync_buffer(device),
         rows, k_cache.shape[2], weights.eps, d**-0.5,
     )
     static = dict(
@@ -878,7 +966,9 @@ def launch_plan(
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
         BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block,
-        TRACE=trace is not None, KS_O=tune["KS_O"],
+        TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, SSQ=bool(tune["SSQ"]),
+        SSQ_O=bool(tune["SSQ"]) and tune["KS_O"] == 1, SSQ_DOWN=bool(tune["SSQ"]) and tune["KS_DOWN"] == 1,
+        SSQ_TILES=ssq_tiles, NT_PJ=tiles, NT_O=tiles, NT_DOWN=tiles_down, KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,
