@@ -12,7 +12,7 @@ a sweep of tunings and a smaller grid; the achieved weight bandwidth (bytes of t
 over its time); the one launch against its phase-by-phase launches (bit for bit) and against the
 replaced path (relative error of the logits). At one row, where the call's time goes: the phased
 launches under the profiler, the one launch's own timer trace per phase and barrier, and its marks
-inside phases for how long each norm's sums take (for the default and ``--trace-tunings``).
+inside phases (a phase's norm, loop and epilogue; for the default and ``--trace-tunings``).
 ``--skip-sweep``: the default and its traces only. The JSON is written after each row count.
 """
 
@@ -40,10 +40,11 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning
-    {"SSQ": 1},  # norms from the producers' sums of squares
-    {"SSQ": 1, "BN_QKV": 8},  # 96 QKV items instead of 48
-    {"SSQ": 1, "KS_DOWN": 1, "BN_DOWN": 8},  # no down reduce phase (and no barrier for it)
-    {"SSQ": 1, "KS_DOWN": 2, "BN_DOWN": 16},
+    {"SKIP_IDLE": 1},  # programs without an item skip the product loops
+    {"num_warps": 8},
+    {"num_stages": 5},
+    {"BN_QKV": 8},  # 96 QKV items instead of 48
+    {"SKIP_IDLE": 1, "BN_QKV": 8},
 ]
 TRACE_CALLS = 20
 
@@ -151,22 +152,28 @@ def trace_breakdown(call, tuning: dict, num_layers: int, programs: int) -> dict:
     return result
 
 
-def norm_breakdown(call, tuning: dict, num_layers: int, programs: int) -> dict:
-    """How long each norm's sums take, from the kernel's marks inside phases (a trace of 128 slots):
-    from leaving the barrier before the phase to the norm's rstd being computed, per norm kind (QKV's,
-    gate/up's, the head's), for the median program and for the program that reaches the next barrier
-    last (the one the phase waits for). Medians over TRACE_CALLS launches, kinds averaged over the
-    layers. µs."""
+def inside_breakdown(call, tuning: dict, num_layers: int, programs: int) -> dict:
+    """Where a product phase's time goes, from the kernel's marks inside phases (a trace of 128
+    slots): ``norm`` from leaving the barrier before the phase to the norm's rstd being computed,
+    ``loop`` from there to the start of the program's last epilogue (its last block's loads are in),
+    ``tail`` from there to reaching the next barrier (the epilogue's loads and stores). For the program
+    that reaches the barrier last (the one the phase waits for) and the median over programs that
+    have items. Medians over TRACE_CALLS launches, kinds averaged over the layers. µs."""
     names = phase_names({**stack_kernel.TUNING, **tuning}, num_layers)
+    before = {}  # kind -> the barrier (epoch) each of its phases starts after, in order
+    for e, name in enumerate(names):
+        before.setdefault(name, []).append(e)
+    slots = {  # kind -> (norm mark, epilogue mark) per phase, as (epoch, side)
+        "PJ": [(None, (125, 0))],
+        "QKV": [((64 + 2 * i, 0), (64 + 2 * i, 1)) for i in range(num_layers)],
+        "OUT_PROJ": [(None, (96 + 2 * i, 0)) for i in range(num_layers)],
+        "MLP": [((65 + 2 * i, 0), (65 + 2 * i, 1)) for i in range(num_layers)],
+        "DOWN": [(None, (97 + 2 * i, 0)) for i in range(num_layers)],
+        "OUT": [((126, 0), (127, 0))],
+    }
     trace = torch.zeros(programs, 128, 2, dtype=torch.int64, device="cuda")
-    barrier = {"QKV": [], "MLP": []}  # the barrier each phase starts after
-    for e, name in enumerate(names[:-1], start=1):
-        if name in barrier:
-            barrier[name].append(e - 1)
-    kinds = {"QKV": [(64 + 2 * layer, e) for layer, e in enumerate(barrier["QKV"])],
-             "MLP": [(65 + 2 * layer, e) for layer, e in enumerate(barrier["MLP"])],
-             "OUT": [(126, len(names) - 1)]}
-    samples = {kind: {"median": [], "last": []} for kind in kinds}
+    keys = [(who, part) for who in ("last", "median") for part in ("norm", "loop", "tail")]
+    samples = {kind: {key: [] for key in keys} for kind in slots}
     for i in range(TRACE_CALLS + 3):
         trace.zero_()
         call(trace)
@@ -174,17 +181,23 @@ def norm_breakdown(call, tuning: dict, num_layers: int, programs: int) -> dict:
         if i < 3:
             continue
         t = trace.double().cpu() / 1e3
-        for kind, marks in kinds.items():
-            med, last = [], []
-            for slot, e in marks:
-                took = t[:, slot, 0] - t[:, e, 1]
-                arrive = t[:, e + 1, 0]
-                med.append(float(took.median()))
-                last.append(float(took[int(arrive.argmax())]))
-            samples[kind]["median"].append(statistics.mean(med))
-            samples[kind]["last"].append(statistics.mean(last))
+        for kind, marks in slots.items():
+            per_phase = {key: [] for key in keys}
+            for (norm, epi), e in zip(marks, before[kind], strict=True):
+                leave, arrive = t[:, e, 1], t[:, e + 1, 0]
+                done = t[:, norm[0], norm[1]] if norm else leave
+                epilogue = t[:, epi[0], epi[1]]
+                parts = {"norm": done - leave, "loop": epilogue - done, "tail": arrive - epilogue}
+                busy = epilogue > 0  # programs with items (idle ones may skip the epilogue)
+                last = int(torch.where(busy, arrive, -1.0).argmax())
+                for part, v in parts.items():
+                    per_phase[("last", part)].append(float(v[last]))
+                    per_phase[("median", part)].append(float(v[busy].median()))
+            for key, v in per_phase.items():
+                samples[kind][key].append(statistics.mean(v))
     return {
-        kind: {k: round(statistics.median(v), 2) for k, v in cols.items()} for kind, cols in samples.items()
+        kind: {f"{who}_{part}": round(statistics.median(cols[(who, part)]), 2) for who, part in keys}
+        for kind, cols in samples.items()
     }
 
 
@@ -350,15 +363,15 @@ def main() -> None:
             sms = result["sms"]
             layers = stack.num_layers
             entry["trace"] = {"default": trace_breakdown(lambda t: kernel(trace=t), {}, layers, sms)}
-            entry["norms"] = {"default": norm_breakdown(lambda t: kernel(trace=t), {}, layers, sms)}
+            entry["inside"] = {"default": inside_breakdown(lambda t: kernel(trace=t), {}, layers, sms)}
             for tuning in args.trace_tunings:
                 entry["trace"][json.dumps(tuning)] = trace_breakdown(
                     lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms
                 )
-                entry["norms"][json.dumps(tuning)] = norm_breakdown(
+                entry["inside"][json.dumps(tuning)] = inside_breakdown(
                     lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms
                 )
-            print(json.dumps({"trace": entry["trace"], "norms": entry["norms"]}), flush=True)
+            print(json.dumps({"trace": entry["trace"], "inside": entry["inside"]}), flush=True)
             entry["phases_us"] = phase_profile(lambda: kernel(phased=True), stack.num_layers)
         entry["faults"] = stack_kernel.faults("cuda")
         per_rows[f"N={n}"] = entry

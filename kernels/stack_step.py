@@ -92,7 +92,7 @@ TUNING = {
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,
-    "SSQ": 0,
+    "SKIP_IDLE": 0,
     "num_warps": 4,
     "num_stages": 4,
 }
@@ -248,26 +248,6 @@ def _rstd(rows_ptr, row_ok, eps, K: tl.constexpr, BM: tl.constexpr, BK: tl.const
 
 
 @triton.jit
-def _rstd_parts(ssq_ptr, count, eps, K: tl.constexpr, BM: tl.constexpr, TILES: tl.constexpr):
-    """``_rstd`` from the sums of squares the producing phase left: ``count`` tiles' fp32 partial sums
-    [count, BM] (of the values as stored), added in a fixed order, so one load instead of a loop."""
-    t = tl.arange(0, TILES)
-    m = tl.arange(0, BM)
-    parts = tl.load(ssq_ptr + t[:, None] * BM + m[None, :], mask=(t < count)[:, None], other=0.0,
-                    cache_modifier=".cg")
-    return tl.math.rsqrt(tl.sum(parts, axis=0) / K + eps)
-
-
-@triton.jit
-def _ssq_store(ssq_ptr, tile, tile_ok, value, ok, BM: tl.constexpr):
-    """A tile's partial sums of squares of the values it stored ([BM, BN] in the stream's dtype):
-    row r's sum over the tile's columns to ssq[tile, r]."""
-    v = value.to(tl.float32)
-    m = tl.arange(0, BM)
-    tl.store(ssq_ptr + tile * BM + m, tl.sum(tl.where(ok, v * v, 0.0), axis=1), mask=tile_ok)
-
-
-@triton.jit
 def _operand(
     rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr
 ):
@@ -283,24 +263,37 @@ def _operand(
 
 
 @triton.jit
+def _steps(pid, ITEMS: tl.constexpr, KI: tl.constexpr, NPROG: tl.constexpr, SKIP_IDLE: tl.constexpr):
+    """A product loop's trip count: the busiest program's (every program the same), or with SKIP_IDLE
+    this program's own items' (items pid, pid + NPROG, ...). The interpreter cannot loop to a bound
+    that depends on the program, and gets the first (the same results: idle iterations are masked)."""
+    if SKIP_IDLE:
+        return ((ITEMS - pid + NPROG - 1) // NPROG) * KI
+    else:
+        return ((ITEMS + NPROG - 1) // NPROG) * KI
+
+
+@triton.jit
 def _flat_single(
-    rows_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, ssq_ptr, pid, N_OUT: tl.constexpr,
+    rows_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, pid, trace_row, mark, N_OUT: tl.constexpr,
     K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SSQ: tl.constexpr, dtype: tl.constexpr,
-    OPAQUE: tl.constexpr, UPCAST: tl.constexpr,
+    BK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
+    UPCAST: tl.constexpr, SKIP_IDLE: tl.constexpr, TRACE_IN: tl.constexpr,
 ):
     """A product phase as one flat loop over (this program's items) x (reduction blocks), so the
     pipeline runs on from one item into the next: dst[rows, N_OUT] = operand @ w[:, :K].T, items of
     BN outputs times KS reduction parts. RESIDUAL: dst += the product (KS == 1), or fp32 partial
-    sums [KS, BM, N_OUT] for ``_phase_reduce``; else dst = the product. SSQ (KS == 1): each tile's
-    partial sums of squares of what it stored, for the next norm (``_rstd_parts``). Programs past the
-    last item run masked iterations (loads and stores off)."""
+    sums [KS, BM, N_OUT] for ``_phase_reduce``; else dst = the product. Every program runs as many
+    iterations as the busiest, those past the last item masked (loads and stores off), or with
+    SKIP_IDLE only its own items' (a trip count that depends on the program). TRACE_IN: the timer as
+    each item's epilogue starts, into slot ``mark`` (the last item's stays: when its last block's loads
+    were in)."""
     m = tl.arange(0, BM)
     ITEMS: tl.constexpr = ((N_OUT + BN - 1) // BN) * KS
     KP: tl.constexpr = K // KS
     KI: tl.constexpr = (KP + BK - 1) // BK
     acc = tl.zeros([BM, BN], tl.float32)
-    for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
+    for t in range(0, _steps(pid, ITEMS, KI, NPROG, SKIP_IDLE)):
         item = pid + (t // KI) * NPROG
         ki = t % KI
         tile = item // KS
@@ -316,32 +309,27 @@ def _flat_single(
         )
         acc += _dot(a, tl.trans(w), UPCAST)
         if ki == KI - 1:
+            _mark(trace_row, mark, 0, TRACE_IN)
             ok = row_ok[:, None] & n_ok[None, :]
             if RESIDUAL:
                 if KS == 1:
                     dst = dst_ptr + m[:, None] * N_OUT + n[None, :]
                     res = tl.load(dst, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    new = (res + _round_to(acc, dtype, OPAQUE)).to(dtype)
-                    tl.store(dst, new, mask=ok)
-                    if SSQ:
-                        _ssq_store(ssq_ptr, tile, item < ITEMS, new, ok, BM)
+                    tl.store(dst, (res + _round_to(acc, dtype, OPAQUE)).to(dtype), mask=ok)
                 else:
                     tl.store(part_ptr + (split * BM + m[:, None]) * N_OUT + n[None, :], acc, mask=ok)
             else:
-                new = acc.to(dtype)
-                tl.store(dst_ptr + m[:, None] * N_OUT + n[None, :], new, mask=ok)
-                if SSQ:
-                    _ssq_store(ssq_ptr, tile, item < ITEMS, new, ok, BM)
+                tl.store(dst_ptr + m[:, None] * N_OUT + n[None, :], acc.to(dtype), mask=ok)
             acc = tl.zeros([BM, BN], tl.float32)
 
 
 @triton.jit
 def _flat_dual(
     rows_ptr, row_ok, rstd, norm_ptr, w_ptr, pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr,
-    stride_cs, stride_cl, stride_ch, act_ptr, H: tl.constexpr, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
-    HALF: tl.constexpr, INTER: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, MLP: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    stride_cs, stride_cl, stride_ch, act_ptr, trace_row, mark, H: tl.constexpr, NUM_Q: tl.constexpr,
+    NUM_KV: tl.constexpr, HALF: tl.constexpr, INTER: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
+    UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr, SKIP_IDLE: tl.constexpr, TRACE_IN: tl.constexpr,
 ):
     """The two paired products as one flat loop (see ``_flat_single``), RMS-normed operand: the QKV
     product by rotary pairs (rows j and j + HALF of a head; rotation, q to scratch, k and v into
@@ -352,7 +340,7 @@ def _flat_dual(
     KI: tl.constexpr = (H + BK - 1) // BK
     acc1 = tl.zeros([BM, BN], tl.float32)
     acc2 = tl.zeros([BM, BN], tl.float32)
-    for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
+    for t in range(0, _steps(pid, ITEMS, KI, NPROG, SKIP_IDLE)):
         item = pid + (t // KI) * NPROG
         ki = t % KI
         if MLP:
@@ -378,6 +366,7 @@ def _flat_dual(
         acc1 += _dot(a, tl.trans(w1), UPCAST)
         acc2 += _dot(a, tl.trans(w2), UPCAST)
         if ki == KI - 1:
+            _mark(trace_row, mark, 1, TRACE_IN)
             ok = row_ok[:, None] & n_ok[None, :]
             x1 = _round_to(acc1, dtype, OPAQUE)
             x2 = _round_to(acc2, dtype, OPAQUE)
@@ -484,11 +473,10 @@ def _phase_attention(
 
 @triton.jit
 def _phase_reduce(
-    h_ptr, part_ptr, ssq_ptr, n_rows, pid, nprog, H: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, SSQ: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
+    h_ptr, part_ptr, n_rows, pid, nprog, H: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
 ):
-    """h += the KS partial sums, added in a fixed order (the result does not depend on the grid);
-    SSQ: each tile's partial sums of squares for the next norm, as in ``_flat_single``."""
+    """h += the KS partial sums, added in a fixed order (the result does not depend on the grid)."""
     m = tl.arange(0, BM)
     row_ok = m < n_rows
     item = pid
@@ -503,10 +491,7 @@ def _phase_reduce(
             )
         dst = h_ptr + m[:, None] * H + n[None, :]
         res = tl.load(dst, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        new = (res + _round_to(acc, dtype, OPAQUE)).to(dtype)
-        tl.store(dst, new, mask=ok)
-        if SSQ:
-            _ssq_store(ssq_ptr, item, True, new, ok, BM)
+        tl.store(dst, (res + _round_to(acc, dtype, OPAQUE)).to(dtype), mask=ok)
         item += nprog
 
 
@@ -558,8 +543,7 @@ def _stack_step_kernel(
     attn_ptr,
     act_ptr,
     part_ptr,
-    ssq_ptr,
-    out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H], [SSQ_TILES, 16]; out
+    out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H]; out
     sync_ptr,  # int32 [4]: arrivals, exits, this launch's fault flag, faults so far
     trace_ptr,  # int64 [programs, TRACE_SLOTS, 2] timer marks (TRACE)
     n_rows,
@@ -599,13 +583,7 @@ def _stack_step_kernel(
     TRACE: tl.constexpr,
     TRACE_IN: tl.constexpr,
     TRACE_SLOTS: tl.constexpr,
-    SSQ: tl.constexpr,
-    SSQ_O: tl.constexpr,
-    SSQ_DOWN: tl.constexpr,
-    SSQ_TILES: tl.constexpr,
-    NT_PJ: tl.constexpr,
-    NT_O: tl.constexpr,
-    NT_DOWN: tl.constexpr,
+    SKIP_IDLE: tl.constexpr,
     OPAQUE: tl.constexpr,
     UPCAST: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -618,17 +596,19 @@ def _stack_step_kernel(
     epoch = 0
     trace_row = trace_ptr + pid * (TRACE_SLOTS * 2)
     _mark(trace_row, 0, 1, TRACE)
-    # TRACE_IN: the timer once each norm's sums are done, in slots from 64 on: layer l's QKV (64 + 2 l,
-    # 0), its gate/up (65 + 2 l, 0), the head's (126, 0). (A mark inside a product's loop would stop
-    # its software pipeline, so there are none.)
+    # TRACE_IN: marks inside phases, in slots from 64 on. Once a norm's sums are done: layer l's QKV
+    # (64 + 2 l, 0), its gate/up (65 + 2 l, 0), the head's (126, 0). As a product's last epilogue
+    # starts: QKV (64 + 2 l, 1), gate/up (65 + 2 l, 1), output product (96 + 2 l, 0), down (97 + 2 l,
+    # 0), projection (125, 0), head (127, 0). (A mark that waits on a value inside a product's loop
+    # stops its software pipeline, so the epilogue's mark only reads the timer.)
     if PROJECT and run_pj != 0:
         if GATHER:
             src_rows = src_ptr + tl.load(codes_ptr + m, mask=row_ok, other=0) * stride_src
         else:
             src_rows = src_ptr + m * stride_src
         _flat_single(
-            src_rows, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, ssq_ptr, pid, H, HIN, 1,
-            NPROG, BM, BN, BK, False, False, SSQ, dtype, OPAQUE, UPCAST,
+            src_rows, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid, trace_row, 125, H,
+            HIN, 1, NPROG, BM, BN, BK, False, False, dtype, OPAQUE, UPCAST, SKIP_IDLE, TRACE_IN,
         )
         epoch += 1
         _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -639,22 +619,15 @@ def _stack_step_kernel(
         vc = vc_ptr + layer * stride_cl_layer
         mark = 64 + layer * 2
         if (phases & 1) != 0:  # QKV
-            if SSQ and PROJECT:  # the projection left the first layer's sums
-                rstd = _rstd_parts(ssq_ptr, tl.where(layer == 0, NT_PJ, NT_DOWN), eps, H, BM, SSQ_TILES)
-            elif SSQ:
-                if layer > 0:
-                    rstd = _rstd_parts(ssq_ptr, NT_DOWN, eps, H, BM, SSQ_TILES)
-                else:  # the caller's x
-                    rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
-            else:
-                rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             _mark_after(trace_row, mark, 0, rstd, TRACE_IN)
             pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
             slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
             _flat_dual(
                 h_rows, row_ok, rstd, ln1_ptr + layer * H, qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H),
-                pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H,
-                NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, dtype, OPAQUE, UPCAST, LIBDEVICE,
+                pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr,
+                trace_row, mark, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, dtype, OPAQUE,
+                UPCAST, LIBDEVICE, SKIP_IDLE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -668,53 +641,49 @@ def _stack_step_kernel(
         if (phases & 4) != 0:  # OUT_PROJ
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
-                a_rows, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr, ssq_ptr,
-                pid, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, SSQ_O, dtype, OPAQUE, UPCAST,
+                a_rows, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr, pid,
+                trace_row, 96 + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, dtype, OPAQUE,
+                UPCAST, SKIP_IDLE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if KS_O > 1 and (phases & 32) != 0:  # OUT_PROJ_REDUCE
-            _phase_reduce(x_ptr, part_ptr, ssq_ptr, n_rows, pid, nprog, H, KS_O, BM, BN, SSQ, dtype, OPAQUE)
+            _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_O, BM, BN, dtype, OPAQUE)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 8) != 0:  # MLP
-            if SSQ:
-                rstd = _rstd_parts(ssq_ptr, NT_O, eps, H, BM, SSQ_TILES)
-            else:
-                rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             _mark_after(trace_row, mark + 1, 0, rstd, TRACE_IN)
             _flat_dual(
                 h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), pid, cos_ptr,
-                sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, H, NUM_Q,
-                NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, dtype, OPAQUE, UPCAST, LIBDEVICE,
+                sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row,
+                mark + 1, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, dtype, OPAQUE,
+                UPCAST, LIBDEVICE, SKIP_IDLE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 16) != 0:  # DOWN
             a_rows = act_ptr + m * INTER
             _flat_single(
-                a_rows, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr, ssq_ptr, pid,
-                H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK, False, True, SSQ_DOWN, dtype, OPAQUE, UPCAST,
+                a_rows, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr, pid,
+                trace_row, 97 + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK, False, True, dtype,
+                OPAQUE, UPCAST, SKIP_IDLE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if KS_DOWN > 1 and (phases & 64) != 0:  # DOWN_REDUCE
-            _phase_reduce(
-                x_ptr, part_ptr, ssq_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, SSQ, dtype, OPAQUE
-            )
+            _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, dtype, OPAQUE)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         layer += 1
     if run_out != 0:
-        if SSQ:
-            rstd = _rstd_parts(ssq_ptr, NT_DOWN, eps, H, BM, SSQ_TILES)
-        else:
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+        rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
         _mark_after(trace_row, 126, 0, rstd, TRACE_IN)
         if HEAD:  # the final norm as the head product's prologue
             _flat_single(
-                h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, ssq_ptr, pid, NUM_OUT, H, 1,
-                NPROG, BM, BN_HEAD, BK, True, False, False, dtype, OPAQUE, UPCAST,
+                h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, trace_row, 127,
+                NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, False, dtype, OPAQUE, UPCAST, SKIP_IDLE,
+                TRACE_IN,
             )
         else:
             _phase_norm(x_ptr, out_ptr, n_rows, final_ptr, rstd, pid, nprog, H, BM, BN_WIDE, dtype, OPAQUE)
@@ -923,10 +892,6 @@ def launch_plan(
     part = torch.empty(
         max(tune["KS_O"], tune["KS_DOWN"]), MAX_ROWS, hidden, dtype=torch.float32, device=device
     )
-    tiles = -(-hidden // tune["BN"])  # the tiles of a phase that writes the residual stream
-    tiles_down = tiles if tune["KS_DOWN"] > 1 else -(-hidden // tune["BN_DOWN"])
-    ssq_tiles = triton.next_power_of_2(max(tiles, tiles_down))
-    ssq = torch.empty(ssq_tiles, MAX_ROWS, dtype=torch.float32, device=device)
     num_out = hidden if head is None else head.shape[0]
     out = torch.empty(rows, num_out, dtype=dtype, device=device)
     grid = (num_programs or _num_programs(device),)
@@ -946,9 +911,9 @@ def launch_plan(
             )
         if barriers + 1 >= 64:
             raise ValueError(f"stack_step: trace holds 62 barriers, this stack has {barriers}")
-        if trace_slots == 128 and weights.num_layers > 31:
+        if trace_slots == 128 and weights.num_layers > 14:
             raise ValueError(
-                f"stack_step: marks inside phases fit 31 layers, this stack has {weights.num_layers}"
+                f"stack_step: marks inside phases fit 14 layers, this stack has {weights.num_layers}"
             )
     args = (
         src if src is not None else residual, src.stride(0) if src is not None else 0,
@@ -956,7 +921,7 @@ def launch_plan(
         weights.o, weights.gate_up, weights.down, weights.input_norm, weights.post_norm, weights.final_norm,
         head if head is not None else weights.final_norm, weights.cos, weights.sin, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), slots, positions, lengths,
-        q, attn, act, part, ssq, out, _sync_buffer(device),
+        q, attn, act, part, out, _sync_buffer(device),
         trace if trace is not None else _sync_buffer(device),
         rows, k_cache.shape[2], weights.eps, d**-0.5,
     )
@@ -966,9 +931,8 @@ def launch_plan(
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
         BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block,
-        TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, SSQ=bool(tune["SSQ"]),
-        SSQ_O=bool(tune["SSQ"]) and tune["KS_O"] == 1, SSQ_DOWN=bool(tune["SSQ"]) and tune["KS_DOWN"] == 1,
-        SSQ_TILES=ssq_tiles, NT_PJ=tiles, NT_O=tiles, NT_DOWN=tiles_down, KS_O=tune["KS_O"],
+        TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots,
+        SKIP_IDLE=bool(tune["SKIP_IDLE"]) and compiled, KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,
