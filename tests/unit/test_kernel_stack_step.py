@@ -433,8 +433,6 @@ def test_a_trace_is_taken_only_where_it_fits():
 
     assert plan(4)[1]["TRACE"] and not plan(4)[1]["TRACE_IN"]  # 4 layers: 21 barriers
     assert plan(4, (132, 128, 2))[1]["TRACE_IN"]  # 128 slots: marks inside phases too
-    with pytest.raises(ValueError, match="fit 14 layers, this stack has 15"):
-        plan(15, (132, 128, 2))
     with pytest.raises(ValueError, match="GPU tensor"):
         plan(4, (66, 64, 2))  # one row a program
     with pytest.raises(ValueError, match="GPU tensor"):
