@@ -81,10 +81,12 @@ _NEG_INF = tl.constexpr(float("-inf"))
 # BN_QKV is the tile of rotary pairs of the QKV product, BN_WIDE that of the gate/up product; KS_O
 # and KS_DOWN split the reductions of the narrow ones (H outputs), whose H / BN tiles alone would
 # leave SMs idle. BN_DOWN and BN_HEAD are the down product's and the head's tiles (32 and 16 put
-# every SM to work there: 128 and 129 items). RSTD_BK is the block of a norm's sum of squares.
+# every SM to work there: 128 and 129 items); BN_QKV 8 gives QKV 96 items of 32 KB instead of 48 of
+# 64 KB (157.4 -> 150.6 us a depth call, 6e69cd6). RSTD_BK is the block of a norm's sum of squares.
+# SKIP_IDLE: programs without an item run no product loop (measured no faster, so off).
 TUNING = {
     "BN": 16,
-    "BN_QKV": 16,
+    "BN_QKV": 8,
     "BN_WIDE": 32,
     "BN_DOWN": 32,
     "BN_HEAD": 16,
@@ -338,6 +340,19 @@ def _flat_dual(
     BLOCKS: tl.constexpr = (HALF + BN - 1) // BN
     ITEMS: tl.constexpr = ((INTER + BN - 1) // BN) if MLP else (NUM_Q + 2 * NUM_KV) * BLOCKS
     KI: tl.constexpr = (H + BK - 1) // BK
+    # QKV with at most one item a program (item pid): its rotary tables load before the product, so
+    # the epilogue does not wait on them (1.6 us of QKV's last epilogue at 16-wide items, 6e69cd6)
+    EARLY: tl.constexpr = (not MLP) and ITEMS <= NPROG
+    if EARLY:
+        head0 = pid // BLOCKS
+        j0 = (pid % BLOCKS) * BN + tl.arange(0, BN)
+        ok0 = row_ok[:, None] & ((j0 < HALF) & (pid < ITEMS) & (head0 < NUM_Q + NUM_KV))[None, :]
+        c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, pos, j0, ok0, HALF, dtype, OPAQUE)
+    else:
+        c1 = tl.zeros([BM, BN], tl.float32)
+        c2 = c1
+        s1 = c1
+        s2 = c1
     acc1 = tl.zeros([BM, BN], tl.float32)
     acc2 = tl.zeros([BM, BN], tl.float32)
     for t in range(0, _steps(pid, ITEMS, KI, NPROG, SKIP_IDLE)):
@@ -380,26 +395,35 @@ def _flat_dual(
             else:
                 _qkv_store(
                     x1, x2, head, j, ok, m, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr, stride_cs,
-                    stride_cl, stride_ch, NUM_Q, NUM_KV, HALF, dtype, OPAQUE,
+                    stride_cl, stride_ch, c1, c2, s1, s2, NUM_Q, NUM_KV, HALF, dtype, OPAQUE, EARLY,
                 )
             acc1 = tl.zeros([BM, BN], tl.float32)
             acc2 = tl.zeros([BM, BN], tl.float32)
 
 
 @triton.jit
+def _rope_tables(cos_ptr, sin_ptr, pos, j, ok, HALF: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr):
+    """The rotary tables of rows j and j + HALF of a head at each row's position (the twin's roundings)."""
+    table = pos[:, None] * (2 * HALF) + j[None, :]
+    c1 = _round_to(tl.load(cos_ptr + table, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
+    c2 = _round_to(tl.load(cos_ptr + table + HALF, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
+    s1 = _round_to(tl.load(sin_ptr + table, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
+    s2 = _round_to(tl.load(sin_ptr + table + HALF, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
+    return c1, c2, s1, s2
+
+
+@triton.jit
 def _qkv_store(
     x1, x2, head, j, ok, m, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr, stride_cs, stride_cl,
-    stride_ch, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, dtype: tl.constexpr,
-    OPAQUE: tl.constexpr,
+    stride_ch, c1, c2, s1, s2, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr,
+    dtype: tl.constexpr, OPAQUE: tl.constexpr, LOADED: tl.constexpr,
 ):
     """One item of the QKV product (rows j and j + HALF of ``head``, as the twin rounds them): q and
-    k heads rotated by the rope_kv twin's roundings, q to scratch, k and v into the cache."""
+    k heads rotated by the rope_kv twin's roundings, q to scratch, k and v into the cache. LOADED:
+    the rotary tables are c1, c2, s1, s2 (loaded before the product), else they are loaded here."""
     if head < NUM_Q + NUM_KV:
-        table = pos[:, None] * (2 * HALF) + j[None, :]
-        c1 = _round_to(tl.load(cos_ptr + table, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
-        c2 = _round_to(tl.load(cos_ptr + table + HALF, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
-        s1 = _round_to(tl.load(sin_ptr + table, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
-        s2 = _round_to(tl.load(sin_ptr + table + HALF, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
+        if not LOADED:
+            c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, pos, j, ok, HALF, dtype, OPAQUE)
         r1 = (_round_to(x1 * c1, dtype, OPAQUE) + _round_to(-x2 * s1, dtype, OPAQUE)).to(dtype)
         r2 = (_round_to(x2 * c2, dtype, OPAQUE) + _round_to(x1 * s2, dtype, OPAQUE)).to(dtype)
         if head < NUM_Q:
