@@ -83,7 +83,6 @@ _NEG_INF = tl.constexpr(float("-inf"))
 # leave SMs idle. BN_DOWN and BN_HEAD are the down product's and the head's tiles (32 and 16 put
 # every SM to work there: 128 and 129 items); BN_QKV 8 gives QKV 96 items of 32 KB instead of 48 of
 # 64 KB (157.4 -> 150.6 us a depth call, 6e69cd6). RSTD_BK is the block of a norm's sum of squares.
-# SKIP_IDLE: programs without an item run no product loop (measured no faster, so off).
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -94,7 +93,6 @@ TUNING = {
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,
-    "SKIP_IDLE": 0,
     "num_warps": 4,
     "num_stages": 4,
 }
@@ -265,37 +263,25 @@ def _operand(
 
 
 @triton.jit
-def _steps(pid, ITEMS: tl.constexpr, KI: tl.constexpr, NPROG: tl.constexpr, SKIP_IDLE: tl.constexpr):
-    """A product loop's trip count: the busiest program's (every program the same), or with SKIP_IDLE
-    this program's own items' (items pid, pid + NPROG, ...). The interpreter cannot loop to a bound
-    that depends on the program, and gets the first (the same results: idle iterations are masked)."""
-    if SKIP_IDLE:
-        return ((ITEMS - pid + NPROG - 1) // NPROG) * KI
-    else:
-        return ((ITEMS + NPROG - 1) // NPROG) * KI
-
-
-@triton.jit
 def _flat_single(
     rows_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, pid, trace_row, mark, N_OUT: tl.constexpr,
     K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
-    UPCAST: tl.constexpr, SKIP_IDLE: tl.constexpr, TRACE_IN: tl.constexpr,
+    UPCAST: tl.constexpr, TRACE_IN: tl.constexpr,
 ):
     """A product phase as one flat loop over (this program's items) x (reduction blocks), so the
     pipeline runs on from one item into the next: dst[rows, N_OUT] = operand @ w[:, :K].T, items of
     BN outputs times KS reduction parts. RESIDUAL: dst += the product (KS == 1), or fp32 partial
     sums [KS, BM, N_OUT] for ``_phase_reduce``; else dst = the product. Every program runs as many
-    iterations as the busiest, those past the last item masked (loads and stores off), or with
-    SKIP_IDLE only its own items' (a trip count that depends on the program). TRACE_IN: the timer as
-    each item's epilogue starts, into slot ``mark`` (the last item's stays: when its last block's loads
-    were in)."""
+    iterations as the busiest, those past the last item masked (loads and stores off): a trip count
+    that depends on the program measured slower (bench/README.md). TRACE_IN: the timer as each item's
+    epilogue starts, into slot ``mark`` (the last item's stays: when its last block's loads were in)."""
     m = tl.arange(0, BM)
     ITEMS: tl.constexpr = ((N_OUT + BN - 1) // BN) * KS
     KP: tl.constexpr = K // KS
     KI: tl.constexpr = (KP + BK - 1) // BK
     acc = tl.zeros([BM, BN], tl.float32)
-    for t in range(0, _steps(pid, ITEMS, KI, NPROG, SKIP_IDLE)):
+    for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
         item = pid + (t // KI) * NPROG
         ki = t % KI
         tile = item // KS
@@ -331,7 +317,7 @@ def _flat_dual(
     stride_cs, stride_cl, stride_ch, act_ptr, trace_row, mark, H: tl.constexpr, NUM_Q: tl.constexpr,
     NUM_KV: tl.constexpr, HALF: tl.constexpr, INTER: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
-    UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr, SKIP_IDLE: tl.constexpr, TRACE_IN: tl.constexpr,
+    UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr, TRACE_IN: tl.constexpr,
 ):
     """The two paired products as one flat loop (see ``_flat_single``), RMS-normed operand: the QKV
     product by rotary pairs (rows j and j + HALF of a head; rotation, q to scratch, k and v into
@@ -355,7 +341,7 @@ def _flat_dual(
         s2 = c1
     acc1 = tl.zeros([BM, BN], tl.float32)
     acc2 = tl.zeros([BM, BN], tl.float32)
-    for t in range(0, _steps(pid, ITEMS, KI, NPROG, SKIP_IDLE)):
+    for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
         item = pid + (t // KI) * NPROG
         ki = t % KI
         if MLP:
@@ -607,7 +593,6 @@ def _stack_step_kernel(
     TRACE: tl.constexpr,
     TRACE_IN: tl.constexpr,
     TRACE_SLOTS: tl.constexpr,
-    SKIP_IDLE: tl.constexpr,
     OPAQUE: tl.constexpr,
     UPCAST: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -633,7 +618,7 @@ def _stack_step_kernel(
             src_rows = src_ptr + m * stride_src
         _flat_single(
             src_rows, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid, trace_row, 125, H,
-            HIN, 1, NPROG, BM, BN, BK, False, False, dtype, OPAQUE, UPCAST, SKIP_IDLE, TRACE_IN,
+            HIN, 1, NPROG, BM, BN, BK, False, False, dtype, OPAQUE, UPCAST, TRACE_IN,
         )
         epoch += 1
         _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -652,7 +637,7 @@ def _stack_step_kernel(
                 h_rows, row_ok, rstd, ln1_ptr + layer * H, qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H),
                 pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr,
                 trace_row, mark, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, dtype, OPAQUE,
-                UPCAST, LIBDEVICE, SKIP_IDLE, TRACE_IN,
+                UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -668,7 +653,7 @@ def _stack_step_kernel(
             _flat_single(
                 a_rows, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr, pid,
                 trace_row, 96 + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, dtype, OPAQUE,
-                UPCAST, SKIP_IDLE, TRACE_IN,
+                UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -683,7 +668,7 @@ def _stack_step_kernel(
                 h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), pid, cos_ptr,
                 sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row,
                 mark + 1, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, dtype, OPAQUE,
-                UPCAST, LIBDEVICE, SKIP_IDLE, TRACE_IN,
+                UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -692,7 +677,7 @@ def _stack_step_kernel(
             _flat_single(
                 a_rows, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr, pid,
                 trace_row, 97 + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK, False, True, dtype,
-                OPAQUE, UPCAST, SKIP_IDLE, TRACE_IN,
+                OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -707,7 +692,7 @@ def _stack_step_kernel(
         if HEAD:  # the final norm as the head product's prologue
             _flat_single(
                 h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, trace_row, 127,
-                NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, False, dtype, OPAQUE, UPCAST, SKIP_IDLE,
+                NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, False, dtype, OPAQUE, UPCAST,
                 TRACE_IN,
             )
         else:
@@ -953,7 +938,7 @@ def launch_plan(
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
         BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block,
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots,
-        SKIP_IDLE=bool(tune["SKIP_IDLE"]) and compiled, KS_O=tune["KS_O"],
+        KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,
