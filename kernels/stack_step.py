@@ -36,9 +36,10 @@ then on that launch's results are wrong, and ``faults`` (a host sync) says so. T
 read the flag. Launches of this kernel must not overlap: one stream per device.
 
 Where it pays (bench/README.md): on the H200 a call of 1 to 16 rows is faster than the nine-launch
-layers (158 against 189 to 204 us), so the CSM talker sends every call of up to ``STACK_STEP_ROWS``
-(16) rows here. ``trace`` times each program at each barrier from inside the launch, which is how
-bench/probe_stack_step.py splits a call into its phases and barriers.
+layers (151 against 203 us at one row, 165 against 191 at eight; a800258), so the CSM talker sends
+every call of up to ``STACK_STEP_ROWS`` (16) rows here. ``trace`` times each program at each barrier
+from inside the launch, and with 128 slots also inside the product phases (when a norm's sums are
+done, when the last epilogue starts), which is how bench/probe_stack_step.py splits a call.
 
 The Triton interpreter runs programs one after another, so a barrier there would wait forever:
 ``stack_step_triton(..., phased=True)`` launches each phase on its own (the launch boundary is

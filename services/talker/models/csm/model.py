@@ -35,8 +35,9 @@ from services.talker.models.family import FrameInputs, FrameOutputs, PromptSegme
 
 # Depth calls of at most this many rows (the kernel's MAX_ROWS) take ``stack_step``, one launch a
 # call. On the H200, since its down and head tiles let every SM stream (c9401fa), a call of 8 or 16
-# rows is faster that way too: 157 / 158 us against 189 / 197 us for the library's products, and a
-# B=8 frame 7.07 -> 6.56 ms (bench/README.md, "Where a depth call's time goes").
+# rows is faster that way too: 157 / 158 us against 189 / 197 us for the library's products (c78e3a8;
+# 165 against 191 us at 8 rows in a800258's run), and a B=8 frame 7.07 -> 6.56 ms (bench/README.md,
+# "Where a depth call's time goes").
 STACK_STEP_ROWS = 16
 
 
