@@ -848,7 +848,8 @@ def stack_step_triton(
     grid (default one per SM); ``tuning`` overrides ``TUNING`` (benchmarks); ``trace`` (int64
     [programs, 64, 2], the one launch only) receives each program's global-timer ns at the start
     ([p, 0, 1]), on reaching and leaving barrier e ([p, e, 0] and [p, e, 1]) and at the end
-    ([p, barriers + 1, 0]), for a benchmark's breakdown of a call."""
+    ([p, barriers + 1, 0]), for a benchmark's breakdown of a call; with [programs, 128, 2] also the
+    marks inside the product phases (slots from 64 on, listed in the kernel)."""
     check(weights, k_cache, v_cache, slots, positions, lengths, x, src, codes, proj, head)
     interpret = bool(triton.knobs.runtime.interpret)
     phased = interpret if phased is None else phased
