@@ -84,6 +84,8 @@ _NEG_INF = tl.constexpr(float("-inf"))
 # leave SMs idle. BN_DOWN and BN_HEAD are the down product's and the head's tiles (32 and 16 put
 # every SM to work there: 128 and 129 items); BN_QKV 8 gives QKV 96 items of 32 KB instead of 48 of
 # 64 KB (157.4 -> 150.6 us a depth call, 6e69cd6). RSTD_BK is the block of a norm's sum of squares.
+# TMA: the QKV and gate/up weight tiles arrive through tensor descriptors (bulk tensor copies, one
+# instruction a tile) instead of 16-byte copies per thread; not yet measured on the GPU, so off.
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -94,6 +96,7 @@ TUNING = {
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,
+    "TMA": 0,
     "num_warps": 4,
     "num_stages": 4,
 }
@@ -314,15 +317,18 @@ def _flat_single(
 
 @triton.jit
 def _flat_dual(
-    rows_ptr, row_ok, rstd, norm_ptr, w_ptr, pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr,
-    stride_cs, stride_cl, stride_ch, act_ptr, trace_row, mark, H: tl.constexpr, NUM_Q: tl.constexpr,
+    rows_ptr, row_ok, rstd, norm_ptr, w_ptr, w_desc, row0, pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr,
+    vc_ptr, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, mark, H: tl.constexpr, NUM_Q: tl.constexpr,
     NUM_KV: tl.constexpr, HALF: tl.constexpr, INTER: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
-    UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr, TRACE_IN: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, TMA: tl.constexpr, dtype: tl.constexpr,
+    OPAQUE: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr, TRACE_IN: tl.constexpr,
 ):
     """The two paired products as one flat loop (see ``_flat_single``), RMS-normed operand: the QKV
     product by rotary pairs (rows j and j + HALF of a head; rotation, q to scratch, k and v into
-    the cache), or with MLP the gate and up rows (SiLU(gate) * up to ``act``)."""
+    the cache), or with MLP the gate and up rows (SiLU(gate) * up to ``act``). With TMA the weight
+    tiles come through ``w_desc`` (the stacked weights as one [rows, H] tensor; this layer's rows
+    from ``row0``): whole [BN, BK] tiles, their columns past the item's last output discarded, and a
+    program past the last item loads row0's first tile again (an L2 hit) instead of nothing."""
     m = tl.arange(0, BM)
     BLOCKS: tl.constexpr = (HALF + BN - 1) // BN
     ITEMS: tl.constexpr = ((INTER + BN - 1) // BN) if MLP else (NUM_Q + 2 * NUM_KV) * BLOCKS
@@ -358,13 +364,25 @@ def _flat_dual(
         kk = ki * BK + tl.arange(0, BK)
         k_ok = kk < H
         a = _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, True, dtype, OPAQUE)
-        mask = n_ok[:, None] & k_ok[None, :]
-        w1 = tl.load(
-            w_ptr + n1[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
-        )
-        w2 = tl.load(
-            w_ptr + n2[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
-        )
+        if TMA:
+            if MLP:
+                first = item * BN
+                second = first + INTER
+            else:
+                first = head * 2 * HALF + (item % BLOCKS) * BN
+                second = first + HALF
+            first = tl.where(item < ITEMS, first, 0)
+            second = tl.where(item < ITEMS, second, 0)
+            w1 = w_desc.load([row0 + first, ki * BK])
+            w2 = w_desc.load([row0 + second, ki * BK])
+        else:
+            mask = n_ok[:, None] & k_ok[None, :]
+            w1 = tl.load(
+                w_ptr + n1[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+            )
+            w2 = tl.load(
+                w_ptr + n2[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
+            )
         acc1 += _dot(a, tl.trans(w1), UPCAST)
         acc2 += _dot(a, tl.trans(w2), UPCAST)
         if ki == KI - 1:
@@ -557,6 +575,8 @@ def _stack_step_kernel(
     out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H]; out
     sync_ptr,  # int32 [4]: arrivals, exits, this launch's fault flag, faults so far
     trace_ptr,  # int64 [programs, TRACE_SLOTS, 2] timer marks (TRACE)
+    qkv_desc,
+    gu_desc,  # with TMA: the QKV and gate/up weights as [L rows, H] tensor descriptors (else unused)
     n_rows,
     max_len,
     eps,
@@ -594,6 +614,7 @@ def _stack_step_kernel(
     TRACE: tl.constexpr,
     TRACE_IN: tl.constexpr,
     TRACE_SLOTS: tl.constexpr,
+    TMA: tl.constexpr,
     OPAQUE: tl.constexpr,
     UPCAST: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -636,9 +657,9 @@ def _stack_step_kernel(
             slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
             _flat_dual(
                 h_rows, row_ok, rstd, ln1_ptr + layer * H, qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H),
-                pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr,
-                trace_row, mark, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, dtype, OPAQUE,
-                UPCAST, LIBDEVICE, TRACE_IN,
+                qkv_desc, layer * ((NUM_Q + 2 * NUM_KV) * D), pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc,
+                stride_cs, stride_cl, stride_ch, act_ptr, trace_row, mark, H, NUM_Q, NUM_KV, D // 2, INTER,
+                NPROG, BM, BN_QKV, BK, False, TMA, dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -666,10 +687,11 @@ def _stack_step_kernel(
             rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             _mark_after(trace_row, mark + 1, 0, rstd, TRACE_IN)
             _flat_dual(
-                h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), pid, cos_ptr,
+                h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), gu_desc,
+                layer * (2 * INTER), pid, cos_ptr,
                 sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row,
-                mark + 1, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, dtype, OPAQUE,
-                UPCAST, LIBDEVICE, TRACE_IN,
+                mark + 1, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, dtype,
+                OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -910,6 +932,20 @@ def launch_plan(
     fp32 = dtype == torch.float32
     block_k = min(tune["BK"], max(16, triton.next_power_of_2(hidden)))
     rstd_block = min(tune["RSTD_BK"], max(16, triton.next_power_of_2(hidden)))
+    # TMA: the dual products' weight tiles through tensor descriptors, where their rows are 16-byte
+    # aligned (as the hardware needs); else the pointer loads (the descriptors' places get the weights)
+    tma = bool(tune["TMA"]) and all(
+        w.data_ptr() % 16 == 0 and hidden * w.element_size() % 16 == 0 for w in (weights.qkv, weights.gate_up)
+    )
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        descriptors = (
+            TensorDescriptor.from_tensor(weights.qkv.reshape(-1, hidden), [tune["BN_QKV"], block_k]),
+            TensorDescriptor.from_tensor(weights.gate_up.reshape(-1, hidden), [tune["BN_WIDE"], block_k]),
+        )
+    else:
+        descriptors = (weights.qkv, weights.gate_up)
     trace_slots = 64
     if trace is not None:
         per_layer = 5 + (tune["KS_O"] > 1) + (tune["KS_DOWN"] > 1)
@@ -930,7 +966,7 @@ def launch_plan(
         head if head is not None else weights.final_norm, weights.cos, weights.sin, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), slots, positions, lengths,
         q, attn, act, part, out, _sync_buffer(device),
-        trace if trace is not None else _sync_buffer(device),
+        trace if trace is not None else _sync_buffer(device), *descriptors,
         rows, k_cache.shape[2], weights.eps, d**-0.5,
     )
     static = dict(
@@ -939,7 +975,7 @@ def launch_plan(
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
         BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block,
-        TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots,
+        TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
         KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,

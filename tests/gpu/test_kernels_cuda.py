@@ -444,6 +444,19 @@ def test_stack_step_csm_depth_shapes_on_cuda(dtype: torch.dtype, rows: int):
     assert stack_kernel.faults("cuda") == 0
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_stack_step_tma_equals_pointer_loads_at_csm_depth_shapes_on_cuda(rows: int):
+    # The TMA knob only changes how the dual products' weight tiles reach shared memory (whole tiles,
+    # their extra columns discarded): the one launch, its phases and the pointer loads agree bit for bit.
+    placed = [(r // 2, r % 2) for r in range(rows)] if rows > 2 else [(0, 3)]
+    case = make_stack_case(CSM_DEPTH, 24, placed, dtype=torch.bfloat16, way="gather")
+    tma = {"tuning": {"TMA": 1}}
+    got = stack_run(case, lambda *a, **k: one_launch(*a, **k, **tma))
+    assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, **tma)))
+    assert_same_result(got, stack_run(case, one_launch))
+    assert stack_kernel.faults("cuda") == 0
+
+
 def test_stack_step_graph_replay_equals_eager_on_new_codes():
     # 31 launches in one graph (the depth loop's shape: each reads the previous one's output), and
     # the barrier counter is reset by each launch itself: replays on fresh codes equal eager runs.

@@ -1,10 +1,10 @@
 """Compiles ``stack_step``'s one launch (grid barriers) for an H200 (sm_90) on any machine and prints
 what the barrier relies on as one JSON line: shared memory and registers of one program, the
-barrier's atomics and acquire loads, pipelined (cp.async) loads. Used by
+barrier's atomics and acquire loads, pipelined (cp.async) loads, TMA bulk tensor copies. Used by
 tests/unit/test_kernel_stack_step.py in a process of its own (Triton's interpreter, which that test
 module may run, cannot compile).
 
-    python -m tests.unit.stack_step_hopper
+    python -m tests.unit.stack_step_hopper ['{"TMA": 1}']   # a tuning (JSON) over the default
 
 csm-1b's depth decoder in bf16, one row, projection from gathered rows and the padded codebook head;
 pointers 16-byte aligned, as the JIT sees the real tensors; one program per SM (132)."""
@@ -26,6 +26,8 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
+from triton.runtime.jit import mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import stack_step as ss
 
@@ -39,7 +41,7 @@ def meta(*size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.empty(*size, dtype=dtype, device="meta")
 
 
-def compile_kernel():
+def compile_kernel(tuning: dict | None = None):
     d = HEAD_DIM
     weights = ss.StackWeights(
         qkv=meta(LAYERS, (NUM_Q + 2 * NUM_KV) * d, HIDDEN), o=meta(LAYERS, HIDDEN, NUM_Q * d),
@@ -51,7 +53,8 @@ def compile_kernel():
     index = meta(1, dtype=torch.int64)
     args, static, _, _, _ = ss.launch_plan(
         weights, cache, cache, index, index, index, src=meta(VOCAB, SRC_WIDTH), codes=index,
-        proj=meta(HIDDEN, SRC_WIDTH), head=meta(VOCAB, HIDDEN), num_programs=SMS, compiled=True)
+        proj=meta(HIDDEN, SRC_WIDTH), head=meta(VOCAB, HIDDEN), num_programs=SMS, compiled=True,
+        tuning=tuning)
     options = {"num_warps": static.pop("num_warps"), "num_stages": static.pop("num_stages")}
     static["SYNC"] = True
     values = iter([*args, 1, 0, LAYERS, ss.ALL_LAYER_PHASES, 1])  # then run_pj, layers, phases, run_out
@@ -62,7 +65,9 @@ def compile_kernel():
             signature[name], constexprs[(i,)] = "constexpr", static[name]
             continue
         value = next(values)
-        if torch.is_tensor(value):
+        if isinstance(value, TensorDescriptor):
+            signature[name] = mangle_type(value)
+        elif torch.is_tensor(value):
             signature[name], attrs[(i,)] = POINTER_TYPES[value.dtype], [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if isinstance(value, float) else "i32"
@@ -84,13 +89,14 @@ def registers(ptx: str, ptxas: Path) -> int | None:
 
 
 def main() -> None:
-    kernel = compile_kernel()
+    kernel = compile_kernel(json.loads(sys.argv[1]) if len(sys.argv) > 1 else None)
     ptx = kernel.asm["ptx"]
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     print(json.dumps({"shared_bytes": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
                       "registers": registers(ptx, ptxas), "ptxas": str(ptxas),
                       "barrier_atomics": "atom.global" in ptx, "pipelined_loads": "cp.async" in ptx,
-                      "acquire_waits": ptx.count("ld.acquire.gpu.global")}))
+                      "acquire_waits": ptx.count("ld.acquire.gpu.global"),
+                      "tma_copies": ptx.count("cp.async.bulk.tensor")}))
 
 
 if __name__ == "__main__":

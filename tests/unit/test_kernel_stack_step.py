@@ -288,18 +288,42 @@ def test_any_grid_gives_the_same_result(programs: int):
         {"KS_O": 2, "KS_DOWN": 8},
         {"KS_O": 1, "KS_DOWN": 1},
         {"BN": 32, "BN_QKV": 32, "BN_WIDE": 16, "BN_DOWN": 64, "BN_HEAD": 64, "BK": 32, "RSTD_BK": 16},
+        {"TMA": 1},
+        {"TMA": 1, "BN_QKV": 16, "BN_WIDE": 64, "BK": 32},
     ],
-    ids=["split_reductions", "no_splits", "other_tiles"],
+    ids=["split_reductions", "no_splits", "other_tiles", "tma", "tma_other_tiles"],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_tunings_equal_the_reference(shape: str, tuning: dict):
-    # Split reductions (partial sums added in a fixed order by a reduce phase), none, and other tiles
-    # (items of several reduction blocks, a flat loop's item boundaries inside a block row).
+    # Split reductions (partial sums added in a fixed order by a reduce phase), none, other tiles
+    # (items of several reduction blocks, a flat loop's item boundaries inside a block row), and the
+    # dual products' weights through tensor descriptors (TMA; tiles that reach past an item's last
+    # output or, at hidden 100, past the row's end).
     case = make_case(SHAPES[shape], 11, ROWS["three"], way="gather")
     got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
     ref = reference(case)
     assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
     assert_caches(got, ref, case, TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tma_loads_equal_the_pointer_loads(shape: str):
+    # TMA changes only how the dual products' weight tiles arrive (whole tiles, their columns past an
+    # item's last output discarded; a program without an item loads a tile it does not use), so the
+    # result is the pointer loads' bit for bit. (Hidden 100 in fp32 is 400-byte rows, as TMA needs.)
+    case = make_case(SHAPES[shape], 13, ROWS["three"], way="gather")
+    assert ss.launch_plan(*case.args, **case.inputs, tuning={"TMA": 1}, compiled=False)[1]["TMA"]
+    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": 1}))
+    want = run(case, ss.stack_step_triton)
+    assert torch.equal(got.out, want.out)
+    assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
+    assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
+
+
+def test_tma_needs_16_byte_rows():
+    # 16-bit rows of 100 elements are 200 bytes: the knob falls back to the pointer loads.
+    case = make_case(SHAPES["odd"], 13, ROWS["three"], way="gather").to(torch.float16)
+    assert not ss.launch_plan(*case.args, **case.inputs, tuning={"TMA": 1}, compiled=False)[1]["TMA"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16] if DEVICE == "cpu" else [torch.float16, torch.bfloat16])
@@ -489,17 +513,21 @@ def test_a_failing_kernel_trips_the_latch_and_the_twin_serves(fresh_latch, monke
 # ---------------------------------------------------------------- the GPU's kernel, compiled here
 
 
-def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm():
+@pytest.mark.parametrize("tuning", [{}, {"TMA": 1}], ids=["default", "tma"])
+def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(tuning: dict):
     # The barrier path never runs on a CPU machine; compiling it for sm_90 here catches what only the
     # GPU would, and checks what the barrier relies on: one program fits on an SM (registers, shared
     # memory), so the whole grid is resident. The products' loads are pipelined (cp.async). In a
     # process of its own: this one may be running Triton's interpreter, which cannot compile.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.unit.stack_step_hopper"], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-m", "tests.unit.stack_step_hopper", json.dumps(tuning)],
+                          capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["barrier_atomics"] and report["pipelined_loads"]
+    # TMA: the dual products' weight tiles arrive as bulk tensor copies (QKV's and gate/up's, pipelined)
+    assert (report["tma_copies"] > 0) == bool(tuning), report
     # the wait acquires: an acquire atomic of 0 with its result unused would be compiled away
     assert report["acquire_waits"] > 0, report
     assert report["shared_bytes"] <= 227 * 1024  # the H200's shared memory per block
