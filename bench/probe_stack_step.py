@@ -103,6 +103,19 @@ def phase_names(tuning: dict, num_layers: int) -> list[str]:
     return ["PJ", *layer * num_layers, "OUT"]
 
 
+def traces(call, programs: int, slots: int) -> list[torch.Tensor]:
+    """TRACE_CALLS launches' timer traces ([programs, slots, 2], µs) after 3 launches of warm-up."""
+    trace = torch.zeros(programs, slots, 2, dtype=torch.int64, device="cuda")
+    out = []
+    for i in range(TRACE_CALLS + 3):
+        trace.zero_()
+        call(trace)
+        torch.cuda.synchronize()
+        if i >= 3:
+            out.append(trace.double().cpu() / 1e3)
+    return out
+
+
 def trace_breakdown(call, tuning: dict, num_layers: int, programs: int) -> dict:
     """Where one launch's time goes, from the kernel's own timer (``trace``): per phase, the time
     from the first program leaving the barrier before it to the last one reaching the barrier after
@@ -110,14 +123,7 @@ def trace_breakdown(call, tuning: dict, num_layers: int, programs: int) -> dict:
     arrival to the first departure). Medians over TRACE_CALLS launches; phases of the same kind
     averaged over the layers. µs."""
     names = phase_names({**stack_kernel.TUNING, **tuning}, num_layers)
-    trace = torch.zeros(programs, 64, 2, dtype=torch.int64, device="cuda")
-    rows = []
-    for _ in range(TRACE_CALLS + 3):
-        trace.zero_()
-        call(trace)
-        torch.cuda.synchronize()
-        rows.append(trace.double().cpu() / 1e3)
-    rows = rows[3:]
+    rows = traces(call, programs, 64)
     per_call = []
     for t in rows:
         e_last = len(names)
@@ -160,24 +166,20 @@ def inside_breakdown(call, tuning: dict, num_layers: int, programs: int) -> dict
     before = {}  # kind -> the barrier (epoch) each of its phases starts after, in order
     for e, name in enumerate(names):
         before.setdefault(name, []).append(e)
+    k = stack_kernel
+    qkv, mlp, o, down, pj, head = (int(c.value) for c in (k.MARK_QKV, k.MARK_MLP, k.MARK_O, k.MARK_DOWN,
+                                                          k.MARK_PJ, k.MARK_HEAD))
     slots = {  # kind -> (norm mark, epilogue mark) per phase, as (epoch, side)
-        "PJ": [(None, (125, 0))],
-        "QKV": [((64 + 2 * i, 0), (64 + 2 * i, 1)) for i in range(num_layers)],
-        "OUT_PROJ": [(None, (96 + 2 * i, 0)) for i in range(num_layers)],
-        "MLP": [((65 + 2 * i, 0), (65 + 2 * i, 1)) for i in range(num_layers)],
-        "DOWN": [(None, (97 + 2 * i, 0)) for i in range(num_layers)],
-        "OUT": [((126, 0), (127, 0))],
+        "PJ": [(None, (pj, 0))],
+        "QKV": [((qkv + 2 * i, 0), (qkv + 2 * i, 1)) for i in range(num_layers)],
+        "OUT_PROJ": [(None, (o + 2 * i, 0)) for i in range(num_layers)],
+        "MLP": [((mlp + 2 * i, 0), (mlp + 2 * i, 1)) for i in range(num_layers)],
+        "DOWN": [(None, (down + 2 * i, 0)) for i in range(num_layers)],
+        "OUT": [((head, 0), (head + 1, 0))],
     }
-    trace = torch.zeros(programs, 128, 2, dtype=torch.int64, device="cuda")
     keys = [(who, part) for who in ("last", "median") for part in ("norm", "loop", "tail")]
     samples = {kind: {key: [] for key in keys} for kind in slots}
-    for i in range(TRACE_CALLS + 3):
-        trace.zero_()
-        call(trace)
-        torch.cuda.synchronize()
-        if i < 3:
-            continue
-        t = trace.double().cpu() / 1e3
+    for t in traces(call, programs, 128):
         for kind, marks in slots.items():
             per_phase = {key: [] for key in keys}
             for (norm, epi), e in zip(marks, before[kind], strict=True):

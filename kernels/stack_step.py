@@ -64,6 +64,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.decode_attention import _dot, _online_softmax_step, decode_attention_eager
 from kernels.latch import KernelLatch
@@ -76,6 +77,14 @@ MAX_ROWS = 16  # rows of one step (the products' M tile)
 MAX_KEYS = 256  # positions one row may attend to: the kernel's attention has no split
 _MAX_SPINS = tl.constexpr(1 << 22)  # a barrier wait this long (about a second) is a fault, not a neighbour
 _NEG_INF = tl.constexpr(float("-inf"))
+# Slots of the marks inside phases (a trace of 128 slots; bench/probe_stack_step.py reads them). Layer
+# l's QKV at MARK_QKV + 2 l and its gate/up at MARK_MLP + 2 l: side 0 once the norm's sums are done,
+# side 1 as the last epilogue starts; its output product at MARK_O + 2 l and its down product at
+# MARK_DOWN + 2 l, side 0 as the last epilogue starts; the projection's at MARK_PJ; the head's norm and
+# last epilogue at MARK_HEAD and MARK_HEAD + 1. A trace holds at most 62 barriers, so at most 10
+# layers: their marks stay below MARK_PJ.
+MARK_QKV, MARK_MLP, MARK_O, MARK_DOWN = tl.constexpr(64), tl.constexpr(65), tl.constexpr(96), tl.constexpr(97)
+MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 
 # Tile sizes and launch parameters (bench/probe_stack_step.py sweeps them on the H200): BN output
 # columns and BK reduction elements per step of a product, warps per program, pipeline stages.
@@ -627,19 +636,15 @@ def _stack_step_kernel(
     epoch = 0
     trace_row = trace_ptr + pid * (TRACE_SLOTS * 2)
     _mark(trace_row, 0, 1, TRACE)
-    # TRACE_IN: marks inside phases, in slots from 64 on. Once a norm's sums are done: layer l's QKV
-    # (64 + 2 l, 0), its gate/up (65 + 2 l, 0), the head's (126, 0). As a product's last epilogue
-    # starts: QKV (64 + 2 l, 1), gate/up (65 + 2 l, 1), output product (96 + 2 l, 0), down (97 + 2 l,
-    # 0), projection (125, 0), head (127, 0). (A mark that waits on a value inside a product's loop
-    # stops its software pipeline, so the epilogue's mark only reads the timer.) A trace holds at most
-    # 62 barriers, so at most 10 layers: their marks stay below slot 125.
+    # TRACE_IN: marks inside phases (the MARK_* slots). A mark that waits on a value inside a product's
+    # loop stops its software pipeline, so the epilogue's mark only reads the timer.
     if PROJECT and run_pj != 0:
         if GATHER:
             src_rows = src_ptr + tl.load(codes_ptr + m, mask=row_ok, other=0) * stride_src
         else:
             src_rows = src_ptr + m * stride_src
         _flat_single(
-            src_rows, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid, trace_row, 125, H,
+            src_rows, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid, trace_row, MARK_PJ, H,
             HIN, 1, NPROG, BM, BN, BK, False, False, dtype, OPAQUE, UPCAST, TRACE_IN,
         )
         epoch += 1
@@ -649,17 +654,16 @@ def _stack_step_kernel(
     while layer < layer_end:
         kc = kc_ptr + layer * stride_cl_layer
         vc = vc_ptr + layer * stride_cl_layer
-        mark = 64 + layer * 2
         if (phases & 1) != 0:  # QKV
             rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
-            _mark_after(trace_row, mark, 0, rstd, TRACE_IN)
+            _mark_after(trace_row, MARK_QKV + 2 * layer, 0, rstd, TRACE_IN)
             pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
             slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
             _flat_dual(
                 h_rows, row_ok, rstd, ln1_ptr + layer * H, qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H),
                 qkv_desc, layer * ((NUM_Q + 2 * NUM_KV) * D), pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc,
-                stride_cs, stride_cl, stride_ch, act_ptr, trace_row, mark, H, NUM_Q, NUM_KV, D // 2, INTER,
-                NPROG, BM, BN_QKV, BK, False, TMA, dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
+                stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_QKV + 2 * layer, H, NUM_Q, NUM_KV,
+                D // 2, INTER, NPROG, BM, BN_QKV, BK, False, TMA, dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -674,8 +678,8 @@ def _stack_step_kernel(
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
                 a_rows, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr, pid,
-                trace_row, 96 + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, dtype, OPAQUE,
-                UPCAST, TRACE_IN,
+                trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, dtype,
+                OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -685,13 +689,13 @@ def _stack_step_kernel(
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 8) != 0:  # MLP
             rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
-            _mark_after(trace_row, mark + 1, 0, rstd, TRACE_IN)
+            _mark_after(trace_row, MARK_MLP + 2 * layer, 0, rstd, TRACE_IN)
             _flat_dual(
                 h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), gu_desc,
                 layer * (2 * INTER), pid, cos_ptr,
                 sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row,
-                mark + 1, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, dtype,
-                OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
+                MARK_MLP + 2 * layer, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA,
+                dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -699,8 +703,8 @@ def _stack_step_kernel(
             a_rows = act_ptr + m * INTER
             _flat_single(
                 a_rows, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr, pid,
-                trace_row, 97 + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK, False, True, dtype,
-                OPAQUE, UPCAST, TRACE_IN,
+                trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK, False, True,
+                dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -711,10 +715,10 @@ def _stack_step_kernel(
         layer += 1
     if run_out != 0:
         rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
-        _mark_after(trace_row, 126, 0, rstd, TRACE_IN)
+        _mark_after(trace_row, MARK_HEAD, 0, rstd, TRACE_IN)
         if HEAD:  # the final norm as the head product's prologue
             _flat_single(
-                h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, trace_row, 127,
+                h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, trace_row, MARK_HEAD + 1,
                 NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, False, dtype, OPAQUE, UPCAST,
                 TRACE_IN,
             )
@@ -871,7 +875,7 @@ def stack_step_triton(
     [programs, 64, 2], the one launch only) receives each program's global-timer ns at the start
     ([p, 0, 1]), on reaching and leaving barrier e ([p, e, 0] and [p, e, 1]) and at the end
     ([p, barriers + 1, 0]), for a benchmark's breakdown of a call; with [programs, 128, 2] also the
-    marks inside the product phases (slots from 64 on, listed in the kernel)."""
+    marks inside the product phases (the ``MARK_*`` slots)."""
     check(weights, k_cache, v_cache, slots, positions, lengths, x, src, codes, proj, head)
     interpret = bool(triton.knobs.runtime.interpret)
     phased = interpret if phased is None else phased
@@ -938,8 +942,6 @@ def launch_plan(
         w.data_ptr() % 16 == 0 and hidden * w.element_size() % 16 == 0 for w in (weights.qkv, weights.gate_up)
     )
     if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         descriptors = (
             TensorDescriptor.from_tensor(weights.qkv.reshape(-1, hidden), [tune["BN_QKV"], block_k]),
             TensorDescriptor.from_tensor(weights.gate_up.reshape(-1, hidden), [tune["BN_WIDE"], block_k]),
