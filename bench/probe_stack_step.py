@@ -40,10 +40,8 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
-    {"TMA": 1},  # the dual products' weight tiles through tensor descriptors (148.3 against 151.5, a017db2)
-    {"PRENORM": 1},  # normed (and gathered) operands staged once a phase, out of the product loops
-    {"PRENORM": 1, "TMA": 1},
-    {"PRENORM": 1, "TMA": 1, "BN_QKV": 16},
+    {"BN_QKV": 16},  # the default until a800258
+    {"TMA": 1},  # the dual products' weight tiles through tensor descriptors (not yet measured)
 ]
 TRACE_CALLS = 20
 
@@ -250,7 +248,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/probe_stack_step.json"))
     parser.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=ROWS,
                         help=f"rows per call to measure (default {','.join(map(str, ROWS))})")
-    parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[{"PRENORM": 1, "TMA": 1}],
+    parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[-1]],
                         help="JSON list of tunings to trace besides the default")
     parser.add_argument("--skip-sweep", action="store_true", help="the default tuning and its trace only")
     args = parser.parse_args()

@@ -106,7 +106,6 @@ TUNING = {
     "KS_O": 1,
     "KS_DOWN": 4,
     "TMA": 0,
-    "PRENORM": 0,
     "num_warps": 4,
     "num_stages": 4,
 }
@@ -330,12 +329,10 @@ def _flat_dual(
     rows_ptr, row_ok, rstd, norm_ptr, w_ptr, w_desc, row0, pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr,
     vc_ptr, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, mark, H: tl.constexpr, NUM_Q: tl.constexpr,
     NUM_KV: tl.constexpr, HALF: tl.constexpr, INTER: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, TMA: tl.constexpr, NORM: tl.constexpr,
-    dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr,
-    TRACE_IN: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, TMA: tl.constexpr, dtype: tl.constexpr,
+    OPAQUE: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr, TRACE_IN: tl.constexpr,
 ):
-    """The two paired products as one flat loop (see ``_flat_single``), RMS-normed operand (NORM: here,
-    else by ``_prenorm`` before): the QKV
+    """The two paired products as one flat loop (see ``_flat_single``), RMS-normed operand: the QKV
     product by rotary pairs (rows j and j + HALF of a head; rotation, q to scratch, k and v into
     the cache), or with MLP the gate and up rows (SiLU(gate) * up to ``act``). With TMA the weight
     tiles come through ``w_desc`` (the stacked weights as one [rows, H] tensor; this layer's rows
@@ -375,7 +372,7 @@ def _flat_dual(
             n2 = n1 + HALF
         kk = ki * BK + tl.arange(0, BK)
         k_ok = kk < H
-        a = _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, dtype, OPAQUE)
+        a = _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, True, dtype, OPAQUE)
         if TMA:
             if MLP:
                 first = item * BN
@@ -416,25 +413,6 @@ def _flat_dual(
                 )
             acc1 = tl.zeros([BM, BN], tl.float32)
             acc2 = tl.zeros([BM, BN], tl.float32)
-
-
-@triton.jit
-def _prenorm(
-    rows_ptr, row_ok, rstd, norm_ptr, dst_rows, K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-    NORM: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
-):
-    """A product's operand [rows, K] (RMS-normed, or with NORM off copied as it is) into this
-    program's own scratch rows ``dst_rows``, so the product's loop reads it as stored: the norm's
-    elementwise work (on [BM, BK] slices, whatever the rows) once a phase instead of once every item
-    and reduction block, off the loop's critical path; the projection's gathered rows (a load through
-    loaded row pointers, which the loop does not pipeline) from one place. Unrolled, so the blocks'
-    loads are in flight together. The program barrier orders the stores before its threads' loads."""
-    for k0 in tl.static_range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        k_ok = kk < K
-        a = _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, dtype, OPAQUE)
-        tl.store(dst_rows[:, None] + kk[None, :], a, mask=row_ok[:, None] & k_ok[None, :])
-    tl.debug_barrier()
 
 
 @triton.jit
@@ -604,7 +582,6 @@ def _stack_step_kernel(
     act_ptr,
     part_ptr,
     out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H]; out
-    pre_ptr,  # PRENORM: scratch [programs, N, max(H, HIN)] (each program's operand)
     sync_ptr,  # int32 [4]: arrivals, exits, this launch's fault flag, faults so far
     trace_ptr,  # int64 [programs, TRACE_SLOTS, 2] timer marks (TRACE)
     qkv_desc,
@@ -647,7 +624,6 @@ def _stack_step_kernel(
     TRACE_IN: tl.constexpr,
     TRACE_SLOTS: tl.constexpr,
     TMA: tl.constexpr,
-    PRENORM: tl.constexpr,
     OPAQUE: tl.constexpr,
     UPCAST: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -662,14 +638,9 @@ def _stack_step_kernel(
     _mark(trace_row, 0, 1, TRACE)
     # TRACE_IN: marks inside phases (the MARK_* slots). A mark that waits on a value inside a product's
     # loop stops its software pipeline, so the epilogue's mark only reads the timer.
-    PRE_W: tl.constexpr = HIN if PROJECT and HIN > H else H
-    pre_rows = pre_ptr + pid * (n_rows * PRE_W) + m * PRE_W
     if PROJECT and run_pj != 0:
         if GATHER:
             src_rows = src_ptr + tl.load(codes_ptr + m, mask=row_ok, other=0) * stride_src
-            if PRENORM:
-                _prenorm(src_rows, row_ok, src_rows, src_rows, pre_rows, HIN, BM, BK, False, dtype, OPAQUE)
-                src_rows = pre_rows
         else:
             src_rows = src_ptr + m * stride_src
         _flat_single(
@@ -685,18 +656,14 @@ def _stack_step_kernel(
         vc = vc_ptr + layer * stride_cl_layer
         if (phases & 1) != 0:  # QKV
             rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
-            if PRENORM:
-                _prenorm(h_rows, row_ok, rstd, ln1_ptr + layer * H, pre_rows, H, BM, BK, True, dtype, OPAQUE)
             _mark_after(trace_row, MARK_QKV + 2 * layer, 0, rstd, TRACE_IN)
             pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
             slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
             _flat_dual(
-                pre_rows if PRENORM else h_rows, row_ok, rstd, ln1_ptr + layer * H,
-                qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H), qkv_desc,
-                layer * ((NUM_Q + 2 * NUM_KV) * D), pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc,
+                h_rows, row_ok, rstd, ln1_ptr + layer * H, qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H),
+                qkv_desc, layer * ((NUM_Q + 2 * NUM_KV) * D), pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc,
                 stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_QKV + 2 * layer, H, NUM_Q, NUM_KV,
-                D // 2, INTER, NPROG, BM, BN_QKV, BK, False, TMA, not PRENORM, dtype, OPAQUE, UPCAST,
-                LIBDEVICE, TRACE_IN,
+                D // 2, INTER, NPROG, BM, BN_QKV, BK, False, TMA, dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -722,15 +689,13 @@ def _stack_step_kernel(
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 8) != 0:  # MLP
             rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
-            if PRENORM:
-                _prenorm(h_rows, row_ok, rstd, ln2_ptr + layer * H, pre_rows, H, BM, BK, True, dtype, OPAQUE)
             _mark_after(trace_row, MARK_MLP + 2 * layer, 0, rstd, TRACE_IN)
             _flat_dual(
-                pre_rows if PRENORM else h_rows, row_ok, rstd, ln2_ptr + layer * H,
-                gu_ptr + layer * (2 * INTER * H), gu_desc, layer * (2 * INTER), pid, cos_ptr, sin_ptr, m, m,
-                q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_MLP + 2 * layer, H,
-                NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, not PRENORM, dtype, OPAQUE,
-                UPCAST, LIBDEVICE, TRACE_IN,
+                h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), gu_desc,
+                layer * (2 * INTER), pid, cos_ptr,
+                sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row,
+                MARK_MLP + 2 * layer, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA,
+                dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -750,14 +715,12 @@ def _stack_step_kernel(
         layer += 1
     if run_out != 0:
         rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
-        if HEAD and PRENORM:
-            _prenorm(h_rows, row_ok, rstd, final_ptr, pre_rows, H, BM, BK, True, dtype, OPAQUE)
         _mark_after(trace_row, MARK_HEAD, 0, rstd, TRACE_IN)
-        if HEAD:  # the final norm as the head product's prologue (or before it, PRENORM)
+        if HEAD:  # the final norm as the head product's prologue
             _flat_single(
-                pre_rows if PRENORM else h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid,
-                trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, not PRENORM, False, dtype,
-                OPAQUE, UPCAST, TRACE_IN,
+                h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, trace_row, MARK_HEAD + 1,
+                NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, False, dtype, OPAQUE, UPCAST,
+                TRACE_IN,
             )
         else:
             _phase_norm(x_ptr, out_ptr, n_rows, final_ptr, rstd, pid, nprog, H, BM, BN_WIDE, dtype, OPAQUE)
@@ -985,14 +948,6 @@ def launch_plan(
         )
     else:
         descriptors = (weights.qkv, weights.gate_up)
-    # PRENORM: each program's operand of the QKV, gate/up and head products (normed) and the gathered
-    # projection (copied)
-    prenormed = (
-        torch.empty(grid[0], rows, max(hidden, proj.shape[1] if proj is not None else 0), dtype=dtype,
-                    device=device)
-        if tune["PRENORM"]
-        else residual
-    )
     trace_slots = 64
     if trace is not None:
         per_layer = 5 + (tune["KS_O"] > 1) + (tune["KS_DOWN"] > 1)
@@ -1012,7 +967,7 @@ def launch_plan(
         weights.o, weights.gate_up, weights.down, weights.input_norm, weights.post_norm, weights.final_norm,
         head if head is not None else weights.final_norm, weights.cos, weights.sin, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), slots, positions, lengths,
-        q, attn, act, part, out, prenormed, _sync_buffer(device),
+        q, attn, act, part, out, _sync_buffer(device),
         trace if trace is not None else _sync_buffer(device), *descriptors,
         rows, k_cache.shape[2], weights.eps, d**-0.5,
     )
@@ -1023,7 +978,6 @@ def launch_plan(
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
         BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block,
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
-        PRENORM=bool(tune["PRENORM"]),
         KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,

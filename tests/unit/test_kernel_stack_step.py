@@ -290,9 +290,8 @@ def test_any_grid_gives_the_same_result(programs: int):
         {"BN": 32, "BN_QKV": 32, "BN_WIDE": 16, "BN_DOWN": 64, "BN_HEAD": 64, "BK": 32, "RSTD_BK": 16},
         {"TMA": 1},
         {"TMA": 1, "BN_QKV": 16, "BN_WIDE": 64, "BK": 32},
-        {"PRENORM": 1, "BK": 32, "BN_HEAD": 64},
     ],
-    ids=["split_reductions", "no_splits", "other_tiles", "tma", "tma_other_tiles", "prenorm"],
+    ids=["split_reductions", "no_splits", "other_tiles", "tma", "tma_other_tiles"],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_tunings_equal_the_reference(shape: str, tuning: dict):
@@ -316,22 +315,6 @@ def test_tma_loads_equal_the_pointer_loads(shape: str):
     assert ss.launch_plan(*case.args, **case.inputs, tuning={"TMA": 1}, compiled=False)[1]["TMA"]
     got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": 1}))
     want = run(case, ss.stack_step_triton)
-    assert torch.equal(got.out, want.out)
-    assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
-    assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
-
-
-@pytest.mark.parametrize(
-    "tuning", [{}, {"TMA": 1}, {"BK": 32, "RSTD_BK": 16}], ids=["default", "tma", "small_blocks"]
-)
-@pytest.mark.parametrize("programs", [None, 3])
-def test_prenorm_equals_the_norm_in_the_loop(tuning: dict, programs: int | None):
-    # PRENORM moves the norm's elementwise work out of the product loops into each program's own
-    # scratch rows, with the same roundings: bit for bit the same (heads and hidden states, all grids).
-    case = make_case(SHAPES["odd"], 17, ROWS["three"], way="gather")
-    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, num_programs=programs,
-                                                         tuning={**tuning, "PRENORM": 1}))
-    want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, num_programs=programs, tuning=tuning))
     assert torch.equal(got.out, want.out)
     assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
     assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
