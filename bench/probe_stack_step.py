@@ -40,9 +40,8 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
-    {"TMA": 0},  # the pointer loads (the default until ee16cee)
-    {"TMA": 1},  # the dual products' weight tiles through tensor descriptors (148.3 against 151.5, a017db2)
-    {"TMA": 2, "num_stages": 3},
+    {"BN_QKV": 16},  # the default until a800258
+    {"TMA": 1},  # the dual products' weight tiles through tensor descriptors (not yet measured)
 ]
 TRACE_CALLS = 20
 

@@ -93,8 +93,8 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # leave SMs idle. BN_DOWN and BN_HEAD are the down product's and the head's tiles (32 and 16 put
 # every SM to work there: 128 and 129 items); BN_QKV 8 gives QKV 96 items of 32 KB instead of 48 of
 # 64 KB (157.4 -> 150.6 us a depth call, 6e69cd6). RSTD_BK is the block of a norm's sum of squares.
-# TMA: weight tiles arrive through tensor descriptors (bulk tensor copies, one instruction a tile)
-# instead of 16-byte copies per thread: 1 the QKV and gate/up products', 2 every product's.
+# TMA: the QKV and gate/up weight tiles arrive through tensor descriptors (bulk tensor copies, one
+# instruction a tile) instead of 16-byte copies per thread; not yet measured on the GPU, so off.
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -105,7 +105,7 @@ TUNING = {
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,
-    "TMA": 2,
+    "TMA": 0,
     "num_warps": 4,
     "num_stages": 4,
 }
@@ -277,10 +277,10 @@ def _operand(
 
 @triton.jit
 def _flat_single(
-    rows_ptr, row_ok, rstd, norm_ptr, w_ptr, w_desc, row0, dst_ptr, part_ptr, pid, trace_row, mark,
-    N_OUT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, TMA: tl.constexpr,
-    dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr, TRACE_IN: tl.constexpr,
+    rows_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, pid, trace_row, mark, N_OUT: tl.constexpr,
+    K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
+    UPCAST: tl.constexpr, TRACE_IN: tl.constexpr,
 ):
     """A product phase as one flat loop over (this program's items) x (reduction blocks), so the
     pipeline runs on from one item into the next: dst[rows, N_OUT] = operand @ w[:, :K].T, items of
@@ -288,15 +288,11 @@ def _flat_single(
     sums [KS, BM, N_OUT] for ``_phase_reduce``; else dst = the product. Every program runs as many
     iterations as the busiest, those past the last item masked (loads and stores off): a trip count
     that depends on the program measured slower (bench/README.md). TRACE_IN: the timer as each item's
-    epilogue starts, into slot ``mark`` (the last item's stays: when its last block's loads were in).
-    TMA: the weight tiles through ``w_desc`` (see ``_flat_dual``) where every block lies inside its
-    reduction part (no part, or parts of whole blocks): the descriptor fills only what lies past the
-    row's end with zeros, not a block's reach into the next part."""
+    epilogue starts, into slot ``mark`` (the last item's stays: when its last block's loads were in)."""
     m = tl.arange(0, BM)
     ITEMS: tl.constexpr = ((N_OUT + BN - 1) // BN) * KS
     KP: tl.constexpr = K // KS
     KI: tl.constexpr = (KP + BK - 1) // BK
-    DESC: tl.constexpr = TMA and (KS == 1 or KP % BK == 0)
     acc = tl.zeros([BM, BN], tl.float32)
     for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
         item = pid + (t // KI) * NPROG
@@ -308,13 +304,10 @@ def _flat_single(
         kk = split * KP + ki * BK + tl.arange(0, BK)
         k_ok = kk < (split + 1) * KP
         a = _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, dtype, OPAQUE)
-        if DESC:
-            w = w_desc.load([row0 + tl.where(item < ITEMS, tile * BN, 0), split * KP + ki * BK])
-        else:
-            w = tl.load(
-                w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
-                eviction_policy="evict_first",
-            )
+        w = tl.load(
+            w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+            eviction_policy="evict_first",
+        )
         acc += _dot(a, tl.trans(w), UPCAST)
         if ki == KI - 1:
             _mark(trace_row, mark, 0, TRACE_IN)
@@ -593,10 +586,6 @@ def _stack_step_kernel(
     trace_ptr,  # int64 [programs, TRACE_SLOTS, 2] timer marks (TRACE)
     qkv_desc,
     gu_desc,  # with TMA: the QKV and gate/up weights as [L rows, H] tensor descriptors (else unused)
-    proj_desc,
-    o_desc,
-    down_desc,
-    head_desc,  # with TMA 2: the other products' weights as [rows, K] tensor descriptors (else unused)
     n_rows,
     max_len,
     eps,
@@ -655,8 +644,8 @@ def _stack_step_kernel(
         else:
             src_rows = src_ptr + m * stride_src
         _flat_single(
-            src_rows, row_ok, src_rows, src_rows, proj_ptr, proj_desc, 0, x_ptr, part_ptr, pid, trace_row,
-            MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, False, TMA >= 2, dtype, OPAQUE, UPCAST, TRACE_IN,
+            src_rows, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid, trace_row, MARK_PJ, H,
+            HIN, 1, NPROG, BM, BN, BK, False, False, dtype, OPAQUE, UPCAST, TRACE_IN,
         )
         epoch += 1
         _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -688,9 +677,9 @@ def _stack_step_kernel(
         if (phases & 4) != 0:  # OUT_PROJ
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
-                a_rows, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), o_desc, layer * H, x_ptr,
-                part_ptr, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False,
-                True, TMA >= 2, dtype, OPAQUE, UPCAST, TRACE_IN,
+                a_rows, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr, pid,
+                trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, dtype,
+                OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -713,9 +702,9 @@ def _stack_step_kernel(
         if (phases & 16) != 0:  # DOWN
             a_rows = act_ptr + m * INTER
             _flat_single(
-                a_rows, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), down_desc, layer * H, x_ptr,
-                part_ptr, pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK,
-                False, True, TMA >= 2, dtype, OPAQUE, UPCAST, TRACE_IN,
+                a_rows, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr, pid,
+                trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK, False, True,
+                dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -729,9 +718,9 @@ def _stack_step_kernel(
         _mark_after(trace_row, MARK_HEAD, 0, rstd, TRACE_IN)
         if HEAD:  # the final norm as the head product's prologue
             _flat_single(
-                h_rows, row_ok, rstd, final_ptr, head_ptr, head_desc, 0, out_ptr, part_ptr, pid, trace_row,
-                MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, False, TMA >= 2, dtype, OPAQUE,
-                UPCAST, TRACE_IN,
+                h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, trace_row, MARK_HEAD + 1,
+                NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, False, dtype, OPAQUE, UPCAST,
+                TRACE_IN,
             )
         else:
             _phase_norm(x_ptr, out_ptr, n_rows, final_ptr, rstd, pid, nprog, H, BM, BN_WIDE, dtype, OPAQUE)
@@ -789,11 +778,6 @@ def faults(device: torch.device | str) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _tma_rows(weight: torch.Tensor) -> bool:
-    """Whether a weight's tiles can come through a tensor descriptor: 16-byte aligned base and rows."""
-    return weight.data_ptr() % 16 == 0 and weight.shape[-1] * weight.element_size() % 16 == 0
-
-
 def _num_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -952,22 +936,18 @@ def launch_plan(
     fp32 = dtype == torch.float32
     block_k = min(tune["BK"], max(16, triton.next_power_of_2(hidden)))
     rstd_block = min(tune["RSTD_BK"], max(16, triton.next_power_of_2(hidden)))
-    # TMA 1: the dual products' weight tiles through tensor descriptors, 2: every product's, where the
-    # weights' rows are 16-byte aligned (as the hardware needs); else the level below, down to the
-    # pointer loads (the unused descriptors' places get the weights themselves)
-    dual = (weights.qkv, weights.gate_up)
-    single = (weights.o, weights.down, *(w for w in (proj, head) if w is not None))
-    tma = 0
-    if tune["TMA"] >= 1 and all(_tma_rows(w) for w in dual):
-        tma = 2 if tune["TMA"] >= 2 and all(_tma_rows(w) for w in single) else 1
-    tiles = (
-        (weights.qkv, tune["BN_QKV"], 1), (weights.gate_up, tune["BN_WIDE"], 1), (proj, tune["BN"], 2),
-        (weights.o, tune["BN"], 2), (weights.down, tune["BN_DOWN"], 2), (head, tune["BN_HEAD"], 2),
+    # TMA: the dual products' weight tiles through tensor descriptors, where their rows are 16-byte
+    # aligned (as the hardware needs); else the pointer loads (the descriptors' places get the weights)
+    tma = bool(tune["TMA"]) and all(
+        w.data_ptr() % 16 == 0 and hidden * w.element_size() % 16 == 0 for w in (weights.qkv, weights.gate_up)
     )
-    descriptors = tuple(
-        TensorDescriptor.from_tensor(w.reshape(-1, w.shape[-1]), [bn, block_k]) if tma >= level
-        and w is not None else (w if w is not None else residual) for w, bn, level in tiles
-    )
+    if tma:
+        descriptors = (
+            TensorDescriptor.from_tensor(weights.qkv.reshape(-1, hidden), [tune["BN_QKV"], block_k]),
+            TensorDescriptor.from_tensor(weights.gate_up.reshape(-1, hidden), [tune["BN_WIDE"], block_k]),
+        )
+    else:
+        descriptors = (weights.qkv, weights.gate_up)
     trace_slots = 64
     if trace is not None:
         per_layer = 5 + (tune["KS_O"] > 1) + (tune["KS_DOWN"] > 1)

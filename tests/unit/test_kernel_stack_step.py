@@ -290,9 +290,8 @@ def test_any_grid_gives_the_same_result(programs: int):
         {"BN": 32, "BN_QKV": 32, "BN_WIDE": 16, "BN_DOWN": 64, "BN_HEAD": 64, "BK": 32, "RSTD_BK": 16},
         {"TMA": 1},
         {"TMA": 1, "BN_QKV": 16, "BN_WIDE": 64, "BK": 32},
-        {"TMA": 2, "BK": 32, "KS_O": 2},
     ],
-    ids=["split_reductions", "no_splits", "other_tiles", "tma", "tma_other_tiles", "tma_everywhere"],
+    ids=["split_reductions", "no_splits", "other_tiles", "tma", "tma_other_tiles"],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_tunings_equal_the_reference(shape: str, tuning: dict):
@@ -307,44 +306,24 @@ def test_tunings_equal_the_reference(shape: str, tuning: dict):
     assert_caches(got, ref, case, TOLERANCE[torch.float32])
 
 
-@pytest.mark.parametrize(
-    "shape, tuning, level",
-    [
-        ("tiny_depth", {"TMA": 1}, 1),
-        ("odd", {"TMA": 1}, 1),
-        ("tiny_depth", {"TMA": 2}, 2),
-        ("tiny_depth", {"TMA": 2, "BK": 32, "KS_O": 2}, 2),
-        ("tiny_depth", {"TMA": 2, "BN": 32, "BN_DOWN": 16, "BN_HEAD": 64}, 2),
-        ("tiny_depth", {"TMA": 2, "way": "project"}, 2),
-    ],
-    ids=["dual", "dual_odd", "all", "all_whole_block_parts", "all_other_tiles", "all_projected"],
-)
-def test_tma_loads_equal_the_pointer_loads(shape: str, tuning: dict, level: int):
-    # TMA changes only how the weight tiles arrive (whole tiles, their columns past an item's last
-    # output or past a layer's rows discarded; a program without an item loads a tile it does not
-    # use), so the result is the pointer loads' bit for bit. Level 1: the dual products (hidden 100 in
-    # fp32 is 400-byte rows, as TMA needs); 2: every product, with split reductions through the
-    # descriptor where the parts are whole blocks (BK 32 on 64-wide parts), through pointers where a
-    # block would reach into the next part (the default BK 64 on the down product's 32-wide parts; with
-    # finite weights the reach would only add zeros, so this choice is not visible here).
-    tuning = dict(tuning)
-    case = make_case(SHAPES[shape], 13, ROWS["three"], way=tuning.pop("way", "gather"))
-    assert ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)[1]["TMA"] == level
-    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
-    pointers = {**tuning, "TMA": 0}
-    want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=pointers))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tma_loads_equal_the_pointer_loads(shape: str):
+    # TMA changes only how the dual products' weight tiles arrive (whole tiles, their columns past an
+    # item's last output discarded; a program without an item loads a tile it does not use), so the
+    # result is the pointer loads' bit for bit. (Hidden 100 in fp32 is 400-byte rows, as TMA needs.)
+    case = make_case(SHAPES[shape], 13, ROWS["three"], way="gather")
+    assert ss.launch_plan(*case.args, **case.inputs, tuning={"TMA": 1}, compiled=False)[1]["TMA"]
+    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": 1}))
+    want = run(case, ss.stack_step_triton)
     assert torch.equal(got.out, want.out)
     assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
     assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
 
 
 def test_tma_needs_16_byte_rows():
-    # 16-bit rows of 100 elements are 200 bytes: the knob falls back to the pointer loads. In fp32 the
-    # hidden rows fit, the down product's 150-wide rows (600 bytes) do not: level 2 falls back to 1.
-    case = make_case(SHAPES["odd"], 13, ROWS["three"], way="gather")
-    assert ss.launch_plan(*case.args, **case.inputs, tuning={"TMA": 2}, compiled=False)[1]["TMA"] == 1
-    case = case.to(torch.float16)
-    assert ss.launch_plan(*case.args, **case.inputs, tuning={"TMA": 2}, compiled=False)[1]["TMA"] == 0
+    # 16-bit rows of 100 elements are 200 bytes: the knob falls back to the pointer loads.
+    case = make_case(SHAPES["odd"], 13, ROWS["three"], way="gather").to(torch.float16)
+    assert not ss.launch_plan(*case.args, **case.inputs, tuning={"TMA": 1}, compiled=False)[1]["TMA"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16] if DEVICE == "cpu" else [torch.float16, torch.bfloat16])
@@ -534,7 +513,7 @@ def test_a_failing_kernel_trips_the_latch_and_the_twin_serves(fresh_latch, monke
 # ---------------------------------------------------------------- the GPU's kernel, compiled here
 
 
-@pytest.mark.parametrize("tuning", [{}, {"TMA": 1}, {"TMA": 2}], ids=["default", "tma", "tma_everywhere"])
+@pytest.mark.parametrize("tuning", [{}, {"TMA": 1}], ids=["default", "tma"])
 def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(tuning: dict):
     # The barrier path never runs on a CPU machine; compiling it for sm_90 here catches what only the
     # GPU would, and checks what the barrier relies on: one program fits on an SM (registers, shared
@@ -548,8 +527,7 @@ def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(t
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["barrier_atomics"] and report["pipelined_loads"]
     # TMA: the dual products' weight tiles arrive as bulk tensor copies (QKV's and gate/up's, pipelined)
-    # with level 2 also the other products' (the counts are the pinned triton's, prologue and loop)
-    assert report["tma_copies"] == {0: 0, 1: 16, 2: 32}[tuning.get("TMA", 0)], report
+    assert (report["tma_copies"] > 0) == bool(tuning), report
     # the wait acquires: an acquire atomic of 0 with its result unused would be compiled away
     assert report["acquire_waits"] > 0, report
     assert report["shared_bytes"] <= 227 * 1024  # the H200's shared memory per block
