@@ -453,7 +453,7 @@ def test_stack_step_tma_equals_pointer_loads_at_csm_depth_shapes_on_cuda(rows: i
     tma = {"tuning": {"TMA": 1}}
     got = stack_run(case, lambda *a, **k: one_launch(*a, **k, **tma))
     assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, **tma)))
-    assert_same_result(got, stack_run(case, one_launch))
+    assert_same_result(got, stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning={"TMA": 0})))
     assert stack_kernel.faults("cuda") == 0
 
 

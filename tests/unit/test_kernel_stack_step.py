@@ -288,10 +288,10 @@ def test_any_grid_gives_the_same_result(programs: int):
         {"KS_O": 2, "KS_DOWN": 8},
         {"KS_O": 1, "KS_DOWN": 1},
         {"BN": 32, "BN_QKV": 32, "BN_WIDE": 16, "BN_DOWN": 64, "BN_HEAD": 64, "BK": 32, "RSTD_BK": 16},
-        {"TMA": 1},
+        {"TMA": 0},
         {"TMA": 1, "BN_QKV": 16, "BN_WIDE": 64, "BK": 32},
     ],
-    ids=["split_reductions", "no_splits", "other_tiles", "tma", "tma_other_tiles"],
+    ids=["split_reductions", "no_splits", "other_tiles", "pointer_loads", "tma_other_tiles"],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_tunings_equal_the_reference(shape: str, tuning: dict):
@@ -314,7 +314,7 @@ def test_tma_loads_equal_the_pointer_loads(shape: str):
     case = make_case(SHAPES[shape], 13, ROWS["three"], way="gather")
     assert ss.launch_plan(*case.args, **case.inputs, tuning={"TMA": 1}, compiled=False)[1]["TMA"]
     got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": 1}))
-    want = run(case, ss.stack_step_triton)
+    want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": 0}))
     assert torch.equal(got.out, want.out)
     assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
     assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
@@ -513,7 +513,7 @@ def test_a_failing_kernel_trips_the_latch_and_the_twin_serves(fresh_latch, monke
 # ---------------------------------------------------------------- the GPU's kernel, compiled here
 
 
-@pytest.mark.parametrize("tuning", [{}, {"TMA": 1}], ids=["default", "tma"])
+@pytest.mark.parametrize("tuning", [{}, {"TMA": 0}], ids=["default", "pointer_loads"])
 def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(tuning: dict):
     # The barrier path never runs on a CPU machine; compiling it for sm_90 here catches what only the
     # GPU would, and checks what the barrier relies on: one program fits on an SM (registers, shared
@@ -527,7 +527,7 @@ def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(t
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["barrier_atomics"] and report["pipelined_loads"]
     # TMA: the dual products' weight tiles arrive as bulk tensor copies (QKV's and gate/up's, pipelined)
-    assert (report["tma_copies"] > 0) == bool(tuning), report
+    assert (report["tma_copies"] > 0) == bool({**ss.TUNING, **tuning}["TMA"]), report
     # the wait acquires: an acquire atomic of 0 with its result unused would be compiled away
     assert report["acquire_waits"] > 0, report
     assert report["shared_bytes"] <= 227 * 1024  # the H200's shared memory per block
