@@ -40,7 +40,7 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
-    {"TMA": 0},  # the pointer loads (the default until 2026-11-29's TMA measurements)
+    {"TMA": 0},  # the pointer loads (the default until 66bf39f)
     {"BN_QKV": 16},
 ]
 TRACE_CALLS = 20

@@ -296,9 +296,10 @@ def test_any_grid_gives_the_same_result(programs: int):
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_tunings_equal_the_reference(shape: str, tuning: dict):
     # Split reductions (partial sums added in a fixed order by a reduce phase), none, other tiles
-    # (items of several reduction blocks, a flat loop's item boundaries inside a block row), and the
-    # dual products' weights through tensor descriptors (TMA; tiles that reach past an item's last
-    # output or, at hidden 100, past the row's end).
+    # (items of several reduction blocks, a flat loop's item boundaries inside a block row), the
+    # pointer loads (TMA 0; the default sends the dual products' weights through tensor descriptors),
+    # and descriptors with other tiles (tiles that reach past an item's last output or, at hidden 100,
+    # past the row's end).
     case = make_case(SHAPES[shape], 11, ROWS["three"], way="gather")
     got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
     ref = reference(case)
