@@ -96,7 +96,10 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # TMA: the QKV and gate/up weight tiles arrive through tensor descriptors (bulk tensor copies, one
 # instruction a tile) instead of 16-byte copies per thread: 148.3 and 147.5 us a depth call against
 # 151.5 and 150.6 (a017db2, b634d26), gate/up's loop 11.9 -> 10.5 us. The other products' tiles through
-# descriptors measured slower (154.7, b634d26), so only these.
+# descriptors measured slower (154.7, b634d26), so only these. ONE_ROW: a call of one row loads (and
+# norms) only that row in the projection's and the normed products' loops (see ``_operand``): per
+# thread a QKV block 413 -> 289 instructions, gate/up 554 -> 429, head 368 -> 233, projection
+# 271 -> 216 (bench/sass_loops.py); not yet measured on the GPU, so off.
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -108,6 +111,7 @@ TUNING = {
     "KS_O": 1,
     "KS_DOWN": 4,
     "TMA": 1,
+    "ONE_ROW": 0,
     "num_warps": 4,
     "num_stages": 4,
 }
@@ -264,25 +268,49 @@ def _rstd(rows_ptr, row_ok, eps, K: tl.constexpr, BM: tl.constexpr, BK: tl.const
 
 @triton.jit
 def _operand(
-    rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr
+    rows_ptr, first_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM: tl.constexpr, ONE: tl.constexpr,
+    dtype: tl.constexpr, OPAQUE: tl.constexpr,
 ):
-    """A [BM, BK] slice of the left operand: rows as stored, or RMS-normed (the twin's roundings)."""
-    a = tl.load(
-        rows_ptr[:, None] + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg"
-    )
-    if NORM:
-        normed = _round_to(a.to(tl.float32) * rstd[:, None], dtype, OPAQUE)
-        w = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        a = (w[None, :] * normed).to(dtype)
+    """A [BM, BK] slice of the left operand: rows as stored, or RMS-normed (the twin's roundings).
+    ONE (a call of one row, ``first_ptr``; ``rstd`` its scalar): one [BK] load, and the norm's
+    elementwise work on that row only, placed in row 0 of the zero rows the masked loads would give,
+    instead of on all BM rows: fewer instructions a block in the product's loop (bench/sass_loops.py),
+    the same operand. (The row broadcast to every row compiles shorter for the projection, but the
+    compiler then norms all the rows, and the interpreter's products are not bitwise row by row.)"""
+    if ONE:
+        x = tl.load(first_ptr + kk, mask=k_ok, other=0.0, cache_modifier=".cg")
+        if NORM:
+            normed = _round_to(x.to(tl.float32) * rstd, dtype, OPAQUE)
+            w = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x = (w * normed).to(dtype)
+        a = tl.where(row_ok[:, None], x[None, :], 0.0).to(dtype)
+    else:
+        a = tl.load(
+            rows_ptr[:, None] + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+            cache_modifier=".cg",
+        )
+        if NORM:
+            normed = _round_to(a.to(tl.float32) * rstd[:, None], dtype, OPAQUE)
+            w = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            a = (w[None, :] * normed).to(dtype)
     return a
 
 
 @triton.jit
+def _first(rstd, m, ONE: tl.constexpr):
+    """ONE: row 0's rstd as a scalar (for ``_operand``), else the rows' as they are."""
+    if ONE:
+        return tl.sum(tl.where(m == 0, rstd, 0.0), axis=0)
+    else:
+        return rstd
+
+
+@triton.jit
 def _flat_single(
-    rows_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, pid, trace_row, mark, N_OUT: tl.constexpr,
-    K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
-    UPCAST: tl.constexpr, TRACE_IN: tl.constexpr,
+    rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, pid, trace_row, mark,
+    N_OUT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, ONE: tl.constexpr, RESIDUAL: tl.constexpr,
+    dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr, TRACE_IN: tl.constexpr,
 ):
     """A product phase as one flat loop over (this program's items) x (reduction blocks), so the
     pipeline runs on from one item into the next: dst[rows, N_OUT] = operand @ w[:, :K].T, items of
@@ -295,6 +323,8 @@ def _flat_single(
     ITEMS: tl.constexpr = ((N_OUT + BN - 1) // BN) * KS
     KP: tl.constexpr = K // KS
     KI: tl.constexpr = (KP + BK - 1) // BK
+    if NORM:
+        rstd = _first(rstd, m, ONE)
     acc = tl.zeros([BM, BN], tl.float32)
     for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
         item = pid + (t // KI) * NPROG
@@ -305,7 +335,7 @@ def _flat_single(
         n_ok = (n < N_OUT) & (item < ITEMS)
         kk = split * KP + ki * BK + tl.arange(0, BK)
         k_ok = kk < (split + 1) * KP
-        a = _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, dtype, OPAQUE)
+        a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, ONE, dtype, OPAQUE)
         w = tl.load(
             w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
             eviction_policy="evict_first",
@@ -328,10 +358,11 @@ def _flat_single(
 
 @triton.jit
 def _flat_dual(
-    rows_ptr, row_ok, rstd, norm_ptr, w_ptr, w_desc, row0, pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr,
-    vc_ptr, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, mark, H: tl.constexpr, NUM_Q: tl.constexpr,
-    NUM_KV: tl.constexpr, HALF: tl.constexpr, INTER: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, TMA: tl.constexpr, dtype: tl.constexpr,
+    rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, w_desc, row0, pid, cos_ptr, sin_ptr, pos, slot, q_ptr,
+    kc_ptr, vc_ptr, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, mark, H: tl.constexpr,
+    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, INTER: tl.constexpr, NPROG: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, TMA: tl.constexpr,
+    ONE: tl.constexpr, dtype: tl.constexpr,
     OPAQUE: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr, TRACE_IN: tl.constexpr,
 ):
     """The two paired products as one flat loop (see ``_flat_single``), RMS-normed operand: the QKV
@@ -357,6 +388,7 @@ def _flat_dual(
         c2 = c1
         s1 = c1
         s2 = c1
+    rs = _first(rstd, m, ONE)
     acc1 = tl.zeros([BM, BN], tl.float32)
     acc2 = tl.zeros([BM, BN], tl.float32)
     for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
@@ -374,7 +406,7 @@ def _flat_dual(
             n2 = n1 + HALF
         kk = ki * BK + tl.arange(0, BK)
         k_ok = kk < H
-        a = _operand(rows_ptr, row_ok, kk, k_ok, rstd, norm_ptr, True, dtype, OPAQUE)
+        a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rs, norm_ptr, True, ONE, dtype, OPAQUE)
         if TMA:
             if MLP:
                 first = item * BN
@@ -548,7 +580,7 @@ def _phase_norm(
     while item < (H + BN - 1) // BN:
         n = item * BN + tl.arange(0, BN)
         n_ok = n < H
-        out = _operand(rows, row_ok, n, n_ok, rstd, norm_ptr, True, dtype, OPAQUE)
+        out = _operand(rows, h_ptr, row_ok, n, n_ok, rstd, norm_ptr, True, False, dtype, OPAQUE)
         tl.store(out_ptr + m[:, None] * H + n[None, :], out, mask=row_ok[:, None] & n_ok[None, :])
         item += nprog
 
@@ -626,6 +658,7 @@ def _stack_step_kernel(
     TRACE_IN: tl.constexpr,
     TRACE_SLOTS: tl.constexpr,
     TMA: tl.constexpr,
+    ONE: tl.constexpr,
     OPAQUE: tl.constexpr,
     UPCAST: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -643,11 +676,13 @@ def _stack_step_kernel(
     if PROJECT and run_pj != 0:
         if GATHER:
             src_rows = src_ptr + tl.load(codes_ptr + m, mask=row_ok, other=0) * stride_src
+            src_first = src_ptr + tl.load(codes_ptr) * stride_src
         else:
             src_rows = src_ptr + m * stride_src
+            src_first = src_ptr
         _flat_single(
-            src_rows, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid, trace_row, MARK_PJ, H,
-            HIN, 1, NPROG, BM, BN, BK, False, False, dtype, OPAQUE, UPCAST, TRACE_IN,
+            src_rows, src_first, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid, trace_row,
+            MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, ONE, False, dtype, OPAQUE, UPCAST, TRACE_IN,
         )
         epoch += 1
         _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -662,10 +697,12 @@ def _stack_step_kernel(
             pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
             slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
             _flat_dual(
-                h_rows, row_ok, rstd, ln1_ptr + layer * H, qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H),
-                qkv_desc, layer * ((NUM_Q + 2 * NUM_KV) * D), pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc,
+                h_rows, x_ptr, row_ok, rstd, ln1_ptr + layer * H,
+                qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H), qkv_desc,
+                layer * ((NUM_Q + 2 * NUM_KV) * D), pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc,
                 stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_QKV + 2 * layer, H, NUM_Q, NUM_KV,
-                D // 2, INTER, NPROG, BM, BN_QKV, BK, False, TMA, dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
+                D // 2, INTER, NPROG, BM, BN_QKV, BK, False, TMA, ONE, dtype, OPAQUE, UPCAST, LIBDEVICE,
+                TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -679,9 +716,9 @@ def _stack_step_kernel(
         if (phases & 4) != 0:  # OUT_PROJ
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
-                a_rows, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr, pid,
-                trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, True, dtype,
-                OPAQUE, UPCAST, TRACE_IN,
+                a_rows, attn_ptr, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr,
+                pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, False, True,
+                dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -693,20 +730,20 @@ def _stack_step_kernel(
             rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             _mark_after(trace_row, MARK_MLP + 2 * layer, 0, rstd, TRACE_IN)
             _flat_dual(
-                h_rows, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), gu_desc,
+                h_rows, x_ptr, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), gu_desc,
                 layer * (2 * INTER), pid, cos_ptr,
                 sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row,
                 MARK_MLP + 2 * layer, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA,
-                dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
+                ONE, dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 16) != 0:  # DOWN
             a_rows = act_ptr + m * INTER
             _flat_single(
-                a_rows, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr, pid,
-                trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK, False, True,
-                dtype, OPAQUE, UPCAST, TRACE_IN,
+                a_rows, act_ptr, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr,
+                pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK, False,
+                False, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -720,8 +757,8 @@ def _stack_step_kernel(
         _mark_after(trace_row, MARK_HEAD, 0, rstd, TRACE_IN)
         if HEAD:  # the final norm as the head product's prologue
             _flat_single(
-                h_rows, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, trace_row, MARK_HEAD + 1,
-                NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, False, dtype, OPAQUE, UPCAST,
+                h_rows, x_ptr, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, trace_row,
+                MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, ONE, False, dtype, OPAQUE, UPCAST,
                 TRACE_IN,
             )
         else:
@@ -980,6 +1017,7 @@ def launch_plan(
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
         BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block,
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
+        ONE=bool(tune["ONE_ROW"]) and rows == 1,
         KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,

@@ -321,6 +321,29 @@ def test_tma_loads_equal_the_pointer_loads(shape: str):
     assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
 
 
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_one_row_norms_equal_the_all_rows_norms(shape: str, way: str):
+    # ONE_ROW loads (and norms) only the call's one row inside the projection's, QKV's, gate/up's and
+    # the head's loops and places it in row 0 of zeros: the same operand, so the same bits as loading
+    # (and norming) every padded row. Without a head, the final norm's own phase.
+    case = make_case(SHAPES[shape], 19, ROWS["one"], way=way)
+    for head in (True, False):
+        if not head:
+            case = replace(case, inputs={**case.inputs, "head": None})
+        assert ss.launch_plan(*case.args, **case.inputs, tuning={"ONE_ROW": 1}, compiled=False)[1]["ONE"]
+        got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"ONE_ROW": 1}))
+        want = run(case, ss.stack_step_triton)
+        assert torch.equal(got.out, want.out)
+        assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
+        assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
+
+
+def test_one_row_is_for_calls_of_one_row():
+    case = make_case(SHAPES["tiny_depth"], 19, ROWS["three"], way="gather")
+    assert not ss.launch_plan(*case.args, **case.inputs, tuning={"ONE_ROW": 1}, compiled=False)[1]["ONE"]
+
+
 def test_tma_needs_16_byte_rows():
     # 16-bit rows of 100 elements are 200 bytes: the knob falls back to the pointer loads.
     case = make_case(SHAPES["odd"], 13, ROWS["three"], way="gather").to(torch.float16)
@@ -514,7 +537,9 @@ def test_a_failing_kernel_trips_the_latch_and_the_twin_serves(fresh_latch, monke
 # ---------------------------------------------------------------- the GPU's kernel, compiled here
 
 
-@pytest.mark.parametrize("tuning", [{}, {"TMA": 0}], ids=["default", "pointer_loads"])
+@pytest.mark.parametrize(
+    "tuning", [{}, {"TMA": 0}, {"ONE_ROW": 1}], ids=["default", "pointer_loads", "one_row"]
+)
 def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(tuning: dict):
     # The barrier path never runs on a CPU machine; compiling it for sm_90 here catches what only the
     # GPU would, and checks what the barrier relies on: one program fits on an SM (registers, shared
