@@ -43,6 +43,7 @@ SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
     {"TMA": 0},  # the pointer loads (the default until 66bf39f)
     {"ONE_ROW": 1},  # one row's norm in the normed loops (takes calls of one row only; not yet measured)
     {"ONE_ROW": 1, "BN_QKV": 16},
+    {"ONE_ROW": 1, "num_warps": 8},  # two warps a scheduler, fewer instructions a thread (sass_loops.py)
 ]
 TRACE_CALLS = 20
 
