@@ -5,9 +5,10 @@ One ``KernelLatch`` per kernel. Two ways to the twin:
 * **configured off** (``enabled = False``): a strict switch for triage; the twin serves every call
   and nothing is logged;
 * **tripped**: the first call whose kernel raises (a compile error, a launch failure, a missing
-  backend) logs one warning with the exception and the twin serves that call and every later one
-  for the rest of the process. A kernel that failed once is never retried: retrying on every call
-  would pay the failure (and its log line) per frame.
+  backend), or a failure its caller finds afterwards (``trip``: a fault flag read back), logs one
+  warning with the exception and the twin serves every later call for the rest of the process. A
+  kernel that failed once is never retried: retrying on every call would pay the failure (and its
+  log line) per frame.
 
 Compilation happens on the first call with a new specialisation, so run one eager warm-up before
 capturing a CUDA graph: a failure then trips the latch outside the capture and the graph records
@@ -69,6 +70,11 @@ class KernelLatch:
         except Exception as exc:  # compile / launch failures of any kind: the twin takes over
             self._trip(exc)
         return twin(*args, **kwargs)
+
+    def trip(self, exc: Exception) -> None:
+        """Trips the latch for a failure found after the kernel returned (its results are already
+        wrong: the caller discards them); the first trip is logged, later ones are not."""
+        self._trip(exc)
 
     def _trip(self, exc: Exception) -> None:
         with self._lock:

@@ -807,13 +807,20 @@ def _sync_buffer(device: torch.device) -> torch.Tensor:
     return torch.zeros(4, dtype=torch.int32, device=device)
 
 
-def faults(device: torch.device | str) -> int:
-    """How many barrier waits on ``device`` gave up (0 unless something is wrong: each one means a
-    launch whose results are wrong; reading it synchronises the device)."""
+def fault_counter(device: torch.device | str) -> torch.Tensor:
+    """The count of barrier waits on ``device`` that gave up, as an int32 [1] view of the device's
+    counter: a caller copies it to the host beside its own results (no extra synchronisation) and
+    compares it with the count it saw before. 0 unless something is wrong: each one means a launch
+    whose results are wrong."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return int(_sync_buffer(device)[3].item())
+    return _sync_buffer(device)[3:4]
+
+
+def faults(device: torch.device | str) -> int:
+    """``fault_counter``'s value (reading it synchronises the device)."""
+    return int(fault_counter(device).item())
 
 
 @functools.lru_cache(maxsize=8)

@@ -12,7 +12,9 @@ decode step of K frames for rows ``slots``:
    updates the static buffers in place (hidden, position, frame index, history) so
    replay k+1 continues from replay k with no host sync;
 3. scatters the state back to the pools and copies the step's ``[K, B, N + 1]`` codes
-   and stop flags to the host in **one** device-to-host copy.
+   and stop flags to the host in **one** device-to-host copy (beside it, the count of
+   ``stack_step``'s grid-barrier waits that gave up: a step during which one did raises,
+   so its frames are never sent, and the kernel is off for the rest of the process).
 
 A row that stops at frame j keeps running as padding until the step ends; its frames
 after j are discarded by the engine, so output is identical for every K when the same
@@ -28,6 +30,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from kernels import stack_step as stack_kernel
 from services.talker.models.family import FrameInputs, PromptSegment, TalkerModel
 from services.talker.request import Sampling
 from services.talker.sampler import SamplingParams
@@ -103,6 +106,10 @@ class Runner:
             use_graphs = self.device.type == "cuda"
         if use_graphs:
             self._capture_all()
+        # stack_step's count of grid-barrier waits that gave up (the kernel runs on CUDA only)
+        self.fault_counter = stack_kernel.fault_counter(self.device) if self.device.type == "cuda" else None
+        self._faults_host = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+        self._faults_seen = 0 if self.fault_counter is None else int(self.fault_counter.item())
 
     # --- prefill ------------------------------------------------------------------------------
 
@@ -155,9 +162,32 @@ class Runner:
             dst[ids] = src  # padding rows all land on the spare slot
         host = self.out_host[:k, :bucket]
         host.copy_(self.out[:k, :bucket], non_blocking=True)
+        if self.fault_counter is not None:
+            self._faults_host.copy_(self.fault_counter, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        if self.fault_counter is not None:
+            self._check_faults()
         return host[:, : len(slots)].numpy().copy()
+
+    def _check_faults(self) -> None:
+        """Raises if a ``stack_step`` barrier wait gave up since the last step: that launch finished
+        with wrong results, so this step's frames are discarded (the engine ends its rows with an
+        error), the kernel's latch trips and the graphs are captured again on its twin."""
+        count = int(self._faults_host[0])
+        if count == self._faults_seen:
+            return
+        error = RuntimeError(
+            f"stack_step: {count - self._faults_seen} grid-barrier wait(s) gave up during this decode "
+            "step (a program of the launch never arrived); its frames are discarded and the kernel is "
+            "off for the rest of this process")
+        self._faults_seen = count
+        stack_kernel.LATCH.trip(error)
+        if self.graphs:  # the capture runs frames on the spare slot only
+            for ids in self.slot_ids.values():
+                ids.fill_(self.pad_slot)
+            self._capture_all()
+        raise error
 
     def _frame(self, bucket: int) -> None:
         graph = self.graphs.get(bucket)

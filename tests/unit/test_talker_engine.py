@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import stack_step as stack_kernel
+from kernels.latch import KernelLatch
 from services.common.ring_layout import RecordFlags
 from services.talker.engine import TalkerEngine
 from services.talker.generate import GenerationRequest, Sampling, generate
@@ -224,3 +226,37 @@ def test_full_sink_pauses_the_row_then_stalls(folder):
     engine.step()
     codes, reason = collect(sink.records)[6]
     assert reason == FinishReason.STALLED and len(codes) == req.frames_done
+
+
+def test_a_kernel_fault_ends_its_step_with_error_and_turns_the_kernel_off(folder, monkeypatch):
+    # A stack_step grid-barrier wait that gives up leaves that launch's results wrong. The runner reads
+    # the fault count beside each step's codes (the kernel runs on CUDA only: a CPU counter stands in
+    # here): the step during which it rose raises, so the engine ends its rows with ERROR and sends
+    # none of that step's frames; the kernel's latch trips; later requests run normally.
+    latch = KernelLatch("stack_step")
+    monkeypatch.setattr(stack_kernel, "LATCH", latch)
+    engine, sink = make_engine(folder, k_max=2)
+    counter = torch.zeros(1, dtype=torch.int32)
+    engine.runner.fault_counter = counter
+    for r in (request(1, TEXTS[0], max_frames=40), request(2, TEXTS[1], max_frames=40)):
+        engine.scheduler.add(r)
+    for _ in range(50):
+        engine.step()
+        if {r["handle"] for r in sink.records if r["codes"] is not None} == {1, 2}:
+            break
+    assert latch.active
+    frames = {h: sum(len(r["codes"]) for r in sink.records if r["handle"] == h and r["codes"] is not None)
+              for h in (1, 2)}
+    counter += 1
+    engine.step()  # a decode step of both rows, during which a wait gave up
+    assert not engine.busy
+    results = collect(sink.records)
+    for handle in (1, 2):
+        codes, reason = results[handle]
+        assert reason == FinishReason.ERROR
+        assert len(codes) == frames[handle]  # nothing from the faulting step
+    assert not latch.active and "grid-barrier" in str(latch.failure)
+    sink.records.clear()
+    run(engine, [request(3, TEXTS[2], max_frames=6)])
+    codes, reason = collect(sink.records)[3]
+    assert reason == FinishReason.LENGTH and len(codes) == 6
