@@ -102,14 +102,16 @@ class Runner:
         self.out_host = torch.zeros(self.out.shape, dtype=torch.int32, pin_memory=pin)
         self.slots_host = torch.zeros(self.buckets[-1], dtype=torch.int64, pin_memory=pin)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if use_graphs is None:
-            use_graphs = self.device.type == "cuda"
-        if use_graphs:
-            self._capture_all()
         # stack_step's count of grid-barrier waits that gave up (the kernel runs on CUDA only)
         self.fault_counter = stack_kernel.fault_counter(self.device) if self.device.type == "cuda" else None
         self._faults_host = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
         self._faults_seen = 0 if self.fault_counter is None else int(self.fault_counter.item())
+        if use_graphs is None:
+            use_graphs = self.device.type == "cuda"
+        if use_graphs:
+            self._capture_all()
+            if self.fault_counter is not None:  # the capture's warm-up frames ran the kernel too
+                self._kernel_faulted(int(self.fault_counter.item()))
 
     # --- prefill ------------------------------------------------------------------------------
 
@@ -167,27 +169,28 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         if self.fault_counter is not None:
-            self._check_faults()
+            error = self._kernel_faulted(int(self._faults_host[0]))
+            if error is not None:  # this step's frames are wrong: the engine ends its rows with ERROR
+                raise error
         return host[:, : len(slots)].numpy().copy()
 
-    def _check_faults(self) -> None:
-        """Raises if a ``stack_step`` barrier wait gave up since the last step: that launch finished
-        with wrong results, so this step's frames are discarded (the engine ends its rows with an
-        error), the kernel's latch trips and the graphs are captured again on its twin."""
-        count = int(self._faults_host[0])
+    def _kernel_faulted(self, count: int) -> RuntimeError | None:
+        """The error to report if ``stack_step``'s fault count rose to ``count`` since it was last
+        read (a barrier wait gave up, so a launch finished with wrong results), else None. On a rise
+        the kernel's latch trips and the graphs are captured again, on its twin."""
         if count == self._faults_seen:
-            return
+            return None
         error = RuntimeError(
-            f"stack_step: {count - self._faults_seen} grid-barrier wait(s) gave up during this decode "
-            "step (a program of the launch never arrived); its frames are discarded and the kernel is "
-            "off for the rest of this process")
+            f"stack_step: {count - self._faults_seen} grid-barrier wait(s) gave up (a program of a "
+            "launch never arrived), so its results are wrong; the kernel is off for the rest of this "
+            "process")
         self._faults_seen = count
         stack_kernel.LATCH.trip(error)
         if self.graphs:  # the capture runs frames on the spare slot only
             for ids in self.slot_ids.values():
                 ids.fill_(self.pad_slot)
             self._capture_all()
-        raise error
+        return error
 
     def _frame(self, bucket: int) -> None:
         graph = self.graphs.get(bucket)
