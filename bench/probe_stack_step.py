@@ -40,10 +40,11 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
-    {"TMA": 0},  # the pointer loads (the default until 66bf39f)
-    {"ONE_ROW": 1},  # one row's norm in the normed loops (takes calls of one row only; not yet measured)
-    {"ONE_ROW": 1, "BN_QKV": 16},
-    {"ONE_ROW": 1, "num_warps": 8},  # two warps a scheduler, fewer instructions a thread (sass_loops.py)
+    {"ONE_ROW": 1},  # one row's norm in the normed loops, the row placed in zero rows (and in the projection)
+    {"ONE_ROW": 1, "ROW_PJ": 0},  # ... the projection over all rows
+    {"ONE_ROW": 1, "ROW_PJ": 2},  # ... the projection as a row dot (weights as the left operand)
+    {"ONE_ROW": 1, "ROW_PJ": 0, "ROW_DOT": 1},  # ... the output and down products as row dots
+    {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1},
 ]
 TRACE_CALLS = 20
 
@@ -250,7 +251,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/probe_stack_step.json"))
     parser.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=ROWS,
                         help=f"rows per call to measure (default {','.join(map(str, ROWS))})")
-    parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[1]],
+    parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[4]],
                         help="JSON list of tunings to trace besides the default")
     parser.add_argument("--skip-sweep", action="store_true", help="the default tuning and its trace only")
     args = parser.parse_args()

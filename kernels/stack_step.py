@@ -112,6 +112,8 @@ TUNING = {
     "KS_DOWN": 4,
     "TMA": 1,
     "ONE_ROW": 0,
+    "ROW_PJ": 1,
+    "ROW_DOT": 0,
     "num_warps": 4,
     "num_stages": 4,
 }
@@ -267,6 +269,18 @@ def _rstd(rows_ptr, row_ok, eps, K: tl.constexpr, BM: tl.constexpr, BK: tl.const
 
 
 @triton.jit
+def _row(first_ptr, kk, k_ok, rstd, norm_ptr, NORM: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr):
+    """A [BK] slice of a call's one row (``first_ptr``), as stored or RMS-normed with ``rstd`` (a
+    scalar; the twin's roundings)."""
+    x = tl.load(first_ptr + kk, mask=k_ok, other=0.0, cache_modifier=".cg")
+    if NORM:
+        normed = _round_to(x.to(tl.float32) * rstd, dtype, OPAQUE)
+        w = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        x = (w * normed).to(dtype)
+    return x
+
+
+@triton.jit
 def _operand(
     rows_ptr, first_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM: tl.constexpr, ONE: tl.constexpr,
     dtype: tl.constexpr, OPAQUE: tl.constexpr,
@@ -278,11 +292,7 @@ def _operand(
     the same operand. (The row broadcast to every row compiles shorter for the projection, but the
     compiler then norms all the rows, and the interpreter's products are not bitwise row by row.)"""
     if ONE:
-        x = tl.load(first_ptr + kk, mask=k_ok, other=0.0, cache_modifier=".cg")
-        if NORM:
-            normed = _round_to(x.to(tl.float32) * rstd, dtype, OPAQUE)
-            w = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            x = (w * normed).to(dtype)
+        x = _row(first_ptr, kk, k_ok, rstd, norm_ptr, NORM, dtype, OPAQUE)
         a = tl.where(row_ok[:, None], x[None, :], 0.0).to(dtype)
     else:
         a = tl.load(
@@ -294,6 +304,29 @@ def _operand(
             w = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             a = (w[None, :] * normed).to(dtype)
     return a
+
+
+@triton.jit
+def _row_dot(first_ptr, kk, k_ok, w, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """A call's one row (``first_ptr``, as stored) times a [BN, BK] weight tile, the weights as the
+    left operand: [BN, BK] @ [BK, 1] -> [BN, 1], so the matrix unit pads the row's side to 8 columns
+    instead of padding the operand to BM rows. For the products without a norm: the norm's
+    elementwise work would follow the row into the operand's layout, where every thread repeats it
+    (bench/sass_loops.py)."""
+    x = tl.load(first_ptr + kk, mask=k_ok, other=0.0, cache_modifier=".cg")
+    return _dot(w, x[:, None].to(dtype), UPCAST)
+
+
+@triton.jit
+def _placed(acc, m):
+    """A row dot's sums [BN, 1] as row 0 of [BM, BN] zeros, for the epilogues."""
+    return tl.where(m[:, None] == 0, tl.trans(acc), 0.0)
+
+
+@triton.jit
+def _row_acc(BN: tl.constexpr):
+    """Zero sums for ``_row_dot``."""
+    return tl.zeros([BN, 1], tl.float32)
 
 
 @triton.jit
@@ -326,6 +359,8 @@ def _flat_single(
     if NORM:
         rstd = _first(rstd, m, ONE)
     acc = tl.zeros([BM, BN], tl.float32)
+    if ONE == 2:
+        row_acc = _row_acc(BN)
     for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
         item = pid + (t // KI) * NPROG
         ki = t % KI
@@ -335,14 +370,20 @@ def _flat_single(
         n_ok = (n < N_OUT) & (item < ITEMS)
         kk = split * KP + ki * BK + tl.arange(0, BK)
         k_ok = kk < (split + 1) * KP
-        a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, ONE, dtype, OPAQUE)
         w = tl.load(
             w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
             eviction_policy="evict_first",
         )
-        acc += _dot(a, tl.trans(w), UPCAST)
+        if ONE == 2:
+            row_acc += _row_dot(first_ptr, kk, k_ok, w, dtype, UPCAST)
+        else:
+            a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, ONE, dtype, OPAQUE)
+            acc += _dot(a, tl.trans(w), UPCAST)
         if ki == KI - 1:
             _mark(trace_row, mark, 0, TRACE_IN)
+            if ONE == 2:
+                acc = _placed(row_acc, m)
+                row_acc = _row_acc(BN)
             ok = row_ok[:, None] & n_ok[None, :]
             if RESIDUAL:
                 if KS == 1:
@@ -406,7 +447,6 @@ def _flat_dual(
             n2 = n1 + HALF
         kk = ki * BK + tl.arange(0, BK)
         k_ok = kk < H
-        a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rs, norm_ptr, True, ONE, dtype, OPAQUE)
         if TMA:
             if MLP:
                 first = item * BN
@@ -426,6 +466,7 @@ def _flat_dual(
             w2 = tl.load(
                 w_ptr + n2[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
             )
+        a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rs, norm_ptr, True, ONE, dtype, OPAQUE)
         acc1 += _dot(a, tl.trans(w1), UPCAST)
         acc2 += _dot(a, tl.trans(w2), UPCAST)
         if ki == KI - 1:
@@ -659,6 +700,8 @@ def _stack_step_kernel(
     TRACE_SLOTS: tl.constexpr,
     TMA: tl.constexpr,
     ONE: tl.constexpr,
+    ONE_PJ: tl.constexpr,
+    ONE_PLAIN: tl.constexpr,
     OPAQUE: tl.constexpr,
     UPCAST: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -682,7 +725,7 @@ def _stack_step_kernel(
             src_first = src_ptr
         _flat_single(
             src_rows, src_first, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid, trace_row,
-            MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, ONE, False, dtype, OPAQUE, UPCAST, TRACE_IN,
+            MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, ONE_PJ, False, dtype, OPAQUE, UPCAST, TRACE_IN,
         )
         epoch += 1
         _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -717,8 +760,8 @@ def _stack_step_kernel(
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
                 a_rows, attn_ptr, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr,
-                pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, False, True,
-                dtype, OPAQUE, UPCAST, TRACE_IN,
+                pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, ONE_PLAIN,
+                True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -743,7 +786,7 @@ def _stack_step_kernel(
             _flat_single(
                 a_rows, act_ptr, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr,
                 pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK, False,
-                False, True, dtype, OPAQUE, UPCAST, TRACE_IN,
+                ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -1007,6 +1050,7 @@ def launch_plan(
             )
         if barriers + 1 >= 64:
             raise ValueError(f"stack_step: trace holds 62 barriers, this stack has {barriers}")
+    one = bool(tune["ONE_ROW"]) and rows == 1
     args = (
         src if src is not None else residual, src.stride(0) if src is not None else 0,
         codes if codes is not None else slots, proj if proj is not None else residual, residual, weights.qkv,
@@ -1024,7 +1068,8 @@ def launch_plan(
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
         BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block,
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
-        ONE=bool(tune["ONE_ROW"]) and rows == 1,
+        ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
+        ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,
         KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,

@@ -470,6 +470,23 @@ def test_stack_step_one_row_equals_all_rows_at_csm_depth_shapes_on_cuda(dtype: t
     assert stack_kernel.faults("cuda") == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stack_step_row_dots_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
+    # ROW_PJ 2 and ROW_DOT put the weights on the matrix unit's left side for a call of one row: another
+    # summation order than the all-rows kernel, so within tolerance of the float64 reference, and the
+    # one launch equals its phases bit for bit.
+    case = make_stack_case(CSM_DEPTH, 26, [(0, 3)], dtype=dtype, way="gather")
+    dots = {"tuning": {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1}}
+    plan = stack_kernel.launch_plan(*case.args, **case.inputs, **dots)[1]
+    assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (1, 2, 2)
+    got = stack_run(case, lambda *a, **k: one_launch(*a, **k, **dots))
+    assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, **dots)))
+    ref = stack_reference(case)
+    assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[dtype]
+    assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
+    assert stack_kernel.faults("cuda") == 0
+
+
 def test_stack_step_graph_replay_equals_eager_on_new_codes():
     # 31 launches in one graph (the depth loop's shape: each reads the previous one's output), and
     # the barrier counter is reset by each launch itself: replays on fresh codes equal eager runs.

@@ -339,9 +339,28 @@ def test_one_row_norms_equal_the_all_rows_norms(shape: str, way: str):
         assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
 
 
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_row_dots_equal_the_reference(shape: str, way: str):
+    # ROW_PJ 2 and ROW_DOT: a call of one row multiplies the projection's, output's and down weights as
+    # the left operand with the row (no padded rows): another summation order, so within tolerance of
+    # the reference and the twin rather than bit for bit, and in every phase the plan says it is.
+    tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1}
+    case = make_case(SHAPES[shape], 20, ROWS["one"], way=way, head=way != "x")
+    plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)[1]
+    assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (1, 2, 2)
+    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
+    twin, ref = run(case, ss.stack_step_eager), reference(case)
+    assert relative_error(got.out, twin.out) <= TWIN_FP32
+    assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
+    assert_caches(got, ref, case, TOLERANCE[torch.float32])
+
+
 def test_one_row_is_for_calls_of_one_row():
     case = make_case(SHAPES["tiny_depth"], 19, ROWS["three"], way="gather")
-    assert not ss.launch_plan(*case.args, **case.inputs, tuning={"ONE_ROW": 1}, compiled=False)[1]["ONE"]
+    plan = ss.launch_plan(*case.args, **case.inputs, tuning={"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1},
+                          compiled=False)[1]
+    assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (0, 0, 0)
 
 
 def test_tma_needs_16_byte_rows():
