@@ -40,11 +40,9 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
-    {"ONE_ROW": 1},  # one row's norm in the normed loops, the row placed in zero rows (and in the projection)
-    {"ONE_ROW": 1, "ROW_PJ": 0},  # ... the projection over all rows
-    {"ONE_ROW": 1, "ROW_PJ": 2},  # ... the projection as a row dot (weights as the left operand)
-    {"ONE_ROW": 1, "ROW_PJ": 0, "ROW_DOT": 1},  # ... the output and down products as row dots
-    {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1},
+    {"ONE_ROW": 0},  # every call over all 16 padded rows (the default until 6e1e347)
+    {"ROW_PJ": 1, "ROW_DOT": 0},  # the one row placed in zero rows in the projection too, no row dots
+    {"ROW_DOT": 0},  # the projection as a row dot, the output and down products over the placed row
 ]
 TRACE_CALLS = 20
 
@@ -251,7 +249,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/probe_stack_step.json"))
     parser.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=ROWS,
                         help=f"rows per call to measure (default {','.join(map(str, ROWS))})")
-    parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[4]],
+    parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[0]],
                         help="JSON list of tunings to trace besides the default")
     parser.add_argument("--skip-sweep", action="store_true", help="the default tuning and its trace only")
     args = parser.parse_args()

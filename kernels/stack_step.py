@@ -96,10 +96,14 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # TMA: the QKV and gate/up weight tiles arrive through tensor descriptors (bulk tensor copies, one
 # instruction a tile) instead of 16-byte copies per thread: 148.3 and 147.5 us a depth call against
 # 151.5 and 150.6 (a017db2, b634d26), gate/up's loop 11.9 -> 10.5 us. The other products' tiles through
-# descriptors measured slower (154.7, b634d26), so only these. ONE_ROW: a call of one row loads (and
-# norms) only that row in the projection's and the normed products' loops (see ``_operand``): per
-# thread a QKV block 413 -> 289 instructions, gate/up 554 -> 429, head 368 -> 233, projection
-# 271 -> 216 (bench/sass_loops.py); not yet measured on the GPU, so off.
+# descriptors measured slower (154.7, b634d26), so only these. ONE_ROW (calls of one row; at B=1, 30 of a
+# frame's 31 depth calls): the normed products (QKV, gate/up, head) load and norm only that row and place
+# it in row 0 of zeros (``_operand``); ROW_PJ 2 and ROW_DOT: the projection, and the output and down
+# products, multiply weights @ row (``_row_dot``), so the matrix unit pads the row's side to 8 columns.
+# Per thread a QKV block 413 -> 290 instructions, gate/up 554 -> 431, head 368 -> 234, projection 271 ->
+# 129 (bench/sass_loops.py); 143.3 us a depth call against 151.3 (6e1e347; ONE_ROW with the placed row in
+# the projection too, 146.1). The normed products as row dots (the normed row as column 0 of a [BK, 8]
+# operand) compiled longer (QKV 468, gate/up 551), as did 8 warps (192.6 us).
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -111,9 +115,9 @@ TUNING = {
     "KS_O": 1,
     "KS_DOWN": 4,
     "TMA": 1,
-    "ONE_ROW": 0,
-    "ROW_PJ": 1,
-    "ROW_DOT": 0,
+    "ONE_ROW": 1,
+    "ROW_PJ": 2,
+    "ROW_DOT": 1,
     "num_warps": 4,
     "num_stages": 4,
 }

@@ -459,14 +459,15 @@ def test_stack_step_tma_equals_pointer_loads_at_csm_depth_shapes_on_cuda(rows: i
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_stack_step_one_row_equals_all_rows_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
-    # ONE_ROW norms only the call's row inside the normed products' loops: the one launch, its phases
-    # and the kernel that norms every padded row agree bit for bit.
+    # ONE_ROW norms only the call's row inside the normed products' loops, placed in zero rows (here in
+    # the projection too, without the default's row dots): the one launch, its phases and the kernel
+    # that norms every padded row agree bit for bit.
     case = make_stack_case(CSM_DEPTH, 25, [(0, 3)], dtype=dtype, way="gather")
-    one = {"tuning": {"ONE_ROW": 1}}
+    one = {"tuning": {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0}}
     assert stack_kernel.launch_plan(*case.args, **case.inputs, **one)[1]["ONE"]
     got = stack_run(case, lambda *a, **k: one_launch(*a, **k, **one))
     assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, **one)))
-    assert_same_result(got, stack_run(case, one_launch))
+    assert_same_result(got, stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning={"ONE_ROW": 0})))
     assert stack_kernel.faults("cuda") == 0
 
 

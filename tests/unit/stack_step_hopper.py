@@ -4,7 +4,7 @@ barrier's atomics and acquire loads, pipelined (cp.async) loads, TMA bulk tensor
 tests/unit/test_kernel_stack_step.py in a process of its own (Triton's interpreter, which that test
 module may run, cannot compile).
 
-    python -m tests.unit.stack_step_hopper ['{"ONE_ROW": 1}']   # a tuning (JSON) over the default
+    python -m tests.unit.stack_step_hopper ['{"ONE_ROW": 0}']   # a tuning (JSON) over the default
 
 csm-1b's depth decoder in bf16, one row, projection from gathered rows and the padded codebook head;
 pointers 16-byte aligned, as the JIT sees the real tensors; one program per SM (132)."""

@@ -321,6 +321,9 @@ def test_tma_loads_equal_the_pointer_loads(shape: str):
     assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
 
 
+PLACED = {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0}  # the one row placed in zero rows everywhere
+
+
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_one_row_norms_equal_the_all_rows_norms(shape: str, way: str):
@@ -331,9 +334,9 @@ def test_one_row_norms_equal_the_all_rows_norms(shape: str, way: str):
     for head in (True, False):
         if not head:
             case = replace(case, inputs={**case.inputs, "head": None})
-        assert ss.launch_plan(*case.args, **case.inputs, tuning={"ONE_ROW": 1}, compiled=False)[1]["ONE"]
-        got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"ONE_ROW": 1}))
-        want = run(case, ss.stack_step_triton)
+        assert ss.launch_plan(*case.args, **case.inputs, tuning=PLACED, compiled=False)[1]["ONE"]
+        got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=PLACED))
+        want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"ONE_ROW": 0}))
         assert torch.equal(got.out, want.out)
         assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
         assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
@@ -557,7 +560,7 @@ def test_a_failing_kernel_trips_the_latch_and_the_twin_serves(fresh_latch, monke
 
 
 @pytest.mark.parametrize(
-    "tuning", [{}, {"TMA": 0}, {"ONE_ROW": 1}], ids=["default", "pointer_loads", "one_row"]
+    "tuning", [{}, {"TMA": 0}, {"ONE_ROW": 0}], ids=["default", "pointer_loads", "all_rows"]
 )
 def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(tuning: dict):
     # The barrier path never runs on a CPU machine; compiling it for sm_90 here catches what only the
