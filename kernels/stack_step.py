@@ -32,11 +32,12 @@ the grid is one program per SM, so a neighbour's kernels (Code2Wav under MPS) ca
 until they finish and free their SM, but not block it for good. The last program out resets the
 counter, so consecutive launches (and CUDA-graph replays) need no memset. A spin that runs past
 ``_MAX_SPINS`` (about a second) gives up and raises a fault flag instead of hanging the GPU; from
-then on that launch's results are wrong, and ``faults`` (a host sync) says so. The talker does not
-read the flag. Launches of this kernel must not overlap: one stream per device.
+then on that launch's results are wrong, and ``faults`` (a host sync) says so; the talker's runner reads
+``fault_counter`` beside each step's codes and ends that step's rows with an error. Launches of this
+kernel must not overlap: one stream per device.
 
 Where it pays (bench/README.md): on the H200 a call of 1 to 16 rows is faster than the nine-launch
-layers (151 against 203 us at one row, 165 against 191 at eight; a800258), so the CSM talker sends
+layers (143 against 203 us at one row, 6e1e347; 165 against 191 at eight, a800258), so the CSM talker sends
 every call of up to ``STACK_STEP_ROWS`` (16) rows here. ``trace`` times each program at each barrier
 from inside the launch, and with 128 slots also inside the product phases (when a norm's sums are
 done, when the last epilogue starts), which is how bench/probe_stack_step.py splits a call.
