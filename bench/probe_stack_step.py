@@ -40,9 +40,9 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
-    {"ONE_ROW": 0},  # every call over all 16 padded rows (the default until 6e1e347)
-    {"ROW_PJ": 1, "ROW_DOT": 0},  # the one row placed in zero rows in the projection too, no row dots
-    {"ROW_DOT": 0},  # the projection as a row dot, the output and down products over the placed row
+    {"HOIST": 0},  # positions, slots, rotary tables and attention items loaded in every layer (until 7bee940)
+    {"STAGE": 1},  # QKV's normed row staged in the program's scratch once, the product as row dots
+    {"STAGE": 7},  # ... and gate/up's and the head's
 ]
 TRACE_CALLS = 20
 

@@ -104,7 +104,11 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # Per thread a QKV block 413 -> 290 instructions, gate/up 554 -> 431, head 368 -> 234, projection 271 ->
 # 129 (bench/sass_loops.py); 143.3 us a depth call against 151.3 (6e1e347; ONE_ROW with the placed row in
 # the projection too, 146.1). The normed products as row dots (the normed row as column 0 of a [BK, 8]
-# operand) compiled longer (QKV 468, gate/up 551), as did 8 warps (192.6 us).
+# operand) compiled longer (QKV 468, gate/up 551), as did 8 warps (192.6 us). STAGE (bits: QKV, gate/up,
+# head; not yet measured): those normed products as row dots too, the normed row written once a phase to
+# the program's scratch row (``_stage_normed``). HOIST: the rows' positions and slots, the rotary tables
+# of a program's one QKV item and its one attention item's slot and length load once at the launch's
+# start instead of in every layer (the same values; not yet measured).
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -119,6 +123,8 @@ TUNING = {
     "ONE_ROW": 1,
     "ROW_PJ": 2,
     "ROW_DOT": 1,
+    "STAGE": 0,
+    "HOIST": 1,
     "num_warps": 4,
     "num_stages": 4,
 }
@@ -335,6 +341,22 @@ def _row_acc(BN: tl.constexpr):
 
 
 @triton.jit
+def _stage_normed(
+    first_ptr, rstd, norm_ptr, stage_ptr, K: tl.constexpr, BK: tl.constexpr, dtype: tl.constexpr,
+    OPAQUE: tl.constexpr,
+):
+    """A call's one row, RMS-normed (``_row``: the same values as the placed operand), written once to
+    this program's own scratch row, for the loop's row dots to read as stored: the norm's work once a
+    phase, one element a thread per block, instead of every block in the row dot's operand layout.
+    The program barrier makes the stores visible to the program's other threads."""
+    for k0 in tl.static_range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        x = _row(first_ptr, kk, kk < K, rstd, norm_ptr, True, dtype, OPAQUE)
+        tl.store(stage_ptr + kk, x, mask=kk < K)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _first(rstd, m, ONE: tl.constexpr):
     """ONE: row 0's rstd as a scalar (for ``_operand``), else the rows' as they are."""
     if ONE:
@@ -345,7 +367,7 @@ def _first(rstd, m, ONE: tl.constexpr):
 
 @triton.jit
 def _flat_single(
-    rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, pid, trace_row, mark,
+    rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, stage_ptr, pid, trace_row, mark,
     N_OUT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, ONE: tl.constexpr, RESIDUAL: tl.constexpr,
     dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr, TRACE_IN: tl.constexpr,
@@ -364,8 +386,10 @@ def _flat_single(
     if NORM:
         rstd = _first(rstd, m, ONE)
     acc = tl.zeros([BM, BN], tl.float32)
-    if ONE == 2:
+    if ONE >= 2:
         row_acc = _row_acc(BN)
+    if ONE == 3:
+        _stage_normed(first_ptr, rstd, norm_ptr, stage_ptr, K, BK, dtype, OPAQUE)
     for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
         item = pid + (t // KI) * NPROG
         ki = t % KI
@@ -381,12 +405,14 @@ def _flat_single(
         )
         if ONE == 2:
             row_acc += _row_dot(first_ptr, kk, k_ok, w, dtype, UPCAST)
+        elif ONE == 3:
+            row_acc += _row_dot(stage_ptr, kk, k_ok, w, dtype, UPCAST)
         else:
             a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, ONE, dtype, OPAQUE)
             acc += _dot(a, tl.trans(w), UPCAST)
         if ki == KI - 1:
             _mark(trace_row, mark, 0, TRACE_IN)
-            if ONE == 2:
+            if ONE >= 2:
                 acc = _placed(row_acc, m)
                 row_acc = _row_acc(BN)
             ok = row_ok[:, None] & n_ok[None, :]
@@ -404,11 +430,12 @@ def _flat_single(
 
 @triton.jit
 def _flat_dual(
-    rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, w_desc, row0, pid, cos_ptr, sin_ptr, pos, slot, q_ptr,
-    kc_ptr, vc_ptr, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, mark, H: tl.constexpr,
+    rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, w_desc, row0, stage_ptr, pid, cos_ptr, sin_ptr, pos,
+    slot, c1, c2, s1, s2, q_ptr, kc_ptr, vc_ptr, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, mark,
+    H: tl.constexpr,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, INTER: tl.constexpr, NPROG: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, TMA: tl.constexpr,
-    ONE: tl.constexpr, dtype: tl.constexpr,
+    ONE: tl.constexpr, HOIST: tl.constexpr, dtype: tl.constexpr,
     OPAQUE: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr, TRACE_IN: tl.constexpr,
 ):
     """The two paired products as one flat loop (see ``_flat_single``), RMS-normed operand: the QKV
@@ -422,21 +449,21 @@ def _flat_dual(
     ITEMS: tl.constexpr = ((INTER + BN - 1) // BN) if MLP else (NUM_Q + 2 * NUM_KV) * BLOCKS
     KI: tl.constexpr = (H + BK - 1) // BK
     # QKV with at most one item a program (item pid): its rotary tables load before the product, so
-    # the epilogue does not wait on them (1.6 us of QKV's last epilogue at 16-wide items, 6e69cd6)
+    # the epilogue does not wait on them (1.6 us of QKV's last epilogue at 16-wide items, 6e69cd6);
+    # with HOIST they were loaded once at the launch's start (``_early_tables``: c1, c2, s1, s2)
     EARLY: tl.constexpr = (not MLP) and ITEMS <= NPROG
-    if EARLY:
+    if EARLY and not HOIST:
         head0 = pid // BLOCKS
         j0 = (pid % BLOCKS) * BN + tl.arange(0, BN)
         ok0 = row_ok[:, None] & ((j0 < HALF) & (pid < ITEMS) & (head0 < NUM_Q + NUM_KV))[None, :]
         c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, pos, j0, ok0, HALF, dtype, OPAQUE)
-    else:
-        c1 = tl.zeros([BM, BN], tl.float32)
-        c2 = c1
-        s1 = c1
-        s2 = c1
     rs = _first(rstd, m, ONE)
     acc1 = tl.zeros([BM, BN], tl.float32)
     acc2 = tl.zeros([BM, BN], tl.float32)
+    if ONE == 3:
+        _stage_normed(first_ptr, rs, norm_ptr, stage_ptr, H, BK, dtype, OPAQUE)
+        row1 = _row_acc(BN)
+        row2 = _row_acc(BN)
     for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
         item = pid + (t // KI) * NPROG
         ki = t % KI
@@ -471,11 +498,20 @@ def _flat_dual(
             w2 = tl.load(
                 w_ptr + n2[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
             )
-        a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rs, norm_ptr, True, ONE, dtype, OPAQUE)
-        acc1 += _dot(a, tl.trans(w1), UPCAST)
-        acc2 += _dot(a, tl.trans(w2), UPCAST)
+        if ONE == 3:
+            row1 += _row_dot(stage_ptr, kk, k_ok, w1, dtype, UPCAST)
+            row2 += _row_dot(stage_ptr, kk, k_ok, w2, dtype, UPCAST)
+        else:
+            a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rs, norm_ptr, True, ONE, dtype, OPAQUE)
+            acc1 += _dot(a, tl.trans(w1), UPCAST)
+            acc2 += _dot(a, tl.trans(w2), UPCAST)
         if ki == KI - 1:
             _mark(trace_row, mark, 1, TRACE_IN)
+            if ONE == 3:
+                acc1 = _placed(row1, m)
+                acc2 = _placed(row2, m)
+                row1 = _row_acc(BN)
+                row2 = _row_acc(BN)
             ok = row_ok[:, None] & n_ok[None, :]
             x1 = _round_to(acc1, dtype, OPAQUE)
             x2 = _round_to(acc2, dtype, OPAQUE)
@@ -503,6 +539,29 @@ def _rope_tables(cos_ptr, sin_ptr, pos, j, ok, HALF: tl.constexpr, dtype: tl.con
     c2 = _round_to(tl.load(cos_ptr + table + HALF, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
     s1 = _round_to(tl.load(sin_ptr + table, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
     s2 = _round_to(tl.load(sin_ptr + table + HALF, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _early_tables(cos_ptr, sin_ptr, pos, row_ok, pid, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
+                  HALF: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  HOIST: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr):
+    """With HOIST, the rotary tables of this program's QKV item (item pid) when QKV has at most one item
+    a program, else zeros (``_flat_dual`` or ``_qkv_store`` then loads them): rows keep their positions
+    through a call, so the tables are the same in every layer and load once, at the launch's start,
+    off the layers' path."""
+    BLOCKS: tl.constexpr = (HALF + BN - 1) // BN
+    ITEMS: tl.constexpr = (NUM_Q + 2 * NUM_KV) * BLOCKS
+    if HOIST and ITEMS <= NPROG:
+        head0 = pid // BLOCKS
+        j0 = (pid % BLOCKS) * BN + tl.arange(0, BN)
+        ok0 = row_ok[:, None] & ((j0 < HALF) & (pid < ITEMS) & (head0 < NUM_Q + NUM_KV))[None, :]
+        c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, pos, j0, ok0, HALF, dtype, OPAQUE)
+    else:
+        c1 = tl.zeros([BM, BN], tl.float32)
+        c2 = c1
+        s1 = c1
+        s2 = c1
     return c1, c2, s1, s2
 
 
@@ -547,17 +606,25 @@ def _qkv_store(
 @triton.jit
 def _phase_attention(
     q_ptr, attn_ptr, n_rows, kc_ptr, vc_ptr, stride_cs, stride_cl, stride_ch, slot_ptr, len_ptr, max_len,
-    scale, pid, nprog, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_L: tl.constexpr, UPCAST: tl.constexpr,
+    scale, pid, nprog, att_slot, att_len, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_L: tl.constexpr,
+    PRE: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    """Attention of each (row, kv head) item over its slot's keys. PRE (at most one item a program, item
+    pid): its slot and length are ``att_slot`` and ``att_len`` (``_attention_item``, loaded at the
+    launch's start), so the keys' loads need not wait for them in every layer."""
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, BLOCK_D)
     item = pid
     while item < n_rows * NUM_KV:
         row = item // NUM_KV
         kv_head = item % NUM_KV
-        slot = tl.load(slot_ptr + row)
-        length = tl.minimum(tl.load(len_ptr + row), max_len).to(tl.int32)
+        if PRE:
+            slot = att_slot
+            length = att_len
+        else:
+            slot = tl.load(slot_ptr + row)
+            length = tl.minimum(tl.load(len_ptr + row), max_len).to(tl.int32)
         heads = kv_head * GROUP + g
         q_ok = (g < GROUP)[:, None] & (d < D)[None, :]
         q = tl.load(
@@ -587,6 +654,21 @@ def _phase_attention(
             mask=q_ok,
         )
         item += nprog
+
+
+@triton.jit
+def _attention_item(slot_ptr, len_ptr, n_rows, max_len, pid, NUM_KV: tl.constexpr, PRE: tl.constexpr):
+    """With PRE, the slot and length of this program's attention item (item pid; a row's are the same
+    in every layer), else placeholders."""
+    if PRE:
+        row = pid // NUM_KV
+        ok = row < n_rows
+        slot = tl.load(slot_ptr + row, mask=ok, other=0)
+        length = tl.minimum(tl.load(len_ptr + row, mask=ok, other=0), max_len).to(tl.int32)
+    else:
+        slot = tl.zeros([], tl.int64)
+        length = tl.zeros([], tl.int32)
+    return slot, length
 
 
 @triton.jit
@@ -662,6 +744,7 @@ def _stack_step_kernel(
     act_ptr,
     part_ptr,
     out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H]; out
+    stage_ptr,  # scratch [programs, H]: each program's normed row (STAGE)
     sync_ptr,  # int32 [4]: arrivals, exits, this launch's fault flag, faults so far
     trace_ptr,  # int64 [programs, TRACE_SLOTS, 2] timer marks (TRACE)
     qkv_desc,
@@ -704,7 +787,10 @@ def _stack_step_kernel(
     TRACE_IN: tl.constexpr,
     TRACE_SLOTS: tl.constexpr,
     TMA: tl.constexpr,
-    ONE: tl.constexpr,
+    HOIST: tl.constexpr,
+    ONE_QKV: tl.constexpr,
+    ONE_MLP: tl.constexpr,
+    ONE_HEAD: tl.constexpr,
     ONE_PJ: tl.constexpr,
     ONE_PLAIN: tl.constexpr,
     OPAQUE: tl.constexpr,
@@ -718,6 +804,7 @@ def _stack_step_kernel(
     row_ok = m < n_rows
     epoch = 0
     trace_row = trace_ptr + pid * (TRACE_SLOTS * 2)
+    stage_row = stage_ptr + pid * H
     _mark(trace_row, 0, 1, TRACE)
     # TRACE_IN: marks inside phases (the MARK_* slots). A mark that waits on a value inside a product's
     # loop stops its software pipeline, so the epilogue's mark only reads the timer.
@@ -729,12 +816,24 @@ def _stack_step_kernel(
             src_rows = src_ptr + m * stride_src
             src_first = src_ptr
         _flat_single(
-            src_rows, src_first, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid, trace_row,
-            MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, ONE_PJ, False, dtype, OPAQUE, UPCAST, TRACE_IN,
+            src_rows, src_first, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, stage_row, pid,
+            trace_row, MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, ONE_PJ, False, dtype, OPAQUE, UPCAST,
+            TRACE_IN,
         )
         epoch += 1
         _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
     h_rows = x_ptr + m * H
+    # HOIST: what stays the same through the layers loads once, here (the rows' positions and slots, the
+    # rotary tables of this program's QKV item, its attention item's slot and length), not on every
+    # layer's path
+    pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
+    slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
+    c1, c2, s1, s2 = _early_tables(
+        cos_ptr, sin_ptr, pos, row_ok, pid, NUM_Q, NUM_KV, D // 2, NPROG, BM, BN_QKV, HOIST, dtype, OPAQUE
+    )
+    zeros = tl.zeros([BM, BN_WIDE], tl.float32)
+    PRE_ATT: tl.constexpr = HOIST and BM * NUM_KV <= NPROG  # at most one attention item a program
+    att_slot, att_len = _attention_item(slot_ptr, len_ptr, n_rows, max_len, pid, NUM_KV, PRE_ATT)
     layer = layer_begin
     while layer < layer_end:
         kc = kc_ptr + layer * stride_cl_layer
@@ -742,22 +841,24 @@ def _stack_step_kernel(
         if (phases & 1) != 0:  # QKV
             rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             _mark_after(trace_row, MARK_QKV + 2 * layer, 0, rstd, TRACE_IN)
-            pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
-            slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
+            if not HOIST:  # the rows' positions and slots again in every layer
+                pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
+                slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
             _flat_dual(
                 h_rows, x_ptr, row_ok, rstd, ln1_ptr + layer * H,
                 qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H), qkv_desc,
-                layer * ((NUM_Q + 2 * NUM_KV) * D), pid, cos_ptr, sin_ptr, pos, slot, q_ptr, kc, vc,
-                stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_QKV + 2 * layer, H, NUM_Q, NUM_KV,
-                D // 2, INTER, NPROG, BM, BN_QKV, BK, False, TMA, ONE, dtype, OPAQUE, UPCAST, LIBDEVICE,
-                TRACE_IN,
+                layer * ((NUM_Q + 2 * NUM_KV) * D), stage_row, pid, cos_ptr, sin_ptr, pos, slot, c1, c2, s1,
+                s2, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_QKV + 2 * layer,
+                H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, TMA, ONE_QKV, HOIST, dtype,
+                OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 2) != 0:  # ATT
             _phase_attention(
                 q_ptr, attn_ptr, n_rows, kc, vc, stride_cs, stride_cl, stride_ch, slot_ptr, len_ptr, max_len,
-                scale, pid, nprog, NUM_Q, NUM_KV, D, BLOCK_D, NUM_Q // NUM_KV, GROUP_PAD, BLOCK_L, UPCAST,
+                scale, pid, nprog, att_slot, att_len, NUM_Q, NUM_KV, D, BLOCK_D, NUM_Q // NUM_KV, GROUP_PAD,
+                BLOCK_L, PRE_ATT, UPCAST,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -765,8 +866,8 @@ def _stack_step_kernel(
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
                 a_rows, attn_ptr, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr,
-                pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False, ONE_PLAIN,
-                True, dtype, OPAQUE, UPCAST, TRACE_IN,
+                stage_row, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False,
+                ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -779,10 +880,10 @@ def _stack_step_kernel(
             _mark_after(trace_row, MARK_MLP + 2 * layer, 0, rstd, TRACE_IN)
             _flat_dual(
                 h_rows, x_ptr, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), gu_desc,
-                layer * (2 * INTER), pid, cos_ptr,
-                sin_ptr, m, m, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row,
-                MARK_MLP + 2 * layer, H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA,
-                ONE, dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
+                layer * (2 * INTER), stage_row, pid, cos_ptr, sin_ptr, m, m, zeros, zeros, zeros, zeros,
+                q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_MLP + 2 * layer, H,
+                NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, ONE_MLP, HOIST, dtype,
+                OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -790,8 +891,8 @@ def _stack_step_kernel(
             a_rows = act_ptr + m * INTER
             _flat_single(
                 a_rows, act_ptr, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr,
-                pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK, False,
-                ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
+                stage_row, pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK,
+                False, ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -805,9 +906,9 @@ def _stack_step_kernel(
         _mark_after(trace_row, MARK_HEAD, 0, rstd, TRACE_IN)
         if HEAD:  # the final norm as the head product's prologue
             _flat_single(
-                h_rows, x_ptr, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid, trace_row,
-                MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, ONE, False, dtype, OPAQUE, UPCAST,
-                TRACE_IN,
+                h_rows, x_ptr, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, stage_row, pid,
+                trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, ONE_HEAD, False, dtype,
+                OPAQUE, UPCAST, TRACE_IN,
             )
         else:
             _phase_norm(x_ptr, out_ptr, n_rows, final_ptr, rstd, pid, nprog, H, BM, BN_WIDE, dtype, OPAQUE)
@@ -1056,13 +1157,15 @@ def launch_plan(
         if barriers + 1 >= 64:
             raise ValueError(f"stack_step: trace holds 62 barriers, this stack has {barriers}")
     one = bool(tune["ONE_ROW"]) and rows == 1
+    staged = tune["STAGE"] if one else 0  # bits: QKV, gate/up, head
+    stage = torch.empty(grid[0] if staged else 1, hidden, dtype=dtype, device=device)
     args = (
         src if src is not None else residual, src.stride(0) if src is not None else 0,
         codes if codes is not None else slots, proj if proj is not None else residual, residual, weights.qkv,
         weights.o, weights.gate_up, weights.down, weights.input_norm, weights.post_norm, weights.final_norm,
         head if head is not None else weights.final_norm, weights.cos, weights.sin, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), slots, positions, lengths,
-        q, attn, act, part, out, _sync_buffer(device),
+        q, attn, act, part, out, stage, _sync_buffer(device),
         trace if trace is not None else _sync_buffer(device), *descriptors,
         rows, k_cache.shape[2], weights.eps, d**-0.5,
     )
@@ -1073,7 +1176,9 @@ def launch_plan(
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
         BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block,
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
-        ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
+        HOIST=bool(tune["HOIST"]), ONE_QKV=3 if staged & 1 else int(one),
+        ONE_MLP=3 if staged & 2 else int(one), ONE_HEAD=3 if staged & 4 else int(one),
+        ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
         ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,
         KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,

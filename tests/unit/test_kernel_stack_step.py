@@ -282,6 +282,21 @@ def test_any_grid_gives_the_same_result(programs: int):
     assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
 
 
+@pytest.mark.parametrize("way", ["x", "gather"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_hoisted_loads_equal_the_per_layer_loads(shape: str, way: str):
+    # HOIST loads what stays the same through the layers once at the launch's start (the rows'
+    # positions and slots, the rotary tables of a program's one QKV item, its one attention item's slot
+    # and length): the same values, so the same bits. 48 programs give every program at most one QKV
+    # item and one attention item at both shapes, so both hoisted paths run.
+    case = make_case(SHAPES[shape], 14, ROWS["three"], way=way, head=way != "x")
+    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, num_programs=48))
+    want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, num_programs=48, tuning={"HOIST": 0}))
+    assert torch.equal(got.out, want.out)
+    assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
+    assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
+
+
 @pytest.mark.parametrize(
     "tuning",
     [
@@ -334,7 +349,7 @@ def test_one_row_norms_equal_the_all_rows_norms(shape: str, way: str):
     for head in (True, False):
         if not head:
             case = replace(case, inputs={**case.inputs, "head": None})
-        assert ss.launch_plan(*case.args, **case.inputs, tuning=PLACED, compiled=False)[1]["ONE"]
+        assert ss.launch_plan(*case.args, **case.inputs, tuning=PLACED, compiled=False)[1]["ONE_QKV"]
         got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=PLACED))
         want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"ONE_ROW": 0}))
         assert torch.equal(got.out, want.out)
@@ -342,16 +357,21 @@ def test_one_row_norms_equal_the_all_rows_norms(shape: str, way: str):
         assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
 
 
+@pytest.mark.parametrize("staged", [0, 7], ids=["placed", "staged"])
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_row_dots_equal_the_reference(shape: str, way: str):
+def test_row_dots_equal_the_reference(shape: str, way: str, staged: int):
     # ROW_PJ 2 and ROW_DOT: a call of one row multiplies the projection's, output's and down weights as
-    # the left operand with the row (no padded rows): another summation order, so within tolerance of
-    # the reference and the twin rather than bit for bit, and in every phase the plan says it is.
-    tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1}
+    # the left operand with the row (no padded rows); STAGE 7 does the same in QKV, gate/up and the
+    # head with the normed row written once to the program's scratch. Another summation order, so
+    # within tolerance of the reference and the twin rather than bit for bit, in every phase the plan
+    # says it is.
+    tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1, "STAGE": staged}
     case = make_case(SHAPES[shape], 20, ROWS["one"], way=way, head=way != "x")
     plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)[1]
-    assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (1, 2, 2)
+    normed = 3 if staged else 1
+    assert (plan["ONE_QKV"], plan["ONE_MLP"], plan["ONE_HEAD"]) == (normed,) * 3
+    assert (plan["ONE_PJ"], plan["ONE_PLAIN"]) == (2, 2)
     got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
     twin, ref = run(case, ss.stack_step_eager), reference(case)
     assert relative_error(got.out, twin.out) <= TWIN_FP32
@@ -361,9 +381,9 @@ def test_row_dots_equal_the_reference(shape: str, way: str):
 
 def test_one_row_is_for_calls_of_one_row():
     case = make_case(SHAPES["tiny_depth"], 19, ROWS["three"], way="gather")
-    plan = ss.launch_plan(*case.args, **case.inputs, tuning={"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1},
-                          compiled=False)[1]
-    assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (0, 0, 0)
+    tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1, "STAGE": 7}
+    plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)[1]
+    assert [plan[k] for k in ("ONE_QKV", "ONE_MLP", "ONE_HEAD", "ONE_PJ", "ONE_PLAIN")] == [0] * 5
 
 
 def test_tma_needs_16_byte_rows():
