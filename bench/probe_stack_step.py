@@ -41,8 +41,7 @@ ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
     {"HOIST": 0},  # positions, slots, rotary tables and attention items loaded in every layer (until 7bee940)
-    {"STAGE": 1},  # QKV's normed row staged in the program's scratch once, the product as row dots
-    {"STAGE": 7},  # ... and gate/up's and the head's
+    {"ROW_DOT": 0},  # the output and down products over the placed row
 ]
 TRACE_CALLS = 20
 

@@ -104,11 +104,11 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # Per thread a QKV block 413 -> 290 instructions, gate/up 554 -> 431, head 368 -> 234, projection 271 ->
 # 129 (bench/sass_loops.py); 143.3 us a depth call against 151.3 (6e1e347; ONE_ROW with the placed row in
 # the projection too, 146.1). The normed products as row dots (the normed row as column 0 of a [BK, 8]
-# operand) compiled longer (QKV 468, gate/up 551), as did 8 warps (192.6 us). STAGE (bits: QKV, gate/up,
-# head; not yet measured): those normed products as row dots too, the normed row written once a phase to
-# the program's scratch row (``_stage_normed``). HOIST: the rows' positions and slots, the rotary tables
-# of a program's one QKV item and its one attention item's slot and length load once at the launch's
-# start instead of in every layer (the same values; not yet measured).
+# operand) compiled longer (QKV 468, gate/up 551), as did 8 warps (192.6 us); staging the normed row once a
+# phase in the program's scratch for row dots measured slower (QKV: 144.5 us, all three: 153.0, against
+# 140.4; f77df8c). HOIST: the rows' positions and slots, the rotary tables of a program's one QKV item and
+# its one attention item's slot and length load once at the launch's start instead of in every layer
+# (the same values): 140.4 us against 144.4 (f77df8c), QKV's loop 5.3 -> 3.8 us.
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -123,7 +123,6 @@ TUNING = {
     "ONE_ROW": 1,
     "ROW_PJ": 2,
     "ROW_DOT": 1,
-    "STAGE": 0,
     "HOIST": 1,
     "num_warps": 4,
     "num_stages": 4,
@@ -341,22 +340,6 @@ def _row_acc(BN: tl.constexpr):
 
 
 @triton.jit
-def _stage_normed(
-    first_ptr, rstd, norm_ptr, stage_ptr, K: tl.constexpr, BK: tl.constexpr, dtype: tl.constexpr,
-    OPAQUE: tl.constexpr,
-):
-    """A call's one row, RMS-normed (``_row``: the same values as the placed operand), written once to
-    this program's own scratch row, for the loop's row dots to read as stored: the norm's work once a
-    phase, one element a thread per block, instead of every block in the row dot's operand layout.
-    The program barrier makes the stores visible to the program's other threads."""
-    for k0 in tl.static_range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        x = _row(first_ptr, kk, kk < K, rstd, norm_ptr, True, dtype, OPAQUE)
-        tl.store(stage_ptr + kk, x, mask=kk < K)
-    tl.debug_barrier()
-
-
-@triton.jit
 def _first(rstd, m, ONE: tl.constexpr):
     """ONE: row 0's rstd as a scalar (for ``_operand``), else the rows' as they are."""
     if ONE:
@@ -367,7 +350,7 @@ def _first(rstd, m, ONE: tl.constexpr):
 
 @triton.jit
 def _flat_single(
-    rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, stage_ptr, pid, trace_row, mark,
+    rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, pid, trace_row, mark,
     N_OUT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, ONE: tl.constexpr, RESIDUAL: tl.constexpr,
     dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr, TRACE_IN: tl.constexpr,
@@ -386,10 +369,8 @@ def _flat_single(
     if NORM:
         rstd = _first(rstd, m, ONE)
     acc = tl.zeros([BM, BN], tl.float32)
-    if ONE >= 2:
+    if ONE == 2:
         row_acc = _row_acc(BN)
-    if ONE == 3:
-        _stage_normed(first_ptr, rstd, norm_ptr, stage_ptr, K, BK, dtype, OPAQUE)
     for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
         item = pid + (t // KI) * NPROG
         ki = t % KI
@@ -405,14 +386,12 @@ def _flat_single(
         )
         if ONE == 2:
             row_acc += _row_dot(first_ptr, kk, k_ok, w, dtype, UPCAST)
-        elif ONE == 3:
-            row_acc += _row_dot(stage_ptr, kk, k_ok, w, dtype, UPCAST)
         else:
             a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, ONE, dtype, OPAQUE)
             acc += _dot(a, tl.trans(w), UPCAST)
         if ki == KI - 1:
             _mark(trace_row, mark, 0, TRACE_IN)
-            if ONE >= 2:
+            if ONE == 2:
                 acc = _placed(row_acc, m)
                 row_acc = _row_acc(BN)
             ok = row_ok[:, None] & n_ok[None, :]
@@ -430,7 +409,7 @@ def _flat_single(
 
 @triton.jit
 def _flat_dual(
-    rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, w_desc, row0, stage_ptr, pid, cos_ptr, sin_ptr, pos,
+    rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, w_desc, row0, pid, cos_ptr, sin_ptr, pos,
     slot, c1, c2, s1, s2, q_ptr, kc_ptr, vc_ptr, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, mark,
     H: tl.constexpr,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, INTER: tl.constexpr, NPROG: tl.constexpr,
@@ -460,10 +439,6 @@ def _flat_dual(
     rs = _first(rstd, m, ONE)
     acc1 = tl.zeros([BM, BN], tl.float32)
     acc2 = tl.zeros([BM, BN], tl.float32)
-    if ONE == 3:
-        _stage_normed(first_ptr, rs, norm_ptr, stage_ptr, H, BK, dtype, OPAQUE)
-        row1 = _row_acc(BN)
-        row2 = _row_acc(BN)
     for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
         item = pid + (t // KI) * NPROG
         ki = t % KI
@@ -498,20 +473,11 @@ def _flat_dual(
             w2 = tl.load(
                 w_ptr + n2[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
             )
-        if ONE == 3:
-            row1 += _row_dot(stage_ptr, kk, k_ok, w1, dtype, UPCAST)
-            row2 += _row_dot(stage_ptr, kk, k_ok, w2, dtype, UPCAST)
-        else:
-            a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rs, norm_ptr, True, ONE, dtype, OPAQUE)
-            acc1 += _dot(a, tl.trans(w1), UPCAST)
-            acc2 += _dot(a, tl.trans(w2), UPCAST)
+        a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rs, norm_ptr, True, ONE, dtype, OPAQUE)
+        acc1 += _dot(a, tl.trans(w1), UPCAST)
+        acc2 += _dot(a, tl.trans(w2), UPCAST)
         if ki == KI - 1:
             _mark(trace_row, mark, 1, TRACE_IN)
-            if ONE == 3:
-                acc1 = _placed(row1, m)
-                acc2 = _placed(row2, m)
-                row1 = _row_acc(BN)
-                row2 = _row_acc(BN)
             ok = row_ok[:, None] & n_ok[None, :]
             x1 = _round_to(acc1, dtype, OPAQUE)
             x2 = _round_to(acc2, dtype, OPAQUE)
@@ -744,7 +710,6 @@ def _stack_step_kernel(
     act_ptr,
     part_ptr,
     out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H]; out
-    stage_ptr,  # scratch [programs, H]: each program's normed row (STAGE)
     sync_ptr,  # int32 [4]: arrivals, exits, this launch's fault flag, faults so far
     trace_ptr,  # int64 [programs, TRACE_SLOTS, 2] timer marks (TRACE)
     qkv_desc,
@@ -788,9 +753,7 @@ def _stack_step_kernel(
     TRACE_SLOTS: tl.constexpr,
     TMA: tl.constexpr,
     HOIST: tl.constexpr,
-    ONE_QKV: tl.constexpr,
-    ONE_MLP: tl.constexpr,
-    ONE_HEAD: tl.constexpr,
+    ONE: tl.constexpr,
     ONE_PJ: tl.constexpr,
     ONE_PLAIN: tl.constexpr,
     OPAQUE: tl.constexpr,
@@ -804,7 +767,6 @@ def _stack_step_kernel(
     row_ok = m < n_rows
     epoch = 0
     trace_row = trace_ptr + pid * (TRACE_SLOTS * 2)
-    stage_row = stage_ptr + pid * H
     _mark(trace_row, 0, 1, TRACE)
     # TRACE_IN: marks inside phases (the MARK_* slots). A mark that waits on a value inside a product's
     # loop stops its software pipeline, so the epilogue's mark only reads the timer.
@@ -816,7 +778,7 @@ def _stack_step_kernel(
             src_rows = src_ptr + m * stride_src
             src_first = src_ptr
         _flat_single(
-            src_rows, src_first, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, stage_row, pid,
+            src_rows, src_first, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid,
             trace_row, MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, ONE_PJ, False, dtype, OPAQUE, UPCAST,
             TRACE_IN,
         )
@@ -847,9 +809,9 @@ def _stack_step_kernel(
             _flat_dual(
                 h_rows, x_ptr, row_ok, rstd, ln1_ptr + layer * H,
                 qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H), qkv_desc,
-                layer * ((NUM_Q + 2 * NUM_KV) * D), stage_row, pid, cos_ptr, sin_ptr, pos, slot, c1, c2, s1,
+                layer * ((NUM_Q + 2 * NUM_KV) * D), pid, cos_ptr, sin_ptr, pos, slot, c1, c2, s1,
                 s2, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_QKV + 2 * layer,
-                H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, TMA, ONE_QKV, HOIST, dtype,
+                H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, TMA, ONE, HOIST, dtype,
                 OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
@@ -866,7 +828,7 @@ def _stack_step_kernel(
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
                 a_rows, attn_ptr, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr,
-                stage_row, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False,
+                pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False,
                 ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
@@ -880,9 +842,9 @@ def _stack_step_kernel(
             _mark_after(trace_row, MARK_MLP + 2 * layer, 0, rstd, TRACE_IN)
             _flat_dual(
                 h_rows, x_ptr, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), gu_desc,
-                layer * (2 * INTER), stage_row, pid, cos_ptr, sin_ptr, m, m, zeros, zeros, zeros, zeros,
+                layer * (2 * INTER), pid, cos_ptr, sin_ptr, m, m, zeros, zeros, zeros, zeros,
                 q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_MLP + 2 * layer, H,
-                NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, ONE_MLP, HOIST, dtype,
+                NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, ONE, HOIST, dtype,
                 OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
@@ -891,7 +853,7 @@ def _stack_step_kernel(
             a_rows = act_ptr + m * INTER
             _flat_single(
                 a_rows, act_ptr, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr,
-                stage_row, pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK,
+                pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK,
                 False, ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
@@ -906,8 +868,8 @@ def _stack_step_kernel(
         _mark_after(trace_row, MARK_HEAD, 0, rstd, TRACE_IN)
         if HEAD:  # the final norm as the head product's prologue
             _flat_single(
-                h_rows, x_ptr, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, stage_row, pid,
-                trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, ONE_HEAD, False, dtype,
+                h_rows, x_ptr, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid,
+                trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, ONE, False, dtype,
                 OPAQUE, UPCAST, TRACE_IN,
             )
         else:
@@ -1157,15 +1119,13 @@ def launch_plan(
         if barriers + 1 >= 64:
             raise ValueError(f"stack_step: trace holds 62 barriers, this stack has {barriers}")
     one = bool(tune["ONE_ROW"]) and rows == 1
-    staged = tune["STAGE"] if one else 0  # bits: QKV, gate/up, head
-    stage = torch.empty(grid[0] if staged else 1, hidden, dtype=dtype, device=device)
     args = (
         src if src is not None else residual, src.stride(0) if src is not None else 0,
         codes if codes is not None else slots, proj if proj is not None else residual, residual, weights.qkv,
         weights.o, weights.gate_up, weights.down, weights.input_norm, weights.post_norm, weights.final_norm,
         head if head is not None else weights.final_norm, weights.cos, weights.sin, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), slots, positions, lengths,
-        q, attn, act, part, out, stage, _sync_buffer(device),
+        q, attn, act, part, out, _sync_buffer(device),
         trace if trace is not None else _sync_buffer(device), *descriptors,
         rows, k_cache.shape[2], weights.eps, d**-0.5,
     )
@@ -1176,9 +1136,7 @@ def launch_plan(
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
         BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block,
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
-        HOIST=bool(tune["HOIST"]), ONE_QKV=3 if staged & 1 else int(one),
-        ONE_MLP=3 if staged & 2 else int(one), ONE_HEAD=3 if staged & 4 else int(one),
-        ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
+        HOIST=bool(tune["HOIST"]), ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
         ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,
         KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,

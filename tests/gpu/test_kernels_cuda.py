@@ -464,24 +464,22 @@ def test_stack_step_one_row_equals_all_rows_at_csm_depth_shapes_on_cuda(dtype: t
     # that norms every padded row agree bit for bit.
     case = make_stack_case(CSM_DEPTH, 25, [(0, 3)], dtype=dtype, way="gather")
     one = {"tuning": {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0}}
-    assert stack_kernel.launch_plan(*case.args, **case.inputs, **one)[1]["ONE_QKV"]
+    assert stack_kernel.launch_plan(*case.args, **case.inputs, **one)[1]["ONE"]
     got = stack_run(case, lambda *a, **k: one_launch(*a, **k, **one))
     assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, **one)))
     assert_same_result(got, stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning={"ONE_ROW": 0})))
     assert stack_kernel.faults("cuda") == 0
 
 
-@pytest.mark.parametrize("staged", [0, 7], ids=["placed", "staged"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_stack_step_row_dots_at_csm_depth_shapes_on_cuda(dtype: torch.dtype, staged: int):
-    # ROW_PJ 2 and ROW_DOT put the weights on the matrix unit's left side for a call of one row (STAGE 7:
-    # in the normed products too, the normed row staged in the program's scratch): another summation
-    # order than the all-rows kernel, so within tolerance of the float64 reference, and the one launch
-    # equals its phases bit for bit.
+def test_stack_step_row_dots_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
+    # ROW_PJ 2 and ROW_DOT put the weights on the matrix unit's left side for a call of one row: another
+    # summation order than the all-rows kernel, so within tolerance of the float64 reference, and the
+    # one launch equals its phases bit for bit.
     case = make_stack_case(CSM_DEPTH, 26, [(0, 3)], dtype=dtype, way="gather")
-    dots = {"tuning": {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1, "STAGE": staged}}
+    dots = {"tuning": {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1}}
     plan = stack_kernel.launch_plan(*case.args, **case.inputs, **dots)[1]
-    assert (plan["ONE_QKV"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (3 if staged else 1, 2, 2)
+    assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (1, 2, 2)
     got = stack_run(case, lambda *a, **k: one_launch(*a, **k, **dots))
     assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, **dots)))
     ref = stack_reference(case)

@@ -349,7 +349,7 @@ def test_one_row_norms_equal_the_all_rows_norms(shape: str, way: str):
     for head in (True, False):
         if not head:
             case = replace(case, inputs={**case.inputs, "head": None})
-        assert ss.launch_plan(*case.args, **case.inputs, tuning=PLACED, compiled=False)[1]["ONE_QKV"]
+        assert ss.launch_plan(*case.args, **case.inputs, tuning=PLACED, compiled=False)[1]["ONE"]
         got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=PLACED))
         want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"ONE_ROW": 0}))
         assert torch.equal(got.out, want.out)
@@ -357,21 +357,16 @@ def test_one_row_norms_equal_the_all_rows_norms(shape: str, way: str):
         assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
 
 
-@pytest.mark.parametrize("staged", [0, 7], ids=["placed", "staged"])
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_row_dots_equal_the_reference(shape: str, way: str, staged: int):
+def test_row_dots_equal_the_reference(shape: str, way: str):
     # ROW_PJ 2 and ROW_DOT: a call of one row multiplies the projection's, output's and down weights as
-    # the left operand with the row (no padded rows); STAGE 7 does the same in QKV, gate/up and the
-    # head with the normed row written once to the program's scratch. Another summation order, so
-    # within tolerance of the reference and the twin rather than bit for bit, in every phase the plan
-    # says it is.
-    tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1, "STAGE": staged}
+    # the left operand with the row (no padded rows): another summation order, so within tolerance of
+    # the reference and the twin rather than bit for bit, and in every phase the plan says it is.
+    tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1}
     case = make_case(SHAPES[shape], 20, ROWS["one"], way=way, head=way != "x")
     plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)[1]
-    normed = 3 if staged else 1
-    assert (plan["ONE_QKV"], plan["ONE_MLP"], plan["ONE_HEAD"]) == (normed,) * 3
-    assert (plan["ONE_PJ"], plan["ONE_PLAIN"]) == (2, 2)
+    assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (1, 2, 2)
     got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
     twin, ref = run(case, ss.stack_step_eager), reference(case)
     assert relative_error(got.out, twin.out) <= TWIN_FP32
@@ -381,9 +376,9 @@ def test_row_dots_equal_the_reference(shape: str, way: str, staged: int):
 
 def test_one_row_is_for_calls_of_one_row():
     case = make_case(SHAPES["tiny_depth"], 19, ROWS["three"], way="gather")
-    tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1, "STAGE": 7}
+    tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1}
     plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)[1]
-    assert [plan[k] for k in ("ONE_QKV", "ONE_MLP", "ONE_HEAD", "ONE_PJ", "ONE_PLAIN")] == [0] * 5
+    assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (0, 0, 0)
 
 
 def test_tma_needs_16_byte_rows():
