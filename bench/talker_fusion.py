@@ -2,7 +2,7 @@
 stage by stage from the plain layers to the fused path, beside the bytes and FLOPs floors.
 GPU only (about 4 minutes on one H200).
 
-    python bench/talker_fusion.py [--out bench/results/talker_fusion.json]
+    python bench/talker_fusion.py [--out bench/results/talker_fusion.json] [--last-stages N] [--tunings JSON]
 
 1. Floors (METHOD.md): bytes one frame must move (weights: the backbone once, the depth
    decoder, its projector and one head slice per depth step; plus each row's backbone keys and
@@ -14,9 +14,12 @@ GPU only (about 4 minutes on one H200).
    default); the fused structure with the new kernels' eager twins (packed QKV and gate/up,
    depth rows flattened through decode attention, index tensors made once); then the
    rms_norm, rope_kv and silu_mul kernels switched on one at a time; then stack_step, one
-   persistent launch per depth call, for calls of <= 16 rows (B <= 8), and for calls of <= 2 rows
-   (the default). (A stage with nested product loops, an item loop around each pipelined reduction,
-   ran at 2530d3e: `results/talker_fusion_stack_step.json`; it was as fast and was removed.)
+   persistent launch per depth call, for calls of <= 2 rows, and for calls of <= 16 rows (B <= 8;
+   the default). (A stage with nested product loops, an item loop around each pipelined
+   reduction, ran at 2530d3e: `results/talker_fusion_stack_step.json`; it was as fast and was
+   removed.) ``--tunings '[{"HOIST": 0}, ...]'``: the default stage again with each stack_step
+   tuning (``candidates`` in the JSON), then the default once more; the sampled and whole-step
+   timings below stay the default's.
    A torch.profiler trace of one replay per stage and bucket gives the kernel count, the sum
    of kernel time and the idle time between kernels; the top kernels are listed for the
    first plain-with-kernels stage and the final stage. The stages run greedy rows; the final
@@ -306,6 +309,8 @@ def main() -> None:
     parser.add_argument("--skip-exactness", action="store_true")
     parser.add_argument("--last-stages", type=int, default=len(STAGES),
                         help="time only the last N stages (the earlier ones are in an earlier run's JSON)")
+    parser.add_argument("--tunings", type=json.loads, default=[],
+                        help="JSON list of stack_step tunings to time as the default stage's alternatives")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("talker_fusion.py needs a CUDA GPU")
@@ -340,10 +345,10 @@ def main() -> None:
                     max_repetition_window=16, use_graphs=False)
     prefill_all(runner, 256, False)
     saved = [t.clone() for t in (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)]
-    stages = []
-    for name, pack, switches, settings in STAGES[-args.last_stages:]:
-        if pack:
-            model.pack_weights()
+
+    def time_stage(runner: Runner, name: str, switches: dict, settings: dict | None, detail: bool) -> dict:
+        """Captures the graphs with these kernels and stack_step settings from the saved state and times
+        every bucket (with a profile of one replay; the top kernels when ``detail``)."""
         set_kernels(**switches)
         apply_stack_settings(settings)
         state = (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)
@@ -351,7 +356,6 @@ def main() -> None:
             dst.copy_(src)
         capture_s = recapture(runner)
         entry = {"stage": name, "capture_s": round(capture_s, 2), "per_bucket": {}}
-        detail = name.startswith("plain +") or name.endswith("(default)") or name == "+ silu_mul kernel"
         for b in BUCKETS:
             ms = device_ms_per_frame(runner, b)
             try:
@@ -361,10 +365,26 @@ def main() -> None:
             entry["per_bucket"][f"B={b}"] = {"device_ms_per_frame": round(ms, 3),
                                              "frames_per_s": round(b * 1e3 / ms, 1),
                                              "vs_floor": round(ms / floors[f"B={b}"]["floor_ms"], 2), **prof}
-        stages.append(entry)
         line = "  ".join(f"B={b}: {entry['per_bucket'][f'B={b}']['device_ms_per_frame']:7.2f} ms "
                          f"({entry['per_bucket'][f'B={b}'].get('kernels')} k)" for b in BUCKETS)
         print(f"{name:36s} {line}", flush=True)
+        return entry
+
+    stages = []
+    for name, pack, switches, settings in STAGES[-args.last_stages:]:
+        if pack:
+            model.pack_weights()
+        detail = name.startswith("plain +") or name.endswith("(default)") or name == "+ silu_mul kernel"
+        stages.append(time_stage(runner, name, switches, settings, detail))
+    if args.tunings:
+        name, _, switches, settings = STAGES[-1]  # the default stage
+        result["candidates"] = [
+            {"tuning": tuning,
+             **time_stage(runner, f"default, tuning {json.dumps(tuning)}", switches, tuning, False)}
+            for tuning in args.tunings
+        ]
+        # the default's graphs again for what follows (and its time once more, for the run's drift)
+        stages.append(time_stage(runner, name + ", again", switches, settings, False))
     result["stages"] = stages
     b1 = stages[-1]["per_bucket"]["B=1"]["device_ms_per_frame"]
     result["fused_B1_bandwidth_fraction"] = round(floors["B=1"]["bytes_floor_ms"] / b1, 3)
