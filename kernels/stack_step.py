@@ -1060,6 +1060,32 @@ def stack_step_triton(
     return out
 
 
+_TILES = ("BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "RSTD_BK")  # powers of two, >= 8 (BK >= 16)
+_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST")  # 0 or 1
+
+
+def _checked_tuning(tuning: dict) -> dict:
+    """``tuning`` as given, or ValueError naming the first key or value the kernel cannot take (an
+    unknown key would otherwise be ignored, and an odd tile would fail deep in the compiler)."""
+    for key, value in tuning.items():
+        if key not in TUNING:
+            raise ValueError(f"stack_step: unknown tuning key {key!r} (known: {', '.join(TUNING)})")
+        if not isinstance(value, int) or (isinstance(value, bool) and key not in _SWITCHES):
+            raise ValueError(f"stack_step: tuning {key} must be an int, got {value!r}")
+        ok = {
+            **{name: value >= (16 if name == "BK" else 8) and value & (value - 1) == 0 for name in _TILES},
+            **{name: value in (0, 1) for name in _SWITCHES},
+            "ROW_PJ": value in (0, 1, 2),
+            "KS_O": value >= 1,
+            "KS_DOWN": value >= 1,
+            "num_warps": value in (1, 2, 4, 8, 16),
+            "num_stages": value >= 1,
+        }[key]
+        if not ok:
+            raise ValueError(f"stack_step: tuning {key}={value!r} is out of range")
+    return tuning
+
+
 def launch_plan(
     weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
@@ -1080,7 +1106,7 @@ def launch_plan(
     q = torch.empty(rows, hq * d, dtype=dtype, device=device)
     attn = torch.empty_like(q)
     act = torch.empty(rows, inter, dtype=dtype, device=device)
-    tune = {**TUNING, **(tuning or {})}
+    tune = {**TUNING, **_checked_tuning(tuning or {})}
     for name, width in (("KS_O", hq * d), ("KS_DOWN", inter)):
         if width % tune[name]:
             tune[name] = 1  # a split must cut the reduction into equal parts

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -379,6 +380,27 @@ def test_one_row_is_for_calls_of_one_row():
     tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1}
     plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)[1]
     assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("tuning", "named"),
+    [
+        ({"ONE_ROWS": 1}, "unknown tuning key 'ONE_ROWS'"),
+        ({"ROW_PJ": 3}, "ROW_PJ=3"),
+        ({"BK": 8}, "BK=8"),
+        ({"BN_QKV": 12}, "BN_QKV=12"),
+        ({"TMA": 2}, "TMA=2"),
+        ({"num_warps": 3}, "num_warps=3"),
+        ({"KS_DOWN": 0}, "KS_DOWN=0"),
+        ({"BN": "16"}, "BN must be an int"),
+    ],
+)
+def test_a_tuning_the_kernel_cannot_take_is_refused_by_name(tuning: dict, named: str):
+    # A misspelt knob would otherwise be ignored (the default runs and is measured under the wrong
+    # name), and an odd tile would fail inside the compiler.
+    case = make_case(SHAPES["tiny_depth"], 15, ROWS["one"], way="gather")
+    with pytest.raises(ValueError, match=re.escape(named)):
+        ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)
 
 
 def test_tma_needs_16_byte_rows():
