@@ -289,7 +289,8 @@ def apply_stack_settings(settings: dict | None) -> None:
     import services.talker.models.csm.model as csm_model
 
     settings = dict(settings or {})
-    stack_kernel.TUNING.update(_DEFAULT_TUNING, **{k: v for k, v in settings.items() if k != "rows"})
+    tuning = stack_kernel.checked_tuning({k: v for k, v in settings.items() if k != "rows"})
+    stack_kernel.TUNING.update(_DEFAULT_TUNING, **tuning)
     csm_model.STACK_STEP_ROWS = settings.get("rows", _DEFAULT_ROWS)
 
 

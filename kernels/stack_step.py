@@ -1064,7 +1064,7 @@ _TILES = ("BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "RSTD_BK")  # p
 _SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST")  # 0 or 1
 
 
-def _checked_tuning(tuning: dict) -> dict:
+def checked_tuning(tuning: dict) -> dict:
     """``tuning`` as given, or ValueError naming the first key or value the kernel cannot take (an
     unknown key would otherwise be ignored, and an odd tile would fail deep in the compiler)."""
     for key, value in tuning.items():
@@ -1106,7 +1106,7 @@ def launch_plan(
     q = torch.empty(rows, hq * d, dtype=dtype, device=device)
     attn = torch.empty_like(q)
     act = torch.empty(rows, inter, dtype=dtype, device=device)
-    tune = {**TUNING, **_checked_tuning(tuning or {})}
+    tune = {**TUNING, **checked_tuning(tuning or {})}
     for name, width in (("KS_O", hq * d), ("KS_DOWN", inter)):
         if width % tune[name]:
             tune[name] = 1  # a split must cut the reduction into equal parts
