@@ -14,12 +14,13 @@ GPU only (about 4 minutes on one H200).
    default); the fused structure with the new kernels' eager twins (packed QKV and gate/up,
    depth rows flattened through decode attention, index tensors made once); then the
    rms_norm, rope_kv and silu_mul kernels switched on one at a time; then stack_step, one
-   persistent launch per depth call, for calls of <= 2 rows, and for calls of <= 16 rows (B <= 8;
-   the default). (A stage with nested product loops, an item loop around each pipelined
-   reduction, ran at 2530d3e: `results/talker_fusion_stack_step.json`; it was as fast and was
-   removed.) ``--tunings '[{"HOIST": 0}, ...]'``: the default stage again with each stack_step
-   tuning (``candidates`` in the JSON), then the default once more; the sampled and whole-step
-   timings below stay the default's.
+   persistent launch per depth call, for calls of <= 2 rows, and for calls of <= 16 rows (B <= 8);
+   then depth calls 2 .. 31 reading rows of the projected embedding tables (the default). (A
+   stage with nested product loops, an item loop around each pipelined reduction, ran at
+   2530d3e: `results/talker_fusion_stack_step.json`; it was as fast and was removed.)
+   ``--tunings '[{"HOIST": 0}, ...]'``: the default stage again with each stack_step tuning
+   (``candidates`` in the JSON), then the default once more; the sampled and whole-step timings
+   below stay the default's. Each stage also counts stack_step's barrier faults.
    A torch.profiler trace of one replay per stage and bucket gives the kernel count, the sum
    of kernel time and the idle time between kernels; the top kernels are listed for the
    first plain-with-kernels stage and the final stage. The stages run greedy rows; the final
@@ -279,19 +280,24 @@ STAGES = [  # name, pack weights first, kernel switches, stack_step settings
     ("+ rope_kv kernel", True, _switches(True, True, True, False), None),
     ("+ silu_mul kernel", True, _switches(True, True, True, True), None),
     ("+ stack_step, depth calls <= 2 rows", True, _switches(True, True, True, True, True), {"rows": 2}),
-    ("+ stack_step, depth calls <= 16 rows (default)", True, _switches(True, True, True, True, True), {}),
+    ("+ stack_step, depth calls <= 16 rows", True, _switches(True, True, True, True, True), {}),
+    ("+ projected depth inputs (default)", True, _switches(True, True, True, True, True),
+     {"projected": True}),
 ]
 
 
 def apply_stack_settings(settings: dict | None) -> None:
-    """The default stack_step tuning and row limit, changed by a stage's settings."""
+    """The default stack_step tuning, row limit and projected depth inputs, changed by a stage's
+    settings ("rows", "projected" and tuning keys)."""
     import kernels.stack_step as stack_kernel
     import services.talker.models.csm.model as csm_model
 
     settings = dict(settings or {})
-    tuning = stack_kernel.checked_tuning({k: v for k, v in settings.items() if k != "rows"})
+    tuning = stack_kernel.checked_tuning({k: v for k, v in settings.items()
+                                          if k not in ("rows", "projected")})
     stack_kernel.TUNING.update(_DEFAULT_TUNING, **tuning)
     csm_model.STACK_STEP_ROWS = settings.get("rows", _DEFAULT_ROWS)
+    csm_model.PROJECTED_INPUTS = settings.get("projected", False)  # the stages before it project
 
 
 def _defaults() -> tuple[dict, int]:
@@ -350,12 +356,15 @@ def main() -> None:
     def time_stage(runner: Runner, name: str, switches: dict, settings: dict | None, detail: bool) -> dict:
         """Captures the graphs with these kernels and stack_step settings from the saved state and times
         every bucket (with a profile of one replay; the top kernels when ``detail``)."""
+        from kernels import stack_step as stack_kernel
+
         set_kernels(**switches)
         apply_stack_settings(settings)
         state = (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)
         for dst, src in zip(state, saved, strict=True):
             dst.copy_(src)
         capture_s = recapture(runner)
+        faults = stack_kernel.faults("cuda")
         entry = {"stage": name, "capture_s": round(capture_s, 2), "per_bucket": {}}
         for b in BUCKETS:
             ms = device_ms_per_frame(runner, b)
@@ -366,6 +375,8 @@ def main() -> None:
             entry["per_bucket"][f"B={b}"] = {"device_ms_per_frame": round(ms, 3),
                                              "frames_per_s": round(b * 1e3 / ms, 1),
                                              "vs_floor": round(ms / floors[f"B={b}"]["floor_ms"], 2), **prof}
+        # barrier waits that gave up during the stage (each about a second, and a wrong result)
+        entry["stack_step_faults"] = stack_kernel.faults("cuda") - faults
         line = "  ".join(f"B={b}: {entry['per_bucket'][f'B={b}']['device_ms_per_frame']:7.2f} ms "
                          f"({entry['per_bucket'][f'B={b}'].get('kernels')} k)" for b in BUCKETS)
         print(f"{name:36s} {line}", flush=True)
@@ -381,7 +392,8 @@ def main() -> None:
         name, _, switches, settings = STAGES[-1]  # the default stage
         result["candidates"] = [
             {"tuning": tuning,
-             **time_stage(runner, f"default, tuning {json.dumps(tuning)}", switches, tuning, False)}
+             **time_stage(runner, f"default, tuning {json.dumps(tuning)}", switches, {**settings, **tuning},
+                          False)}
             for tuning in args.tunings
         ]
         # the default's graphs again for what follows (and its time once more, for the run's drift)

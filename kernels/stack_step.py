@@ -350,15 +350,16 @@ def _first(rstd, m, ONE: tl.constexpr):
 
 @triton.jit
 def _flat_single(
-    rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, part_ptr, pid, trace_row, mark,
+    rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, res_rows, part_ptr, pid, trace_row, mark,
     N_OUT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, ONE: tl.constexpr, RESIDUAL: tl.constexpr,
     dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr, TRACE_IN: tl.constexpr,
 ):
     """A product phase as one flat loop over (this program's items) x (reduction blocks), so the
     pipeline runs on from one item into the next: dst[rows, N_OUT] = operand @ w[:, :K].T, items of
-    BN outputs times KS reduction parts. RESIDUAL: dst += the product (KS == 1), or fp32 partial
-    sums [KS, BM, N_OUT] for ``_phase_reduce``; else dst = the product. Every program runs as many
+    BN outputs times KS reduction parts. RESIDUAL: dst = the residual rows (``res_rows``, pointers;
+    dst's own rows, or a call's input rows in its first layer) + the product (KS == 1), or fp32
+    partial sums [KS, BM, N_OUT] for ``_phase_reduce``; else dst = the product. Every program runs as many
     iterations as the busiest, those past the last item masked (loads and stores off): a trip count
     that depends on the program measured slower (bench/README.md). TRACE_IN: the timer as each item's
     epilogue starts, into slot ``mark`` (the last item's stays: when its last block's loads were in)."""
@@ -397,9 +398,9 @@ def _flat_single(
             ok = row_ok[:, None] & n_ok[None, :]
             if RESIDUAL:
                 if KS == 1:
-                    dst = dst_ptr + m[:, None] * N_OUT + n[None, :]
-                    res = tl.load(dst, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    tl.store(dst, (res + _round_to(acc, dtype, OPAQUE)).to(dtype), mask=ok)
+                    res = tl.load(res_rows[:, None] + n[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+                    res = res.to(tl.float32) + _round_to(acc, dtype, OPAQUE)
+                    tl.store(dst_ptr + m[:, None] * N_OUT + n[None, :], res.to(dtype), mask=ok)
                 else:
                     tl.store(part_ptr + (split * BM + m[:, None]) * N_OUT + n[None, :], acc, mask=ok)
             else:
@@ -639,10 +640,11 @@ def _attention_item(slot_ptr, len_ptr, n_rows, max_len, pid, NUM_KV: tl.constexp
 
 @triton.jit
 def _phase_reduce(
-    h_ptr, part_ptr, n_rows, pid, nprog, H: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr,
+    h_ptr, res_rows, part_ptr, n_rows, pid, nprog, H: tl.constexpr, KS: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
 ):
-    """h += the KS partial sums, added in a fixed order (the result does not depend on the grid)."""
+    """h = the residual rows (``res_rows``, pointers) + the KS partial sums, added in a fixed order
+    (the result does not depend on the grid)."""
     m = tl.arange(0, BM)
     row_ok = m < n_rows
     item = pid
@@ -655,9 +657,9 @@ def _phase_reduce(
                 part_ptr + (split * BM + m[:, None]) * H + n[None, :], mask=ok, other=0.0,
                 cache_modifier=".cg",
             )
-        dst = h_ptr + m[:, None] * H + n[None, :]
-        res = tl.load(dst, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        tl.store(dst, (res + _round_to(acc, dtype, OPAQUE)).to(dtype), mask=ok)
+        res = tl.load(res_rows[:, None] + n[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+        res = res.to(tl.float32) + _round_to(acc, dtype, OPAQUE)
+        tl.store(h_ptr + m[:, None] * H + n[None, :], res.to(dtype), mask=ok)
         item += nprog
 
 
@@ -684,8 +686,9 @@ def _stack_step_kernel(
     src_ptr,
     stride_src,
     codes_ptr,
-    proj_ptr,  # PJ: source rows (dense or a table), codes [N], proj [H, HIN]
-    x_ptr,  # [N, H] the residual stream (the input when not PROJECT; overwritten)
+    proj_ptr,  # PJ: source rows (dense or a table), codes [N], proj [H, HIN]; TABLE: the input is rows
+    # codes[r] of the table src [*, H] (no projection phase)
+    x_ptr,  # [N, H] the residual stream (the input when neither PROJECT nor TABLE; overwritten)
     qkv_ptr,
     o_ptr,
     gu_ptr,
@@ -765,6 +768,7 @@ def _stack_step_kernel(
     dtype = x_ptr.dtype.element_ty
     m = tl.arange(0, BM)
     row_ok = m < n_rows
+    TABLE: tl.constexpr = GATHER and not PROJECT
     epoch = 0
     trace_row = trace_ptr + pid * (TRACE_SLOTS * 2)
     _mark(trace_row, 0, 1, TRACE)
@@ -778,13 +782,21 @@ def _stack_step_kernel(
             src_rows = src_ptr + m * stride_src
             src_first = src_ptr
         _flat_single(
-            src_rows, src_first, row_ok, src_rows, src_rows, proj_ptr, x_ptr, part_ptr, pid,
+            src_rows, src_first, row_ok, src_rows, src_rows, proj_ptr, x_ptr, src_rows, part_ptr, pid,
             trace_row, MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, ONE_PJ, False, dtype, OPAQUE, UPCAST,
             TRACE_IN,
         )
         epoch += 1
         _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
     h_rows = x_ptr + m * H
+    # TABLE: the first layer reads its input rows (its norm's and its output product's residual) where
+    # they are, in the table, and the output product's residual sum starts the stream in x
+    if TABLE:
+        in_rows = src_ptr + tl.load(codes_ptr + m, mask=row_ok, other=0) * stride_src
+        in_first = src_ptr + tl.load(codes_ptr) * stride_src
+    else:
+        in_rows = h_rows
+        in_first = x_ptr
     # HOIST: what stays the same through the layers loads once, here (the rows' positions and slots, the
     # rotary tables of this program's QKV item, its attention item's slot and length), not on every
     # layer's path
@@ -800,14 +812,20 @@ def _stack_step_kernel(
     while layer < layer_end:
         kc = kc_ptr + layer * stride_cl_layer
         vc = vc_ptr + layer * stride_cl_layer
+        if TABLE:
+            rows_in = tl.where(layer == 0, in_rows, h_rows)
+            first_in = tl.where(layer == 0, in_first, x_ptr)
+        else:
+            rows_in = h_rows
+            first_in = x_ptr
         if (phases & 1) != 0:  # QKV
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+            rstd = _rstd(rows_in, row_ok, eps, H, BM, RSTD_BK)
             _mark_after(trace_row, MARK_QKV + 2 * layer, 0, rstd, TRACE_IN)
             if not HOIST:  # the rows' positions and slots again in every layer
                 pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
                 slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
             _flat_dual(
-                h_rows, x_ptr, row_ok, rstd, ln1_ptr + layer * H,
+                rows_in, first_in, row_ok, rstd, ln1_ptr + layer * H,
                 qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H), qkv_desc,
                 layer * ((NUM_Q + 2 * NUM_KV) * D), pid, cos_ptr, sin_ptr, pos, slot, c1, c2, s1,
                 s2, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_QKV + 2 * layer,
@@ -827,14 +845,14 @@ def _stack_step_kernel(
         if (phases & 4) != 0:  # OUT_PROJ
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
-                a_rows, attn_ptr, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, part_ptr,
-                pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False,
+                a_rows, attn_ptr, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, rows_in,
+                part_ptr, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False,
                 ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if KS_O > 1 and (phases & 32) != 0:  # OUT_PROJ_REDUCE
-            _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_O, BM, BN, dtype, OPAQUE)
+            _phase_reduce(x_ptr, rows_in, part_ptr, n_rows, pid, nprog, H, KS_O, BM, BN, dtype, OPAQUE)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 8) != 0:  # MLP
@@ -852,14 +870,14 @@ def _stack_step_kernel(
         if (phases & 16) != 0:  # DOWN
             a_rows = act_ptr + m * INTER
             _flat_single(
-                a_rows, act_ptr, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, part_ptr,
-                pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK,
+                a_rows, act_ptr, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, h_rows,
+                part_ptr, pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK,
                 False, ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if KS_DOWN > 1 and (phases & 64) != 0:  # DOWN_REDUCE
-            _phase_reduce(x_ptr, part_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, dtype, OPAQUE)
+            _phase_reduce(x_ptr, h_rows, part_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, dtype, OPAQUE)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         layer += 1
@@ -868,7 +886,7 @@ def _stack_step_kernel(
         _mark_after(trace_row, MARK_HEAD, 0, rstd, TRACE_IN)
         if HEAD:  # the final norm as the head product's prologue
             _flat_single(
-                h_rows, x_ptr, row_ok, rstd, final_ptr, head_ptr, out_ptr, part_ptr, pid,
+                h_rows, x_ptr, row_ok, rstd, final_ptr, head_ptr, out_ptr, h_rows, part_ptr, pid,
                 trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, ONE, False, dtype,
                 OPAQUE, UPCAST, TRACE_IN,
             )
@@ -890,10 +908,13 @@ def stack_step_eager(
     head: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The twin: what ``Transformer.forward_rows`` computes with the fused layers' twins, after the
-    optional projection (``F.linear(src, proj)``, or of ``F.embedding(codes, src)``) and before
-    the optional head (``F.linear(out, head)``). See ``stack_step`` for the arguments."""
+    optional projection (``F.linear(src, proj)``, or of ``F.embedding(codes, src)``) or table rows
+    (``F.embedding(codes, src)``) and before the optional head (``F.linear(out, head)``). See
+    ``stack_step`` for the arguments."""
     if proj is not None:
         x = F.linear(src if codes is None else F.embedding(codes, src), proj)
+    elif codes is not None:
+        x = F.embedding(codes, src)
     residual = None
     scale = weights.head_dim**-0.5
     for layer in range(weights.num_layers):
@@ -992,11 +1013,13 @@ def check(
     for name, index in (("slots", slots), ("positions", positions), ("lengths", lengths)):
         if index.shape != (rows,) or index.dtype != torch.int64 or not index.is_contiguous():
             raise ValueError(f"stack_step: {name} must be a contiguous [{rows}] int64 tensor")
-    if proj is None:
+    if proj is None and codes is None:
         if x is None or tuple(x.shape) != (rows, hidden) or x.dtype != dtype or not x.is_contiguous():
             raise ValueError(f"stack_step: x must be a contiguous [{rows}, {hidden}] {dtype} tensor")
     else:
-        width = proj.shape[1]
+        if x is not None:
+            raise ValueError("stack_step: x, or src (with proj or codes), not both")
+        width = proj.shape[1] if proj is not None else hidden
         if src is None or src.dim() != 2 or src.shape[1] != width or src.dtype != dtype or src.stride(1) != 1:
             raise ValueError(
                 f"stack_step: src must be [*, {width}] {dtype} with unit stride in the last dimension"
@@ -1046,7 +1069,7 @@ def stack_step_triton(
     if not phased:
         launches = [everything]
     else:
-        launches = [(1, 0, 0, 0, 0)]
+        launches = [(1, 0, 0, 0, 0)] if proj is not None else []
         launches += [
             (0, layer, layer + 1, phase, 0)
             for layer in range(weights.num_layers)
@@ -1101,8 +1124,8 @@ def launch_plan(
     interpret = not compiled
     rows, hidden, d = slots.shape[0], weights.hidden, weights.head_dim
     hq, hkv, inter, dtype = weights.num_q_heads, weights.num_kv_heads, weights.intermediate, weights.qkv.dtype
-    # the residual stream: x itself, or the projection's output
-    residual = x if proj is None else torch.empty(rows, hidden, dtype=dtype, device=device)
+    # the residual stream: x itself, or scratch (the projection's output, or the first layer's sum)
+    residual = x if x is not None else torch.empty(rows, hidden, dtype=dtype, device=device)
     q = torch.empty(rows, hq * d, dtype=dtype, device=device)
     attn = torch.empty_like(q)
     act = torch.empty(rows, inter, dtype=dtype, device=device)
@@ -1211,7 +1234,9 @@ def stack_step(
 
     Input: ``x`` [N, H] (used as scratch: its contents are undefined afterwards), or, with ``proj``
     [H, Hin], ``src`` [N, Hin] rows or, with ``codes`` [N] int64, rows ``codes[r]`` of the table
-    ``src``. Output: the normed hidden states [N, H], or with ``head`` [V, H] the logits [N, V].
+    ``src``; or, with ``codes`` and no ``proj``, rows ``codes[r]`` of the table ``src`` [*, H]
+    (already projected: the kernel then has no projection phase, and its first layer reads the
+    rows in the table). Output: the normed hidden states [N, H], or with ``head`` [V, H] the logits [N, V].
     The kernel on CUDA while the latch is active, the twin otherwise."""
     args = (weights, k_cache, v_cache, slots, positions, lengths)
     inputs = dict(x=x, src=src, codes=codes, proj=proj, head=head)

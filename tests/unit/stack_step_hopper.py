@@ -4,9 +4,10 @@ barrier's atomics and acquire loads, pipelined (cp.async) loads, TMA bulk tensor
 tests/unit/test_kernel_stack_step.py in a process of its own (Triton's interpreter, which that test
 module may run, cannot compile).
 
-    python -m tests.unit.stack_step_hopper ['{"ONE_ROW": 0}']   # a tuning (JSON) over the default
+    python -m tests.unit.stack_step_hopper ['{"ONE_ROW": 0}' [table|gather]]   # a tuning over the default
 
-csm-1b's depth decoder in bf16, one row, projection from gathered rows and the padded codebook head;
+csm-1b's depth decoder in bf16, one row, rows of the projected embedding table (or embedding rows times
+the projection: "gather") and the padded codebook head;
 pointers 16-byte aligned, as the JIT sees the real tensors; one program per SM (132)."""
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def meta(*size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.empty(*size, dtype=dtype, device="meta")
 
 
-def compile_kernel(tuning: dict | None = None):
+def compile_kernel(tuning: dict | None = None, way: str = "table"):
+    """The one launch for a depth call of one row: ``way`` "table" (rows of the projected embedding
+    table, no projection phase: calls after the first) or "gather" (embedding rows times the
+    projection)."""
     d = HEAD_DIM
     weights = ss.StackWeights(
         qkv=meta(LAYERS, (NUM_Q + 2 * NUM_KV) * d, HIDDEN), o=meta(LAYERS, HIDDEN, NUM_Q * d),
@@ -51,10 +55,13 @@ def compile_kernel(tuning: dict | None = None):
         num_kv_heads=NUM_KV, head_dim=d, eps=1e-5)
     cache = meta(LAYERS, SLOTS, MAX_LEN, NUM_KV, d)
     index = meta(1, dtype=torch.int64)
+    if way not in ("table", "gather"):
+        raise ValueError(f"way must be 'table' or 'gather', got {way!r}")
+    inputs = dict(src=meta(VOCAB, HIDDEN), codes=index) if way == "table" else dict(
+        src=meta(VOCAB, SRC_WIDTH), codes=index, proj=meta(HIDDEN, SRC_WIDTH))
     args, static, _, _, _ = ss.launch_plan(
-        weights, cache, cache, index, index, index, src=meta(VOCAB, SRC_WIDTH), codes=index,
-        proj=meta(HIDDEN, SRC_WIDTH), head=meta(VOCAB, HIDDEN), num_programs=SMS, compiled=True,
-        tuning=tuning)
+        weights, cache, cache, index, index, index, **inputs, head=meta(VOCAB, HIDDEN), num_programs=SMS,
+        compiled=True, tuning=tuning)
     options = {"num_warps": static.pop("num_warps"), "num_stages": static.pop("num_stages")}
     static["SYNC"] = True
     values = iter([*args, 1, 0, LAYERS, ss.ALL_LAYER_PHASES, 1])  # then run_pj, layers, phases, run_out
@@ -89,7 +96,8 @@ def registers(ptx: str, ptxas: Path) -> int | None:
 
 
 def main() -> None:
-    kernel = compile_kernel(json.loads(sys.argv[1]) if len(sys.argv) > 1 else None)
+    kernel = compile_kernel(json.loads(sys.argv[1]) if len(sys.argv) > 1 else None,
+                            sys.argv[2] if len(sys.argv) > 2 else "table")
     ptx = kernel.asm["ptx"]
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     print(json.dumps({"shared_bytes": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,

@@ -114,7 +114,8 @@ def make_case(
 ) -> Case:
     """A random stack with unit-scale activations and a NaN-poisoned cache except each row's keys
     before its position. ``rows``: (slot, position) per row; ``way``: "x" (the residual stream is
-    the input), "project" (dense rows times the projection) or "gather" (table rows by code)."""
+    the input), "project" (dense rows times the projection), "gather" (table rows by code, times the
+    projection) or "table" (rows of an already-projected table by code, no projection)."""
     g = torch.Generator().manual_seed(seed)
     rows = [(slot, min(position, shape.max_len - 1)) for slot, position in rows]
 
@@ -155,11 +156,15 @@ def make_case(
         inputs["x"] = rand(n, s.hidden, scale=1.0)
     elif way == "project":
         inputs.update(src=rand(n, s.src_width, scale=1.0), proj=rand(s.hidden, s.src_width))
-    else:
+    elif way == "gather":
         inputs.update(
             src=rand(s.vocab, s.src_width, scale=1.0),
             proj=rand(s.hidden, s.src_width),
             codes=torch.randint(0, s.vocab, (n,), generator=g),
+        )
+    else:
+        inputs.update(
+            src=rand(s.vocab, s.hidden, scale=1.0), codes=torch.randint(0, s.vocab, (n,), generator=g)
         )
     case = Case(weights, k_cache, v_cache, slots, positions, positions + 1, inputs).to(dtype)
     return move(case, device)
@@ -241,7 +246,7 @@ ROWS = {
     "three": [(0, 3), (1, 37), (3, 0)],  # 37: past one attention block where the cache allows
     "pairs": [(0, 0), (0, 1), (2, 0), (2, 1)],  # the depth decoder's first call: a slot's two positions
 }
-WAYS = ["x", "project", "gather"]
+WAYS = ["x", "project", "gather", "table"]
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -421,8 +426,10 @@ def test_16bit_within_tolerance(dtype: torch.dtype):
     assert_caches(got, ref, case, TOLERANCE[dtype])
 
 
-def test_x_is_scratch_and_the_other_inputs_are_kept():
-    case = make_case(SHAPES["tiny_depth"], 6, ROWS["three"], way="gather")
+@pytest.mark.parametrize("way", ["gather", "table"])
+def test_x_is_scratch_and_the_other_inputs_are_kept(way: str):
+    # "table": the first layer reads its residual from the table's rows; the sum goes to scratch
+    case = make_case(SHAPES["tiny_depth"], 6, ROWS["three"], way=way)
     c = case.fresh()
     kept = {k: v.clone() for k, v in c.inputs.items() if torch.is_tensor(v)}
     ss.stack_step_triton(*c.args, **c.inputs)
@@ -481,6 +488,8 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
         ("no src", dict(src=None), "src"),
         ("head of another width", dict(head=base.inputs["head"][:, :10].contiguous()), "head"),
         ("no x and no proj", dict(proj=None, src=None, codes=None), "x"),
+        ("x beside src", dict(x=torch.zeros(3, shape.hidden, device=DEVICE)), "x, or src"),
+        ("a table of another width", dict(proj=None), "src must be"),
     ]
 
 
@@ -597,15 +606,16 @@ def test_a_failing_kernel_trips_the_latch_and_the_twin_serves(fresh_latch, monke
 
 
 @pytest.mark.parametrize(
-    "tuning", [{}, {"TMA": 0}, {"ONE_ROW": 0}], ids=["default", "pointer_loads", "all_rows"]
+    ("tuning", "way"), [({}, "table"), ({"TMA": 0}, "table"), ({"ONE_ROW": 0}, "table"), ({}, "gather")],
+    ids=["default", "pointer_loads", "all_rows", "projection"],
 )
-def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(tuning: dict):
+def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(tuning: dict, way: str):
     # The barrier path never runs on a CPU machine; compiling it for sm_90 here catches what only the
     # GPU would, and checks what the barrier relies on: one program fits on an SM (registers, shared
     # memory), so the whole grid is resident. The products' loads are pipelined (cp.async). In a
     # process of its own: this one may be running Triton's interpreter, which cannot compile.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.unit.stack_step_hopper", json.dumps(tuning)],
+    done = subprocess.run([sys.executable, "-m", "tests.unit.stack_step_hopper", json.dumps(tuning), way],
                           capture_output=True, text=True, timeout=300, env=env,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-3000:]

@@ -39,6 +39,11 @@ from services.talker.models.family import FrameInputs, FrameOutputs, PromptSegme
 # 165 against 191 us at 8 rows in a800258's run), and a B=8 frame 7.07 -> 6.56 ms (bench/README.md,
 # "Where a depth call's time goes").
 STACK_STEP_ROWS = 16
+# Depth calls 2 .. N-1 read their input rows from the codebooks' embedding tables projected once by
+# ``pack_weights`` (``_projected_tables``), instead of projecting each call's embedding rows: a call of
+# ``stack_step`` then has no projection phase (bench/README.md). False (read as graphs are captured):
+# every depth call projects its embedding rows, as before; for benchmarks.
+PROJECTED_INPUTS = True
 
 
 class AudioEmbeddings(nn.Module):
@@ -128,6 +133,7 @@ class CsmTalker(nn.Module):
         offsets = torch.arange(config.num_codebooks, dtype=torch.int64) * config.audio_vocab_size
         self.register_buffer("audio_offsets", offsets, persistent=False)
         self._head_rows: torch.Tensor | None = None  # the padded codebook head, set by pack_weights
+        self._depth_inputs: torch.Tensor | None = None  # the projected embedding tables, set by pack_weights
 
     # --- prompt and prefill -------------------------------------------------------------
 
@@ -165,8 +171,9 @@ class CsmTalker(nn.Module):
 
     def pack_weights(self) -> None:
         """Switches frames to the fused path: packs both stacks' QKV and gate/up weights into
-        views of one tensor each (no extra memory). Call once the model has its final device
-        and dtype. Prefill keeps the plain path either way."""
+        views of one tensor each (no extra memory), pads the codebook head, and projects the
+        embedding tables that depth calls 1 .. N-2 read (``_depth_inputs``). Call once the model
+        has its final device and dtype. Prefill keeps the plain path either way."""
         self.backbone_model.pack_weights()
         self.depth_decoder.model.pack_weights()
         # The head [N-1, H, V] as a view of [N-1, V_pad, H] with V padded to a multiple of 8 by
@@ -180,6 +187,25 @@ class CsmTalker(nn.Module):
             packed[:, :vocab].copy_(head.weight.detach().transpose(1, 2))
             head.weight = nn.Parameter(packed[:, :vocab].transpose(1, 2), requires_grad=False)
             self._head_rows = packed
+        if self._depth_inputs is None:
+            self._depth_inputs = self._projected_tables()
+
+    @torch.no_grad()
+    def _projected_tables(self) -> torch.Tensor:
+        """[N-2, V, H_depth]: codebook k's embedding table (k = 1 .. N-2, the codes that depth calls
+        take as input) times the depth decoder's input projector, in float64 (no TF32, whatever the
+        process's matmul precision) and rounded once to the model's dtype. A depth call then reads
+        its input row instead of streaming the projector's weights (4.2 MB at csm-1b) for one row:
+        the projection is linear, so projecting the table once gives each code's row, as the
+        per-call product would up to its fp32 sums' order and rounding. 126 MB at csm-1b in bf16."""
+        depth = self.depth_decoder.model
+        table, proj = depth.embed_tokens.weight, depth.inputs_embeds_projector.weight
+        vocab, n = self.config.audio_vocab_size, self.num_codebooks
+        out = table.new_empty(max(n - 2, 0), vocab, proj.shape[0])
+        wide = proj.double()
+        for k in range(1, n - 1):  # one codebook at a time: the float64 temporaries stay small
+            out[k - 1].copy_(F.linear(table[k * vocab:(k + 1) * vocab].double(), wide))
+        return out
 
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                 caches: CsmCaches) -> torch.Tensor:
@@ -204,14 +230,17 @@ class CsmTalker(nn.Module):
 
     def _depth_codes_fused(self, inputs: FrameInputs, caches: CsmCaches, logits_out: list | None):
         """``_depth_codes`` on the fused path: the same steps, rows flattened, codebook k's embedding
-        read from its slice of the table (no offset add). Where ``stack_step`` takes the rows (a
-        CUDA device, up to ``STACK_STEP_ROWS`` rows a call), each depth call is one launch:
-        projection (with the embedding lookup), the four layers, the final norm and the next
-        codebook's head; elsewhere ``forward_rows`` and separate products."""
+        read from its slice of the table (no offset add), or with ``PROJECTED_INPUTS`` its projected
+        row from ``_depth_inputs``. Where ``stack_step`` takes the rows (a CUDA device, up to
+        ``STACK_STEP_ROWS`` rows a call), each depth call is one launch: the projection (the first
+        call, or without projected tables: with the embedding lookup), the four layers, the final
+        norm and the next codebook's head; elsewhere ``forward_rows`` and separate products."""
         b = inputs.hidden.shape[0]
         depth = self.depth_decoder.model
         table, vocab = depth.embed_tokens.weight, self.config.audio_vocab_size
         proj = depth.inputs_embeds_projector.weight
+        # [N-2, V, H_depth]: codebooks 1 .. N-2's tables, projected (None: each call projects its rows)
+        projected = self._depth_inputs if PROJECTED_INPUTS else None
         index = caches.depth_rows
         head_rows = self._head_rows  # [N-1, V_pad, H]
         cache = caches.depth
@@ -220,16 +249,18 @@ class CsmTalker(nn.Module):
             return self._pick(inputs, logits, k, logits_out)
 
         def step_logits(rows: tuple[torch.Tensor, ...], head: torch.Tensor, src: torch.Tensor,
-                        codes: torch.Tensor | None = None, pairs: bool = False) -> torch.Tensor:
+                        codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
+                        pairs: bool = False) -> torch.Tensor:
             # logits [b, V_pad] of one depth call over ``rows`` = (slots, positions, lengths); with
-            # ``pairs`` the rows come two per batch row and only the second's logits are wanted
+            # ``pairs`` the rows come two per batch row and only the second's logits are wanted. The
+            # input: ``src`` (or its rows ``codes``), times ``proj`` where given
             inputs_ = dict(src=src, codes=codes, proj=proj, head=head)
             small = rows[0].shape[0] <= STACK_STEP_ROWS
             if small and stack_fits(depth.stack, cache.k, cache.v, *rows, **inputs_):
                 logits = stack_step(depth.stack, cache.k, cache.v, *rows, **inputs_)
                 return logits.view(b, 2, -1)[:, 1] if pairs else logits
             x = src if codes is None else F.embedding(codes, src)
-            out = depth.forward_rows(F.linear(x, proj), cache, *rows)
+            out = depth.forward_rows(x if proj is None else F.linear(x, proj), cache, *rows)
             return F.linear(out.view(b, 2, -1)[:, 1] if pairs else out, head)
 
         code = pick(self.lm_head(inputs.hidden), 0)
@@ -237,13 +268,16 @@ class CsmTalker(nn.Module):
         # rows (b, position 0: the backbone state) and (b, position 1: codebook 0's embedding)
         x = torch.stack([inputs.hidden, F.embedding(code, table[:vocab])], dim=1).view(2 * b, -1)
         first = (index.first_rows[: 2 * b], index.first_positions[: 2 * b], index.first_lengths[: 2 * b])
-        logits = step_logits(first, head_rows[0], x, pairs=True)
+        logits = step_logits(first, head_rows[0], x, proj=proj, pairs=True)
         for k in range(1, self.num_codebooks):
             code = pick(logits[:, :vocab], k)
             codes.append(code)
             if k + 1 < self.num_codebooks:
                 rows = (index.rows[:b], index.steps[k + 1, :b], index.steps[k + 2, :b])
-                logits = step_logits(rows, head_rows[k], table[k * vocab:(k + 1) * vocab], code)
+                if projected is not None:
+                    logits = step_logits(rows, head_rows[k], projected[k - 1], code)
+                else:
+                    logits = step_logits(rows, head_rows[k], table[k * vocab:(k + 1) * vocab], code, proj)
         return torch.stack(codes, dim=1)
 
     def _depth_codes(self, inputs: FrameInputs, caches: CsmCaches, logits_out: list | None):
