@@ -1,10 +1,12 @@
 """``stack_step`` on csm-1b's depth decoder against the path it replaces, per depth call, timed
 inside CUDA graphs. GPU only (about 5 minutes at one row with the sweep, on one H200).
 
-    python bench/probe_stack_step.py [--rows 1,8,16] [--skip-sweep] [--out FILE.json]
+    python bench/probe_stack_step.py [--rows 1,8,16] [--skip-sweep] [--way table|gather] [--out FILE.json]
 
-One depth call: the embedding lookup, the projector (2048 -> 1024), 4 layers, the final norm and
-one codebook's head (2,056 padded rows), bf16, random weights. The replaced path is
+One depth call: its input rows from the projected embedding table (``--way table``, the model's
+calls 2 .. 31; the call as it was, the embedding lookup and the projector (2048 -> 1024) in a phase
+of its own, timed beside it) or from the embedding table times the projector (``gather``), 4
+layers, the final norm and one codebook's head (2,056 padded rows), bf16, random weights. The replaced path is
 ``F.embedding`` + ``F.linear`` + ``Transformer.forward_rows`` (with the fused-layer kernels) +
 ``F.linear``. For 1, 2, 8 and 16 rows: 31 calls captured in one graph (a frame's depth loop),
 timed with CUDA events over replays (median of 5 x 10 after warm-up), for the default tuning and
@@ -75,7 +77,7 @@ def graph_us_per_call(fn) -> float:
     return statistics.median(times)
 
 
-def phase_profile(call, num_layers: int) -> dict:
+def phase_profile(call, num_layers: int, project: bool) -> dict:
     """Mean device time of each phase, from a profiler trace of the phase-by-phase launches (same
     phase code; each launch boundary stands where the one launch has a barrier)."""
     from torch.profiler import ProfilerActivity, profile
@@ -90,21 +92,23 @@ def phase_profile(call, num_layers: int) -> dict:
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and "stack_step" in e.name
     ]
-    names = phase_names(stack_kernel.TUNING, 1)[1:-1]  # one layer's phases
-    if len(times) != 2 + num_layers * len(names):
+    names = phase_names(stack_kernel.TUNING, 1, False)[:-1]  # one layer's phases
+    if len(times) != project + 1 + num_layers * len(names):
         return {"note": f"{len(times)} launches in the trace"}
-    per = {"PJ": times[0], "OUT": times[-1]}
+    per = {"PJ": times[0]} if project else {}
+    per["OUT"] = times[-1]
     for i, name in enumerate(names):
-        per[name] = statistics.mean(times[1 + i : 1 + num_layers * len(names) : len(names)])
+        per[name] = statistics.mean(times[project + i : project + num_layers * len(names) : len(names)])
     per["sum"] = sum(times)
     return {k: round(v, 2) for k, v in per.items()}
 
 
-def phase_names(tuning: dict, num_layers: int) -> list[str]:
-    """The phase before each barrier of one launch, in order, then the last (``OUT``)."""
+def phase_names(tuning: dict, num_layers: int, project: bool) -> list[str]:
+    """The phase before each barrier of one launch, in order, then the last (``OUT``); ``PJ`` first
+    where the call projects its rows."""
     layer = ["QKV", "ATT", "OUT_PROJ"] + (["OUT_PROJ_REDUCE"] if tuning["KS_O"] > 1 else [])
     layer += ["MLP", "DOWN"] + (["DOWN_REDUCE"] if tuning["KS_DOWN"] > 1 else [])
-    return ["PJ", *layer * num_layers, "OUT"]
+    return ["PJ"] * project + [*layer * num_layers, "OUT"]
 
 
 def traces(call, programs: int, slots: int) -> list[torch.Tensor]:
@@ -120,13 +124,13 @@ def traces(call, programs: int, slots: int) -> list[torch.Tensor]:
     return out
 
 
-def trace_breakdown(call, tuning: dict, num_layers: int, programs: int) -> dict:
+def trace_breakdown(call, tuning: dict, num_layers: int, programs: int, project: bool) -> dict:
     """Where one launch's time goes, from the kernel's own timer (``trace``): per phase, the time
     from the first program leaving the barrier before it to the last one reaching the barrier after
     it (span), the median and slowest program's work in it, and each barrier's latency (the last
     arrival to the first departure). Medians over TRACE_CALLS launches; phases of the same kind
     averaged over the layers. µs."""
-    names = phase_names({**stack_kernel.TUNING, **tuning}, num_layers)
+    names = phase_names({**stack_kernel.TUNING, **tuning}, num_layers, project)
     rows = traces(call, programs, 64)
     per_call = []
     for t in rows:
@@ -159,14 +163,14 @@ def trace_breakdown(call, tuning: dict, num_layers: int, programs: int) -> dict:
     return result
 
 
-def inside_breakdown(call, tuning: dict, num_layers: int, programs: int) -> dict:
+def inside_breakdown(call, tuning: dict, num_layers: int, programs: int, project: bool) -> dict:
     """Where a product phase's time goes, from the kernel's marks inside phases (a trace of 128
     slots): ``norm`` from leaving the barrier before the phase to the norm's rstd being computed,
     ``loop`` from there to the start of the program's last epilogue (its last block's loads are in),
     ``tail`` from there to reaching the next barrier (the epilogue's loads and stores). For the program
     that reaches the barrier last (the one the phase waits for) and the median over programs that
     have items. Medians over TRACE_CALLS launches, kinds averaged over the layers. µs."""
-    names = phase_names({**stack_kernel.TUNING, **tuning}, num_layers)
+    names = phase_names({**stack_kernel.TUNING, **tuning}, num_layers, project)
     before = {}  # kind -> the barrier (epoch) each of its phases starts after, in order
     for e, name in enumerate(names):
         before.setdefault(name, []).append(e)
@@ -174,7 +178,7 @@ def inside_breakdown(call, tuning: dict, num_layers: int, programs: int) -> dict
     qkv, mlp, o, down, pj, head = (int(c.value) for c in (k.MARK_QKV, k.MARK_MLP, k.MARK_O, k.MARK_DOWN,
                                                           k.MARK_PJ, k.MARK_HEAD))
     slots = {  # kind -> (norm mark, epilogue mark) per phase, as (epoch, side)
-        "PJ": [(None, (pj, 0))],
+        **({"PJ": [(None, (pj, 0))]} if project else {}),
         "QKV": [((qkv + 2 * i, 0), (qkv + 2 * i, 1)) for i in range(num_layers)],
         "OUT_PROJ": [(None, (o + 2 * i, 0)) for i in range(num_layers)],
         "MLP": [((mlp + 2 * i, 0), (mlp + 2 * i, 1)) for i in range(num_layers)],
@@ -255,6 +259,9 @@ def main() -> None:
     parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[0]],
                         help="JSON list of tunings to trace besides the default")
     parser.add_argument("--skip-sweep", action="store_true", help="the default tuning and its trace only")
+    parser.add_argument("--way", choices=("table", "gather"), default="table",
+                        help="table: rows of the projected embedding table (the model's calls 2 .. 31; "
+                             "the gathered rows times the projector are timed beside it); gather: those")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_stack_step.py needs a CUDA GPU")
@@ -279,11 +286,15 @@ def main() -> None:
     stack = depth.stack
     vocab = model.config.audio_vocab_size
     table = depth.embed_tokens.weight[3 * vocab : 4 * vocab]
+    projected = model._depth_inputs[2]  # codebook 3's table, projected
     proj = depth.inputs_embeds_projector.weight
     head = model._head_rows[3]
     cache = model.new_caches(16, 64, 16).depth
+    project = args.way == "gather"
+    result["way"] = args.way
     weight_bytes = sum(
-        t.numel() * t.element_size() for t in (stack.qkv, stack.o, stack.gate_up, stack.down, proj, head)
+        t.numel() * t.element_size()
+        for t in (stack.qkv, stack.o, stack.gate_up, stack.down, head, *[proj] * project)
     )
     result["weight_MB_per_call"] = round(weight_bytes / 1e6, 1)
     result["bytes_floor_us_per_call"] = round(weight_bytes / bandwidth * 1e6, 2)
@@ -313,15 +324,16 @@ def main() -> None:
             x = F.linear(F.embedding(codes, table), proj)
             return F.linear(depth.forward_rows(x, cache, *rows), head)
 
-        def kernel(tuning=None, num_programs=None, phased=False, codes=codes, rows=rows, trace=None):
+        def kernel(tuning=None, num_programs=None, phased=False, codes=codes, rows=rows, trace=None,
+                   project=project):
+            inputs = dict(src=table, proj=proj) if project else dict(src=projected)
             return stack_kernel.stack_step_triton(
                 stack,
                 cache.k,
                 cache.v,
                 *rows,
-                src=table,
                 codes=codes,
-                proj=proj,
+                **inputs,
                 head=head,
                 tuning=tuning,
                 num_programs=num_programs,
@@ -342,6 +354,13 @@ def main() -> None:
         entry["replaced_us"] = round(graph_us_per_call(replaced), 2)
         entry["default_us"] = round(graph_us_per_call(kernel), 2)
         entry["default_weight_TBps"] = round(weight_bytes / (entry["default_us"] * 1e-6) / 1e12, 3)
+        if not project:  # the call as it was: the embedding rows times the projector, in a phase of its own
+            entry["projection_phase_us"] = round(graph_us_per_call(lambda: kernel(project=True)), 2)
+            got = kernel(project=True)
+            entry["projection_phase_logits_rel_error_vs_replaced"] = float(
+                (got.double() - want.double()).norm() / want.double().norm()
+            )
+        print(json.dumps({k: v for k, v in entry.items() if k != "sweep"}), flush=True)
         sweep = []
         for tuning in [] if args.skip_sweep else SWEEP:
             try:
@@ -365,17 +384,18 @@ def main() -> None:
         if n == 1:
             sms = result["sms"]
             layers = stack.num_layers
-            entry["trace"] = {"default": trace_breakdown(lambda t: kernel(trace=t), {}, layers, sms)}
-            entry["inside"] = {"default": inside_breakdown(lambda t: kernel(trace=t), {}, layers, sms)}
+            default = (lambda t: kernel(trace=t), {}, layers, sms, project)
+            entry["trace"] = {"default": trace_breakdown(*default)}
+            entry["inside"] = {"default": inside_breakdown(*default)}
             for tuning in args.trace_tunings:
                 entry["trace"][json.dumps(tuning)] = trace_breakdown(
-                    lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms
+                    lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms, project
                 )
                 entry["inside"][json.dumps(tuning)] = inside_breakdown(
-                    lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms
+                    lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms, project
                 )
             print(json.dumps({"trace": entry["trace"], "inside": entry["inside"]}), flush=True)
-            entry["phases_us"] = phase_profile(lambda: kernel(phased=True), stack.num_layers)
+            entry["phases_us"] = phase_profile(lambda: kernel(phased=True), stack.num_layers, project)
         entry["faults"] = stack_kernel.faults("cuda")
         per_rows[f"N={n}"] = entry
         print(f"N={n}: {json.dumps(entry)}", flush=True)
