@@ -5,7 +5,8 @@ GPU only (about 4 minutes on one H200).
     python bench/talker_fusion.py [--out bench/results/talker_fusion.json] [--last-stages N] [--tunings JSON]
 
 1. Floors (METHOD.md): bytes one frame must move (weights: the backbone once, the depth
-   decoder, its projector and one head slice per depth step; plus each row's backbone keys and
+   decoder and one head slice per depth step, its projector once (the first depth call; the
+   others read rows of the projected tables, since 8455b17); plus each row's backbone keys and
    values) over the measured copy bandwidth, and FLOPs (2 x rows x those weights, plus attention)
    over the measured bf16 matrix-product rate.
 2. Stages, each captured as the runner's per-bucket CUDA graphs (csm-1b shapes, bf16, random
@@ -163,10 +164,10 @@ def frame_flops(model: CsmTalker, rows: int, keys: int) -> float:
     cfg = model.config
     size = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
     depth = model.depth_decoder.model
-    per_step = sum(size(layer) for layer in depth.layers) + size(depth.inputs_embeds_projector) \
-        + cfg.depth.hidden_size * cfg.audio_vocab_size
+    # the projector once: the first depth call projects its rows, the later ones read projected rows
+    per_step = sum(size(layer) for layer in depth.layers) + cfg.depth.hidden_size * cfg.audio_vocab_size
     weights = sum(size(layer) for layer in model.backbone_model.layers) + size(model.lm_head) \
-        + (cfg.num_codebooks - 1) * per_step
+        + (cfg.num_codebooks - 1) * per_step + size(depth.inputs_embeds_projector)
     bb, dd = cfg.backbone, cfg.depth
     attention = 4 * bb.num_layers * bb.num_heads * bb.head_dim * keys \
         + 4 * dd.num_layers * dd.num_heads * dd.head_dim * cfg.num_codebooks * cfg.num_codebooks / 2
