@@ -42,14 +42,12 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
-    # deeper software pipelines for the two products that stream most of a call's bytes (down: 16 KB
-    # a block, 48 KB in flight at 4 stages; gate/up: 32 KB a block); all compile for sm_90 without
-    # spills, gate/up at 6 stages in 177 KB of shared memory
-    {"ST_DOWN": 6},
-    {"ST_DOWN": 8},
-    {"ST_WIDE": 5},
-    {"ST_WIDE": 6},
-    {"ST_WIDE": 6, "ST_DOWN": 8},
+    {"HOIST": 0},  # positions, slots, rotary tables and attention items loaded in every layer (until 7bee940)
+    # what still separates QKV's loop from the output product's (all compile for sm_90 without spills
+    # except 16-wide QKV items: 16 bytes)
+    {"TMA": 0},  # QKV's and gate/up's tiles by pointer loads
+    {"BK": 128},  # twice the blocks, half the bytes each
+    {"BN_QKV": 16},  # half the QKV items, two products of 16 outputs each
 ]
 TRACE_CALLS = 20
 

@@ -1194,7 +1194,7 @@ def voxring_frame(folder: Path, device, dtype, s: Settings) -> dict:
 
     kernels.configure(sampler=True, decode_attention=True, fused_layers=True)  # the server's defaults
     model = load_talker(folder, dtype, device)
-    floor_bytes = frame_floor_bytes(model)  # before packing (packing makes views, no new bytes)
+    floor_bytes = frame_floor_bytes(model)  # from parameters (packing adds copies, no bytes to read)
     out: dict = {"floor_bytes_GB": round(floor_bytes / 1e9, 3)}
     if device.type == "cuda":
         model.pack_weights()

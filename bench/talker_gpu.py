@@ -122,15 +122,17 @@ def copy_bandwidth() -> float:
 
 
 def frame_floor_bytes(model: CsmTalker) -> int:
-    """Weights one frame must read: the backbone once, the depth decoder and its
-    projector once per depth step, one head slice per step, the embedding rows used."""
+    """Weights one frame must read: the backbone once, the depth decoder once per depth step, one
+    head slice per step, the depth decoder's projector once (the first step's rows; the later
+    steps' inputs are rows of the projected embedding tables, since 8455b17)."""
     cfg = model.config
     size = lambda module: sum(p.numel() * p.element_size() for p in module.parameters())  # noqa: E731
     depth = model.depth_decoder.model
-    depth_layers = sum(size(layer) for layer in depth.layers) + size(depth.inputs_embeds_projector)
+    depth_layers = sum(size(layer) for layer in depth.layers)
     head_slice = cfg.depth.hidden_size * cfg.audio_vocab_size * model.lm_head.weight.element_size()
     backbone = sum(size(layer) for layer in model.backbone_model.layers) + size(model.lm_head)
-    return backbone + (cfg.num_codebooks - 1) * (depth_layers + head_slice)
+    projector = size(depth.inputs_embeds_projector)
+    return backbone + (cfg.num_codebooks - 1) * (depth_layers + head_slice) + projector
 
 
 def device_ms_per_frame(runner: Runner, bucket: int, replays: int = 20) -> float:

@@ -108,7 +108,8 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # phase in the program's scratch for row dots measured slower (QKV: 144.5 us, all three: 153.0, against
 # 140.4; f77df8c). HOIST: the rows' positions and slots, the rotary tables of a program's one QKV item and
 # its one attention item's slot and length load once at the launch's start instead of in every layer
-# (the same values): 140.4 us against 144.4 (f77df8c), QKV's loop 5.3 -> 3.8 us.
+# (the same values): 140.4 us against 144.4 (f77df8c), QKV's loop 5.3 -> 3.8 us. Deeper pipelines for the
+# gate/up and down loops alone (5 to 8 stages) measured slower: 136.6 to 142.0 us against 134.9 (121431a).
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -119,8 +120,6 @@ TUNING = {
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,
-    "ST_WIDE": 0,
-    "ST_DOWN": 0,
     "TMA": 1,
     "ONE_ROW": 1,
     "ROW_PJ": 2,
@@ -356,7 +355,6 @@ def _flat_single(
     N_OUT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, ONE: tl.constexpr, RESIDUAL: tl.constexpr,
     dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr, TRACE_IN: tl.constexpr,
-    STAGES: tl.constexpr = 0,
 ):
     """A product phase as one flat loop over (this program's items) x (reduction blocks), so the
     pipeline runs on from one item into the next: dst[rows, N_OUT] = operand @ w[:, :K].T, items of
@@ -365,8 +363,7 @@ def _flat_single(
     partial sums [KS, BM, N_OUT] for ``_phase_reduce``; else dst = the product. Every program runs as many
     iterations as the busiest, those past the last item masked (loads and stores off): a trip count
     that depends on the program measured slower (bench/README.md). TRACE_IN: the timer as each item's
-    epilogue starts, into slot ``mark`` (the last item's stays: when its last block's loads were in).
-    STAGES: this loop's software pipeline depth (0: the launch's ``num_stages``)."""
+    epilogue starts, into slot ``mark`` (the last item's stays: when its last block's loads were in)."""
     m = tl.arange(0, BM)
     ITEMS: tl.constexpr = ((N_OUT + BN - 1) // BN) * KS
     KP: tl.constexpr = K // KS
@@ -376,7 +373,7 @@ def _flat_single(
     acc = tl.zeros([BM, BN], tl.float32)
     if ONE == 2:
         row_acc = _row_acc(BN)
-    for t in tl.range(0, ((ITEMS + NPROG - 1) // NPROG) * KI, num_stages=STAGES if STAGES > 0 else None):
+    for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
         item = pid + (t // KI) * NPROG
         ki = t % KI
         tile = item // KS
@@ -421,7 +418,6 @@ def _flat_dual(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, TMA: tl.constexpr,
     ONE: tl.constexpr, HOIST: tl.constexpr, dtype: tl.constexpr,
     OPAQUE: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr, TRACE_IN: tl.constexpr,
-    STAGES: tl.constexpr = 0,
 ):
     """The two paired products as one flat loop (see ``_flat_single``), RMS-normed operand: the QKV
     product by rotary pairs (rows j and j + HALF of a head; rotation, q to scratch, k and v into
@@ -445,7 +441,7 @@ def _flat_dual(
     rs = _first(rstd, m, ONE)
     acc1 = tl.zeros([BM, BN], tl.float32)
     acc2 = tl.zeros([BM, BN], tl.float32)
-    for t in tl.range(0, ((ITEMS + NPROG - 1) // NPROG) * KI, num_stages=STAGES if STAGES > 0 else None):
+    for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
         item = pid + (t // KI) * NPROG
         ki = t % KI
         if MLP:
@@ -750,8 +746,6 @@ def _stack_step_kernel(
     RSTD_BK: tl.constexpr,
     KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
-    ST_WIDE: tl.constexpr,
-    ST_DOWN: tl.constexpr,
     NUM_OUT: tl.constexpr,
     NPROG: tl.constexpr,
     PROJECT: tl.constexpr,
@@ -870,7 +864,7 @@ def _stack_step_kernel(
                 layer * (2 * INTER), pid, cos_ptr, sin_ptr, m, m, zeros, zeros, zeros, zeros,
                 q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_MLP + 2 * layer, H,
                 NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, ONE, HOIST, dtype,
-                OPAQUE, UPCAST, LIBDEVICE, TRACE_IN, ST_WIDE,
+                OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -879,7 +873,7 @@ def _stack_step_kernel(
             _flat_single(
                 a_rows, act_ptr, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, h_rows,
                 part_ptr, pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK,
-                False, ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN, ST_DOWN,
+                False, ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -1108,8 +1102,6 @@ def checked_tuning(tuning: dict) -> dict:
             "ROW_PJ": value in (0, 1, 2),
             "KS_O": value >= 1,
             "KS_DOWN": value >= 1,
-            "ST_WIDE": value >= 0,
-            "ST_DOWN": value >= 0,
             "num_warps": value in (1, 2, 4, 8, 16),
             "num_stages": value >= 1,
         }[key]
@@ -1197,8 +1189,7 @@ def launch_plan(
         HOIST=bool(tune["HOIST"]), ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
         ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,
         KS_O=tune["KS_O"],
-        KS_DOWN=tune["KS_DOWN"], ST_WIDE=tune["ST_WIDE"], ST_DOWN=tune["ST_DOWN"],
-        NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
+        KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,
         num_warps=8 if fp32 else tune["num_warps"], num_stages=tune["num_stages"],
