@@ -42,9 +42,12 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
-    {"FIXUP": 0},  # the down product's parts added by a reduce phase after a barrier (until 5b72a2f)
-    {"BN_DOWN": 64, "KS_DOWN": 8},  # down blocks of 32 KB (gate/up's), 4 a program instead of 8 of 16 KB
-    {"BN_WIDE": 64},  # gate/up: 128 items of 64 outputs, one a program, 64 KB blocks
+    {"BN_DOWN": 64, "KS_DOWN": 8},  # down blocks of 32 KB, 4 a program: 133.6 us against 135.0 once (b29e264)
+    # what still separates QKV's loop from the output product's (all compile for sm_90 without spills
+    # except 16-wide QKV items: 16 bytes)
+    {"TMA": 0},  # QKV's and gate/up's tiles by pointer loads
+    {"BK": 128},  # twice the blocks, half the bytes each
+    {"BN_QKV": 16},  # half the QKV items, two products of 16 outputs each
 ]
 TRACE_CALLS = 20
 
@@ -103,9 +106,8 @@ def phase_profile(call, num_layers: int, project: bool) -> dict:
 def phase_names(tuning: dict, num_layers: int, project: bool) -> list[str]:
     """The phase before each barrier of one launch, in order, then the last (``OUT``); ``PJ`` first
     where the call projects its rows."""
-    reduce = not tuning["FIXUP"]  # with FIXUP the last part to arrive adds a split product's parts
-    layer = ["QKV", "ATT", "OUT_PROJ"] + (["OUT_PROJ_REDUCE"] if tuning["KS_O"] > 1 and reduce else [])
-    layer += ["MLP", "DOWN"] + (["DOWN_REDUCE"] if tuning["KS_DOWN"] > 1 and reduce else [])
+    layer = ["QKV", "ATT", "OUT_PROJ"] + (["OUT_PROJ_REDUCE"] if tuning["KS_O"] > 1 else [])
+    layer += ["MLP", "DOWN"] + (["DOWN_REDUCE"] if tuning["KS_DOWN"] > 1 else [])
     return ["PJ"] * project + [*layer * num_layers, "OUT"]
 
 

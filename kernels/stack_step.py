@@ -76,15 +76,14 @@ from kernels.silu_mul import silu_mul_eager
 LATCH = KernelLatch("stack_step")
 MAX_ROWS = 16  # rows of one step (the products' M tile)
 MAX_KEYS = 256  # positions one row may attend to: the kernel's attention has no split
-FIX_TILES = tl.constexpr(1024)  # FIXUP's counters: output tiles of a split product (H / its tile)
 _MAX_SPINS = tl.constexpr(1 << 22)  # a barrier wait this long (about a second) is a fault, not a neighbour
 _NEG_INF = tl.constexpr(float("-inf"))
 # Slots of the marks inside phases (a trace of 128 slots; bench/probe_stack_step.py reads them). Layer
 # l's QKV at MARK_QKV + 2 l and its gate/up at MARK_MLP + 2 l: side 0 once the norm's sums are done,
 # side 1 as the last epilogue starts; its output product at MARK_O + 2 l and its down product at
 # MARK_DOWN + 2 l, side 0 as the last epilogue starts; the projection's at MARK_PJ; the head's norm and
-# last epilogue at MARK_HEAD and MARK_HEAD + 1. A trace holds at most 62 barriers, so at most 12
-# layers (5 barriers a layer with FIXUP, 6 or 7 without): their marks stay below MARK_PJ.
+# last epilogue at MARK_HEAD and MARK_HEAD + 1. A trace holds at most 62 barriers, so at most 10
+# layers: their marks stay below MARK_PJ.
 MARK_QKV, MARK_MLP, MARK_O, MARK_DOWN = tl.constexpr(64), tl.constexpr(65), tl.constexpr(96), tl.constexpr(97)
 MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 
@@ -111,6 +110,8 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # its one attention item's slot and length load once at the launch's start instead of in every layer
 # (the same values): 140.4 us against 144.4 (f77df8c), QKV's loop 5.3 -> 3.8 us. Deeper pipelines for the
 # gate/up and down loops alone (5 to 8 stages) measured slower: 136.6 to 142.0 us against 134.9 (121431a).
+# The down product's parts added by the last program to arrive (a counter per output tile) instead of a
+# reduce phase after a barrier: 135.0 us against 134.8, its atomic and loads as long as the two (b29e264).
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -121,7 +122,6 @@ TUNING = {
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,
-    "FIXUP": 1,
     "TMA": 1,
     "ONE_ROW": 1,
     "ROW_PJ": 2,
@@ -255,16 +255,13 @@ def _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC: tl.constexpr, TRACE: tl.
 
 
 @triton.jit
-def _grid_exit(sync_ptr, fix_ptr, pid, nprog, SYNC: tl.constexpr, FIXUP: tl.constexpr):
-    """Every program leaves; the first one resets the counters once all have left their last wait
-    (FIXUP's too: a launch that lost a program may have left a tile's count short)."""
+def _grid_exit(sync_ptr, pid, nprog, SYNC: tl.constexpr):
+    """Every program leaves; the first one resets the counters once all have left their last wait."""
     if SYNC:
         tl.debug_barrier()
         tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
         if pid == 0:
             _wait(sync_ptr + 1, nprog, sync_ptr + 2, False)  # then only resets the counters
-            if FIXUP:
-                tl.store(fix_ptr + tl.arange(0, FIX_TILES), tl.zeros([FIX_TILES], tl.int32))
             tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")
@@ -356,19 +353,16 @@ def _first(rstd, m, ONE: tl.constexpr):
 
 @triton.jit
 def _flat_single(
-    rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, res_rows, part_ptr, fix_ptr, pid, trace_row,
-    mark, N_OUT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
+    rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, res_rows, part_ptr, pid, trace_row, mark,
+    N_OUT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, ONE: tl.constexpr, RESIDUAL: tl.constexpr,
     dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr, TRACE_IN: tl.constexpr,
-    FIXUP: tl.constexpr,
 ):
     """A product phase as one flat loop over (this program's items) x (reduction blocks), so the
     pipeline runs on from one item into the next: dst[rows, N_OUT] = operand @ w[:, :K].T, items of
     BN outputs times KS reduction parts. RESIDUAL: dst = the residual rows (``res_rows``, pointers;
     dst's own rows, or a call's input rows in its first layer) + the product (KS == 1), or fp32
-    partial sums [KS, BM, N_OUT] for ``_phase_reduce`` or, with FIXUP, for ``_fixup``: the last of an
-    output tile's KS parts to arrive (a counter per tile, ``fix_ptr``) adds them into dst, so the phase
-    needs no reduce phase and no barrier before it; else dst = the product. Every program runs as many
+    partial sums [KS, BM, N_OUT] for ``_phase_reduce``; else dst = the product. Every program runs as many
     iterations as the busiest, those past the last item masked (loads and stores off): a trip count
     that depends on the program measured slower (bench/README.md). TRACE_IN: the timer as each item's
     epilogue starts, into slot ``mark`` (the last item's stays: when its last block's loads were in)."""
@@ -415,40 +409,6 @@ def _flat_single(
             else:
                 tl.store(dst_ptr + m[:, None] * N_OUT + n[None, :], acc.to(dtype), mask=ok)
             acc = tl.zeros([BM, BN], tl.float32)
-    if FIXUP and RESIDUAL and KS > 1:  # after the loop: an atomic inside it stops its software pipeline
-        for j in range(0, (ITEMS + NPROG - 1) // NPROG):
-            item = pid + j * NPROG
-            tile = item // KS
-            n = tile * BN + tl.arange(0, BN)
-            ok = row_ok[:, None] & ((n < N_OUT) & (item < ITEMS))[None, :]
-            real = item < ITEMS
-            _fixup(dst_ptr, res_rows, part_ptr, fix_ptr + tile, real, n, ok, m, N_OUT, KS, BM, BN, dtype,
-                   OPAQUE)
-
-
-@triton.jit
-def _fixup(
-    dst_ptr, res_rows, part_ptr, count_ptr, real, n, ok, m, N_OUT: tl.constexpr, KS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
-):
-    """After a program stored one of an output tile's KS partial sums: it counts its arrival (its
-    threads' stores released first, as at a grid barrier), and the last of the KS to arrive adds the
-    parts in a fixed order into dst = residual + their sum (``_phase_reduce``'s sums, the same bits
-    whichever program is last), then zeroes the count for the next phase that splits."""
-    if real:  # a real item (programs past the last item have nothing to count)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == KS - 1:
-            acc = tl.zeros([BM, BN], tl.float32)
-            for split in range(KS):
-                acc += tl.load(
-                    part_ptr + (split * BM + m[:, None]) * N_OUT + n[None, :], mask=ok, other=0.0,
-                    cache_modifier=".cg",
-                )
-            res = tl.load(res_rows[:, None] + n[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-            res = res.to(tl.float32) + _round_to(acc, dtype, OPAQUE)
-            tl.store(dst_ptr + m[:, None] * N_OUT + n[None, :], res.to(dtype), mask=ok)
-            tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -757,7 +717,6 @@ def _stack_step_kernel(
     part_ptr,
     out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H]; out
     sync_ptr,  # int32 [4]: arrivals, exits, this launch's fault flag, faults so far
-    fix_ptr,  # int32 [FIX_TILES]: FIXUP's arrivals per output tile (zero between phases)
     trace_ptr,  # int64 [programs, TRACE_SLOTS, 2] timer marks (TRACE)
     qkv_desc,
     gu_desc,  # with TMA: the QKV and gate/up weights as [L rows, H] tensor descriptors (else unused)
@@ -789,7 +748,6 @@ def _stack_step_kernel(
     RSTD_BK: tl.constexpr,
     KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
-    FIXUP: tl.constexpr,
     NUM_OUT: tl.constexpr,
     NPROG: tl.constexpr,
     PROJECT: tl.constexpr,
@@ -827,9 +785,9 @@ def _stack_step_kernel(
             src_rows = src_ptr + m * stride_src
             src_first = src_ptr
         _flat_single(
-            src_rows, src_first, row_ok, src_rows, src_rows, proj_ptr, x_ptr, src_rows, part_ptr, fix_ptr,
-            pid, trace_row, MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, ONE_PJ, False, dtype, OPAQUE,
-            UPCAST, TRACE_IN, False,
+            src_rows, src_first, row_ok, src_rows, src_rows, proj_ptr, x_ptr, src_rows, part_ptr, pid,
+            trace_row, MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, ONE_PJ, False, dtype, OPAQUE, UPCAST,
+            TRACE_IN,
         )
         epoch += 1
         _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -891,12 +849,12 @@ def _stack_step_kernel(
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
                 a_rows, attn_ptr, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, rows_in,
-                part_ptr, fix_ptr, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK,
-                False, ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN, FIXUP,
+                part_ptr, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False,
+                ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
-        if KS_O > 1 and not FIXUP and (phases & 32) != 0:  # OUT_PROJ_REDUCE
+        if KS_O > 1 and (phases & 32) != 0:  # OUT_PROJ_REDUCE
             _phase_reduce(x_ptr, rows_in, part_ptr, n_rows, pid, nprog, H, KS_O, BM, BN, dtype, OPAQUE)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -916,12 +874,12 @@ def _stack_step_kernel(
             a_rows = act_ptr + m * INTER
             _flat_single(
                 a_rows, act_ptr, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, h_rows,
-                part_ptr, fix_ptr, pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM,
-                BN_DOWN, BK, False, ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN, FIXUP,
+                part_ptr, pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK,
+                False, ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
-        if KS_DOWN > 1 and not FIXUP and (phases & 64) != 0:  # DOWN_REDUCE
+        if KS_DOWN > 1 and (phases & 64) != 0:  # DOWN_REDUCE
             _phase_reduce(x_ptr, h_rows, part_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, dtype, OPAQUE)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -931,16 +889,16 @@ def _stack_step_kernel(
         _mark_after(trace_row, MARK_HEAD, 0, rstd, TRACE_IN)
         if HEAD:  # the final norm as the head product's prologue
             _flat_single(
-                h_rows, x_ptr, row_ok, rstd, final_ptr, head_ptr, out_ptr, h_rows, part_ptr, fix_ptr, pid,
+                h_rows, x_ptr, row_ok, rstd, final_ptr, head_ptr, out_ptr, h_rows, part_ptr, pid,
                 trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, ONE, False, dtype,
-                OPAQUE, UPCAST, TRACE_IN, False,
+                OPAQUE, UPCAST, TRACE_IN,
             )
         else:
             _phase_norm(x_ptr, out_ptr, n_rows, final_ptr, rstd, pid, nprog, H, BM, BN_WIDE, dtype, OPAQUE)
     if SYNC and TRACE:
         tl.debug_barrier()
         _mark(trace_row, epoch + 1, 0, TRACE)
-    _grid_exit(sync_ptr, fix_ptr, pid, nprog, SYNC, FIXUP)
+    _grid_exit(sync_ptr, pid, nprog, SYNC)
 
 
 # ---------------------------------------------------------------- the eager twin
@@ -982,11 +940,6 @@ def stack_step_eager(
 @functools.lru_cache(maxsize=8)
 def _sync_buffer(device: torch.device) -> torch.Tensor:
     return torch.zeros(4, dtype=torch.int32, device=device)
-
-
-@functools.lru_cache(maxsize=8)
-def _fix_buffer(device: torch.device) -> torch.Tensor:
-    return torch.zeros(int(FIX_TILES.value), dtype=torch.int32, device=device)
 
 
 def fault_counter(device: torch.device | str) -> torch.Tensor:
@@ -1124,8 +1077,8 @@ def stack_step_triton(
             (0, layer, layer + 1, phase, 0)
             for layer in range(weights.num_layers)
             for phase in LAYER_PHASES
-            if (phase != OUT_PROJ_REDUCE or (tune["KS_O"] > 1 and not tune["FIXUP"]))
-            and (phase != DOWN_REDUCE or (tune["KS_DOWN"] > 1 and not tune["FIXUP"]))
+            if (phase != OUT_PROJ_REDUCE or tune["KS_O"] > 1)
+            and (phase != DOWN_REDUCE or tune["KS_DOWN"] > 1)
         ]
         launches += [(0, 0, 0, 0, 1)]
     for launch in launches:  # phased: the same compiled kernel each time (what runs is an argument)
@@ -1134,7 +1087,7 @@ def stack_step_triton(
 
 
 _TILES = ("BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "RSTD_BK")  # powers of two, >= 8 (BK >= 16)
-_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST", "FIXUP")  # 0 or 1
+_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST")  # 0 or 1
 
 
 def checked_tuning(tuning: dict) -> dict:
@@ -1183,8 +1136,6 @@ def launch_plan(
     for name, width in (("KS_O", hq * d), ("KS_DOWN", inter)):
         if width % tune[name]:
             tune[name] = 1  # a split must cut the reduction into equal parts
-    if -(-hidden // min(tune["BN"], tune["BN_DOWN"])) > FIX_TILES.value:
-        tune["FIXUP"] = 0  # more output tiles than counters: the reduce phases add the parts
     part = torch.empty(
         max(tune["KS_O"], tune["KS_DOWN"]), MAX_ROWS, hidden, dtype=torch.float32, device=device
     )
@@ -1208,8 +1159,7 @@ def launch_plan(
         descriptors = (weights.qkv, weights.gate_up)
     trace_slots = 64
     if trace is not None:
-        fixup = bool(tune["FIXUP"])
-        per_layer = 5 + (tune["KS_O"] > 1 and not fixup) + (tune["KS_DOWN"] > 1 and not fixup)
+        per_layer = 5 + (tune["KS_O"] > 1) + (tune["KS_DOWN"] > 1)
         barriers = (proj is not None) + weights.num_layers * per_layer
         trace_slots = trace.shape[1] if trace.dim() == 3 and trace.shape[1] in (64, 128) else 64
         if not compiled or trace.dtype != torch.int64 or tuple(trace.shape) != (grid[0], trace_slots, 2) or (
@@ -1227,7 +1177,7 @@ def launch_plan(
         weights.o, weights.gate_up, weights.down, weights.input_norm, weights.post_norm, weights.final_norm,
         head if head is not None else weights.final_norm, weights.cos, weights.sin, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), slots, positions, lengths,
-        q, attn, act, part, out, _sync_buffer(device), _fix_buffer(device),
+        q, attn, act, part, out, _sync_buffer(device),
         trace if trace is not None else _sync_buffer(device), *descriptors,
         rows, k_cache.shape[2], weights.eps, d**-0.5,
     )
@@ -1241,8 +1191,7 @@ def launch_plan(
         HOIST=bool(tune["HOIST"]), ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
         ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,
         KS_O=tune["KS_O"],
-        KS_DOWN=tune["KS_DOWN"], FIXUP=bool(tune["FIXUP"]), NUM_OUT=num_out, NPROG=grid[0],
-        PROJECT=proj is not None,
+        KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,
         num_warps=8 if fp32 else tune["num_warps"], num_stages=tune["num_stages"],

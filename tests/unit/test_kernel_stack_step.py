@@ -343,25 +343,6 @@ def test_tma_loads_equal_the_pointer_loads(shape: str):
     assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
 
 
-@pytest.mark.parametrize("programs", [1, 3, 7])
-@pytest.mark.parametrize("rows", ["one", "three"])
-def test_the_last_part_to_arrive_adds_the_parts_as_the_reduce_phase_does(rows: str, programs: int):
-    # FIXUP: the program whose part of an output tile arrives last adds the tile's parts, in their
-    # fixed order, into the residual stream (no reduce phase, no barrier before one): the same bits
-    # as the reduce phase, whichever program is last (the grid decides), for the down product's split
-    # and an output product split too; every count is back at zero for the next launch.
-    case = make_case(SHAPES["tiny_depth"], 16, ROWS[rows], way="table")
-    split = {"KS_O": 2, "KS_DOWN": 4}
-    plan = ss.launch_plan(*case.args, **case.inputs, tuning=split, compiled=False)
-    assert plan[1]["FIXUP"] and plan[4]["KS_O"] == 2 and plan[4]["KS_DOWN"] == 4
-    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, num_programs=programs, tuning=split))
-    assert not ss._fix_buffer(torch.device(DEVICE)).any()
-    reduce = {**split, "FIXUP": 0}
-    want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, num_programs=programs, tuning=reduce))
-    assert torch.equal(got.out, want.out)
-    assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
-
-
 PLACED = {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0}  # the one row placed in zero rows everywhere
 
 
@@ -560,26 +541,22 @@ def test_a_trace_is_taken_only_where_it_fits():
     with pytest.raises(ValueError, match="GPU tensor"):
         ss.launch_plan(*args, **inputs, num_programs=3, compiled=False, trace=trace)
 
-    def plan(layers: int, shape=(132, 64, 2), tuning=None):
+    def plan(layers: int, shape=(132, 64, 2)):
         stack = _meta_stack(layers)
         cache = torch.empty(layers, 2, 32, 2, 16, dtype=torch.bfloat16, device="meta")
         index = torch.empty(1, dtype=torch.int64, device="meta")
         x = torch.empty(1, 64, dtype=torch.bfloat16, device="meta")
         trace = torch.empty(*shape, dtype=torch.int64, device="meta")
-        return ss.launch_plan(stack, cache, cache, index, index, index, x=x, num_programs=132, trace=trace,
-                              tuning=tuning)
+        return ss.launch_plan(stack, cache, cache, index, index, index, x=x, num_programs=132, trace=trace)
 
-    assert plan(4)[1]["TRACE"] and not plan(4)[1]["TRACE_IN"]  # 4 layers: 20 barriers
+    assert plan(4)[1]["TRACE"] and not plan(4)[1]["TRACE_IN"]  # 4 layers: 21 barriers
     assert plan(4, (132, 128, 2))[1]["TRACE_IN"]  # 128 slots: marks inside phases too
     with pytest.raises(ValueError, match="GPU tensor"):
         plan(4, (66, 64, 2))  # one row a program
     with pytest.raises(ValueError, match="GPU tensor"):
         plan(4, (132, 96, 2))
-    with pytest.raises(ValueError, match="62 barriers, this stack has 65"):
-        plan(13)  # 5 barriers a layer: the down product's parts are added by the last to arrive
-    plan(11)
     with pytest.raises(ValueError, match="62 barriers, this stack has 66"):
-        plan(11, tuning={"FIXUP": 0})  # and a reduce phase after it
+        plan(11)
 
 
 @pytest.fixture
