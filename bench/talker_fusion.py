@@ -217,7 +217,8 @@ def relative(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).norm() / ref.norm())
 
 
-def exactness(result: dict) -> None:
+def exactness(result: dict, save) -> None:
+    """The exactness checks (3. above) into ``result``, which ``save`` writes after the tiny model's."""
     from services.talker.tiny import tiny_config
 
     tiny_buckets = [1, 2, 4, 8, 16]
@@ -235,6 +236,8 @@ def exactness(result: dict) -> None:
                 codes[fused][b] = runner.decode(list(range(b)), 8)
         key = f"tiny_fp32_fused_equals_plain_{'seeded' if sampled else 'greedy'}"
         result[key] = {f"B={b}": bool((codes[True][b] == codes[False][b]).all()) for b in tiny_buckets}
+        print(json.dumps({key: result[key]}), flush=True)
+    save()
 
     rows = 8
     forced = None
@@ -316,7 +319,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/talker_fusion.json"))
     parser.add_argument("--skip-exactness", action="store_true")
     parser.add_argument("--last-stages", type=int, default=len(STAGES),
-                        help="time only the last N stages (the earlier ones are in an earlier run's JSON)")
+                        help="time only the last N stages (the earlier ones are in an earlier run's JSON); "
+                             "0: the floors and the exactness checks only, with the default's kernels")
     parser.add_argument("--tunings", type=json.loads, default=[],
                         help="JSON list of stack_step tunings to time as the default stage's alternatives")
     args = parser.parse_args()
@@ -346,6 +350,20 @@ def main() -> None:
                             "floor_ms": round(max(moved / bandwidth, flops / rate) * 1e3, 3)}
     result["floors"] = floors
     print(json.dumps(floors, indent=1), flush=True)
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    if args.last_stages == 0:
+        del model
+        torch.cuda.empty_cache()
+        set_kernels(**STAGES[-1][2])
+        apply_stack_settings(STAGES[-1][3])
+        exactness(result, save)
+        save()
+        print(json.dumps({k: v for k, v in result.items() if k != "floors"}, indent=1))
+        return
 
     set_kernels(**STAGES[0][2])
     apply_stack_settings(None)
@@ -411,9 +429,8 @@ def main() -> None:
     del runner, model
     torch.cuda.empty_cache()
     if not args.skip_exactness:
-        exactness(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+        exactness(result, save)
+    save()
     summary = {k: v for k, v in result.items() if k not in ("stages", "floors")}
     print(json.dumps(summary, indent=1))
 
