@@ -4,7 +4,7 @@ barrier's atomics and acquire loads, pipelined (cp.async) loads, TMA bulk tensor
 tests/unit/test_kernel_stack_step.py in a process of its own (Triton's interpreter, which that test
 module may run, cannot compile).
 
-    python -m tests.unit.stack_step_hopper ['{"ONE_ROW": 0}' [table|gather]]   # a tuning over the default
+    python -m tests.unit.stack_step_hopper ['{"ONE_ROW": 0}' [table|gather [bf16|fp32]]]  # over the default
 
 csm-1b's depth decoder in bf16, one row, rows of the projected embedding table (or embedding rows times
 the projection: "gather") and the padded codebook head;
@@ -38,8 +38,11 @@ POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32:
                  torch.int32: "*i32"}
 
 
-def meta(*size: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return torch.empty(*size, dtype=dtype, device="meta")
+def meta(*size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty(*size, dtype=dtype or WEIGHTS, device="meta")
+
+
+WEIGHTS = torch.bfloat16  # the weights' (and caches', inputs') dtype; main's third argument may change it
 
 
 def compile_kernel(tuning: dict | None = None, way: str = "table"):
@@ -96,6 +99,9 @@ def registers(ptx: str, ptxas: Path) -> int | None:
 
 
 def main() -> None:
+    global WEIGHTS
+    if len(sys.argv) > 3:
+        WEIGHTS = {"bf16": torch.bfloat16, "fp32": torch.float32}[sys.argv[3]]
     kernel = compile_kernel(json.loads(sys.argv[1]) if len(sys.argv) > 1 else None,
                             sys.argv[2] if len(sys.argv) > 2 else "table")
     ptx = kernel.asm["ptx"]
