@@ -9,7 +9,9 @@ weight bytes. Here one launch of one program per SM runs the step as a sequence 
 split into work items the programs share, with a grid-wide barrier between phases:
 
 * ``PJ`` (optional): ``x = src @ proj.T``, the source rows dense or gathered from an embedding
-  table by code (so the embedding lookup is the phase's prologue);
+  table by code (so the embedding lookup is the phase's prologue). Without ``proj``, rows gathered by
+  code from an already-projected table (the CSM talker's depth calls 2 .. 31) need no phase: the first
+  layer reads its norm's input and its output product's residual from the table's rows;
 * per layer ``l``:
   ``QKV``: RMSNorm of the residual stream as the product's prologue, the packed QKV product with
   each head's two rotary halves in one item, rotation, q to scratch and k, v into the cache;
@@ -37,10 +39,11 @@ then on that launch's results are wrong, and ``faults`` (a host sync) says so; t
 kernel must not overlap: one stream per device.
 
 Where it pays (bench/README.md): on the H200 a call of 1 to 16 rows is faster than the nine-launch
-layers (143 against 203 us at one row, 6e1e347; 165 against 191 at eight, a800258), so the CSM talker sends
-every call of up to ``STACK_STEP_ROWS`` (16) rows here. ``trace`` times each program at each barrier
-from inside the launch, and with 128 slots also inside the product phases (when a norm's sums are
-done, when the last epilogue starts), which is how bench/probe_stack_step.py splits a call.
+layers (135 against 204 us at one row from a projected table, fb196f8; 165 against 191 at eight,
+a800258), so the CSM talker sends every call of up to ``STACK_STEP_ROWS`` (16) rows here. ``trace``
+times each program at each barrier from inside the launch, and with 128 slots also inside the product
+phases (when a norm's sums are done, when the last epilogue starts), which is how
+bench/probe_stack_step.py splits a call.
 
 The Triton interpreter runs programs one after another, so a barrier there would wait forever:
 ``stack_step_triton(..., phased=True)`` launches each phase on its own (the launch boundary is
