@@ -881,6 +881,37 @@ def test_fused_frame_logits_equal_the_plain_model(talkers):
     assert_frames_match(first_frame(fused, 3), first_frame(plain, 3))
 
 
+def test_projected_depth_inputs_are_each_codes_projected_embedding(talkers):
+    # pack_weights projects codebooks 1 .. N-2's embedding tables once (depth calls 2 .. N-1 take those
+    # codes): in float64, rounded once to the model's dtype.
+    plain, fused = talkers
+    depth = fused.depth_decoder.model
+    n, vocab = fused.num_codebooks, fused.config.audio_vocab_size
+    proj = depth.inputs_embeds_projector.weight
+    tables = fused._depth_inputs
+    assert tables.shape == (n - 2, vocab, proj.shape[0]) and tables.dtype == torch.float32
+    for k in (1, n // 2, n - 2):
+        rows = depth.embed_tokens.weight[k * vocab:(k + 1) * vocab]
+        want = (rows.double() @ proj.double().T).float()  # not fp32 products: 2e-6 off
+        torch.testing.assert_close(tables[k - 1], want, rtol=2.5e-7, atol=1e-9)
+    half = copy.deepcopy(plain).to(torch.bfloat16)
+    half.pack_weights()
+    depth = half.depth_decoder.model
+    rows = depth.embed_tokens.weight[(n - 2) * vocab:(n - 1) * vocab]
+    want = (rows.double() @ depth.inputs_embeds_projector.weight.double().T).to(torch.bfloat16)
+    assert half._depth_inputs.dtype == torch.bfloat16 and torch.equal(half._depth_inputs[n - 3], want)
+
+
+def test_fused_frames_read_the_projected_inputs_and_can_project_instead(talkers, plain_codes, monkeypatch):
+    # The frames read the projected rows (zeroed rows change the codes), and with PROJECTED_INPUTS off
+    # each depth call projects its embedding rows again, with the same codes.
+    fused = talkers[1]
+    monkeypatch.setattr(fused, "_depth_inputs", torch.zeros_like(fused._depth_inputs))
+    assert not (decode(make_runner(fused), 2, 2).codes == plain_codes[(2, "greedy")].codes).all()
+    monkeypatch.setattr(csm_model, "PROJECTED_INPUTS", False)
+    decode(make_runner(fused), 2, 2).assert_matches(plain_codes[(2, "greedy")])
+
+
 # Under the interpreter a frame costs about 0.6 s a row.
 interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA: tests/gpu/test_kernels_cuda.py")
 
