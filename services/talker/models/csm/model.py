@@ -171,9 +171,9 @@ class CsmTalker(nn.Module):
 
     def pack_weights(self) -> None:
         """Switches frames to the fused path: packs both stacks' QKV and gate/up weights into
-        views of one tensor each (no extra memory), pads the codebook head, and projects the
-        embedding tables that depth calls 1 .. N-2 read (``_depth_inputs``). Call once the model
-        has its final device and dtype. Prefill keeps the plain path either way."""
+        views of one tensor each (no extra memory), pads the codebook head, and projects codebooks
+        1 .. N-2's embedding tables (``_depth_inputs``: the inputs of depth calls 2 .. N-1). Call once
+        the model has its final device and dtype. Prefill keeps the plain path either way."""
         self.backbone_model.pack_weights()
         self.depth_decoder.model.pack_weights()
         # The head [N-1, H, V] as a view of [N-1, V_pad, H] with V padded to a multiple of 8 by
