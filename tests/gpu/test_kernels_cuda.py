@@ -444,17 +444,21 @@ def test_stack_step_csm_depth_shapes_on_cuda(dtype: torch.dtype, rows: int):
     assert stack_kernel.faults("cuda") == 0
 
 
+def assert_knob_keeps_the_bits(case, on: dict, off: dict):
+    """The one launch with tuning ``on`` equals its phases and the one launch with ``off``, bit for bit."""
+    got = stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning=on))
+    assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, tuning=on)))
+    assert_same_result(got, stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning=off)))
+    assert stack_kernel.faults("cuda") == 0
+
+
 @pytest.mark.parametrize("rows", [1, 8])
 def test_stack_step_tma_equals_pointer_loads_at_csm_depth_shapes_on_cuda(rows: int):
     # The TMA knob only changes how the dual products' weight tiles reach shared memory (whole tiles,
     # their extra columns discarded): the one launch, its phases and the pointer loads agree bit for bit.
     placed = [(r // 2, r % 2) for r in range(rows)] if rows > 2 else [(0, 3)]
     case = make_stack_case(CSM_DEPTH, 24, placed, dtype=torch.bfloat16, way="gather" if rows > 2 else "table")
-    tma = {"tuning": {"TMA": 1}}
-    got = stack_run(case, lambda *a, **k: one_launch(*a, **k, **tma))
-    assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, **tma)))
-    assert_same_result(got, stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning={"TMA": 0})))
-    assert stack_kernel.faults("cuda") == 0
+    assert_knob_keeps_the_bits(case, {"TMA": 1}, {"TMA": 0})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -463,12 +467,9 @@ def test_stack_step_one_row_equals_all_rows_at_csm_depth_shapes_on_cuda(dtype: t
     # the projection too, without the default's row dots): the one launch, its phases and the kernel
     # that norms every padded row agree bit for bit.
     case = make_stack_case(CSM_DEPTH, 25, [(0, 3)], dtype=dtype, way="table")  # depth calls 2 .. 31
-    one = {"tuning": {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0}}
-    assert stack_kernel.launch_plan(*case.args, **case.inputs, **one)[1]["ONE"]
-    got = stack_run(case, lambda *a, **k: one_launch(*a, **k, **one))
-    assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, **one)))
-    assert_same_result(got, stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning={"ONE_ROW": 0})))
-    assert stack_kernel.faults("cuda") == 0
+    one = {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0}
+    assert stack_kernel.launch_plan(*case.args, **case.inputs, tuning=one)[1]["ONE"]
+    assert_knob_keeps_the_bits(case, one, {"ONE_ROW": 0})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -495,12 +496,8 @@ def test_stack_step_fold_equals_the_reduce_phase_at_csm_depth_shapes_on_cuda(row
     # reduce phase agree bit for bit.
     placed = [(r // 2, r % 2) for r in range(rows)] if rows > 2 else [(0, 3)]
     case = make_stack_case(CSM_DEPTH, 27, placed, dtype=torch.bfloat16, way="gather" if rows > 2 else "table")
-    fold = {"tuning": {"FOLD": 1}}
-    assert stack_kernel.launch_plan(*case.args, **case.inputs, **fold)[1]["FOLD"]
-    got = stack_run(case, lambda *a, **k: one_launch(*a, **k, **fold))
-    assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, **fold)))
-    assert_same_result(got, stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning={"FOLD": 0})))
-    assert stack_kernel.faults("cuda") == 0
+    assert stack_kernel.launch_plan(*case.args, **case.inputs, tuning={"FOLD": 1})[1]["FOLD"]
+    assert_knob_keeps_the_bits(case, {"FOLD": 1}, {"FOLD": 0})
 
 
 def test_stack_step_graph_replay_equals_eager_on_new_codes():
