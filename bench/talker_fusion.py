@@ -219,6 +219,7 @@ def relative(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def exactness(result: dict, save) -> None:
     """The exactness checks (3. above) into ``result``, which ``save`` writes after the tiny model's."""
+    import kernels.stack_step as stack_kernel
     from services.talker.tiny import tiny_config
 
     tiny_buckets = [1, 2, 4, 8, 16]
@@ -241,7 +242,7 @@ def exactness(result: dict, save) -> None:
 
     rows = 8
     forced = None
-    logits, hidden, codes = {}, {}, {}
+    logits, hidden, codes, fell_back = {}, {}, {}, {}
     for dtype in (torch.float32, torch.bfloat16):
         for fused in (False, True):
             model = random_model(CSM_1B, dtype)
@@ -254,6 +255,10 @@ def exactness(result: dict, save) -> None:
                 _, forced, _ = first_frame(runner)
             logits[dtype, fused], _, hidden[dtype, fused] = first_frame(runner, forced)
             codes[dtype, fused] = runner.decode(list(range(rows)), 8)[:, :, :-1]
+            if fused:  # whether stack_step ran these calls or its latch handed them to the twin
+                failure = stack_kernel.LATCH.failure
+                fell_back[str(dtype).removeprefix("torch.")] = None if failure is None else repr(failure)
+                stack_kernel.LATCH.reset()
             del model, runner
             torch.cuda.empty_cache()
     ref = (torch.float32, False)
@@ -265,6 +270,7 @@ def exactness(result: dict, save) -> None:
                "next_hidden_rel_error": relative(hidden[key], hidden[ref]),
                "argmax_mismatch": float((logits[key][..., :size].argmax(-1) != forced).double().mean())}
         for name, key in variants.items()}
+    result["csm1b_stack_step_latch_failure"] = fell_back  # None: the kernel ran every fused call
     mismatch = lambda a, b: float((codes[a] != codes[b]).mean())  # noqa: E731
     result["csm1b_free_running_code_mismatch_8_frames_8_rows"] = {
         "fp32_fused_vs_fp32_plain": mismatch((torch.float32, True), ref),
