@@ -42,7 +42,6 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
-    {"FOLD": 1},  # the down product's parts added by the next norm's loads: no reduce phase, no barrier
     {"BN_DOWN": 64, "KS_DOWN": 8},  # down blocks of 32 KB, 4 a program: 133.6 us against 135.0 once (b29e264)
     # what still separates QKV's loop from the output product's (all compile for sm_90 without spills
     # except 16-wide QKV items: 16 bytes)
@@ -108,7 +107,7 @@ def phase_names(tuning: dict, num_layers: int, project: bool) -> list[str]:
     """The phase before each barrier of one launch, in order, then the last (``OUT``); ``PJ`` first
     where the call projects its rows."""
     layer = ["QKV", "ATT", "OUT_PROJ"] + (["OUT_PROJ_REDUCE"] if tuning["KS_O"] > 1 else [])
-    layer += ["MLP", "DOWN"] + (["DOWN_REDUCE"] if tuning["KS_DOWN"] > 1 and not tuning["FOLD"] else [])
+    layer += ["MLP", "DOWN"] + (["DOWN_REDUCE"] if tuning["KS_DOWN"] > 1 else [])
     return ["PJ"] * project + [*layer * num_layers, "OUT"]
 
 

@@ -20,8 +20,7 @@ split into work items the programs share, with a grid-wide barrier between phase
   ``MLP``: RMSNorm prologue, gate and up products, SiLU*mul;
   ``DOWN``: the down product plus the residual add, its reduction split in ``KS_DOWN`` parts
   whose fp32 partial sums a ``DOWN_REDUCE`` phase adds in a fixed order (so the result does not
-  depend on the grid), or with ``FOLD`` the next norm's sums add them into each program's own copy
-  of the rows (no reduce phase and no barrier; the same bits);
+  depend on the grid);
 * ``OUT``: the final norm, written out, or as the prologue of the head product (logits).
 
 Every item recomputes the row norms it needs from the residual stream (rows <= 16, so the sums
@@ -116,8 +115,6 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # gate/up and down loops alone (5 to 8 stages) measured slower: 136.6 to 142.0 us against 134.9 (121431a).
 # The down product's parts added by the last program to arrive (a counter per output tile) instead of a
 # reduce phase after a barrier: 135.0 us against 134.8, its atomic and loads as long as the two (b29e264).
-# FOLD (off until measured): no reduce phase; the next norm's loads, a round trip it makes anyway, add the
-# parts and write the rows to the program's own scratch, which its operand and residual reads then use.
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -128,7 +125,6 @@ TUNING = {
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,
-    "FOLD": 0,
     "TMA": 1,
     "ONE_ROW": 1,
     "ROW_PJ": 2,
@@ -275,47 +271,16 @@ def _grid_exit(sync_ptr, pid, nprog, SYNC: tl.constexpr):
 
 
 @triton.jit
-def _rstd(
-    rows_ptr, row_ok, eps, K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, part_ptr, own_ptr, fold,
-    FOLD_KS: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr, first_ptr, ONE: tl.constexpr,
-):
-    """1 / sqrt(mean(x^2) + eps) of each row of [BM, K] (rows given as pointers). FOLD_KS, where
-    ``fold``: the rows as a down product split in FOLD_KS parts left them, its fp32 parts
-    ([FOLD_KS, BM, K] at ``part_ptr``) added as ``_phase_reduce`` adds them (the same bits), and the
-    sums written to this program's own rows ([BM, K] at ``own_ptr``) for its operand and residual
-    reads; with ONE (a call of one row, ``first_ptr``) on that row alone, placed in row 0 of zeros for
-    the same sums."""
-    m = tl.arange(0, BM)
+def _rstd(rows_ptr, row_ok, eps, K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each row of [BM, K] (rows given as pointers)."""
     total = tl.zeros([BM], tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
-        mask = row_ok[:, None] & (kk < K)[None, :]
-        if FOLD_KS and ONE:
-            k_ok = kk < K
-            on = k_ok & (fold != 0)
-            x = tl.load(first_ptr + kk, mask=k_ok, other=0.0, cache_modifier=".cg")
-            acc = tl.zeros([BK], tl.float32)
-            for split in range(FOLD_KS):
-                acc += tl.load(part_ptr + split * BM * K + kk, mask=on, other=0.0, cache_modifier=".cg")
-            x = tl.where(fold != 0, (x.to(tl.float32) + _round_to(acc, dtype, OPAQUE)).to(dtype), x)
-            tl.store(own_ptr + kk, x, mask=on)  # row 0's
-            a = tl.where(mask, x[None, :], 0.0).to(dtype)
-        else:
-            a = tl.load(rows_ptr[:, None] + kk[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-        if FOLD_KS and not ONE:
-            on = mask & (fold != 0)
-            acc = tl.zeros([BM, BK], tl.float32)
-            for split in range(FOLD_KS):
-                acc += tl.load(
-                    part_ptr + (split * BM + m[:, None]) * K + kk[None, :], mask=on, other=0.0,
-                    cache_modifier=".cg",
-                )
-            a = tl.where(fold != 0, (a.to(tl.float32) + _round_to(acc, dtype, OPAQUE)).to(dtype), a)
-            tl.store(own_ptr + m[:, None] * K + kk[None, :], a, mask=on)
-        a = a.to(tl.float32)
+        a = tl.load(
+            rows_ptr[:, None] + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0,
+            cache_modifier=".cg",
+        ).to(tl.float32)
         total += tl.sum(a * a, axis=1)
-    if FOLD_KS:
-        tl.debug_barrier()  # the program's own rows, stored by its threads, before any of them reads them
     return tl.math.rsqrt(total / K + eps)
 
 
@@ -753,8 +718,7 @@ def _stack_step_kernel(
     attn_ptr,
     act_ptr,
     part_ptr,
-    own_ptr,
-    out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H], [programs, 16, H] (FOLD); out
+    out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H]; out
     sync_ptr,  # int32 [4]: arrivals, exits, this launch's fault flag, faults so far
     trace_ptr,  # int64 [programs, TRACE_SLOTS, 2] timer marks (TRACE)
     qkv_desc,
@@ -787,7 +751,6 @@ def _stack_step_kernel(
     RSTD_BK: tl.constexpr,
     KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
-    FOLD: tl.constexpr,
     NUM_OUT: tl.constexpr,
     NPROG: tl.constexpr,
     PROJECT: tl.constexpr,
@@ -840,12 +803,6 @@ def _stack_step_kernel(
     else:
         in_rows = h_rows
         in_first = x_ptr
-    # FOLD: no reduce phase after the split down product. The next norm's sums (every program reads the
-    # whole rows) add its parts into the program's own copy of the rows (``_rstd``), which the normed
-    # operand and the output product's residual then read: the reduce phase's sums, so the same bits.
-    FOLD_KS: tl.constexpr = KS_DOWN if FOLD else 0
-    own_first = own_ptr + pid * (BM * H)
-    own_rows = own_first + m * H
     # HOIST: what stays the same through the layers loads once, here (the rows' positions and slots, the
     # rotary tables of this program's QKV item, its attention item's slot and length), not on every
     # layer's path
@@ -867,16 +824,8 @@ def _stack_step_kernel(
         else:
             rows_in = h_rows
             first_in = x_ptr
-        fold = (layer > 0).to(tl.int32)  # a down product ran before this layer (FOLD)
-        norm_rows, norm_first = rows_in, first_in  # what the norm reads (FOLD: before the parts are added)
-        if FOLD:
-            rows_in = tl.where(layer > 0, own_rows, rows_in)
-            first_in = tl.where(layer > 0, own_first, first_in)
         if (phases & 1) != 0:  # QKV
-            rstd = _rstd(
-                norm_rows, row_ok, eps, H, BM, RSTD_BK, part_ptr, own_first, fold, FOLD_KS, dtype, OPAQUE,
-                norm_first, ONE,
-            )
+            rstd = _rstd(rows_in, row_ok, eps, H, BM, RSTD_BK)
             _mark_after(trace_row, MARK_QKV + 2 * layer, 0, rstd, TRACE_IN)
             if not HOIST:  # the rows' positions and slots again in every layer
                 pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
@@ -913,9 +862,7 @@ def _stack_step_kernel(
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 8) != 0:  # MLP
-            rstd = _rstd(
-                h_rows, row_ok, eps, H, BM, RSTD_BK, part_ptr, own_first, 0, 0, dtype, OPAQUE, x_ptr, ONE
-            )
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             _mark_after(trace_row, MARK_MLP + 2 * layer, 0, rstd, TRACE_IN)
             _flat_dual(
                 h_rows, x_ptr, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), gu_desc,
@@ -935,31 +882,22 @@ def _stack_step_kernel(
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
-        if KS_DOWN > 1 and not FOLD and (phases & 64) != 0:  # DOWN_REDUCE
+        if KS_DOWN > 1 and (phases & 64) != 0:  # DOWN_REDUCE
             _phase_reduce(x_ptr, h_rows, part_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, dtype, OPAQUE)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         layer += 1
     if run_out != 0:
-        rstd = _rstd(
-            h_rows, row_ok, eps, H, BM, RSTD_BK, part_ptr, own_first, 1, FOLD_KS, dtype, OPAQUE, x_ptr, ONE
-        )
+        rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
         _mark_after(trace_row, MARK_HEAD, 0, rstd, TRACE_IN)
-        if FOLD:  # noqa: SIM108 (a constexpr branch): this program's own rows, the last parts added
-            out_first = own_first
-        else:
-            out_first = x_ptr
-        out_rows = out_first + m * H
         if HEAD:  # the final norm as the head product's prologue
             _flat_single(
-                out_rows, out_first, row_ok, rstd, final_ptr, head_ptr, out_ptr, h_rows, part_ptr, pid,
+                h_rows, x_ptr, row_ok, rstd, final_ptr, head_ptr, out_ptr, h_rows, part_ptr, pid,
                 trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, ONE, False, dtype,
                 OPAQUE, UPCAST, TRACE_IN,
             )
         else:
-            _phase_norm(
-                out_first, out_ptr, n_rows, final_ptr, rstd, pid, nprog, H, BM, BN_WIDE, dtype, OPAQUE
-            )
+            _phase_norm(x_ptr, out_ptr, n_rows, final_ptr, rstd, pid, nprog, H, BM, BN_WIDE, dtype, OPAQUE)
     if SYNC and TRACE:
         tl.debug_barrier()
         _mark(trace_row, epoch + 1, 0, TRACE)
@@ -1143,7 +1081,7 @@ def stack_step_triton(
             for layer in range(weights.num_layers)
             for phase in LAYER_PHASES
             if (phase != OUT_PROJ_REDUCE or tune["KS_O"] > 1)
-            and (phase != DOWN_REDUCE or (tune["KS_DOWN"] > 1 and not tune["FOLD"]))
+            and (phase != DOWN_REDUCE or tune["KS_DOWN"] > 1)
         ]
         launches += [(0, 0, 0, 0, 1)]
     for launch in launches:  # phased: the same compiled kernel each time (what runs is an argument)
@@ -1152,7 +1090,7 @@ def stack_step_triton(
 
 
 _TILES = ("BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "RSTD_BK")  # powers of two, >= 8 (BK >= 16)
-_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST", "FOLD")  # 0 or 1
+_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST")  # 0 or 1
 
 
 def checked_tuning(tuning: dict) -> dict:
@@ -1201,16 +1139,12 @@ def launch_plan(
     for name, width in (("KS_O", hq * d), ("KS_DOWN", inter)):
         if width % tune[name]:
             tune[name] = 1  # a split must cut the reduction into equal parts
-    if tune["KS_DOWN"] == 1 or tune["KS_O"] > 1:
-        tune["FOLD"] = 0  # nothing to fold, or a split output product would overwrite the parts first
     part = torch.empty(
         max(tune["KS_O"], tune["KS_DOWN"]), MAX_ROWS, hidden, dtype=torch.float32, device=device
     )
     num_out = hidden if head is None else head.shape[0]
     out = torch.empty(rows, num_out, dtype=dtype, device=device)
     grid = (num_programs or _num_programs(device),)
-    # FOLD: each program's own copy of the rows with the down product's parts added
-    own = torch.empty(grid[0], MAX_ROWS, hidden, dtype=dtype, device=device) if tune["FOLD"] else residual
     fp32 = dtype == torch.float32
     block_k = min(tune["BK"], max(16, triton.next_power_of_2(hidden)))
     rstd_block = min(tune["RSTD_BK"], max(16, triton.next_power_of_2(hidden)))
@@ -1228,7 +1162,7 @@ def launch_plan(
         descriptors = (weights.qkv, weights.gate_up)
     trace_slots = 64
     if trace is not None:
-        per_layer = 5 + (tune["KS_O"] > 1) + (tune["KS_DOWN"] > 1 and not tune["FOLD"])
+        per_layer = 5 + (tune["KS_O"] > 1) + (tune["KS_DOWN"] > 1)
         barriers = (proj is not None) + weights.num_layers * per_layer
         trace_slots = trace.shape[1] if trace.dim() == 3 and trace.shape[1] in (64, 128) else 64
         if not compiled or trace.dtype != torch.int64 or tuple(trace.shape) != (grid[0], trace_slots, 2) or (
@@ -1246,7 +1180,7 @@ def launch_plan(
         weights.o, weights.gate_up, weights.down, weights.input_norm, weights.post_norm, weights.final_norm,
         head if head is not None else weights.final_norm, weights.cos, weights.sin, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), slots, positions, lengths,
-        q, attn, act, part, own, out, _sync_buffer(device),
+        q, attn, act, part, out, _sync_buffer(device),
         trace if trace is not None else _sync_buffer(device), *descriptors,
         rows, k_cache.shape[2], weights.eps, d**-0.5,
     )
@@ -1260,8 +1194,7 @@ def launch_plan(
         HOIST=bool(tune["HOIST"]), ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
         ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,
         KS_O=tune["KS_O"],
-        KS_DOWN=tune["KS_DOWN"], FOLD=bool(tune["FOLD"]), NUM_OUT=num_out, NPROG=grid[0],
-        PROJECT=proj is not None,
+        KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,
         # fp32 blocks carry twice the bytes: half the stages keep csm-1b's depth decoder within the SM's

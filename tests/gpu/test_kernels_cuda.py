@@ -490,17 +490,6 @@ def test_stack_step_row_dots_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
     assert stack_kernel.faults("cuda") == 0
 
 
-@pytest.mark.parametrize("rows", [1, 8])
-def test_stack_step_fold_equals_the_reduce_phase_at_csm_depth_shapes_on_cuda(rows: int):
-    # FOLD adds the down product's parts in the next norm's loads, into each program's own rows (its
-    # threads meet at a program barrier before reading them): the one launch, its phases and the
-    # reduce phase agree bit for bit.
-    placed = [(r // 2, r % 2) for r in range(rows)] if rows > 2 else [(0, 3)]
-    case = make_stack_case(CSM_DEPTH, 27, placed, dtype=torch.bfloat16, way="gather" if rows > 2 else "table")
-    assert stack_kernel.launch_plan(*case.args, **case.inputs, tuning={"FOLD": 1})[1]["FOLD"]
-    assert_knob_keeps_the_bits(case, {"FOLD": 1}, {"FOLD": 0})
-
-
 def test_stack_step_graph_replay_equals_eager_on_new_codes():
     # 31 launches in one graph (the depth loop's shape: each reads the previous one's output), and
     # the barrier counter is reset by each launch itself: replays on fresh codes equal eager runs.

@@ -343,31 +343,6 @@ def test_tma_loads_equal_the_pointer_loads(shape: str):
     assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
 
 
-@pytest.mark.parametrize(
-    ("shape", "rows", "way", "split"),
-    [("tiny_depth", "one", "table", 4), ("tiny_depth", "three", "x", 4), ("odd", "pairs", "gather", 2)],
-)
-def test_the_down_products_parts_folded_by_their_readers_equal_the_reduce_phase(
-    shape: str, rows: str, way: str, split: int
-):
-    # FOLD: no reduce phase after the split down product; the next layer's norm, normed operand and
-    # output product's residual, and the final norm and its operand, add the parts themselves, with
-    # the reduce phase's order and roundings: the same bits. One row (the placed operand) and all rows;
-    # with a head and without (the final norm's own phase); 2 layers and 1 (its intermediate of 150 is
-    # split in 2).
-    case = make_case(SHAPES[shape], 17, ROWS[rows], way=way)
-    fold, reduce = {"FOLD": 1, "KS_DOWN": split}, {"FOLD": 0, "KS_DOWN": split}
-    assert ss.launch_plan(*case.args, **case.inputs, tuning=fold, compiled=False)[1]["FOLD"]
-    for head in (True, False):
-        if not head:
-            case = replace(case, inputs={**case.inputs, "head": None})
-        got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=fold))
-        want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=reduce))
-        assert torch.equal(got.out, want.out)
-        assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
-        assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
-
-
 PLACED = {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0}  # the one row placed in zero rows everywhere
 
 
@@ -634,8 +609,8 @@ def test_a_failing_kernel_trips_the_latch_and_the_twin_serves(fresh_latch, monke
 @pytest.mark.parametrize(
     ("tuning", "way", "dtype"),
     [({}, "table", "bf16"), ({"TMA": 0}, "table", "bf16"), ({"ONE_ROW": 0}, "table", "bf16"),
-     ({}, "gather", "bf16"), ({"ONE_ROW": 0}, "gather", "fp32"), ({"FOLD": 1}, "table", "bf16")],
-    ids=["default", "pointer_loads", "all_rows", "projection", "fp32_all_rows", "folded"],
+     ({}, "gather", "bf16"), ({"ONE_ROW": 0}, "gather", "fp32")],
+    ids=["default", "pointer_loads", "all_rows", "projection", "fp32_all_rows"],
 )
 def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(
     tuning: dict, way: str, dtype: str
