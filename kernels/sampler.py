@@ -23,8 +23,6 @@ kernel replays in a CUDA graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -151,46 +149,6 @@ def _top_p(x, ids, real, top_p, LIBDEVICE: tl.constexpr):
 # ---------------------------------------------------------------- the kernel
 
 
-@triton.jit
-def _sample_row(
-    logits_row, history_row, stride_hw, width, window, penalty, temperature, top_k, top_p, seed, frame,
-    codebook, codebook_size, vocab, x_out_row, BLOCK: tl.constexpr, WRITE_X: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
-):
-    """One row's id from its logits (unit stride, read past the L1: another program may have just
-    written them) and its settings, loaded by the caller before this (so their loads do not wait
-    behind the penalty's loop): the six steps of the module docstring. ``stack_step`` calls this
-    too, as its last phase."""
-    ids = tl.arange(0, BLOCK)
-    real = ids < vocab
-    x = tl.load(logits_row + ids, mask=real, other=_NEG_INF, cache_modifier=".cg").to(tl.float32)
-    x = tl.where(ids >= codebook_size, _NEG_INF, x)  # step 1
-    x = _penalise(x, ids, history_row, stride_hw, width, window, penalty, vocab)
-    greedy = temperature <= 0
-    x = tl.math.div_rn(x, tl.where(greedy, 1.0, temperature))  # step 3; x / 1 == x exactly
-    if (top_k > 0) & (top_k < vocab) & ~greedy:
-        x = _top_k(x, real, top_k.to(tl.int32))
-    if WRITE_X:
-        tl.store(x_out_row + ids, x, mask=real)
-    picked = tl.argmax(x, axis=0).to(tl.int64)  # greedy: first maximum = lowest id
-    if ~greedy:
-        if (top_p > 0) & (top_p < 1):
-            x = _top_p(x, ids, real, top_p, LIBDEVICE)
-        g = _gumbel(seed, frame, codebook, ids, LIBDEVICE)
-        scores = tl.where(x > _NEG_INF, x + g, _NEG_INF)  # kept ids only
-        picked = tl.argmax(scores, axis=0).to(tl.int64)
-    return picked
-
-
-@triton.jit
-def _row_settings(temperature_ptr, top_k_ptr, top_p_ptr, penalty_ptr, window_ptr, seed_ptr, frame_ptr, row):
-    """Row ``row``'s settings (every load issued at once)."""
-    return (
-        tl.load(window_ptr + row), tl.load(penalty_ptr + row), tl.load(temperature_ptr + row),
-        tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), tl.load(seed_ptr + row), tl.load(frame_ptr + row),
-    )
-
-
 @triton.jit(do_not_specialize=["codebook", "codebook_size", "width"])
 def _sampler_kernel(
     logits_ptr, stride_lb,  # [B, V], unit stride along V
@@ -201,47 +159,34 @@ def _sampler_kernel(
     BLOCK: tl.constexpr, WRITE_X: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    window, penalty, temperature, top_k, top_p, seed, frame = _row_settings(
-        temperature_ptr, top_k_ptr, top_p_ptr, penalty_ptr, window_ptr, seed_ptr, frame_ptr, row
-    )
-    if WRITE_X:  # noqa: SIM108 (a constexpr branch: x_out_ptr is None without WRITE_X)
-        x_out_row = x_out_ptr + row * vocab
-    else:  # not written: any pointer
-        x_out_row = ids_out_ptr
-    picked = _sample_row(
-        logits_ptr + row * stride_lb, history_ptr + row * stride_hb, stride_hw, width, window, penalty,
-        temperature, top_k, top_p, seed, frame, codebook, codebook_size, vocab, x_out_row, BLOCK, WRITE_X,
-        LIBDEVICE,
-    )
+    # The row's settings first, every load issued with the logits': loaded where they are used, they
+    # waited behind the penalty's loop and the branches, one round trip after another
+    window, penalty = tl.load(window_ptr + row), tl.load(penalty_ptr + row)
+    temperature = tl.load(temperature_ptr + row)
+    top_k, top_p = tl.load(top_k_ptr + row), tl.load(top_p_ptr + row)
+    seed, frame = tl.load(seed_ptr + row), tl.load(frame_ptr + row)
+    ids = tl.arange(0, BLOCK)
+    real = ids < vocab
+    x = tl.load(logits_ptr + row * stride_lb + ids, mask=real, other=_NEG_INF).to(tl.float32)
+    x = tl.where(ids >= codebook_size, _NEG_INF, x)  # step 1
+    x = _penalise(x, ids, history_ptr + row * stride_hb, stride_hw, width, window, penalty, vocab)
+    greedy = temperature <= 0
+    x = tl.math.div_rn(x, tl.where(greedy, 1.0, temperature))  # step 3; x / 1 == x exactly
+    if (top_k > 0) & (top_k < vocab) & ~greedy:
+        x = _top_k(x, real, top_k.to(tl.int32))
+    if WRITE_X:
+        tl.store(x_out_ptr + row * vocab + ids, x, mask=real)
+    picked = tl.argmax(x, axis=0).to(tl.int64)  # greedy: first maximum = lowest id
+    if ~greedy:
+        if (top_p > 0) & (top_p < 1):
+            x = _top_p(x, ids, real, top_p, LIBDEVICE)
+        g = _gumbel(seed, frame, codebook, ids, LIBDEVICE)
+        scores = tl.where(x > _NEG_INF, x + g, _NEG_INF)  # kept ids only
+        picked = tl.argmax(scores, axis=0).to(tl.int64)
     tl.store(ids_out_ptr + row, picked)
 
 
 # ---------------------------------------------------------------- launchers
-
-
-@dataclass(frozen=True)
-class Draw:
-    """A codebook's draw from logits another kernel writes (``stack_step``'s sampler phase): the
-    arguments of ``sample`` for B rows, where logits row ``r * every + every - 1`` (of the
-    producer's [B * every, V_pad] logits) is row r's, and its first ``vocab`` columns are the ids."""
-
-    params: SamplingParams
-    frame: torch.Tensor  # [B] int64
-    codebook: int
-    history: torch.Tensor  # [B, W_max] int64, any strides
-    codebook_size: int
-    vocab: int
-    every: int = 1
-
-    def rows_of(self, logits: torch.Tensor) -> torch.Tensor:
-        """The [B, vocab] view of the producer's logits that this draw samples."""
-        return logits.view(-1, self.every, logits.shape[-1])[:, -1, : self.vocab]
-
-    def eager(self, logits: torch.Tensor) -> torch.Tensor:
-        """The twin's ids for the producer's logits."""
-        return twin.sample(self.rows_of(logits), self.params, self.frame, self.codebook, self.history,
-                           self.codebook_size)
-
 
 
 def _check(logits: torch.Tensor, params: SamplingParams, frame: torch.Tensor | None,
@@ -253,20 +198,13 @@ def _check(logits: torch.Tensor, params: SamplingParams, frame: torch.Tensor | N
     if not 1 <= vocab <= MAX_VOCAB or logits.stride(1) != 1:
         raise ValueError(f"sampler kernel: need 1 <= V <= {MAX_VOCAB} and unit stride along V, "
                          f"got V={vocab}, strides {logits.stride()}")
-    check_settings(batch, logits.device, params, frame, codebook, history)
-
-
-def check_settings(batch: int, device: torch.device, params: SamplingParams, frame: torch.Tensor | None,
-                   codebook: int, history: torch.Tensor) -> None:
-    """Raises ValueError naming what the kernel cannot take among a draw's settings for ``batch``
-    rows of logits on ``device`` (``stack_step``'s sampler phase checks its draw with this too)."""
     if history.dim() != 2 or history.shape[0] != batch or history.dtype != torch.int64:
         raise ValueError(f"sampler kernel: history must be [B, W_max] int64, got "
                          f"{tuple(history.shape)} {history.dtype}")
     columns = [*vars(params).values(), *([] if frame is None else [frame])]
     for value in (history, *columns):
-        if value.device != device:
-            raise ValueError(f"sampler kernel: every tensor must be on {device}")
+        if value.device != logits.device:
+            raise ValueError(f"sampler kernel: every tensor must be on {logits.device}")
     for value in columns:
         if value.shape != (batch,) or (value.stride(0) != 1 and batch > 1):
             raise ValueError(f"sampler kernel: per-row tensors must be contiguous [{batch}]")

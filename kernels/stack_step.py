@@ -70,12 +70,10 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels import sampler
 from kernels.decode_attention import _dot, _online_softmax_step, decode_attention_eager
 from kernels.latch import KernelLatch
 from kernels.rms_norm import rms_norm_eager
 from kernels.rope_kv import _round_to, rope_kv_eager
-from kernels.sampler import Draw, _row_settings, _sample_row
 from kernels.silu_mul import silu_mul_eager
 
 LATCH = KernelLatch("stack_step")
@@ -689,7 +687,7 @@ def _phase_norm(
         item += nprog
 
 
-@triton.jit(do_not_specialize=["codebook"])
+@triton.jit
 def _stack_step_kernel(
     src_ptr,
     stride_src,
@@ -721,7 +719,6 @@ def _stack_step_kernel(
     act_ptr,
     part_ptr,
     out_ptr,  # scratch [N, Hq D] x2, [N, INTER], [KS, 16, H]; out
-    ids_ptr,  # SAMPLE: the drawn ids [N / EVERY] int64
     sync_ptr,  # int32 [4]: arrivals, exits, this launch's fault flag, faults so far
     trace_ptr,  # int64 [programs, TRACE_SLOTS, 2] timer marks (TRACE)
     qkv_desc,
@@ -730,26 +727,11 @@ def _stack_step_kernel(
     max_len,
     eps,
     scale,
-    hist_ptr,
-    stride_hb,
-    stride_hw,
-    width,  # SAMPLE: the draw's history [N / EVERY, W_max]
-    temperature_ptr,
-    top_k_ptr,
-    top_p_ptr,
-    penalty_ptr,
-    window_ptr,
-    seed_ptr,
-    frame_ptr,  # SAMPLE: the rows' settings [N / EVERY] each
-    codebook,
-    codebook_size,
-    vocab,
     run_pj,
     layer_begin,
     layer_end,
     phases,
-    run_out,
-    run_sample,  # what this launch runs (all of it, or one phase)
+    run_out,  # what this launch runs (all of it, or one phase)
     H: tl.constexpr,
     HIN: tl.constexpr,
     INTER: tl.constexpr,
@@ -770,9 +752,6 @@ def _stack_step_kernel(
     KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
     NUM_OUT: tl.constexpr,
-    SAMPLE: tl.constexpr,
-    S_BLOCK: tl.constexpr,
-    EVERY: tl.constexpr,
     NPROG: tl.constexpr,
     PROJECT: tl.constexpr,
     GATHER: tl.constexpr,
@@ -919,21 +898,6 @@ def _stack_step_kernel(
             )
         else:
             _phase_norm(x_ptr, out_ptr, n_rows, final_ptr, rstd, pid, nprog, H, BM, BN_WIDE, dtype, OPAQUE)
-    if SAMPLE and run_sample != 0:  # SAMPLE: the next codebook's ids from the logits, a row a program
-        epoch += 1
-        _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
-        r = pid
-        while r < n_rows // EVERY:
-            window, penalty, temperature, top_k, top_p, seed, frame = _row_settings(
-                temperature_ptr, top_k_ptr, top_p_ptr, penalty_ptr, window_ptr, seed_ptr, frame_ptr, r
-            )
-            picked = _sample_row(
-                out_ptr + (r * EVERY + EVERY - 1) * NUM_OUT, hist_ptr + r * stride_hb, stride_hw, width,
-                window, penalty, temperature, top_k, top_p, seed, frame, codebook, codebook_size, vocab,
-                ids_ptr, S_BLOCK, False, LIBDEVICE,
-            )
-            tl.store(ids_ptr + r, picked)
-            r += nprog
     if SYNC and TRACE:
         tl.debug_barrier()
         _mark(trace_row, epoch + 1, 0, TRACE)
@@ -947,12 +911,12 @@ def stack_step_eager(
     weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
     src: torch.Tensor | None = None, codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
-    head: torch.Tensor | None = None, draw: Draw | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    head: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The twin: what ``Transformer.forward_rows`` computes with the fused layers' twins, after the
     optional projection (``F.linear(src, proj)``, or of ``F.embedding(codes, src)``) or table rows
-    (``F.embedding(codes, src)``) and before the optional head (``F.linear(out, head)``) and draw
-    (the sampler's twin). See ``stack_step`` for the arguments."""
+    (``F.embedding(codes, src)``) and before the optional head (``F.linear(out, head)``). See
+    ``stack_step`` for the arguments."""
     if proj is not None:
         x = F.linear(src if codes is None else F.embedding(codes, src), proj)
     elif codes is not None:
@@ -970,10 +934,7 @@ def stack_step_eager(
         h, residual = rms_norm_eager(x, weights.post_norm[layer], weights.eps, residual)
         x = F.linear(silu_mul_eager(F.linear(h, weights.gate_up[layer])), weights.down[layer])
     out = rms_norm_eager(x, weights.final_norm, weights.eps, residual)[0]
-    if head is None:
-        return out
-    logits = F.linear(out, head)
-    return logits if draw is None else (logits, draw.eager(logits))
+    return out if head is None else F.linear(out, head)
 
 
 # ---------------------------------------------------------------- the launcher
@@ -1011,7 +972,6 @@ def check(
     weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     positions: torch.Tensor, lengths: torch.Tensor, x: torch.Tensor | None, src: torch.Tensor | None,
     codes: torch.Tensor | None, proj: torch.Tensor | None, head: torch.Tensor | None,
-    draw: Draw | None = None,
 ) -> None:
     """Raises ValueError naming what the kernel cannot take."""
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
@@ -1086,30 +1046,15 @@ def check(
     ]
     if any(t.device != weights.qkv.device for t in tensors):
         raise ValueError(f"stack_step: every tensor must be on {weights.qkv.device}")
-    if draw is not None:
-        if head is None:
-            raise ValueError("stack_step: draw samples the head's logits, so it needs head")
-        if not isinstance(draw.every, int) or draw.every < 1 or rows % draw.every:
-            raise ValueError(f"stack_step: draw.every must divide the {rows} rows, got {draw.every!r}")
-        if not isinstance(draw.vocab, int) or not 1 <= draw.vocab <= min(head.shape[0], sampler.MAX_VOCAB):
-            raise ValueError(
-                f"stack_step: draw.vocab must be 1 .. {min(head.shape[0], sampler.MAX_VOCAB)} (the head's "
-                f"rows, at most the sampler's {sampler.MAX_VOCAB}), got {draw.vocab!r}"
-            )
-        if not isinstance(draw.codebook_size, int):
-            raise ValueError(f"stack_step: draw.codebook_size must be an int, got {draw.codebook_size!r}")
-        sampler.check_settings(
-            rows // draw.every, weights.qkv.device, draw.params, draw.frame, draw.codebook, draw.history
-        )
 
 
 def stack_step_triton(
     weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
     src: torch.Tensor | None = None, codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
-    head: torch.Tensor | None = None, draw: Draw | None = None, phased: bool | None = None,
-    num_programs: int | None = None, tuning: dict | None = None, trace: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    head: torch.Tensor | None = None, phased: bool | None = None, num_programs: int | None = None,
+    tuning: dict | None = None, trace: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The kernel, with the twin's arguments and result. ``phased`` (default: under the interpreter)
     launches phase by phase instead of once with grid barriers; ``num_programs`` overrides the
     grid (default one per SM); ``tuning`` overrides ``TUNING`` (benchmarks); ``trace`` (int64
@@ -1117,30 +1062,28 @@ def stack_step_triton(
     ([p, 0, 1]), on reaching and leaving barrier e ([p, e, 0] and [p, e, 1]) and at the end
     ([p, barriers + 1, 0]), for a benchmark's breakdown of a call; with [programs, 128, 2] also the
     marks inside the product phases (the ``MARK_*`` slots)."""
-    check(weights, k_cache, v_cache, slots, positions, lengths, x, src, codes, proj, head, draw)
+    check(weights, k_cache, v_cache, slots, positions, lengths, x, src, codes, proj, head)
     interpret = bool(triton.knobs.runtime.interpret)
     phased = interpret if phased is None else phased
     if trace is not None and phased:
         raise ValueError("stack_step: trace times the one launch, not phased launches")
     args, static, grid, out, tune = launch_plan(
         weights, k_cache, v_cache, slots, positions, lengths, x=x, src=src, codes=codes, proj=proj, head=head,
-        draw=draw, num_programs=num_programs, tuning=tuning, compiled=weights.qkv.is_cuda and not interpret,
-        trace=trace,
+        num_programs=num_programs, tuning=tuning, compiled=weights.qkv.is_cuda and not interpret, trace=trace,
     )
-    # run_pj, layers, phases, run_out, run_sample
-    everything = (1, 0, weights.num_layers, ALL_LAYER_PHASES, 1, 1)
+    everything = (1, 0, weights.num_layers, ALL_LAYER_PHASES, 1)  # run_pj, layers, phases, run_out
     if not phased:
         launches = [everything]
     else:
-        launches = [(1, 0, 0, 0, 0, 0)] if proj is not None else []
+        launches = [(1, 0, 0, 0, 0)] if proj is not None else []
         launches += [
-            (0, layer, layer + 1, phase, 0, 0)
+            (0, layer, layer + 1, phase, 0)
             for layer in range(weights.num_layers)
             for phase in LAYER_PHASES
             if (phase != OUT_PROJ_REDUCE or tune["KS_O"] > 1)
             and (phase != DOWN_REDUCE or tune["KS_DOWN"] > 1)
         ]
-        launches += [(0, 0, 0, 0, 1, 0)] + ([(0, 0, 0, 0, 0, 1)] if draw is not None else [])
+        launches += [(0, 0, 0, 0, 1)]
     for launch in launches:  # phased: the same compiled kernel each time (what runs is an argument)
         _stack_step_kernel[grid](*args, *launch, SYNC=not phased, **static)
     return out
@@ -1176,12 +1119,11 @@ def launch_plan(
     weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
     src: torch.Tensor | None = None, codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
-    head: torch.Tensor | None = None, draw: Draw | None = None, num_programs: int | None = None,
-    tuning: dict | None = None, compiled: bool = True, trace: torch.Tensor | None = None,
-) -> tuple[tuple, dict, tuple[int], torch.Tensor | tuple[torch.Tensor, torch.Tensor], dict]:
+    head: torch.Tensor | None = None, num_programs: int | None = None, tuning: dict | None = None,
+    compiled: bool = True, trace: torch.Tensor | None = None,
+) -> tuple[tuple, dict, tuple[int], torch.Tensor, dict]:
     """The kernel's arguments (scratch and output allocated on the weights' device), its static
-    parameters, the grid, the output (with a draw: the logits and the ids) and the tuning in force:
-    shapes and dtypes decide everything,
+    parameters, the grid, the output and the tuning in force: shapes and dtypes decide everything,
     so the tests can compile the GPU's kernel from meta tensors. ``compiled``: for a GPU (PTX
     rounding and libdevice), not the interpreter."""
     device = weights.qkv.device
@@ -1221,7 +1163,7 @@ def launch_plan(
     trace_slots = 64
     if trace is not None:
         per_layer = 5 + (tune["KS_O"] > 1) + (tune["KS_DOWN"] > 1)
-        barriers = (proj is not None) + weights.num_layers * per_layer + (draw is not None)
+        barriers = (proj is not None) + weights.num_layers * per_layer
         trace_slots = trace.shape[1] if trace.dim() == 3 and trace.shape[1] in (64, 128) else 64
         if not compiled or trace.dtype != torch.int64 or tuple(trace.shape) != (grid[0], trace_slots, 2) or (
             trace.device != device or not trace.is_contiguous()
@@ -1232,28 +1174,15 @@ def launch_plan(
         if barriers + 1 >= 64:
             raise ValueError(f"stack_step: trace holds 62 barriers, this stack has {barriers}")
     one = bool(tune["ONE_ROW"]) and rows == 1
-    if draw is not None:
-        ids = torch.empty(rows // draw.every, dtype=torch.int64, device=device)
-        history = draw.history if draw.history.shape[1] > 0 else ids.view(-1, 1)  # width 0: never read
-        p = draw.params
-        draw_args = (
-            history, history.stride(0), history.stride(1), draw.history.shape[1], p.temperature, p.top_k,
-            p.top_p, p.repetition_penalty, p.repetition_window, p.seed, draw.frame, draw.codebook,
-            min(max(draw.codebook_size, 0), draw.vocab), draw.vocab,  # the ids past it reach -inf either way
-        )
-    else:  # placeholders, never read
-        ids = lengths
-        draw_args = (lengths, 0, 0, 0, weights.final_norm, lengths, weights.final_norm, weights.final_norm,
-                     lengths, lengths, lengths, 0, 0, 0)
     args = (
         src if src is not None else residual, src.stride(0) if src is not None else 0,
         codes if codes is not None else slots, proj if proj is not None else residual, residual, weights.qkv,
         weights.o, weights.gate_up, weights.down, weights.input_norm, weights.post_norm, weights.final_norm,
         head if head is not None else weights.final_norm, weights.cos, weights.sin, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), slots, positions, lengths,
-        q, attn, act, part, out, ids, _sync_buffer(device),
+        q, attn, act, part, out, _sync_buffer(device),
         trace if trace is not None else _sync_buffer(device), *descriptors,
-        rows, k_cache.shape[2], weights.eps, d**-0.5, *draw_args,
+        rows, k_cache.shape[2], weights.eps, d**-0.5,
     )
     static = dict(
         H=hidden, HIN=proj.shape[1] if proj is not None else hidden, INTER=inter, NUM_Q=hq, NUM_KV=hkv, D=d,
@@ -1265,9 +1194,7 @@ def launch_plan(
         HOIST=bool(tune["HOIST"]), ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
         ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,
         KS_O=tune["KS_O"],
-        KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, SAMPLE=draw is not None,
-        S_BLOCK=max(16, triton.next_power_of_2(draw.vocab)) if draw is not None else 16,
-        EVERY=draw.every if draw is not None else 1, NPROG=grid[0], PROJECT=proj is not None,
+        KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,
         # fp32 blocks carry twice the bytes: half the stages keep csm-1b's depth decoder within the SM's
@@ -1275,7 +1202,7 @@ def launch_plan(
         num_warps=8 if fp32 else tune["num_warps"],
         num_stages=max(1, tune["num_stages"] // 2) if fp32 else tune["num_stages"],
     )
-    return args, static, grid, out if draw is None else (out, ids), tune
+    return args, static, grid, out, tune
 
 
 # ---------------------------------------------------------------- the drop-in
@@ -1297,7 +1224,7 @@ def fits(
     try:
         check(
             weights, k_cache, v_cache, slots, positions, lengths, inputs.get("x"), inputs.get("src"),
-            inputs.get("codes"), inputs.get("proj"), inputs.get("head"), inputs.get("draw"),
+            inputs.get("codes"), inputs.get("proj"), inputs.get("head"),
         )
     except ValueError:
         return False
@@ -1308,8 +1235,8 @@ def stack_step(
     weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
     src: torch.Tensor | None = None, codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
-    head: torch.Tensor | None = None, draw: Draw | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    head: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One decode step of a stack for N <= 16 rows, each one query at ``positions[r]`` of KV slot
     ``slots[r]`` seeing keys 0 .. ``lengths[r] - 1`` (rows of one slot may stand at consecutive
     positions: every K/V of a layer is written before any row attends).
@@ -1318,19 +1245,10 @@ def stack_step(
     [H, Hin], ``src`` [N, Hin] rows or, with ``codes`` [N] int64, rows ``codes[r]`` of the table
     ``src``; or, with ``codes`` and no ``proj``, rows ``codes[r]`` of the table ``src`` [*, H]
     (already projected: the kernel then has no projection phase, and its first layer reads the
-    rows in the table). Output: the normed hidden states [N, H], or with ``head`` [V, H] the logits [N, V];
-    with ``draw`` too, (the logits, the ids [N / draw.every] that the sampler draws from them), the
-    draw as the kernel's last phase, after one more barrier, instead of a launch of its own.
-    The kernel on CUDA while the latch is active, the twin otherwise; a draw while the sampler's
-    latch is off or tripped takes the sampler's drop-in after the launch."""
+    rows in the table). Output: the normed hidden states [N, H], or with ``head`` [V, H] the logits [N, V].
+    The kernel on CUDA while the latch is active, the twin otherwise."""
     args = (weights, k_cache, v_cache, slots, positions, lengths)
-    if draw is not None and not sampler.LATCH.active:
-        logits = stack_step(*args, x=x, src=src, codes=codes, proj=proj, head=head)
-        ids = sampler.sample(
-            draw.rows_of(logits), draw.params, draw.frame, draw.codebook, draw.history, draw.codebook_size
-        )
-        return logits, ids
-    inputs = dict(x=x, src=src, codes=codes, proj=proj, head=head, draw=draw)
+    inputs = dict(x=x, src=src, codes=codes, proj=proj, head=head)
     if not kernel_device(weights.qkv):
         return stack_step_eager(*args, **inputs)
     try:

@@ -44,7 +44,7 @@ from tests.unit.test_kernel_fused_layers import (
     rope_case,
 )
 from tests.unit.test_kernel_sampler import CASES, SEEDS, Case, assert_matches_twin, case_mixed_rows
-from tests.unit.test_kernel_stack_step import CSM_DEPTH, make_draw
+from tests.unit.test_kernel_stack_step import CSM_DEPTH
 from tests.unit.test_kernel_stack_step import ROWS as STACK_ROWS
 from tests.unit.test_kernel_stack_step import SHAPES as STACK_SHAPES
 from tests.unit.test_kernel_stack_step import TOLERANCE as STACK_TOLERANCE
@@ -487,25 +487,6 @@ def test_stack_step_row_dots_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
     ref = stack_reference(case)
     assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[dtype]
     assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
-    assert stack_kernel.faults("cuda") == 0
-
-
-@pytest.mark.parametrize("rows", [1, 8, 16])
-def test_stack_step_draw_at_csm_depth_shapes_on_cuda(rows: int):
-    # The draw phase after one more barrier: the one launch equals its phases (logits and ids), and
-    # the ids are what the sampler kernel (its own launch, 8 warps) and its twin draw from the same
-    # logits. 16 rows: the first depth call's pairs, every second row drawn.
-    every = 2 if rows == 16 else 1
-    placed = [(r // 2, r % 2) for r in range(rows)] if rows > 1 else [(0, 3)]
-    case = make_stack_case(CSM_DEPTH, 28, placed, dtype=torch.bfloat16, way="gather" if rows > 1 else "table")
-    draw = make_draw(rows // every, 29, CSM_DEPTH.vocab, every, device="cuda")
-    logits, ids = stack_run(case, lambda *a, **k: one_launch(*a, **k, draw=draw)).out
-    want_logits, want_ids = stack_run(case, lambda *a, **k: phased(*a, **k, draw=draw)).out
-    assert torch.equal(logits, want_logits) and torch.equal(ids, want_ids)
-    assert torch.equal(logits, stack_run(case, one_launch).out)
-    args = (draw.params, draw.frame, draw.codebook, draw.history, draw.codebook_size)
-    assert torch.equal(ids, sampler_kernel.sample_triton(draw.rows_of(logits), *args))
-    assert torch.equal(ids, draw.eager(logits))
     assert stack_kernel.faults("cuda") == 0
 
 

@@ -4,11 +4,10 @@ barrier's atomics and acquire loads, pipelined (cp.async) loads, TMA bulk tensor
 tests/unit/test_kernel_stack_step.py in a process of its own (Triton's interpreter, which that test
 module may run, cannot compile).
 
-    python -m tests.unit.stack_step_hopper ['{"ONE_ROW": 0}' [table|gather|draw [bf16|fp32]]]
+    python -m tests.unit.stack_step_hopper ['{"ONE_ROW": 0}' [table|gather [bf16|fp32]]]  # over the default
 
 csm-1b's depth decoder in bf16, one row, rows of the projected embedding table (or embedding rows times
-the projection: "gather"; or the table's rows and the draw phase: "draw", the talker's calls 2 .. 31) and
-the padded codebook head;
+the projection: "gather") and the padded codebook head;
 pointers 16-byte aligned, as the JIT sees the real tensors; one program per SM (132)."""
 
 from __future__ import annotations
@@ -32,8 +31,6 @@ from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import stack_step as ss
-from kernels.sampler import Draw
-from services.talker.sampler import SamplingParams
 
 LAYERS, HIDDEN, INTER, NUM_Q, NUM_KV, HEAD_DIM = 4, 1024, 8192, 8, 2, 128
 SLOTS, MAX_LEN, SRC_WIDTH, VOCAB, SMS = 16, 32, 2048, 2056, 132
@@ -45,15 +42,13 @@ def meta(*size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     return torch.empty(*size, dtype=dtype or WEIGHTS, device="meta")
 
 
-SAMPLING_DTYPES = {"temperature": torch.float32, "top_k": torch.int64, "top_p": torch.float32,
-                   "repetition_penalty": torch.float32, "repetition_window": torch.int64, "seed": torch.int64}
 WEIGHTS = torch.bfloat16  # the weights' (and caches', inputs') dtype; main's third argument may change it
 
 
 def compile_kernel(tuning: dict | None = None, way: str = "table"):
     """The one launch for a depth call of one row: ``way`` "table" (rows of the projected embedding
-    table, no projection phase: calls after the first), "gather" (embedding rows times the
-    projection) or "draw" (the table's rows, and the next codebook drawn from the logits)."""
+    table, no projection phase: calls after the first) or "gather" (embedding rows times the
+    projection)."""
     d = HEAD_DIM
     weights = ss.StackWeights(
         qkv=meta(LAYERS, (NUM_Q + 2 * NUM_KV) * d, HIDDEN), o=meta(LAYERS, HIDDEN, NUM_Q * d),
@@ -63,20 +58,16 @@ def compile_kernel(tuning: dict | None = None, way: str = "table"):
         num_kv_heads=NUM_KV, head_dim=d, eps=1e-5)
     cache = meta(LAYERS, SLOTS, MAX_LEN, NUM_KV, d)
     index = meta(1, dtype=torch.int64)
-    if way not in ("table", "gather", "draw"):
-        raise ValueError(f"way must be 'table', 'gather' or 'draw', got {way!r}")
-    inputs = dict(src=meta(VOCAB, HIDDEN), codes=index) if way != "gather" else dict(
+    if way not in ("table", "gather"):
+        raise ValueError(f"way must be 'table' or 'gather', got {way!r}")
+    inputs = dict(src=meta(VOCAB, HIDDEN), codes=index) if way == "table" else dict(
         src=meta(VOCAB, SRC_WIDTH), codes=index, proj=meta(HIDDEN, SRC_WIDTH))
-    if way == "draw":  # the talker's draw: 2051 ids of the 2056 head rows, a strided history
-        settings = {name: meta(1, dtype=dtype) for name, dtype in SAMPLING_DTYPES.items()}
-        history = meta(1, 32, 16, dtype=torch.int64)[:, 3]
-        inputs["draw"] = Draw(SamplingParams(**settings), index, 5, history, 2048, VOCAB - 5)
     args, static, _, _, _ = ss.launch_plan(
         weights, cache, cache, index, index, index, **inputs, head=meta(VOCAB, HIDDEN), num_programs=SMS,
         compiled=True, tuning=tuning)
     options = {"num_warps": static.pop("num_warps"), "num_stages": static.pop("num_stages")}
     static["SYNC"] = True
-    values = iter([*args, 1, 0, LAYERS, ss.ALL_LAYER_PHASES, 1, 1])  # run_pj, layers, phases, run_out/sample
+    values = iter([*args, 1, 0, LAYERS, ss.ALL_LAYER_PHASES, 1])  # then run_pj, layers, phases, run_out
     fn = ss._stack_step_kernel
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):

@@ -796,9 +796,8 @@ def talkers() -> tuple[CsmTalker, CsmTalker]:
 @pytest.fixture
 def on_the_kernels(fresh_latches, monkeypatch) -> Counter:
     """The fused path's drop-ins (the fused-layer kernels, stack_step among them, and decode
-    attention; the sampler's drop-in stays on its twin, while stack_step's draw phase runs the
-    sampler's code in the kernel) send CPU tensors to their kernels, the interpreter here; counts
-    each launcher's calls. After the test: no latch tripped."""
+    attention; the sampler stays on its twin) send CPU tensors to their kernels, the interpreter
+    here; counts each launcher's calls. After the test: no latch tripped."""
     launches: Counter = Counter()
     for name in (*kernels.FUSED_LAYER_KERNELS, "decode_attention"):
         module = KERNEL_MODULES[name]
@@ -942,29 +941,6 @@ def test_fused_seeded_sampling_on_the_kernels_equals_the_plain_model(
     talkers, plain_codes, on_the_kernels, limit_2
 ):
     decode(make_runner(talkers[1]), 2, 2, seeded).assert_matches(plain_codes[(2, "seeded")])
-    assert_frames_ran_on_the_kernels(on_the_kernels, 2, bucket=2)
-
-
-@interpreter_only
-def test_depth_calls_on_stack_step_draw_their_codes_in_the_launch(talkers, plain_codes, on_the_kernels,
-                                                                   monkeypatch):
-    # Every depth call of bucket 2 is a stack_step launch, which draws its codebook's ids as its last
-    # phase (seeded rows: the sampler's random path in the kernel); the sampler's own drop-in draws
-    # codebook 0 (the backbone's head) alone. With the sampler's latch off, the draws take its drop-in.
-    drawn = []
-    real = csm_model.sample
-    monkeypatch.setattr(csm_model, "sample", lambda *a: drawn.append(a[3]) or real(*a))
-    decode(make_runner(talkers[1]), 2, 2, seeded).assert_matches(plain_codes[(2, "seeded")])
-    assert drawn and set(drawn) == {0}
-    assert_frames_ran_on_the_kernels(on_the_kernels, 2, bucket=2)
-    kernels.configure(sampler=False, decode_attention=True)
-    module = KERNEL_MODULES["sampler"]
-    after, real_after = [], module.sample
-    monkeypatch.setattr(module, "sample", lambda *a: after.append(a[3]) or real_after(*a))
-    drawn.clear()
-    on_the_kernels.clear()
-    decode(make_runner(talkers[1]), 2, 2, seeded).assert_matches(plain_codes[(2, "seeded")])
-    assert set(drawn) == {0} and set(after) == set(range(1, talkers[1].num_codebooks))
     assert_frames_ran_on_the_kernels(on_the_kernels, 2, bucket=2)
 
 

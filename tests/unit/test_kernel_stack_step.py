@@ -31,11 +31,8 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
         )
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels import sampler as sampler_kernel
 from kernels import stack_step as ss
 from kernels.latch import KernelLatch
-from kernels.sampler import Draw
-from services.talker.sampler import SamplingParams
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 NAN = float("nan")
@@ -441,71 +438,6 @@ def test_x_is_scratch_and_the_other_inputs_are_kept(way: str):
         assert torch.equal(c.inputs[name], value), name
 
 
-# ---------------------------------------------------------------- the draw: the sampler as the last phase
-
-
-def make_draw(batch: int, seed: int, vocab: int, every: int = 1, device: str = DEVICE) -> Draw:
-    """Settings that take every branch of the sampler across the rows (row 0 greedy): top-k, top-p, both,
-    a repetition penalty over a history with empty (-1) and repeated codes; vocab 2 short of the
-    head's rows (the padding is never drawn) and codebook_size 1 short of that (step 1)."""
-    g = torch.Generator().manual_seed(seed)
-    kinds = [(0.0, 0, 1.0), (0.3, 5, 1.0), (0.5, 0, 0.8), (0.4, 8, 0.9)]  # low T: the logits decide
-    kind = [kinds[r % len(kinds)] for r in range(batch)]
-    params = SamplingParams(
-        temperature=torch.tensor([k[0] for k in kind], dtype=torch.float32),
-        top_k=torch.tensor([k[1] for k in kind], dtype=torch.int64),
-        top_p=torch.tensor([k[2] for k in kind], dtype=torch.float32),
-        repetition_penalty=torch.tensor([1.0 + 0.4 * (r % 2) for r in range(batch)], dtype=torch.float32),
-        repetition_window=torch.tensor([3 * (r % 2) for r in range(batch)], dtype=torch.int64),
-        seed=torch.randint(-(2**62), 2**62, (batch,), generator=g),
-    )
-    params = SamplingParams(**{k: v.to(device) for k, v in vars(params).items()})
-    history = torch.randint(-1, vocab - 2, (batch, 3, 5), generator=g)[:, 1, :]  # strided, as the model's
-    frame = torch.randint(0, 1000, (batch,), generator=g)
-    return Draw(params, frame.to(device), 7, history.to(device), vocab - 3, vocab - 2, every)
-
-
-DRAWS = [("one", "table", 1), ("three", "gather", 1), ("pairs", "project", 2), ("pairs", "table", 1)]
-
-
-@pytest.mark.parametrize(("rows", "way", "every"), DRAWS)
-def test_the_draw_phase_samples_the_logits_as_the_sampler_kernel_does(rows: str, way: str, every: int):
-    # The sampler's own code, as the launch's last phase: the ids are what the sampler kernel and its
-    # twin draw from the same logits (row r * every + every - 1 of each group), and the logits are
-    # the call's without a draw, bit for bit.
-    shape = SHAPES["tiny_depth"]
-    case = make_case(shape, 40, ROWS[rows], way=way)
-    draw = make_draw(len(ROWS[rows]) // every, 41, shape.vocab, every)
-    logits, ids = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, draw=draw)).out
-    assert torch.equal(logits, run(case, ss.stack_step_triton).out)
-    assert ids.shape == (len(ROWS[rows]) // every,) and ids.dtype == torch.int64
-    rows_ = draw.rows_of(logits)
-    args = (draw.params, draw.frame, draw.codebook, draw.history, draw.codebook_size)
-    assert torch.equal(ids, sampler_kernel.sample_triton(rows_, *args))
-    assert torch.equal(ids, draw.eager(logits))
-    assert (ids < draw.codebook_size).all()
-    # the twin's draw samples its own logits the same way
-    twin_logits, twin_ids = run(clean(case), lambda *a, **k: ss.stack_step_eager(*a, **k, draw=draw)).out
-    assert torch.equal(twin_ids, draw.eager(twin_logits))
-
-
-def test_the_draw_reads_each_rows_own_settings_and_history():
-    # Rows swapped in the settings swap the sampled rows' ids with them (greedy rows by the penalty
-    # on their history; sampled rows by their seeds too).
-    shape = SHAPES["tiny_depth"]
-    case = make_case(shape, 42, ROWS["three"], way="gather")
-    draw = make_draw(3, 43, shape.vocab)
-    logits, ids = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, draw=draw)).out
-    order = torch.tensor([2, 0, 1], device=DEVICE)
-    params = SamplingParams(**{k: v[order] for k, v in vars(draw.params).items()})
-    swapped = replace(draw, params=params, frame=draw.frame[order], history=draw.history[order])
-    want = sampler_kernel.sample_triton(
-        swapped.rows_of(logits), params, swapped.frame, draw.codebook, swapped.history, draw.codebook_size
-    )
-    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, draw=swapped)).out[1]
-    assert torch.equal(got, want) and not torch.equal(got, ids)
-
-
 # ---------------------------------------------------------------- checks, drop-in, latch
 
 
@@ -514,7 +446,6 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
     shape = SHAPES["tiny_depth"]
     base = make_case(shape, 7, ROWS["three"], way="gather")
     w = base.weights
-    draw = make_draw(3, 8, shape.vocab)
     return [
         ("17 rows", dict(rows=[(0, 1)] * 17), "rows"),
         ("int32 slots", dict(slots=base.slots.int()), "slots"),
@@ -560,12 +491,6 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
         ("no x and no proj", dict(proj=None, src=None, codes=None), "x"),
         ("x beside src", dict(x=torch.zeros(3, shape.hidden, device=DEVICE)), "x, or src"),
         ("a table of another width", dict(proj=None), "src must be"),
-        ("a draw without a head", dict(head=None, draw=draw), "needs head"),
-        ("a draw of every 2 of 3 rows", dict(draw=replace(draw, every=2)), "every"),
-        ("a draw past the head's rows", dict(draw=replace(draw, vocab=shape.vocab + 1)), "vocab"),
-        ("a draw's history of int32", dict(draw=replace(draw, history=draw.history.int())), "history"),
-        ("a draw's frame of int32", dict(draw=replace(draw, frame=draw.frame.int())), "frame"),
-        ("a draw's settings for 2 rows", dict(draw=make_draw(2, 8, shape.vocab)), "history"),
     ]
 
 
@@ -684,8 +609,8 @@ def test_a_failing_kernel_trips_the_latch_and_the_twin_serves(fresh_latch, monke
 @pytest.mark.parametrize(
     ("tuning", "way", "dtype"),
     [({}, "table", "bf16"), ({"TMA": 0}, "table", "bf16"), ({"ONE_ROW": 0}, "table", "bf16"),
-     ({}, "gather", "bf16"), ({"ONE_ROW": 0}, "gather", "fp32"), ({}, "draw", "bf16")],
-    ids=["default", "pointer_loads", "all_rows", "projection", "fp32_all_rows", "draw"],
+     ({}, "gather", "bf16"), ({"ONE_ROW": 0}, "gather", "fp32")],
+    ids=["default", "pointer_loads", "all_rows", "projection", "fp32_all_rows"],
 )
 def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(
     tuning: dict, way: str, dtype: str

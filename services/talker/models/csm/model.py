@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.sampler import Draw, sample  # the Triton kernel on CUDA, its eager twin elsewhere
+from kernels.sampler import sample  # the Triton kernel on CUDA, its eager twin elsewhere
 from kernels.stack_step import fits as stack_fits
 from kernels.stack_step import stack_step
 from services.talker.models.csm.config import CsmConfig
@@ -44,10 +44,6 @@ STACK_STEP_ROWS = 16
 # ``stack_step`` then has no projection phase (bench/README.md). False (read as graphs are captured):
 # every depth call projects its embedding rows, as before; for benchmarks.
 PROJECTED_INPUTS = True
-# Depth calls on ``stack_step`` draw their codebook's codes as the launch's last phase (``Draw``: the
-# sampler's code after one more barrier) instead of a sampler launch after each call (bench/README.md).
-# False (read as graphs are captured): the sampler's own launch, for benchmarks.
-DRAW_IN_STEP = True
 
 
 class AudioEmbeddings(nn.Module):
@@ -238,8 +234,7 @@ class CsmTalker(nn.Module):
         row from ``_depth_inputs``. Where ``stack_step`` takes the rows (a CUDA device, up to
         ``STACK_STEP_ROWS`` rows a call), each depth call is one launch: the projection (the first
         call, or without projected tables: with the embedding lookup), the four layers, the final
-        norm, the next codebook's head and its draw (the sampler's code as the launch's last phase);
-        elsewhere ``forward_rows``, separate products and the sampler's own launch."""
+        norm and the next codebook's head; elsewhere ``forward_rows`` and separate products."""
         b = inputs.hidden.shape[0]
         depth = self.depth_decoder.model
         table, vocab = depth.embed_tokens.weight, self.config.audio_vocab_size
@@ -253,42 +248,36 @@ class CsmTalker(nn.Module):
         def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
             return self._pick(inputs, logits, k, logits_out)
 
-        def step_code(rows: tuple[torch.Tensor, ...], k: int, src: torch.Tensor,
-                      codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
-                      pairs: bool = False) -> torch.Tensor:
-            # codebook k's code [b] from one depth call over ``rows`` = (slots, positions, lengths) and
-            # head k - 1; with ``pairs`` the rows come two per batch row and only the second's logits
-            # count. The input: ``src`` (or its rows ``codes``), times ``proj`` where given
-            draw = Draw(inputs.sampling, inputs.frame_index, k, inputs.history[:, k, :], self.codebook_size,
-                        vocab, 2 if pairs else 1)
-            inputs_ = dict(src=src, codes=codes, proj=proj, head=head_rows[k - 1])
+        def step_logits(rows: tuple[torch.Tensor, ...], head: torch.Tensor, src: torch.Tensor,
+                        codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
+                        pairs: bool = False) -> torch.Tensor:
+            # logits [b, V_pad] of one depth call over ``rows`` = (slots, positions, lengths); with
+            # ``pairs`` the rows come two per batch row and only the second's logits are wanted. The
+            # input: ``src`` (or its rows ``codes``), times ``proj`` where given
+            inputs_ = dict(src=src, codes=codes, proj=proj, head=head)
             small = rows[0].shape[0] <= STACK_STEP_ROWS
-            if small and stack_fits(depth.stack, cache.k, cache.v, *rows, **inputs_, draw=draw):
-                if not DRAW_IN_STEP:
-                    logits = stack_step(depth.stack, cache.k, cache.v, *rows, **inputs_)
-                    return pick(draw.rows_of(logits), k)
-                logits, code = stack_step(depth.stack, cache.k, cache.v, *rows, **inputs_, draw=draw)
-                if logits_out is not None:
-                    logits_out.append(draw.rows_of(logits).float())
-                return code
+            if small and stack_fits(depth.stack, cache.k, cache.v, *rows, **inputs_):
+                logits = stack_step(depth.stack, cache.k, cache.v, *rows, **inputs_)
+                return logits.view(b, 2, -1)[:, 1] if pairs else logits
             x = src if codes is None else F.embedding(codes, src)
             out = depth.forward_rows(x if proj is None else F.linear(x, proj), cache, *rows)
-            return pick(F.linear(out.view(b, 2, -1)[:, 1] if pairs else out, inputs_["head"])[:, :vocab], k)
+            return F.linear(out.view(b, 2, -1)[:, 1] if pairs else out, head)
 
         code = pick(self.lm_head(inputs.hidden), 0)
         codes = [code]
         # rows (b, position 0: the backbone state) and (b, position 1: codebook 0's embedding)
         x = torch.stack([inputs.hidden, F.embedding(code, table[:vocab])], dim=1).view(2 * b, -1)
         first = (index.first_rows[: 2 * b], index.first_positions[: 2 * b], index.first_lengths[: 2 * b])
-        code = step_code(first, 1, x, proj=proj, pairs=True)
-        codes.append(code)
-        for k in range(2, self.num_codebooks):
-            rows = (index.rows[:b], index.steps[k, :b], index.steps[k + 1, :b])
-            if projected is not None:
-                code = step_code(rows, k, projected[k - 2], code)
-            else:
-                code = step_code(rows, k, table[(k - 1) * vocab:k * vocab], code, proj)
+        logits = step_logits(first, head_rows[0], x, proj=proj, pairs=True)
+        for k in range(1, self.num_codebooks):
+            code = pick(logits[:, :vocab], k)
             codes.append(code)
+            if k + 1 < self.num_codebooks:
+                rows = (index.rows[:b], index.steps[k + 1, :b], index.steps[k + 2, :b])
+                if projected is not None:
+                    logits = step_logits(rows, head_rows[k], projected[k - 1], code)
+                else:
+                    logits = step_logits(rows, head_rows[k], table[k * vocab:(k + 1) * vocab], code, proj)
         return torch.stack(codes, dim=1)
 
     def _depth_codes(self, inputs: FrameInputs, caches: CsmCaches, logits_out: list | None):
