@@ -115,6 +115,8 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # gate/up and down loops alone (5 to 8 stages) measured slower: 136.6 to 142.0 us against 134.9 (121431a).
 # The down product's parts added by the last program to arrive (a counter per output tile) instead of a
 # reduce phase after a barrier: 135.0 us against 134.8, its atomic and loads as long as the two (b29e264).
+# The parts added by the next norm's loads into each program's own copy of the rows instead (no reduce
+# phase, no barrier): 145.5 us against 135.4, the norms 1.9 us slower a layer (12b54d0).
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
