@@ -16,8 +16,7 @@ GPU only (about 4 minutes on one H200).
    depth rows flattened through decode attention, index tensors made once); then the
    rms_norm, rope_kv and silu_mul kernels switched on one at a time; then stack_step, one
    persistent launch per depth call, for calls of <= 2 rows, and for calls of <= 16 rows (B <= 8);
-   then depth calls 2 .. 31 reading rows of the projected embedding tables; then stack_step and the
-   sampler as programmatic dependent launches (the default). (A
+   then depth calls 2 .. 31 reading rows of the projected embedding tables (the default). (A
    stage with nested product loops, an item loop around each pipelined reduction, ran at
    2530d3e: `results/talker_fusion_stack_step.json`; it was as fast and was removed.)
    ``--tunings '[{"HOIST": 0}, ...]'``: the default stage again with each stack_step tuning
@@ -292,26 +291,21 @@ STAGES = [  # name, pack weights first, kernel switches, stack_step settings
     ("+ silu_mul kernel", True, _switches(True, True, True, True), None),
     ("+ stack_step, depth calls <= 2 rows", True, _switches(True, True, True, True, True), {"rows": 2}),
     ("+ stack_step, depth calls <= 16 rows", True, _switches(True, True, True, True, True), {}),
-    ("+ projected depth inputs", True, _switches(True, True, True, True, True), {"projected": True}),
-    ("+ programmatic dependent launches (default)", True, _switches(True, True, True, True, True),
-     {"projected": True, "pdl": True}),
+    ("+ projected depth inputs (default)", True, _switches(True, True, True, True, True),
+     {"projected": True}),
 ]
 
 
 def apply_stack_settings(settings: dict | None) -> None:
-    """The default stack_step tuning, row limit, projected depth inputs and programmatic dependent
-    launches (stack_step's and the sampler's), changed by a stage's settings ("rows", "projected",
-    "pdl" and tuning keys; a "PDL" tuning key turns stack_step's alone)."""
-    import kernels.sampler as sampler_kernel
+    """The default stack_step tuning, row limit and projected depth inputs, changed by a stage's
+    settings ("rows", "projected" and tuning keys)."""
     import kernels.stack_step as stack_kernel
     import services.talker.models.csm.model as csm_model
 
     settings = dict(settings or {})
     tuning = stack_kernel.checked_tuning({k: v for k, v in settings.items()
-                                          if k not in ("rows", "projected", "pdl")})
-    pdl = settings.get("pdl", False)  # the stages before it launch one kernel after another
-    stack_kernel.TUNING.update(_DEFAULT_TUNING, **{"PDL": int(pdl), **tuning})
-    sampler_kernel.PDL = pdl
+                                          if k not in ("rows", "projected")})
+    stack_kernel.TUNING.update(_DEFAULT_TUNING, **tuning)
     csm_model.STACK_STEP_ROWS = settings.get("rows", _DEFAULT_ROWS)
     csm_model.PROJECTED_INPUTS = settings.get("projected", False)  # the stages before it project
 

@@ -27,17 +27,12 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.latch import KernelLatch
 from services.talker import sampler as twin
 from services.talker.sampler import SamplingParams
 
 MAX_VOCAB = 4096  # ids are packed into 12 bits for the top-p sort
-# Launched as a programmatic dependent launch where the GPU has them (sm_90 and later): the program is
-# resident and waiting (``gdc_wait``) while the kernel before it finishes, and lets the next kernel launch
-# once that one is done. Read at each launch (and so at graph capture).
-PDL = True
 LATCH = KernelLatch("sampler")
 
 _ID_BITS = tl.constexpr(12)
@@ -161,11 +156,8 @@ def _sampler_kernel(
     temperature_ptr, top_k_ptr, top_p_ptr, penalty_ptr, window_ptr, seed_ptr, frame_ptr,  # [B] each
     x_out_ptr, ids_out_ptr,  # [B, V] fp32 (only when WRITE_X), [B] int64
     codebook, codebook_size, vocab,
-    BLOCK: tl.constexpr, WRITE_X: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, WRITE_X: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    if PDL:  # launched early: the kernel before this one is complete (and its stores visible) after this
-        gdc_wait()
-        gdc_launch_dependents()  # the next kernel may launch now and wait for this one
     row = tl.program_id(0).to(tl.int64)
     # The row's settings first, every load issued with the logits': loaded where they are used, they
     # waited behind the penalty's loop and the branches, one round trip after another
@@ -231,15 +223,13 @@ def _launch(logits: torch.Tensor, params: SamplingParams, frame: torch.Tensor, c
         history = ids_out.view(batch, 1)
     block = max(16, triton.next_power_of_2(vocab))
     codebook_size = min(max(codebook_size, 0), vocab)  # the same ids reach -inf in step 1
-    compiled = logits.is_cuda and not _interpreted()
-    pdl = compiled and PDL and torch.cuda.get_device_capability(logits.device) >= (9, 0)
     _sampler_kernel[(batch,)](
         logits, logits.stride(0), history, history.stride(0), history.stride(1), width,
         params.temperature, params.top_k, params.top_p, params.repetition_penalty,
         params.repetition_window, params.seed, frame, x_out, ids_out,
         codebook, codebook_size, vocab,
-        BLOCK=block, WRITE_X=x_out is not None, LIBDEVICE=compiled, PDL=pdl,
-        num_warps=4 if block <= 1024 else 8, **({"launch_pdl": pdl} if compiled else {}),
+        BLOCK=block, WRITE_X=x_out is not None, LIBDEVICE=logits.is_cuda and not _interpreted(),
+        num_warps=4 if block <= 1024 else 8,
     )
 
 

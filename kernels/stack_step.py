@@ -68,7 +68,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.decode_attention import _dot, _online_softmax_step, decode_attention_eager
@@ -133,7 +132,6 @@ TUNING = {
     "ROW_PJ": 2,
     "ROW_DOT": 1,
     "HOIST": 1,
-    "PDL": 1,
     "num_warps": 4,
     "num_stages": 4,
 }
@@ -772,10 +770,7 @@ def _stack_step_kernel(
     OPAQUE: tl.constexpr,
     UPCAST: tl.constexpr,
     LIBDEVICE: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    if PDL:  # launched early (programmatic dependent launch): nothing is read or written before this
-        gdc_wait()
     pid = tl.program_id(0)
     nprog = NPROG  # the grid
     dtype = x_ptr.dtype.element_ty
@@ -895,8 +890,6 @@ def _stack_step_kernel(
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         layer += 1
     if run_out != 0:
-        if PDL:  # the next kernel (the sampler) may launch now and wait for this one's end
-            gdc_launch_dependents()
         rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
         _mark_after(trace_row, MARK_HEAD, 0, rstd, TRACE_IN)
         if HEAD:  # the final norm as the head product's prologue
@@ -968,17 +961,6 @@ def fault_counter(device: torch.device | str) -> torch.Tensor:
 def faults(device: torch.device | str) -> int:
     """``fault_counter``'s value (reading it synchronises the device)."""
     return int(fault_counter(device).item())
-
-
-def pdl_capable(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can be programmatic dependent launches (sm_90 and later; a meta
-    device stands for the H200 the compile tests target)."""
-    return device.type != "cuda" or _capability(device) >= (9, 0)
-
-
-@functools.lru_cache(maxsize=8)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 @functools.lru_cache(maxsize=8)
@@ -1110,7 +1092,7 @@ def stack_step_triton(
 
 
 _TILES = ("BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "RSTD_BK")  # powers of two, >= 8 (BK >= 16)
-_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST", "PDL")  # 0 or 1
+_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST")  # 0 or 1
 
 
 def checked_tuning(tuning: dict) -> dict:
@@ -1194,7 +1176,6 @@ def launch_plan(
         if barriers + 1 >= 64:
             raise ValueError(f"stack_step: trace holds 62 barriers, this stack has {barriers}")
     one = bool(tune["ONE_ROW"]) and rows == 1
-    pdl = compiled and bool(tune["PDL"]) and pdl_capable(device)
     args = (
         src if src is not None else residual, src.stride(0) if src is not None else 0,
         codes if codes is not None else slots, proj if proj is not None else residual, residual, weights.qkv,
@@ -1218,9 +1199,6 @@ def launch_plan(
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
         UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,
-        # PDL: launched as a programmatic dependent launch (its programs resident, waiting, while the
-        # kernel before it finishes) where the GPU runs it; the interpreter has no grid dependencies
-        PDL=pdl, **({"launch_pdl": pdl} if compiled else {}),
         # fp32 blocks carry twice the bytes: half the stages keep csm-1b's depth decoder within the SM's
         # shared memory (the all-rows kernel: 330 KB at 4 stages, 165 KB at 2; tests/unit/stack_step_hopper)
         num_warps=8 if fp32 else tune["num_warps"],

@@ -65,8 +65,7 @@ def compile_kernel(tuning: dict | None = None, way: str = "table"):
     args, static, _, _, _ = ss.launch_plan(
         weights, cache, cache, index, index, index, **inputs, head=meta(VOCAB, HIDDEN), num_programs=SMS,
         compiled=True, tuning=tuning)
-    options = {"num_warps": static.pop("num_warps"), "num_stages": static.pop("num_stages"),
-               "launch_pdl": static.pop("launch_pdl")}
+    options = {"num_warps": static.pop("num_warps"), "num_stages": static.pop("num_stages")}
     static["SYNC"] = True
     values = iter([*args, 1, 0, LAYERS, ss.ALL_LAYER_PHASES, 1])  # then run_pj, layers, phases, run_out
     fn = ss._stack_step_kernel
@@ -111,8 +110,7 @@ def main() -> None:
                       "registers": registers(ptx, ptxas), "ptxas": str(ptxas),
                       "barrier_atomics": "atom.global" in ptx, "pipelined_loads": "cp.async" in ptx,
                       "acquire_waits": ptx.count("ld.acquire.gpu.global"),
-                      "tma_copies": ptx.count("cp.async.bulk.tensor"),
-                      "grid_dependency_waits": ptx.count("griddepcontrol.wait")}))
+                      "tma_copies": ptx.count("cp.async.bulk.tensor")}))
 
 
 if __name__ == "__main__":
