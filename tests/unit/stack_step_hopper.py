@@ -79,8 +79,14 @@ def compile_kernel(tuning: dict | None = None, way: str = "table"):
             signature[name] = mangle_type(value)
         elif torch.is_tensor(value):
             signature[name], attrs[(i,)] = POINTER_TYPES[value.dtype], [["tt.divisibility", 16]]
-        else:
-            signature[name] = "fp32" if isinstance(value, float) else "i32"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:  # as the JIT specializes an int: 1 as a constant, a multiple of 16 marked so
+            signature[name] = "i32"
+            if value == 1:
+                signature[name], constexprs[(i,)] = "constexpr", 1
+            elif value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
     if next(values, None) is not None:
         raise RuntimeError("launch_plan's arguments do not match the kernel's parameters")
     source = ASTSource(fn, signature, constexprs, attrs)
