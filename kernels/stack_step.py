@@ -132,7 +132,6 @@ TUNING = {
     "ROW_PJ": 2,
     "ROW_DOT": 1,
     "HOIST": 1,
-    "NORM_IN_LOOP": 0,
     "num_warps": 4,
     "num_stages": 4,
 }
@@ -326,48 +325,6 @@ def _operand(
 
 
 @triton.jit
-def _operand_gx(rows_ptr, first_ptr, row_ok, kk, k_ok, norm_ptr, m, ONE: tl.constexpr, dtype: tl.constexpr):
-    """NORM_IN_LOOP: a [BM, BK] slice of the RMS-normed operand before its scale, g * x rounded once (the
-    norm's weight times the rows as stored), and the rows' squares: each row's sum over the slice [BM],
-    or with ONE (the call's one row, placed in row 0 of zeros) that row's squares [BK], summed once at
-    the item's end (``_row_squares``: no reduction across the warps in the loop). The product of this
-    operand times rstd (1 / the rows' RMS, known once every slice is in) is the normed product: the
-    scalar leaves the sum."""
-    g = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-    if ONE:
-        x = tl.load(first_ptr + kk, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        sq = x * x
-        a = tl.where(row_ok[:, None], (g * x).to(dtype)[None, :], 0.0).to(dtype)
-    else:
-        x = tl.load(
-            rows_ptr[:, None] + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-            cache_modifier=".cg",
-        ).to(tl.float32)
-        sq = tl.sum(x * x, axis=1)
-        a = (g[None, :] * x).to(dtype)
-    return a, sq
-
-
-@triton.jit
-def _squares(BM: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr):
-    """Zero squares for ``_operand_gx``'s: [BK] with ONE, else [BM]."""
-    if ONE:
-        return tl.zeros([BK], tl.float32)
-    else:
-        return tl.zeros([BM], tl.float32)
-
-
-@triton.jit
-def _row_scale(squares, m, K: tl.constexpr, eps, ONE: tl.constexpr):
-    """rstd of each row [BM] from the squares ``_operand_gx`` gave over all K."""
-    if ONE:  # noqa: SIM108 (a constexpr branch)
-        total = tl.where(m == 0, tl.sum(squares, axis=0), 0.0)
-    else:
-        total = squares
-    return tl.math.rsqrt(total / K + eps)
-
-
-@triton.jit
 def _row_dot(first_ptr, kk, k_ok, w, dtype: tl.constexpr, UPCAST: tl.constexpr):
     """A call's one row (``first_ptr``, as stored) times a [BN, BK] weight tile, the weights as the
     left operand: [BN, BK] @ [BK, 1] -> [BN, 1], so the matrix unit pads the row's side to 8 columns
@@ -405,7 +362,6 @@ def _flat_single(
     N_OUT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, ONE: tl.constexpr, RESIDUAL: tl.constexpr,
     dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr, TRACE_IN: tl.constexpr,
-    eps, INLOOP: tl.constexpr,
 ):
     """A product phase as one flat loop over (this program's items) x (reduction blocks), so the
     pipeline runs on from one item into the next: dst[rows, N_OUT] = operand @ w[:, :K].T, items of
@@ -414,17 +370,14 @@ def _flat_single(
     partial sums [KS, BM, N_OUT] for ``_phase_reduce``; else dst = the product. Every program runs as many
     iterations as the busiest, those past the last item masked (loads and stores off): a trip count
     that depends on the program measured slower (bench/README.md). TRACE_IN: the timer as each item's
-    epilogue starts, into slot ``mark`` (the last item's stays: when its last block's loads were in).
-    INLOOP (with NORM, KS == 1): no ``rstd`` yet; the loop sums the rows' squares from the slices it
-    loads and scales the sums by rstd at each item's end (``_operand_gx``)."""
+    epilogue starts, into slot ``mark`` (the last item's stays: when its last block's loads were in)."""
     m = tl.arange(0, BM)
     ITEMS: tl.constexpr = ((N_OUT + BN - 1) // BN) * KS
     KP: tl.constexpr = K // KS
     KI: tl.constexpr = (KP + BK - 1) // BK
-    if NORM and not INLOOP:
+    if NORM:
         rstd = _first(rstd, m, ONE)
     acc = tl.zeros([BM, BN], tl.float32)
-    squares = _squares(BM, BK, ONE)
     if ONE == 2:
         row_acc = _row_acc(BN)
     for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
@@ -442,10 +395,6 @@ def _flat_single(
         )
         if ONE == 2:
             row_acc += _row_dot(first_ptr, kk, k_ok, w, dtype, UPCAST)
-        elif INLOOP:
-            a, sq = _operand_gx(rows_ptr, first_ptr, row_ok, kk, k_ok, norm_ptr, m, ONE, dtype)
-            squares += sq
-            acc += _dot(a, tl.trans(w), UPCAST)
         else:
             a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, ONE, dtype, OPAQUE)
             acc += _dot(a, tl.trans(w), UPCAST)
@@ -454,9 +403,6 @@ def _flat_single(
             if ONE == 2:
                 acc = _placed(row_acc, m)
                 row_acc = _row_acc(BN)
-            if INLOOP:
-                acc = acc * _row_scale(squares, m, K, eps, ONE)[:, None]
-                squares = _squares(BM, BK, ONE)
             ok = row_ok[:, None] & n_ok[None, :]
             if RESIDUAL:
                 if KS == 1:
@@ -479,7 +425,6 @@ def _flat_dual(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, TMA: tl.constexpr,
     ONE: tl.constexpr, HOIST: tl.constexpr, dtype: tl.constexpr,
     OPAQUE: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr, TRACE_IN: tl.constexpr,
-    eps, INLOOP: tl.constexpr,
 ):
     """The two paired products as one flat loop (see ``_flat_single``), RMS-normed operand: the QKV
     product by rotary pairs (rows j and j + HALF of a head; rotation, q to scratch, k and v into
@@ -500,11 +445,9 @@ def _flat_dual(
         j0 = (pid % BLOCKS) * BN + tl.arange(0, BN)
         ok0 = row_ok[:, None] & ((j0 < HALF) & (pid < ITEMS) & (head0 < NUM_Q + NUM_KV))[None, :]
         c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, pos, j0, ok0, HALF, dtype, OPAQUE)
-    if not INLOOP:
-        rs = _first(rstd, m, ONE)
+    rs = _first(rstd, m, ONE)
     acc1 = tl.zeros([BM, BN], tl.float32)
     acc2 = tl.zeros([BM, BN], tl.float32)
-    squares = _squares(BM, BK, ONE)
     for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
         item = pid + (t // KI) * NPROG
         ki = t % KI
@@ -539,20 +482,11 @@ def _flat_dual(
             w2 = tl.load(
                 w_ptr + n2[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
             )
-        if INLOOP:
-            a, sq = _operand_gx(rows_ptr, first_ptr, row_ok, kk, k_ok, norm_ptr, m, ONE, dtype)
-            squares += sq
-        else:
-            a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rs, norm_ptr, True, ONE, dtype, OPAQUE)
+        a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rs, norm_ptr, True, ONE, dtype, OPAQUE)
         acc1 += _dot(a, tl.trans(w1), UPCAST)
         acc2 += _dot(a, tl.trans(w2), UPCAST)
         if ki == KI - 1:
             _mark(trace_row, mark, 1, TRACE_IN)
-            if INLOOP:
-                scale = _row_scale(squares, m, H, eps, ONE)[:, None]
-                acc1 = acc1 * scale
-                acc2 = acc2 * scale
-                squares = _squares(BM, BK, ONE)
             ok = row_ok[:, None] & n_ok[None, :]
             x1 = _round_to(acc1, dtype, OPAQUE)
             x2 = _round_to(acc2, dtype, OPAQUE)
@@ -836,7 +770,6 @@ def _stack_step_kernel(
     OPAQUE: tl.constexpr,
     UPCAST: tl.constexpr,
     LIBDEVICE: tl.constexpr,
-    INLOOP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = NPROG  # the grid
@@ -859,7 +792,7 @@ def _stack_step_kernel(
         _flat_single(
             src_rows, src_first, row_ok, src_rows, src_rows, proj_ptr, x_ptr, src_rows, part_ptr, pid,
             trace_row, MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, ONE_PJ, False, dtype, OPAQUE, UPCAST,
-            TRACE_IN, eps, False,
+            TRACE_IN,
         )
         epoch += 1
         _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -881,7 +814,6 @@ def _stack_step_kernel(
         cos_ptr, sin_ptr, pos, row_ok, pid, NUM_Q, NUM_KV, D // 2, NPROG, BM, BN_QKV, HOIST, dtype, OPAQUE
     )
     zeros = tl.zeros([BM, BN_WIDE], tl.float32)
-    zeros_m = tl.zeros([BM], tl.float32)  # INLOOP: the products' placeholder rstd
     PRE_ATT: tl.constexpr = HOIST and BM * NUM_KV <= NPROG  # at most one attention item a program
     att_slot, att_len = _attention_item(slot_ptr, len_ptr, n_rows, max_len, pid, NUM_KV, PRE_ATT)
     layer = layer_begin
@@ -895,11 +827,8 @@ def _stack_step_kernel(
             rows_in = h_rows
             first_in = x_ptr
         if (phases & 1) != 0:  # QKV
-            if INLOOP:  # the norm's sums inside the product's loop
-                rstd = zeros_m
-            else:
-                rstd = _rstd(rows_in, row_ok, eps, H, BM, RSTD_BK)
-                _mark_after(trace_row, MARK_QKV + 2 * layer, 0, rstd, TRACE_IN)
+            rstd = _rstd(rows_in, row_ok, eps, H, BM, RSTD_BK)
+            _mark_after(trace_row, MARK_QKV + 2 * layer, 0, rstd, TRACE_IN)
             if not HOIST:  # the rows' positions and slots again in every layer
                 pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
                 slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
@@ -909,7 +838,7 @@ def _stack_step_kernel(
                 layer * ((NUM_Q + 2 * NUM_KV) * D), pid, cos_ptr, sin_ptr, pos, slot, c1, c2, s1,
                 s2, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_QKV + 2 * layer,
                 H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, TMA, ONE, HOIST, dtype,
-                OPAQUE, UPCAST, LIBDEVICE, TRACE_IN, eps, INLOOP,
+                OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -926,7 +855,7 @@ def _stack_step_kernel(
             _flat_single(
                 a_rows, attn_ptr, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, rows_in,
                 part_ptr, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False,
-                ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN, eps, False,
+                ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -935,17 +864,14 @@ def _stack_step_kernel(
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 8) != 0:  # MLP
-            if INLOOP:
-                rstd = zeros_m
-            else:
-                rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
-                _mark_after(trace_row, MARK_MLP + 2 * layer, 0, rstd, TRACE_IN)
+            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+            _mark_after(trace_row, MARK_MLP + 2 * layer, 0, rstd, TRACE_IN)
             _flat_dual(
                 h_rows, x_ptr, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), gu_desc,
                 layer * (2 * INTER), pid, cos_ptr, sin_ptr, m, m, zeros, zeros, zeros, zeros,
                 q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_MLP + 2 * layer, H,
                 NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, ONE, HOIST, dtype,
-                OPAQUE, UPCAST, LIBDEVICE, TRACE_IN, eps, INLOOP,
+                OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -954,7 +880,7 @@ def _stack_step_kernel(
             _flat_single(
                 a_rows, act_ptr, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, h_rows,
                 part_ptr, pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK,
-                False, ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN, eps, False,
+                False, ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -964,23 +890,15 @@ def _stack_step_kernel(
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         layer += 1
     if run_out != 0:
-        if HEAD and INLOOP:  # the final norm's sums inside the head product's loop
-            _flat_single(
-                h_rows, x_ptr, row_ok, zeros_m, final_ptr, head_ptr, out_ptr, h_rows, part_ptr, pid,
-                trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, ONE, False, dtype,
-                OPAQUE, UPCAST, TRACE_IN, eps, True,
-            )
-        elif HEAD:  # the final norm as the head product's prologue
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
-            _mark_after(trace_row, MARK_HEAD, 0, rstd, TRACE_IN)
+        rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
+        _mark_after(trace_row, MARK_HEAD, 0, rstd, TRACE_IN)
+        if HEAD:  # the final norm as the head product's prologue
             _flat_single(
                 h_rows, x_ptr, row_ok, rstd, final_ptr, head_ptr, out_ptr, h_rows, part_ptr, pid,
                 trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, ONE, False, dtype,
-                OPAQUE, UPCAST, TRACE_IN, eps, False,
+                OPAQUE, UPCAST, TRACE_IN,
             )
         else:
-            rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
-            _mark_after(trace_row, MARK_HEAD, 0, rstd, TRACE_IN)
             _phase_norm(x_ptr, out_ptr, n_rows, final_ptr, rstd, pid, nprog, H, BM, BN_WIDE, dtype, OPAQUE)
     if SYNC and TRACE:
         tl.debug_barrier()
@@ -1174,7 +1092,7 @@ def stack_step_triton(
 
 
 _TILES = ("BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "RSTD_BK")  # powers of two, >= 8 (BK >= 16)
-_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST", "NORM_IN_LOOP")  # 0 or 1
+_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST")  # 0 or 1
 
 
 def checked_tuning(tuning: dict) -> dict:
@@ -1280,7 +1198,7 @@ def launch_plan(
         KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
-        UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled, INLOOP=bool(tune["NORM_IN_LOOP"]),
+        UPCAST=interpret and dtype == torch.bfloat16, LIBDEVICE=compiled,
         # fp32 blocks carry twice the bytes: half the stages keep csm-1b's depth decoder within the SM's
         # shared memory (the all-rows kernel: 330 KB at 4 stages, 165 KB at 2; tests/unit/stack_step_hopper)
         num_warps=8 if fp32 else tune["num_warps"],

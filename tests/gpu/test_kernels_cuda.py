@@ -490,21 +490,6 @@ def test_stack_step_row_dots_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
     assert stack_kernel.faults("cuda") == 0
 
 
-@pytest.mark.parametrize("rows", [1, 8])
-def test_stack_step_norms_in_the_loops_at_csm_depth_shapes_on_cuda(rows: int):
-    # NORM_IN_LOOP: the one launch equals its phases bit for bit, and is within bf16 tolerance of the
-    # float64 reference (another rounding of the normed operand than the default's).
-    placed = [(r // 2, r % 2) for r in range(rows)] if rows > 2 else [(0, 3)]
-    case = make_stack_case(CSM_DEPTH, 30, placed, dtype=torch.bfloat16, way="gather" if rows > 2 else "table")
-    tuning = {"NORM_IN_LOOP": 1}
-    got = stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning=tuning))
-    assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, tuning=tuning)))
-    ref = stack_reference(case)
-    assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[torch.bfloat16]
-    assert_stack_caches(got, ref, case, STACK_TOLERANCE[torch.bfloat16])
-    assert stack_kernel.faults("cuda") == 0
-
-
 def test_stack_step_graph_replay_equals_eager_on_new_codes():
     # 31 launches in one graph (the depth loop's shape: each reads the previous one's output), and
     # the barrier counter is reset by each launch itself: replays on fresh codes equal eager runs.

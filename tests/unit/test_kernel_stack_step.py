@@ -329,39 +329,6 @@ def test_tunings_equal_the_reference(shape: str, tuning: dict):
     assert_caches(got, ref, case, TOLERANCE[torch.float32])
 
 
-IN_LOOP = {"NORM_IN_LOOP": 1}
-
-
-@pytest.mark.parametrize(
-    ("rows", "way"), [("three", "gather"), ("one", "table"), ("pairs", "x"), ("one", "x")]
-)
-@pytest.mark.parametrize("blocks", ["one", "several"])  # reduction blocks an item: the sums carried
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_norms_summed_inside_the_products_loops_equal_the_reference(shape: str, rows: str, way: str,
-                                                                    blocks: str):
-    # NORM_IN_LOOP: no norm before the normed products (QKV, gate/up, the head); their loops sum each
-    # row's squares from the slices they load anyway and scale the sums by rstd at each item's end (a
-    # scalar per row leaves the dot product). Another rounding of the operand (g * x once, instead of
-    # g * round(x * rstd)), so within tolerance of the float64 reference, not bit-equal to the twin;
-    # "x" without a head: the final norm is its own phase there. One row: the row placed in zeros.
-    case = make_case(SHAPES[shape], 12, ROWS[rows], way=way, head=way != "x" or rows == "one")
-    tuning = IN_LOOP if blocks == "one" else {**IN_LOOP, "BK": 16}
-    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
-    ref, before = reference(case), run(case, ss.stack_step_triton)
-    assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
-    assert relative_error(got.out, before.out) <= TWIN_FP32
-    assert not torch.equal(got.out, before.out)  # the loops' sums, not the norm phase's
-    assert_caches(got, ref, case, TOLERANCE[torch.float32])
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_norms_summed_inside_the_loops_in_16_bits(dtype: torch.dtype):
-    case = make_case(SHAPES["tiny_depth"], 13, ROWS["three"], dtype=dtype, way="table")
-    got, ref = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=IN_LOOP)), reference(case)
-    assert relative_error(got.out, ref.out) <= TOLERANCE[dtype]
-    assert_caches(got, ref, case, TOLERANCE[dtype])
-
-
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_tma_loads_equal_the_pointer_loads(shape: str):
     # TMA changes only how the dual products' weight tiles arrive (whole tiles, their columns past an
@@ -642,8 +609,8 @@ def test_a_failing_kernel_trips_the_latch_and_the_twin_serves(fresh_latch, monke
 @pytest.mark.parametrize(
     ("tuning", "way", "dtype"),
     [({}, "table", "bf16"), ({"TMA": 0}, "table", "bf16"), ({"ONE_ROW": 0}, "table", "bf16"),
-     ({}, "gather", "bf16"), ({"ONE_ROW": 0}, "gather", "fp32"), ({"NORM_IN_LOOP": 1}, "table", "bf16")],
-    ids=["default", "pointer_loads", "all_rows", "projection", "fp32_all_rows", "norm_in_loop"],
+     ({}, "gather", "bf16"), ({"ONE_ROW": 0}, "gather", "fp32")],
+    ids=["default", "pointer_loads", "all_rows", "projection", "fp32_all_rows"],
 )
 def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(
     tuning: dict, way: str, dtype: str
