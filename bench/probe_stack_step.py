@@ -42,6 +42,8 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
+    # gate/up and down as one loop a program over its items' intermediates (one-row calls), no DOWN phase
+    {"MLP_DOWN": 1},
     # the nearest candidate left: down blocks of 32 KB, 4 a program (133.6 and 134.8 us against 135.0 and
     # 135.4 with the default, b29e264 and 12b54d0: within the runs' spread so far)
     {"BN_DOWN": 64, "KS_DOWN": 8},
@@ -101,10 +103,13 @@ def phase_profile(call, num_layers: int, project: bool) -> dict:
 
 
 def phase_names(tuning: dict, num_layers: int, project: bool) -> list[str]:
-    """The phase before each barrier of one launch, in order, then the last (``OUT``); ``PJ`` first
-    where the call projects its rows."""
-    layer = ["QKV", "ATT", "OUT_PROJ"] + (["OUT_PROJ_REDUCE"] if tuning["KS_O"] > 1 else [])
-    layer += ["MLP", "DOWN"] + (["DOWN_REDUCE"] if tuning["KS_DOWN"] > 1 else [])
+    """The phase before each barrier of one launch of one row, in order, then the last (``OUT``);
+    ``PJ`` first where the call projects its rows."""
+    k = stack_kernel
+    names = {k.QKV: "QKV", k.ATT: "ATT", k.OUT_PROJ: "OUT_PROJ", k.OUT_PROJ_REDUCE: "OUT_PROJ_REDUCE",
+             k.MLP: "MLP", k.DOWN: "DOWN", k.DOWN_REDUCE: "DOWN_REDUCE"}
+    mlp_down = bool(tuning["MLP_DOWN"] and tuning["ONE_ROW"])  # the probe's stack has the mlp rows
+    layer = [names[phase] for phase in k.layer_phases(tuning, mlp_down)]
     return ["PJ"] * project + [*layer * num_layers, "OUT"]
 
 
@@ -182,6 +187,7 @@ def inside_breakdown(call, tuning: dict, num_layers: int, programs: int, project
         "DOWN": [(None, (down + 2 * i, 0)) for i in range(num_layers)],
         "OUT": [((head, 0), (head + 1, 0))],
     }
+    slots = {kind: marks for kind, marks in slots.items() if kind in before}  # MLP_DOWN: no DOWN phase
     keys = [(who, part) for who in ("last", "median") for part in ("norm", "loop", "tail")]
     samples = {kind: {key: [] for key in keys} for kind in slots}
     for t in traces(call, programs, 128):

@@ -61,7 +61,7 @@ Owns the ``@triton.jit`` kernel, the launcher ``stack_step_triton``, the eager t
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +132,7 @@ TUNING = {
     "ROW_PJ": 2,
     "ROW_DOT": 1,
     "HOIST": 1,
+    "MLP_DOWN": 0,
     "num_warps": 4,
     "num_stages": 4,
 }
@@ -160,6 +161,9 @@ class StackWeights:
     num_kv_heads: int
     head_dim: int
     eps: float
+    # [L, 3 INTER, H] or None: each layer's gate rows, up rows and down's transpose, with gate_up its
+    # [:, :2 INTER] view (``with_mlp_rows``): what MLP_DOWN streams as one product
+    mlp: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -172,6 +176,14 @@ class StackWeights:
     @property
     def intermediate(self) -> int:
         return self.down.shape[2]
+
+
+def with_mlp_rows(weights: StackWeights) -> StackWeights:
+    """``weights`` with ``mlp`` (each layer's gate and up rows, then down's transpose, in one [L, 3 INTER,
+    H] tensor) and ``gate_up`` as its view: down's bytes once more, for MLP_DOWN. ``Transformer.pack_weights``
+    builds the same layout in place."""
+    mlp = torch.cat([weights.gate_up, weights.down.transpose(1, 2)], dim=1).contiguous()
+    return replace(weights, gate_up=mlp[:, : 2 * weights.intermediate], mlp=mlp)
 
 
 # ---------------------------------------------------------------- kernel pieces
@@ -507,6 +519,111 @@ def _flat_dual(
 
 
 @triton.jit
+def _flat_mlp_down(
+    first_ptr, row_ok, rstd, norm_ptr, w_ptr, w_desc, row0, pid, part_ptr, trace_row, mark, down_mark,
+    H: tl.constexpr,
+    INTER: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    TMA: tl.constexpr, STAGES: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr,
+    LIBDEVICE: tl.constexpr, TRACE_IN: tl.constexpr,
+):
+    """MLP_DOWN (a call of one row): the gate/up product, SiLU*mul and the down product as one flat loop,
+    with no barrier between the two products. An item is BN intermediates: KI steps of its gate and up
+    rows (the normed row, as ``_flat_dual``), then JI steps of the same BN rows of down's transpose,
+    2 BK outputs a step; ``w_ptr`` (``w_desc``) holds each layer's gate, up and down-transposed rows
+    ([3 INTER, H] from ``row0``), so every step loads two [BN, BK] tiles of one tensor and one software
+    pipeline streams both products. The item's activations stay in registers, rounded as the twin
+    stores them, and its share of the down product (act[item] @ down[:, item].T, fp32) goes to its row
+    of parts [ITEMS, H], which ``_phase_reduce_items`` adds in a fixed order after the barrier."""
+    m = tl.arange(0, BM)
+    ITEMS: tl.constexpr = (INTER + BN - 1) // BN
+    KI: tl.constexpr = (H + BK - 1) // BK
+    JI: tl.constexpr = (H + 2 * BK - 1) // (2 * BK)
+    STEPS: tl.constexpr = KI + JI
+    rs = _first(rstd, m, 1)
+    acc1 = tl.zeros([BM, BN], tl.float32)
+    acc2 = tl.zeros([BM, BN], tl.float32)
+    act = tl.zeros([BN], dtype)
+    # tl.range's stages: its dots sit under branches, where the pipeliner would not look for the loads
+    for t in tl.range(0, ((ITEMS + NPROG - 1) // NPROG) * STEPS, num_stages=STAGES):
+        item = pid + (t // STEPS) * NPROG
+        s = t % STEPS
+        down = s >= KI
+        n = item * BN + tl.arange(0, BN)
+        n_ok = (n < INTER) & (item < ITEMS)
+        # gate/up step s: columns s BK of gate rows n and up rows INTER + n; down step d = s - KI:
+        # columns 2 d BK and (2 d + 1) BK of down's transposed rows 2 INTER + n
+        base1 = tl.where(down, 2 * INTER, 0)
+        base2 = tl.where(down, 2 * INTER, INTER)
+        col1 = tl.where(down, 2 * (s - KI) * BK, s * BK)
+        col2 = tl.where(down, (2 * (s - KI) + 1) * BK, s * BK)
+        if TMA:
+            first = tl.where(item < ITEMS, item * BN, 0)
+            w1 = w_desc.load([row0 + base1 + first, col1])
+            w2 = w_desc.load([row0 + base2 + first, col2])
+        else:
+            k1 = col1 + tl.arange(0, BK)
+            k2 = col2 + tl.arange(0, BK)
+            w1 = tl.load(
+                w_ptr + (base1 + n)[:, None] * H + k1[None, :], mask=n_ok[:, None] & (k1 < H)[None, :],
+                other=0.0, eviction_policy="evict_first",
+            )
+            w2 = tl.load(
+                w_ptr + (base2 + n)[:, None] * H + k2[None, :], mask=n_ok[:, None] & (k2 < H)[None, :],
+                other=0.0, eviction_policy="evict_first",
+            )
+        kk = tl.minimum(s, KI - 1) * BK + tl.arange(0, BK)  # the down steps reload the last block (a hit)
+        a = _operand(first_ptr, first_ptr, row_ok, kk, kk < H, rs, norm_ptr, True, 1, dtype, OPAQUE)
+        if not down:
+            acc1 = tl.where(s == 0, 0.0, acc1) + _dot(a, tl.trans(w1), UPCAST)  # an item's gate/up sums
+            acc2 = tl.where(s == 0, 0.0, acc2) + _dot(a, tl.trans(w2), UPCAST)
+        else:
+            # [BK, BN] @ [BN, 1]: down's outputs col .. col + BK as a row dot (the row's side padded to 8)
+            o1 = _dot(tl.trans(w1), act[:, None], UPCAST)
+            o2 = _dot(tl.trans(w2), act[:, None], UPCAST)
+            j1 = col1 + tl.arange(0, BK)
+            j2 = col2 + tl.arange(0, BK)
+            live = item < ITEMS
+            tl.store(part_ptr + item * H + j1[:, None], o1, mask=((j1 < H) & live)[:, None])
+            tl.store(part_ptr + item * H + j2[:, None], o2, mask=((j2 < H) & live)[:, None])
+        if s == KI - 1:  # the item's activations, rounded as the twin stores them
+            _mark(trace_row, mark, 1, TRACE_IN)
+            x1 = _round_to(acc1, dtype, OPAQUE)
+            x2 = _round_to(acc2, dtype, OPAQUE)
+            if LIBDEVICE:  # noqa: SIM108 (a constexpr branch): the silu_mul kernel's exp on CUDA
+                e = libdevice.exp(-x1)
+            else:
+                e = tl.exp(-x1)
+            silu = _round_to(tl.math.div_rn(x1, 1.0 + e), dtype, OPAQUE)
+            # row 0's; zero past the last intermediate, where a descriptor's tile holds the next rows
+            act = tl.sum(tl.where((m[:, None] == 0) & n_ok[None, :], silu * x2, 0.0), axis=0).to(dtype)
+        if s == STEPS - 1:
+            _mark(trace_row, down_mark, 0, TRACE_IN)
+
+
+@triton.jit
+def _phase_reduce_items(
+    h_ptr, res_ptr, part_ptr, pid, nprog, H: tl.constexpr, PARTS: tl.constexpr, PARTS_PAD: tl.constexpr,
+    BN: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr,
+):
+    """After MLP_DOWN: a call's one row h = the residual row (``res_ptr``) + the PARTS partial sums
+    [PARTS, H] of each output, all loaded at once and added by one fixed reduction tree (the same for
+    any grid)."""
+    p = tl.arange(0, PARTS_PAD)
+    item = pid
+    while item < (H + BN - 1) // BN:
+        n = item * BN + tl.arange(0, BN)
+        n_ok = n < H
+        parts = tl.load(
+            part_ptr + p[:, None] * H + n[None, :], mask=(p < PARTS)[:, None] & n_ok[None, :], other=0.0,
+            cache_modifier=".cg",
+        )
+        res = tl.load(res_ptr + n, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        res += _round_to(tl.sum(parts, axis=0), dtype, OPAQUE)
+        tl.store(h_ptr + n, res.to(dtype), mask=n_ok)
+        item += nprog
+
+
+@triton.jit
 def _rope_tables(cos_ptr, sin_ptr, pos, j, ok, HALF: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr):
     """The rotary tables of rows j and j + HALF of a head at each row's position (the twin's roundings)."""
     table = pos[:, None] * (2 * HALF) + j[None, :]
@@ -767,6 +884,10 @@ def _stack_step_kernel(
     ONE: tl.constexpr,
     ONE_PJ: tl.constexpr,
     ONE_PLAIN: tl.constexpr,
+    MLP_DOWN: tl.constexpr,
+    GU_ROWS: tl.constexpr,
+    PARTS_PAD: tl.constexpr,
+    STAGES: tl.constexpr,
     OPAQUE: tl.constexpr,
     UPCAST: tl.constexpr,
     LIBDEVICE: tl.constexpr,
@@ -866,16 +987,23 @@ def _stack_step_kernel(
         if (phases & 8) != 0:  # MLP
             rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             _mark_after(trace_row, MARK_MLP + 2 * layer, 0, rstd, TRACE_IN)
-            _flat_dual(
-                h_rows, x_ptr, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (2 * INTER * H), gu_desc,
-                layer * (2 * INTER), pid, cos_ptr, sin_ptr, m, m, zeros, zeros, zeros, zeros,
-                q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_MLP + 2 * layer, H,
-                NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, ONE, HOIST, dtype,
-                OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
-            )
+            if MLP_DOWN:  # with the down product: no DOWN phase
+                _flat_mlp_down(
+                    x_ptr, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (GU_ROWS * H), gu_desc,
+                    layer * GU_ROWS, pid, part_ptr, trace_row, MARK_MLP + 2 * layer, MARK_DOWN + 2 * layer, H,
+                    INTER, NPROG, BM, BN_WIDE, BK, TMA, STAGES, dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
+                )
+            else:
+                _flat_dual(
+                    h_rows, x_ptr, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (GU_ROWS * H), gu_desc,
+                    layer * GU_ROWS, pid, cos_ptr, sin_ptr, m, m, zeros, zeros, zeros, zeros,
+                    q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_MLP + 2 * layer,
+                    H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, ONE, HOIST, dtype,
+                    OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
+                )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
-        if (phases & 16) != 0:  # DOWN
+        if not MLP_DOWN and (phases & 16) != 0:  # DOWN
             a_rows = act_ptr + m * INTER
             _flat_single(
                 a_rows, act_ptr, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, h_rows,
@@ -884,8 +1012,14 @@ def _stack_step_kernel(
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
-        if KS_DOWN > 1 and (phases & 64) != 0:  # DOWN_REDUCE
-            _phase_reduce(x_ptr, h_rows, part_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, dtype, OPAQUE)
+        if (MLP_DOWN or KS_DOWN > 1) and (phases & 64) != 0:  # DOWN_REDUCE
+            if MLP_DOWN:
+                _phase_reduce_items(
+                    x_ptr, x_ptr, part_ptr, pid, nprog, H, (INTER + BN_WIDE - 1) // BN_WIDE, PARTS_PAD, 8,
+                    dtype, OPAQUE,
+                )
+            else:
+                _phase_reduce(x_ptr, h_rows, part_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, dtype, OPAQUE)
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         layer += 1
@@ -995,12 +1129,21 @@ def check(
         shapes["proj"] = (proj, (hidden, proj.shape[-1]))
     if head is not None:
         shapes["head"] = (head, (head.shape[0], hidden))
+    if weights.mlp is not None:
+        shapes["mlp"] = (weights.mlp, (num_layers, 3 * inter, hidden))
     for name, (t, shape) in shapes.items():
-        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+        # with mlp, gate_up is its view (the kernel reads mlp's rows, the twin gate_up's)
+        view = name == "gate_up" and weights.mlp is not None
+        if tuple(t.shape) != shape or t.dtype != dtype or not (t.is_contiguous() or view):
             raise ValueError(
                 f"stack_step: {name} must be a contiguous {shape} {dtype} tensor, "
                 f"got {tuple(t.shape)} {t.dtype}"
             )
+    mlp = weights.mlp
+    if mlp is not None and (
+        weights.gate_up.data_ptr() != mlp.data_ptr() or weights.gate_up.stride() != mlp.stride()
+    ):
+        raise ValueError("stack_step: gate_up must be mlp[:, :2 INTER] where the weights have mlp")
     if hq < 1 or hkv < 1 or hq % hkv or d % 2 or d > 256:
         raise ValueError(f"stack_step: need Hq a multiple of Hkv and an even D <= 256, got {hq}, {hkv}, {d}")
     for name, table in (("cos", weights.cos), ("sin", weights.sin)):
@@ -1081,9 +1224,7 @@ def stack_step_triton(
         launches += [
             (0, layer, layer + 1, phase, 0)
             for layer in range(weights.num_layers)
-            for phase in LAYER_PHASES
-            if (phase != OUT_PROJ_REDUCE or tune["KS_O"] > 1)
-            and (phase != DOWN_REDUCE or tune["KS_DOWN"] > 1)
+            for phase in layer_phases(tune, static["MLP_DOWN"])
         ]
         launches += [(0, 0, 0, 0, 1)]
     for launch in launches:  # phased: the same compiled kernel each time (what runs is an argument)
@@ -1091,8 +1232,20 @@ def stack_step_triton(
     return out
 
 
+def layer_phases(tune: dict, mlp_down: bool) -> tuple[int, ...]:
+    """The phases a layer runs, in order, under the tuning in force (``launch_plan``'s) and MLP_DOWN
+    (its static parameter): one barrier after each in the one launch."""
+    return tuple(
+        phase
+        for phase in LAYER_PHASES
+        if (phase != OUT_PROJ_REDUCE or tune["KS_O"] > 1)
+        and (phase != DOWN or not mlp_down)
+        and (phase != DOWN_REDUCE or tune["KS_DOWN"] > 1 or mlp_down)
+    )
+
+
 _TILES = ("BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "RSTD_BK")  # powers of two, >= 8 (BK >= 16)
-_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST")  # 0 or 1
+_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST", "MLP_DOWN")  # 0 or 1
 
 
 def checked_tuning(tuning: dict) -> dict:
@@ -1141,8 +1294,13 @@ def launch_plan(
     for name, width in (("KS_O", hq * d), ("KS_DOWN", inter)):
         if width % tune[name]:
             tune[name] = 1  # a split must cut the reduction into equal parts
+    one = bool(tune["ONE_ROW"]) and rows == 1
+    # MLP_DOWN: calls of one row, where the weights carry down's transpose beside gate/up (``mlp``)
+    mlp_down = bool(tune["MLP_DOWN"]) and one and weights.mlp is not None
+    items = -(-inter // tune["BN_WIDE"])  # MLP_DOWN's parts: one per item of the fused product
     part = torch.empty(
-        max(tune["KS_O"], tune["KS_DOWN"]), MAX_ROWS, hidden, dtype=torch.float32, device=device
+        max(tune["KS_O"] * MAX_ROWS, tune["KS_DOWN"] * MAX_ROWS, items if mlp_down else 0), hidden,
+        dtype=torch.float32, device=device,
     )
     num_out = hidden if head is None else head.shape[0]
     out = torch.empty(rows, num_out, dtype=dtype, device=device)
@@ -1152,19 +1310,22 @@ def launch_plan(
     rstd_block = min(tune["RSTD_BK"], max(16, triton.next_power_of_2(hidden)))
     # TMA: the dual products' weight tiles through tensor descriptors, where their rows are 16-byte
     # aligned (as the hardware needs); else the pointer loads (the descriptors' places get the weights)
+    # gate/up's rows: those of ``mlp`` where the weights have it (each layer's gate, up and down's
+    # transpose: 3 INTER rows a layer), else gate_up's (2 INTER a layer)
+    gate_up = weights.mlp if weights.mlp is not None else weights.gate_up
     tma = bool(tune["TMA"]) and all(
-        w.data_ptr() % 16 == 0 and hidden * w.element_size() % 16 == 0 for w in (weights.qkv, weights.gate_up)
+        w.data_ptr() % 16 == 0 and hidden * w.element_size() % 16 == 0 for w in (weights.qkv, gate_up)
     )
     if tma:
         descriptors = (
             TensorDescriptor.from_tensor(weights.qkv.reshape(-1, hidden), [tune["BN_QKV"], block_k]),
-            TensorDescriptor.from_tensor(weights.gate_up.reshape(-1, hidden), [tune["BN_WIDE"], block_k]),
+            TensorDescriptor.from_tensor(gate_up.reshape(-1, hidden), [tune["BN_WIDE"], block_k]),
         )
     else:
-        descriptors = (weights.qkv, weights.gate_up)
+        descriptors = (weights.qkv, gate_up)
     trace_slots = 64
     if trace is not None:
-        per_layer = 5 + (tune["KS_O"] > 1) + (tune["KS_DOWN"] > 1)
+        per_layer = len(layer_phases(tune, mlp_down))
         barriers = (proj is not None) + weights.num_layers * per_layer
         trace_slots = trace.shape[1] if trace.dim() == 3 and trace.shape[1] in (64, 128) else 64
         if not compiled or trace.dtype != torch.int64 or tuple(trace.shape) != (grid[0], trace_slots, 2) or (
@@ -1175,11 +1336,10 @@ def launch_plan(
             )
         if barriers + 1 >= 64:
             raise ValueError(f"stack_step: trace holds 62 barriers, this stack has {barriers}")
-    one = bool(tune["ONE_ROW"]) and rows == 1
     args = (
         src if src is not None else residual, src.stride(0) if src is not None else 0,
         codes if codes is not None else slots, proj if proj is not None else residual, residual, weights.qkv,
-        weights.o, weights.gate_up, weights.down, weights.input_norm, weights.post_norm, weights.final_norm,
+        weights.o, gate_up, weights.down, weights.input_norm, weights.post_norm, weights.final_norm,
         head if head is not None else weights.final_norm, weights.cos, weights.sin, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), slots, positions, lengths,
         q, attn, act, part, out, _sync_buffer(device),
@@ -1195,6 +1355,7 @@ def launch_plan(
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
         HOIST=bool(tune["HOIST"]), ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
         ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,
+        MLP_DOWN=mlp_down, GU_ROWS=gate_up.shape[1], PARTS_PAD=triton.next_power_of_2(items),
         KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
@@ -1204,6 +1365,7 @@ def launch_plan(
         num_warps=8 if fp32 else tune["num_warps"],
         num_stages=max(1, tune["num_stages"] // 2) if fp32 else tune["num_stages"],
     )
+    static["STAGES"] = static["num_stages"]  # MLP_DOWN's loop asks for them by name (tl.range)
     return args, static, grid, out, tune
 
 

@@ -6,6 +6,7 @@ with CUDA graphs. Skipped without CUDA (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import random
 
@@ -488,6 +489,22 @@ def test_stack_step_row_dots_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
     assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[dtype]
     assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
     assert stack_kernel.faults("cuda") == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_stack_step_mlp_down_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
+    # MLP_DOWN streams gate/up and down's transpose (the weights' mlp rows) in one loop a program and
+    # adds the items' parts of the down product after the barrier: another summation order, so within
+    # tolerance of the float64 reference; the one launch equals its phases, and the pointer loads
+    # the descriptors, bit for bit. fp32 (the exactness runs' reference) at half the stages.
+    case = make_stack_case(CSM_DEPTH, 27, [(0, 3)], dtype=dtype, way="table")  # depth calls 2 .. 31
+    case = dataclasses.replace(case, weights=stack_kernel.with_mlp_rows(case.weights))
+    on = {"MLP_DOWN": 1}
+    assert stack_kernel.launch_plan(*case.args, **case.inputs, tuning=on)[1]["MLP_DOWN"]
+    assert_knob_keeps_the_bits(case, on, {"MLP_DOWN": 1, "TMA": 0})
+    got, ref = stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning=on)), stack_reference(case)
+    assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[dtype]
+    assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
 
 
 def test_stack_step_graph_replay_equals_eager_on_new_codes():

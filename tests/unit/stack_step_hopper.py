@@ -56,6 +56,7 @@ def compile_kernel(tuning: dict | None = None, way: str = "table"):
         input_norm=meta(LAYERS, HIDDEN), post_norm=meta(LAYERS, HIDDEN), final_norm=meta(HIDDEN),
         cos=meta(64, d, dtype=torch.float32), sin=meta(64, d, dtype=torch.float32), num_q_heads=NUM_Q,
         num_kv_heads=NUM_KV, head_dim=d, eps=1e-5)
+    weights = ss.with_mlp_rows(weights)  # as the depth decoder packs them (MLP_DOWN reads mlp)
     cache = meta(LAYERS, SLOTS, MAX_LEN, NUM_KV, d)
     index = meta(1, dtype=torch.int64)
     if way not in ("table", "gather"):
@@ -93,15 +94,17 @@ def compile_kernel(tuning: dict | None = None, way: str = "table"):
     return compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def registers(ptx: str, ptxas: Path) -> int | None:
+def registers(ptx: str, ptxas: Path) -> tuple[int | None, int | None]:
+    """Registers a thread and bytes of register spill stores, from ptxas -v (None without ptxas)."""
     if not ptxas.exists():
-        return None
+        return None, None
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "kernel.ptx"
         source.write_text(ptx)
         command = [str(ptxas), "-arch=sm_90a", "-v", str(source), "-o", str(Path(tmp) / "k.cubin")]
         report = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stderr
-    return int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return int(re.search(r"Used (\d+) registers", report).group(1)), int(spills.group(1)) if spills else 0
 
 
 def main() -> None:
@@ -112,8 +115,9 @@ def main() -> None:
                             sys.argv[2] if len(sys.argv) > 2 else "table")
     ptx = kernel.asm["ptx"]
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    regs, spills = registers(ptx, ptxas)
     print(json.dumps({"shared_bytes": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
-                      "registers": registers(ptx, ptxas), "ptxas": str(ptxas),
+                      "registers": regs, "spill_store_bytes": spills, "ptxas": str(ptxas),
                       "barrier_atomics": "atom.global" in ptx, "pipelined_loads": "cp.async" in ptx,
                       "acquire_waits": ptx.count("ld.acquire.gpu.global"),
                       "tma_copies": ptx.count("cp.async.bulk.tensor")}))

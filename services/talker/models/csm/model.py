@@ -171,11 +171,13 @@ class CsmTalker(nn.Module):
 
     def pack_weights(self) -> None:
         """Switches frames to the fused path: packs both stacks' QKV and gate/up weights into
-        views of one tensor each (no extra memory), pads the codebook head, and projects codebooks
+        views of one tensor each (no extra memory; the depth decoder's gate/up rows followed by its
+        down weights transposed, their bytes once more: 67 MB for csm-1b in bf16), pads the codebook
+        head, and projects codebooks
         1 .. N-2's embedding tables (``_depth_inputs``: the inputs of depth calls 2 .. N-1). Call once
         the model has its final device and dtype. Prefill keeps the plain path either way."""
         self.backbone_model.pack_weights()
-        self.depth_decoder.model.pack_weights()
+        self.depth_decoder.model.pack_weights(mlp_rows=True)  # stack_step's MLP_DOWN reads down's transpose
         # The head [N-1, H, V] as a view of [N-1, V_pad, H] with V padded to a multiple of 8 by
         # zero rows: each codebook's product then writes aligned [B, V_pad] logits (V = 2051 is
         # odd, which sends the library to a slow unaligned kernel), read back as [:, :V].

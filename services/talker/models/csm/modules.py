@@ -101,16 +101,17 @@ class KVCache:
         return self.k.shape[1]
 
 
-def stack_linears(groups: list[list[nn.Linear]]) -> torch.Tensor:
+def stack_linears(groups: list[list[nn.Linear]], extra_rows: int = 0) -> torch.Tensor:
     """Stacks groups of linears into one [len(groups), sum(out), in] tensor (each group's weights
     concatenated) and makes each weight a view of its rows, so one product computes a group and
     one pointer reaches every layer, with no memory duplicated: each weight is copied in and then
     let go, so the move costs at most one weight's extra memory. Run after the model has its final
     device and dtype (``.to`` afterwards would copy the views apart). Every group must have the
-    same shapes (a stack's layers do)."""
+    same shapes (a stack's layers do). ``extra_rows``: that many rows more per group, after the
+    group's weights, left for the caller to fill."""
     first = groups[0][0].weight
     rows = sum(linear.weight.shape[0] for linear in groups[0])
-    packed = first.new_empty(len(groups), rows, first.shape[1])
+    packed = first.new_empty(len(groups), rows + extra_rows, first.shape[1])
     for i, group in enumerate(groups):
         start = 0
         for linear in group:
@@ -243,20 +244,27 @@ class Transformer(nn.Module):
     def packed(self) -> bool:
         return self.layers[0].self_attn.qkv_weight is not None
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, mlp_rows: bool = False) -> None:
         """Packs QKV and gate/up for ``forward_rows`` and stacks every layer's weights for
-        ``stack_step`` (``self.stack``); all views, no extra memory (idempotent)."""
+        ``stack_step`` (``self.stack``); all views, no extra memory (idempotent). ``mlp_rows``: each
+        layer's gate/up rows are followed by down's transpose (``StackWeights.mlp``, which ``stack_step``
+        streams with gate/up in one loop for calls of one row): down's bytes once more."""
         if self.packed:
             return
         layers = list(self.layers)
         attention = [la.self_attn for la in layers]
         qkv = stack_linears([[at.q_proj, at.k_proj, at.v_proj] for at in attention])
-        gate_up = stack_linears([[la.mlp.gate_proj, la.mlp.up_proj] for la in layers])
+        inter = self.cfg.intermediate_size
+        mlp = stack_linears([[la.mlp.gate_proj, la.mlp.up_proj] for la in layers], inter if mlp_rows else 0)
+        gate_up = mlp[:, : 2 * inter]
         for i, layer in enumerate(layers):
             layer.self_attn.qkv_weight = qkv[i]
             layer.mlp.gate_up_weight = gate_up[i]
+            if mlp_rows:
+                mlp[i, 2 * inter :].copy_(layer.mlp.down_proj.weight.detach().t())
         self.stack = StackWeights(
             qkv=qkv, o=stack_linears([[la.self_attn.o_proj] for la in layers]), gate_up=gate_up,
+            mlp=mlp if mlp_rows else None,
             down=stack_linears([[la.mlp.down_proj] for la in layers]),
             input_norm=_stack_norms([la.input_layernorm for la in layers]),
             post_norm=_stack_norms([la.post_attention_layernorm for la in layers]),
