@@ -20,7 +20,10 @@ split into work items the programs share, with a grid-wide barrier between phase
   ``MLP``: RMSNorm prologue, gate and up products, SiLU*mul;
   ``DOWN``: the down product plus the residual add, its reduction split in ``KS_DOWN`` parts
   whose fp32 partial sums a ``DOWN_REDUCE`` phase adds in a fixed order (so the result does not
-  depend on the grid);
+  depend on the grid); with ``MLP_DOWN`` (calls of one row whose weights carry down's transpose
+  beside gate/up, ``StackWeights.mlp``) there is no DOWN phase: each MLP item (BN_WIDE intermediates)
+  goes on from its gate/up rows to the same rows of down's transpose in one loop, and DOWN_REDUCE
+  adds the items' parts;
 * ``OUT``: the final norm, written out, or as the prologue of the head product (logits).
 
 Every item recomputes the row norms it needs from the residual stream (rows <= 16, so the sums
@@ -39,7 +42,7 @@ then on that launch's results are wrong, and ``faults`` (a host sync) says so; t
 kernel must not overlap: one stream per device.
 
 Where it pays (bench/README.md): on the H200 a call of 1 to 16 rows is faster than the nine-launch
-layers (135 against 204 us at one row from a projected table, fb196f8; 165 against 191 at eight,
+layers (126.5 against 206.8 us at one row from a projected table, de5b303; 165 against 191 at eight,
 a800258), so the CSM talker sends every call of up to ``STACK_STEP_ROWS`` (16) rows here. ``trace``
 times each program at each barrier from inside the launch, and with 128 slots also inside the product
 phases (when a norm's sums are done, when the last epilogue starts), which is how
@@ -116,7 +119,10 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # The down product's parts added by the last program to arrive (a counter per output tile) instead of a
 # reduce phase after a barrier: 135.0 us against 134.8, its atomic and loads as long as the two (b29e264).
 # The parts added by the next norm's loads into each program's own copy of the rows instead (no reduce
-# phase, no barrier): 145.5 us against 135.4, the norms 1.9 us slower a layer (12b54d0).
+# phase, no barrier): 145.5 us against 135.4, the norms 1.9 us slower a layer (12b54d0). MLP_DOWN (calls of
+# one row, weights with mlp rows): gate/up and down as one loop a program over its items' intermediates,
+# no DOWN phase and no barrier between the products: 126.5 us against 136.1 (de5b303); the MLP's span 15.3
+# us a layer against 11.3 + 6.1 for gate/up and down, the reduce 1.2 against 0.7 (256 parts, not 4).
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -132,7 +138,7 @@ TUNING = {
     "ROW_PJ": 2,
     "ROW_DOT": 1,
     "HOIST": 1,
-    "MLP_DOWN": 0,
+    "MLP_DOWN": 1,
     "num_warps": 4,
     "num_stages": 4,
 }

@@ -902,6 +902,23 @@ def test_projected_depth_inputs_are_each_codes_projected_embedding(talkers):
     assert half._depth_inputs.dtype == torch.bfloat16 and torch.equal(half._depth_inputs[n - 3], want)
 
 
+def test_the_depth_stack_carries_downs_transpose_beside_gate_up(talkers):
+    # pack_weights lays each depth layer's gate and up rows and then down's transpose in one tensor
+    # (stack_step's MLP_DOWN streams them as one product); gate_up, the linears and forward_rows read
+    # views of it; the backbone, which stack_step does not take, keeps no copy.
+    plain, fused = talkers
+    depth, backbone = fused.depth_decoder.model, fused.backbone_model
+    stack, inter = depth.stack, depth.cfg.intermediate_size
+    assert stack.mlp is not None and stack.mlp.shape == (len(depth.layers), 3 * inter, depth.cfg.hidden_size)
+    assert stack.gate_up.data_ptr() == stack.mlp.data_ptr() and stack.gate_up.shape[1] == 2 * inter
+    for i, layer in enumerate(depth.layers):
+        assert torch.equal(stack.mlp[i, 2 * inter:], layer.mlp.down_proj.weight.t())
+        assert torch.equal(stack.mlp[i, :inter], plain.depth_decoder.model.layers[i].mlp.gate_proj.weight)
+        assert layer.mlp.gate_up_weight.data_ptr() == stack.mlp[i].data_ptr()
+        assert layer.mlp.up_proj.weight.data_ptr() == stack.mlp[i, inter:].data_ptr()
+    assert backbone.stack.mlp is None
+
+
 def test_fused_frames_read_the_projected_inputs_and_can_project_instead(talkers, plain_codes, monkeypatch):
     # The frames read the projected rows (zeroed rows change the codes), and with PROJECTED_INPUTS off
     # each depth call projects its embedding rows again, with the same codes.

@@ -94,9 +94,10 @@ class Case:
             k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v)
             for k, v in self.inputs.items()
         }
+        weights = replace(w, **cast, mlp=None)
         return replace(
             self,
-            weights=replace(w, **cast),
+            weights=weights if w.mlp is None else ss.with_mlp_rows(weights),
             k_cache=self.k_cache.to(dtype),
             v_cache=self.v_cache.to(dtype),
             inputs=inputs,
@@ -388,6 +389,61 @@ def test_one_row_is_for_calls_of_one_row():
     assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (0, 0, 0)
 
 
+def with_mlp(case: Case) -> Case:
+    """The case with the mlp rows (gate, up, down's transpose) the depth decoder packs."""
+    return replace(case, weights=ss.with_mlp_rows(case.weights))
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_mlp_down_equals_the_twin_and_reference(shape: str, way: str):
+    # MLP_DOWN (the default for one-row calls whose weights carry the mlp rows): gate/up and the down
+    # product in one loop a program, the items' parts of the down product added after the barrier.
+    # Another summation order, so within tolerance of the twin and the reference. At hidden 100 the
+    # descriptors' tiles reach past the last intermediate into the next rows, whose activations must
+    # count as zero.
+    case = with_mlp(make_case(SHAPES[shape], 28, ROWS["one"], way=way, head=way != "x"))
+    plan = ss.launch_plan(*case.args, **case.inputs, compiled=False)[1]
+    assert plan["MLP_DOWN"] and plan["GU_ROWS"] == 3 * SHAPES[shape].inter
+    got = run(case, ss.stack_step_triton)
+    twin, ref = run(case, ss.stack_step_eager), reference(case)
+    assert relative_error(got.out, twin.out) <= TWIN_FP32
+    assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
+    assert_caches(got, ref, case, TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_mlp_down_descriptors_equal_its_pointer_loads_and_the_mlp_rows_keep_the_rest(shape: str):
+    # The descriptors change only how MLP_DOWN's tiles arrive: bit for bit the pointer loads. And the
+    # mlp rows alone (MLP_DOWN off) change only where gate/up's rows are read: the same bits as without.
+    case = make_case(SHAPES[shape], 29, ROWS["one"], way="table")
+    packed = with_mlp(case)
+    got = run(packed, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": 1}))
+    want = run(packed, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": 0}))
+    assert torch.equal(got.out, want.out)
+    off = {"MLP_DOWN": 0}
+    assert torch.equal(
+        run(packed, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=off)).out,
+        run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=off)).out,
+    )
+
+
+def test_mlp_down_is_for_one_row_calls_whose_weights_carry_the_mlp_rows():
+    one = with_mlp(make_case(SHAPES["tiny_depth"], 19, ROWS["one"], way="table"))
+    three = with_mlp(make_case(SHAPES["tiny_depth"], 19, ROWS["three"], way="gather"))
+    bare = make_case(SHAPES["tiny_depth"], 19, ROWS["one"], way="table")
+
+    def plan(case, **tuning):
+        return ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)[1]
+
+    assert plan(one)["MLP_DOWN"]
+    assert not plan(three)["MLP_DOWN"] and not plan(bare)["MLP_DOWN"]
+    assert not plan(one, MLP_DOWN=0)["MLP_DOWN"] and not plan(one, ONE_ROW=0)["MLP_DOWN"]
+    # its layers run no DOWN phase, and a reduce phase whatever KS_DOWN says
+    phases = ss.layer_phases({**ss.TUNING, "KS_DOWN": 1}, True)
+    assert ss.DOWN not in phases and ss.DOWN_REDUCE in phases
+
+
 @pytest.mark.parametrize(
     ("tuning", "named"),
     [
@@ -491,6 +547,16 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
         ("no x and no proj", dict(proj=None, src=None, codes=None), "x"),
         ("x beside src", dict(x=torch.zeros(3, shape.hidden, device=DEVICE)), "x, or src"),
         ("a table of another width", dict(proj=None), "src must be"),
+        (
+            "gate_up apart from the mlp rows",
+            dict(weights=replace(ss.with_mlp_rows(w), gate_up=w.gate_up)),
+            "gate_up must be mlp",
+        ),
+        (
+            "mlp rows of another width",
+            dict(weights=replace(ss.with_mlp_rows(w), mlp=ss.with_mlp_rows(w).mlp[:, :, :-1])),
+            "mlp",
+        ),
     ]
 
 
