@@ -42,11 +42,13 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
-    # gate/up and down as one loop a program over its items' intermediates (one-row calls), no DOWN phase
-    {"MLP_DOWN": 1},
-    # the nearest candidate left: down blocks of 32 KB, 4 a program (133.6 and 134.8 us against 135.0 and
-    # 135.4 with the default, b29e264 and 12b54d0: within the runs' spread so far)
-    {"BN_DOWN": 64, "KS_DOWN": 8},
+    # fewer, longer steps for the one-row normed products (QKV's and the head's loops: 4 steps of 256)
+    {"BK_QKV": 512},
+    {"BK_HEAD": 512},
+    {"BK_QKV": 512, "BK_HEAD": 512},
+    {"BK_HEAD": 1024},
+    # gate/up and down in two phases again (MLP_DOWN's predecessor)
+    {"MLP_DOWN": 0},
 ]
 TRACE_CALLS = 20
 

@@ -130,6 +130,8 @@ TUNING = {
     "BN_DOWN": 32,
     "BN_HEAD": 16,
     "BK": 256,
+    "BK_QKV": 256,
+    "BK_HEAD": 256,
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,
@@ -873,6 +875,8 @@ def _stack_step_kernel(
     BN_DOWN: tl.constexpr,
     BN_HEAD: tl.constexpr,
     BK: tl.constexpr,
+    BK_QKV: tl.constexpr,
+    BK_HEAD: tl.constexpr,
     RSTD_BK: tl.constexpr,
     KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
@@ -964,7 +968,7 @@ def _stack_step_kernel(
                 qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H), qkv_desc,
                 layer * ((NUM_Q + 2 * NUM_KV) * D), pid, cos_ptr, sin_ptr, pos, slot, c1, c2, s1,
                 s2, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_QKV + 2 * layer,
-                H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK, False, TMA, ONE, HOIST, dtype,
+                H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK_QKV, False, TMA, ONE, HOIST, dtype,
                 OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
@@ -1035,7 +1039,7 @@ def _stack_step_kernel(
         if HEAD:  # the final norm as the head product's prologue
             _flat_single(
                 h_rows, x_ptr, row_ok, rstd, final_ptr, head_ptr, out_ptr, h_rows, part_ptr, pid,
-                trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, ONE, False, dtype,
+                trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK_HEAD, True, ONE, False, dtype,
                 OPAQUE, UPCAST, TRACE_IN,
             )
         else:
@@ -1250,7 +1254,8 @@ def layer_phases(tune: dict, mlp_down: bool) -> tuple[int, ...]:
     )
 
 
-_TILES = ("BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "RSTD_BK")  # powers of two, >= 8 (BK >= 16)
+# powers of two, >= 8 (the BK's >= 16)
+_TILES = ("BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "BK_QKV", "BK_HEAD", "RSTD_BK")
 _SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST", "MLP_DOWN")  # 0 or 1
 
 
@@ -1263,7 +1268,7 @@ def checked_tuning(tuning: dict) -> dict:
         if not isinstance(value, int) or (isinstance(value, bool) and key not in _SWITCHES):
             raise ValueError(f"stack_step: tuning {key} must be an int, got {value!r}")
         ok = {
-            **{name: value >= (16 if name == "BK" else 8) and value & (value - 1) == 0 for name in _TILES},
+            **{name: value >= (16 if "BK" in name else 8) and value & (value - 1) == 0 for name in _TILES},
             **{name: value in (0, 1) for name in _SWITCHES},
             "ROW_PJ": value in (0, 1, 2),
             "KS_O": value >= 1,
@@ -1312,7 +1317,9 @@ def launch_plan(
     out = torch.empty(rows, num_out, dtype=dtype, device=device)
     grid = (num_programs or _num_programs(device),)
     fp32 = dtype == torch.float32
-    block_k = min(tune["BK"], max(16, triton.next_power_of_2(hidden)))
+    block_k, block_qkv, block_head = (
+        min(tune[name], max(16, triton.next_power_of_2(hidden))) for name in ("BK", "BK_QKV", "BK_HEAD")
+    )
     rstd_block = min(tune["RSTD_BK"], max(16, triton.next_power_of_2(hidden)))
     # TMA: the dual products' weight tiles through tensor descriptors, where their rows are 16-byte
     # aligned (as the hardware needs); else the pointer loads (the descriptors' places get the weights)
@@ -1324,7 +1331,7 @@ def launch_plan(
     )
     if tma:
         descriptors = (
-            TensorDescriptor.from_tensor(weights.qkv.reshape(-1, hidden), [tune["BN_QKV"], block_k]),
+            TensorDescriptor.from_tensor(weights.qkv.reshape(-1, hidden), [tune["BN_QKV"], block_qkv]),
             TensorDescriptor.from_tensor(gate_up.reshape(-1, hidden), [tune["BN_WIDE"], block_k]),
         )
     else:
@@ -1357,7 +1364,7 @@ def launch_plan(
         BLOCK_D=max(16, triton.next_power_of_2(d)), GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)),
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
-        BN_HEAD=tune["BN_HEAD"], BK=block_k, RSTD_BK=rstd_block,
+        BN_HEAD=tune["BN_HEAD"], BK=block_k, BK_QKV=block_qkv, BK_HEAD=block_head, RSTD_BK=rstd_block,
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
         HOIST=bool(tune["HOIST"]), ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
         ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,
