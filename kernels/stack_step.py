@@ -123,6 +123,9 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # one row, weights with mlp rows): gate/up and down as one loop a program over its items' intermediates,
 # no DOWN phase and no barrier between the products: 126.5 us against 136.1 (de5b303); the MLP's span 15.3
 # us a layer against 11.3 + 6.1 for gate/up and down, the reduce 1.2 against 0.7 (256 parts, not 4).
+# BK_QKV and BK_HEAD: QKV's and the head's reduction blocks. QKV in 2 steps of 512: 125.3 us against
+# 126.9 (f5c2bf5; its span 5.62 -> 5.31 us a layer); the head at 512 127.3, at 1024 133.6 (112 bytes of
+# spills), so the head keeps 256.
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -130,7 +133,7 @@ TUNING = {
     "BN_DOWN": 32,
     "BN_HEAD": 16,
     "BK": 256,
-    "BK_QKV": 256,
+    "BK_QKV": 512,
     "BK_HEAD": 256,
     "RSTD_BK": 256,
     "KS_O": 1,
