@@ -125,7 +125,8 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # us a layer against 11.3 + 6.1 for gate/up and down, the reduce 1.2 against 0.7 (256 parts, not 4).
 # BK_QKV and BK_HEAD: QKV's and the head's reduction blocks. QKV in 2 steps of 512: 125.3 us against
 # 126.9 (f5c2bf5; its span 5.62 -> 5.31 us a layer); the head at 512 127.3, at 1024 133.6 (112 bytes of
-# spills), so the head keeps 256.
+# spills), so the head keeps 256. MLP_DOWN's loop at 512 compiles with 564 bytes of spills (sm_90).
+# These three apply to one-row calls; calls of more rows take BK (QKV at 512 there: B=8 6.17 -> 6.61 ms).
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -134,6 +135,7 @@ TUNING = {
     "BN_HEAD": 16,
     "BK": 256,
     "BK_QKV": 512,
+    "BK_O": 256,
     "BK_HEAD": 256,
     "RSTD_BK": 256,
     "KS_O": 1,
@@ -879,6 +881,7 @@ def _stack_step_kernel(
     BN_HEAD: tl.constexpr,
     BK: tl.constexpr,
     BK_QKV: tl.constexpr,
+    BK_O: tl.constexpr,
     BK_HEAD: tl.constexpr,
     RSTD_BK: tl.constexpr,
     KS_O: tl.constexpr,
@@ -988,7 +991,7 @@ def _stack_step_kernel(
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
                 a_rows, attn_ptr, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, rows_in,
-                part_ptr, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False,
+                part_ptr, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK_O, False,
                 ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
@@ -1003,8 +1006,9 @@ def _stack_step_kernel(
             if MLP_DOWN:  # with the down product: no DOWN phase
                 _flat_mlp_down(
                     x_ptr, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (GU_ROWS * H), gu_desc,
-                    layer * GU_ROWS, pid, part_ptr, trace_row, MARK_MLP + 2 * layer, MARK_DOWN + 2 * layer, H,
-                    INTER, NPROG, BM, BN_WIDE, BK, TMA, STAGES, dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
+                    layer * GU_ROWS, pid, part_ptr, trace_row, MARK_MLP + 2 * layer, MARK_DOWN + 2 * layer,
+                    H, INTER, NPROG, BM, BN_WIDE, BK, TMA, STAGES, dtype, OPAQUE, UPCAST, LIBDEVICE,
+                    TRACE_IN,
                 )
             else:
                 _flat_dual(
@@ -1258,7 +1262,9 @@ def layer_phases(tune: dict, mlp_down: bool) -> tuple[int, ...]:
 
 
 # powers of two, >= 8 (the BK's >= 16)
-_TILES = ("BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "BK_QKV", "BK_HEAD", "RSTD_BK")
+_TILES = (
+    "BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "BK_QKV", "BK_O", "BK_HEAD", "RSTD_BK"
+)
 _SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST", "MLP_DOWN")  # 0 or 1
 
 
@@ -1320,8 +1326,11 @@ def launch_plan(
     out = torch.empty(rows, num_out, dtype=dtype, device=device)
     grid = (num_programs or _num_programs(device),)
     fp32 = dtype == torch.float32
-    block_k, block_qkv, block_head = (
-        min(tune[name], max(16, triton.next_power_of_2(hidden))) for name in ("BK", "BK_QKV", "BK_HEAD")
+    # one-row calls' own blocks for QKV, the output product and the head (fewer steps of their operand
+    # work); calls of more rows take BK everywhere (QKV at 512 there: B=8 6.17 -> 6.61 ms, 6a9ed06)
+    block_k, block_qkv, block_o, block_head = (
+        min(tune[name] if one else tune["BK"], max(16, triton.next_power_of_2(hidden)))
+        for name in ("BK", "BK_QKV", "BK_O", "BK_HEAD")
     )
     rstd_block = min(tune["RSTD_BK"], max(16, triton.next_power_of_2(hidden)))
     # TMA: the dual products' weight tiles through tensor descriptors, where their rows are 16-byte
@@ -1335,7 +1344,9 @@ def launch_plan(
     if tma:
         descriptors = (
             TensorDescriptor.from_tensor(weights.qkv.reshape(-1, hidden), [tune["BN_QKV"], block_qkv]),
-            TensorDescriptor.from_tensor(gate_up.reshape(-1, hidden), [tune["BN_WIDE"], block_k]),
+            TensorDescriptor.from_tensor(
+                gate_up.reshape(-1, hidden), [tune["BN_WIDE"], block_k]
+            ),
         )
     else:
         descriptors = (weights.qkv, gate_up)
@@ -1367,7 +1378,8 @@ def launch_plan(
         BLOCK_D=max(16, triton.next_power_of_2(d)), GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)),
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
-        BN_HEAD=tune["BN_HEAD"], BK=block_k, BK_QKV=block_qkv, BK_HEAD=block_head, RSTD_BK=rstd_block,
+        BN_HEAD=tune["BN_HEAD"], BK=block_k, BK_QKV=block_qkv, BK_O=block_o, BK_HEAD=block_head,
+        RSTD_BK=rstd_block,
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
         HOIST=bool(tune["HOIST"]), ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
         ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,

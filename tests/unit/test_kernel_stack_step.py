@@ -444,6 +444,24 @@ def test_mlp_down_is_for_one_row_calls_whose_weights_carry_the_mlp_rows():
     assert ss.DOWN not in phases and ss.DOWN_REDUCE in phases
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_one_row_blocks_apply_to_calls_of_one_row_and_equal_the_reference(shape: str):
+    # BK_QKV, BK_O and BK_HEAD set a one-row call's reduction blocks for QKV, the output product and the
+    # head (other blocks than BK, so their loops run other step counts); calls of more rows take BK.
+    tuning = {"BK": 32, "BK_QKV": 64, "BK_O": 16, "BK_HEAD": 128}
+    one = with_mlp(make_case(SHAPES[shape], 30, ROWS["one"], way="table"))
+    three = make_case(SHAPES[shape], 30, ROWS["three"], way="gather")
+    blocks = ("BK", "BK_QKV", "BK_O", "BK_HEAD")
+    plan = ss.launch_plan(*one.args, **one.inputs, tuning=tuning, compiled=False)[1]
+    cap = 1 << (SHAPES[shape].hidden - 1).bit_length()  # a block never passes the row's width
+    assert [plan[b] for b in blocks] == [min(tuning[b], cap) for b in blocks]
+    plan = ss.launch_plan(*three.args, **three.inputs, tuning=tuning, compiled=False)[1]
+    assert [plan[b] for b in blocks] == [32] * 4
+    got, ref = run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning)), reference(one)
+    assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
+    assert_caches(got, ref, one, TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize(
     ("tuning", "named"),
     [
