@@ -42,11 +42,9 @@ from kernels import stack_step as stack_kernel
 ROWS = [1, 8, 16]
 CALLS = 31
 SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
-    # the output product in 2 steps of 512 (84 bytes of spills, sm_90)
-    {"BK_O": 512},
-    # the head in 2 steps of 512 (127.3 us against 126.9 with QKV at 256, f5c2bf5: within the spread)
-    {"BK_HEAD": 512},
-    # gate/up and down in two phases again (MLP_DOWN's predecessor: 135.0 against 126.9, f5c2bf5)
+    # attention inside the output product's programs for one-row calls: no ATT phase, no barrier after it
+    {"ATT_IN": 1},
+    # gate/up and down in two phases again (MLP_DOWN's predecessor: 133.7 against 125.3, fb5e923)
     {"MLP_DOWN": 0},
 ]
 TRACE_CALLS = 20
@@ -110,7 +108,8 @@ def phase_names(tuning: dict, num_layers: int, project: bool) -> list[str]:
     names = {k.QKV: "QKV", k.ATT: "ATT", k.OUT_PROJ: "OUT_PROJ", k.OUT_PROJ_REDUCE: "OUT_PROJ_REDUCE",
              k.MLP: "MLP", k.DOWN: "DOWN", k.DOWN_REDUCE: "DOWN_REDUCE"}
     mlp_down = bool(tuning["MLP_DOWN"] and tuning["ONE_ROW"])  # the probe's stack has the mlp rows
-    layer = [names[phase] for phase in k.layer_phases(tuning, mlp_down)]
+    att_in = bool(tuning["ATT_IN"] and tuning["ONE_ROW"] and tuning["ROW_DOT"])
+    layer = [names[phase] for phase in k.layer_phases(tuning, mlp_down, att_in)]
     return ["PJ"] * project + [*layer * num_layers, "OUT"]
 
 

@@ -123,10 +123,11 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # one row, weights with mlp rows): gate/up and down as one loop a program over its items' intermediates,
 # no DOWN phase and no barrier between the products: 126.5 us against 136.1 (de5b303); the MLP's span 15.3
 # us a layer against 11.3 + 6.1 for gate/up and down, the reduce 1.2 against 0.7 (256 parts, not 4).
-# BK_QKV and BK_HEAD: QKV's and the head's reduction blocks. QKV in 2 steps of 512: 125.3 us against
-# 126.9 (f5c2bf5; its span 5.62 -> 5.31 us a layer); the head at 512 127.3, at 1024 133.6 (112 bytes of
-# spills), so the head keeps 256. MLP_DOWN's loop at 512 compiles with 564 bytes of spills (sm_90).
-# These three apply to one-row calls; calls of more rows take BK (QKV at 512 there: B=8 6.17 -> 6.61 ms).
+# BK_QKV: QKV's reduction block in one-row calls (calls of more rows take BK: QKV at 512 there made B=8
+# 6.17 -> 6.61 ms). In 2 steps of 512: 125.3 us against 126.9 (f5c2bf5 and fb5e923; its span 5.62 -> 5.31
+# us a layer). The same for the head measured 127.3 and 125.4 against 126.9 and 125.3 at 512, 133.6 at 1024
+# (112 bytes of spills), and for the output product 133.7 at 512 (84 bytes of spills); MLP_DOWN's loop at
+# 512 compiles with 564 bytes of spills (sm_90): they keep BK.
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -135,8 +136,6 @@ TUNING = {
     "BN_HEAD": 16,
     "BK": 256,
     "BK_QKV": 512,
-    "BK_O": 256,
-    "BK_HEAD": 256,
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,
@@ -146,6 +145,7 @@ TUNING = {
     "ROW_DOT": 1,
     "HOIST": 1,
     "MLP_DOWN": 1,
+    "ATT_IN": 0,
     "num_warps": 4,
     "num_stages": 4,
 }
@@ -718,47 +718,50 @@ def _phase_attention(
     """Attention of each (row, kv head) item over its slot's keys. PRE (at most one item a program, item
     pid): its slot and length are ``att_slot`` and ``att_len`` (``_attention_item``, loaded at the
     launch's start), so the keys' loads need not wait for them in every layer."""
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, BLOCK_D)
     item = pid
     while item < n_rows * NUM_KV:
         row = item // NUM_KV
-        kv_head = item % NUM_KV
         if PRE:
             slot = att_slot
             length = att_len
         else:
             slot = tl.load(slot_ptr + row)
             length = tl.minimum(tl.load(len_ptr + row), max_len).to(tl.int32)
-        heads = kv_head * GROUP + g
-        q_ok = (g < GROUP)[:, None] & (d < D)[None, :]
-        q = tl.load(
-            q_ptr + row * (NUM_Q * D) + heads[:, None] * D + d[None, :], mask=q_ok, other=0.0,
-            cache_modifier=".cg",
-        )
-        k_base = kc_ptr + slot * stride_cs + kv_head * stride_ch
-        v_base = vc_ptr + slot * stride_cs + kv_head * stride_ch
-        m_run = tl.full([GROUP_PAD], _NEG_INF, tl.float32)
-        total = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-        start = 0
-        while start < length:
-            n = start + tl.arange(0, BLOCK_L)
-            kv_ok = (n < length)[:, None] & (d < D)[None, :]
-            k = tl.load(
-                k_base + n[:, None] * stride_cl + d[None, :], mask=kv_ok, other=0.0, cache_modifier=".cg"
-            )
-            v = tl.load(
-                v_base + n[:, None] * stride_cl + d[None, :], mask=kv_ok, other=0.0, cache_modifier=".cg"
-            )
-            m_run, total, acc = _online_softmax_step(q, k, v, n < length, m_run, total, acc, scale, UPCAST)
-            start += BLOCK_L
-        out = acc / total[:, None]
-        tl.store(
-            attn_ptr + row * (NUM_Q * D) + heads[:, None] * D + d[None, :], out.to(attn_ptr.dtype.element_ty),
-            mask=q_ok,
+        _attend(
+            q_ptr + row * (NUM_Q * D), attn_ptr + row * (NUM_Q * D), item % NUM_KV, slot, length, kc_ptr,
+            vc_ptr, stride_cs, stride_cl, stride_ch, scale, D, BLOCK_D, GROUP, GROUP_PAD, BLOCK_L, UPCAST,
         )
         item += nprog
+
+
+@triton.jit
+def _attend(
+    q_row, out_row, kv_head, slot, length, kc_ptr, vc_ptr, stride_cs, stride_cl, stride_ch, scale,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_L: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One row's attention for one kv head: its GROUP query heads (from ``q_row``) over the slot's first
+    ``length`` keys, into ``out_row`` (both [Hq D] rows)."""
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    q_ok = (g < GROUP)[:, None] & (d < D)[None, :]
+    q = tl.load(q_row + heads[:, None] * D + d[None, :], mask=q_ok, other=0.0, cache_modifier=".cg")
+    k_base = kc_ptr + slot * stride_cs + kv_head * stride_ch
+    v_base = vc_ptr + slot * stride_cs + kv_head * stride_ch
+    m_run = tl.full([GROUP_PAD], _NEG_INF, tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    start = 0
+    while start < length:
+        n = start + tl.arange(0, BLOCK_L)
+        kv_ok = (n < length)[:, None] & (d < D)[None, :]
+        k = tl.load(k_base + n[:, None] * stride_cl + d[None, :], mask=kv_ok, other=0.0, cache_modifier=".cg")
+        v = tl.load(v_base + n[:, None] * stride_cl + d[None, :], mask=kv_ok, other=0.0, cache_modifier=".cg")
+        m_run, total, acc = _online_softmax_step(q, k, v, n < length, m_run, total, acc, scale, UPCAST)
+        start += BLOCK_L
+    out = acc / total[:, None]
+    tl.store(out_row + heads[:, None] * D + d[None, :], out.to(out_row.dtype.element_ty), mask=q_ok)
 
 
 @triton.jit
@@ -881,8 +884,6 @@ def _stack_step_kernel(
     BN_HEAD: tl.constexpr,
     BK: tl.constexpr,
     BK_QKV: tl.constexpr,
-    BK_O: tl.constexpr,
-    BK_HEAD: tl.constexpr,
     RSTD_BK: tl.constexpr,
     KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
@@ -901,6 +902,7 @@ def _stack_step_kernel(
     ONE_PJ: tl.constexpr,
     ONE_PLAIN: tl.constexpr,
     MLP_DOWN: tl.constexpr,
+    ATT_IN: tl.constexpr,
     GU_ROWS: tl.constexpr,
     PARTS_PAD: tl.constexpr,
     STAGES: tl.constexpr,
@@ -953,6 +955,12 @@ def _stack_step_kernel(
     zeros = tl.zeros([BM, BN_WIDE], tl.float32)
     PRE_ATT: tl.constexpr = HOIST and BM * NUM_KV <= NPROG  # at most one attention item a program
     att_slot, att_len = _attention_item(slot_ptr, len_ptr, n_rows, max_len, pid, NUM_KV, PRE_ATT)
+    if ATT_IN:  # the call's one row's slot and length, for the attention inside the output product
+        slot0 = tl.load(slot_ptr)
+        len0 = tl.minimum(tl.load(len_ptr), max_len).to(tl.int32)
+    else:
+        slot0 = tl.zeros([], tl.int64)
+        len0 = tl.zeros([], tl.int32)
     layer = layer_begin
     while layer < layer_end:
         kc = kc_ptr + layer * stride_cl_layer
@@ -979,7 +987,7 @@ def _stack_step_kernel(
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
-        if (phases & 2) != 0:  # ATT
+        if not ATT_IN and (phases & 2) != 0:  # ATT
             _phase_attention(
                 q_ptr, attn_ptr, n_rows, kc, vc, stride_cs, stride_cl, stride_ch, slot_ptr, len_ptr, max_len,
                 scale, pid, nprog, att_slot, att_len, NUM_Q, NUM_KV, D, BLOCK_D, NUM_Q // NUM_KV, GROUP_PAD,
@@ -989,9 +997,19 @@ def _stack_step_kernel(
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 4) != 0:  # OUT_PROJ
             a_rows = attn_ptr + m * (NUM_Q * D)
+            a_first = attn_ptr
+            if ATT_IN:  # each program with an item attends over the call's row itself, into its own row
+                a_first = attn_ptr + pid * (NUM_Q * D)
+                if pid < ((H + BN - 1) // BN) * KS_O:
+                    for kv_head in tl.static_range(NUM_KV):
+                        _attend(
+                            q_ptr, a_first, kv_head, slot0, len0, kc, vc, stride_cs, stride_cl, stride_ch,
+                            scale, D, BLOCK_D, NUM_Q // NUM_KV, GROUP_PAD, BLOCK_L, UPCAST,
+                        )
+                tl.debug_barrier()  # the row's stores, before any thread of the program loads it
             _flat_single(
-                a_rows, attn_ptr, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, rows_in,
-                part_ptr, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK_O, False,
+                a_rows, a_first, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, rows_in,
+                part_ptr, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False,
                 ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
@@ -1046,7 +1064,7 @@ def _stack_step_kernel(
         if HEAD:  # the final norm as the head product's prologue
             _flat_single(
                 h_rows, x_ptr, row_ok, rstd, final_ptr, head_ptr, out_ptr, h_rows, part_ptr, pid,
-                trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK_HEAD, True, ONE, False, dtype,
+                trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, ONE, False, dtype,
                 OPAQUE, UPCAST, TRACE_IN,
             )
         else:
@@ -1241,7 +1259,7 @@ def stack_step_triton(
         launches += [
             (0, layer, layer + 1, phase, 0)
             for layer in range(weights.num_layers)
-            for phase in layer_phases(tune, static["MLP_DOWN"])
+            for phase in layer_phases(tune, static["MLP_DOWN"], static["ATT_IN"])
         ]
         launches += [(0, 0, 0, 0, 1)]
     for launch in launches:  # phased: the same compiled kernel each time (what runs is an argument)
@@ -1249,13 +1267,14 @@ def stack_step_triton(
     return out
 
 
-def layer_phases(tune: dict, mlp_down: bool) -> tuple[int, ...]:
-    """The phases a layer runs, in order, under the tuning in force (``launch_plan``'s) and MLP_DOWN
-    (its static parameter): one barrier after each in the one launch."""
+def layer_phases(tune: dict, mlp_down: bool, att_in: bool = False) -> tuple[int, ...]:
+    """The phases a layer runs, in order, under the tuning in force (``launch_plan``'s), MLP_DOWN and
+    ATT_IN (its static parameters): one barrier after each in the one launch."""
     return tuple(
         phase
         for phase in LAYER_PHASES
-        if (phase != OUT_PROJ_REDUCE or tune["KS_O"] > 1)
+        if (phase != ATT or not att_in)
+        and (phase != OUT_PROJ_REDUCE or tune["KS_O"] > 1)
         and (phase != DOWN or not mlp_down)
         and (phase != DOWN_REDUCE or tune["KS_DOWN"] > 1 or mlp_down)
     )
@@ -1263,9 +1282,9 @@ def layer_phases(tune: dict, mlp_down: bool) -> tuple[int, ...]:
 
 # powers of two, >= 8 (the BK's >= 16)
 _TILES = (
-    "BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "BK_QKV", "BK_O", "BK_HEAD", "RSTD_BK"
+    "BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "BK_QKV", "RSTD_BK"
 )
-_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST", "MLP_DOWN")  # 0 or 1
+_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST", "MLP_DOWN", "ATT_IN")  # 0 or 1
 
 
 def checked_tuning(tuning: dict) -> dict:
@@ -1308,9 +1327,13 @@ def launch_plan(
     # the residual stream: x itself, or scratch (the projection's output, or the first layer's sum)
     residual = x if x is not None else torch.empty(rows, hidden, dtype=dtype, device=device)
     q = torch.empty(rows, hq * d, dtype=dtype, device=device)
-    attn = torch.empty_like(q)
     act = torch.empty(rows, inter, dtype=dtype, device=device)
     tune = {**TUNING, **checked_tuning(tuning or {})}
+    grid = (num_programs or _num_programs(device),)
+    # ATT_IN (calls of one row with row dots): no ATT phase; each program of the output product attends
+    # over the row itself, into its own row of attn ([programs, Hq D])
+    att_in = bool(tune["ATT_IN"]) and rows == 1 and bool(tune["ONE_ROW"]) and bool(tune["ROW_DOT"])
+    attn = torch.empty(max(rows, grid[0]) if att_in else rows, hq * d, dtype=dtype, device=device)
     for name, width in (("KS_O", hq * d), ("KS_DOWN", inter)):
         if width % tune[name]:
             tune[name] = 1  # a split must cut the reduction into equal parts
@@ -1324,14 +1347,11 @@ def launch_plan(
     )
     num_out = hidden if head is None else head.shape[0]
     out = torch.empty(rows, num_out, dtype=dtype, device=device)
-    grid = (num_programs or _num_programs(device),)
     fp32 = dtype == torch.float32
-    # one-row calls' own blocks for QKV, the output product and the head (fewer steps of their operand
-    # work); calls of more rows take BK everywhere (QKV at 512 there: B=8 6.17 -> 6.61 ms, 6a9ed06)
-    block_k, block_qkv, block_o, block_head = (
-        min(tune[name] if one else tune["BK"], max(16, triton.next_power_of_2(hidden)))
-        for name in ("BK", "BK_QKV", "BK_O", "BK_HEAD")
-    )
+    # one-row calls' own block for QKV (fewer steps of its operand work); calls of more rows take BK
+    # (QKV at 512 there: B=8 6.17 -> 6.61 ms, 6a9ed06)
+    widest = max(16, triton.next_power_of_2(hidden))
+    block_k, block_qkv = min(tune["BK"], widest), min(tune["BK_QKV"] if one else tune["BK"], widest)
     rstd_block = min(tune["RSTD_BK"], max(16, triton.next_power_of_2(hidden)))
     # TMA: the dual products' weight tiles through tensor descriptors, where their rows are 16-byte
     # aligned (as the hardware needs); else the pointer loads (the descriptors' places get the weights)
@@ -1352,7 +1372,7 @@ def launch_plan(
         descriptors = (weights.qkv, gate_up)
     trace_slots = 64
     if trace is not None:
-        per_layer = len(layer_phases(tune, mlp_down))
+        per_layer = len(layer_phases(tune, mlp_down, att_in))
         barriers = (proj is not None) + weights.num_layers * per_layer
         trace_slots = trace.shape[1] if trace.dim() == 3 and trace.shape[1] in (64, 128) else 64
         if not compiled or trace.dtype != torch.int64 or tuple(trace.shape) != (grid[0], trace_slots, 2) or (
@@ -1378,12 +1398,11 @@ def launch_plan(
         BLOCK_D=max(16, triton.next_power_of_2(d)), GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)),
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
-        BN_HEAD=tune["BN_HEAD"], BK=block_k, BK_QKV=block_qkv, BK_O=block_o, BK_HEAD=block_head,
-        RSTD_BK=rstd_block,
+        BN_HEAD=tune["BN_HEAD"], BK=block_k, BK_QKV=block_qkv, RSTD_BK=rstd_block,
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
         HOIST=bool(tune["HOIST"]), ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
         ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,
-        MLP_DOWN=mlp_down, GU_ROWS=gate_up.shape[1], PARTS_PAD=triton.next_power_of_2(items),
+        MLP_DOWN=mlp_down, ATT_IN=att_in, GU_ROWS=gate_up.shape[1], PARTS_PAD=triton.next_power_of_2(items),
         KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
