@@ -41,10 +41,10 @@ from kernels import stack_step as stack_kernel
 
 ROWS = [1, 8, 16]
 CALLS = 31
-SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md; MLP_DOWN 0, the two phases it
-    # replaced: 135.0, 133.7 and 133.7 us against 126.9, 125.3 and 125.3 in f5c2bf5 and fb5e923)
-    # attention inside the output product's programs for one-row calls: no ATT phase, no barrier after it
-    {"ATT_IN": 1},
+SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
+    # gate/up and down in two phases again, MLP_DOWN's predecessor, as the reference (135.0, 133.7 and 133.7
+    # us against 126.9, 125.3 and 125.3 in f5c2bf5 and fb5e923)
+    {"MLP_DOWN": 0},
 ]
 TRACE_CALLS = 20
 
@@ -107,8 +107,7 @@ def phase_names(tuning: dict, num_layers: int, project: bool) -> list[str]:
     names = {k.QKV: "QKV", k.ATT: "ATT", k.OUT_PROJ: "OUT_PROJ", k.OUT_PROJ_REDUCE: "OUT_PROJ_REDUCE",
              k.MLP: "MLP", k.DOWN: "DOWN", k.DOWN_REDUCE: "DOWN_REDUCE"}
     mlp_down = bool(tuning["MLP_DOWN"] and tuning["ONE_ROW"])  # the probe's stack has the mlp rows
-    att_in = bool(tuning["ATT_IN"] and tuning["ONE_ROW"] and tuning["ROW_DOT"])
-    layer = [names[phase] for phase in k.layer_phases(tuning, mlp_down, att_in)]
+    layer = [names[phase] for phase in k.layer_phases(tuning, mlp_down)]
     return ["PJ"] * project + [*layer * num_layers, "OUT"]
 
 

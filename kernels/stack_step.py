@@ -127,7 +127,10 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # 6.17 -> 6.61 ms). In 2 steps of 512: 125.3 us against 126.9 (f5c2bf5 and fb5e923; its span 5.62 -> 5.31
 # us a layer). The same for the head measured 127.3 and 125.4 against 126.9 and 125.3 at 512, 133.6 at 1024
 # (112 bytes of spills), and for the output product 133.7 at 512 (84 bytes of spills); MLP_DOWN's loop at
-# 512 compiles with 564 bytes of spills (sm_90): they keep BK.
+# 512 compiles with 564 bytes of spills (sm_90): they keep BK. Attention inside the output product's programs
+# for one-row calls (each attending over the row itself, no ATT phase and no barrier after it; the same
+# bits): 129.1 us against 125.8 (257213f): the output product's span 2.62 -> 5.94 us a layer, more than
+# the ATT phase (2.0) and its barrier (0.62) that went.
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -145,7 +148,6 @@ TUNING = {
     "ROW_DOT": 1,
     "HOIST": 1,
     "MLP_DOWN": 1,
-    "ATT_IN": 0,
     "num_warps": 4,
     "num_stages": 4,
 }
@@ -902,7 +904,6 @@ def _stack_step_kernel(
     ONE_PJ: tl.constexpr,
     ONE_PLAIN: tl.constexpr,
     MLP_DOWN: tl.constexpr,
-    ATT_IN: tl.constexpr,
     GU_ROWS: tl.constexpr,
     PARTS_PAD: tl.constexpr,
     STAGES: tl.constexpr,
@@ -955,12 +956,6 @@ def _stack_step_kernel(
     zeros = tl.zeros([BM, BN_WIDE], tl.float32)
     PRE_ATT: tl.constexpr = HOIST and BM * NUM_KV <= NPROG  # at most one attention item a program
     att_slot, att_len = _attention_item(slot_ptr, len_ptr, n_rows, max_len, pid, NUM_KV, PRE_ATT)
-    if ATT_IN:  # the call's one row's slot and length, for the attention inside the output product
-        slot0 = tl.load(slot_ptr)
-        len0 = tl.minimum(tl.load(len_ptr), max_len).to(tl.int32)
-    else:
-        slot0 = tl.zeros([], tl.int64)
-        len0 = tl.zeros([], tl.int32)
     layer = layer_begin
     while layer < layer_end:
         kc = kc_ptr + layer * stride_cl_layer
@@ -987,7 +982,7 @@ def _stack_step_kernel(
             )
             epoch += 1
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
-        if not ATT_IN and (phases & 2) != 0:  # ATT
+        if (phases & 2) != 0:  # ATT
             _phase_attention(
                 q_ptr, attn_ptr, n_rows, kc, vc, stride_cs, stride_cl, stride_ch, slot_ptr, len_ptr, max_len,
                 scale, pid, nprog, att_slot, att_len, NUM_Q, NUM_KV, D, BLOCK_D, NUM_Q // NUM_KV, GROUP_PAD,
@@ -997,18 +992,8 @@ def _stack_step_kernel(
             _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
         if (phases & 4) != 0:  # OUT_PROJ
             a_rows = attn_ptr + m * (NUM_Q * D)
-            a_first = attn_ptr
-            if ATT_IN:  # each program with an item attends over the call's row itself, into its own row
-                a_first = attn_ptr + pid * (NUM_Q * D)
-                if pid < ((H + BN - 1) // BN) * KS_O:
-                    for kv_head in tl.static_range(NUM_KV):
-                        _attend(
-                            q_ptr, a_first, kv_head, slot0, len0, kc, vc, stride_cs, stride_cl, stride_ch,
-                            scale, D, BLOCK_D, NUM_Q // NUM_KV, GROUP_PAD, BLOCK_L, UPCAST,
-                        )
-                tl.debug_barrier()  # the row's stores, before any thread of the program loads it
             _flat_single(
-                a_rows, a_first, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, rows_in,
+                a_rows, attn_ptr, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, rows_in,
                 part_ptr, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False,
                 ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
@@ -1259,7 +1244,7 @@ def stack_step_triton(
         launches += [
             (0, layer, layer + 1, phase, 0)
             for layer in range(weights.num_layers)
-            for phase in layer_phases(tune, static["MLP_DOWN"], static["ATT_IN"])
+            for phase in layer_phases(tune, static["MLP_DOWN"])
         ]
         launches += [(0, 0, 0, 0, 1)]
     for launch in launches:  # phased: the same compiled kernel each time (what runs is an argument)
@@ -1267,14 +1252,13 @@ def stack_step_triton(
     return out
 
 
-def layer_phases(tune: dict, mlp_down: bool, att_in: bool = False) -> tuple[int, ...]:
-    """The phases a layer runs, in order, under the tuning in force (``launch_plan``'s), MLP_DOWN and
-    ATT_IN (its static parameters): one barrier after each in the one launch."""
+def layer_phases(tune: dict, mlp_down: bool) -> tuple[int, ...]:
+    """The phases a layer runs, in order, under the tuning in force (``launch_plan``'s) and MLP_DOWN
+    (its static parameter): one barrier after each in the one launch."""
     return tuple(
         phase
         for phase in LAYER_PHASES
-        if (phase != ATT or not att_in)
-        and (phase != OUT_PROJ_REDUCE or tune["KS_O"] > 1)
+        if (phase != OUT_PROJ_REDUCE or tune["KS_O"] > 1)
         and (phase != DOWN or not mlp_down)
         and (phase != DOWN_REDUCE or tune["KS_DOWN"] > 1 or mlp_down)
     )
@@ -1284,7 +1268,7 @@ def layer_phases(tune: dict, mlp_down: bool, att_in: bool = False) -> tuple[int,
 _TILES = (
     "BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "BK_QKV", "RSTD_BK"
 )
-_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST", "MLP_DOWN", "ATT_IN")  # 0 or 1
+_SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST", "MLP_DOWN")  # 0 or 1
 
 
 def checked_tuning(tuning: dict) -> dict:
@@ -1330,10 +1314,7 @@ def launch_plan(
     act = torch.empty(rows, inter, dtype=dtype, device=device)
     tune = {**TUNING, **checked_tuning(tuning or {})}
     grid = (num_programs or _num_programs(device),)
-    # ATT_IN (calls of one row with row dots): no ATT phase; each program of the output product attends
-    # over the row itself, into its own row of attn ([programs, Hq D])
-    att_in = bool(tune["ATT_IN"]) and rows == 1 and bool(tune["ONE_ROW"]) and bool(tune["ROW_DOT"])
-    attn = torch.empty(max(rows, grid[0]) if att_in else rows, hq * d, dtype=dtype, device=device)
+    attn = torch.empty_like(q)
     for name, width in (("KS_O", hq * d), ("KS_DOWN", inter)):
         if width % tune[name]:
             tune[name] = 1  # a split must cut the reduction into equal parts
@@ -1372,7 +1353,7 @@ def launch_plan(
         descriptors = (weights.qkv, gate_up)
     trace_slots = 64
     if trace is not None:
-        per_layer = len(layer_phases(tune, mlp_down, att_in))
+        per_layer = len(layer_phases(tune, mlp_down))
         barriers = (proj is not None) + weights.num_layers * per_layer
         trace_slots = trace.shape[1] if trace.dim() == 3 and trace.shape[1] in (64, 128) else 64
         if not compiled or trace.dtype != torch.int64 or tuple(trace.shape) != (grid[0], trace_slots, 2) or (
@@ -1402,7 +1383,7 @@ def launch_plan(
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
         HOIST=bool(tune["HOIST"]), ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
         ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,
-        MLP_DOWN=mlp_down, ATT_IN=att_in, GU_ROWS=gate_up.shape[1], PARTS_PAD=triton.next_power_of_2(items),
+        MLP_DOWN=mlp_down, GU_ROWS=gate_up.shape[1], PARTS_PAD=triton.next_power_of_2(items),
         KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,

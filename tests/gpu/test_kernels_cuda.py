@@ -507,15 +507,6 @@ def test_stack_step_mlp_down_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
     assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
 
 
-def test_stack_step_attention_inside_the_output_product_at_csm_depth_shapes_on_cuda():
-    # ATT_IN: each output-product program attends over the one row itself (no ATT phase, no barrier
-    # after it): the one launch equals its phases and the launch with the ATT phase, bit for bit.
-    case = make_stack_case(CSM_DEPTH, 28, [(0, 3)], dtype=torch.bfloat16, way="table")  # depth calls 2 .. 31
-    case = dataclasses.replace(case, weights=stack_kernel.with_mlp_rows(case.weights))
-    assert stack_kernel.launch_plan(*case.args, **case.inputs, tuning={"ATT_IN": 1})[1]["ATT_IN"]
-    assert_knob_keeps_the_bits(case, {"ATT_IN": 1}, {"ATT_IN": 0})
-
-
 def test_stack_step_graph_replay_equals_eager_on_new_codes():
     # 31 launches in one graph (the depth loop's shape: each reads the previous one's output), and
     # the barrier counter is reset by each launch itself: replays on fresh codes equal eager runs.

@@ -444,34 +444,6 @@ def test_mlp_down_is_for_one_row_calls_whose_weights_carry_the_mlp_rows():
     assert ss.DOWN not in phases and ss.DOWN_REDUCE in phases
 
 
-@pytest.mark.parametrize("way", ["x", "gather", "table"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_attention_inside_the_output_product_equals_its_phase(shape: str, way: str):
-    # ATT_IN (one-row calls with row dots): no ATT phase; each program with an output item attends over
-    # the row itself, into its own row of scratch, and multiplies from there. The same attention code
-    # and the same product: bit for bit the ATT phase's result, caches included.
-    case = with_mlp(make_case(SHAPES[shape], 31, ROWS["one"], way=way, head=way != "x"))
-    on = {"ATT_IN": 1}
-    assert ss.launch_plan(*case.args, **case.inputs, tuning=on, compiled=False)[1]["ATT_IN"]
-    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=on))
-    want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"ATT_IN": 0}))
-    assert torch.equal(got.out, want.out)
-    assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
-    assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
-
-
-def test_attention_inside_the_output_product_is_for_one_row_calls_with_row_dots():
-    one = make_case(SHAPES["tiny_depth"], 19, ROWS["one"], way="table")
-    three = make_case(SHAPES["tiny_depth"], 19, ROWS["three"], way="gather")
-
-    def plan(case, **tuning):
-        return ss.launch_plan(*case.args, **case.inputs, tuning={"ATT_IN": 1, **tuning}, compiled=False)[1]
-
-    assert plan(one)["ATT_IN"] and not plan(three)["ATT_IN"]
-    assert not plan(one, ROW_DOT=0)["ATT_IN"] and not plan(one, ONE_ROW=0)["ATT_IN"]
-    assert ss.ATT not in ss.layer_phases(ss.TUNING, False, True)
-
-
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_one_row_blocks_apply_to_calls_of_one_row_and_equal_the_reference(shape: str):
     # BK_QKV sets a one-row call's reduction block for QKV (another than BK, so its loop runs another step
