@@ -177,7 +177,8 @@ class StackWeights:
     head_dim: int
     eps: float
     # [L, 3 INTER, H] or None: each layer's gate rows, up rows and down's transpose, with gate_up its
-    # [:, :2 INTER] view (``with_mlp_rows``): what MLP_DOWN streams as one product
+    # [:, :2 INTER] view (``with_mlp_rows``): what MLP_DOWN streams as one product. Its last INTER rows
+    # must equal down transposed (the packers copy them; ``check`` cannot afford to compare)
     mlp: torch.Tensor | None = None
 
     @property

@@ -7,7 +7,8 @@ module may run, cannot compile).
     python -m tests.unit.stack_step_hopper ['{"ONE_ROW": 0}' [table|gather [bf16|fp32]]]  # over the default
 
 csm-1b's depth decoder in bf16, one row, rows of the projected embedding table (or embedding rows times
-the projection: "gather") and the padded codebook head;
+the projection: "gather") and the padded codebook head; the weights with the mlp rows the depth decoder
+packs (so one-row calls compile MLP_DOWN's loop); with ptxas, the registers and bytes of spills;
 pointers 16-byte aligned, as the JIT sees the real tensors; one program per SM (132)."""
 
 from __future__ import annotations
