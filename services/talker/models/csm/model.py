@@ -171,8 +171,8 @@ class CsmTalker(nn.Module):
 
     def pack_weights(self) -> None:
         """Switches frames to the fused path: packs both stacks' QKV and gate/up weights into
-        views of one tensor each (no extra memory; the depth decoder's gate/up rows followed by its
-        down weights transposed, their bytes once more: 67 MB for csm-1b in bf16), pads the codebook
+        views of one tensor each (no extra memory, but for the depth decoder's down weights, which it
+        also keeps transposed after its gate/up rows: 67 MB for csm-1b in bf16), pads the codebook
         head, and projects codebooks
         1 .. N-2's embedding tables (``_depth_inputs``: the inputs of depth calls 2 .. N-1). Call once
         the model has its final device and dtype. Prefill keeps the plain path either way."""
