@@ -27,7 +27,8 @@ GPU only (about 4 minutes on one H200).
    first plain-with-kernels stage and the final stage. The stages run greedy rows; the final
    stage is timed once more with sampled rows (temperature, top-k and top-p all on).
 3. Exactness: tiny model fp32, fused vs plain greedy (and seeded) codes for every bucket through
-   the runner's graphs. csm-1b shapes: one frame teacher-forced with the fp32 plain path's
+   the runner's graphs. csm-1b shapes, for 8 rows and for one (whose depth calls after the first take
+   the one-row kernel: ``csm1b_one_row_*``): one frame teacher-forced with the fp32 plain path's
    codes (so a flipped code does not change the later codebooks' inputs), each variant's logits
    of all codebooks and next hidden state against fp32 plain (relative error) and its argmax
    mismatch, for fp32 fused, bf16 plain and bf16 fused; free-running code mismatch over 8
@@ -219,7 +220,6 @@ def relative(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def exactness(result: dict, save) -> None:
     """The exactness checks (3. above) into ``result``, which ``save`` writes after the tiny model's."""
-    import kernels.stack_step as stack_kernel
     from services.talker.tiny import tiny_config
 
     tiny_buckets = [1, 2, 4, 8, 16]
@@ -240,7 +240,17 @@ def exactness(result: dict, save) -> None:
         print(json.dumps({key: result[key]}), flush=True)
     save()
 
-    rows = 8
+    csm1b_exactness(result, 8, "csm1b_")
+    save()
+    # one row: the depth calls after the first take the one-row kernel (MLP_DOWN, BK_QKV), which 8 rows
+    # never reach
+    csm1b_exactness(result, 1, "csm1b_one_row_")
+
+
+def csm1b_exactness(result: dict, rows: int, prefix: str) -> None:
+    """csm-1b's checks (3. above) at ``rows`` rows, into ``result`` under keys starting ``prefix``."""
+    import kernels.stack_step as stack_kernel
+
     forced = None
     logits, hidden, codes, fell_back = {}, {}, {}, {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -265,17 +275,18 @@ def exactness(result: dict, save) -> None:
     size = CsmConfig.from_dict(CSM_1B).codebook_size
     variants = {"fp32_fused": (torch.float32, True), "bf16_plain": (torch.bfloat16, False),
                 "bf16_fused": (torch.bfloat16, True)}
-    result["csm1b_first_frame_teacher_forced_vs_fp32_plain"] = {
+    result[f"{prefix}first_frame_teacher_forced_vs_fp32_plain"] = {
         name: {"logits_rel_error": relative(logits[key], logits[ref]),
                "next_hidden_rel_error": relative(hidden[key], hidden[ref]),
                "argmax_mismatch": float((logits[key][..., :size].argmax(-1) != forced).double().mean())}
         for name, key in variants.items()}
-    result["csm1b_stack_step_latch_failure"] = fell_back  # None: the kernel ran every fused call
+    result[f"{prefix}stack_step_latch_failure"] = fell_back  # None: the kernel ran every fused call
     mismatch = lambda a, b: float((codes[a] != codes[b]).mean())  # noqa: E731
-    result["csm1b_free_running_code_mismatch_8_frames_8_rows"] = {
+    result[f"{prefix}free_running_code_mismatch_8_frames_{rows}_rows"] = {
         "fp32_fused_vs_fp32_plain": mismatch((torch.float32, True), ref),
         "bf16_fused_vs_bf16_plain": mismatch((torch.bfloat16, True), (torch.bfloat16, False)),
         "bf16_plain_vs_fp32_plain": mismatch((torch.bfloat16, False), ref)}
+    print(json.dumps({k: v for k, v in result.items() if k.startswith(prefix)}), flush=True)
 
 
 def _switches(plain: bool, norm: bool, rope: bool, silu: bool, stack: bool = False) -> dict:
