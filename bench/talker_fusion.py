@@ -302,33 +302,48 @@ STAGES = [  # name, pack weights first, kernel switches, stack_step settings
     ("+ silu_mul kernel", True, _switches(True, True, True, True), None),
     ("+ stack_step, depth calls <= 2 rows", True, _switches(True, True, True, True, True), {"rows": 2}),
     ("+ stack_step, depth calls <= 16 rows", True, _switches(True, True, True, True, True), {}),
-    ("+ projected depth inputs (default)", True, _switches(True, True, True, True, True),
+    ("+ projected depth inputs", True, _switches(True, True, True, True, True),
+     {"projected": True, "backbone_rows": 0}),
+    ("+ stack_layers backbone (default)", True, _switches(True, True, True, True, True),
      {"projected": True}),
 ]
 
 
-def apply_stack_settings(settings: dict | None) -> None:
-    """The default stack_step tuning, row limit and projected depth inputs, changed by a stage's
-    settings ("rows", "projected" and tuning keys)."""
+_MODEL_KEYS = ("rows", "projected", "backbone_rows", "backbone_mlp")
+_BACKBONE_STACKS: dict = {}  # the backbone's packed stack, and with the mlp rows once asked for
+
+
+def apply_stack_settings(settings: dict | None, model: CsmTalker | None = None) -> None:
+    """The default stack_step tuning, row limits and projected depth inputs, changed by a stage's
+    settings ("rows", "projected", "backbone_rows", "backbone_mlp" and tuning keys). "backbone_mlp": 1
+    gives the packed backbone's stack the mlp rows (a copy: down's transpose beside gate/up), as
+    ``BACKBONE_MLP_ROWS`` would, so its one-row steps take MLP_DOWN."""
     import kernels.stack_step as stack_kernel
     import services.talker.models.csm.model as csm_model
 
     settings = dict(settings or {})
-    tuning = stack_kernel.checked_tuning({k: v for k, v in settings.items()
-                                          if k not in ("rows", "projected")})
+    tuning = stack_kernel.checked_tuning({k: v for k, v in settings.items() if k not in _MODEL_KEYS})
     stack_kernel.TUNING.update(_DEFAULT_TUNING, **tuning)
     csm_model.STACK_STEP_ROWS = settings.get("rows", _DEFAULT_ROWS)
     csm_model.PROJECTED_INPUTS = settings.get("projected", False)  # the stages before it project
+    csm_model.BACKBONE_STACK_ROWS = settings.get("backbone_rows", _DEFAULT_BACKBONE_ROWS)
+    backbone = model.backbone_model if model is not None else None
+    if backbone is not None and backbone.stack is not None:
+        plain = _BACKBONE_STACKS.setdefault("plain", backbone.stack)
+        if settings.get("backbone_mlp"):
+            backbone.stack = _BACKBONE_STACKS.setdefault("mlp", stack_kernel.with_mlp_rows(plain))
+        else:
+            backbone.stack = plain
 
 
 def _defaults() -> tuple[dict, int]:
     import kernels.stack_step as stack_kernel
     import services.talker.models.csm.model as csm_model
 
-    return dict(stack_kernel.TUNING), csm_model.STACK_STEP_ROWS
+    return dict(stack_kernel.TUNING), csm_model.STACK_STEP_ROWS, csm_model.BACKBONE_STACK_ROWS
 
 
-_DEFAULT_TUNING, _DEFAULT_ROWS = _defaults()
+_DEFAULT_TUNING, _DEFAULT_ROWS, _DEFAULT_BACKBONE_ROWS = _defaults()
 
 
 def main() -> None:
@@ -395,7 +410,7 @@ def main() -> None:
         from kernels import stack_step as stack_kernel
 
         set_kernels(**switches)
-        apply_stack_settings(settings)
+        apply_stack_settings(settings, runner.model)
         state = (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)
         for dst, src in zip(state, saved, strict=True):
             dst.copy_(src)

@@ -73,7 +73,12 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.decode_attention import _dot, _online_softmax_step, decode_attention_eager
+from kernels.decode_attention import (
+    _dot,
+    _online_softmax_step,
+    decode_attention_eager,
+    decode_attention_triton,
+)
 from kernels.latch import KernelLatch
 from kernels.rms_norm import rms_norm_eager
 from kernels.rope_kv import _round_to, rope_kv_eager
@@ -285,6 +290,18 @@ def _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC: tl.constexpr, TRACE: tl.
         _wait(sync_ptr, epoch * nprog, sync_ptr + 2, True)
         tl.debug_barrier()
         _mark(trace_row, epoch, 1, TRACE)
+
+
+@triton.jit
+def _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, phase: tl.constexpr, OUTSIDE_ATT: tl.constexpr,
+                SYNC: tl.constexpr, TRACE: tl.constexpr):
+    """The barrier after a layer's ``phase``; with OUTSIDE_ATT none after the launch's last phase (``tail``
+    of its last layer, ``more`` 0): the launch's end is that barrier."""
+    if OUTSIDE_ATT:
+        if (more != 0) | (tail != phase):
+            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
+    else:
+        _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
 
 
 @triton.jit
@@ -869,7 +886,11 @@ def _stack_step_kernel(
     layer_begin,
     layer_end,
     phases,
-    run_out,  # what this launch runs (all of it, or one phase)
+    next_phases,
+    tail,
+    run_out,  # what this launch runs: layers [layer_begin, layer_end), the first with the phases of the
+    # mask ``phases``, the others with those of ``next_phases``; ``tail``: the phase of the last layer after
+    # which the launch has nothing more to run, so no barrier (0: none, the final norm or head follows)
     H: tl.constexpr,
     HIN: tl.constexpr,
     INTER: tl.constexpr,
@@ -905,6 +926,7 @@ def _stack_step_kernel(
     ONE_PJ: tl.constexpr,
     ONE_PLAIN: tl.constexpr,
     MLP_DOWN: tl.constexpr,
+    OUTSIDE_ATT: tl.constexpr,
     GU_ROWS: tl.constexpr,
     PARTS_PAD: tl.constexpr,
     STAGES: tl.constexpr,
@@ -959,6 +981,12 @@ def _stack_step_kernel(
     att_slot, att_len = _attention_item(slot_ptr, len_ptr, n_rows, max_len, pid, NUM_KV, PRE_ATT)
     layer = layer_begin
     while layer < layer_end:
+        if OUTSIDE_ATT:  # a launch runs one layer's phases after attention and the next layer's QKV
+            mask = tl.where(layer == layer_begin, phases, next_phases)
+            more = (layer != layer_end - 1).to(tl.int32)  # another layer follows in this launch
+        else:  # every layer runs the same phases, each followed by a barrier (the same code as before)
+            mask = phases
+            more = 0
         kc = kc_ptr + layer * stride_cl_layer
         vc = vc_ptr + layer * stride_cl_layer
         if TABLE:
@@ -967,7 +995,7 @@ def _stack_step_kernel(
         else:
             rows_in = h_rows
             first_in = x_ptr
-        if (phases & 1) != 0:  # QKV
+        if (mask & 1) != 0:  # QKV
             rstd = _rstd(rows_in, row_ok, eps, H, BM, RSTD_BK)
             _mark_after(trace_row, MARK_QKV + 2 * layer, 0, rstd, TRACE_IN)
             if not HOIST:  # the rows' positions and slots again in every layer
@@ -982,16 +1010,16 @@ def _stack_step_kernel(
                 OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
-        if (phases & 2) != 0:  # ATT
+            _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, 1, OUTSIDE_ATT, SYNC, TRACE)
+        if (mask & 2) != 0:  # ATT
             _phase_attention(
                 q_ptr, attn_ptr, n_rows, kc, vc, stride_cs, stride_cl, stride_ch, slot_ptr, len_ptr, max_len,
                 scale, pid, nprog, att_slot, att_len, NUM_Q, NUM_KV, D, BLOCK_D, NUM_Q // NUM_KV, GROUP_PAD,
                 BLOCK_L, PRE_ATT, UPCAST,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
-        if (phases & 4) != 0:  # OUT_PROJ
+            _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, 2, OUTSIDE_ATT, SYNC, TRACE)
+        if (mask & 4) != 0:  # OUT_PROJ
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
                 a_rows, attn_ptr, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, rows_in,
@@ -999,12 +1027,12 @@ def _stack_step_kernel(
                 ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
-        if KS_O > 1 and (phases & 32) != 0:  # OUT_PROJ_REDUCE
+            _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, 4, OUTSIDE_ATT, SYNC, TRACE)
+        if KS_O > 1 and (mask & 32) != 0:  # OUT_PROJ_REDUCE
             _phase_reduce(x_ptr, rows_in, part_ptr, n_rows, pid, nprog, H, KS_O, BM, BN, dtype, OPAQUE)
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
-        if (phases & 8) != 0:  # MLP
+            _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, 32, OUTSIDE_ATT, SYNC, TRACE)
+        if (mask & 8) != 0:  # MLP
             rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             _mark_after(trace_row, MARK_MLP + 2 * layer, 0, rstd, TRACE_IN)
             if MLP_DOWN:  # with the down product: no DOWN phase
@@ -1023,8 +1051,8 @@ def _stack_step_kernel(
                     OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
                 )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
-        if not MLP_DOWN and (phases & 16) != 0:  # DOWN
+            _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, 8, OUTSIDE_ATT, SYNC, TRACE)
+        if not MLP_DOWN and (mask & 16) != 0:  # DOWN
             a_rows = act_ptr + m * INTER
             _flat_single(
                 a_rows, act_ptr, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, h_rows,
@@ -1032,8 +1060,8 @@ def _stack_step_kernel(
                 False, ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
-        if (MLP_DOWN or KS_DOWN > 1) and (phases & 64) != 0:  # DOWN_REDUCE
+            _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, 16, OUTSIDE_ATT, SYNC, TRACE)
+        if (MLP_DOWN or KS_DOWN > 1) and (mask & 64) != 0:  # DOWN_REDUCE
             if MLP_DOWN:
                 _phase_reduce_items(
                     x_ptr, x_ptr, part_ptr, pid, nprog, H, (INTER + BN_WIDE - 1) // BN_WIDE, PARTS_PAD, 8,
@@ -1042,7 +1070,7 @@ def _stack_step_kernel(
             else:
                 _phase_reduce(x_ptr, h_rows, part_ptr, n_rows, pid, nprog, H, KS_DOWN, BM, BN, dtype, OPAQUE)
             epoch += 1
-            _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
+            _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, 64, OUTSIDE_ATT, SYNC, TRACE)
         layer += 1
     if run_out != 0:
         rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
@@ -1129,8 +1157,10 @@ def check(
     weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     positions: torch.Tensor, lengths: torch.Tensor, x: torch.Tensor | None, src: torch.Tensor | None,
     codes: torch.Tensor | None, proj: torch.Tensor | None, head: torch.Tensor | None,
+    outside_attention: bool = False,
 ) -> None:
-    """Raises ValueError naming what the kernel cannot take."""
+    """Raises ValueError naming what the kernel cannot take (``outside_attention``: for ``stack_layers``,
+    whose attention runs as decode attention's kernels, so the caches may be of any length)."""
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     num_layers, hidden, d = weights.num_layers, weights.hidden, weights.head_dim
     hq, hkv, inter = weights.num_q_heads, weights.num_kv_heads, weights.intermediate
@@ -1177,7 +1207,7 @@ def check(
                 f"stack_step: {name} must be a contiguous [L, S, M, Hkv, D] = {cache_shape} "
                 f"{dtype} tensor, got {tuple(cache.shape)} {cache.dtype}"
             )
-    if k_cache.shape[2] > MAX_KEYS:
+    if k_cache.shape[2] > MAX_KEYS and not outside_attention:
         raise ValueError(f"stack_step: caches longer than {MAX_KEYS} positions take forward_rows")
     rows = slots.shape[0] if slots.dim() == 1 else -1
     if not 1 <= rows <= MAX_ROWS:
@@ -1237,19 +1267,76 @@ def stack_step_triton(
         weights, k_cache, v_cache, slots, positions, lengths, x=x, src=src, codes=codes, proj=proj, head=head,
         num_programs=num_programs, tuning=tuning, compiled=weights.qkv.is_cuda and not interpret, trace=trace,
     )
-    everything = (1, 0, weights.num_layers, ALL_LAYER_PHASES, 1)  # run_pj, layers, phases, run_out
+    # run_pj, layer_begin, layer_end, phases, next_phases, tail, run_out
+    everything = (1, 0, weights.num_layers, ALL_LAYER_PHASES, ALL_LAYER_PHASES, 0, 1)
     if not phased:
         launches = [everything]
     else:
-        launches = [(1, 0, 0, 0, 0)] if proj is not None else []
+        launches = [(1, 0, 0, 0, 0, 0, 0)] if proj is not None else []
         launches += [
-            (0, layer, layer + 1, phase, 0)
+            (0, layer, layer + 1, phase, phase, 0, 0)
             for layer in range(weights.num_layers)
             for phase in layer_phases(tune, static["MLP_DOWN"])
         ]
-        launches += [(0, 0, 0, 0, 1)]
+        launches += [(0, 0, 0, 0, 0, 0, 1)]
     for launch in launches:  # phased: the same compiled kernel each time (what runs is an argument)
         _stack_step_kernel[grid](*args, *launch, SYNC=not phased, **static)
+    return out
+
+
+def stack_layers_triton(
+    weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor, phased: bool | None = None,
+    num_programs: int | None = None, tuning: dict | None = None,
+) -> torch.Tensor:
+    """The kernel for a stack whose caches are longer than its attention phase takes (``MAX_KEYS``): the
+    attention runs as decode attention's kernels (split along the sequence) between launches of this
+    one, which run the rest. Launch 0 runs layer 0's norm, QKV product, rotary and K/V write; launch l
+    (1 .. L-1) layer l-1's output product and MLP and layer l's QKV; launch L layer L-1's output product,
+    MLP and the final norm; the barrier after a launch's last phase is the launch's end. L + 1 launches
+    and L attentions a step, where ``Transformer.forward_rows`` makes nine launches a layer. ``x`` [N, H]
+    the residual stream (scratch afterwards); the normed hidden states [N, H] out, as ``stack_step_eager``
+    computes them. ``phased`` (default: under the interpreter) launches each phase on its own."""
+    check(
+        weights, k_cache, v_cache, slots, positions, lengths, x, None, None, None, None,
+        outside_attention=True,
+    )
+    interpret = bool(triton.knobs.runtime.interpret)
+    phased = interpret if phased is None else phased
+    rows, hq, d = slots.shape[0], weights.num_q_heads, weights.head_dim
+    q = torch.empty(rows, hq, d, dtype=x.dtype, device=x.device)
+    attn = torch.empty_like(q)
+    args, static, grid, out, tune = launch_plan(
+        weights, k_cache, v_cache, slots, positions, lengths, x=x, num_programs=num_programs, tuning=tuning,
+        compiled=weights.qkv.is_cuda and not interpret, q=q.view(rows, hq * d), attn=attn.view(rows, hq * d),
+    )
+    scale = d**-0.5
+    after = tuple(p for p in layer_phases(tune, static["MLP_DOWN"]) if p not in (QKV, ATT))
+    last = weights.num_layers - 1
+
+    def launch(layer_begin: int, layer_end: int, phases: int, next_phases: int, tail: int, run_out: int):
+        _stack_step_kernel[grid](
+            *args, 0, layer_begin, layer_end, phases, next_phases, tail, run_out, SYNC=not phased, **static
+        )
+
+    def attend(layer: int) -> None:
+        decode_attention_triton(q, k_cache[layer], v_cache[layer], slots, lengths, scale, out=attn)
+
+    if not phased:
+        launch(0, 1, QKV, QKV, QKV, 0)
+        for layer in range(last + 1):
+            attend(layer)
+            if layer < last:
+                launch(layer, layer + 2, sum(after), QKV, QKV, 0)
+            else:
+                launch(layer, layer + 1, sum(after), sum(after), 0, 1)
+    else:
+        for layer in range(last + 1):
+            launch(layer, layer + 1, QKV, QKV, 0, 0)
+            attend(layer)
+            for phase in after:
+                launch(layer, layer + 1, phase, phase, 0, 0)
+        launch(0, 0, 0, 0, 0, 1)
     return out
 
 
@@ -1299,23 +1386,29 @@ def launch_plan(
     positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
     src: torch.Tensor | None = None, codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
     head: torch.Tensor | None = None, num_programs: int | None = None, tuning: dict | None = None,
-    compiled: bool = True, trace: torch.Tensor | None = None,
+    compiled: bool = True, trace: torch.Tensor | None = None, q: torch.Tensor | None = None,
+    attn: torch.Tensor | None = None,
 ) -> tuple[tuple, dict, tuple[int], torch.Tensor, dict]:
     """The kernel's arguments (scratch and output allocated on the weights' device), its static
     parameters, the grid, the output and the tuning in force: shapes and dtypes decide everything,
     so the tests can compile the GPU's kernel from meta tensors. ``compiled``: for a GPU (PTX
-    rounding and libdevice), not the interpreter."""
+    rounding and libdevice), not the interpreter. ``q`` and ``attn`` [N, Hq D]: the caller's buffers for
+    the rotated queries and the attention rows (``stack_layers``: its attention kernels read and write them),
+    which also switches the plan to OUTSIDE_ATT launches; else scratch."""
     device = weights.qkv.device
     interpret = not compiled
     rows, hidden, d = slots.shape[0], weights.hidden, weights.head_dim
     hq, hkv, inter, dtype = weights.num_q_heads, weights.num_kv_heads, weights.intermediate, weights.qkv.dtype
     # the residual stream: x itself, or scratch (the projection's output, or the first layer's sum)
     residual = x if x is not None else torch.empty(rows, hidden, dtype=dtype, device=device)
-    q = torch.empty(rows, hq * d, dtype=dtype, device=device)
+    outside = q is not None
+    if outside != (attn is not None):
+        raise ValueError("stack_step: q and attn come together (attention outside) or not at all")
+    q = torch.empty(rows, hq * d, dtype=dtype, device=device) if q is None else q
     act = torch.empty(rows, inter, dtype=dtype, device=device)
     tune = {**TUNING, **checked_tuning(tuning or {})}
     grid = (num_programs or _num_programs(device),)
-    attn = torch.empty_like(q)
+    attn = torch.empty_like(q) if attn is None else attn
     for name, width in (("KS_O", hq * d), ("KS_DOWN", inter)):
         if width % tune[name]:
             tune[name] = 1  # a split must cut the reduction into equal parts
@@ -1384,7 +1477,8 @@ def launch_plan(
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
         HOIST=bool(tune["HOIST"]), ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
         ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,
-        MLP_DOWN=mlp_down, GU_ROWS=gate_up.shape[1], PARTS_PAD=triton.next_power_of_2(items),
+        MLP_DOWN=mlp_down, OUTSIDE_ATT=outside, GU_ROWS=gate_up.shape[1],
+        PARTS_PAD=triton.next_power_of_2(items),
         KS_O=tune["KS_O"],
         KS_DOWN=tune["KS_DOWN"], NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None,
         GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
@@ -1408,16 +1502,18 @@ def kernel_device(tensor: torch.Tensor) -> bool:
 
 def fits(
     weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-    positions: torch.Tensor, lengths: torch.Tensor, **inputs: torch.Tensor | None,
+    positions: torch.Tensor, lengths: torch.Tensor, outside_attention: bool = False,
+    **inputs: torch.Tensor | None,
 ) -> bool:
     """Whether the kernel takes this call (on a device where it runs, with the latch active):
-    callers with other work for larger batches ask first and take their usual path otherwise."""
+    callers with other work for larger batches ask first and take their usual path otherwise.
+    ``outside_attention``: the call is ``stack_layers``'s (x only, caches of any length)."""
     if not (kernel_device(weights.qkv) and LATCH.active):
         return False
     try:
         check(
             weights, k_cache, v_cache, slots, positions, lengths, inputs.get("x"), inputs.get("src"),
-            inputs.get("codes"), inputs.get("proj"), inputs.get("head"),
+            inputs.get("codes"), inputs.get("proj"), inputs.get("head"), outside_attention,
         )
     except ValueError:
         return False
@@ -1449,3 +1545,20 @@ def stack_step(
     except ValueError:
         return stack_step_eager(*args, **inputs)
     return LATCH.call(stack_step_triton, stack_step_eager, *args, **inputs)
+
+
+def stack_layers(
+    weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor,
+) -> torch.Tensor:
+    """``stack_step`` from a residual stream ``x`` [N, H] (scratch afterwards) to the normed hidden states
+    [N, H] for a stack with long caches (the CSM backbone's): ``stack_layers_triton`` on CUDA while the
+    latch is active, the twin otherwise."""
+    args = (weights, k_cache, v_cache, slots, positions, lengths)
+    if not kernel_device(weights.qkv):
+        return stack_step_eager(*args, x=x)
+    try:
+        check(*args, x, None, None, None, None, outside_attention=True)
+    except ValueError:
+        return stack_step_eager(*args, x=x)
+    return LATCH.call(stack_layers_triton, stack_step_eager, *args, x=x)

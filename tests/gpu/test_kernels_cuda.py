@@ -507,6 +507,39 @@ def test_stack_step_mlp_down_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
     assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
 
 
+# csm-1b's backbone layers (2 of its 16: the reference runs in float64 on the CPU): 2048 wide, 32 / 8 heads
+# of 64, an 8192 wide MLP, caches of 2048 positions (past stack_step's attention phase)
+CSM_BACKBONE = dataclasses.replace(
+    CSM_DEPTH, layers=2, hidden=2048, inter=8192, num_q=32, num_kv=8, head_dim=64, slots=8, max_len=2048
+)
+
+
+@pytest.mark.parametrize(
+    ("rows", "dtype", "mlp"),
+    [(1, torch.bfloat16, False), (1, torch.bfloat16, True), (8, torch.bfloat16, False),
+     (1, torch.float32, True)],
+    ids=["one_row", "one_row_mlp_down", "eight_rows", "fp32_one_row_mlp_down"],
+)
+def test_stack_layers_at_csm_backbone_shapes_on_cuda(rows: int, dtype: torch.dtype, mlp: bool):
+    # stack_layers: a launch before the first attention, one between each two layers' attention kernels,
+    # one after the last, each without a barrier after its last phase. The same phase code as the launch
+    # of each phase on its own, so bit for bit, within tolerance of the float64 reference; rows deep into
+    # the cache, so the attention kernels split the sequence.
+    placed = [(slot, 1500 + 61 * slot) for slot in range(rows)]
+    case = make_stack_case(CSM_BACKBONE, 45, placed, dtype=dtype, way="x", head=False)
+    if mlp:
+        case = dataclasses.replace(case, weights=stack_kernel.with_mlp_rows(case.weights))
+
+    def layers(phased_: bool):
+        return lambda *a, head=None, **k: stack_kernel.stack_layers_triton(*a, **k, phased=phased_)
+
+    got, want, ref = stack_run(case, layers(False)), stack_run(case, layers(True)), stack_reference(case)
+    assert_same_result(got, want)
+    assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[dtype]
+    assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
+    assert stack_kernel.faults("cuda") == 0
+
+
 def test_stack_step_graph_replay_equals_eager_on_new_codes():
     # 31 launches in one graph (the depth loop's shape: each reads the previous one's output), and
     # the barrier counter is reset by each launch itself: replays on fresh codes equal eager runs.

@@ -4,7 +4,7 @@ barrier's atomics and acquire loads, pipelined (cp.async) loads, TMA bulk tensor
 tests/unit/test_kernel_stack_step.py in a process of its own (Triton's interpreter, which that test
 module may run, cannot compile).
 
-    python -m tests.unit.stack_step_hopper ['{"ONE_ROW": 0}' [table|gather [bf16|fp32]]]  # over the default
+    python -m tests.unit.stack_step_hopper ['{"ONE_ROW": 0}' [table|gather|backbone|backbone_mlp [bf16|fp32]]]
 
 csm-1b's depth decoder in bf16, one row, rows of the projected embedding table (or embedding rows times
 the projection: "gather") and the padded codebook head; the weights with the mlp rows the depth decoder
@@ -35,6 +35,7 @@ from kernels import stack_step as ss
 
 LAYERS, HIDDEN, INTER, NUM_Q, NUM_KV, HEAD_DIM = 4, 1024, 8192, 8, 2, 128
 SLOTS, MAX_LEN, SRC_WIDTH, VOCAB, SMS = 16, 32, 2048, 2056, 132
+BACKBONE = (16, 2048, 8192, 32, 8, 64, 2048)  # csm-1b's backbone: layers, H, INTER, Hq, Hkv, D, max_len
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
                  torch.int32: "*i32"}
 
@@ -49,27 +50,39 @@ WEIGHTS = torch.bfloat16  # the weights' (and caches', inputs') dtype; main's th
 def compile_kernel(tuning: dict | None = None, way: str = "table"):
     """The one launch for a depth call of one row: ``way`` "table" (rows of the projected embedding
     table, no projection phase: calls after the first) or "gather" (embedding rows times the
-    projection)."""
-    d = HEAD_DIM
+    projection); or "backbone" / "backbone_mlp": ``stack_layers``' launch for csm-1b's backbone at one
+    row (a layer's output product and MLP, the next layer's QKV; its attention outside), without or with
+    the mlp rows."""
+    backbone = way in ("backbone", "backbone_mlp")
+    depth = (LAYERS, HIDDEN, INTER, NUM_Q, NUM_KV, HEAD_DIM, MAX_LEN)
+    layers, hidden, inter, num_q, num_kv, d, max_len = BACKBONE if backbone else depth
     weights = ss.StackWeights(
-        qkv=meta(LAYERS, (NUM_Q + 2 * NUM_KV) * d, HIDDEN), o=meta(LAYERS, HIDDEN, NUM_Q * d),
-        gate_up=meta(LAYERS, 2 * INTER, HIDDEN), down=meta(LAYERS, HIDDEN, INTER),
-        input_norm=meta(LAYERS, HIDDEN), post_norm=meta(LAYERS, HIDDEN), final_norm=meta(HIDDEN),
-        cos=meta(64, d, dtype=torch.float32), sin=meta(64, d, dtype=torch.float32), num_q_heads=NUM_Q,
-        num_kv_heads=NUM_KV, head_dim=d, eps=1e-5)
-    weights = ss.with_mlp_rows(weights)  # as the depth decoder packs them (MLP_DOWN reads mlp)
-    cache = meta(LAYERS, SLOTS, MAX_LEN, NUM_KV, d)
+        qkv=meta(layers, (num_q + 2 * num_kv) * d, hidden), o=meta(layers, hidden, num_q * d),
+        gate_up=meta(layers, 2 * inter, hidden), down=meta(layers, hidden, inter),
+        input_norm=meta(layers, hidden), post_norm=meta(layers, hidden), final_norm=meta(hidden),
+        cos=meta(max_len, d, dtype=torch.float32), sin=meta(max_len, d, dtype=torch.float32),
+        num_q_heads=num_q, num_kv_heads=num_kv, head_dim=d, eps=1e-5)
+    if way != "backbone":
+        weights = ss.with_mlp_rows(weights)  # as the depth decoder packs them (MLP_DOWN reads mlp)
+    cache = meta(layers, SLOTS, max_len, num_kv, d)
     index = meta(1, dtype=torch.int64)
-    if way not in ("table", "gather"):
-        raise ValueError(f"way must be 'table' or 'gather', got {way!r}")
-    inputs = dict(src=meta(VOCAB, HIDDEN), codes=index) if way == "table" else dict(
-        src=meta(VOCAB, SRC_WIDTH), codes=index, proj=meta(HIDDEN, SRC_WIDTH))
+    if way not in ("table", "gather", "backbone", "backbone_mlp"):
+        raise ValueError(f"way must be 'table', 'gather', 'backbone' or 'backbone_mlp', got {way!r}")
+    # then run_pj, layer_begin, layer_end, phases, next_phases, tail, run_out
+    if backbone:
+        q = meta(1, num_q * d)
+        inputs = dict(x=meta(1, hidden), q=q, attn=q)
+        launch = [0, 0, 2, ss.ALL_LAYER_PHASES - ss.QKV - ss.ATT, ss.QKV, ss.QKV, 0]
+    else:
+        inputs = dict(codes=index, head=meta(VOCAB, HIDDEN))
+        inputs.update(dict(src=meta(VOCAB, HIDDEN)) if way == "table" else dict(
+            src=meta(VOCAB, SRC_WIDTH), proj=meta(HIDDEN, SRC_WIDTH)))
+        launch = [1, 0, LAYERS, ss.ALL_LAYER_PHASES, ss.ALL_LAYER_PHASES, 0, 1]
     args, static, _, _, _ = ss.launch_plan(
-        weights, cache, cache, index, index, index, **inputs, head=meta(VOCAB, HIDDEN), num_programs=SMS,
-        compiled=True, tuning=tuning)
+        weights, cache, cache, index, index, index, **inputs, num_programs=SMS, compiled=True, tuning=tuning)
     options = {"num_warps": static.pop("num_warps"), "num_stages": static.pop("num_stages")}
     static["SYNC"] = True
-    values = iter([*args, 1, 0, LAYERS, ss.ALL_LAYER_PHASES, 1])  # then run_pj, layers, phases, run_out
+    values = iter([*args, *launch])
     fn = ss._stack_step_kernel
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):

@@ -815,12 +815,14 @@ def on_the_kernels(fresh_latches, monkeypatch) -> Counter:
     assert not tripped, f"latches tripped: {tripped}"
 
 
-# One frame of the tiny talker: the backbone's 4 layers through forward_rows (a layer: two norms, one
-# rope_kv, one decode attention, one silu_mul; the stack's final norm), and the depth decoder's 7
-# calls (the first two positions together, then one per codebook 2 .. 7): each one stack_step, or,
-# for calls of more rows than STACK_STEP_ROWS, forward_rows through its 2 layers. A bucket of b
-# rows makes a first call of 2 b rows and six calls of b rows. The tiny model's buckets (1, 2, 4) all
-# fit the default limit (16), so the tests that need both paths set it to 2 (``limit_2``).
+# One frame of the tiny talker: the backbone's 4 layers in one stack_layers call, or for buckets of more
+# rows than BACKBONE_STACK_ROWS through forward_rows (a layer: two norms, one rope_kv, one decode
+# attention, one silu_mul; the stack's final norm), and the depth decoder's 7 calls (the first two
+# positions together, then one per codebook 2 .. 7): each one stack_step, or, for calls of more rows
+# than STACK_STEP_ROWS, forward_rows through its 2 layers. A bucket of b rows makes a first call of 2 b
+# rows and six calls of b rows. The tiny model's buckets (1, 2, 4) all fit the default limits (16), so
+# the tests that need both paths set them to 2 (``limit_2``). stack_layers calls decode attention's
+# launcher once a layer (counted too: the fixture wraps the name in each module it patches).
 BACKBONE_LAYERS_PER_FRAME = 4
 DEPTH_CALLS_PER_FRAME = 7
 DEPTH_LAYERS = 2
@@ -835,18 +837,22 @@ def stack_calls(bucket: int) -> int:
 def assert_frames_ran_on_the_kernels(launches: Counter, frames: int, bucket: int) -> None:
     stack = stack_calls(bucket)
     row_calls = DEPTH_CALLS_PER_FRAME - stack  # depth calls through forward_rows, per frame
-    layers = frames * (BACKBONE_LAYERS_PER_FRAME + DEPTH_LAYERS * row_calls)
-    assert launches == Counter({"rms_norm_triton": 2 * layers + frames * (1 + row_calls),
+    backbone_rows = bucket > csm_model.BACKBONE_STACK_ROWS  # the backbone through forward_rows
+    layers = frames * (BACKBONE_LAYERS_PER_FRAME * backbone_rows + DEPTH_LAYERS * row_calls)
+    assert launches == Counter({"rms_norm_triton": 2 * layers + frames * (backbone_rows + row_calls),
                                 "rope_kv_triton": layers,
-                                "decode_attention_triton": layers, "silu_mul_triton": layers,
-                                "stack_step_triton": frames * stack})
+                                "decode_attention_triton": frames * BACKBONE_LAYERS_PER_FRAME + (
+                                    frames * DEPTH_LAYERS * row_calls), "silu_mul_triton": layers,
+                                "stack_step_triton": frames * stack,
+                                "stack_layers_triton": frames * (not backbone_rows)})
 
 
 @pytest.fixture
 def limit_2(monkeypatch) -> None:
     """Depth calls of more than 2 rows take forward_rows: buckets 1, 2 and 4 then take stack_step
-    for all, some and none of their depth calls."""
+    for all, some and none of their depth calls; and bucket 4 takes forward_rows for the backbone."""
     monkeypatch.setattr(csm_model, "STACK_STEP_ROWS", 2)
+    monkeypatch.setattr(csm_model, "BACKBONE_STACK_ROWS", 2)
 
 
 @pytest.fixture(scope="module")

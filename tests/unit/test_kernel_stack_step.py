@@ -651,6 +651,103 @@ def test_a_trace_is_taken_only_where_it_fits():
         plan(11)
 
 
+# ---------------------------------------------------------------- stack_layers: the attention outside
+
+# Caches past MAX_KEYS (the backbone's case, which only stack_layers takes), rows past one split of the
+# attention kernels' sequence (the interpreter's four "SMs" split 300 keys in two)
+LONG = Shape(2, 64, 128, 4, 2, 16, 4, 300, 64, 72)
+LAYER_SHAPES = {**SHAPES, "long": LONG}
+LONG_ROWS = {
+    "one": [(2, 290)], "three": [(0, 3), (1, 270), (3, 299)], "pairs": [(0, 280), (0, 281), (2, 0), (2, 1)]
+}
+
+
+def layers_case(shape: str, seed: int, rows: str) -> Case:
+    rows_ = (LONG_ROWS if shape == "long" else ROWS)[rows]
+    return make_case(LAYER_SHAPES[shape], seed, rows_, way="x", head=False)
+
+
+def stack_layers_triton(*args, head=None, **kwargs):
+    assert head is None
+    return ss.stack_layers_triton(*args, **kwargs)
+
+
+def stack_layers(*args, head=None, **kwargs):
+    assert head is None
+    return ss.stack_layers(*args, **kwargs)
+
+
+@pytest.mark.parametrize("rows", list(ROWS))
+@pytest.mark.parametrize("shape", list(LAYER_SHAPES))
+def test_stack_layers_equals_twin_and_reference(shape: str, rows: str):
+    # One launch before the first layer's attention, one between each two, one after the last (on the
+    # CPU phase by phase), the attention kernels between them: stack_step_eager's result from x, every
+    # K/V write in its place and nothing else touched.
+    case = layers_case(shape, 40, rows)
+    got, twin, ref = run(case, stack_layers_triton), run(case, ss.stack_step_eager), reference(case)
+    assert got.out.shape == (case.slots.shape[0], LAYER_SHAPES[shape].hidden)
+    assert relative_error(got.out, twin.out) <= TWIN_FP32
+    assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
+    assert_caches(got, ref, case, TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("shape", ["odd", "long"])
+def test_stack_layers_with_the_mlp_rows_takes_mlp_down_at_one_row(shape: str):
+    case = with_mlp(layers_case(shape, 41, "one"))
+    got, twin, ref = run(case, stack_layers_triton), run(case, ss.stack_step_eager), reference(case)
+    assert relative_error(got.out, twin.out) <= TWIN_FP32
+    assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
+    assert_caches(got, ref, case, TOLERANCE[torch.float32])
+    # MLP_DOWN off: a DOWN phase and its reduce instead; another summation order, within tolerance
+    off = run(case, lambda *a, head=None, **k: ss.stack_layers_triton(*a, **k, tuning={"MLP_DOWN": 0}))
+    assert not torch.equal(off.out, got.out)
+    assert relative_error(off.out, ref.out) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("programs", [1, 7])
+def test_stack_layers_on_any_grid_gives_the_same_result(programs: int):
+    case = layers_case("long", 42, "three")
+    want = run(case, stack_layers_triton)
+    got = run(case, lambda *a, head=None, **k: ss.stack_layers_triton(*a, **k, num_programs=programs))
+    assert torch.equal(got.out, want.out)
+    assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
+
+
+def test_only_stack_layers_takes_caches_past_the_attention_phase(fresh_latch, monkeypatch):
+    monkeypatch.setattr(ss, "kernel_device", lambda tensor: True)
+    case = clean(layers_case("long", 43, "three"))
+    with pytest.raises(ValueError, match=f"longer than {ss.MAX_KEYS} positions"):
+        ss.stack_step_triton(*case.args, **case.inputs)
+    assert not ss.fits(*case.args, **case.inputs)
+    assert ss.fits(*case.args, outside_attention=True, **case.inputs)
+    ss.check(*case.args, case.inputs["x"], None, None, None, None, outside_attention=True)  # no error
+    # stack_layers takes x only, and the plan's q and attention rows come as a pair
+    with pytest.raises(ValueError, match="x must be"):
+        ss.stack_layers_triton(*case.args, x=case.inputs["x"][:, :-1])
+    q = torch.empty(3, LONG.num_q * LONG.head_dim, device=DEVICE)
+    with pytest.raises(ValueError, match="q and attn come together"):
+        ss.launch_plan(*case.args, x=case.inputs["x"], q=q, compiled=False)
+    x = case.inputs["x"]
+    assert ss.launch_plan(*case.args, x=x, q=q, attn=q.clone(), compiled=False)[1]["OUTSIDE_ATT"]
+    assert not ss.launch_plan(*case.args, x=x, compiled=False)[1]["OUTSIDE_ATT"]
+
+
+def test_stack_layers_drop_in_follows_the_device_and_the_latch(fresh_latch, monkeypatch):
+    case = clean(layers_case("long", 44, "one"))
+    twin = run(case, ss.stack_step_eager).out
+    real = ss.stack_layers_triton
+    monkeypatch.setattr(ss, "stack_layers_triton", lambda *a, **k: pytest.fail("kernel for CPU tensors"))
+    assert torch.equal(run(move(case, "cpu"), stack_layers).out, twin.cpu())
+    monkeypatch.setattr(ss, "kernel_device", lambda tensor: True)
+    assert ss.fits(*case.args, outside_attention=True, **case.inputs)
+    calls = []
+    monkeypatch.setattr(ss, "stack_layers_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert relative_error(run(case, stack_layers).out, twin) <= TWIN_FP32 and calls == [1]
+    fresh_latch.configure(False)
+    assert not ss.fits(*case.args, outside_attention=True, **case.inputs)
+    assert torch.equal(run(case, stack_layers).out, twin) and calls == [1]  # configured off: the twin
+
+
 @pytest.fixture
 def fresh_latch(monkeypatch) -> KernelLatch:
     latch = KernelLatch("stack_step")

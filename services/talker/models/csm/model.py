@@ -28,7 +28,7 @@ from torch import nn
 
 from kernels.sampler import sample  # the Triton kernel on CUDA, its eager twin elsewhere
 from kernels.stack_step import fits as stack_fits
-from kernels.stack_step import stack_step
+from kernels.stack_step import stack_layers, stack_step
 from services.talker.models.csm.config import CsmConfig
 from services.talker.models.csm.modules import KVCache, Transformer
 from services.talker.models.family import FrameInputs, FrameOutputs, PromptSegment
@@ -44,6 +44,14 @@ STACK_STEP_ROWS = 16
 # ``stack_step`` then has no projection phase (bench/README.md). False (read as graphs are captured):
 # every depth call projects its embedding rows, as before; for benchmarks.
 PROJECTED_INPUTS = True
+# Backbone steps of at most this many rows take ``stack_layers``: per layer one ``stack_step`` launch (the
+# output product, the MLP, the next layer's norm + QKV + rotary + K/V write) and decode attention's
+# kernels, instead of ``forward_rows``' nine launches a layer (bench/README.md). 0: every step takes
+# ``forward_rows`` (read as graphs are captured; for benchmarks).
+BACKBONE_STACK_ROWS = 16
+# Whether ``pack_weights`` gives the backbone the mlp rows (down's transpose beside gate/up, 537 MB more at
+# csm-1b in bf16), so its one-row steps take ``stack_step``'s MLP_DOWN. Read by ``pack_weights``.
+BACKBONE_MLP_ROWS = False
 
 
 class AudioEmbeddings(nn.Module):
@@ -176,7 +184,7 @@ class CsmTalker(nn.Module):
         head, and projects codebooks
         1 .. N-2's embedding tables (``_depth_inputs``: the inputs of depth calls 2 .. N-1). Call once
         the model has its final device and dtype. Prefill keeps the plain path either way."""
-        self.backbone_model.pack_weights()
+        self.backbone_model.pack_weights(mlp_rows=BACKBONE_MLP_ROWS)
         self.depth_decoder.model.pack_weights(mlp_rows=True)  # stack_step's MLP_DOWN reads down's transpose
         # The head [N-1, H, V] as a view of [N-1, V_pad, H] with V padded to a multiple of 8 by
         # zero rows: each codebook's product then writes aligned [B, V_pad] logits (V = 2051 is
@@ -318,8 +326,15 @@ class CsmTalker(nn.Module):
         codes = self._depth_codes(inputs, caches, logits)  # [B, N]
         stop = self.is_stop_frame(codes) & (inputs.frame_index >= inputs.min_frames)
         if self.fused:
-            hidden = self.backbone_model.forward_rows(self.embed_frames(codes), caches.backbone, inputs.slots,
-                                                      inputs.positions, inputs.positions + 1)
+            backbone, cache = self.backbone_model, caches.backbone
+            x = self.embed_frames(codes)
+            rows = (inputs.slots, inputs.positions, inputs.positions + 1)
+            if x.shape[0] <= BACKBONE_STACK_ROWS and stack_fits(
+                backbone.stack, cache.k, cache.v, *rows, outside_attention=True, x=x
+            ):
+                hidden = stack_layers(backbone.stack, cache.k, cache.v, *rows, x=x)
+            else:
+                hidden = backbone.forward_rows(x, cache, *rows)
         else:
             embeds = self.embed_frames(codes)[:, None]           # [B, 1, H]
             hidden = self.backbone_model(embeds, caches.backbone, inputs.slots,
