@@ -1448,7 +1448,8 @@ def launch_plan(
     trace_slots = 64
     if trace is not None:
         per_layer = len(layer_phases(tune, mlp_down))
-        barriers = (proj is not None) + weights.num_layers * per_layer
+        # stack_layers' launches: at most one layer's phases after attention, then the next one's QKV
+        barriers = per_layer if outside else (proj is not None) + weights.num_layers * per_layer
         trace_slots = trace.shape[1] if trace.dim() == 3 and trace.shape[1] in (64, 128) else 64
         if not compiled or trace.dtype != torch.int64 or tuple(trace.shape) != (grid[0], trace_slots, 2) or (
             trace.device != device or not trace.is_contiguous()

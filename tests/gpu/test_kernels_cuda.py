@@ -24,6 +24,7 @@ from kernels import sampler as sampler_kernel
 from kernels import silu_mul as silu_kernel
 from kernels import stack_step as stack_kernel
 from services.talker import sampler as twin
+from services.talker.models.csm import model as csm_model
 from services.talker.sampler import SamplingParams
 from tests.unit.test_kernel_decode_attention import SHAPES, check, make_inputs
 from tests.unit.test_kernel_fused_layers import (
@@ -357,24 +358,28 @@ FUSED_FRAME_KERNELS = (*kernels.FUSED_LAYER_KERNELS, "decode_attention")
 @pytest.fixture(scope="module")
 def cuda_runners():
     """Runners with CUDA graphs for every bucket over the plain and the packed tiny talker in fp32
-    (moved to the GPU before pack_weights). The captures compile the kernels in their warm-up:
-    each fused-layer launcher and decode attention must have run, and no latch tripped (a tripped
-    latch would have put the twin into the graphs)."""
+    (moved to the GPU before pack_weights). Backbone steps of up to 2 rows take stack_layers (buckets 1
+    and 2), the others forward_rows (4 and 8), so the graphs hold both. The captures compile the kernels
+    in their warm-up: each fused-layer launcher, stack_layers and decode attention must have run, and no
+    latch tripped (a tripped latch would have put the twin into the graphs)."""
     modules = {name: importlib.import_module(f"kernels.{name}") for name in FUSED_FRAME_KERNELS}
+    launchers = [(module, f"{name}_triton", name) for name, module in modules.items()]
+    launchers.append((stack_kernel, "stack_layers_triton", "stack_layers"))
     launches: dict[str, int] = {}
     with pytest.MonkeyPatch.context() as patch:
-        for name, module in modules.items():
-            launcher = getattr(module, f"{name}_triton")
+        patch.setattr(csm_model, "BACKBONE_STACK_ROWS", 2)
+        for module, attr, name in launchers:
+            launcher = getattr(module, attr)
 
             def counted(*args, _real=launcher, _name=name, **kwargs):
                 launches[_name] = launches.get(_name, 0) + 1
                 return _real(*args, **kwargs)
 
-            patch.setattr(module, f"{name}_triton", counted)
+            patch.setattr(module, attr, counted)
         plain, fused = plain_and_fused("cuda")
         runners = (make_runner(plain, GRAPH_BUCKETS, use_graphs=True),
                    make_runner(fused, GRAPH_BUCKETS, use_graphs=True))
-    assert set(launches) == set(FUSED_FRAME_KERNELS), launches
+    assert set(launches) == {*FUSED_FRAME_KERNELS, "stack_layers"}, launches
     assert all(modules[name].LATCH.failure is None for name in FUSED_FRAME_KERNELS)
     for runner in runners:
         assert sorted(runner.graphs) == list(GRAPH_BUCKETS)
