@@ -9,8 +9,8 @@ row at position ``POSITION`` (so the attention reads that many keys). For each r
 
 * device time of one step, from graphs of ``STEPS`` steps replayed under CUDA events (median of 5 x 10
   after warm-up): ``forward_rows`` (cuBLAS products and the fused-layer kernels, the path before
-  ``stack_layers``), ``stack_layers`` at the default tuning, with the mlp rows (MLP_DOWN at one row), and
-  at one row each ``--tunings`` candidate (stack_step tunings for the backbone's launches only);
+  ``stack_layers``), ``stack_layers`` at the model's tuning for it (``BACKBONE_TUNING``), at one row with
+  the mlp rows too (MLP_DOWN), and each ``--tunings`` candidate (over ``BACKBONE_TUNING``);
 * a profile of one step of each path: the kernels, their count and mean time by name;
 * for the default (and each candidate) at one row, a middle launch's own timer trace (layer 4's phases
   after attention and layer 5's QKV): per phase the span from the first program leaving the barrier
@@ -39,17 +39,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.talker_fusion import random_model
 from bench.talker_gpu import CSM_1B
 from kernels import stack_step as stack_kernel
+from services.talker.models.csm import model as csm_model
 
 ROWS = [1, 8]
 STEPS = 8
 MAX_LEN = 2048
 POSITION = 300
 TRACE_LAUNCHES = 20
-TUNINGS = [  # candidates for the backbone's launches (bench/README.md)
-    {"BN_WIDE": 64},
-    {"KS_DOWN": 2},
-    {"num_stages": 6},
-    {"BK": 512},
+TUNINGS = [  # candidates for the backbone's launches, over the default's BACKBONE_TUNING (bench/README.md)
+    {"BN_QKV": 8, "BK_QKV": 512},  # the depth decoder's
+    {"BN_QKV": 16, "BK_QKV": 512},  # 600 bytes of spills (sm_90)
+    {"BN_QKV": 16, "BK_QKV": 128},
 ]
 
 
@@ -156,7 +156,8 @@ def main() -> None:
               "commit": os.environ.get("VOXRING_COMMIT") or subprocess.run(
                   ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
               "shapes": "csm-1b backbone (16 x 2048, 32 / 8 heads of 64, MLP 8192), bf16, random weights",
-              "max_len": MAX_LEN, "position": POSITION, "steps_per_graph": STEPS, "per_rows": {}}
+              "backbone_tuning": csm_model.BACKBONE_TUNING, "max_len": MAX_LEN, "position": POSITION,
+              "steps_per_graph": STEPS, "per_rows": {}}
     model = random_model(CSM_1B, torch.bfloat16)
     backbone = model.backbone_model
     del model.depth_decoder
@@ -182,6 +183,7 @@ def main() -> None:
 
         def layers(tuning=None, stack=plain_stack, x=x, rows=rows, work=work):
             work.copy_(x)
+            tuning = {**csm_model.BACKBONE_TUNING, **(tuning or {})}
             return stack_kernel.stack_layers_triton(stack, cache.k, cache.v, *rows, x=work, tuning=tuning)
 
         want = replaced()
@@ -190,16 +192,17 @@ def main() -> None:
         got = layers()
         entry["stack_layers_vs_forward_rows"] = round(float((got.float() - want.float()).norm()
                                                             / want.float().norm()), 5)
-        entry["stack_layers_mlp_rows_us"] = round(graph_us(lambda: layers(stack=mlp_stack)), 2)
-        tunings = args.tunings if n == 1 else []  # the candidates at one row only (each compiles the kernel)
-        entry["candidates"] = {json.dumps(t): round(graph_us(lambda t=t: layers(t)), 2) for t in tunings}
+        if n == 1:  # MLP_DOWN runs at one row only
+            entry["stack_layers_mlp_rows_us"] = round(graph_us(lambda: layers(stack=mlp_stack)), 2)
+        entry["candidates"] = {json.dumps(t): round(graph_us(lambda t=t: layers(t)), 2) for t in args.tunings}
         entry["stack_layers_again_us"] = round(graph_us(layers), 2)
         entry["profile"] = {"forward_rows": kernel_profile(replaced), "stack_layers": kernel_profile(layers)}
         if n == 1:
-            entry["trace"] = {"default": launch_trace(plain_stack, cache, rows, x, {}),
-                              "mlp_rows": launch_trace(mlp_stack, cache, rows, x, {})}
+            default = csm_model.BACKBONE_TUNING
+            entry["trace"] = {"default": launch_trace(plain_stack, cache, rows, x, default),
+                              "mlp_rows": launch_trace(mlp_stack, cache, rows, x, default)}
             for t in args.tunings:
-                entry["trace"][json.dumps(t)] = launch_trace(plain_stack, cache, rows, x, t)
+                entry["trace"][json.dumps(t)] = launch_trace(plain_stack, cache, rows, x, {**default, **t})
         entry["achieved_TBps"] = {
             "forward_rows": round(weight_bytes / entry["forward_rows_us"] / 1e6, 2),
             "stack_layers": round(weight_bytes / entry["stack_layers_us"] / 1e6, 2),

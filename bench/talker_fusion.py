@@ -309,13 +309,14 @@ STAGES = [  # name, pack weights first, kernel switches, stack_step settings
 ]
 
 
-_MODEL_KEYS = ("rows", "projected", "backbone_rows", "backbone_mlp")
+_MODEL_KEYS = ("rows", "projected", "backbone_rows", "backbone_mlp", "backbone_tuning")
 _BACKBONE_STACKS: dict = {}  # the backbone's packed stack, and with the mlp rows once asked for
 
 
 def apply_stack_settings(settings: dict | None, model: CsmTalker | None = None) -> None:
     """The default stack_step tuning, row limits and projected depth inputs, changed by a stage's
-    settings ("rows", "projected", "backbone_rows", "backbone_mlp" and tuning keys). "backbone_mlp": 1
+    settings ("rows", "projected", "backbone_rows", "backbone_mlp", "backbone_tuning" (stack_layers'
+    tuning, over the depth decoder's) and tuning keys). "backbone_mlp": 1
     gives the packed backbone's stack the mlp rows (a copy: down's transpose beside gate/up), as
     ``BACKBONE_MLP_ROWS`` would, so its one-row steps take MLP_DOWN."""
     import kernels.stack_step as stack_kernel
@@ -327,6 +328,8 @@ def apply_stack_settings(settings: dict | None, model: CsmTalker | None = None) 
     csm_model.STACK_STEP_ROWS = settings.get("rows", _DEFAULT_ROWS)
     csm_model.PROJECTED_INPUTS = settings.get("projected", False)  # the stages before it project
     csm_model.BACKBONE_STACK_ROWS = settings.get("backbone_rows", _DEFAULT_BACKBONE_ROWS)
+    backbone_tuning = settings.get("backbone_tuning", _DEFAULT_BACKBONE)
+    csm_model.BACKBONE_TUNING = stack_kernel.checked_tuning(backbone_tuning)
     backbone = model.backbone_model if model is not None else None
     if backbone is not None and backbone.stack is not None:
         plain = _BACKBONE_STACKS.setdefault("plain", backbone.stack)
@@ -340,10 +343,11 @@ def _defaults() -> tuple[dict, int]:
     import kernels.stack_step as stack_kernel
     import services.talker.models.csm.model as csm_model
 
-    return dict(stack_kernel.TUNING), csm_model.STACK_STEP_ROWS, csm_model.BACKBONE_STACK_ROWS
+    return (dict(stack_kernel.TUNING), csm_model.STACK_STEP_ROWS, csm_model.BACKBONE_STACK_ROWS,
+            dict(csm_model.BACKBONE_TUNING))
 
 
-_DEFAULT_TUNING, _DEFAULT_ROWS, _DEFAULT_BACKBONE_ROWS = _defaults()
+_DEFAULT_TUNING, _DEFAULT_ROWS, _DEFAULT_BACKBONE_ROWS, _DEFAULT_BACKBONE = _defaults()
 
 
 def main() -> None:

@@ -1550,16 +1550,22 @@ def stack_step(
 
 def stack_layers(
     weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-    positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor,
+    positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor, tuning: dict | None = None,
 ) -> torch.Tensor:
     """``stack_step`` from a residual stream ``x`` [N, H] (scratch afterwards) to the normed hidden states
-    [N, H] for a stack with long caches (the CSM backbone's): ``stack_layers_triton`` on CUDA while the
-    latch is active, the twin otherwise."""
+    [N, H] for a stack with long caches (the CSM backbone's): ``stack_layers_triton`` (with ``tuning`` over
+    ``TUNING``: the caller's stack may want other tiles than the depth decoder's) on CUDA while the latch
+    is active, the twin otherwise. A tuning the kernel cannot take is the caller's error (ValueError)."""
     args = (weights, k_cache, v_cache, slots, positions, lengths)
+    checked_tuning(tuning or {})
     if not kernel_device(weights.qkv):
         return stack_step_eager(*args, x=x)
     try:
         check(*args, x, None, None, None, None, outside_attention=True)
     except ValueError:
         return stack_step_eager(*args, x=x)
-    return LATCH.call(stack_layers_triton, stack_step_eager, *args, x=x)
+
+    def kernel(*args, x):
+        return stack_layers_triton(*args, x=x, tuning=tuning)
+
+    return LATCH.call(kernel, stack_step_eager, *args, x=x)

@@ -49,6 +49,11 @@ PROJECTED_INPUTS = True
 # kernels, instead of ``forward_rows``' nine launches a layer (bench/README.md). 0: every step takes
 # ``forward_rows`` (read as graphs are captured; for benchmarks).
 BACKBONE_STACK_ROWS = 16
+# ``stack_layers``' tiles for the backbone, over ``stack_step.TUNING`` (the depth decoder's): QKV items of
+# 16 rotary pairs, 96 items of 128 KB for 132 programs, one a program, so its rotary tables load before the
+# product, where 8 made 192 items of 64 KB whose tables loaded in each epilogue (a launch's QKV phase 14.5
+# us, dc6a977); in blocks of 256 (at 512 the launch compiles with 600 bytes of spills, sm_90)
+BACKBONE_TUNING = {"BN_QKV": 16, "BK_QKV": 256}
 # Whether ``pack_weights`` gives the backbone the mlp rows (down's transpose beside gate/up, 537 MB more at
 # csm-1b in bf16), so its one-row steps take ``stack_step``'s MLP_DOWN. Read by ``pack_weights``.
 BACKBONE_MLP_ROWS = False
@@ -332,7 +337,7 @@ class CsmTalker(nn.Module):
             if x.shape[0] <= BACKBONE_STACK_ROWS and stack_fits(
                 backbone.stack, cache.k, cache.v, *rows, outside_attention=True, x=x
             ):
-                hidden = stack_layers(backbone.stack, cache.k, cache.v, *rows, x=x)
+                hidden = stack_layers(backbone.stack, cache.k, cache.v, *rows, x=x, tuning=BACKBONE_TUNING)
             else:
                 hidden = backbone.forward_rows(x, cache, *rows)
         else:
