@@ -815,13 +815,13 @@ def on_the_kernels(fresh_latches, monkeypatch) -> Counter:
     assert not tripped, f"latches tripped: {tripped}"
 
 
-# One frame of the tiny talker: the backbone's 4 layers in one stack_layers call, or for buckets of more
-# rows than BACKBONE_STACK_ROWS through forward_rows (a layer: two norms, one rope_kv, one decode
-# attention, one silu_mul; the stack's final norm), and the depth decoder's 7 calls (the first two
-# positions together, then one per codebook 2 .. 7): each one stack_step, or, for calls of more rows
-# than STACK_STEP_ROWS, forward_rows through its 2 layers. A bucket of b rows makes a first call of 2 b
-# rows and six calls of b rows. The tiny model's buckets (1, 2, 4) all fit the default limits (16), so
-# the tests that need both paths set them to 2 (``limit_2``). stack_layers calls decode attention's
+# One frame of the tiny talker: the backbone's 4 layers through forward_rows (a layer: two norms, one
+# rope_kv, one decode attention, one silu_mul; the stack's final norm), or for buckets of at most
+# BACKBONE_STACK_ROWS rows (0 by default) in one stack_layers call; and the depth decoder's 7 calls (the
+# first two positions together, then one per codebook 2 .. 7): each one stack_step, or, for calls of more
+# rows than STACK_STEP_ROWS, forward_rows through its 2 layers. A bucket of b rows makes a first call of 2 b
+# rows and six calls of b rows. The tiny model's buckets (1, 2, 4) all fit the default depth limit (16), so
+# the tests that need both paths set both limits to 2 (``limit_2``). stack_layers calls decode attention's
 # launcher once a layer (counted too: the fixture wraps the name in each module it patches).
 BACKBONE_LAYERS_PER_FRAME = 4
 DEPTH_CALLS_PER_FRAME = 7
@@ -850,7 +850,8 @@ def assert_frames_ran_on_the_kernels(launches: Counter, frames: int, bucket: int
 @pytest.fixture
 def limit_2(monkeypatch) -> None:
     """Depth calls of more than 2 rows take forward_rows: buckets 1, 2 and 4 then take stack_step
-    for all, some and none of their depth calls; and bucket 4 takes forward_rows for the backbone."""
+    for all, some and none of their depth calls; and backbone steps of up to 2 rows take stack_layers
+    (buckets 1 and 2; bucket 4 forward_rows)."""
     monkeypatch.setattr(csm_model, "STACK_STEP_ROWS", 2)
     monkeypatch.setattr(csm_model, "BACKBONE_STACK_ROWS", 2)
 
@@ -911,7 +912,7 @@ def test_projected_depth_inputs_are_each_codes_projected_embedding(talkers):
 def test_the_depth_stack_carries_downs_transpose_beside_gate_up(talkers):
     # pack_weights lays each depth layer's gate and up rows and then down's transpose in one tensor
     # (stack_step's MLP_DOWN streams them as one product); gate_up, the linears and forward_rows read
-    # views of it; the backbone, which stack_step does not take, keeps no copy.
+    # views of it; the backbone keeps no copy (BACKBONE_MLP_ROWS is off: its steps take forward_rows).
     plain, fused = talkers
     depth, backbone = fused.depth_decoder.model, fused.backbone_model
     stack, inter = depth.stack, depth.cfg.intermediate_size

@@ -46,16 +46,20 @@ STACK_STEP_ROWS = 16
 PROJECTED_INPUTS = True
 # Backbone steps of at most this many rows take ``stack_layers``: per layer one ``stack_step`` launch (the
 # output product, the MLP, the next layer's norm + QKV + rotary + K/V write) and decode attention's
-# kernels, instead of ``forward_rows``' nine launches a layer (bench/README.md). 0: every step takes
-# ``forward_rows`` (read as graphs are captured; for benchmarks).
-BACKBONE_STACK_ROWS = 16
+# kernels, instead of ``forward_rows``' nine launches a layer. 0 (the default): every step takes
+# ``forward_rows``. On the H200 (bench/README.md, d7de182) a one-row step took 936.6 us against 942.3, a B=1
+# frame 5.09 / 5.12 ms against 5.07, and B=8 6.22 against 6.06: no gain, and its 17 launches a step with
+# grid barriers would be exposed to MPS neighbours. Read as graphs are captured; for benchmarks and tests.
+BACKBONE_STACK_ROWS = 0
 # ``stack_layers``' tiles for the backbone, over ``stack_step.TUNING`` (the depth decoder's): QKV items of
 # 16 rotary pairs, 96 items of 128 KB for 132 programs, one a program, so its rotary tables load before the
-# product, where 8 made 192 items of 64 KB whose tables loaded in each epilogue (a launch's QKV phase 14.5
-# us, dc6a977); in blocks of 256 (at 512 the launch compiles with 600 bytes of spills, sm_90)
+# product, where 8 made 192 items of 64 KB whose tables loaded in each epilogue: a launch's QKV phase 14.5
+# -> 10.75 us, a one-row step 977.3 -> 936.6 us (d7de182); in blocks of 256 (at 512: 600 bytes of spills,
+# 1246.0 us; at 128: 999.4)
 BACKBONE_TUNING = {"BN_QKV": 16, "BK_QKV": 256}
 # Whether ``pack_weights`` gives the backbone the mlp rows (down's transpose beside gate/up, 537 MB more at
-# csm-1b in bf16), so its one-row steps take ``stack_step``'s MLP_DOWN. Read by ``pack_weights``.
+# csm-1b in bf16), so its one-row ``stack_layers`` steps take ``stack_step``'s MLP_DOWN: 914.6 against 936.6
+# us a step (d7de182), 0.5% of a frame for the memory. Read by ``pack_weights``.
 BACKBONE_MLP_ROWS = False
 
 
@@ -185,7 +189,8 @@ class CsmTalker(nn.Module):
     def pack_weights(self) -> None:
         """Switches frames to the fused path: packs both stacks' QKV and gate/up weights into
         views of one tensor each (no extra memory, but for the depth decoder's down weights, which it
-        also keeps transposed after its gate/up rows: 67 MB for csm-1b in bf16), pads the codebook
+        also keeps transposed after its gate/up rows: 67 MB for csm-1b in bf16; the backbone's too with
+        ``BACKBONE_MLP_ROWS``: 537 MB), pads the codebook
         head, and projects codebooks
         1 .. N-2's embedding tables (``_depth_inputs``: the inputs of depth calls 2 .. N-1). Call once
         the model has its final device and dtype. Prefill keeps the plain path either way."""
