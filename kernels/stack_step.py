@@ -57,8 +57,15 @@ Rounding follows the fused layers' twins (``rms_norm``, ``rope_kv``, ``silu_mul`
 the twins hold in the inputs' dtype is rounded to it here at the same point, so only reduction
 order differs. Accumulation is fp32; fp32 products use exact (non-TF32) dots.
 
-Owns the ``@triton.jit`` kernel, the launcher ``stack_step_triton``, the eager twin
-``stack_step_eager`` (the fused layers' twins in order) and the drop-in ``stack_step``.
+``stack_layers`` runs a stack whose caches are longer than the ATT phase takes (``MAX_KEYS``; the CSM
+backbone's) with the same phase code: its attention runs as decode attention's kernels between launches
+of this one (OUTSIDE_ATT), each launch a layer's phases after attention and the next layer's QKV. On the
+H200 it measured a tie with the backbone's nine launches a layer at one row and a loss at eight
+(bench/README.md), so the talker keeps it off by default.
+
+Owns the ``@triton.jit`` kernel, the launchers ``stack_step_triton`` and ``stack_layers_triton``, the eager
+twin ``stack_step_eager`` (the fused layers' twins in order) and the drop-ins ``stack_step`` and
+``stack_layers``.
 """
 
 from __future__ import annotations
