@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.probe_stack_step import graph_us_per_call
 from bench.talker_fusion import random_model
 from bench.talker_gpu import CSM_1B
 from kernels import stack_step as stack_kernel
@@ -55,27 +56,7 @@ TUNINGS = [  # candidates for the backbone's launches, over the default's BACKBO
 
 def graph_us(fn) -> float:
     """Median device time of one call, from graphs of STEPS calls replayed under CUDA events."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(STEPS):
-            fn()
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-        start.record()
-        for _ in range(10):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (10 * STEPS))
-    return statistics.median(times)
+    return graph_us_per_call(fn, STEPS)
 
 
 def kernel_profile(fn) -> dict:

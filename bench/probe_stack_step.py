@@ -49,8 +49,8 @@ SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
 TRACE_CALLS = 20
 
 
-def graph_us_per_call(fn) -> float:
-    """Median device time of one call, from graphs of CALLS calls replayed under CUDA events."""
+def graph_us_per_call(fn, calls: int = CALLS) -> float:
+    """Median device time of one call, from graphs of ``calls`` calls replayed under CUDA events."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -58,7 +58,7 @@ def graph_us_per_call(fn) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(CALLS):
+        for _ in range(calls):
             fn()
     for _ in range(5):
         graph.replay()
@@ -70,7 +70,7 @@ def graph_us_per_call(fn) -> float:
             graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (10 * CALLS))
+        times.append(start.elapsed_time(end) * 1e3 / (10 * calls))
     return statistics.median(times)
 
 
