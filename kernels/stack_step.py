@@ -1559,10 +1559,12 @@ def stack_layers(
     weights: StackWeights, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor, tuning: dict | None = None,
 ) -> torch.Tensor:
-    """``stack_step`` from a residual stream ``x`` [N, H] (scratch afterwards) to the normed hidden states
-    [N, H] for a stack with long caches (the CSM backbone's): ``stack_layers_triton`` (with ``tuning`` over
-    ``TUNING``: the caller's stack may want other tiles than the depth decoder's) on CUDA while the latch
-    is active, the twin otherwise. A tuning the kernel cannot take is the caller's error (ValueError)."""
+    """``stack_step`` from a residual stream ``x`` [N, H] to the normed hidden states [N, H] for a stack
+    with long caches (the CSM backbone's): ``stack_layers_triton`` (with ``tuning`` over ``TUNING``: the
+    caller's stack may want other tiles than the depth decoder's) on CUDA while the latch is active, the
+    twin otherwise. ``x`` is left as it is: the kernel's residual stream is a copy, so a launch that fails
+    after others have run leaves the twin the input. A tuning the kernel cannot take is the caller's error
+    (ValueError)."""
     args = (weights, k_cache, v_cache, slots, positions, lengths)
     checked_tuning(tuning or {})
     if not kernel_device(weights.qkv):
@@ -1573,6 +1575,6 @@ def stack_layers(
         return stack_step_eager(*args, x=x)
 
     def kernel(*args, x):
-        return stack_layers_triton(*args, x=x, tuning=tuning)
+        return stack_layers_triton(*args, x=x.clone(), tuning=tuning)
 
     return LATCH.call(kernel, stack_step_eager, *args, x=x)

@@ -748,6 +748,27 @@ def test_stack_layers_drop_in_follows_the_device_and_the_latch(fresh_latch, monk
     assert torch.equal(run(case, stack_layers).out, twin) and calls == [1]  # configured off: the twin
 
 
+def test_a_stack_layers_launch_failing_midway_leaves_the_twin_its_input(fresh_latch, monkeypatch, caplog):
+    # The kernel works on a copy of x: a failure after some launches have run (here the residual stream
+    # scribbled on, then an error) leaves the caller's x, and the twin's result, as they would be.
+    monkeypatch.setattr(ss, "kernel_device", lambda tensor: True)
+
+    def fails_midway(*args, x, **kwargs):
+        x.fill_(1e4)
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(ss, "stack_layers_triton", fails_midway)
+    case = clean(layers_case("long", 45, "three"))
+    x = case.inputs["x"].clone()
+    got, want = run(case, stack_layers), run(case, ss.stack_step_eager)
+    assert torch.equal(got.out, want.out)
+    c = case.fresh()
+    ss.stack_layers(*c.args, x=c.inputs["x"])
+    assert torch.equal(c.inputs["x"], x)  # the caller's x as it was
+    assert isinstance(fresh_latch.failure, RuntimeError)
+    assert sum("stack_step failed" in r.getMessage() for r in caplog.records) == 1
+
+
 @pytest.fixture
 def fresh_latch(monkeypatch) -> KernelLatch:
     latch = KernelLatch("stack_step")
