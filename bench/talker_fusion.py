@@ -21,7 +21,10 @@ GPU only (about 4 minutes on one H200).
    2530d3e: `results/talker_fusion_stack_step.json`; it was as fast and was removed.)
    ``--tunings '[{"HOIST": 0}, ...]'``: the default stage again with each stack_step tuning
    (``candidates`` in the JSON), then the default once more; the sampled and whole-step timings
-   below stay the default's. Each stage also counts stack_step's barrier faults.
+   below stay the default's. A candidate may also set "backbone_rows" (backbone steps of up to that
+   many rows through ``stack_layers``, off by default), "backbone_tuning" (its tiles) and
+   "backbone_mlp" (1: the backbone's stack with the mlp rows). Each stage also counts stack_step's
+   barrier faults.
    A torch.profiler trace of one replay per stage and bucket gives the kernel count, the sum
    of kernel time and the idle time between kernels; the top kernels are listed for the
    first plain-with-kernels stage and the final stage. The stages run greedy rows; the final
@@ -302,9 +305,7 @@ STAGES = [  # name, pack weights first, kernel switches, stack_step settings
     ("+ silu_mul kernel", True, _switches(True, True, True, True), None),
     ("+ stack_step, depth calls <= 2 rows", True, _switches(True, True, True, True, True), {"rows": 2}),
     ("+ stack_step, depth calls <= 16 rows", True, _switches(True, True, True, True, True), {}),
-    ("+ projected depth inputs", True, _switches(True, True, True, True, True),
-     {"projected": True, "backbone_rows": 0}),
-    ("+ stack_layers backbone (default)", True, _switches(True, True, True, True, True),
+    ("+ projected depth inputs (default)", True, _switches(True, True, True, True, True),
      {"projected": True}),
 ]
 
