@@ -8,7 +8,8 @@ landing at its (slot, position) of a NaN-poisoned cache and nowhere else; the la
 naming what it refuses; the drop-in, ``fits`` and the latch. On a CPU machine the kernel runs
 under Triton's interpreter, phase by phase (the interpreter cannot run a grid barrier); the one
 launch with barriers is compiled for the H200 here (it must compile, and one program must fit on
-an SM) and checked against the phased launches on the GPU (tests/gpu)."""
+an SM) and checked against the phased launches on the GPU (tests/gpu). ``stack_layers`` (the attention
+outside the launches, caches of any length) against the same twin and reference."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
 
 from kernels import stack_step as ss
 from kernels.latch import KernelLatch
+from services.talker.models.csm.model import BACKBONE_TUNING
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 NAN = float("nan")
@@ -819,8 +821,9 @@ def test_a_failing_kernel_trips_the_latch_and_the_twin_serves(fresh_latch, monke
 @pytest.mark.parametrize(
     ("tuning", "way", "dtype"),
     [({}, "table", "bf16"), ({"TMA": 0}, "table", "bf16"), ({"ONE_ROW": 0}, "table", "bf16"),
-     ({}, "gather", "bf16"), ({"ONE_ROW": 0}, "gather", "fp32")],
-    ids=["default", "pointer_loads", "all_rows", "projection", "fp32_all_rows"],
+     ({}, "gather", "bf16"), ({"ONE_ROW": 0}, "gather", "fp32"),
+     (BACKBONE_TUNING, "backbone", "bf16")],  # stack_layers' launch for the backbone
+    ids=["default", "pointer_loads", "all_rows", "projection", "fp32_all_rows", "backbone"],
 )
 def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(
     tuning: dict, way: str, dtype: str
