@@ -1,7 +1,8 @@
 """``stack_step`` on csm-1b's depth decoder against the path it replaces, per depth call, timed
 inside CUDA graphs. GPU only (about 5 minutes at one row with the sweep, on one H200).
 
-    python bench/probe_stack_step.py [--rows 1,8,16] [--skip-sweep] [--way table|gather] [--out FILE.json]
+    python bench/probe_stack_step.py [--rows 1,8,16] [--sweep JSON | --skip-sweep] [--way table|gather]
+        [--out FILE.json]
 
 One depth call: its input rows from the projected embedding table (``--way table``, the model's
 calls 2 .. 31; the call as it was, the embedding lookup and the projector (2048 -> 1024) in a phase
@@ -259,6 +260,8 @@ def main() -> None:
                         help=f"rows per call to measure (default {','.join(map(str, ROWS))})")
     parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[0]],
                         help="JSON list of tunings to trace besides the default")
+    parser.add_argument("--sweep", type=lambda v: json.loads(v), default=SWEEP,
+                        help="JSON list of tunings (changes to the default) to time beside it")
     parser.add_argument("--skip-sweep", action="store_true", help="the default tuning and its trace only")
     parser.add_argument("--way", choices=("table", "gather"), default="table",
                         help="table: rows of the projected embedding table (the model's calls 2 .. 31; "
@@ -363,7 +366,7 @@ def main() -> None:
             )
         print(json.dumps({k: v for k, v in entry.items() if k != "sweep"}), flush=True)
         sweep = []
-        for tuning in [] if args.skip_sweep else SWEEP:
+        for tuning in [] if args.skip_sweep else args.sweep:
             try:
                 us = graph_us_per_call(lambda tuning=tuning: kernel(tuning))
                 got = kernel(tuning)

@@ -151,6 +151,7 @@ TUNING = {
     "BN_HEAD": 16,
     "BK": 256,
     "BK_QKV": 512,
+    "KQ_QKV": 1,
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,
@@ -409,6 +410,28 @@ def _first(rstd, m, ONE: tl.constexpr):
 
 
 @triton.jit
+def _row_parts(first_ptr, k0, m, rstd, norm_ptr, K: tl.constexpr, KQ: tl.constexpr, BKQ: tl.constexpr,
+               dtype: tl.constexpr, OPAQUE: tl.constexpr):
+    """A call's one row's [KQ BKQ] block from ``k0``, RMS-normed (``_row``'s roundings), as KQ rows of
+    BKQ (row q: elements k0 + q BKQ ..) in [BM, BKQ] zeros: the left operand of ``_parts_sum``'s product."""
+    kk = k0 + m[:, None] * BKQ + tl.arange(0, BKQ)[None, :]
+    ok = (m < KQ)[:, None] & (kk < K)
+    x = tl.load(first_ptr + kk, mask=ok, other=0.0, cache_modifier=".cg")
+    normed = _round_to(x.to(tl.float32) * rstd, dtype, OPAQUE)
+    w = tl.load(norm_ptr + kk, mask=ok, other=0.0).to(tl.float32)
+    return (w * normed).to(dtype)
+
+
+@triton.jit
+def _parts_sum(acc, m, BN: tl.constexpr, KQ: tl.constexpr):
+    """[BM, BN KQ] products of ``_row_parts`` operands with weight tiles cut into KQ parts a row (column
+    n KQ + q: output n's part q) -> [BM, BN] sums in row 0: part q of output n is row q's product."""
+    c = tl.arange(0, BN * KQ)
+    own = tl.sum(tl.where(m[:, None] == (c % KQ)[None, :], acc, 0.0), axis=0)
+    return tl.where(m[:, None] == 0, tl.sum(tl.reshape(own, [BN, KQ]), axis=1)[None, :], 0.0)
+
+
+@triton.jit
 def _flat_single(
     rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, res_rows, part_ptr, pid, trace_row, mark,
     N_OUT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
@@ -475,7 +498,7 @@ def _flat_dual(
     H: tl.constexpr,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, INTER: tl.constexpr, NPROG: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, TMA: tl.constexpr,
-    ONE: tl.constexpr, HOIST: tl.constexpr, dtype: tl.constexpr,
+    ONE: tl.constexpr, HOIST: tl.constexpr, KQ: tl.constexpr, dtype: tl.constexpr,
     OPAQUE: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr, TRACE_IN: tl.constexpr,
 ):
     """The two paired products as one flat loop (see ``_flat_single``), RMS-normed operand: the QKV
@@ -483,8 +506,14 @@ def _flat_dual(
     the cache), or with MLP the gate and up rows (SiLU(gate) * up to ``act``). With TMA the weight
     tiles come through ``w_desc`` (the stacked weights as one [rows, H] tensor; this layer's rows
     from ``row0``): whole [BN, BK] tiles, their columns past the item's last output discarded, and a
-    program past the last item loads row0's first tile again (an L2 hit) instead of nothing."""
+    program past the last item loads row0's first tile again (an L2 hit) instead of nothing. KQ > 1
+    (QKV in calls of one row): each block's row as KQ operand rows of BK / KQ and the weight tiles as
+    [BN KQ, BK / KQ], so the products' output tiles are KQ times as wide and their reductions KQ times
+    as short (``_parts_sum`` adds the parts in the epilogue)."""
     m = tl.arange(0, BM)
+    PARTS: tl.constexpr = KQ > 1 and not MLP
+    BKQ: tl.constexpr = BK // KQ
+    WN: tl.constexpr = BN * KQ if PARTS else BN
     BLOCKS: tl.constexpr = (HALF + BN - 1) // BN
     ITEMS: tl.constexpr = ((INTER + BN - 1) // BN) if MLP else (NUM_Q + 2 * NUM_KV) * BLOCKS
     KI: tl.constexpr = (H + BK - 1) // BK
@@ -498,8 +527,8 @@ def _flat_dual(
         ok0 = row_ok[:, None] & ((j0 < HALF) & (pid < ITEMS) & (head0 < NUM_Q + NUM_KV))[None, :]
         c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, pos, j0, ok0, HALF, dtype, OPAQUE)
     rs = _first(rstd, m, ONE)
-    acc1 = tl.zeros([BM, BN], tl.float32)
-    acc2 = tl.zeros([BM, BN], tl.float32)
+    acc1 = tl.zeros([BM, WN], tl.float32)
+    acc2 = tl.zeros([BM, WN], tl.float32)
     for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
         item = pid + (t // KI) * NPROG
         ki = t % KI
@@ -526,6 +555,22 @@ def _flat_dual(
             second = tl.where(item < ITEMS, second, 0)
             w1 = w_desc.load([row0 + first, ki * BK])
             w2 = w_desc.load([row0 + second, ki * BK])
+            if PARTS:
+                w1 = tl.reshape(w1, [WN, BKQ])
+                w2 = tl.reshape(w2, [WN, BKQ])
+        elif PARTS:  # row n KQ + q: output n's elements ki BK + q BKQ ..
+            c = tl.arange(0, WN)
+            kq = ki * BK + (c % KQ)[:, None] * BKQ + tl.arange(0, BKQ)[None, :]
+            mask = (((item % BLOCKS) * BN + c // KQ < HALF) & (item < ITEMS))[:, None] & (kq < H)
+            w1 = tl.load(
+                w_ptr + (head * 2 * HALF + (item % BLOCKS) * BN + c // KQ)[:, None] * H + kq, mask=mask,
+                other=0.0, eviction_policy="evict_first",
+            )
+            w2 = tl.load(
+                w_ptr + (head * 2 * HALF + HALF + (item % BLOCKS) * BN + c // KQ)[:, None] * H + kq,
+                mask=mask,
+                other=0.0, eviction_policy="evict_first",
+            )
         else:
             mask = n_ok[:, None] & k_ok[None, :]
             w1 = tl.load(
@@ -534,14 +579,21 @@ def _flat_dual(
             w2 = tl.load(
                 w_ptr + n2[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
             )
-        a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rs, norm_ptr, True, ONE, dtype, OPAQUE)
+        if PARTS:
+            a = _row_parts(first_ptr, ki * BK, m, rs, norm_ptr, H, KQ, BKQ, dtype, OPAQUE)
+        else:
+            a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rs, norm_ptr, True, ONE, dtype, OPAQUE)
         acc1 += _dot(a, tl.trans(w1), UPCAST)
         acc2 += _dot(a, tl.trans(w2), UPCAST)
         if ki == KI - 1:
             _mark(trace_row, mark, 1, TRACE_IN)
             ok = row_ok[:, None] & n_ok[None, :]
-            x1 = _round_to(acc1, dtype, OPAQUE)
-            x2 = _round_to(acc2, dtype, OPAQUE)
+            if PARTS:
+                x1 = _round_to(_parts_sum(acc1, m, BN, KQ), dtype, OPAQUE)
+                x2 = _round_to(_parts_sum(acc2, m, BN, KQ), dtype, OPAQUE)
+            else:
+                x1 = _round_to(acc1, dtype, OPAQUE)
+                x2 = _round_to(acc2, dtype, OPAQUE)
             if MLP:
                 if LIBDEVICE:  # noqa: SIM108 (a constexpr branch): the silu_mul kernel's exp on CUDA
                     e = libdevice.exp(-x1)
@@ -554,8 +606,8 @@ def _flat_dual(
                     x1, x2, head, j, ok, m, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr, stride_cs,
                     stride_cl, stride_ch, c1, c2, s1, s2, NUM_Q, NUM_KV, HALF, dtype, OPAQUE, EARLY,
                 )
-            acc1 = tl.zeros([BM, BN], tl.float32)
-            acc2 = tl.zeros([BM, BN], tl.float32)
+            acc1 = tl.zeros([BM, WN], tl.float32)
+            acc2 = tl.zeros([BM, WN], tl.float32)
 
 
 @triton.jit
@@ -915,6 +967,7 @@ def _stack_step_kernel(
     BN_HEAD: tl.constexpr,
     BK: tl.constexpr,
     BK_QKV: tl.constexpr,
+    KQ_QKV: tl.constexpr,
     RSTD_BK: tl.constexpr,
     KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
@@ -1013,8 +1066,8 @@ def _stack_step_kernel(
                 qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H), qkv_desc,
                 layer * ((NUM_Q + 2 * NUM_KV) * D), pid, cos_ptr, sin_ptr, pos, slot, c1, c2, s1,
                 s2, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_QKV + 2 * layer,
-                H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK_QKV, False, TMA, ONE, HOIST, dtype,
-                OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
+                H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK_QKV, False, TMA, ONE, HOIST, KQ_QKV,
+                dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
             _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, 1, OUTSIDE_ATT, SYNC, TRACE)
@@ -1054,7 +1107,7 @@ def _stack_step_kernel(
                     h_rows, x_ptr, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (GU_ROWS * H), gu_desc,
                     layer * GU_ROWS, pid, cos_ptr, sin_ptr, m, m, zeros, zeros, zeros, zeros,
                     q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_MLP + 2 * layer,
-                    H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, ONE, HOIST, dtype,
+                    H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, ONE, HOIST, 1, dtype,
                     OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
                 )
             epoch += 1
@@ -1378,6 +1431,7 @@ def checked_tuning(tuning: dict) -> dict:
             **{name: value >= (16 if "BK" in name else 8) and value & (value - 1) == 0 for name in _TILES},
             **{name: value in (0, 1) for name in _SWITCHES},
             "ROW_PJ": value in (0, 1, 2),
+            "KQ_QKV": value in (1, 2, 4, 8, 16),
             "KS_O": value >= 1,
             "KS_DOWN": value >= 1,
             "num_warps": value in (1, 2, 4, 8, 16),
@@ -1481,7 +1535,8 @@ def launch_plan(
         BLOCK_D=max(16, triton.next_power_of_2(d)), GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)),
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
-        BN_HEAD=tune["BN_HEAD"], BK=block_k, BK_QKV=block_qkv, RSTD_BK=rstd_block,
+        BN_HEAD=tune["BN_HEAD"], BK=block_k, BK_QKV=block_qkv,
+        KQ_QKV=min(tune["KQ_QKV"], block_qkv // 16) if one else 1, RSTD_BK=rstd_block,
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
         HOIST=bool(tune["HOIST"]), ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
         ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,

@@ -472,6 +472,33 @@ def test_one_row_blocks_apply_to_calls_of_one_row_and_equal_the_reference(shape:
     assert_caches(got, ref, one, TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("tma", [1, 0], ids=["descriptors", "pointers"])
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_one_row_qkv_in_parts_equals_the_twin_and_reference(shape: str, parts: int, tma: int):
+    # KQ_QKV: a one-row call's QKV multiplies each block's row as KQ operand rows by weight tiles cut
+    # into KQ parts a row, and adds the parts in the epilogue (another summation order: within tolerance,
+    # not bit for bit); at hidden 100 the last block's parts reach past the row's end. Calls of more rows
+    # keep the one-row-block product (KQ 1 in their plan), bit for bit.
+    tuning = {"KQ_QKV": parts, "TMA": tma}
+    one = make_case(SHAPES[shape], 31, ROWS["one"], way="table")
+    plan = ss.launch_plan(*one.args, **one.inputs, tuning=tuning, compiled=False)[1]
+    assert plan["KQ_QKV"] == parts and plan["TMA"] == bool(tma)
+    got, twin, ref = run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning)), run(
+        one, ss.stack_step_eager), reference(one)
+    assert relative_error(got.out, twin.out) <= TWIN_FP32
+    assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
+    assert_caches(got, ref, one, TOLERANCE[torch.float32])
+    # the parts change the bits (the test would pass on the default otherwise)
+    default = run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": tma}))
+    assert not torch.equal(got.k_cache.nan_to_num(), default.k_cache.nan_to_num())
+    three = make_case(SHAPES[shape], 31, ROWS["three"], way="gather")
+    assert ss.launch_plan(*three.args, **three.inputs, tuning=tuning, compiled=False)[1]["KQ_QKV"] == 1
+    got = run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
+    want = run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": tma}))
+    assert torch.equal(got.out, want.out)
+
+
 @pytest.mark.parametrize(
     ("tuning", "named"),
     [
@@ -480,6 +507,7 @@ def test_one_row_blocks_apply_to_calls_of_one_row_and_equal_the_reference(shape:
         ({"BK": 8}, "BK=8"),
         ({"BN_QKV": 12}, "BN_QKV=12"),
         ({"TMA": 2}, "TMA=2"),
+        ({"KQ_QKV": 3}, "KQ_QKV=3"),
         ({"num_warps": 3}, "num_warps=3"),
         ({"KS_DOWN": 0}, "KS_DOWN=0"),
         ({"BN": "16"}, "BN must be an int"),
