@@ -151,7 +151,7 @@ TUNING = {
     "BN_HEAD": 16,
     "BK": 256,
     "BK_QKV": 512,
-    "KQ_QKV": 1,
+    "KQ_QKV": 4,
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,

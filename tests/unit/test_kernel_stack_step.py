@@ -346,7 +346,7 @@ def test_tma_loads_equal_the_pointer_loads(shape: str):
     assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
 
 
-PLACED = {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0}  # the one row placed in zero rows everywhere
+PLACED = {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0, "KQ_QKV": 1}  # the one row placed in zero rows everywhere
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -489,13 +489,13 @@ def test_one_row_qkv_in_parts_equals_the_twin_and_reference(shape: str, parts: i
     assert relative_error(got.out, twin.out) <= TWIN_FP32
     assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
     assert_caches(got, ref, one, TOLERANCE[torch.float32])
-    # the parts change the bits (the test would pass on the default otherwise)
-    default = run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": tma}))
-    assert not torch.equal(got.k_cache.nan_to_num(), default.k_cache.nan_to_num())
+    # the parts change the bits (the test would pass on the one-block product otherwise)
+    whole = run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": tma, "KQ_QKV": 1}))
+    assert not torch.equal(got.k_cache.nan_to_num(), whole.k_cache.nan_to_num())
     three = make_case(SHAPES[shape], 31, ROWS["three"], way="gather")
     assert ss.launch_plan(*three.args, **three.inputs, tuning=tuning, compiled=False)[1]["KQ_QKV"] == 1
     got = run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
-    want = run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": tma}))
+    want = run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": tma, "KQ_QKV": 1}))
     assert torch.equal(got.out, want.out)
 
 
