@@ -152,6 +152,9 @@ TUNING = {
     "BK": 256,
     "BK_QKV": 512,
     "KQ_QKV": 4,
+    "KQ_PJ": 1,
+    "KQ_O": 1,
+    "KQ_HEAD": 1,
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,
@@ -410,16 +413,33 @@ def _first(rstd, m, ONE: tl.constexpr):
 
 
 @triton.jit
-def _row_parts(first_ptr, k0, m, rstd, norm_ptr, K: tl.constexpr, KQ: tl.constexpr, BKQ: tl.constexpr,
-               dtype: tl.constexpr, OPAQUE: tl.constexpr):
-    """A call's one row's [KQ BKQ] block from ``k0``, RMS-normed (``_row``'s roundings), as KQ rows of
-    BKQ (row q: elements k0 + q BKQ ..) in [BM, BKQ] zeros: the left operand of ``_parts_sum``'s product."""
+def _row_parts(first_ptr, k0, k_end, m, rstd, norm_ptr, KQ: tl.constexpr, BKQ: tl.constexpr,
+               NORM: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr):
+    """A call's one row's [KQ BKQ] block from ``k0`` (elements before ``k_end``), as stored or RMS-normed
+    (``_row``'s roundings), as KQ rows of BKQ (row q: elements k0 + q BKQ ..) in [BM, BKQ] zeros: the
+    left operand of ``_parts_sum``'s product."""
     kk = k0 + m[:, None] * BKQ + tl.arange(0, BKQ)[None, :]
-    ok = (m < KQ)[:, None] & (kk < K)
+    ok = (m < KQ)[:, None] & (kk < k_end)
     x = tl.load(first_ptr + kk, mask=ok, other=0.0, cache_modifier=".cg")
-    normed = _round_to(x.to(tl.float32) * rstd, dtype, OPAQUE)
-    w = tl.load(norm_ptr + kk, mask=ok, other=0.0).to(tl.float32)
-    return (w * normed).to(dtype)
+    if NORM:
+        normed = _round_to(x.to(tl.float32) * rstd, dtype, OPAQUE)
+        w = tl.load(norm_ptr + kk, mask=ok, other=0.0).to(tl.float32)
+        x = (w * normed).to(dtype)
+    return x
+
+
+@triton.jit
+def _weight_parts(w_ptr, first_row, n_left, item_ok, k0, k_end, stride, BN: tl.constexpr, KQ: tl.constexpr,
+                  BKQ: tl.constexpr):
+    """Weight rows first_row .. first_row + BN (those before ``n_left``, of a real item), elements k0 ..
+    k0 + KQ BKQ (before ``k_end``), as [BN KQ, BKQ] (row n KQ + q: row n's elements k0 + q BKQ ..): the
+    right operand for ``_row_parts``."""
+    c = tl.arange(0, BN * KQ)
+    n = c // KQ
+    kk = k0 + (c % KQ)[:, None] * BKQ + tl.arange(0, BKQ)[None, :]
+    ok = ((n < n_left) & item_ok)[:, None] & (kk < k_end)
+    return tl.load(w_ptr + (first_row + n)[:, None] * stride + kk, mask=ok, other=0.0,
+                   eviction_policy="evict_first")
 
 
 @triton.jit
@@ -436,7 +456,7 @@ def _flat_single(
     rows_ptr, first_ptr, row_ok, rstd, norm_ptr, w_ptr, dst_ptr, res_rows, part_ptr, pid, trace_row, mark,
     N_OUT: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, ONE: tl.constexpr, RESIDUAL: tl.constexpr,
-    dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr, TRACE_IN: tl.constexpr,
+    KQ: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr, UPCAST: tl.constexpr, TRACE_IN: tl.constexpr,
 ):
     """A product phase as one flat loop over (this program's items) x (reduction blocks), so the
     pipeline runs on from one item into the next: dst[rows, N_OUT] = operand @ w[:, :K].T, items of
@@ -445,15 +465,19 @@ def _flat_single(
     partial sums [KS, BM, N_OUT] for ``_phase_reduce``; else dst = the product. Every program runs as many
     iterations as the busiest, those past the last item masked (loads and stores off): a trip count
     that depends on the program measured slower (bench/README.md). TRACE_IN: the timer as each item's
-    epilogue starts, into slot ``mark`` (the last item's stays: when its last block's loads were in)."""
+    epilogue starts, into slot ``mark`` (the last item's stays: when its last block's loads were in).
+    KQ > 1 (calls of one row, ONE 1 or 2): ``_flat_dual``'s parts, the row as KQ operand rows a block."""
     m = tl.arange(0, BM)
     ITEMS: tl.constexpr = ((N_OUT + BN - 1) // BN) * KS
     KP: tl.constexpr = K // KS
     KI: tl.constexpr = (KP + BK - 1) // BK
+    PARTS: tl.constexpr = KQ > 1 and ONE != 0
+    BKQ: tl.constexpr = BK // KQ
+    WN: tl.constexpr = BN * KQ if PARTS else BN
     if NORM:
         rstd = _first(rstd, m, ONE)
-    acc = tl.zeros([BM, BN], tl.float32)
-    if ONE == 2:
+    acc = tl.zeros([BM, WN], tl.float32)
+    if ONE == 2 and not PARTS:
         row_acc = _row_acc(BN)
     for t in range(0, ((ITEMS + NPROG - 1) // NPROG) * KI):
         item = pid + (t // KI) * NPROG
@@ -462,33 +486,44 @@ def _flat_single(
         split = item % KS
         n = tile * BN + tl.arange(0, BN)
         n_ok = (n < N_OUT) & (item < ITEMS)
-        kk = split * KP + ki * BK + tl.arange(0, BK)
+        k0 = split * KP + ki * BK
+        kk = k0 + tl.arange(0, BK)
         k_ok = kk < (split + 1) * KP
-        w = tl.load(
-            w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
-            eviction_policy="evict_first",
-        )
-        if ONE == 2:
-            row_acc += _row_dot(first_ptr, kk, k_ok, w, dtype, UPCAST)
-        else:
-            a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, ONE, dtype, OPAQUE)
+        if PARTS:
+            w = _weight_parts(w_ptr, tile * BN, N_OUT - tile * BN, item < ITEMS, k0, (split + 1) * KP, K, BN,
+                              KQ, BKQ)
+            a = _row_parts(first_ptr, k0, (split + 1) * KP, m, rstd, norm_ptr, KQ, BKQ, NORM, dtype, OPAQUE)
             acc += _dot(a, tl.trans(w), UPCAST)
+        else:
+            w = tl.load(
+                w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                eviction_policy="evict_first",
+            )
+            if ONE == 2:
+                row_acc += _row_dot(first_ptr, kk, k_ok, w, dtype, UPCAST)
+            else:
+                a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, ONE, dtype, OPAQUE)
+                acc += _dot(a, tl.trans(w), UPCAST)
         if ki == KI - 1:
             _mark(trace_row, mark, 0, TRACE_IN)
-            if ONE == 2:
-                acc = _placed(row_acc, m)
+            if PARTS:
+                y = _parts_sum(acc, m, BN, KQ)
+            elif ONE == 2:
+                y = _placed(row_acc, m)
                 row_acc = _row_acc(BN)
+            else:
+                y = acc
             ok = row_ok[:, None] & n_ok[None, :]
             if RESIDUAL:
                 if KS == 1:
                     res = tl.load(res_rows[:, None] + n[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-                    res = res.to(tl.float32) + _round_to(acc, dtype, OPAQUE)
+                    res = res.to(tl.float32) + _round_to(y, dtype, OPAQUE)
                     tl.store(dst_ptr + m[:, None] * N_OUT + n[None, :], res.to(dtype), mask=ok)
                 else:
-                    tl.store(part_ptr + (split * BM + m[:, None]) * N_OUT + n[None, :], acc, mask=ok)
+                    tl.store(part_ptr + (split * BM + m[:, None]) * N_OUT + n[None, :], y, mask=ok)
             else:
-                tl.store(dst_ptr + m[:, None] * N_OUT + n[None, :], acc.to(dtype), mask=ok)
-            acc = tl.zeros([BM, BN], tl.float32)
+                tl.store(dst_ptr + m[:, None] * N_OUT + n[None, :], y.to(dtype), mask=ok)
+            acc = tl.zeros([BM, WN], tl.float32)
 
 
 @triton.jit
@@ -558,19 +593,11 @@ def _flat_dual(
             if PARTS:
                 w1 = tl.reshape(w1, [WN, BKQ])
                 w2 = tl.reshape(w2, [WN, BKQ])
-        elif PARTS:  # row n KQ + q: output n's elements ki BK + q BKQ ..
-            c = tl.arange(0, WN)
-            kq = ki * BK + (c % KQ)[:, None] * BKQ + tl.arange(0, BKQ)[None, :]
-            mask = (((item % BLOCKS) * BN + c // KQ < HALF) & (item < ITEMS))[:, None] & (kq < H)
-            w1 = tl.load(
-                w_ptr + (head * 2 * HALF + (item % BLOCKS) * BN + c // KQ)[:, None] * H + kq, mask=mask,
-                other=0.0, eviction_policy="evict_first",
-            )
-            w2 = tl.load(
-                w_ptr + (head * 2 * HALF + HALF + (item % BLOCKS) * BN + c // KQ)[:, None] * H + kq,
-                mask=mask,
-                other=0.0, eviction_policy="evict_first",
-            )
+        elif PARTS:
+            first = head * 2 * HALF + (item % BLOCKS) * BN
+            n_left = HALF - (item % BLOCKS) * BN
+            w1 = _weight_parts(w_ptr, first, n_left, item < ITEMS, ki * BK, H, H, BN, KQ, BKQ)
+            w2 = _weight_parts(w_ptr, first + HALF, n_left, item < ITEMS, ki * BK, H, H, BN, KQ, BKQ)
         else:
             mask = n_ok[:, None] & k_ok[None, :]
             w1 = tl.load(
@@ -580,7 +607,7 @@ def _flat_dual(
                 w_ptr + n2[:, None] * H + kk[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
             )
         if PARTS:
-            a = _row_parts(first_ptr, ki * BK, m, rs, norm_ptr, H, KQ, BKQ, dtype, OPAQUE)
+            a = _row_parts(first_ptr, ki * BK, H, m, rs, norm_ptr, KQ, BKQ, True, dtype, OPAQUE)
         else:
             a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rs, norm_ptr, True, ONE, dtype, OPAQUE)
         acc1 += _dot(a, tl.trans(w1), UPCAST)
@@ -968,6 +995,9 @@ def _stack_step_kernel(
     BK: tl.constexpr,
     BK_QKV: tl.constexpr,
     KQ_QKV: tl.constexpr,
+    KQ_PJ: tl.constexpr,
+    KQ_O: tl.constexpr,
+    KQ_HEAD: tl.constexpr,
     RSTD_BK: tl.constexpr,
     KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
@@ -1014,8 +1044,8 @@ def _stack_step_kernel(
             src_first = src_ptr
         _flat_single(
             src_rows, src_first, row_ok, src_rows, src_rows, proj_ptr, x_ptr, src_rows, part_ptr, pid,
-            trace_row, MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, ONE_PJ, False, dtype, OPAQUE, UPCAST,
-            TRACE_IN,
+            trace_row, MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, ONE_PJ, False, KQ_PJ, dtype, OPAQUE,
+            UPCAST, TRACE_IN,
         )
         epoch += 1
         _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC, TRACE)
@@ -1084,7 +1114,7 @@ def _stack_step_kernel(
             _flat_single(
                 a_rows, attn_ptr, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, rows_in,
                 part_ptr, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False,
-                ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
+                ONE_PLAIN, True, KQ_O, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, 4, OUTSIDE_ATT, SYNC, TRACE)
@@ -1117,7 +1147,7 @@ def _stack_step_kernel(
             _flat_single(
                 a_rows, act_ptr, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, h_rows,
                 part_ptr, pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK,
-                False, ONE_PLAIN, True, dtype, OPAQUE, UPCAST, TRACE_IN,
+                False, ONE_PLAIN, True, 1, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, 16, OUTSIDE_ATT, SYNC, TRACE)
@@ -1138,8 +1168,8 @@ def _stack_step_kernel(
         if HEAD:  # the final norm as the head product's prologue
             _flat_single(
                 h_rows, x_ptr, row_ok, rstd, final_ptr, head_ptr, out_ptr, h_rows, part_ptr, pid,
-                trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, ONE, False, dtype,
-                OPAQUE, UPCAST, TRACE_IN,
+                trace_row, MARK_HEAD + 1, NUM_OUT, H, 1, NPROG, BM, BN_HEAD, BK, True, ONE, False, KQ_HEAD,
+                dtype, OPAQUE, UPCAST, TRACE_IN,
             )
         else:
             _phase_norm(x_ptr, out_ptr, n_rows, final_ptr, rstd, pid, nprog, H, BM, BN_WIDE, dtype, OPAQUE)
@@ -1431,7 +1461,7 @@ def checked_tuning(tuning: dict) -> dict:
             **{name: value >= (16 if "BK" in name else 8) and value & (value - 1) == 0 for name in _TILES},
             **{name: value in (0, 1) for name in _SWITCHES},
             "ROW_PJ": value in (0, 1, 2),
-            "KQ_QKV": value in (1, 2, 4, 8, 16),
+            **{name: value in (1, 2, 4, 8, 16) for name in ("KQ_QKV", "KQ_PJ", "KQ_O", "KQ_HEAD")},
             "KS_O": value >= 1,
             "KS_DOWN": value >= 1,
             "num_warps": value in (1, 2, 4, 8, 16),
@@ -1536,7 +1566,9 @@ def launch_plan(
         BLOCK_L=min(64 if not fp32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))), BM=MAX_ROWS,
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
         BN_HEAD=tune["BN_HEAD"], BK=block_k, BK_QKV=block_qkv,
-        KQ_QKV=min(tune["KQ_QKV"], block_qkv // 16) if one else 1, RSTD_BK=rstd_block,
+        KQ_QKV=min(tune["KQ_QKV"], block_qkv // 16) if one else 1,
+        **{name: min(tune[name], block_k // 16) if one else 1 for name in ("KQ_PJ", "KQ_O", "KQ_HEAD")},
+        RSTD_BK=rstd_block,
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
         HOIST=bool(tune["HOIST"]), ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,
         ONE_PLAIN=2 * bool(tune["ROW_DOT"]) if one else 0,

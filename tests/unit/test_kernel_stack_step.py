@@ -472,31 +472,35 @@ def test_one_row_blocks_apply_to_calls_of_one_row_and_equal_the_reference(shape:
     assert_caches(got, ref, one, TOLERANCE[torch.float32])
 
 
-@pytest.mark.parametrize("tma", [1, 0], ids=["descriptors", "pointers"])
-@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize(
+    "tuning",
+    [{"KQ_QKV": 2}, {"KQ_QKV": 4}, {"KQ_QKV": 4, "TMA": 0}, {"KQ_O": 4}, {"KQ_HEAD": 2}, {"KQ_HEAD": 4},
+     {"KQ_PJ": 4}, {"KQ_PJ": 2, "ROW_PJ": 1}],
+    ids=["qkv2", "qkv4", "qkv4_pointers", "o4", "head2", "head4", "pj4_row_dot", "pj2_placed"],
+)
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_one_row_qkv_in_parts_equals_the_twin_and_reference(shape: str, parts: int, tma: int):
-    # KQ_QKV: a one-row call's QKV multiplies each block's row as KQ operand rows by weight tiles cut
+def test_one_row_products_in_parts_equal_the_twin_and_reference(shape: str, tuning: dict):
+    # KQ_*: a one-row call's product multiplies each block's row as KQ operand rows by weight tiles cut
     # into KQ parts a row, and adds the parts in the epilogue (another summation order: within tolerance,
     # not bit for bit); at hidden 100 the last block's parts reach past the row's end. Calls of more rows
-    # keep the one-row-block product (KQ 1 in their plan), bit for bit.
-    tuning = {"KQ_QKV": parts, "TMA": tma}
-    one = make_case(SHAPES[shape], 31, ROWS["one"], way="table")
+    # keep their products (KQ 1 in their plan), bit for bit.
+    knob = next(k for k in tuning if k.startswith("KQ_"))
+    whole = {**tuning, "KQ_QKV": 1, "KQ_PJ": 1, "KQ_O": 1, "KQ_HEAD": 1}
+    way = "gather" if knob == "KQ_PJ" else "table"
+    one = make_case(SHAPES[shape], 31, ROWS["one"], way=way)
     plan = ss.launch_plan(*one.args, **one.inputs, tuning=tuning, compiled=False)[1]
-    assert plan["KQ_QKV"] == parts and plan["TMA"] == bool(tma)
+    assert plan[knob] == tuning[knob] and plan["TMA"] == bool(tuning.get("TMA", 1))
     got, twin, ref = run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning)), run(
         one, ss.stack_step_eager), reference(one)
     assert relative_error(got.out, twin.out) <= TWIN_FP32
     assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
     assert_caches(got, ref, one, TOLERANCE[torch.float32])
-    # the parts change the bits (the test would pass on the one-block product otherwise)
-    whole = run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": tma, "KQ_QKV": 1}))
-    assert not torch.equal(got.k_cache.nan_to_num(), whole.k_cache.nan_to_num())
-    three = make_case(SHAPES[shape], 31, ROWS["three"], way="gather")
-    assert ss.launch_plan(*three.args, **three.inputs, tuning=tuning, compiled=False)[1]["KQ_QKV"] == 1
+    # the parts change the bits (the test would pass on the one-block products otherwise)
+    assert not torch.equal(got.out, run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=whole)).out)
+    three = make_case(SHAPES[shape], 31, ROWS["three"], way=way)
+    assert ss.launch_plan(*three.args, **three.inputs, tuning=tuning, compiled=False)[1][knob] == 1
     got = run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
-    want = run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": tma, "KQ_QKV": 1}))
-    assert torch.equal(got.out, want.out)
+    assert torch.equal(got.out, run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=whole)).out)
 
 
 @pytest.mark.parametrize(
@@ -508,6 +512,7 @@ def test_one_row_qkv_in_parts_equals_the_twin_and_reference(shape: str, parts: i
         ({"BN_QKV": 12}, "BN_QKV=12"),
         ({"TMA": 2}, "TMA=2"),
         ({"KQ_QKV": 3}, "KQ_QKV=3"),
+        ({"KQ_HEAD": 32}, "KQ_HEAD=32"),
         ({"num_warps": 3}, "num_warps=3"),
         ({"KS_DOWN": 0}, "KS_DOWN=0"),
         ({"BN": "16"}, "BN must be an int"),
