@@ -817,7 +817,7 @@ def on_the_kernels(fresh_latches, monkeypatch) -> Counter:
 
 # One frame of the tiny talker: the backbone's 4 layers through forward_rows (a layer: two norms, one
 # rope_kv, one decode attention, one silu_mul; the stack's final norm), or for buckets of at most
-# BACKBONE_STACK_ROWS rows (0 by default) in one stack_layers call; and the depth decoder's 7 calls (the
+# BACKBONE_STACK_ROWS rows (1 by default) in one stack_layers call; and the depth decoder's 7 calls (the
 # first two positions together, then one per codebook 2 .. 7): each one stack_step, or, for calls of more
 # rows than STACK_STEP_ROWS, forward_rows through its 2 layers. A bucket of b rows makes a first call of 2 b
 # rows and six calls of b rows. The tiny model's buckets (1, 2, 4) all fit the default depth limit (16), so

@@ -346,7 +346,8 @@ def test_tma_loads_equal_the_pointer_loads(shape: str):
     assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
 
 
-PLACED = {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0, "KQ_QKV": 1}  # the one row placed in zero rows everywhere
+# the one row placed in zero rows everywhere (whole blocks, not parts)
+PLACED = {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0, "KQ_QKV": 1, "KQ_O": 1, "KQ_HEAD": 1}
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -373,7 +374,7 @@ def test_row_dots_equal_the_reference(shape: str, way: str):
     # ROW_PJ 2 and ROW_DOT: a call of one row multiplies the projection's, output's and down weights as
     # the left operand with the row (no padded rows): another summation order, so within tolerance of
     # the reference and the twin rather than bit for bit, and in every phase the plan says it is.
-    tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1}
+    tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1, "KQ_O": 1}  # KQ_O > 1 takes the output product in parts
     case = make_case(SHAPES[shape], 20, ROWS["one"], way=way, head=way != "x")
     plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)[1]
     assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (1, 2, 2)
