@@ -22,7 +22,7 @@ GPU only (about 4 minutes on one H200).
    ``--tunings '[{"HOIST": 0}, ...]'``: the default stage again with each stack_step tuning
    (``candidates`` in the JSON), then the default once more; the sampled and whole-step timings
    below stay the default's. A candidate may also set "backbone_rows" (backbone steps of up to that
-   many rows through ``stack_layers``, off by default), "backbone_tuning" (its tiles) and
+   many rows through ``stack_layers``; 1 by default), "backbone_tuning" (its tiles) and
    "backbone_mlp" (1: the backbone's stack with the mlp rows). Each stage also counts stack_step's
    barrier faults.
    A torch.profiler trace of one replay per stage and bucket gives the kernel count, the sum

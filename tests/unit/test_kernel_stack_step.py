@@ -374,7 +374,8 @@ def test_row_dots_equal_the_reference(shape: str, way: str):
     # ROW_PJ 2 and ROW_DOT: a call of one row multiplies the projection's, output's and down weights as
     # the left operand with the row (no padded rows): another summation order, so within tolerance of
     # the reference and the twin rather than bit for bit, and in every phase the plan says it is.
-    tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1, "KQ_O": 1}  # KQ_O > 1 takes the output product in parts
+    # (KQ_O > 1 would take the output product in parts instead)
+    tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1, "KQ_O": 1}
     case = make_case(SHAPES[shape], 20, ROWS["one"], way=way, head=way != "x")
     plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)[1]
     assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (1, 2, 2)
