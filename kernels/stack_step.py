@@ -163,6 +163,8 @@ TUNING = {
     "KQ_PJ": 1,
     "KQ_O": 4,
     "KQ_HEAD": 4,
+    "KQ_MLP": 1,
+    "KQ_DOWN": 1,
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,
@@ -550,11 +552,11 @@ def _flat_dual(
     tiles come through ``w_desc`` (the stacked weights as one [rows, H] tensor; this layer's rows
     from ``row0``): whole [BN, BK] tiles, their columns past the item's last output discarded, and a
     program past the last item loads row0's first tile again (an L2 hit) instead of nothing. KQ > 1
-    (QKV in calls of one row): each block's row as KQ operand rows of BK / KQ and the weight tiles as
+    (calls of one row): each block's row as KQ operand rows of BK / KQ and the weight tiles as
     [BN KQ, BK / KQ], so the products' output tiles are KQ times as wide and their reductions KQ times
     as short (``_parts_sum`` adds the parts in the epilogue)."""
     m = tl.arange(0, BM)
-    PARTS: tl.constexpr = KQ > 1 and not MLP
+    PARTS: tl.constexpr = KQ > 1
     BKQ: tl.constexpr = BK // KQ
     WN: tl.constexpr = BN * KQ if PARTS else BN
     BLOCKS: tl.constexpr = (HALF + BN - 1) // BN
@@ -602,10 +604,16 @@ def _flat_dual(
                 w1 = tl.reshape(w1, [WN, BKQ])
                 w2 = tl.reshape(w2, [WN, BKQ])
         elif PARTS:
-            first = head * 2 * HALF + (item % BLOCKS) * BN
-            n_left = HALF - (item % BLOCKS) * BN
+            if MLP:
+                first = item * BN
+                n_left = INTER - first
+                second = first + INTER
+            else:
+                first = head * 2 * HALF + (item % BLOCKS) * BN
+                n_left = HALF - (item % BLOCKS) * BN
+                second = first + HALF
             w1 = _weight_parts(w_ptr, first, n_left, item < ITEMS, ki * BK, H, H, BN, KQ, BKQ)
-            w2 = _weight_parts(w_ptr, first + HALF, n_left, item < ITEMS, ki * BK, H, H, BN, KQ, BKQ)
+            w2 = _weight_parts(w_ptr, second, n_left, item < ITEMS, ki * BK, H, H, BN, KQ, BKQ)
         else:
             mask = n_ok[:, None] & k_ok[None, :]
             w1 = tl.load(
@@ -1006,6 +1014,8 @@ def _stack_step_kernel(
     KQ_PJ: tl.constexpr,
     KQ_O: tl.constexpr,
     KQ_HEAD: tl.constexpr,
+    KQ_MLP: tl.constexpr,
+    KQ_DOWN: tl.constexpr,
     RSTD_BK: tl.constexpr,
     KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
@@ -1145,8 +1155,8 @@ def _stack_step_kernel(
                     h_rows, x_ptr, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (GU_ROWS * H), gu_desc,
                     layer * GU_ROWS, pid, cos_ptr, sin_ptr, m, m, zeros, zeros, zeros, zeros,
                     q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_MLP + 2 * layer,
-                    H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, ONE, HOIST, 1, dtype,
-                    OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
+                    H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, ONE, HOIST, KQ_MLP,
+                    dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
                 )
             epoch += 1
             _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, 8, OUTSIDE_ATT, SYNC, TRACE)
@@ -1155,7 +1165,7 @@ def _stack_step_kernel(
             _flat_single(
                 a_rows, act_ptr, row_ok, a_rows, a_rows, down_ptr + layer * (H * INTER), x_ptr, h_rows,
                 part_ptr, pid, trace_row, MARK_DOWN + 2 * layer, H, INTER, KS_DOWN, NPROG, BM, BN_DOWN, BK,
-                False, ONE_PLAIN, True, 1, dtype, OPAQUE, UPCAST, TRACE_IN,
+                False, ONE_PLAIN, True, KQ_DOWN, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, 16, OUTSIDE_ATT, SYNC, TRACE)
@@ -1455,6 +1465,7 @@ _TILES = (
     "BN", "BN_QKV", "BN_WIDE", "BN_DOWN", "BN_HEAD", "BK", "BK_QKV", "RSTD_BK"
 )
 _SWITCHES = ("TMA", "ONE_ROW", "ROW_DOT", "HOIST", "MLP_DOWN")  # 0 or 1
+_PARTS = ("KQ_QKV", "KQ_PJ", "KQ_O", "KQ_HEAD", "KQ_MLP", "KQ_DOWN")  # parts of a one-row block: 1 .. 16
 
 
 def checked_tuning(tuning: dict) -> dict:
@@ -1469,7 +1480,7 @@ def checked_tuning(tuning: dict) -> dict:
             **{name: value >= (16 if "BK" in name else 8) and value & (value - 1) == 0 for name in _TILES},
             **{name: value in (0, 1) for name in _SWITCHES},
             "ROW_PJ": value in (0, 1, 2),
-            **{name: value in (1, 2, 4, 8, 16) for name in ("KQ_QKV", "KQ_PJ", "KQ_O", "KQ_HEAD")},
+            **{name: value in (1, 2, 4, 8, 16) for name in _PARTS},
             "KS_O": value >= 1,
             "KS_DOWN": value >= 1,
             "num_warps": value in (1, 2, 4, 8, 16),
@@ -1575,7 +1586,7 @@ def launch_plan(
         BN=tune["BN"], BN_QKV=tune["BN_QKV"], BN_WIDE=tune["BN_WIDE"], BN_DOWN=tune["BN_DOWN"],
         BN_HEAD=tune["BN_HEAD"], BK=block_k, BK_QKV=block_qkv,
         KQ_QKV=min(tune["KQ_QKV"], block_qkv // 16) if one else 1,
-        **{name: min(tune[name], block_k // 16) if one else 1 for name in ("KQ_PJ", "KQ_O", "KQ_HEAD")},
+        **{name: min(tune[name], block_k // 16) if one else 1 for name in _PARTS if name != "KQ_QKV"},
         RSTD_BK=rstd_block,
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
         HOIST=bool(tune["HOIST"]), ONE=int(one), ONE_PJ=int(tune["ROW_PJ"]) if one else 0,

@@ -477,8 +477,10 @@ def test_one_row_blocks_apply_to_calls_of_one_row_and_equal_the_reference(shape:
 @pytest.mark.parametrize(
     "tuning",
     [{"KQ_QKV": 2}, {"KQ_QKV": 4}, {"KQ_QKV": 4, "TMA": 0}, {"KQ_O": 4}, {"KQ_HEAD": 2}, {"KQ_HEAD": 4},
-     {"KQ_PJ": 4}, {"KQ_PJ": 2, "ROW_PJ": 1}],
-    ids=["qkv2", "qkv4", "qkv4_pointers", "o4", "head2", "head4", "pj4_row_dot", "pj2_placed"],
+     {"KQ_PJ": 4}, {"KQ_PJ": 2, "ROW_PJ": 1}, {"KQ_MLP": 4}, {"KQ_MLP": 4, "TMA": 0}, {"KQ_DOWN": 4},
+     {"KQ_DOWN": 2, "KS_DOWN": 1}],
+    ids=["qkv2", "qkv4", "qkv4_pointers", "o4", "head2", "head4", "pj4_row_dot", "pj2_placed", "mlp4",
+         "mlp4_pointers", "down4_split", "down2"],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_one_row_products_in_parts_equal_the_twin_and_reference(shape: str, tuning: dict):
@@ -487,7 +489,7 @@ def test_one_row_products_in_parts_equal_the_twin_and_reference(shape: str, tuni
     # not bit for bit); at hidden 100 the last block's parts reach past the row's end. Calls of more rows
     # keep their products (KQ 1 in their plan), bit for bit.
     knob = next(k for k in tuning if k.startswith("KQ_"))
-    whole = {**tuning, "KQ_QKV": 1, "KQ_PJ": 1, "KQ_O": 1, "KQ_HEAD": 1}
+    whole = {**tuning, **{k: 1 for k in ss.TUNING if k.startswith("KQ_")}}
     way = "gather" if knob == "KQ_PJ" else "table"
     one = make_case(SHAPES[shape], 31, ROWS["one"], way=way)
     plan = ss.launch_plan(*one.args, **one.inputs, tuning=tuning, compiled=False)[1]
