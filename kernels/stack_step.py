@@ -150,7 +150,10 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # output is KQ times as wide (the warps split it) and the chains KQ times as short. QKV at 4: per thread 64
 # -> 16 HMMAs and 72 -> 4 operand stores a step (sm_90 SASS), its loop 3.62 -> 2.72 us, a depth call 125.06
 # -> 121.0 us (2 parts: 136.2, more instructions; 8: 122.4); the output product and head at 4 as well:
-# 119.06 us (8: 121.5). The projection's stays whole (calls of one row read the projected tables).
+# 119.06 us (8: 121.5). The projection's stays whole (calls of one row read the projected tables). The
+# backbone's one-row launches (``stack_layers``, no mlp rows): the down product at 4, 856.9 -> 849.2 us a
+# step (its span 10.5 -> 9.5 us a layer; 6545e5d); gate/up at 4 or 2 measured slower (901.7, 869.5) and stays
+# whole.
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,
@@ -164,7 +167,7 @@ TUNING = {
     "KQ_O": 4,
     "KQ_HEAD": 4,
     "KQ_MLP": 1,
-    "KQ_DOWN": 1,
+    "KQ_DOWN": 4,
     "RSTD_BK": 256,
     "KS_O": 1,
     "KS_DOWN": 4,
