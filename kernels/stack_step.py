@@ -143,17 +143,17 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # for one-row calls (each attending over the row itself, no ATT phase and no barrier after it; the same
 # bits): 129.1 us against 125.8 (257213f): the output product's span 2.62 -> 5.94 us a layer, more than
 # the ATT phase (2.0) and its barrier (0.62) that went.
-# KQ_QKV, KQ_O, KQ_HEAD, KQ_PJ (calls of one row): the product's row block as KQ operand rows of BK / KQ
-# (``_row_parts``) against the weight tile as [BN KQ, BK / KQ] (``_weight_parts``, or the QKV descriptor's
-# tile reshaped), the parts added in the epilogue (``_parts_sum``). A [16, BN] output tile is one or two
-# m16n8 tiles, so every warp ran all of a block's HMMAs as one dependent chain of BK / 16; in parts the
-# output is KQ times as wide (the warps split it) and the chains KQ times as short. QKV at 4: per thread 64
-# -> 16 HMMAs and 72 -> 4 operand stores a step (sm_90 SASS), its loop 3.62 -> 2.72 us, a depth call 125.06
-# -> 121.0 us (2 parts: 136.2, more instructions; 8: 122.4); the output product and head at 4 as well:
-# 119.06 us (8: 121.5). The projection's stays whole (calls of one row read the projected tables). The
-# backbone's one-row launches (``stack_layers``, no mlp rows): the down product at 4, 856.9 -> 849.2 us a
-# step (its span 10.5 -> 9.5 us a layer; 6545e5d); gate/up at 4 or 2 measured slower (901.7, 869.5) and stays
-# whole.
+# KQ_QKV, KQ_O, KQ_HEAD, KQ_DOWN, KQ_MLP, KQ_PJ (calls of one row): a product's row block as KQ operand rows
+# of BK / KQ (``_row_parts``) against the weight tile as [BN KQ, BK / KQ] (``_weight_parts``, or the dual
+# products' descriptor tiles reshaped), the parts added in the epilogue (``_parts_sum``). A [16, BN] output
+# tile is one or two m16n8 tiles, so every warp ran all of a block's HMMAs as one dependent chain of BK /
+# 16; in parts the output is KQ times as wide (the warps split it) and the chains KQ times as short. QKV at
+# 4: per thread 64 -> 16 HMMAs and 72 -> 4 operand stores a step (sm_90 SASS), its loop 3.62 -> 2.72 us, a
+# depth call 125.06 -> 121.0 us (2 parts: 136.2, more instructions; 8: 122.4); the output product and head
+# at 4 as well: 119.06 us (8: 121.5). The projection's stays whole (calls of one row read the projected
+# tables). The backbone's one-row launches (``stack_layers``, no mlp rows): the down product at 4, 856.9 ->
+# 849.2 us a step (its span 10.5 -> 9.5 us a layer; 6545e5d); gate/up at 4 or 2 measured slower (901.7,
+# 869.5) and stays whole.
 TUNING = {
     "BN": 16,
     "BN_QKV": 8,

@@ -47,11 +47,11 @@ PROJECTED_INPUTS = True
 # Backbone steps of at most this many rows take ``stack_layers``: per layer one ``stack_step`` launch (the
 # output product, the MLP, the next layer's norm + QKV + rotary + K/V write) and decode attention's
 # kernels, instead of ``forward_rows``' nine launches a layer. On the H200 (bench/README.md) a one-row step
-# takes 855.0 us against 949.6 since its QKV and output products multiply each block of the row in 4 parts
-# (``stack_step``'s KQ_QKV, KQ_O: shorter chains of dependent matrix-unit steps; 932.7 us without); calls
-# of more rows keep whole blocks, where 8 rows took 1,188 us against 987 (d7de182): one row only. Its
-# launches use grid barriers, as the depth decoder's already do (bench/README.md, MPS). Read as graphs are
-# captured; 0 sends every step to ``forward_rows``.
+# takes 849.2 us against 947.5 since its QKV, output and down products multiply each block of the row in 4
+# parts (``stack_step``'s KQ_QKV, KQ_O, KQ_DOWN: shorter chains of dependent matrix-unit steps; 932.7 us
+# without); calls of more rows keep whole blocks, where 8 rows took 1,188 us against 987 (d7de182): one row
+# only. Its launches use grid barriers, as the depth decoder's already do (bench/README.md, MPS). Read as
+# graphs are captured; 0 sends every step to ``forward_rows``.
 BACKBONE_STACK_ROWS = 1
 # ``stack_layers``' tiles for the backbone, over ``stack_step.TUNING`` (the depth decoder's): QKV items of
 # 16 rotary pairs, 96 items of 128 KB for 132 programs, one a program, so its rotary tables load before the
