@@ -471,10 +471,11 @@ def test_stack_step_tma_equals_pointer_loads_at_csm_depth_shapes_on_cuda(rows: i
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_stack_step_one_row_equals_all_rows_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
     # ONE_ROW norms only the call's row inside the normed products' loops, placed in zero rows (here in
-    # the projection too, without the default's row dots): the one launch, its phases and the kernel
-    # that norms every padded row agree bit for bit.
+    # the projection too, without the default's row dots, and in whole blocks, without the default's
+    # parts): the one launch, its phases and the kernel that norms every padded row agree bit for bit.
     case = make_stack_case(CSM_DEPTH, 25, [(0, 3)], dtype=dtype, way="table")  # depth calls 2 .. 31
-    one = {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0}
+    whole = {name: 1 for name in stack_kernel.TUNING if name.startswith("KQ_")}
+    one = {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0, **whole}
     assert stack_kernel.launch_plan(*case.args, **case.inputs, tuning=one)[1]["ONE"]
     assert_knob_keeps_the_bits(case, one, {"ONE_ROW": 0})
 
@@ -483,9 +484,10 @@ def test_stack_step_one_row_equals_all_rows_at_csm_depth_shapes_on_cuda(dtype: t
 def test_stack_step_row_dots_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
     # ROW_PJ 2 and ROW_DOT put the weights on the matrix unit's left side for a call of one row: another
     # summation order than the all-rows kernel, so within tolerance of the float64 reference, and the
-    # one launch equals its phases bit for bit.
+    # one launch equals its phases bit for bit. (The output and down products' parts, KQ_O and KQ_DOWN,
+    # would take those products instead of the row dots.)
     case = make_stack_case(CSM_DEPTH, 26, [(0, 3)], dtype=dtype, way="table")  # depth calls 2 .. 31
-    dots = {"tuning": {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1}}
+    dots = {"tuning": {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1, "KQ_O": 1, "KQ_DOWN": 1}}
     plan = stack_kernel.launch_plan(*case.args, **case.inputs, **dots)[1]
     assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (1, 2, 2)
     got = stack_run(case, lambda *a, **k: one_launch(*a, **k, **dots))
