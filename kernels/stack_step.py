@@ -357,8 +357,8 @@ def _rstd(rows_ptr, row_ok, eps, K: tl.constexpr, BM: tl.constexpr, BK: tl.const
 
 @triton.jit
 def _row(first_ptr, kk, k_ok, rstd, norm_ptr, NORM: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr):
-    """A [BK] slice of a call's one row (``first_ptr``), as stored or RMS-normed with ``rstd`` (a
-    scalar; the twin's roundings)."""
+    """A [BK] slice of a call's one row (``first_ptr``; or elements ``kk`` of any shape), as stored or
+    RMS-normed with ``rstd`` (a scalar; the twin's roundings)."""
     x = tl.load(first_ptr + kk, mask=k_ok, other=0.0, cache_modifier=".cg")
     if NORM:
         normed = _round_to(x.to(tl.float32) * rstd, dtype, OPAQUE)
@@ -432,13 +432,7 @@ def _row_parts(first_ptr, k0, k_end, m, rstd, norm_ptr, KQ: tl.constexpr, BKQ: t
     (``_row``'s roundings), as KQ rows of BKQ (row q: elements k0 + q BKQ ..) in [BM, BKQ] zeros: the
     left operand of ``_parts_sum``'s product."""
     kk = k0 + m[:, None] * BKQ + tl.arange(0, BKQ)[None, :]
-    ok = (m < KQ)[:, None] & (kk < k_end)
-    x = tl.load(first_ptr + kk, mask=ok, other=0.0, cache_modifier=".cg")
-    if NORM:
-        normed = _round_to(x.to(tl.float32) * rstd, dtype, OPAQUE)
-        w = tl.load(norm_ptr + kk, mask=ok, other=0.0).to(tl.float32)
-        x = (w * normed).to(dtype)
-    return x
+    return _row(first_ptr, kk, (m < KQ)[:, None] & (kk < k_end), rstd, norm_ptr, NORM, dtype, OPAQUE)
 
 
 @triton.jit
