@@ -474,26 +474,29 @@ def test_one_row_blocks_apply_to_calls_of_one_row_and_equal_the_reference(shape:
     assert_caches(got, ref, one, TOLERANCE[torch.float32])
 
 
-@pytest.mark.parametrize(
-    "tuning",
-    [{"KQ_QKV": 2}, {"KQ_QKV": 4}, {"KQ_QKV": 4, "TMA": 0}, {"KQ_O": 4}, {"KQ_HEAD": 2}, {"KQ_HEAD": 4},
-     {"KQ_PJ": 4}, {"KQ_PJ": 2, "ROW_PJ": 1}, {"KQ_MLP": 4}, {"KQ_MLP": 4, "TMA": 0}, {"KQ_DOWN": 4},
-     {"KQ_DOWN": 2, "KS_DOWN": 1}],
-    ids=["qkv2", "qkv4", "qkv4_pointers", "o4", "head2", "head4", "pj4_row_dot", "pj2_placed", "mlp4",
-         "mlp4_pointers", "down4_split", "down2"],
-)
+PARTS_CASES = {  # each product in parts; KQ_* the parts of a one-row block (a knob set alone is 1)
+    # the dual products' tiles through descriptors, reshaped; the down product split in 4 (KS_DOWN)
+    "all4": {"KQ_QKV": 4, "KQ_O": 4, "KQ_HEAD": 4, "KQ_MLP": 4, "KQ_DOWN": 4},
+    "pointers": {"KQ_QKV": 4, "KQ_MLP": 4, "TMA": 0},  # their tiles through pointers (``_weight_parts``)
+    "all2": {"KQ_QKV": 2, "KQ_O": 2, "KQ_HEAD": 2, "KQ_MLP": 2, "KQ_DOWN": 2, "KS_DOWN": 1},
+    "projection4_row_dot": {"KQ_PJ": 4},
+    "projection2_placed": {"KQ_PJ": 2, "ROW_PJ": 1},
+}
+
+
+@pytest.mark.parametrize("tuning", list(PARTS_CASES.values()), ids=list(PARTS_CASES))
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_one_row_products_in_parts_equal_the_twin_and_reference(shape: str, tuning: dict):
     # KQ_*: a one-row call's product multiplies each block's row as KQ operand rows by weight tiles cut
     # into KQ parts a row, and adds the parts in the epilogue (another summation order: within tolerance,
     # not bit for bit); at hidden 100 the last block's parts reach past the row's end. Calls of more rows
     # keep their products (KQ 1 in their plan), bit for bit.
-    knob = next(k for k in tuning if k.startswith("KQ_"))
+    knobs = {k: v for k, v in tuning.items() if k.startswith("KQ_")}
     whole = {**tuning, **{k: 1 for k in ss.TUNING if k.startswith("KQ_")}}
-    way = "gather" if knob == "KQ_PJ" else "table"
+    way = "gather" if "KQ_PJ" in knobs else "table"  # the projection phase, or the projected table's rows
     one = make_case(SHAPES[shape], 31, ROWS["one"], way=way)
     plan = ss.launch_plan(*one.args, **one.inputs, tuning=tuning, compiled=False)[1]
-    assert plan[knob] == tuning[knob] and plan["TMA"] == bool(tuning.get("TMA", 1))
+    assert {k: plan[k] for k in knobs} == knobs and plan["TMA"] == bool(tuning.get("TMA", 1))
     got, twin, ref = run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning)), run(
         one, ss.stack_step_eager), reference(one)
     assert relative_error(got.out, twin.out) <= TWIN_FP32
@@ -502,7 +505,8 @@ def test_one_row_products_in_parts_equal_the_twin_and_reference(shape: str, tuni
     # the parts change the bits (the test would pass on the one-block products otherwise)
     assert not torch.equal(got.out, run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=whole)).out)
     three = make_case(SHAPES[shape], 31, ROWS["three"], way=way)
-    assert ss.launch_plan(*three.args, **three.inputs, tuning=tuning, compiled=False)[1][knob] == 1
+    plan = ss.launch_plan(*three.args, **three.inputs, tuning=tuning, compiled=False)[1]
+    assert all(plan[k] == 1 for k in knobs)
     got = run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
     assert torch.equal(got.out, run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=whole)).out)
 
