@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from services.code2wav.codec.config import MimiConfig
-from services.code2wav.codec.loader import load_codec
-from services.code2wav.codec.model import MimiCodec
-from services.talker.tiny import ensure_tiny_checkpoint
+from models.mimi.config import MimiConfig
+from models.mimi.loader import load_codec
+from models.mimi.model import MimiCodec
+from models.tiny.talker import ensure_tiny_checkpoint
 
 CHUNK_FRAMES = 4
 FRAMES = 40

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from services.code2wav.codec.config import MimiConfig
-from services.code2wav.codec.model import MimiCodec
-from services.code2wav.graphs import CodecDecoder
+from models.mimi.config import MimiConfig
+from models.mimi.model import MimiCodec
+from services.code2wav.decoder import CodecDecoder
 
 BUCKETS = [1, 8, 32, 128]
 FIRST, STEADY = 2, 8

@@ -1,5 +1,5 @@
 """A random-weight checkpoint with the real csm-1b + Mimi shapes, written by voxring's own
-generator (services/talker/tiny.py), for benchmarks on a machine with no internet.
+generator (models/tiny/talker.py), for benchmarks on a machine with no internet.
 
     python bench/full_checkpoint.py DIR [--seed 0] [--dtype bfloat16] [--device auto]
 
@@ -15,7 +15,7 @@ runs to its length cap.
   of 128256 ids. Its tensors are stored in ``--dtype`` (bf16: 3.3 GB).
 - Codec: Mimi's real configuration (hidden 512, 64 filters, 32 quantizers of 2048 codes,
   dim 256, an 8-layer decoder transformer; /work/shared/REFERENCE.md, the defaults of
-  services/code2wav/codec/config.py), random codebooks (services/code2wav/tiny.py), kept
+  models/mimi/config.py), random codebooks (models/tiny/codec.py), kept
   in fp32 on disk (about 0.3 GB): both loaders cast it to the serving dtype.
 - Tokenizer: voxring-tiny's byte-level tokenizer (ids 0..259: bytes, then the CSM special
   tokens). Every id it makes is below 128256, so it is a valid, short prefix of csm-1b's
@@ -65,7 +65,7 @@ def full_config(dtype: str = "bfloat16") -> dict:
     """config.json: csm-1b's shapes (bench/talker_gpu.py's CSM_1B) completed with the fields
     a loadable checkpoint needs, the byte-level tokenizer's special ids and real Mimi."""
     from bench.talker_gpu import CSM_1B
-    from services.talker.tiny import tiny_config
+    from models.tiny.talker import tiny_config
 
     tiny = tiny_config()
     config = copy.deepcopy(CSM_1B)
@@ -76,7 +76,7 @@ def full_config(dtype: str = "bfloat16") -> dict:
     depth.setdefault("model_type", "csm_depth_decoder_model")
     config.update({
         "architectures": ["CsmForConditionalGeneration"],
-        # the byte-level tokenizer's ids (services/talker/tiny.py), all < text_vocab_size
+        # the byte-level tokenizer's ids (models/tiny/talker.py), all < text_vocab_size
         "bos_token_id": tiny["bos_token_id"], "eos_token_id": None, "pad_token_id": tiny["pad_token_id"],
         "audio_token_id": tiny["audio_token_id"], "audio_eos_token_id": tiny["audio_eos_token_id"],
         "codebook_eos_token_id": 0, "codebook_pad_token_id": config["vocab_size"] - 1,
@@ -92,9 +92,9 @@ def write_full_checkpoint(folder: str | Path, seed: int = 0, dtype: str = "bfloa
     import torch
     from safetensors.torch import save_file
 
-    from services.code2wav.tiny import codec_weights
-    from services.common.checkpoint import parse_dtype
-    from services.talker.tiny import build_tokenizer, tiny_weights
+    from models.checkpoint import parse_dtype
+    from models.tiny.codec import codec_weights
+    from models.tiny.talker import build_tokenizer, tiny_weights
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """GPU benchmark of the Triton kernels against their eager twins (CUDA only; about 2-3 minutes on
 one H200).
 
-* sampler: ``kernels.sampler`` vs ``services.talker.sampler.sample`` for B = 1, 8, 64, 256 rows of
+* sampler: ``kernels.sampler`` vs ``kernels.sampler_twin.sample`` for B = 1, 8, 64, 256 rows of
   V = 2051 (csm-1b's codebook 0), bf16 logits, two settings (csm's default T + top-k; every step on);
 * decode attention: ``kernels.decode_attention`` vs its eager twin vs
   ``F.scaled_dot_product_attention`` over the full cache (what the model does today: gather the
@@ -98,7 +98,7 @@ def copy_bandwidth() -> float:
 
 
 def sampler_inputs(batch: int, setting: str, seed: int) -> tuple:
-    from services.talker.sampler import SamplingParams
+    from kernels.sampler_twin import SamplingParams
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = (torch.randn(batch, VOCAB, device="cuda", generator=g) * 3).bfloat16()
@@ -116,7 +116,7 @@ def sampler_inputs(batch: int, setting: str, seed: int) -> tuple:
 
 def time_sampler(batch: int, setting: str) -> dict:
     from kernels.sampler import sample_triton
-    from services.talker.sampler import sample
+    from kernels.sampler_twin import sample
 
     # One graph holds a frame's worth of calls, each on its own inputs and codebook.
     calls = [(*sampler_inputs(batch, setting, seed), seed) for seed in range(SAMPLER_CALLS_PER_GRAPH)]

@@ -78,8 +78,8 @@ def count_for(kind: str, pattern: str, quick: bool) -> int:
 
 def open_bench_producer(kind: str):
     """(producer, endpoint dict, server or None): the talker's side of one edge."""
-    from services.common.frame_stream import FrameStreamServer, FrameStreamServicer, GrpcProducer
-    from services.common.ring import RingProducer
+    from services.transport.grpc_producer import FrameStreamServer, FrameStreamServicer, GrpcProducer
+    from services.transport.shm_producer import RingProducer
 
     if kind == "shm":
         ring = RingProducer.create(secrets.randbits(64), "bench", 0, CAPACITY, liveness_timeout=30.0)
@@ -136,8 +136,8 @@ def run_producer(args) -> None:
 
 
 def open_bench_consumer(kind: str, endpoint: dict, pattern: str):
-    from services.common.frame_stream_consumer import GrpcConsumer
-    from services.common.ring import RingConsumer
+    from services.transport.grpc_consumer import GrpcConsumer
+    from services.transport.shm_consumer import RingConsumer
 
     if kind == "shm":
         spin_us = SPIN_US if pattern.startswith("idle") else 10_000_000  # busy: never sleeps

@@ -1141,7 +1141,7 @@ def part_baseline(s: Settings) -> int:
     path = s.out / ("server_gpu_baseline_smoke.json" if s.smoke else "server_gpu_baseline.json")
     result = {**base_result(s), "part": "baseline", "hf_frames": s.hf_frames}
     if s.smoke:
-        from services.talker.tiny import ensure_tiny_checkpoint
+        from models.tiny.talker import ensure_tiny_checkpoint
 
         folder = s.checkpoint or ensure_tiny_checkpoint()
         device, dtype = torch.device("cpu"), torch.float32
@@ -1189,7 +1189,7 @@ def voxring_frame(folder: Path, device, dtype, s: Settings) -> dict:
         prefill_all,
         step_wall_ms,
     )
-    from services.talker.models.csm.loader import load_talker
+    from models.csm.loader import load_talker
     from services.talker.runner import Runner
 
     kernels.configure(sampler=True, decode_attention=True, fused_layers=True)  # the server's defaults
@@ -1227,7 +1227,7 @@ def transformers_generate(folder: Path, device, dtype, s: Settings) -> dict:
         from transformers.utils import logging as hf_logging
     except ImportError:
         return {"skipped": "transformers is not installed"}
-    from services.talker.tiny import build_tokenizer
+    from models.tiny.talker import build_tokenizer
 
     hf_logging.set_verbosity_error()
     started = time.perf_counter()
@@ -1267,7 +1267,7 @@ def _tie_audio_embeddings(model) -> list[str]:
     nothing; those whose CsmConfig turns tying off (5.17) leave the backbone's copy missing,
     randomly initialised: point it at the stored tensor, so both models run the same weights.
     Returns the parameters tied here."""
-    from services.talker.models.csm.loader import TIED
+    from models.csm.loader import TIED
 
     tied = []
     for alias, stored in TIED.items():

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
+from models.csm.loader import load_talker
+from models.family import PromptSegment
+from models.tiny.talker import build_tokenizer, ensure_tiny_checkpoint
 from services.talker.generate import GenerationRequest, Sampling, generate
-from services.talker.models.csm.loader import load_talker
-from services.talker.models.family import PromptSegment
-from services.talker.tiny import build_tokenizer, ensure_tiny_checkpoint
 
 TEXTS = ["Hello there.", "The quick brown fox jumps over the lazy dog.", "One, two, three.",
          "A streaming server for speech.", "Reproducible output matters.", "Short.",

@@ -65,10 +65,10 @@ from bench.talker_gpu import (
     prefill_all,
     step_wall_ms,
 )
-from services.talker.models.csm.config import CsmConfig
-from services.talker.models.csm.model import CsmTalker
-from services.talker.models.csm.modules import RotaryTable
-from services.talker.models.family import FrameInputs
+from models.csm.config import CsmConfig
+from models.csm.model import CsmTalker
+from models.csm.modules import RotaryTable
+from models.family import FrameInputs
 from services.talker.runner import Runner
 
 BUCKETS = [1, 8, 64, 256]
@@ -189,7 +189,7 @@ def first_frame(runner: Runner, forced: torch.Tensor | None = None):
     (logits [B, N, V] fp64, codes [B, N], next hidden [B, H] fp64). With ``forced`` codes
     [B, N], each codebook's logits are recorded and the forced code is fed on (teacher
     forcing), so every variant's depth logits are compared on the same inputs."""
-    import services.talker.models.csm.model as csm_model
+    import models.csm.model as csm_model
 
     bucket = runner.buckets[-1]
     ids = torch.arange(bucket, device="cuda")
@@ -223,7 +223,7 @@ def relative(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def exactness(result: dict, save) -> None:
     """The exactness checks (3. above) into ``result``, which ``save`` writes after the tiny model's."""
-    from services.talker.tiny import tiny_config
+    from models.tiny.talker import tiny_config
 
     tiny_buckets = [1, 2, 4, 8, 16]
     for sampled in (False, True):
@@ -321,7 +321,7 @@ def apply_stack_settings(settings: dict | None, model: CsmTalker | None = None) 
     gives the packed backbone's stack the mlp rows (a copy: down's transpose beside gate/up), as
     ``BACKBONE_MLP_ROWS`` would, so its one-row steps take MLP_DOWN."""
     import kernels.stack_step as stack_kernel
-    import services.talker.models.csm.model as csm_model
+    import models.csm.model as csm_model
 
     settings = dict(settings or {})
     tuning = stack_kernel.checked_tuning({k: v for k, v in settings.items() if k not in _MODEL_KEYS})
@@ -342,7 +342,7 @@ def apply_stack_settings(settings: dict | None, model: CsmTalker | None = None) 
 
 def _defaults() -> tuple[dict, int]:
     import kernels.stack_step as stack_kernel
-    import services.talker.models.csm.model as csm_model
+    import models.csm.model as csm_model
 
     return (dict(stack_kernel.TUNING), csm_model.STACK_STEP_ROWS, csm_model.BACKBONE_STACK_ROWS,
             dict(csm_model.BACKBONE_TUNING))

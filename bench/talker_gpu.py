@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from services.talker.models.csm.config import CsmConfig
-from services.talker.models.csm.model import CsmTalker
-from services.talker.models.family import PromptSegment
-from services.talker.request import Sampling
+from models.csm.config import CsmConfig
+from models.csm.model import CsmTalker
+from models.family import PromptSegment
+from services.common.chunks import Sampling
 from services.talker.runner import PrefillRow, Runner
 
 CSM_1B = {
@@ -173,7 +173,7 @@ def main() -> None:
     import kernels
 
     kernels.configure(sampler=not args.no_kernels, decode_attention=not args.no_kernels)
-    from services.talker.tiny import tiny_config
+    from models.tiny.talker import tiny_config
 
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton_kernels": not args.no_kernels,

@@ -1,6 +1,6 @@
 """Triton kernels of the talker, each beside its eager PyTorch twin and behind a fallback latch.
 
-One file per op: ``sampler`` (the fused sampler; its twin is ``services.talker.sampler``),
+One file per op: ``sampler`` (the fused sampler; its twin is ``kernels.sampler_twin``),
 ``decode_attention`` (one query per row over the static per-slot KV cache; twin in the same
 file), the fused decoder-layer ops ``rms_norm`` (residual add + RMSNorm), ``rope_kv`` (rotary
 embedding + KV-cache write) and ``silu_mul`` (SiLU(gate) * up), ``stack_step`` (a whole decode

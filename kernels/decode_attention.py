@@ -145,7 +145,7 @@ def decode_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """The twin: gather each row's keys, mask positions >= length, softmax, weighted sum in fp32
     (fp64 for fp64 inputs, which makes it the tests' reference too).
 
-    What ``services.talker.models.csm.modules.Attention`` computes for one query position
+    What ``models.csm.modules.Attention`` computes for one query position
     (length = position + 1). q: [B, Hq, D]; caches: [num_slots, max_len, Hkv, D];
     slots, lengths: [B] int64 -> [B, Hq, D] in q's dtype."""
     group = q.shape[1] // k_cache.shape[2]

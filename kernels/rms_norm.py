@@ -1,7 +1,7 @@
 """Residual add + RMSNorm in one launch: ``h = x + residual; out = weight * norm(h)``.
 
 Owns the ``@triton.jit`` kernel, its launcher ``rms_norm_triton``, the eager twin
-``rms_norm_eager`` (the formula ``services.talker.models.csm.modules.RMSNorm`` uses) and the
+``rms_norm_eager`` (the formula ``models.csm.modules.RMSNorm`` uses) and the
 drop-in ``rms_norm`` that the fused decoder layers call. Returning ``h`` as well lets a layer
 carry the residual stream without a separate add: a decoder layer's two adds become part of
 its two norms (and the next layer's first).

@@ -2,7 +2,7 @@
 
 Owns the ``@triton.jit`` kernel, its launchers (``sample_triton``, ``process_logits_triton``) and
 the drop-in ``sample`` that the talker calls. The eager twin and the specification are
-``services.talker.sampler`` (its module docstring); this file implements the same six steps:
+``kernels.sampler_twin`` (its module docstring); this file implements the same six steps:
 
 1. ids >= codebook_size -> -inf;  2. repetition penalty over each row's window (distinct ids,
    ``x / p`` if ``x > 0`` else ``x * p``, correctly rounded);  3. greedy rows (T <= 0) stop here,
@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels import sampler_twin as twin
 from kernels.latch import KernelLatch
-from services.talker import sampler as twin
-from services.talker.sampler import SamplingParams
+from kernels.sampler_twin import SamplingParams
 
 MAX_VOCAB = 4096  # ids are packed into 12 bits for the top-p sort
 LATCH = KernelLatch("sampler")
@@ -258,7 +258,7 @@ def sample_triton(logits: torch.Tensor, params: SamplingParams, frame: torch.Ten
 def process_logits_triton(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor,
                           codebook_size: int) -> torch.Tensor:
     """Steps 1-4 as the kernel computes them, for the bit-exactness tests: [B, V] float32,
-    equal bit for bit to ``services.talker.sampler.process_logits``."""
+    equal bit for bit to ``kernels.sampler_twin.process_logits``."""
     _check(logits, params, None, 0, history, codebook_size)
     batch, vocab = logits.shape
     x = torch.empty(batch, vocab, dtype=torch.float32, device=logits.device)
@@ -290,7 +290,7 @@ def _fits(logits: torch.Tensor, params: SamplingParams, frame: torch.Tensor, cod
 
 def sample(logits: torch.Tensor, params: SamplingParams, frame: torch.Tensor, codebook: int,
            history: torch.Tensor, codebook_size: int) -> torch.Tensor:
-    """Drop-in for ``services.talker.sampler.sample`` (same arguments, same ids): the kernel on
+    """Drop-in for ``kernels.sampler_twin.sample`` (same arguments, same ids): the kernel on
     CUDA while the latch is active, the eager twin otherwise (and for shapes it does not take)."""
     if not (kernel_device(logits) and _fits(logits, params, frame, codebook, history, codebook_size)):
         return twin.sample(logits, params, frame, codebook, history, codebook_size)

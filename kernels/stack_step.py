@@ -46,7 +46,7 @@ layers (126.5 against 206.8 us at one row from a projected table, de5b303; 165 a
 a800258), so the CSM talker sends every call of up to ``STACK_STEP_ROWS`` (16) rows here. ``trace``
 times each program at each barrier from inside the launch, and with 128 slots also inside the product
 phases (when a norm's sums are done, when the last epilogue starts), which is how
-bench/probe_stack_step.py splits a call.
+bench/probes/stack_step.py splits a call.
 
 The Triton interpreter runs programs one after another, so a barrier there would wait forever:
 ``stack_step_triton(..., phased=True)`` launches each phase on its own (the launch boundary is
@@ -96,7 +96,7 @@ MAX_ROWS = 16  # rows of one step (the products' M tile)
 MAX_KEYS = 256  # positions one row may attend to: the kernel's attention has no split
 _MAX_SPINS = tl.constexpr(1 << 22)  # a barrier wait this long (about a second) is a fault, not a neighbour
 _NEG_INF = tl.constexpr(float("-inf"))
-# Slots of the marks inside phases (a trace of 128 slots; bench/probe_stack_step.py reads them). Layer
+# Slots of the marks inside phases (a trace of 128 slots; bench/probes/stack_step.py reads them). Layer
 # l's QKV at MARK_QKV + 2 l and its gate/up at MARK_MLP + 2 l: side 0 once the norm's sums are done,
 # side 1 as the last epilogue starts; its output product at MARK_O + 2 l and its down product at
 # MARK_DOWN + 2 l, side 0 as the last epilogue starts; the projection's at MARK_PJ; the head's norm and
@@ -105,7 +105,7 @@ _NEG_INF = tl.constexpr(float("-inf"))
 MARK_QKV, MARK_MLP, MARK_O, MARK_DOWN = tl.constexpr(64), tl.constexpr(65), tl.constexpr(96), tl.constexpr(97)
 MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 
-# Tile sizes and launch parameters (bench/probe_stack_step.py sweeps them on the H200): BN output
+# Tile sizes and launch parameters (bench/probes/stack_step.py sweeps them on the H200): BN output
 # columns and BK reduction elements per step of a product, warps per program, pipeline stages.
 # BN_QKV is the tile of rotary pairs of the QKV product, BN_WIDE that of the gate/up product; KS_O
 # and KS_DOWN split the reductions of the narrow ones (H outputs), whose H / BN tiles alone would
@@ -120,8 +120,8 @@ MARK_PJ, MARK_HEAD = tl.constexpr(125), tl.constexpr(126)
 # it in row 0 of zeros (``_operand``); ROW_PJ 2 and ROW_DOT: the projection, and the output and down
 # products, multiply weights @ row (``_row_dot``), so the matrix unit pads the row's side to 8 columns.
 # Per thread a QKV block 413 -> 290 instructions, gate/up 554 -> 431, head 368 -> 234, projection 271 ->
-# 129 (bench/sass_loops.py); 143.3 us a depth call against 151.3 (6e1e347; ONE_ROW with the placed row in
-# the projection too, 146.1). The normed products as row dots (the normed row as column 0 of a [BK, 8]
+# 129 (bench/probes/sass_loops.py); 143.3 us a depth call against 151.3 (6e1e347; ONE_ROW with the placed
+# row in the projection too, 146.1). The normed products as row dots (the normed row as column 0 of a [BK, 8]
 # operand) compiled longer (QKV 468, gate/up 551), as did 8 warps (192.6 us); staging the normed row once a
 # phase in the program's scratch for row dots measured slower (QKV: 144.5 us, all three: 153.0, against
 # 140.4; f77df8c). HOIST: the rows' positions and slots, the rotary tables of a program's one QKV item and
@@ -283,7 +283,7 @@ def _now():
 def _mark(trace_row, epoch, side, TRACE: tl.constexpr):
     """With TRACE, the timer when this program reaches (side 0) or leaves (side 1) barrier ``epoch``
     into its row of trace [programs, 64 or 128, 2] int64 (epoch 0: the launch's start; slots from 64
-    on: marks inside phases; bench/probe_stack_step.py)."""
+    on: marks inside phases; bench/probes/stack_step.py)."""
     if TRACE:
         tl.store(trace_row + epoch * 2 + side, _now())
 
@@ -375,7 +375,7 @@ def _operand(
     """A [BM, BK] slice of the left operand: rows as stored, or RMS-normed (the twin's roundings).
     ONE (a call of one row, ``first_ptr``; ``rstd`` its scalar): one [BK] load, and the norm's
     elementwise work on that row only, placed in row 0 of the zero rows the masked loads would give,
-    instead of on all BM rows: fewer instructions a block in the product's loop (bench/sass_loops.py),
+    instead of on all BM rows: fewer instructions a block in the product's loop (bench/probes/sass_loops.py),
     the same operand. (The row broadcast to every row compiles shorter for the projection, but the
     compiler then norms all the rows, and the interpreter's products are not bitwise row by row.)"""
     if ONE:
@@ -399,7 +399,7 @@ def _row_dot(first_ptr, kk, k_ok, w, dtype: tl.constexpr, UPCAST: tl.constexpr):
     left operand: [BN, BK] @ [BK, 1] -> [BN, 1], so the matrix unit pads the row's side to 8 columns
     instead of padding the operand to BM rows. For the products without a norm: the norm's
     elementwise work would follow the row into the operand's layout, where every thread repeats it
-    (bench/sass_loops.py)."""
+    (bench/probes/sass_loops.py)."""
     x = tl.load(first_ptr + kk, mask=k_ok, other=0.0, cache_modifier=".cg")
     return _dot(w, x[:, None].to(dtype), UPCAST)
 

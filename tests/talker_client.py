@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 
-from services.common.frame_transport import Endpoint, TransportSection, open_consumer
-from services.common.ring_layout import RingError
+from services.transport import Endpoint, TransportSection, open_consumer
+from services.transport.layout import RingError
 from voxring.v1 import common_pb2, talker_pb2, talker_pb2_grpc
 
 

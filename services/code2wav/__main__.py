@@ -11,28 +11,29 @@ import secrets
 import sys
 from pathlib import Path
 
-from services.code2wav.codec.loader import load_codec
+from models.checkpoint import CheckpointError, resolve_device
+from models.mimi.loader import load_codec
+from models.tiny.talker import checkpoint_folder
 from services.code2wav.config import Code2WavConfig
+from services.code2wav.decoder import CodecDecoder
 from services.code2wav.engine import Code2WavEngine
-from services.code2wav.graphs import CodecDecoder
 from services.code2wav.servicer import Code2WavServicer
 from services.code2wav.talkers import TalkerLink
 from services.common import metrics
 from services.common.config import ConfigError
-from services.common.devices import resolve_device
 from services.common.engine_thread import EngineComponent, EngineThread
-from services.common.errors import CheckpointError
 from services.common.server import ServiceBinding
 from services.common.stage import run_stage
-from services.talker.request import ChunkSchedule
-from services.talker.tiny import checkpoint_folder
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc
 
 log = logging.getLogger("code2wav")
 
 
 def build(config: Code2WavConfig, config_path: Path | None):
-    device = resolve_device(config.model.device)
+    try:
+        device = resolve_device(config.model.device)
+    except CheckpointError as exc:
+        raise ConfigError(f"model.device: {exc}") from None
     folder = checkpoint_folder(config.model)
     try:
         codec = load_codec(folder, config.model.dtype, device)
@@ -53,9 +54,8 @@ def build(config: Code2WavConfig, config_path: Path | None):
     thread = EngineThread("code2wav-engine", engine, tick_interval=config.transport.heartbeat_interval / 2,
                           keepalive_limit=config.transport.step_keepalive,
                           slow_step=config.transport.liveness_timeout)
-    chunks = config.chunks
     servicer = Code2WavServicer(thread, {t.id: t.address for t in talkers.attach}, talkers.consumer_id,
-                                ChunkSchedule(chunks.first_frames, chunks.growth, chunks.steady_frames),
+                                config.chunks,
                                 1.0 / codec.config.frame_rate)
     name = code2wav_pb2.DESCRIPTOR.services_by_name["Code2Wav"].full_name
     log.info("codec %s on %s (%s), %d slots, talkers %s", folder, device, config.model.dtype,

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.code2wav.graphs import CodecDecoder
+from services.code2wav.decoder import CodecDecoder
 from services.code2wav.streams import ChunkOut, OpenStream
 from services.code2wav.talkers import TalkerLink
 from services.common.errors import ResourceExhausted
 from services.common.log import request_context
-from services.common.ring_layout import FinishReason, RingError
+from services.transport.layout import FinishReason, RingError
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.005  # how long an idle step waits on a ring for the next record

@@ -21,6 +21,7 @@ import grpc
 from services.code2wav.engine import Code2WavEngine
 from services.code2wav.streams import OpenStream
 from services.code2wav.voice import VoiceClipError, encode_voice, pcm16_to_float
+from services.common.chunks import ChunkSchedule, requested_schedule
 from services.common.engine_thread import EngineStopped, EngineThread
 from services.common.errors import (
     Cancelled,
@@ -30,7 +31,6 @@ from services.common.errors import (
     ServiceError,
     Unavailable,
 )
-from services.talker.request import ChunkSchedule
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc, common_pb2, talker_pb2, talker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -63,14 +63,7 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
             self._thread.post(command)
 
     def _schedule(self, request: code2wav_pb2.OpenRequest) -> ChunkSchedule:
-        if not request.HasField("chunk_schedule"):
-            return self._default_schedule
-        cs = request.chunk_schedule
-        try:
-            return ChunkSchedule(cs.first_frames, cs.growth, cs.steady_frames)
-        except ValueError as exc:
-            field, _, reason = str(exc).partition(" ")
-            raise InvalidArgument(field, reason) from None
+        return requested_schedule(request) or self._default_schedule
 
     async def Open(self, request, context):
         if request.talker_id not in self._talkers:

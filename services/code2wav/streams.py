@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.talker.request import ChunkSchedule
+from services.common.chunks import ChunkSchedule
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import time
 
 import grpc
 
-from services.common.frame_transport import Endpoint, FrameConsumer, TransportSection, open_consumer
-from services.common.ring_layout import RingError
+from services.transport import Endpoint, FrameConsumer, TransportSection, open_consumer
+from services.transport.layout import RingError
 from voxring.v1 import talker_pb2, talker_pb2_grpc
 
 log = logging.getLogger(__name__)

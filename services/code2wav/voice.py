@@ -11,7 +11,7 @@ import numpy as np
 import soxr
 import torch
 
-from services.code2wav.codec.model import MimiCodec
+from models.mimi.model import MimiCodec
 
 MAX_CLIP_SECONDS = 60.0
 

@@ -69,8 +69,3 @@ class Unimplemented(ServiceError):
 
 class Internal(ServiceError):
     code = "INTERNAL"
-
-
-class CheckpointError(ValueError):
-    """A model checkpoint that cannot be loaded; the message names the cause. Raised at
-    start-up (not a request error), so it is a ValueError, not a ServiceError."""

@@ -185,21 +185,3 @@ class ModelSection:
             raise ConfigValueError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigValueError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-
-
-@dataclass(frozen=True)
-class ChunkSection:
-    """The chunk schedule used when a request carries none (the gateway normally sends
-    one): chunk n holds min(steady_frames, ceil(first_frames * growth**n)) frames."""
-
-    first_frames: int = 2
-    growth: float = 2.0
-    steady_frames: int = 16
-
-    def __post_init__(self) -> None:
-        if self.first_frames < 1:
-            raise ConfigValueError("first_frames", f"must be >= 1, got {self.first_frames}")
-        if not self.growth >= 1.0:
-            raise ConfigValueError("growth", f"must be >= 1, got {self.growth}")
-        if self.steady_frames < self.first_frames:
-            raise ConfigValueError("steady_frames", "must be >= first_frames")

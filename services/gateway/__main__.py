@@ -12,8 +12,8 @@ from services.common.server import ServiceBinding
 from services.common.stage import run_stage
 from services.gateway.config import GatewayConfig
 from services.gateway.discovery import PairDiscovery
-from services.gateway.engines import EnginePair, Router
 from services.gateway.pipeline import SynthesisPipeline
+from services.gateway.routing import EnginePair, Router
 from services.gateway.servicer import SynthesizerServicer
 from services.gateway.voices import VoiceCatalog
 from voxring.v1 import synthesizer_pb2, synthesizer_pb2_grpc

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from services.common.chunks import SamplingDefaults
 from services.common.config import ConfigValueError
 from services.common.metrics import MetricsSection
 from services.common.sections import LoggingSection, ServerSection, parse_listen
@@ -144,20 +145,12 @@ class AdmissionSection:
 
 
 @dataclass(frozen=True)
-class SamplingSection:
-    """Defaults for the sampling fields a request leaves unset."""
+class SamplingSection(SamplingDefaults):
+    """Defaults for the sampling fields a request leaves unset (checked as every
+    request's are: services/common/chunks.py)."""
 
     temperature: float = 0.9
     top_k: int = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    repetition_window: int = 0
-
-    def __post_init__(self) -> None:
-        if not (self.temperature >= 0 and self.top_k >= 0 and 0 < self.top_p <= 1
-                and self.repetition_penalty > 0 and self.repetition_window >= 0):
-            raise ConfigValueError("temperature", "sampling defaults out of range "
-                                   "(temperature >= 0, top_k >= 0, 0 < top_p <= 1, penalty > 0)")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 
 from services.common.errors import Unavailable
 from services.gateway.config import DiscoverySection
-from services.gateway.engines import EnginePair, Router
+from services.gateway.routing import EnginePair, Router
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from services.common import errors
 from services.common.metrics import TIME_TO_FIRST_AUDIO
 from services.gateway.audio import make_encoder, wav_bytes
 from services.gateway.config import GatewayConfig
-from services.gateway.engines import REQUEST_DOWN_S, EnginePair, Router
+from services.gateway.routing import REQUEST_DOWN_S, EnginePair, Router
 from services.gateway.validation import ValidRequest
 from services.gateway.voice_cache import VoiceCache
 from services.gateway.voices import VoiceCatalog

@@ -14,7 +14,7 @@ import wave
 import grpc
 
 from services.common.errors import Internal, Unavailable
-from services.gateway.engines import EnginePair, ModelFacts
+from services.gateway.routing import EnginePair, ModelFacts
 from services.gateway.voices import VoiceCatalog, VoiceEntry
 from voxring.v1 import code2wav_pb2, common_pb2, talker_pb2
 

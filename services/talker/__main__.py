@@ -14,24 +14,23 @@ import sys
 from pathlib import Path
 
 import kernels
+from models.checkpoint import CheckpointError, resolve_device
+from models.csm.loader import load_talker
+from models.tiny.talker import checkpoint_folder
 from services.common import metrics
 from services.common.config import ConfigError
-from services.common.devices import resolve_device
 from services.common.engine_thread import EngineComponent, EngineThread
-from services.common.errors import CheckpointError
-from services.common.frame_stream import FrameStreamServicer
-from services.common.ring_sweep import sweep_stale
 from services.common.server import ServiceBinding
 from services.common.stage import run_stage
 from services.talker.config import TalkerConfig
 from services.talker.consumers import Consumers
 from services.talker.core import TalkerCore
 from services.talker.engine import TalkerEngine
-from services.talker.models.csm.loader import load_talker
 from services.talker.runner import Runner
 from services.talker.scheduler import Scheduler
 from services.talker.servicer import ModelFacts, TalkerServicer
-from services.talker.tiny import checkpoint_folder
+from services.transport.grpc_producer import FrameStreamServicer
+from services.transport.shm_sweep import sweep_stale
 from voxring.v1 import frames_pb2, frames_pb2_grpc, talker_pb2, talker_pb2_grpc
 
 log = logging.getLogger("talker")
@@ -56,7 +55,10 @@ def model_info(folder: Path, model, max_len: int) -> talker_pb2.ModelInfoRespons
 def build(config: TalkerConfig, config_path: Path | None):
     kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention,
                       fused_layers=config.kernels.fused_layers)
-    device = resolve_device(config.model.device)
+    try:
+        device = resolve_device(config.model.device)
+    except CheckpointError as exc:
+        raise ConfigError(f"model.device: {exc}") from None
     folder = checkpoint_folder(config.model)
     try:
         model = load_talker(folder, config.model.dtype, device)

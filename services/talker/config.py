@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.chunks import ChunkSchedule
 from services.common.config import ConfigValueError
-from services.common.frame_transport import TransportSection
 from services.common.metrics import MetricsSection
 from services.common.sections import (
-    ChunkSection,
     InternalServerSection,
     LoggingSection,
     ModelSection,
 )
+from services.transport import TransportSection
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,6 @@ class TalkerConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     model: ModelSection = field(default_factory=ModelSection)
     engine: EngineSection = field(default_factory=EngineSection)
-    chunks: ChunkSection = field(default_factory=ChunkSection)
+    chunks: ChunkSchedule = field(default_factory=ChunkSchedule)
     transport: TransportSection = field(default_factory=TransportSection)
     kernels: KernelsSection = field(default_factory=KernelsSection)

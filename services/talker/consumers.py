@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from services.common.frame_transport import Endpoint, FrameProducer, TransportSection, open_producer
+from services.transport import Endpoint, FrameProducer, TransportSection, open_producer
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ import time
 from dataclasses import dataclass
 
 from services.common.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
-from services.common.frame_transport import Endpoint
 from services.talker.consumers import Consumers
 from services.talker.engine import TalkerEngine
 from services.talker.request import TalkerRequest
 from services.talker.scheduler import QueueFull
+from services.transport import Endpoint
 
 
 @dataclass(frozen=True)

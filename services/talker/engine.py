@@ -22,10 +22,10 @@ from typing import Protocol
 import numpy as np
 
 from services.common.log import request_context
-from services.common.ring_layout import RecordFlags
 from services.talker.request import FinishReason, TalkerRequest
 from services.talker.runner import PrefillRow, Runner
 from services.talker.scheduler import RowFrames, Scheduler, StepPlan
+from services.transport.layout import RecordFlags
 
 log = logging.getLogger(__name__)
 

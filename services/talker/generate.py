@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.talker.models.family import FrameInputs, PromptSegment, TalkerModel
-from services.talker.request import Sampling
-from services.talker.sampler import SamplingParams
+from kernels.sampler_twin import SamplingParams
+from models.family import FrameInputs, PromptSegment, TalkerModel
+from services.common.chunks import Sampling
 
 __all__ = ["GenerationRequest", "GenerationResult", "Sampling", "generate", "sampling_params"]
 

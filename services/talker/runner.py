@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from kernels import stack_step as stack_kernel
-from services.talker.models.family import FrameInputs, PromptSegment, TalkerModel
-from services.talker.request import Sampling
-from services.talker.sampler import SamplingParams
+from kernels.sampler_twin import SamplingParams
+from models.family import FrameInputs, PromptSegment, TalkerModel
+from services.common.chunks import Sampling
 
 log = logging.getLogger(__name__)
 _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from models.family import PromptSegment
+from services.common.chunks import ChunkSchedule, Sampling, requested_schedule
+from services.common.config import ConfigValueError
 from services.common.engine_thread import EngineStopped, EngineThread
 from services.common.errors import InvalidArgument, Unavailable
 from services.talker.config import TalkerConfig
-from services.talker.models.family import PromptSegment
-from services.talker.request import ChunkSchedule, Sampling, TalkerRequest
+from services.talker.request import TalkerRequest
 from voxring.v1 import talker_pb2, talker_pb2_grpc
 
 
@@ -87,12 +89,9 @@ def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, default_sche
         sampling = Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
                             repetition_penalty=s.repetition_penalty or 1.0,
                             repetition_window=s.repetition_window, seed=s.seed)
-        cs = req.chunk_schedule
-        schedule = (ChunkSchedule(cs.first_frames, cs.growth, cs.steady_frames)
-                    if req.HasField("chunk_schedule") else default_schedule)
-    except ValueError as exc:
-        field, _, reason = str(exc).partition(": ")
-        raise InvalidArgument(field.split()[0], reason or str(exc)) from None
+    except ConfigValueError as exc:
+        raise InvalidArgument(f"sampling.{exc.key}", exc.reason) from None
+    schedule = requested_schedule(req) or default_schedule
     return TalkerRequest(
         request_id=req.request_id or f"handle-{req.handle}", handle=req.handle,
         consumer_id=req.consumer_id, prompt=segments, prompt_len=prompt_len,
@@ -107,8 +106,7 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
         self._liveness_timeout = config.transport.liveness_timeout
         self._facts = facts
         self._model_info = model_info
-        self._default_schedule = ChunkSchedule(config.chunks.first_frames, config.chunks.growth,
-                                               config.chunks.steady_frames)
+        self._default_schedule = config.chunks
 
     async def _call(self, command):
         """``command(engine)`` on the engine thread (see EngineThread.call)."""

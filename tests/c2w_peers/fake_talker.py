@@ -24,7 +24,7 @@ import threading
 import grpc
 import numpy as np
 
-from services.common.frame_transport import TransportSection, open_producer
+from services.transport import TransportSection, open_producer
 from voxring.v1 import talker_pb2, talker_pb2_grpc
 
 

@@ -43,8 +43,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from services.common.ring_sweep import list_entries
-from services.gateway.engines import REQUEST_DOWN_S
+from services.gateway.routing import REQUEST_DOWN_S
+from services.transport.shm_sweep import list_entries
 from tests.conftest import spawn_stage, wait_ready
 from voxring.v1 import (
     code2wav_pb2,
@@ -505,7 +505,7 @@ def random_text(rng: random.Random, low: int = 1, high: int = 30) -> str:
 def running_stack(model_cache: Path, report: Callable[[str], None]):
     """Two warm engine pairs behind a gateway for a module's tests; at the end every stage
     must exit 0 on SIGTERM, and the processes and their folder are gone either way."""
-    from services.talker.tiny import ensure_tiny_checkpoint
+    from models.tiny.talker import ensure_tiny_checkpoint
 
     ensure_tiny_checkpoint(root=model_cache / "models")  # made once, before any timed start
     stack = FaultStack(pairs=2)

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.talker.tiny import ensure_tiny_checkpoint
+from models.tiny.talker import ensure_tiny_checkpoint
 from tests.conftest import spawn_stage, wait_ready
 from voxring.v1 import common_pb2, synthesizer_pb2_grpc
 from voxring.v1 import synthesizer_pb2 as pb

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.code2wav.codec.loader import load_codec
+from models.csm.loader import load_talker
+from models.family import PromptSegment
+from models.mimi.loader import load_codec
+from models.tiny.talker import build_tokenizer, ensure_tiny_checkpoint
 from services.talker.generate import GenerationRequest, Sampling, generate
-from services.talker.models.csm.loader import load_talker
-from services.talker.models.family import PromptSegment
-from services.talker.tiny import build_tokenizer, ensure_tiny_checkpoint
 from tests.conftest import REPO, spawn_stage, wait_ready
 from tests.talker_client import wait_for
 from voxring.v1 import (

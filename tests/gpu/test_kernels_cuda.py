@@ -21,11 +21,11 @@ from kernels import decode_attention as attention_kernel
 from kernels import rms_norm as rms_kernel
 from kernels import rope_kv as rope_kernel
 from kernels import sampler as sampler_kernel
+from kernels import sampler_twin as twin
 from kernels import silu_mul as silu_kernel
 from kernels import stack_step as stack_kernel
-from services.talker import sampler as twin
-from services.talker.models.csm import model as csm_model
-from services.talker.sampler import SamplingParams
+from kernels.sampler_twin import SamplingParams
+from models.csm import model as csm_model
 from tests.unit.test_kernel_decode_attention import SHAPES, check, make_inputs
 from tests.unit.test_kernel_fused_layers import (
     CACHE_LAYOUTS,

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.code2wav.codec.loader import load_codec
+from models.mimi.loader import load_codec
+from models.tiny.talker import ensure_tiny_checkpoint
 from services.code2wav.voice import encode_voice
-from services.common.ring_layout import FinishReason, RecordFlags
-from services.common.ring_sweep import sweep_stale
-from services.talker.tiny import ensure_tiny_checkpoint
+from services.transport.layout import FinishReason, RecordFlags
+from services.transport.shm_sweep import sweep_stale
 from tests.conftest import REPO, stage_env
 from tests.talker_client import wait_for
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc, common_pb2

@@ -22,7 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.talker.tiny import ensure_tiny_checkpoint
+from models.tiny.talker import ensure_tiny_checkpoint
 from tests.conftest import REPO, spawn_stage, stage_env, wait_ready
 from voxring import errors
 from voxring.cli import main as cli_main

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.ring_sweep import list_entries, sweep_stale, unlink_ring
+from services.transport.shm_sweep import list_entries, sweep_stale, unlink_ring
 from tests.conftest import REPO, stage_env
 
 LIVENESS_S = 0.3

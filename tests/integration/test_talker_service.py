@@ -11,11 +11,11 @@ import grpc
 import numpy as np
 import pytest
 
-from services.common.ring_layout import FinishReason
+from models.csm.loader import load_talker
+from models.family import PromptSegment
+from models.tiny.talker import build_tokenizer, ensure_tiny_checkpoint
 from services.talker.generate import GenerationRequest, Sampling, generate
-from services.talker.models.csm.loader import load_talker
-from services.talker.models.family import PromptSegment
-from services.talker.tiny import build_tokenizer, ensure_tiny_checkpoint
+from services.transport.layout import FinishReason
 from tests.talker_client import RingReader, stats, submit_request, wait_for
 from voxring.v1 import talker_pb2, talker_pb2_grpc
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.csm.loader import load_talker
+from models.family import PromptSegment
+from models.tiny.talker import build_tokenizer, ensure_tiny_checkpoint
 from services.talker.generate import GenerationRequest, generate
-from services.talker.models.csm.loader import load_talker
-from services.talker.models.family import PromptSegment
-from services.talker.tiny import build_tokenizer, ensure_tiny_checkpoint
 from tests.parity.tiny_reference import save_transformers_tiny
 
 transformers = pytest.importorskip("transformers")

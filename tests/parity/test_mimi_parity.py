@@ -10,7 +10,7 @@ import pytest
 import soxr
 import torch
 
-from services.code2wav.codec.loader import load_codec
+from models.mimi.loader import load_codec
 from services.code2wav.voice import encode_voice
 from tests.parity.tiny_reference import save_transformers_mimi, save_transformers_tiny
 

@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from services.common.frame_transport import open_consumer
-from services.common.ring_layout import PeerDead, RingClosed
+from services.transport import open_consumer
+from services.transport.layout import PeerDead, RingClosed
 from tests.ring_peers.records import (
     Digest,
     Events,

@@ -22,10 +22,10 @@ import time
 
 import numpy as np
 
-from services.common.frame_stream import FrameStreamServer, FrameStreamServicer
-from services.common.frame_transport import open_producer
-from services.common.ring_layout import FinishReason, RecordFlags, RingFull
-from services.common.ring_sweep import sweep_stale
+from services.transport import open_producer
+from services.transport.grpc_producer import FrameStreamServer, FrameStreamServicer
+from services.transport.layout import FinishReason, RecordFlags, RingFull
+from services.transport.shm_sweep import sweep_stale
 from tests.ring_peers.records import (
     Digest,
     Events,

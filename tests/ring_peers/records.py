@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.frame_transport import Endpoint, TransportSection
+from services.transport import Endpoint, TransportSection
 
 CODEBOOK_CHOICES = (1, 2, 4, 8, 16, 32)
 _HEADER = struct.Struct("<QIIIII")  # handle, seq, first_frame, frames, codebooks, flags

@@ -89,7 +89,7 @@ def test_the_baseline_ties_the_audio_embedding_where_transformers_does_not(tmp_p
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from services.talker.tiny import write_tiny_checkpoint
+    from models.tiny.talker import write_tiny_checkpoint
 
     model = transformers.CsmForConditionalGeneration.from_pretrained(write_tiny_checkpoint(tmp_path / "tiny"))
     alias = "backbone_model.embed_tokens.embed_audio_tokens.weight"

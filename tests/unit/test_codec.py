@@ -10,11 +10,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from services.code2wav.codec.config import MimiConfig
-from services.code2wav.codec.loader import CSM_PREFIX, build_meta, load_codec
-from services.code2wav.codec.model import CodecInputError, all_streaming_state
-from services.common.errors import CheckpointError
-from services.talker.tiny import tiny_config, write_tiny_checkpoint
+from models.checkpoint import CheckpointError
+from models.mimi.config import MimiConfig
+from models.mimi.loader import CSM_PREFIX, build_meta, load_codec
+from models.mimi.model import CodecInputError, all_streaming_state
+from models.tiny.talker import tiny_config, write_tiny_checkpoint
 from tests.parity.tiny_reference import save_transformers_mimi, save_transformers_tiny
 
 transformers = pytest.importorskip("transformers")

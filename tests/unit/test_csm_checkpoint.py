@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from services.talker.models.csm.config import CheckpointError, CsmConfig, RopeConfig
-from services.talker.models.csm.loader import CODEC_PREFIX, TIED, build_meta, load_talker
-from services.talker.tiny import (
+from models.csm.config import CheckpointError, CsmConfig, RopeConfig
+from models.csm.loader import CODEC_PREFIX, TIED, build_meta, load_talker
+from models.tiny.talker import (
     SPECIAL_TOKENS,
     build_tokenizer,
     ensure_tiny_checkpoint,
@@ -249,7 +249,7 @@ def test_transformers_loads_the_tokenizer(tiny):
 
 ENSURE = """
 import sys
-from services.talker.tiny import ensure_tiny_checkpoint
+from models.tiny.talker import ensure_tiny_checkpoint
 print(ensure_tiny_checkpoint(seed=5, root=sys.argv[1]))
 """
 

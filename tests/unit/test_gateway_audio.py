@@ -20,7 +20,7 @@ from services.gateway.audio import (
     make_encoder,
     wav_bytes,
 )
-from services.gateway.audio_ogg import ogg_crc
+from services.gateway.audio.ogg import ogg_crc
 from services.gateway.config import OPUS_SAMPLE_RATES
 from voxring.v1 import synthesizer_pb2 as pb
 

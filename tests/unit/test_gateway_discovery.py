@@ -18,7 +18,7 @@ from services.common.errors import Unavailable
 from services.gateway import discovery as discovery_module
 from services.gateway.config import DiscoverySection, GatewayConfig
 from services.gateway.discovery import PairDiscovery, host_port, pairs_at, resolve_addresses
-from services.gateway.engines import EnginePair, ModelFacts, Router
+from services.gateway.routing import EnginePair, ModelFacts, Router
 
 SERVICE = "voxring-pairs.default.svc.cluster.local"
 

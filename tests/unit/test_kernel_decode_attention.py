@@ -134,8 +134,8 @@ def test_strided_query_and_a_layer_slice_of_the_model_cache():
 
 
 def test_twin_equals_the_models_attention_for_one_position():
-    from services.talker.models.csm.config import RopeConfig, TransformerConfig
-    from services.talker.models.csm.modules import Attention, KVCache
+    from models.csm.config import RopeConfig, TransformerConfig
+    from models.csm.modules import Attention, KVCache
 
     torch.manual_seed(7)
     cfg = TransformerConfig(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=8,

@@ -34,15 +34,15 @@ from kernels import rms_norm as rms_kernel
 from kernels import rope_kv as rope_kernel
 from kernels import silu_mul as silu_kernel
 from kernels.latch import KernelLatch
-from services.talker.models.csm import model as csm_model
-from services.talker.models.csm.config import CsmConfig, RopeConfig
-from services.talker.models.csm.model import CsmTalker, DepthRows
-from services.talker.models.csm.modules import RotaryTable
-from services.talker.models.family import FrameInputs, FrameOutputs, PromptSegment
-from services.talker.request import Sampling
+from kernels.sampler_twin import SamplingParams
+from models.csm import model as csm_model
+from models.csm.config import CsmConfig, RopeConfig
+from models.csm.model import CsmTalker, DepthRows
+from models.csm.modules import RotaryTable
+from models.family import FrameInputs, FrameOutputs, PromptSegment
+from models.tiny.talker import tiny_config
+from services.common.chunks import Sampling
 from services.talker.runner import PrefillRow, Runner
-from services.talker.sampler import SamplingParams
-from services.talker.tiny import tiny_config
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 NAN = float("nan")
@@ -358,8 +358,8 @@ def test_rope_kv_rows_sharing_a_slot_at_consecutive_positions(layout: str):
 def test_rope_kv_twin_equals_the_models_attention_rotation():
     # The twin is what Attention.forward does: RotaryTable's cos/sin at each row's position and
     # apply_rope on q and k, index_put of k and v.
-    from services.talker.models.csm.config import TransformerConfig
-    from services.talker.models.csm.modules import Attention, KVCache
+    from models.csm.config import TransformerConfig
+    from models.csm.modules import Attention, KVCache
 
     torch.manual_seed(8)
     cfg = TransformerConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,

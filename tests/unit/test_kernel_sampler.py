@@ -1,4 +1,4 @@
-"""The fused sampler kernel against its eager twin (services.talker.sampler) on fresh random inputs
+"""The fused sampler kernel against its eager twin (kernels.sampler_twin) on fresh random inputs
 from fixed seeds: the logits after steps 1-4 bit-equal, the ids equal; plus the launcher's checks
 and the fallback latch. On a CPU machine the kernel runs under Triton's interpreter."""
 
@@ -22,9 +22,9 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
 
 import kernels
 from kernels import sampler as kernel
+from kernels import sampler_twin as twin
 from kernels.latch import KernelLatch
-from services.talker import sampler as twin
-from services.talker.sampler import SamplingParams
+from kernels.sampler_twin import SamplingParams
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 U64 = 1 << 64

@@ -34,7 +34,7 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
 
 from kernels import stack_step as ss
 from kernels.latch import KernelLatch
-from services.talker.models.csm.model import BACKBONE_TUNING
+from models.csm.model import BACKBONE_TUNING
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 NAN = float("nan")

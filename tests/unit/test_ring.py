@@ -14,20 +14,20 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from services.common.ring import (
+from services.transport.layout import (
+    HEADER_BYTES,
+    OFF_PRODUCER_HB,
     FinishReason,
     PeerDead,
     RecordFlags,
     RecordTooLarge,
     RingClosed,
-    RingConsumer,
     RingError,
     RingFull,
-    RingProducer,
-    sweep_stale,
 )
-from services.common.ring_layout import HEADER_BYTES, OFF_PRODUCER_HB
-from services.common.ring_sweep import list_entries, unlink_ring
+from services.transport.shm_consumer import RingConsumer
+from services.transport.shm_producer import RingProducer
+from services.transport.shm_sweep import list_entries, sweep_stale, unlink_ring
 
 SHM = Path("/dev/shm")
 

@@ -13,17 +13,20 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from services.common.frame_stream_consumer import _view
-from services.common.ring import RingConsumer, RingCorrupted, RingError, RingProducer
-from services.common.ring_layout import (
+from services.transport.grpc_consumer import _view
+from services.transport.layout import (
     HEADER_BYTES,
     OFF_CAPACITY,
     OFF_HEAD,
     OFF_MAGIC,
     OFF_TAIL,
     OFF_VERSION,
+    RingCorrupted,
+    RingError,
     record_bytes,
 )
+from services.transport.shm_consumer import RingConsumer
+from services.transport.shm_producer import RingProducer
 from voxring.v1 import frames_pb2
 
 CAPACITY = 4096

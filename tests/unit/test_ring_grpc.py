@@ -11,11 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from services.common.frame_stream import FrameStreamServer, FrameStreamServicer, GrpcProducer
-from services.common.frame_stream_consumer import GrpcConsumer
-from services.common.frame_transport import TransportSection, open_consumer, open_producer
-from services.common.ring import RingConsumer, RingProducer
-from services.common.ring_layout import (
+from services.transport import TransportSection, open_consumer, open_producer
+from services.transport.grpc_consumer import GrpcConsumer
+from services.transport.grpc_producer import FrameStreamServer, FrameStreamServicer, GrpcProducer
+from services.transport.layout import (
     FinishReason,
     PeerDead,
     RecordFlags,
@@ -23,6 +22,8 @@ from services.common.ring_layout import (
     RingClosed,
     RingFull,
 )
+from services.transport.shm_consumer import RingConsumer
+from services.transport.shm_producer import RingProducer
 
 
 @pytest.fixture

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from services.common.config import ConfigError, parse_section
-from services.common.frame_transport import TransportSection
-from services.common.ring import RingConsumer, RingProducer
-from services.common.ring_layout import (
+from services.transport import TransportSection
+from services.transport.layout import (
     RECORD,
     RECORD_HEADER_BYTES,
     FinishReason,
@@ -23,6 +22,8 @@ from services.common.ring_layout import (
     sanitize_consumer_id,
     wake_name_for,
 )
+from services.transport.shm_consumer import RingConsumer
+from services.transport.shm_producer import RingProducer
 from voxring.v1 import common_pb2
 
 

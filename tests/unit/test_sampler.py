@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.talker import sampler as sampler_module
-from services.talker.sampler import (
+from kernels import sampler_twin as sampler_module
+from kernels.sampler_twin import (
     SamplingParams,
     apply_top_p,
     fmix32,

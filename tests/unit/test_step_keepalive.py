@@ -14,9 +14,10 @@ import pytest
 
 from services.code2wav.talkers import TalkerLink
 from services.common.engine_thread import EngineThread
-from services.common.frame_transport import TransportSection, open_consumer
-from services.common.ring import RingConsumer, RingProducer
 from services.talker.consumers import Consumers
+from services.transport import TransportSection, open_consumer
+from services.transport.shm_consumer import RingConsumer
+from services.transport.shm_producer import RingProducer
 
 TICK = 0.02
 LIVENESS = 0.3

@@ -13,15 +13,16 @@ import torch
 
 from kernels import stack_step as stack_kernel
 from kernels.latch import KernelLatch
-from services.common.ring_layout import RecordFlags
+from models.csm.loader import load_talker
+from models.family import PromptSegment
+from models.tiny.talker import build_tokenizer, write_tiny_checkpoint
+from services.common.chunks import ChunkSchedule
 from services.talker.engine import TalkerEngine
 from services.talker.generate import GenerationRequest, Sampling, generate
-from services.talker.models.csm.loader import load_talker
-from services.talker.models.family import PromptSegment
-from services.talker.request import ChunkSchedule, FinishReason, TalkerRequest
+from services.talker.request import FinishReason, TalkerRequest
 from services.talker.runner import Runner
 from services.talker.scheduler import Scheduler
-from services.talker.tiny import build_tokenizer, write_tiny_checkpoint
+from services.transport.layout import RecordFlags
 
 MAX_LEN = 128
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.talker.request import ChunkSchedule, FinishReason, RequestState, TalkerRequest
+from services.common.chunks import ChunkSchedule
+from services.talker.request import FinishReason, RequestState, TalkerRequest
 from services.talker.scheduler import QueueFull, RowFrames, Scheduler
 
 

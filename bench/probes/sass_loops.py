@@ -1,0 +1,84 @@
+"""Per-thread instructions in each loop of ``stack_step``'s one launch, compiled for the H200 (sm_90)
+on any machine (CPU is enough): a product loop runs one warp per scheduler, so its time per block
+follows the instructions each thread issues, and a change to a loop can be counted before it is timed.
+
+    python bench/probes/sass_loops.py ['{"ONE_ROW": 0}' ...]   # tunings (JSON) over the default; one row
+
+Prints one JSON line per tuning: for each loop of at least 40 instructions (its back edge found in
+nvdisasm's output), the instruction count, the main opcodes, and the kernel functions its source lines
+fall in (``_flat_dual`` with ``_operand``: the QKV or gate/up loop; ``_flat_single``: the projection,
+output, down or head loop; ``_rstd``: a norm's sums; ``_phase_attention``: attention)."""
+
+from __future__ import annotations
+
+import ast
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.unit import stack_step_hopper
+
+KERNEL = Path(__file__).resolve().parents[2] / "kernels" / "stack_step.py"
+OPCODES = ("HMMA", "LDGSTS", "UTMALDG", "LDG", "LDS", "LDSM", "STS", "BAR", "F2F", "FMUL", "FFMA", "SEL")
+
+
+def functions() -> dict[int, str]:
+    """Source line -> the name of the kernel function it is in."""
+    where = {}
+    for node in ast.walk(ast.parse(KERNEL.read_text())):
+        if isinstance(node, ast.FunctionDef):
+            for line in range(node.lineno, node.end_lineno + 1):
+                where.setdefault(line, node.name)
+    return where
+
+
+def loops(tuning: dict | None) -> list[dict]:
+    kernel = stack_step_hopper.compile_kernel(tuning)
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        text = subprocess.run([str(nvdisasm), "-g", "-c", str(cubin)], capture_output=True, text=True,
+                              check=True, timeout=300).stdout
+    instructions, labels, line = [], {}, None
+    for raw in text.splitlines():
+        if m := re.match(r'\s*//## File ".*?", line (\d+)', raw):
+            line = int(m.group(1))
+        elif m := re.match(r"\s*\.(L_x_\d+):", raw):
+            labels[m.group(1)] = len(instructions)
+        elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", raw):
+            instructions.append((line, m.group(1)))
+    where = functions()
+    found = []
+    for end, (_, text) in enumerate(instructions):
+        m = re.search(r"BRA\b.*?`?\(?\.(L_x_\d+)", text)
+        if not m or labels.get(m.group(1), end) >= end or end - labels[m.group(1)] + 1 < 40:
+            continue
+        body = instructions[labels[m.group(1)] : end + 1]
+        if len(body) > 1000:  # the layer loop and the phases around the product loops
+            continue
+        ops = collections.Counter()
+        for _, ins in body:
+            op = re.sub(r"^@!?U?P[T0-9]+\s+", "", ins.strip()).split()[0].split(".")[0]
+            ops[op] += 1
+        names = collections.Counter(where.get(n, "?") for n, _ in body if n)
+        found.append({"instructions": len(body), "ops": {k: ops[k] for k in OPCODES if ops[k]},
+                      "functions": dict(names.most_common(4))})
+    return found
+
+
+def main() -> None:
+    for arg in sys.argv[1:] or ["{}"]:
+        print(json.dumps({"tuning": json.loads(arg), "loops": loops(json.loads(arg))}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The interface between the talker engine and a model family.
+
+The engine (scheduler, runner, rings) talks to a talker model only through this
+interface, so other families (a single-codebook talker with an EOS code, a backbone
+with a local transformer and a continue/stop head, a Qwen3 backbone with CFG pairs)
+can be added without touching the engine. Every method works on batches of rows whose
+state lives in static KV slots, and ``decode_frame`` is one whole frame as DESIGN.md's
+"one captured frame": no host sync, no Python branches on tensor values, static shapes,
+so the runner can capture it in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from kernels.sampler_twin import SamplingParams
+
+
+@dataclass(frozen=True)
+class PromptSegment:
+    """One prompt turn: text token ids (already with the family's special tokens),
+    then, for an audio-context turn, its codec frames ``[num_frames, num_codebooks]``."""
+
+    text_token_ids: Sequence[int]
+    frames: torch.Tensor | None = None
+
+
+@dataclass
+class FrameInputs:
+    """Everything one frame step reads, per row. All tensors on the model's device."""
+
+    hidden: torch.Tensor        # [B, H] the backbone's last hidden state (after its norm)
+    slots: torch.Tensor         # [B] int64 KV slot of each row
+    positions: torch.Tensor     # [B] int64 position the frame's embedding is written at
+    frame_index: torch.Tensor   # [B] int64 generated-frame index f (0 = first frame)
+    min_frames: torch.Tensor    # [B] int64 the stop rule is ignored while f < min_frames
+    sampling: SamplingParams    # per-row sampling parameters
+    history: torch.Tensor       # [B, num_codebooks, W] int64 recent codes (-1 empty), oldest first
+
+
+@dataclass
+class FrameOutputs:
+    codes: torch.Tensor         # [B, num_codebooks] int64 the frame
+    stop: torch.Tensor          # [B] bool this frame is the stop frame (not audio; ends the row)
+    hidden: torch.Tensor        # [B, H] the next frame's input hidden state
+    history: torch.Tensor       # [B, num_codebooks, W] updated history
+    logits: torch.Tensor | None = None  # [B, num_codebooks, V] when asked (tests, parity)
+
+
+class TalkerModel(Protocol):
+    """A talker family. ``rows_per_request`` is 2 for families that run classifier-free
+    guidance as paired rows, 1 otherwise."""
+
+    num_codebooks: int
+    codebook_size: int
+    hidden_size: int
+    max_len: int
+    frame_rate: float
+    sample_rate: int
+    rows_per_request: int
+
+    def prompt_embeds(self, segments: Sequence[PromptSegment]) -> torch.Tensor:
+        """The prompt as input embeddings [T, H]."""
+
+    def new_caches(self, num_slots: int, max_len: int, batch_size: int) -> Any:
+        """Static caches for ``num_slots`` rows of up to ``max_len`` positions, with frame
+        scratch space for batches of up to ``batch_size`` rows."""
+
+    def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                caches: Any) -> torch.Tensor:
+        """Runs right-padded prompts [B, T, H] (true lengths [B]) into their slots;
+        returns each row's last hidden state [B, H]."""
+
+    def decode_frame(self, inputs: FrameInputs, caches: Any, return_logits: bool = False) -> FrameOutputs:
+        """Produces one frame per row and advances the backbone by that frame."""

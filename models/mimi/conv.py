@@ -1,0 +1,194 @@
+"""Mimi's convolutions and SEANet stacks, streaming over a resident slot pool.
+
+Every module that carries history declares a State dataclass holding ``[num_slots, ...]``
+tensors, allocated once by ``init_state``. A streaming call takes the slot ids of the
+rows it decodes and their new input; it gathers those slots' state, computes, and
+scatters the new state back (batched index operations, no loop over requests, static
+shapes), so a slot's result never depends on which other slots share its batch.
+
+Causal convolutions keep the last ``(kernel - 1) * dilation`` input samples (zeros when
+fresh, as the whole-sequence decode pads with zeros). Transposed convolutions keep the
+``kernel - stride`` output samples that overlap the next chunk; the whole-sequence decode
+trims them at the end (``trim_right_ratio`` 1). Hence chunked decoding equals
+whole-sequence decoding up to float rounding. Module and parameter names follow Mimi's
+flat on-disk layout (``decoder.layers.{i}.conv.weight``, ``...block.{1,3}.conv...``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.mimi.config import MimiConfig
+
+
+@dataclass
+class ConvState:
+    context: torch.Tensor  # [num_slots, C_in, (kernel - 1) * dilation] last inputs
+
+
+@dataclass
+class ConvTransposeState:
+    tail: torch.Tensor     # [num_slots, C_out, kernel - stride] overlap for the next chunk
+
+
+class CausalConv1d(nn.Module):
+    def __init__(self, c_in: int, c_out: int, kernel: int, stride: int = 1, dilation: int = 1,
+                 groups: int = 1, bias: bool = True, pad_mode: str = "constant") -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(c_in, c_out, kernel, stride, dilation=dilation, groups=groups, bias=bias)
+        self.stride = stride
+        self.effective_kernel = (kernel - 1) * dilation + 1
+        self.padding_total = self.effective_kernel - stride
+        self.pad_mode = pad_mode
+        self.state: ConvState | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Whole sequence, as transformers' MimiConv1d (causal): left padding plus the
+        right padding that makes the last window complete. x: [B, C, T]."""
+        length = x.shape[-1]
+        frames = math.ceil((length - self.effective_kernel + self.padding_total) / self.stride + 1) - 1
+        extra = frames * self.stride + self.effective_kernel - self.padding_total - length
+        mode = "replicate" if self.pad_mode == "replicate" else "constant"
+        return self.conv(F.pad(x, (self.padding_total, extra), mode=mode))
+
+    def init_state(self, num_slots: int, device, dtype) -> None:
+        assert self.stride == 1, "streaming is for stride-1 convolutions (the decoder's)"
+        shape = (num_slots, self.conv.in_channels, self.padding_total)
+        self.state = ConvState(torch.zeros(shape, device=device, dtype=dtype))
+
+    def reset(self, slots: torch.Tensor) -> None:
+        self.state.context[slots] = 0
+
+    def step(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        # x: [B, C_in, T] -> [B, C_out, T]
+        full = torch.cat([self.state.context[slots], x], dim=-1)
+        if self.padding_total:
+            self.state.context[slots] = full[..., full.shape[-1] - self.padding_total:]
+        return self.conv(full)
+
+
+class CausalConvTranspose1d(nn.Module):
+    def __init__(self, c_in: int, c_out: int, kernel: int, stride: int, groups: int = 1,
+                 bias: bool = True) -> None:
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(c_in, c_out, kernel, stride, groups=groups, bias=bias)
+        self.stride = stride
+        self.overlap = kernel - stride
+        self.state: ConvTransposeState | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Whole sequence: [B, C, T] -> [B, C_out, T * stride] (the overlap is trimmed)."""
+        y = self.conv(x)
+        return y[..., : y.shape[-1] - self.overlap]
+
+    def init_state(self, num_slots: int, device, dtype) -> None:
+        shape = (num_slots, self.conv.out_channels, self.overlap)
+        self.state = ConvTransposeState(torch.zeros(shape, device=device, dtype=dtype))
+
+    def reset(self, slots: torch.Tensor) -> None:
+        self.state.tail[slots] = 0
+
+    def step(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        # x: [B, C_in, T] -> [B, C_out, T * stride]; overlap-add without the bias, which
+        # belongs to every output sample exactly once.
+        y = F.conv_transpose1d(x, self.conv.weight, None, self.stride, groups=self.conv.groups)
+        head = y[..., : self.overlap] + self.state.tail[slots]
+        y = torch.cat([head, y[..., self.overlap:]], dim=-1)
+        emit = x.shape[-1] * self.stride
+        self.state.tail[slots] = y[..., emit:]
+        out = y[..., :emit]
+        return out if self.conv.bias is None else out + self.conv.bias[:, None]
+
+
+class ResnetBlock(nn.Module):
+    """SEANet residual block: ELU, conv k, ELU, conv 1, plus the input."""
+
+    def __init__(self, config: MimiConfig, dim: int, dilation: int) -> None:
+        super().__init__()
+        hidden = dim // config.compress
+        self.block = nn.ModuleList([
+            nn.ELU(), CausalConv1d(dim, hidden, config.residual_kernel_size, dilation=dilation),
+            nn.ELU(), CausalConv1d(hidden, dim, 1),
+        ])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        residual = x
+        for layer in self.block:
+            x = layer(x)
+        return residual + x
+
+    def step(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        residual = x
+        for layer in self.block:
+            x = layer.step(x, slots) if isinstance(layer, CausalConv1d) else layer(x)
+        return residual + x
+
+
+def _check_shortcut(config: MimiConfig) -> None:
+    if config.use_conv_shortcut:
+        raise NotImplementedError("Mimi with use_conv_shortcut=true is not supported")
+
+
+class SeanetDecoder(nn.Module):
+    """Latents [B, hidden, T] -> audio [B, 1, T * hop_length]."""
+
+    def __init__(self, config: MimiConfig) -> None:
+        super().__init__()
+        _check_shortcut(config)
+        scale = 2 ** len(config.upsampling_ratios)
+        layers: list[nn.Module] = [CausalConv1d(config.hidden_size, scale * config.num_filters,
+                                                config.kernel_size)]
+        for ratio in config.upsampling_ratios:
+            channels = scale * config.num_filters
+            layers += [nn.ELU(), CausalConvTranspose1d(channels, channels // 2, ratio * 2, ratio)]
+            layers += [ResnetBlock(config, channels // 2, config.dilation_growth_rate ** j)
+                       for j in range(config.num_residual_layers)]
+            scale //= 2
+        layers += [nn.ELU(), CausalConv1d(config.num_filters, config.audio_channels,
+                                          config.last_kernel_size)]
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def step(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x) if isinstance(layer, nn.ELU) else layer.step(x, slots)
+        return x
+
+
+class SeanetEncoder(nn.Module):
+    """Audio [B, 1, S] -> latents [B, hidden, ~S / hop_length] (whole sequence only)."""
+
+    def __init__(self, config: MimiConfig) -> None:
+        super().__init__()
+        _check_shortcut(config)
+        layers: list[nn.Module] = [CausalConv1d(config.audio_channels, config.num_filters,
+                                                config.kernel_size)]
+        scale = 1
+        for ratio in reversed(config.upsampling_ratios):
+            channels = scale * config.num_filters
+            layers += [ResnetBlock(config, channels, config.dilation_growth_rate ** j)
+                       for j in range(config.num_residual_layers)]
+            layers += [nn.ELU(), CausalConv1d(channels, channels * 2, ratio * 2, stride=ratio)]
+            scale *= 2
+        layers += [nn.ELU(), CausalConv1d(scale * config.num_filters, config.hidden_size,
+                                          config.last_kernel_size)]
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def streaming_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules under ``module`` that hold per-slot state."""
+    return [m for m in module.modules() if isinstance(m, (CausalConv1d, CausalConvTranspose1d))]

@@ -1,0 +1,90 @@
+"""Batched streaming decode calls, replayed from CUDA graphs where one was captured.
+
+A decode call is (rows, chunk frames T). On CUDA, graphs are captured at start-up for
+the configured (batch bucket, T) shapes, largest first into one memory pool, until the
+count or memory budget is spent; a call whose T has a graph runs in the smallest bucket
+that holds its rows, padded with a spare slot whose state is never read. Any other
+shape runs eagerly through the same ``decode_step``; each such shape is logged once.
+On the CPU everything runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from models.mimi.model import MimiCodec
+
+log = logging.getLogger(__name__)
+
+
+class CodecDecoder:
+    def __init__(self, codec: MimiCodec, max_slots: int, *, buckets: Sequence[int] = (),
+                 chunk_frames: Sequence[int] = (), max_graphs: int = 0, max_graph_mb: float = 0.0) -> None:
+        self.codec = codec
+        self.device = codec.upsample.conv.weight.device
+        self.pad_slot = max_slots  # spare slot for padding rows
+        codec.allocate(max_slots + 1)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
+                                                 torch.Tensor]] = {}
+        self._eager_logged: set[tuple[int, int]] = set()
+        if self.device.type == "cuda" and max_graphs > 0:
+            self._capture(sorted(buckets), sorted(chunk_frames), max_graphs, max_graph_mb)
+
+    @torch.inference_mode()
+    def decode(self, slots: Sequence[int], codes: torch.Tensor) -> torch.Tensor:
+        """slots: n distinct ids; codes: [n, K, T] int64 on the device -> audio [n, T * spf]."""
+        n, _, frames = codes.shape
+        key = self._graph_key(n, frames)
+        if key is None:
+            if (n, frames) not in self._eager_logged and self.graphs:
+                log.info("decode shape (batch %d, %d frames) has no graph: runs eagerly", n, frames)
+                self._eager_logged.add((n, frames))
+            ids = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+            return self.codec.decode_step(ids, codes)
+        graph, slot_buf, codes_buf, out = self.graphs[key]
+        slot_buf.fill_(self.pad_slot)
+        slot_buf[:n].copy_(torch.as_tensor(list(slots), dtype=torch.int64), non_blocking=True)
+        codes_buf[n:].zero_()
+        codes_buf[:n].copy_(codes)
+        graph.replay()
+        return out[:n].clone()
+
+    def _graph_key(self, rows: int, frames: int) -> tuple[int, int] | None:
+        fits = [b for (b, t) in self.graphs if t == frames and b >= rows]
+        return (min(fits), frames) if fits else None
+
+    def _capture(self, buckets: list[int], frames_list: list[int], max_graphs: int, max_mb: float) -> None:
+        pool = None
+        spent_mb = 0.0
+        for frames in reversed(frames_list):
+            for bucket in reversed(buckets):
+                if len(self.graphs) >= max_graphs:
+                    break
+                before = torch.cuda.memory_reserved(self.device)
+                entry, pool = self._capture_one(bucket, frames, pool)
+                spent_mb += (torch.cuda.memory_reserved(self.device) - before) / 2**20
+                if spent_mb > max_mb:
+                    log.warning("codec graph budget (%.0f MB) reached at (batch %d, %d frames)",
+                                max_mb, bucket, frames)
+                    return
+                self.graphs[(bucket, frames)] = entry
+        log.info("captured %d codec graphs (%.0f MB): %s", len(self.graphs), spent_mb, sorted(self.graphs))
+
+    @torch.inference_mode()
+    def _capture_one(self, bucket: int, frames: int, pool):
+        slot_buf = torch.full((bucket,), self.pad_slot, dtype=torch.int64, device=self.device)
+        codes_buf = torch.zeros(bucket, self.codec.num_codebooks, frames, dtype=torch.int64,
+                                device=self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.codec.decode_step(slot_buf, codes_buf)  # warm-up on the spare slot only
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = self.codec.decode_step(slot_buf, codes_buf)
+        self.codec.reset(torch.tensor([self.pad_slot], device=self.device))
+        return (graph, slot_buf, codes_buf, out), graph.pool()
