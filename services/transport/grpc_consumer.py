@@ -18,6 +18,7 @@ from collections import deque
 import grpc
 import numpy as np
 
+from services.transport.heartbeat import Heartbeat
 from services.transport.layout import (
     RECORD_HEADER_BYTES,
     FrameRecord,
@@ -93,7 +94,8 @@ class GrpcConsumer:
         self.name = f"FrameStream {consumer_id} at {address}"
         self.capacity = capacity_bytes
         self.liveness_timeout = liveness_timeout
-        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat = Heartbeat(self._send_heartbeat, interval=heartbeat_interval,
+                                   liveness_timeout=liveness_timeout)
         limit = capacity_bytes + _HEADROOM
         # No BDP probing: the stream window stays at HTTP/2's 64 KiB, so an edge holds at
         # most the producer's outbox + 64 KiB + this inbox (each capacity_bytes) in flight.
@@ -105,7 +107,6 @@ class GrpcConsumer:
         self._inbox = _Inbox(capacity_bytes)
         self._ended: RingError | None = None
         self._last_heard_ns = time.monotonic_ns()  # grace from the start, as for a new ring
-        self._last_tick_ns = 0
         self._closed = False
         stub = frames_pb2_grpc.FrameStreamStub(self._channel)
         self._call = stub.Subscribe(iter(self._requests.get, None))
@@ -141,14 +142,15 @@ class GrpcConsumer:
         while True:
             if self._ended is not None:
                 raise self._ended
-            remaining = self.heartbeat_interval if deadline is None else deadline - time.monotonic()
-            item = self._inbox.get(min(remaining, self.heartbeat_interval))
+            interval = self.heartbeat.interval
+            remaining = interval if deadline is None else deadline - time.monotonic()
+            item = self._inbox.get(min(remaining, interval))
             if isinstance(item, RecordView):
                 return item
             if item is not None:
                 self._ended = item
                 continue
-            self._tick_if_due()
+            self.heartbeat.tick_if_due()
             if not self.producer_alive():
                 raise PeerDead(f"{self.name}: nothing heard for {self.liveness_timeout} s")
             if deadline is not None and time.monotonic() >= deadline:
@@ -180,13 +182,11 @@ class GrpcConsumer:
 
     def tick(self) -> None:
         """Sends the consumer heartbeat on the request stream."""
-        self._last_tick_ns = time.monotonic_ns()
+        self.heartbeat.tick()
+
+    def _send_heartbeat(self, _now: int) -> None:
         if not self._closed:
             self._requests.put(frames_pb2.SubscribeMessage())
-
-    def _tick_if_due(self) -> None:
-        if time.monotonic_ns() - self._last_tick_ns >= self.heartbeat_interval * 1e9:
-            self.tick()
 
     def producer_alive(self, timeout: float | None = None) -> bool:
         """True while a batch (or heartbeat) arrived within ``timeout`` s (default: the
@@ -195,8 +195,7 @@ class GrpcConsumer:
             return False
         if self._inbox.reader_blocked:
             return True
-        limit_ns = (self.liveness_timeout if timeout is None else timeout) * 1e9
-        return time.monotonic_ns() - self._last_heard_ns <= limit_ns
+        return self.heartbeat.fresh(self._last_heard_ns, timeout)
 
     def close(self) -> None:
         """Ends the subscription and the reader thread (bounded). Idempotent."""

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import numpy as np
 
+from services.transport.heartbeat import Heartbeat
 from services.transport.layout import (
     PeerDead,
     RecordTooLarge,
@@ -144,13 +145,13 @@ class GrpcProducer:
         self.consumer_id = consumer_id
         self.capacity = capacity_bytes
         self.liveness_timeout = liveness_timeout
-        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat = Heartbeat(lambda _now: self._outbox.heartbeat(), interval=heartbeat_interval,
+                                   liveness_timeout=liveness_timeout)
         self._outbox = _Outbox(capacity_bytes)
         self._created_ns = time.monotonic_ns()
         self._last_heard_ns = 0  # the consumer's last message, 0 before the first stream
         self._subscription = 0  # grows with each stream; older streams end
         self._connected = False
-        self._last_tick_ns = 0
         self._closed = False
         self._servicer: FrameStreamServicer | None = None  # set by register(); left on close
 
@@ -164,15 +165,16 @@ class GrpcProducer:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self._tick_if_due()
+            self.heartbeat.tick_if_due()
             if not self.consumer_alive():
                 raise PeerDead(f"FrameStream {self.consumer_id}: consumer gone or silent for "
                                f"{self.liveness_timeout} s")
-            remaining = self.heartbeat_interval if deadline is None else deadline - time.monotonic()
+            interval = self.heartbeat.interval
+            remaining = interval if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
                 raise RingFull(f"FrameStream {self.consumer_id}: no room for {size} bytes within "
                                f"{timeout} s ({self._outbox.queued_bytes()} of {self.capacity} queued)")
-            if self._outbox.offer(record, size, min(remaining, self.heartbeat_interval)):
+            if self._outbox.offer(record, size, min(remaining, interval)):
                 return
 
     def try_put(self, codes: np.ndarray | None, *, handle: int, seq: int, first_frame: int = 0,
@@ -196,12 +198,7 @@ class GrpcProducer:
 
     def tick(self) -> None:
         """The producer heartbeat: makes the stream carry (at least) an empty batch."""
-        self._last_tick_ns = time.monotonic_ns()
-        self._outbox.heartbeat()
-
-    def _tick_if_due(self) -> None:
-        if time.monotonic_ns() - self._last_tick_ns >= self.heartbeat_interval * 1e9:
-            self.tick()
+        self.heartbeat.tick()
 
     @property
     def consumer_attached(self) -> bool:
@@ -213,10 +210,9 @@ class GrpcProducer:
         the liveness timeout); before the first subscription, for that long after creation."""
         if self._closed:
             return False
-        limit_ns = (self.liveness_timeout if timeout is None else timeout) * 1e9
         if self._subscription == 0:
-            return time.monotonic_ns() - self._created_ns <= limit_ns
-        return self._connected and time.monotonic_ns() - self._last_heard_ns <= limit_ns
+            return self.heartbeat.fresh(self._created_ns, timeout)
+        return self._connected and self.heartbeat.fresh(self._last_heard_ns, timeout)
 
     def close(self, flush_timeout: float = 1.0) -> None:
         """Sends what is queued and a closed batch (waiting up to ``flush_timeout`` s while

@@ -17,6 +17,7 @@ import time
 
 import posix_ipc
 
+from services.transport.heartbeat import Heartbeat
 from services.transport.layout import (
     ALIGN,
     KNOWN_FLAGS,
@@ -64,7 +65,8 @@ class RingConsumer:
         self.name = name
         self.capacity = len(mapping.data)
         self.liveness_timeout = liveness_timeout
-        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat = Heartbeat(self._store_heartbeat, interval=heartbeat_interval,
+                                   liveness_timeout=liveness_timeout)
         self._map = mapping
         self._ctl = mapping.ctl
         self._sem = sem
@@ -74,7 +76,6 @@ class RingConsumer:
         # Epochs only grow, also across consumer instances of one ring, so the producer's
         # "already posted" memory never matches a new wait.
         self._epoch = time.monotonic_ns()
-        self._last_tick_ns = 0
         self._closed = False
         self._hb_lock = threading.Lock()  # tick() may come from the engine's keeper thread
         self.tick()
@@ -201,9 +202,9 @@ class RingConsumer:
             if view is not None:
                 return view
             now = time.monotonic_ns()
-        heartbeat_ns = int(self.heartbeat_interval * 1e9)
+        heartbeat_ns = int(self.heartbeat.interval * 1e9)
         while True:  # sleep until posted, waking each heartbeat interval to tick and check
-            self._tick_if_due(now)
+            self.heartbeat.tick_if_due(now)
             self._check_producer()
             if deadline is not None and now >= deadline:
                 return None
@@ -240,24 +241,17 @@ class RingConsumer:
         """Stores the consumer heartbeat (engine thread, at least every heartbeat interval;
         during a long step the engine thread's keeper, PROTOCOL.md). Nothing once closed:
         close()'s "gone" mark is never overwritten."""
-        now = time.monotonic_ns()
-        with self._hb_lock:
-            if self._closed:
-                return
-            self._ctl[CONSUMER_HB] = now
-        self._last_tick_ns = now
+        self.heartbeat.tick()
 
-    def _tick_if_due(self, now: int) -> None:
-        if now - self._last_tick_ns >= self.heartbeat_interval * 1e9:
-            self.tick()
+    def _store_heartbeat(self, now: int) -> None:
+        with self._hb_lock:
+            if not self._closed:
+                self._ctl[CONSUMER_HB] = now
 
     def producer_alive(self, timeout: float | None = None) -> bool:
         """True while the producer's heartbeat is at most ``timeout`` s old (default: the
         liveness timeout) and the ring is open."""
-        if self._closed:
-            return False
-        limit_ns = (self.liveness_timeout if timeout is None else timeout) * 1e9
-        return time.monotonic_ns() - self._ctl[PRODUCER_HB] <= limit_ns
+        return not self._closed and self.heartbeat.fresh(self._ctl[PRODUCER_HB], timeout)
 
     def close(self) -> None:
         """Detaches: marks the consumer gone (its heartbeat becomes stale at once) and

@@ -32,6 +32,7 @@ import time
 import numpy as np
 import posix_ipc
 
+from services.transport.heartbeat import Heartbeat
 from services.transport.layout import (
     ALIGN,
     HEADER_BYTES,
@@ -82,14 +83,14 @@ class RingProducer:
         self.wake_name = wake_name
         self.capacity = len(mapping.data)
         self.liveness_timeout = liveness_timeout
-        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat = Heartbeat(self._store_heartbeat, interval=heartbeat_interval,
+                                   liveness_timeout=liveness_timeout)
         self._map = mapping
         self._ctl = mapping.ctl
         self._sem = sem
         self._head = 0
         self._tail = 0  # last tail read from the consumer; re-read only when short of space
         self._posted_epoch = 0
-        self._last_tick_ns = 0
         self._closed = False
         self._hb_lock = threading.Lock()  # tick() may come from the engine's keeper thread
         self._created_ns = self._ctl[CREATED_NS]
@@ -138,7 +139,7 @@ class RingProducer:
         delay = _FULL_BACKOFF_S[0]
         while True:
             now = time.monotonic_ns()
-            self._tick_if_due(now)
+            self.heartbeat.tick_if_due(now)
             if not self.consumer_alive():
                 raise PeerDead(f"{self.name}: consumer heartbeat older than {self.liveness_timeout} s")
             if deadline is not None and now >= deadline:
@@ -238,16 +239,12 @@ class RingProducer:
         """Stores the producer heartbeat (the engine thread calls this at least every
         heartbeat interval, idle or not; during a long step the engine thread's keeper
         does, PROTOCOL.md). Nothing once closed."""
-        now = time.monotonic_ns()
-        with self._hb_lock:
-            if self._closed:
-                return
-            self._ctl[PRODUCER_HB] = now
-        self._last_tick_ns = now
+        self.heartbeat.tick()
 
-    def _tick_if_due(self, now: int) -> None:
-        if now - self._last_tick_ns >= self.heartbeat_interval * 1e9:
-            self.tick()
+    def _store_heartbeat(self, now: int) -> None:
+        with self._hb_lock:
+            if not self._closed:
+                self._ctl[PRODUCER_HB] = now
 
     def consumer_alive(self, timeout: float | None = None) -> bool:
         """True while the consumer's heartbeat is at most ``timeout`` s old (default: the
@@ -255,10 +252,8 @@ class RingProducer:
         creation. False after close()."""
         if self._closed:
             return False
-        limit_ns = (self.liveness_timeout if timeout is None else timeout) * 1e9
         heartbeat = self._ctl[CONSUMER_HB]
-        since = self._created_ns if heartbeat == 0 else heartbeat
-        return time.monotonic_ns() - since <= limit_ns
+        return self.heartbeat.fresh(self._created_ns if heartbeat == 0 else heartbeat, timeout)
 
     def close(self) -> None:
         """Marks the ring closed, wakes the consumer, unlinks both names and unmaps.
