@@ -1,22 +1,19 @@
-"""Shared test fixtures: stage processes started with subprocess on unix sockets or
+"""Shared test fixtures: stage processes (voxring.stack's launcher) on unix sockets or
 free ports, bounded waits, and cleanup of every process a test starts."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+
+from voxring.stack import StageProcess, stop_all
 
 if not torch.cuda.is_available():
     # Triton kernels run under its interpreter on CPU machines; set before anything
@@ -100,85 +97,45 @@ def sock_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@dataclass
-class StageProcess:
-    stage: str
-    proc: subprocess.Popen
-    address: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def terminate(self, timeout: float = 10.0) -> int:
-        """SIGTERM, then the exit code (bounded wait)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=timeout)
-
-
 def stage_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a stage process: no stage config overrides leak in from the
     caller (VOXRING_<STAGE>__...), the test session's model cache is kept."""
     env = {k: v for k, v in os.environ.items() if not (k.startswith("VOXRING_") and "__" in k)}
-    env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
 
 
-def spawn_stage(stage: str, workdir: Path, config_text: str | None = None,
-                env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Starts ``python -m services.<stage>``; its log goes to workdir/<stage>.log."""
-    args = [sys.executable, "-m", f"services.{stage}",
-            "--ready-file", str(workdir / f"{stage}.ready")]
-    if config_text is not None:
-        config = workdir / f"{stage}.yaml"
-        config.write_text(config_text)
-        args += ["--config", str(config)]
-    with open(workdir / f"{stage}.log", "wb") as log:
-        return subprocess.Popen(args, cwd=REPO, env=stage_env(env), stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT)
+class StageGroup:
+    """Stage processes (the one launcher, voxring.stack) started one after another in
+    ``folder``, each ready before the next; :meth:`close` stops them in reverse order
+    (SIGTERM, SIGKILL after a bounded wait) and returns their exit codes (None: killed)."""
 
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.stages: dict[str, StageProcess] = {}
 
-def wait_ready(stage: str, proc: subprocess.Popen, workdir: Path,
-               timeout: float = START_TIMEOUT_S) -> str:
-    """Waits for the stage's ready file; returns its address. Bounded."""
-    ready = workdir / f"{stage}.ready"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if ready.exists():
-            return json.loads(ready.read_text())["address"]
-        if proc.poll() is not None:
-            raise AssertionError(f"{stage} exited with {proc.returncode}:\n"
-                                 f"{(workdir / f'{stage}.log').read_text()}")
-        time.sleep(0.02)
-    raise AssertionError(f"{stage} not ready within {timeout} s:\n"
-                         f"{(workdir / f'{stage}.log').read_text()}")
+    def start(self, stage: str, config_text: str | None = None, env: dict[str, str] | None = None,
+              timeout: float = START_TIMEOUT_S, name: str | None = None) -> StageProcess:
+        proc = StageProcess.in_folder(stage, self.folder, config_text, name=name, env=stage_env(env))
+        self.stages[proc.name] = proc
+        proc.spawn()
+        proc.wait_ready(timeout)
+        return proc
+
+    def __getitem__(self, name: str) -> StageProcess:
+        return self.stages[name]
+
+    def close(self, timeout: float = 20.0) -> dict[str, int | None]:
+        return stop_all(list(self.stages.values()), timeout)
 
 
 @pytest.fixture
 def start_stage(sock_dir):
-    """start_stage(stage, config_text=None, env=None) -> StageProcess; every process
-    started is stopped (SIGTERM, then SIGKILL) when the test ends."""
-    started: list[subprocess.Popen] = []
-
-    def start(stage: str, config_text: str | None = None,
-              env: dict[str, str] | None = None) -> StageProcess:
-        proc = spawn_stage(stage, sock_dir, config_text, env)
-        started.append(proc)
-        address = wait_ready(stage, proc, sock_dir)
-        return StageProcess(stage, proc, address, sock_dir / f"{stage}.log")
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in started:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=5)
+    """start_stage(stage, config_text=None, env=None) -> a ready StageProcess; every
+    process started is stopped when the test ends."""
+    group = StageGroup(sock_dir)
+    yield group.start
+    group.close(timeout=10)
 
 
 def unix_config(sock_dir: Path, stage: str, extra: str = "") -> str:

@@ -1,5 +1,6 @@
-"""The local stack: start gateway, talker and Code2Wav as background processes of a
-voxring checkout, wait until each reports SERVING, and stop them gracefully.
+"""The one stage launcher (:class:`StageProcess`: spawn, ready file, health wait, SIGTERM
+then SIGKILL, logs), used by the CLI, the benchmarks and the tests; and the local stack
+on it: gateway, talker and Code2Wav as background processes of a voxring checkout.
 
 State lives in ``<root>/.voxring/`` by default: ``run/<stage>.pid`` (written by the launcher),
 ``run/<stage>.json`` (written by the stage once serving: address and pid) and
@@ -12,20 +13,184 @@ after importing grpc.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 STAGES = ("talker", "code2wav", "gateway")  # start order; stop order is the reverse
+CHECKOUT = Path(__file__).resolve().parent.parent  # where ``python -m services.<stage>`` runs
 
 
 class StackError(RuntimeError):
     """The stack could not be started or stopped; the message says why."""
+
+
+# --- one stage process ------------------------------------------------------------------
+
+
+class StageProcess:
+    """One stage process this process starts: ``python -m services.<stage> --config FILE
+    --ready-file FILE`` run from the checkout, its output in ``log_file``.
+
+    :meth:`wait_ready` waits for the ready file the stage writes once it is SERVING (its
+    address and metrics), :meth:`wait_serving` asks its gRPC health too, :meth:`stop`
+    sends SIGTERM and SIGKILLs after a bounded wait. Restartable: each :meth:`spawn`
+    removes the last run's ready file (a killed run leaves one behind) and keeps the last
+    run's log as ``<log>.run<N>.log``, or with ``append_log`` appends to one log.
+    ``new_session``: the process outlives this one's terminal (``voxring up``); without
+    it, it stays in this process group, so a kill of the whole command takes it too.
+    ``env``: the whole environment (None: this process's), PYTHONUNBUFFERED set on top.
+    """
+
+    def __init__(self, stage: str, *, ready_file: Path, log_file: Path, config: Path | None = None,
+                 name: str | None = None, env: dict[str, str] | None = None, cwd: Path | None = None,
+                 new_session: bool = False, append_log: bool = False) -> None:
+        self.stage = stage
+        self.name = name or stage
+        self.ready_file = Path(ready_file)
+        self.log_file = Path(log_file)
+        self.config = config
+        self.env = env
+        self.cwd = cwd or CHECKOUT
+        self.new_session = new_session
+        self.append_log = append_log
+        self.proc: subprocess.Popen | None = None
+        self.runs = 0
+        self.info: dict | None = None  # the ready file of this run, once read
+
+    @classmethod
+    def in_folder(cls, stage: str, folder: Path, config_text: str | None = None, *,
+                  name: str | None = None, **options) -> StageProcess:
+        """A stage whose config (``config_text``, when given), ready file and log are
+        ``<name>.yaml``, ``<name>.ready`` and ``<name>.log`` in ``folder``."""
+        name = name or stage
+        config = None
+        if config_text is not None:
+            config = folder / f"{name}.yaml"
+            config.write_text(config_text)
+        return cls(stage, ready_file=folder / f"{name}.ready", log_file=folder / f"{name}.log",
+                   config=config, name=name, **options)
+
+    def spawn(self) -> None:
+        self.ready_file.unlink(missing_ok=True)
+        self.info = None
+        if not self.append_log and self.runs and self.log_file.exists():
+            self.log_file.rename(self.log_file.with_suffix(f".run{self.runs}.log"))
+        args = [sys.executable, "-m", f"services.{self.stage}", "--ready-file", str(self.ready_file)]
+        if self.config is not None:
+            args += ["--config", str(self.config)]
+        env = dict(os.environ if self.env is None else self.env, PYTHONUNBUFFERED="1")
+        with open(self.log_file, "ab" if self.append_log else "wb") as log:
+            self.proc = subprocess.Popen(args, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=self.new_session)
+        self.runs += 1
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise StackError(f"{self.name} was never started")
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ready(self) -> dict | None:
+        """This run's ready file ({stage, address, metrics, pid}), None until written."""
+        if self.info is None:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                self.info = json.loads(self.ready_file.read_text())
+        return self.info
+
+    @property
+    def address(self) -> str:
+        info = self.ready()
+        if info is None:
+            raise StackError(f"{self.name} is not ready")
+        return info["address"]
+
+    def wait_ready(self, timeout: float) -> dict:
+        """Waits (bounded) until the ready file is there; StackError with the log's tail
+        when the process exits first or the time runs out."""
+        deadline = time.monotonic() + timeout
+        while (info := self.ready()) is None:
+            if self.proc is None or self.proc.poll() is not None:
+                code = None if self.proc is None else self.proc.returncode
+                raise StackError(f"{self.name} exited with code {code} while starting:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise StackError(f"{self.name} was not ready within {timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.02)
+        return info
+
+    def wait_serving(self, timeout: float) -> None:
+        """Waits until the stage's address answers SERVING on the standard health service."""
+        wait_serving(self.address, timeout, self.name)
+
+    def send_signal(self, sig: int) -> float:
+        """Sends ``sig`` (nothing once the process was reaped); the monotonic time it was sent."""
+        if self.proc is None:
+            raise StackError(f"{self.name} was never started")
+        sent = time.monotonic()
+        self.proc.send_signal(sig)
+        return sent
+
+    def kill(self) -> float:
+        """SIGKILL and reap; the monotonic time of the kill."""
+        sent = self.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        return sent
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout``; the exit code, None when it had to be
+        killed (or never ran)."""
+        if self.proc is None:
+            return None
+        proc = self.proc
+        if proc.poll() is not None:  # exited and reaped: its pid may be another's by now
+            return proc.returncode
+        graceful = _terminate(proc.pid, timeout, lambda: proc.poll() is None)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        return proc.returncode if graceful else None
+
+    def log(self) -> str:
+        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+
+    def log_tail(self, lines: int = 25) -> str:
+        return _tail(self.log_file, lines)
+
+
+def start_all(stages: list[StageProcess], timeout: float, *, serving: bool = True) -> None:
+    """Spawns every stage (in order), then :func:`wait_all`. The caller stops them
+    (:func:`stop_all`) on failure."""
+    for stage in stages:
+        stage.spawn()
+    wait_all(stages, timeout, serving=serving)
+
+
+def wait_all(stages: list[StageProcess], timeout: float, *, serving: bool = True) -> None:
+    """Waits until each spawned stage is ready and, with ``serving``, answers SERVING,
+    all within ``timeout`` (grpc is imported only now, after every spawn)."""
+    deadline = time.monotonic() + timeout
+    for stage in stages:
+        stage.wait_ready(max(0.1, deadline - time.monotonic()))
+    if serving:
+        for stage in stages:
+            stage.wait_serving(max(0.1, deadline - time.monotonic()))
+
+
+def stop_all(stages: list[StageProcess], timeout: float = 20.0) -> dict[str, int | None]:
+    """Stops the running ones in reverse order (:meth:`StageProcess.stop`); their exit codes."""
+    return {stage.name: stage.stop(timeout) for stage in reversed(stages) if stage.alive()}
+
+
+# --- the local stack (voxring up / down / status) ---------------------------------------
 
 
 @dataclass(frozen=True)
@@ -92,42 +257,19 @@ class Stack:
                 raise StackError(f"missing config {self.config_file(stage)}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        procs = {stage: self._spawn(stage) for stage in STAGES}
+        procs = [StageProcess(stage, ready_file=self.ready_file(stage), log_file=self.log_file(stage),
+                              config=self.config_file(stage), cwd=self.root, new_session=True,
+                              append_log=True)  # survives the launcher and its terminal's Ctrl-C
+                 for stage in STAGES]
         try:
-            return self._wait_serving(procs, time.monotonic() + timeout)
+            for proc in procs:
+                proc.spawn()
+                self.pid_file(proc.stage).write_text(f"{proc.pid}\n")
+            wait_all(procs, timeout)
         except BaseException:
             self.down(timeout=10.0)
             raise
-
-    def _spawn(self, stage: str) -> subprocess.Popen:
-        with contextlib.suppress(FileNotFoundError):
-            self.ready_file(stage).unlink()
-        log = open(self.log_file(stage), "ab")  # noqa: SIM115 - handed to the child
-        with log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", f"services.{stage}",
-                 "--config", str(self.config_file(stage)),
-                 "--ready-file", str(self.ready_file(stage))],
-                cwd=self.root, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                start_new_session=True,  # survives the launcher and its terminal's Ctrl-C
-            )
-        self.pid_file(stage).write_text(f"{proc.pid}\n")
-        return proc
-
-    def _wait_serving(self, procs: dict[str, subprocess.Popen], deadline: float) -> dict[str, str]:
-        addresses: dict[str, str] = {}
-        for stage, proc in procs.items():
-            while (address := self.address(stage)) is None:
-                if proc.poll() is not None:
-                    raise StackError(f"{stage} exited with code {proc.returncode} while "
-                                     f"starting:\n{_tail(self.log_file(stage))}")
-                if time.monotonic() > deadline:
-                    raise StackError(f"{stage} did not start in time; see {self.log_file(stage)}")
-                time.sleep(0.05)
-            addresses[stage] = address
-        for stage, address in addresses.items():
-            wait_serving(address, max(0.1, deadline - time.monotonic()), stage)
-        return addresses
+        return {proc.stage: proc.address for proc in procs}
 
     def down(self, timeout: float = 45.0) -> list[str]:
         """Stops every running stage (gateway first) with SIGTERM, SIGKILL after
@@ -138,7 +280,8 @@ class Stack:
             pid = self.running_pid(stage)
             if pid is not None:
                 stopped.append(stage)
-                if not _terminate(pid, stage, timeout):
+                alive = functools.partial(_is_live_stage, pid, stage)
+                if not _terminate(pid, timeout, alive):
                     killed.append(f"{stage} (pid {pid})")
             for path in (self.pid_file(stage), self.ready_file(stage)):
                 with contextlib.suppress(FileNotFoundError):
@@ -178,13 +321,17 @@ def _is_stage_process(pid: int, stage: str) -> bool:
     return f"services.{stage}".encode() in cmdline
 
 
-def _terminate(pid: int, stage: str, timeout: float) -> bool:
+def _is_live_stage(pid: int, stage: str) -> bool:
+    return _is_stage_process(pid, stage) and not _is_zombie(pid)
+
+
+def _terminate(pid: int, timeout: float, alive: Callable[[], bool]) -> bool:
     """SIGTERM, then SIGKILL after ``timeout``; True when it stopped gracefully."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _is_stage_process(pid, stage) or _is_zombie(pid):
+        if not alive():
             return True
         time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):

@@ -1,7 +1,7 @@
 """Faults and load on the real stack (short versions; `make soak` runs the long ones in
 tests/soak/test_fault_soak.py): two engine pairs behind one gateway, real processes,
 real rings, the tiny model on the CPU. The scenarios and what each asserts are in
-tests/e2e/stack_helpers.py.
+tests/e2e/scenarios_faults.py and scenarios_load.py.
 
 - kill -9 of a talker, of a Code2Wav, of the gateway, with streams in flight: who ends
   how and how fast, what the survivors free, what a restart re-attaches and sweeps;
@@ -27,19 +27,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.stack_helpers import (
-    cancel_storm,
-    format_leaks,
-    healed,
+from tests.e2e.scenarios_faults import (
     kill_code2wav,
     kill_gateway,
     kill_talker,
-    overload_scenario,
-    running_stack,
     sigterm_gateway,
     sigterm_talker,
-    soak_scenario,
 )
+from tests.e2e.scenarios_load import cancel_storm, format_leaks, overload_scenario, soak_scenario
+from tests.e2e.stack import healed, running_stack
 
 # Overload: RSS may not grow more than this after the first round (MB). The first round
 # meets most of the load's shapes (up to 4 rows per pair, chunks of 2-8 frames); RSS

@@ -5,7 +5,6 @@ requests the 127.0.0.1 pair can serve."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import tempfile
@@ -16,7 +15,7 @@ import grpc
 import pytest
 
 from models.tiny.talker import ensure_tiny_checkpoint
-from tests.conftest import spawn_stage, wait_ready
+from tests.conftest import StageGroup
 from voxring.v1 import common_pb2, synthesizer_pb2_grpc
 from voxring.v1 import synthesizer_pb2 as pb
 
@@ -27,40 +26,30 @@ SPF = 1920
 def discovered_stack(model_cache):
     ensure_tiny_checkpoint(root=model_cache / "models")
     d = Path(tempfile.mkdtemp(prefix="vx-disc-", dir="/tmp"))
-    procs = {}
+    stages = StageGroup(d)
     try:
         server = "drain_timeout: 5, grace: 1"
-        procs["talker"] = spawn_stage("talker", d, f"server: {{listen: '127.0.0.1:0', {server}}}\n"
-                                      "engine: {k_max: 4, buckets: [1, 2, 4], max_num_seqs: 4,"
-                                      " max_len: 512}\n")
-        talker = wait_ready("talker", procs["talker"], d, timeout=30)
-        procs["code2wav"] = spawn_stage("code2wav", d, f"server: {{listen: '127.0.0.1:0', {server}}}\n"
-                                        "engine: {max_slots: 8}\n"
-                                        f"talkers: {{attach: [{{id: talker-0, address: '{talker}'}}]}}\n")
-        code2wav = wait_ready("code2wav", procs["code2wav"], d, timeout=30)
+        talker = stages.start("talker", f"server: {{listen: '127.0.0.1:0', {server}}}\n"
+                              "engine: {k_max: 4, buckets: [1, 2, 4], max_num_seqs: 4,"
+                              " max_len: 512}\n", timeout=30).address
+        code2wav = stages.start("code2wav", f"server: {{listen: '127.0.0.1:0', {server}}}\n"
+                                "engine: {max_slots: 8}\n"
+                                f"talkers: {{attach: [{{id: talker-0, address: '{talker}'}}]}}\n",
+                                timeout=30).address
         talker_port, code2wav_port = (int(a.rpartition(":")[2]) for a in (talker, code2wav))
-        procs["gateway"] = spawn_stage(
-            "gateway", d, f"server: {{listen: 'unix:{d}/gateway.sock', {server}}}\n"
+        gateway = stages.start(
+            "gateway", f"server: {{listen: 'unix:{d}/gateway.sock', {server}}}\n"
             f"engines: {{pairs: [], discovery: {{service: localhost, talker_port: {talker_port},"
             f" code2wav_port: {code2wav_port}, refresh_s: 0.5}}}}\n"
             "limits: {default_audio_seconds: 1.0}\n"
-            "metrics: {listen: '127.0.0.1:0'}\n")
-        wait_ready("gateway", procs["gateway"], d, timeout=30)
-        metrics = json.loads((d / "gateway.ready").read_text())["metrics"]
+            "metrics: {listen: '127.0.0.1:0'}\n", timeout=30)
         with grpc.insecure_channel(f"unix:{d}/gateway.sock") as channel:
-            yield {"gateway": synthesizer_pb2_grpc.SynthesizerStub(channel), "metrics": metrics,
-                   "dir": d, "talker_port": talker_port}
+            yield {"gateway": synthesizer_pb2_grpc.SynthesizerStub(channel),
+                   "metrics": gateway.ready()["metrics"], "dir": d, "talker_port": talker_port}
     finally:
-        for proc in reversed(list(procs.values())):
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                assert proc.wait(timeout=20) == 0
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(timeout=5)
+        codes = stages.close()
         shutil.rmtree(d, ignore_errors=True)
+    assert codes == dict.fromkeys(stages.stages, 0), f"not every stage exited 0: {codes}"
 
 
 def test_a_discovered_pair_serves_real_synthesis(discovered_stack):

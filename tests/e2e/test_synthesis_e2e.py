@@ -28,7 +28,7 @@ from models.family import PromptSegment
 from models.mimi.loader import load_codec
 from models.tiny.talker import build_tokenizer, ensure_tiny_checkpoint
 from services.talker.generate import GenerationRequest, Sampling, generate
-from tests.conftest import REPO, spawn_stage, wait_ready
+from tests.conftest import REPO, StageGroup
 from tests.talker_client import wait_for
 from voxring.v1 import (
     code2wav_pb2,
@@ -62,14 +62,12 @@ def stack(model_cache):
                    f"limits: {{default_audio_seconds: 2.0}}\n"
                    f"chunks: {{adaptive: false, first_frames: 2, growth: 2.0, steady_frames: 8}}\n",
     }
-    procs, metrics = {}, {}
+    stages, metrics = StageGroup(d), {}
     try:
         for stage in ("talker", "code2wav", "gateway"):
             config = configs[stage] + "metrics: {listen: '127.0.0.1:0'}\n"
-            procs[stage] = spawn_stage(stage, d, config)
-            wait_ready(stage, procs[stage], d, timeout=30)
-            metrics[stage] = json.loads((d / f"{stage}.ready").read_text())["metrics"]
-        channels = {s: grpc.insecure_channel(f"unix:{d}/{s}.sock") for s in procs}
+            metrics[stage] = stages.start(stage, config, timeout=30).ready()["metrics"]
+        channels = {s: grpc.insecure_channel(f"unix:{d}/{s}.sock") for s in stages.stages}
         yield {"gateway": synthesizer_pb2_grpc.SynthesizerStub(channels["gateway"]),
                "talker": talker_pb2_grpc.TalkerStub(channels["talker"]),
                "code2wav": code2wav_pb2_grpc.Code2WavStub(channels["code2wav"]), "dir": d,
@@ -77,15 +75,9 @@ def stack(model_cache):
         for channel in channels.values():
             channel.close()
     finally:
-        for proc in reversed(list(procs.values())):
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                assert proc.wait(timeout=20) == 0
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
+        codes = stages.close()
         shutil.rmtree(d, ignore_errors=True)
+    assert codes == dict.fromkeys(stages.stages, 0), f"not every stage exited 0: {codes}"
 
 
 class Chunks(list):

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from models.tiny.talker import ensure_tiny_checkpoint
-from tests.conftest import REPO, spawn_stage, stage_env, wait_ready
+from tests.conftest import REPO, StageGroup, stage_env
 from voxring import errors
 from voxring.cli import main as cli_main
 from voxring.client import AsyncClient, Client
@@ -69,25 +69,16 @@ def stack(model_cache):
                    f" code2wav: 'unix:{d}/code2wav.sock'}}]}}\n"
                    f"limits: {{default_audio_seconds: 0.5}}\n",
     }
-    procs = {}
+    stages = StageGroup(d)
     try:
         for stage in ("talker", "code2wav", "gateway"):
-            procs[stage] = spawn_stage(stage, d, configs[stage])
-            address = wait_ready(stage, procs[stage], d, timeout=60)
+            address = stages.start(stage, configs[stage], timeout=60).address
         yield {"address": address, "port": int(address.rpartition(":")[2]), "dir": d,
                "ca": pki["ca"].read_bytes(), "ca_path": pki["ca"], "token_path": d / "token"}
     finally:
-        for proc in reversed(list(procs.values())):
-            proc.terminate()
-        try:
-            for stage, proc in procs.items():
-                assert proc.wait(timeout=20) == 0, f"{stage} did not exit 0"
-        finally:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(timeout=5)
-            shutil.rmtree(d, ignore_errors=True)
+        codes = stages.close()
+        shutil.rmtree(d, ignore_errors=True)
+    assert codes == dict.fromkeys(stages.stages, 0), f"not every stage exited 0: {codes}"
 
 
 def _secure_channel(stack, root_certificates: bytes | None = None) -> grpc.Channel:

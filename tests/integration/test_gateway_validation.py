@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import math
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 
 import grpc
 import pytest
 
-from tests.conftest import spawn_stage, wait_ready
+from tests.conftest import StageGroup
 from voxring.v1 import synthesizer_pb2 as pb
 from voxring.v1 import synthesizer_pb2_grpc
 
@@ -37,19 +36,15 @@ voices:
 def gateway():
     workdir = Path(tempfile.mkdtemp(prefix="vx-gw-", dir="/tmp"))
     (workdir / "voices.yaml").write_text(VOICES)
-    proc = spawn_stage("gateway", workdir, CONFIG % {"dir": workdir})
+    stages = StageGroup(workdir)
     try:
-        address = wait_ready("gateway", proc, workdir)
-        with grpc.insecure_channel(address) as channel:
+        gateway = stages.start("gateway", CONFIG % {"dir": workdir})
+        with grpc.insecure_channel(gateway.address) as channel:
             yield synthesizer_pb2_grpc.SynthesizerStub(channel), workdir
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(timeout=10) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            shutil.rmtree(workdir, ignore_errors=True)
+        codes = stages.close(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert codes == {"gateway": 0}
 
 
 def _call(stub, request, streaming: bool) -> grpc.RpcError | None:

@@ -48,7 +48,7 @@ def test_stage_serves_reflects_and_stops_on_sigterm(stage, start_stage, sock_dir
     sock = sock_dir / f"{stage}.sock"
     assert sock.is_socket() and (sock.stat().st_mode & 0o777) == 0o600
     stopping = time.monotonic()
-    assert svc.terminate(timeout=10) == 0
+    assert svc.stop(timeout=10) == 0
     assert time.monotonic() - stopping < 1 + 2  # grace 1 s + drain_timeout 2 s at most
     log = svc.log()
     assert "SIGTERM received: draining" in log and "stopped after" in log
@@ -62,7 +62,7 @@ def test_gateway_on_a_free_tcp_port(start_stage):
     assert host == "127.0.0.1" and int(port) > 0
     with grpc.insecure_channel(svc.address) as channel:
         assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
-    assert svc.terminate() == 0
+    assert svc.stop(timeout=10) == 0
 
 
 def test_sigint_also_drains_and_exits_zero(start_stage, sock_dir):
@@ -79,7 +79,7 @@ def test_env_override_reaches_the_process(start_stage, sock_dir):
                       env={"VOXRING_CODE2WAV__SERVER__LISTEN": f"unix:{sock_dir}/env.sock",
                            "VOXRING_CODE2WAV__LOGGING__JSON": "true"})
     assert svc.address == f"unix:{sock_dir}/env.sock"
-    assert svc.terminate() == 0
+    assert svc.stop(timeout=10) == 0
     assert '"stage": "code2wav"' in svc.log()  # JSON log lines
 
 

@@ -1,5 +1,5 @@
 """The long versions of tests/e2e/test_faults.py (`make soak`; skipped without
---run-soak): the same two-pair stack and scenarios (tests/e2e/stack_helpers.py), ten
+--run-soak): the same two-pair stack and scenarios (tests/e2e/scenarios_faults.py and scenarios_load.py), ten
 times the requests and repeated faults. Bounded: about 6 minutes on a 2-core machine,
 every wait with a timeout, well under 15 minutes in all.
 
@@ -12,19 +12,15 @@ import time
 
 import pytest
 
-from tests.e2e.stack_helpers import (
-    cancel_storm,
-    format_leaks,
-    healed,
+from tests.e2e.scenarios_faults import (
     kill_code2wav,
     kill_gateway,
     kill_talker,
-    overload_scenario,
-    running_stack,
     sigterm_gateway,
     sigterm_talker,
-    soak_scenario,
 )
+from tests.e2e.scenarios_load import cancel_storm, format_leaks, overload_scenario, soak_scenario
+from tests.e2e.stack import healed, running_stack
 
 pytestmark = pytest.mark.soak
 

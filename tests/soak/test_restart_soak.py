@@ -10,7 +10,7 @@ import threading
 import grpc
 import pytest
 
-from tests.conftest import spawn_stage, unix_config, wait_ready
+from tests.conftest import StageGroup, unix_config
 from voxring.v1 import synthesizer_pb2 as pb
 from voxring.v1 import synthesizer_pb2_grpc
 
@@ -21,9 +21,10 @@ CYCLES = 25
 def test_gateway_restart_loop_with_requests_in_flight(sock_dir):
     config = unix_config(sock_dir, "gateway")
     for cycle in range(CYCLES):
-        proc = spawn_stage("gateway", sock_dir, config)
+        stages = StageGroup(sock_dir)
         try:
-            address = wait_ready("gateway", proc, sock_dir)
+            gateway = stages.start("gateway", config)
+            address = gateway.address
             codes: list[grpc.StatusCode] = []
             answered = threading.Event()
 
@@ -43,14 +44,12 @@ def test_gateway_restart_loop_with_requests_in_flight(sock_dir):
             worker = threading.Thread(target=hammer)
             worker.start()
             assert answered.wait(timeout=10)  # requests are flowing when SIGTERM lands
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=15) == 0, f"cycle {cycle}: exit {proc.returncode}"
+            gateway.send_signal(signal.SIGTERM)
+            assert gateway.proc.wait(timeout=15) == 0, f"cycle {cycle}: exit {gateway.proc.returncode}"
             worker.join(timeout=30)
             assert not worker.is_alive()
             assert set(codes) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE,
                                   grpc.StatusCode.UNAVAILABLE}, codes
             assert not (sock_dir / "gateway.ready").exists()
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=5)
+            stages.close(timeout=5)
