@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import dataclasses
 import logging
 import math
@@ -34,14 +33,6 @@ from services.gateway.voices import VoiceCatalog
 from voxring.v1 import code2wav_pb2, common_pb2, talker_pb2
 from voxring.v1 import synthesizer_pb2 as pb
 
-# The servicer binds each RPC's context here, so its deadline reaches both stages.
-_CURRENT_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("grpc_context")
-
-
-def bind_context(context) -> None:
-    _CURRENT_CONTEXT.set(context)
-
-
 ATTACH_WAIT_S, ATTACH_WAIT_STEPS = 0.1, 20  # up to 2 s for a Code2Wav to attach
 
 STATUS_ERRORS = {grpc.StatusCode.UNAVAILABLE: errors.Unavailable, grpc.StatusCode.INTERNAL: errors.Internal,
@@ -62,6 +53,11 @@ class Started:
 
 
 log = logging.getLogger(__name__)
+
+def _remaining(request: ValidRequest) -> float | None:
+    """Seconds left of the client's deadline (None: no deadline), for the stages' calls."""
+    return None if request.deadline is None else max(request.deadline - time.monotonic(), 0.001)
+
 
 def _stage_error(exc: grpc.aio.AioRpcError, stage: str) -> errors.ServiceError:
     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -203,7 +199,7 @@ class SynthesisPipeline:
         schedule = self._schedule(pair)
         call = pair.code2wav.Open(code2wav_pb2.OpenRequest(
             request_id=request.request_id, talker_id=pair.talker_id, chunk_schedule=schedule,
-            max_frames=max_frames), timeout=self._remaining())
+            max_frames=max_frames), timeout=_remaining(request))
         started = Started(pair, call, 0, seed, time.monotonic())
         try:
             opened = await call.read()
@@ -211,7 +207,7 @@ class SynthesisPipeline:
             await self._submit(pair, talker_pb2.SubmitRequest(
                 request_id=request.request_id, handle=started.handle, consumer_id=pair.consumer_id,
                 segments=segments, sampling=self._sampling(msg, seed), max_frames=max_frames,
-                chunk_schedule=schedule, timeout_s=self._remaining() or 0.0))
+                chunk_schedule=schedule, timeout_s=_remaining(request) or 0.0))
         except grpc.aio.AioRpcError as exc:
             call.cancel()
             raise _stage_error(exc, "engine") from None
@@ -269,12 +265,6 @@ class SynthesisPipeline:
             temperature=pick("temperature"), top_k=pick("top_k"), top_p=pick("top_p"),
             repetition_penalty=pick("repetition_penalty"), repetition_window=pick("repetition_window"),
             seed=seed)
-
-    @staticmethod
-    def _remaining() -> float | None:
-        context = _CURRENT_CONTEXT.get(None)
-        remaining = context.time_remaining() if context is not None else None
-        return max(remaining, 0.001) if remaining is not None else None
 
     def _final(self, request: ValidRequest, started: Started, finished, tail: bytes, out_rate: int,
                first_audio: float | None) -> pb.SynthesizeSpeechResponse:

@@ -7,13 +7,13 @@ domain errors; the server interceptor turns them into status codes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
 from services.common.log import request_id_var
 from services.gateway.config import GatewayConfig
 from services.gateway.inflight import InFlightRequests
-from services.gateway.pipeline import bind_context
 from services.gateway.validation import ValidRequest, validate
 from services.gateway.voices import VoiceCatalog
 from voxring.v1 import synthesizer_pb2 as pb
@@ -37,9 +37,10 @@ class SynthesizerServicer(synthesizer_pb2_grpc.SynthesizerServicer):
         self.in_flight = InFlightRequests()
 
     def _accept(self, request: pb.SynthesizeSpeechRequest, context) -> ValidRequest:
-        valid = validate(request, self._config, self._voices)
+        remaining = context.time_remaining()  # None: the client set no deadline
+        deadline = None if remaining is None else time.monotonic() + remaining
+        valid = validate(request, self._config, self._voices, deadline)  # it reaches both stages
         request_id_var.set(valid.request_id)  # this RPC's task: tags its log lines
-        bind_context(context)  # its deadline reaches both stages
         return valid
 
     async def Synthesize(self, request, context):

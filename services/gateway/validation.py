@@ -31,6 +31,7 @@ class ValidRequest:
     encoding: int          # AudioEncoding, never UNSPECIFIED
     sample_rate_hz: int    # 0: the model's rate
     message: pb.SynthesizeSpeechRequest
+    deadline: float | None = None  # monotonic seconds when the client's deadline passes; None: none
 
 
 def _finite(value: float) -> bool:
@@ -85,9 +86,10 @@ def _check_request_id(req: pb.SynthesizeSpeechRequest, config: GatewayConfig) ->
     return rid
 
 
-def validate(req: pb.SynthesizeSpeechRequest, config: GatewayConfig,
-             voices: VoiceCatalog) -> ValidRequest:
-    """Checks every field of ``req``; raises InvalidArgument naming the first bad one."""
+def validate(req: pb.SynthesizeSpeechRequest, config: GatewayConfig, voices: VoiceCatalog,
+             deadline: float | None = None) -> ValidRequest:
+    """Checks every field of ``req``; raises InvalidArgument naming the first bad one.
+    ``deadline``: the RPC's (monotonic seconds), carried to both stages."""
     if not req.text.strip():
         raise InvalidArgument("text", "must not be empty or only whitespace")
     if len(req.text) > config.text.max_chars:
@@ -106,4 +108,4 @@ def validate(req: pb.SynthesizeSpeechRequest, config: GatewayConfig,
     request_id = _check_request_id(req, config)
     return ValidRequest(request_id=request_id, text=req.text, voice=voice,
                         language_code=language, encoding=encoding,
-                        sample_rate_hz=req.sample_rate_hz, message=req)
+                        sample_rate_hz=req.sample_rate_hz, message=req, deadline=deadline)
