@@ -8,7 +8,7 @@ semaphores left without a ring. A live producer stores its heartbeat at least ev
 unreadable (a producer may be between creating a segment and writing its header), and
 entries of other users are left alone.
 
-Reads go through a read-only mmap with aligned 8-byte loads (see ring_layout), after
+Reads go through a read-only mmap with aligned 8-byte loads (see layout.py), after
 checking the file is large enough, so a short or garbage file cannot fault the reader.
 """
 

@@ -4,9 +4,9 @@ Code2Wav sends int16 little-endian mono chunks at the model's rate. One :class:`
 per request turns each chunk into the bytes of the client's encoding at the client's rate,
 at once, so audio flows chunk by chunk; ``finish()`` returns the rest when the request ends.
 
-    LINEAR_PCM  int16 LE mono                         (audio_pcm.PcmEncoder)
-    WAV         streaming RIFF/WAVE header + PCM      (audio_wav.WavStreamEncoder)
-    OGG_OPUS    Opus in Ogg, 20 ms frames             (audio_ogg.OggOpusEncoder)
+    LINEAR_PCM  int16 LE mono                         (pcm.PcmEncoder)
+    WAV         streaming RIFF/WAVE header + PCM      (wav.WavStreamEncoder)
+    OGG_OPUS    Opus in Ogg, 20 ms frames             (ogg.OggOpusEncoder)
 
 Each includes the stateful resampler when the rates differ. torch-free by design.
 """
