@@ -61,15 +61,15 @@ BENCH_OUT ?= bench/results
 BENCH_PART_S ?= 600
 BENCH_WALL_S ?= 540
 BENCH_ARGS ?=
-BENCH_RUN = timeout -s TERM -k 30 $(BENCH_PART_S) $(BENCH_PY) bench/server_gpu.py --out $(BENCH_OUT) \
+BENCH_RUN = timeout -s TERM -k 30 $(BENCH_PART_S) $(BENCH_PY) -m bench.server --out $(BENCH_OUT) \
 	--max-wall $(BENCH_WALL_S) $(BENCH_ARGS)
 
-# BENCH_LAYOUTS="one two-pairs split" adds the two-GPU layouts (bench/README.md, scale-out).
+# BENCH_LAYOUTS="one two-pairs split" adds the two-GPU layouts (bench/NOTES.md, scale-out).
 BENCH_LAYOUTS ?= one
 
 bench:  ## GPU only: the whole server under load (without, with MPS) and the transformers baseline
 	@$(BENCH_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: make bench \
-	runs on the GPU machine only (bench/README.md); on a CPU: python bench/server_gpu.py --smoke')"
+	runs on the GPU machine only (bench/README.md); on a CPU: python -m bench.server --smoke')"
 	@fail=0; \
 	for layout in $(BENCH_LAYOUTS); do \
 	for mps in off on; do \
@@ -83,7 +83,7 @@ bench:  ## GPU only: the whole server under load (without, with MPS) and the tra
 	done; \
 	echo "==> bench: baseline (transformers generate, talker frame vs its floor)"; \
 	$(BENCH_RUN) --part baseline || { echo "==> bench: baseline ended with exit $$?"; fail=1; }; \
-	$(BENCH_PY) bench/server_gpu.py --part report --out $(BENCH_OUT) > /dev/null; \
+	$(BENCH_PY) -m bench.server --part report --out $(BENCH_OUT) > /dev/null; \
 	echo "==> bench: results, table (server_gpu.md) and plots in $(BENCH_OUT)"; \
 	exit $$fail
 

@@ -6,7 +6,7 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 #
-# and names .whl in the run's `carry`. bench/server_gpu.py passes PYTHONPATH on to the
+# and names .whl in the run's `carry`. python -m bench.server passes PYTHONPATH on to the
 # stages it starts.
 #
 # What the image has (KINDS.md): torch, triton, numpy, grpcio 1.84, PyYAML, safetensors,

@@ -1,4 +1,4 @@
-"""bench/server_gpu.py's orchestration on the CPU (``--smoke``): the three stages on the
+"""bench.server's orchestration on the CPU (``--smoke``): the three stages on the
 tiny model started and found ready, two load tiers through the SDK's load generator,
 Stats and metrics read, JSON and the table written, every stage stopped with SIGTERM
 (exit 0) and nothing left in /dev/shm, once with one engine pair and once with two behind
@@ -17,17 +17,17 @@ import pytest
 
 from tests.conftest import REPO, stage_env
 
-SCRIPT = REPO / "bench" / "server_gpu.py"
+COMMAND = [sys.executable, "-m", "bench.server"]  # from the repository root, as make bench runs it
 RUN_TIMEOUT_S = 120  # a bound, not an expectation: the tiers part takes ~10 s on 2 cores
 
 
 def _run(*args: str, out) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out), *args], cwd=REPO,
+    return subprocess.run([*COMMAND, "--smoke", "--out", str(out), *args], cwd=REPO,
                           env=stage_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
 def _run_dirs() -> set[Path]:
-    return set(Path("/tmp").glob("vxb-*"))  # where server_gpu.py makes them
+    return set(Path("/tmp").glob("vxb-*"))  # where bench.server makes them
 
 
 def test_smoke_tiers(tmp_path):

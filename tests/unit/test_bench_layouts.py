@@ -1,4 +1,4 @@
-"""bench/server_gpu.py's engine layouts: which stages run where and how they are wired
+"""bench.server's engine layouts: which stages run where and how they are wired
 (pure functions; the smoke e2e test starts them)."""
 
 from __future__ import annotations
@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from bench import server_gpu
+from bench.server import BenchError, baseline, gpu, report, settings
 
 
-def _settings(layout: str, smoke: bool = False) -> server_gpu.Settings:
-    return server_gpu.parse_args(["--layout", layout, "--tiers", "1,8", *(["--smoke"] if smoke else [])])
+def _settings(layout: str, smoke: bool = False) -> settings.Settings:
+    return settings.parse_args(["--layout", layout, "--tiers", "1,8", *(["--smoke"] if smoke else [])])
 
 
 def test_layout_stages():
     def placed(layout):
-        return [(s.name, s.kind, s.pair, s.gpu) for s in server_gpu.layout_stages(layout)]
+        return [(s.name, s.kind, s.pair, s.gpu) for s in settings.layout_stages(layout)]
 
     assert placed("one") == [("talker", "talker", 0, 0), ("code2wav", "code2wav", 0, 0),
                              ("gateway", "gateway", None, None)]
@@ -25,9 +25,9 @@ def test_layout_stages():
     assert placed("two-pairs") == [("talker", "talker", 0, 0), ("code2wav", "code2wav", 0, 0),
                                    ("talker-1", "talker", 1, 1), ("code2wav-1", "code2wav", 1, 1),
                                    ("gateway", "gateway", None, None)]
-    assert [server_gpu.layout_gpus(x) for x in ("one", "split", "two-pairs")] == [1, 2, 2]
+    assert [settings.layout_gpus(x) for x in ("one", "split", "two-pairs")] == [1, 2, 2]
     with pytest.raises(ValueError, match="layout"):
-        server_gpu.layout_stages("three")
+        settings.layout_stages("three")
 
 
 def test_modes_name_the_layout():
@@ -38,7 +38,7 @@ def test_modes_name_the_layout():
 
 def test_two_pairs_configs_wire_each_code2wav_to_its_talker(tmp_path: Path):
     s = _settings("two-pairs")
-    configs = server_gpu.stage_configs(s, tmp_path, None)
+    configs = settings.stage_configs(s, tmp_path, None)
     assert list(configs) == ["talker", "code2wav", "talker-1", "code2wav-1", "gateway"]
     listen = {name: c["server"]["listen"] for name, c in configs.items()}
     assert len(set(listen.values())) == 5
@@ -51,17 +51,17 @@ def test_two_pairs_configs_wire_each_code2wav_to_its_talker(tmp_path: Path):
          "consumer_id": "code2wav-1"}]
     for name in ("talker", "talker-1"):  # each engine sized for the whole top tier
         assert configs[name]["engine"]["max_num_seqs"] == 8
-    assert server_gpu.fingerprint(configs, s, None) != server_gpu.fingerprint(
-        server_gpu.stage_configs(_settings("one"), tmp_path, None), _settings("one"), None)
+    assert settings.fingerprint(configs, s, None) != settings.fingerprint(
+        settings.stage_configs(_settings("one"), tmp_path, None), _settings("one"), None)
 
 
 def test_physical_gpus_follow_cuda_visible_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    assert server_gpu.physical_gpus(2) == ["3", "5"]
-    assert server_gpu.physical_gpus(1) == ["3"]
+    assert gpu.physical_gpus(2) == ["3", "5"]
+    assert gpu.physical_gpus(1) == ["3"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
-    with pytest.raises(server_gpu.BenchError, match="needs 2 GPUs; this machine has 1"):
-        server_gpu.physical_gpus(2)
+    with pytest.raises(BenchError, match="needs 2 GPUs; this machine has 1"):
+        gpu.physical_gpus(2)
 
 
 def test_scale_out_table_compares_with_the_one_pair_run():
@@ -76,7 +76,7 @@ def test_scale_out_table_compares_with_the_one_pair_run():
         "two-pairs-mps-off": {"layout": "two-pairs", "gpus_used": 2, "realtime_streams": 16,
                               "tiers": {"8": tier(8, 110.0, True, 35.0), "16": tier(16, 200.0, True, 45.0)}},
     }
-    text = "\n".join(server_gpu.scale_out_tables(runs))
+    text = "\n".join(report.scale_out_tables(runs))
     assert "**16** against **8** (2.00x)" in text
     assert "| 16 | 150.0 | 200.0 | 1.33x | no / yes | 0.0100 | 2.50 |" in text
     # equal load per GPU: one pair's C=8 against two pairs' C=16 (not their C=8)
@@ -94,14 +94,14 @@ def test_the_baseline_ties_the_audio_embedding_where_transformers_does_not(tmp_p
     model = transformers.CsmForConditionalGeneration.from_pretrained(write_tiny_checkpoint(tmp_path / "tiny"))
     alias = "backbone_model.embed_tokens.embed_audio_tokens.weight"
     stored = model.get_parameter("depth_decoder.model.embed_tokens.weight")
-    assert server_gpu._tie_audio_embeddings(model) == []  # this version already shares it
+    assert baseline._tie_audio_embeddings(model) == []  # this version already shares it
     model.backbone_model.embed_tokens.embed_audio_tokens.weight = torch.nn.Parameter(torch.randn_like(stored))
-    assert server_gpu._tie_audio_embeddings(model) == [alias]
+    assert baseline._tie_audio_embeddings(model) == [alias]
     assert model.get_parameter(alias) is stored
 
 
 def test_clean_through_stops_at_the_first_tier_that_is_not_clean():
     tiers = {"1": {"clean": True}, "8": {"clean": True}, "32": {"clean": False}, "128": {"clean": True}}
-    assert server_gpu.clean_through(tiers) == 8  # the highest clean tier (128) is reported apart
-    assert server_gpu.clean_through({"1": {"clean": False}, "8": {"clean": True}}) == 0
-    assert server_gpu.clean_through({}) == 0
+    assert report.clean_through(tiers) == 8  # the highest clean tier (128) is reported apart
+    assert report.clean_through({"1": {"clean": False}, "8": {"clean": True}}) == 0
+    assert report.clean_through({}) == 0

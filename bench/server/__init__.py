@@ -1,0 +1,88 @@
+"""The whole server under load on one GPU (or two), beside transformers. GPU only (``--smoke``: CPU).
+
+    python -m bench.server --part tiers --mps off [--max-wall 540] [--out bench/results]
+    python -m bench.server --part tiers --mps on  [--max-wall 540]
+    python -m bench.server --part tiers --layout two-pairs|split [--mps off|on]   # 2 GPUs
+    python -m bench.server --part baseline        [--max-wall 540]
+    python -m bench.server --part report          # table and plots from the JSON there
+    python -m bench.server --smoke [--out DIR]    # CPU: the orchestration, tiny model
+
+``--part tiers`` writes a random-weight checkpoint with the real csm-1b + Mimi shapes in
+bf16 (bench/full_checkpoint.py; reused from the temporary folder by later parts on the same
+machine), starts the real gateway, talker and Code2Wav as three processes on the GPU
+(unix sockets in a private folder, metrics on free ports), waits until each is ready
+(model load and CUDA graph capture, bounded by ``--start-timeout``) and drives the
+gateway with the SDK's load generator (voxring/loadgen.py) at each concurrency tier:
+``--requests-per-stream`` x C requests of one fixed prompt, every one capped at
+``--audio-seconds`` of audio by the gateway's limits (random weights practically never
+emit the stop frame, so each request runs to that cap), the tier itself capped at
+``--tier-max-s``. ``--mps on`` runs the same with the NVIDIA MPS control daemon started
+for the run (stopped again in every case); when it cannot start, the run says so and
+goes on without it.
+
+``--layout`` places the engines (each stage's ``CUDA_VISIBLE_DEVICES``): ``one`` (the
+default) is one engine pair on GPU 0; ``two-pairs`` is one pair per GPU on two GPUs, with
+one gateway spreading streams over both (least loaded first); ``split`` is one pair with
+the talker on GPU 0 and Code2Wav on GPU 1, so their kernels never share a GPU. Every
+engine is sized for the top tier. The result file of a layout other than ``one`` is
+prefixed with its name (``server_gpu_tiers_two-pairs-mps-off.json``), and the report adds
+a scale-out table (audio-s/s and real-time streams against the one-pair run, time to first
+audio at equal load per GPU, the gateway's CPU per stream) when those runs are there.
+
+Per tier, from the load generator (client side): admitted vs rejected, time to first
+audio p50/p90/p99, inter-chunk gap p99, underruns (a real-time player's stalls), audio
+seconds per second, and RTF = C / (audio-s per s): wall seconds per second of audio that
+each of the C streams received (< 1: faster than real time). From the talker (Stats RPC
+and its Prometheus counters, read before and after the tier while it is idle): frames/s,
+engine steps, wall ms per step (tier time / steps: it includes any idle time), mean K
+(frames per step) and mean rows per step. From Code2Wav (Stats and counters): chunks/s,
+audio-s/s, ring sequence gaps. From the gateway's metrics: server-side mean time to first
+audio. CPU use of each stage and of this process (the load generator) over the tier, and
+GPU memory (``nvidia-smi --query-gpu=memory.used``, sampled each second, the peak).
+"Real-time streams per GPU" is the highest tier in which every request was admitted and
+completed with zero underruns (no errors, not cut by the time cap).
+
+``--part baseline``: transformers' ``CsmForConditionalGeneration.generate`` on the same
+checkpoint (bf16, greedy for both the backbone and the depth decoder, fixed
+``max_new_tokens``) in frames per second at batch 1 and 8; and voxring's talker frame at
+B=1 and 8 (the runner's CUDA graph, CUDA events) next to its weight-read floor
+(bench/talker_gpu.py: backbone bytes + 31 depth steps x (depth layers + projector + one head
+slice), over the measured copy bandwidth).
+
+Every part writes its JSON after each measurement (a killed run keeps what it measured),
+then the markdown table and the PNG plots of everything in ``--out``. A tier already
+measured by an earlier run with the same configuration is skipped (``--fresh`` redoes
+it), so a part cut by ``--max-wall`` is finished by running it again.
+"""
+
+# The package, one module per concern (each imports only those above it):
+#   settings  the command line, the layouts, each stage's config, the configuration's fingerprint
+#   gpu       the GPU host: nvidia-smi queries, the memory sampler, the MPS control daemon
+#   procs     the stage processes (Server): start, ready-wait, stop; stale runs reaped, /dev/shm
+#   probes    what the stages report: Stats, /metrics, snapshots, a tier's engine numbers
+#   report    the result files: their header, atomic JSON writes, the markdown table, the plots
+#   tiers     the load, one record per tier, ``--part tiers``
+#   baseline  ``--part baseline``: voxring's talker frame, transformers' generate
+#   __main__  ``python -m bench.server``: parses, runs one part, prints the report
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+
+class BenchError(RuntimeError):
+    """The run cannot go on; the message says why."""
+
+
+def log(message: str) -> None:
+    print(f"[server_gpu {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    """The last ``lines`` lines of a stage's or the MPS daemon's log ("" when there is none)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return ""

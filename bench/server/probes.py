@@ -1,0 +1,206 @@
+"""What the stages report: each engine's Stats (gRPC) and each stage's /metrics, taken as
+snapshots while the engines are idle, and a tier's numbers from two snapshots (counter
+differences over the window: frames, steps, mean K, the talker step's split, chunks,
+CPU per stage, the gateway's time to first audio)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from bench.server.procs import Server
+
+
+def scrape(address: str | None) -> dict[str, float]:
+    """Unlabelled samples of a stage's /metrics (name -> value); {} when off or unreachable."""
+    if not address:
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or "{" in line:
+            continue
+        name, _, value = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            out[name] = float(value.split()[0])
+    return out
+
+
+def engine_stats(server: Server) -> dict:
+    """Every talker's and Code2Wav's Stats, by stage name (each call also restarts that
+    stage's rate window)."""
+    import grpc
+
+    from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc, talker_pb2, talker_pb2_grpc
+
+    out = {}
+    for name in server.names("talker"):
+        with grpc.insecure_channel(server.procs[name].address) as channel:
+            reply = talker_pb2_grpc.TalkerStub(channel).Stats(talker_pb2.TalkerStatsRequest(), timeout=10)
+        out[name] = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
+    for name in server.names("code2wav"):
+        with grpc.insecure_channel(server.procs[name].address) as channel:
+            reply = code2wav_pb2_grpc.Code2WavStub(channel).Stats(code2wav_pb2.Code2WavStatsRequest(),
+                                                                   timeout=10)
+        out[name] = {f.name: getattr(reply, f.name) for f in reply.DESCRIPTOR.fields}
+    return out
+
+
+@dataclass
+class Snapshot:
+    at: float
+    stats: dict
+    metrics: dict[str, dict[str, float]]
+    cpu: dict[str, float | None]
+    talkers: list[str]
+    code2wavs: list[str]
+
+
+def snapshot(server: Server) -> Snapshot:
+    stats = engine_stats(server)
+    metrics = {stage: scrape(server.procs[stage].metrics) for stage in server.procs}
+    return Snapshot(time.monotonic(), stats, metrics, server.cpu_seconds(), server.names("talker"),
+                    server.names("code2wav"))
+
+
+def wait_idle(server: Server, timeout: float) -> bool:
+    """True once every talker runs and queues nothing and no Code2Wav has an open slot."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = engine_stats(server)
+        if all(stats[t]["running"] == 0 and stats[t]["waiting"] == 0 for t in server.names("talker")) and all(
+                stats[c]["active_slots"] == 0 for c in server.names("code2wav")):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _counter(metrics: dict[str, float], name: str) -> float | None:
+    for key in (f"voxring_{name}_total", f"voxring_{name}"):
+        if key in metrics:
+            return metrics[key]
+    return None
+
+
+def _delta(before: Snapshot, after: Snapshot, stage: str, name: str) -> float | None:
+    a, b = _counter(before.metrics[stage], name), _counter(after.metrics[stage], name)
+    return None if a is None or b is None else b - a
+
+
+def _sum(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else sum(values)
+
+
+def _talker_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -> dict:
+    window = after.at - before.at
+    frames, steps = _delta(before, after, name, "frames"), _delta(before, after, name, "steps")
+    k0, k1 = before.stats[name]["mean_frames_per_step"], after.stats[name]["mean_frames_per_step"]
+    s0, s1 = _counter(before.metrics[name], "steps"), _counter(after.metrics[name], "steps")
+    talker = {"window_s": round(window, 3), "frames": frames, "steps": steps,
+              "frames_per_s_stats": round(rates[name]["frames_per_s"], 1),
+              "steps_per_s_stats": round(rates[name]["steps_per_s"], 2)}
+    if steps == 0:
+        talker["step_frames"] = 0.0  # an engine the router sent nothing in this tier
+    if frames is not None and steps:
+        # mean K over this tier: the cumulative mean times the cumulative steps, differenced
+        step_frames = k1 * s1 - k0 * s0
+        talker.update({"frames_per_s": round(frames / window, 1),
+                       "step_ms": round(window * 1e3 / steps, 2),
+                       "mean_k": round(step_frames / steps, 2),
+                       "step_frames": step_frames,
+                       "mean_rows_per_step": round(frames / step_frames, 1) if step_frames else None})
+        split = step_split(before, after, name, window, steps)
+        if split:
+            talker["step_split_ms"] = split
+    return talker
+
+
+STEP_PARTS = ("schedule", "prefill", "decode", "emit")
+
+
+def step_split(before: Snapshot, after: Snapshot, name: str, window: float, steps: float) -> dict | None:
+    """Where a talker step's time went over the tier, in ms per decode step: the engine's own
+    seconds counters (planning, prefill, the runner's decode, records), and ``other``, the rest of
+    the window (commands, housekeeping, waiting for work). None for a talker without them."""
+    parts = {part: _delta(before, after, name, f"step_{part}_seconds") for part in STEP_PARTS}
+    if any(v is None for v in parts.values()):
+        return None
+    split = {part: round(seconds * 1e3 / steps, 2) for part, seconds in parts.items()}
+    split["other"] = round((window - sum(parts.values())) * 1e3 / steps, 2)
+    return split
+
+
+def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -> dict:
+    window = after.at - before.at
+    c2w = after.stats[name]
+    chunks = _delta(before, after, name, "chunks")
+    audio = _delta(before, after, name, "audio_seconds")
+    return {"chunks_per_s_stats": round(rates[name]["chunks_per_s"], 1),
+            "audio_s_per_s_stats": round(rates[name]["audio_seconds_per_s"], 1),
+            "chunks": chunks, "audio_seconds": audio,
+            "chunks_per_s": round(chunks / window, 1) if chunks is not None else None,
+            "sequence_gaps": c2w["sequence_gaps"], "duplicate_records": c2w["duplicate_records"],
+            "dropped_records": c2w["dropped_records"]}
+
+
+def engine_numbers(before: Snapshot, after: Snapshot, rates: dict, concurrency: int) -> dict:
+    """A tier's engine numbers: counter differences over the window between the two idle
+    snapshots; ``rates``: the Stats read as the load ended (their window began at ``before``).
+    With several engine pairs, ``talker`` and ``code2wav`` hold the totals (step time and K
+    averaged over the talkers' steps) and ``per_engine`` each stage's own numbers."""
+    window = after.at - before.at
+    talkers = {n: _talker_numbers(before, after, rates, n) for n in after.talkers}
+    code2wavs = {n: _code2wav_numbers(before, after, rates, n) for n in after.code2wavs}
+    if len(talkers) == 1:
+        talker = next(iter(talkers.values()))
+        talker.pop("step_frames", None)
+    else:
+        parts = list(talkers.values())
+        frames, steps = _sum([t["frames"] for t in parts]), _sum([t["steps"] for t in parts])
+        talker = {"window_s": round(window, 3), "frames": frames, "steps": steps,
+                  "frames_per_s_stats": round(sum(t["frames_per_s_stats"] for t in parts), 1),
+                  "steps_per_s_stats": round(sum(t["steps_per_s_stats"] for t in parts), 2)}
+        step_frames = _sum([t.get("step_frames") for t in parts])
+        if frames is not None and steps and step_frames is not None:
+            talker.update({"frames_per_s": round(frames / window, 1),
+                           "step_ms": round(window * 1e3 * len(parts) / steps, 2),  # mean over talkers
+                           "mean_k": round(step_frames / steps, 2),
+                           "mean_rows_per_step": round(frames / step_frames, 1) if step_frames else None})
+        for t in parts:
+            t.pop("step_frames", None)
+    if len(code2wavs) == 1:
+        code2wav = next(iter(code2wavs.values()))
+    else:
+        parts = list(code2wavs.values())
+        chunks = _sum([c["chunks"] for c in parts])
+        code2wav = {key: round(sum(c[key] for c in parts), 1)
+                    for key in ("chunks_per_s_stats", "audio_s_per_s_stats")}
+        code2wav.update({"chunks": chunks, "audio_seconds": _sum([c["audio_seconds"] for c in parts]),
+                         "chunks_per_s": round(chunks / window, 1) if chunks is not None else None})
+        code2wav.update({key: sum(c[key] for c in parts)
+                         for key in ("sequence_gaps", "duplicate_records", "dropped_records")})
+    ttfa_sum = _delta(before, after, "gateway", "time_to_first_audio_seconds_sum")
+    ttfa_n = _delta(before, after, "gateway", "time_to_first_audio_seconds_count")
+    cpu = {stage: (round((after.cpu[stage] - before.cpu[stage]) / window, 2)
+                   if after.cpu.get(stage) is not None and before.cpu.get(stage) is not None else None)
+           for stage in after.cpu}
+    gateway = {"server_ttfa_mean_ms": round(ttfa_sum / ttfa_n * 1e3, 1) if ttfa_n else None}
+    # Whether the gateway (one process, one event loop) could be what limits a tier: its CPU
+    # per stream, and per second of audio it forwarded (Code2Wav's audio over the window).
+    g0, g1 = before.cpu.get("gateway"), after.cpu.get("gateway")
+    gateway_cpu_s = g1 - g0 if g0 is not None and g1 is not None else None
+    if gateway_cpu_s is not None:
+        gateway["cpu_cores"] = cpu["gateway"]
+        gateway["cpu_cores_per_stream"] = round(gateway_cpu_s / window / concurrency, 4)
+        if code2wav.get("audio_seconds"):
+            gateway["cpu_ms_per_audio_s"] = round(gateway_cpu_s * 1e3 / code2wav["audio_seconds"], 2)
+    out = {"talker": talker, "code2wav": code2wav, "gateway": gateway, "cpu_cores_busy": cpu}
+    if len(talkers) > 1 or len(code2wavs) > 1:
+        out["per_engine"] = {**talkers, **code2wavs}
+    return out

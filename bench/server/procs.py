@@ -1,0 +1,208 @@
+"""The stage processes of a run: ``Server`` starts them (``python -m services.<kind>``, one
+config each), waits until each is ready and serving, and stops them; the pids of running
+stages are recorded so that a killed run's stages are reaped by the next one; what the ring
+segments leave in /dev/shm is listed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.server import BenchError, log, log_tail
+from bench.server.settings import REPO, STATE_DIR, StageSpec
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIXES = ("voxring-", "sem.voxring-")  # ring segments and their wake-up semaphores
+
+
+@dataclass
+class StageProc:
+    spec: StageSpec
+    proc: subprocess.Popen
+    log_path: Path
+    ready_path: Path
+    address: str | None = None
+    metrics: str | None = None
+
+
+def child_env(extra: dict[str, str], smoke: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(REPO) not in paths:
+        paths.append(str(REPO))  # after /tmp/site (the carried wheels) when that is set
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    if smoke:
+        env.setdefault("OMP_NUM_THREADS", "1")  # three torch processes on a small CPU machine
+    env.update(extra)
+    return env
+
+
+class Server:
+    """The stage processes of one run (``specs``, in start order). They stay in this
+    process's group (no new session), so a kill of the whole command takes them too;
+    ``stop()`` (always called) sends SIGTERM in reverse order and waits, bounded, then
+    SIGKILL. ``gpus``: the CUDA_VISIBLE_DEVICES id of each of the layout's GPUs (None: the
+    stages inherit this process's, as on the CPU)."""
+
+    def __init__(self, run_dir: Path, specs: list[StageSpec], configs: dict[str, dict], env: dict[str, str],
+                 gpus: list[str] | None = None) -> None:
+        self.run_dir = run_dir
+        self.specs = specs
+        self.configs = configs
+        self.env = env
+        self.gpus = gpus
+        self.procs: dict[str, StageProc] = {}
+        self.exit_codes: dict[str, int | None] = {}
+        self._log_offsets: dict[str, int] = {}
+
+    def names(self, kind: str) -> list[str]:
+        return [spec.name for spec in self.specs if spec.kind == kind]
+
+    def _env(self, spec: StageSpec) -> dict[str, str]:
+        if self.gpus is None or spec.gpu is None:
+            return self.env
+        return {**self.env, "CUDA_VISIBLE_DEVICES": self.gpus[spec.gpu]}
+
+    def start(self, timeout: float) -> None:
+        import yaml
+
+        for spec in self.specs:
+            stage = spec.name
+            config = self.run_dir / f"{stage}.yaml"
+            config.write_text(yaml.safe_dump(self.configs[stage], sort_keys=False))
+            ready, log_path = self.run_dir / f"{stage}.ready", self.run_dir / f"{stage}.log"
+            with open(log_path, "wb") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", f"services.{spec.kind}", "--config", str(config),
+                     "--ready-file", str(ready)],
+                    cwd=REPO, env=self._env(spec), stdin=subprocess.DEVNULL, stdout=out,
+                    stderr=subprocess.STDOUT)
+            self.procs[stage] = StageProc(spec, proc, log_path, ready)
+        _record_pids({s: (p.spec.kind, p.proc.pid) for s, p in self.procs.items()}, self.run_dir)
+        deadline = time.monotonic() + timeout
+        pending = [spec.name for spec in self.specs]
+        while pending:
+            for stage in list(pending):
+                sp = self.procs[stage]
+                if sp.ready_path.exists():
+                    info = json.loads(sp.ready_path.read_text())
+                    sp.address, sp.metrics = info["address"], info.get("metrics")
+                    pending.remove(stage)
+                    log(f"{stage} ready at {sp.address} (metrics {sp.metrics}) after "
+                        f"{timeout - (deadline - time.monotonic()):.1f} s")
+                elif sp.proc.poll() is not None:
+                    raise BenchError(f"{stage} exited with code {sp.proc.returncode} while starting:\n"
+                                     f"{log_tail(sp.log_path)}")
+            if pending and time.monotonic() > deadline:
+                raise BenchError(f"{', '.join(pending)} not ready within {timeout:.0f} s:\n" + "\n".join(
+                    f"--- {s}\n{log_tail(self.procs[s].log_path)}" for s in pending))
+            time.sleep(0.1)
+        from voxring.stack import StackError, wait_serving  # grpc only now: every process is spawned
+
+        for stage in self.procs:
+            try:
+                wait_serving(self.procs[stage].address, max(1.0, deadline - time.monotonic()), stage)
+            except StackError as exc:
+                raise BenchError(f"{exc}\n{log_tail(self.procs[stage].log_path)}") from None
+
+    def new_warnings(self, limit: int = 8) -> dict[str, dict]:
+        """Each stage's WARNING and ERROR log lines written since the last call: how many,
+        and the last ``limit`` of them (what a tier's errors or slow steps came from)."""
+        out = {}
+        offsets = self._log_offsets
+        for stage, sp in self.procs.items():
+            try:
+                with open(sp.log_path, "rb") as f:
+                    f.seek(offsets.get(stage, 0))
+                    text = f.read().decode(errors="replace")
+                    offsets[stage] = f.tell()
+            except OSError:
+                continue
+            lines = [line for line in text.splitlines() if " WARNING " in line or " ERROR " in line]
+            if lines:
+                out[stage] = {"count": len(lines), "last": lines[-limit:]}
+        return out
+
+    def dead(self) -> list[str]:
+        return [f"{s} (exit {p.proc.returncode})" for s, p in self.procs.items() if p.proc.poll() is not None]
+
+    def stop(self, timeout: float = 20.0) -> dict[str, int | None]:
+        for spec in reversed(self.specs):
+            stage = spec.name
+            sp = self.procs.get(stage)
+            if sp is None:
+                continue
+            if sp.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    sp.proc.send_signal(signal.SIGTERM)
+                try:
+                    sp.proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    log(f"{stage} did not stop within {timeout:.0f} s of SIGTERM: SIGKILL")
+                    sp.proc.kill()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        sp.proc.wait(timeout=10)
+            self.exit_codes[stage] = sp.proc.returncode
+        _record_pids({}, None)
+        return self.exit_codes
+
+    def cpu_seconds(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = {s: _proc_cpu_s(p.proc.pid) for s, p in self.procs.items()}
+        times = os.times()
+        out["harness"] = times.user + times.system  # the load generator runs in this process
+        return out
+
+
+def _proc_cpu_s(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _record_pids(pids: dict[str, tuple[str, int]], run_dir: Path | None) -> None:
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    path = STATE_DIR / "stages.json"
+    if pids:
+        path.write_text(json.dumps({"pids": pids, "run_dir": str(run_dir)}))
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def reap_stale() -> None:
+    """Stops the stages an earlier, killed run of this script left running (their pids
+    were recorded; each is checked to still be that stage of that run before SIGKILL)."""
+    path = STATE_DIR / "stages.json"
+    try:
+        state = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return
+    for stage, entry in state.get("pids", {}).items():
+        kind, pid = entry if isinstance(entry, list) else (stage, entry)  # older runs: name == kind
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"services.{kind}".encode() in cmdline and any(
+                state["run_dir"].encode() in arg for arg in cmdline):
+            log(f"stopping {stage} (pid {pid}) left by an earlier run")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    path.unlink()
+
+
+def shm_entries() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIXES)}
+    except FileNotFoundError:
+        return set()

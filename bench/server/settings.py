@@ -1,0 +1,250 @@
+"""What one run is: the command line (``Settings``), where the engines run (the layouts),
+each stage's config, and the fingerprint that says whether earlier tiers can be reused."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import bench.server
+
+USAGE = bench.server.__doc__  # the package docstring: what --help prints
+REPO = Path(__file__).resolve().parents[2]
+
+TIERS = (1, 8, 32, 64, 128, 256, 512, 1024)
+SMOKE_TIERS = (1, 2)
+# One fixed prompt for every request (the load generator sends one text): ~85 prompt tokens.
+PROMPT = "The quick brown fox jumps over the lazy dog while seven birds sing near the old stone bridge."
+STAGE_KINDS = ("talker", "code2wav", "gateway")
+# Where the engines run. Stage names: pair 0's are "talker" and "code2wav", pair i's
+# "talker-i" and "code2wav-i"; start order is the list's, stop order the reverse.
+LAYOUTS = {
+    "one": "one engine pair on GPU 0 (talker and Code2Wav share the GPU)",
+    "two-pairs": "two engine pairs, one per GPU (the gateway spreads streams over them)",
+    "split": "one pair over two GPUs: talker on GPU 0, Code2Wav on GPU 1 (no sharing)",
+}
+STOP_MARGIN_S = 45.0       # wall time kept for stopping the stages and writing the results
+STATE_DIR = Path(tempfile.gettempdir()) / "voxring-bench-state"  # pids of the running stages, MPS dirs
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str          # talker, code2wav, talker-1, code2wav-1, gateway
+    kind: str          # one of STAGE_KINDS
+    pair: int | None   # the engine pair it belongs to (None: the gateway)
+    gpu: int | None    # which of the layout's GPUs it runs on (None: no GPU)
+
+
+def layout_stages(layout: str) -> list[StageSpec]:
+    """The stages of a layout in start order (each pair's talker before its Code2Wav, which
+    attaches to it; the gateway last)."""
+    def pair(i: int, talker_gpu: int, code2wav_gpu: int) -> list[StageSpec]:
+        suffix = "" if i == 0 else f"-{i}"
+        return [StageSpec(f"talker{suffix}", "talker", i, talker_gpu),
+                StageSpec(f"code2wav{suffix}", "code2wav", i, code2wav_gpu)]
+
+    if layout == "one":
+        engines = pair(0, 0, 0)
+    elif layout == "two-pairs":
+        engines = pair(0, 0, 0) + pair(1, 1, 1)
+    elif layout == "split":
+        engines = pair(0, 0, 1)
+    else:
+        raise ValueError(f"layout: unknown {layout!r} (one of {', '.join(LAYOUTS)})")
+    return [*engines, StageSpec("gateway", "gateway", None, None)]
+
+
+def layout_gpus(layout: str) -> int:
+    return 1 + max(spec.gpu for spec in layout_stages(layout) if spec.gpu is not None)
+
+
+@dataclass
+class Settings:
+    part: str
+    smoke: bool
+    mps: bool
+    layout: str
+    out: Path
+    tiers: tuple[int, ...]
+    requests_per_stream: int
+    audio_seconds: float
+    tier_max_s: float
+    max_wall: float
+    start_timeout: float
+    checkpoint: Path | None      # None: the written csm-1b-shaped checkpoint (smoke: voxring-tiny)
+    checkpoint_root: Path
+    c2w_graph_max_bucket: int
+    hf_frames: int
+    fresh: bool
+    keep_run_dir: bool
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.max_wall
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    @property
+    def mode(self) -> str:
+        """Names the result file: the one-pair layout keeps the plain names (mps-off, mps-on,
+        smoke); the others are prefixed with the layout (two-pairs-mps-off, ...)."""
+        base = "smoke" if self.smoke else f"mps-{'on' if self.mps else 'off'}"
+        return base if self.layout == "one" else f"{self.layout}-{base}"
+
+    @property
+    def stages(self) -> list[StageSpec]:
+        return layout_stages(self.layout)
+
+
+def pow2_up_to(limit: int) -> list[int]:
+    sizes, size = [], 1
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, limit]
+
+
+def stage_configs(s: Settings, run_dir: Path, checkpoint: Path | None) -> dict[str, dict]:
+    """Every stage's config (the deploy/configs keys), by stage name in start order.
+    ``VOXRING_<STAGE>__...`` variables in the environment still override them (and are
+    recorded with the results). Every engine is sized for the top tier on its own, since the
+    gateway's least-loaded routing may send it any share."""
+    top = max(s.tiers)
+    sock = {spec.name: f"unix:{run_dir}/{spec.name}.sock" for spec in s.stages}
+    model = {"checkpoint": str(checkpoint) if checkpoint else None,
+             "dtype": "float32" if s.smoke else "bfloat16", "device": "cpu" if s.smoke else "cuda"}
+    frames = -(-round(s.audio_seconds * 1000) * 125 // 10000)  # ceil(seconds * 12.5)
+    prompt_len = len(PROMPT.encode()) + 16                   # byte-level tokens + specials + "[0]"
+    max_len = max(256, -(-(prompt_len + frames + 8) // 64) * 64)
+    server = {"drain_timeout": 5, "grace": 2}
+    metrics = {"listen": "127.0.0.1:0"}
+    logging_ = {"level": "info", "json": False}
+    graph_buckets = [b for b in pow2_up_to(min(top, s.c2w_graph_max_bucket))]
+    chunk_frames = [1, 2, 4, 8, 16]
+    talkers = {spec.pair: spec.name for spec in s.stages if spec.kind == "talker"}
+    code2wavs = {spec.pair: spec.name for spec in s.stages if spec.kind == "code2wav"}
+    configs: dict[str, dict] = {}
+    for spec in s.stages:
+        common = {"server": {"listen": sock[spec.name], **server}, "metrics": metrics, "logging": logging_}
+        if spec.kind == "talker":
+            configs[spec.name] = {
+                **common, "model": model,
+                "engine": {"k_max": 8, "buckets": pow2_up_to(top), "max_num_seqs": top, "max_len": max_len,
+                           "max_waiting": max(256, 2 * top), "cuda_graphs": not s.smoke},
+            }
+        elif spec.kind == "code2wav":
+            configs[spec.name] = {
+                **common, "model": model,
+                "engine": {"max_slots": top, "cuda_graphs": not s.smoke, "graph_buckets": graph_buckets,
+                           "graph_chunk_frames": chunk_frames,
+                           "max_graphs": len(graph_buckets) * len(chunk_frames), "max_graph_mb": 16384},
+                "talkers": {"consumer_id": f"code2wav-{spec.pair}",
+                            "attach": [{"id": f"talker-{spec.pair}", "address": sock[talkers[spec.pair]]}]},
+            }
+        else:
+            configs[spec.name] = {
+                **common,
+                "limits": {"max_audio_seconds": s.audio_seconds, "default_audio_seconds": s.audio_seconds},
+                "voices": {"file": None},
+                "engines": {"pairs": [{"talker": sock[talkers[i]], "code2wav": sock[code2wavs[i]],
+                                       "talker_id": f"talker-{i}", "consumer_id": f"code2wav-{i}"}
+                                      for i in sorted(talkers)]},
+                "admission": {"max_in_flight": top},
+            }
+    return configs
+
+
+def fingerprint(configs: dict, s: Settings, checkpoint_name: str | None) -> str:
+    """Identifies a configuration: tiers measured under another one are not reused."""
+    blob = json.dumps({"configs": portable_configs(configs), "layout": s.layout,
+                       "requests_per_stream": s.requests_per_stream,
+                       "audio_seconds": s.audio_seconds, "tier_max_s": s.tier_max_s,
+                       "checkpoint": checkpoint_name, "env": overrides_env(), "prompt": PROMPT},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def portable_configs(configs: dict) -> dict:
+    """The configs without the run folder's paths (they differ every run)."""
+    text = json.dumps(configs)
+    for stage, config in configs.items():
+        text = text.replace(json.dumps(config["server"]["listen"])[1:-1], f"unix:<run>/{stage}.sock")
+    out = json.loads(text)
+    for config in out.values():
+        if config.get("model", {}).get("checkpoint"):
+            config["model"]["checkpoint"] = Path(config["model"]["checkpoint"]).name
+    return out
+
+
+def overrides_env() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("VOXRING_") and "__" in k}
+
+
+def _tiers(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError("tiers must be positive")
+    return values
+
+
+def parse_args(argv: list[str] | None) -> Settings:
+    parser = argparse.ArgumentParser(prog="python -m bench.server", description=USAGE.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=USAGE)
+    parser.add_argument("--part", choices=["tiers", "baseline", "report"], default="tiers")
+    parser.add_argument("--mps", choices=["off", "on"], default="off", help="tiers: NVIDIA MPS for the run")
+    parser.add_argument("--layout", choices=list(LAYOUTS), default="one",
+                        help="tiers: where the engines run: "
+                        + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU: voxring-tiny, tiers 1 and 2 of 2 requests, no MPS/nvidia-smi")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results folder (default bench/results; smoke: a folder under /tmp)")
+    parser.add_argument("--tiers", type=_tiers, default=None, help=f"default {','.join(map(str, TIERS))}")
+    parser.add_argument("--requests-per-stream", type=int, default=3, help="requests per tier = this x C")
+    parser.add_argument("--audio-seconds", type=float, default=None,
+                        help="audio per request (default 4; smoke 0.8)")
+    parser.add_argument("--tier-max-s", type=float, default=60.0, help="wall-clock cap of one tier")
+    parser.add_argument("--max-wall", type=float, default=540.0, help="wall-clock cap of this invocation")
+    parser.add_argument("--start-timeout", type=float, default=300.0,
+                        help="the stages must be ready within this (model load, CUDA graph capture)")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="serve this checkpoint folder instead of writing the random csm-1b one")
+    parser.add_argument("--checkpoint-root", type=Path, default=None,
+                        help="where the random checkpoint is written and reused (default: a temp folder)")
+    parser.add_argument("--c2w-graph-max-bucket", type=int, default=256,
+                        help="Code2Wav captures decode graphs for batches up to this (larger run eagerly)")
+    parser.add_argument("--hf-frames", type=int, default=None, help="baseline: max_new_tokens (default 32)")
+    parser.add_argument("--fresh", action="store_true", help="measure tiers already in the JSON again")
+    parser.add_argument("--keep-run-dir", action="store_true", help="keep the stage configs and logs")
+    args = parser.parse_args(argv)
+    from bench.full_checkpoint import default_root
+
+    default_out = (Path(tempfile.gettempdir()) / "voxring-bench-smoke" if args.smoke
+                   else REPO / "bench" / "results")
+    if args.smoke and args.mps == "on":
+        parser.error("--smoke runs without MPS")
+    if args.requests_per_stream < 1 or args.tier_max_s <= 0 or args.max_wall <= 0:
+        parser.error("--requests-per-stream, --tier-max-s and --max-wall must be positive")
+    return Settings(
+        part=args.part, smoke=args.smoke, mps=args.mps == "on", layout=args.layout,
+        out=(args.out or default_out).resolve(),
+        tiers=args.tiers or (SMOKE_TIERS if args.smoke else TIERS),
+        requests_per_stream=args.requests_per_stream,
+        audio_seconds=args.audio_seconds or (0.8 if args.smoke else 4.0),
+        tier_max_s=args.tier_max_s, max_wall=args.max_wall, start_timeout=args.start_timeout,
+        checkpoint=args.checkpoint.resolve() if args.checkpoint else None,
+        checkpoint_root=(args.checkpoint_root or default_root()).resolve(),
+        c2w_graph_max_bucket=args.c2w_graph_max_bucket,
+        hf_frames=args.hf_frames or (8 if args.smoke else 32), fresh=args.fresh,
+        keep_run_dir=args.keep_run_dir)
