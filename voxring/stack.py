@@ -115,6 +115,11 @@ class StageProcess:
             raise StackError(f"{self.name} is not ready")
         return info["address"]
 
+    @property
+    def metrics(self) -> str | None:
+        """Where the stage serves /metrics (host:port), None when it serves none."""
+        return (self.ready() or {}).get("metrics")
+
     def wait_ready(self, timeout: float) -> dict:
         """Waits (bounded) until the ready file is there; StackError with the log's tail
         when the process exits first or the time runs out."""

@@ -1,4 +1,4 @@
-"""The stage processes of a run: ``Server`` starts them (``python -m services.<kind>``, one
+"""The stage processes of a run: ``Server`` starts them (voxring.stack's launcher, one
 config each), waits until each is ready and serving, and stops them; the pids of running
 stages are recorded so that a killed run's stages are reaped by the next one; what the ring
 segments leave in /dev/shm is listed."""
@@ -9,27 +9,15 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from bench.server import BenchError, log, log_tail
+from bench.server import BenchError, log
 from bench.server.settings import REPO, STATE_DIR, StageSpec
+from voxring.stack import StackError, StageProcess
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIXES = ("voxring-", "sem.voxring-")  # ring segments and their wake-up semaphores
-
-
-@dataclass
-class StageProc:
-    spec: StageSpec
-    proc: subprocess.Popen
-    log_path: Path
-    ready_path: Path
-    address: str | None = None
-    metrics: str | None = None
 
 
 def child_env(extra: dict[str, str], smoke: bool) -> dict[str, str]:
@@ -59,7 +47,7 @@ class Server:
         self.configs = configs
         self.env = env
         self.gpus = gpus
-        self.procs: dict[str, StageProc] = {}
+        self.procs: dict[str, StageProcess] = {}
         self.exit_codes: dict[str, int | None] = {}
         self._log_offsets: dict[str, int] = {}
 
@@ -75,43 +63,25 @@ class Server:
         import yaml
 
         for spec in self.specs:
-            stage = spec.name
-            config = self.run_dir / f"{stage}.yaml"
-            config.write_text(yaml.safe_dump(self.configs[stage], sort_keys=False))
-            ready, log_path = self.run_dir / f"{stage}.ready", self.run_dir / f"{stage}.log"
-            with open(log_path, "wb") as out:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", f"services.{spec.kind}", "--config", str(config),
-                     "--ready-file", str(ready)],
-                    cwd=REPO, env=self._env(spec), stdin=subprocess.DEVNULL, stdout=out,
-                    stderr=subprocess.STDOUT)
-            self.procs[stage] = StageProc(spec, proc, log_path, ready)
-        _record_pids({s: (p.spec.kind, p.proc.pid) for s, p in self.procs.items()}, self.run_dir)
+            config = yaml.safe_dump(self.configs[spec.name], sort_keys=False)
+            proc = StageProcess.in_folder(spec.kind, self.run_dir, config, name=spec.name,
+                                          env=self._env(spec), cwd=REPO)
+            self.procs[spec.name] = proc
+            proc.spawn()
+        _record_pids({s: (p.stage, p.pid) for s, p in self.procs.items()}, self.run_dir)
         deadline = time.monotonic() + timeout
-        pending = [spec.name for spec in self.specs]
-        while pending:
-            for stage in list(pending):
-                sp = self.procs[stage]
-                if sp.ready_path.exists():
-                    info = json.loads(sp.ready_path.read_text())
-                    sp.address, sp.metrics = info["address"], info.get("metrics")
-                    pending.remove(stage)
-                    log(f"{stage} ready at {sp.address} (metrics {sp.metrics}) after "
-                        f"{timeout - (deadline - time.monotonic()):.1f} s")
-                elif sp.proc.poll() is not None:
-                    raise BenchError(f"{stage} exited with code {sp.proc.returncode} while starting:\n"
-                                     f"{log_tail(sp.log_path)}")
-            if pending and time.monotonic() > deadline:
-                raise BenchError(f"{', '.join(pending)} not ready within {timeout:.0f} s:\n" + "\n".join(
-                    f"--- {s}\n{log_tail(self.procs[s].log_path)}" for s in pending))
-            time.sleep(0.1)
-        from voxring.stack import StackError, wait_serving  # grpc only now: every process is spawned
-
-        for stage in self.procs:
-            try:
-                wait_serving(self.procs[stage].address, max(1.0, deadline - time.monotonic()), stage)
-            except StackError as exc:
-                raise BenchError(f"{exc}\n{log_tail(self.procs[stage].log_path)}") from None
+        try:
+            for stage, sp in self.procs.items():
+                sp.wait_ready(max(0.1, deadline - time.monotonic()))
+                log(f"{stage} ready at {sp.address} (metrics {sp.metrics}) after "
+                    f"{timeout - (deadline - time.monotonic()):.1f} s")
+            for sp in self.procs.values():  # grpc only now: every process is spawned
+                try:
+                    sp.wait_serving(max(1.0, deadline - time.monotonic()))
+                except StackError as exc:
+                    raise StackError(f"{exc}\n{sp.log_tail()}") from None
+        except StackError as exc:
+            raise BenchError(str(exc)) from None
 
     def new_warnings(self, limit: int = 8) -> dict[str, dict]:
         """Each stage's WARNING and ERROR log lines written since the last call: how many,
@@ -120,7 +90,7 @@ class Server:
         offsets = self._log_offsets
         for stage, sp in self.procs.items():
             try:
-                with open(sp.log_path, "rb") as f:
+                with open(sp.log_file, "rb") as f:
                     f.seek(offsets.get(stage, 0))
                     text = f.read().decode(errors="replace")
                     offsets[stage] = f.tell()
@@ -132,7 +102,7 @@ class Server:
         return out
 
     def dead(self) -> list[str]:
-        return [f"{s} (exit {p.proc.returncode})" for s, p in self.procs.items() if p.proc.poll() is not None]
+        return [f"{s} (exit {p.proc.returncode})" for s, p in self.procs.items() if not p.alive()]
 
     def stop(self, timeout: float = 20.0) -> dict[str, int | None]:
         for spec in reversed(self.specs):
@@ -140,22 +110,14 @@ class Server:
             sp = self.procs.get(stage)
             if sp is None:
                 continue
-            if sp.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    sp.proc.send_signal(signal.SIGTERM)
-                try:
-                    sp.proc.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    log(f"{stage} did not stop within {timeout:.0f} s of SIGTERM: SIGKILL")
-                    sp.proc.kill()
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        sp.proc.wait(timeout=10)
+            if sp.alive() and sp.stop(timeout) is None:
+                log(f"{stage} did not stop within {timeout:.0f} s of SIGTERM: SIGKILL")
             self.exit_codes[stage] = sp.proc.returncode
         _record_pids({}, None)
         return self.exit_codes
 
     def cpu_seconds(self) -> dict[str, float | None]:
-        out: dict[str, float | None] = {s: _proc_cpu_s(p.proc.pid) for s, p in self.procs.items()}
+        out: dict[str, float | None] = {s: _proc_cpu_s(p.pid) for s, p in self.procs.items()}
         times = os.times()
         out["harness"] = times.user + times.system  # the load generator runs in this process
         return out

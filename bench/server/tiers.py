@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.server import BenchError, log, log_tail
+from bench.server import BenchError, log
 from bench.server.gpu import GpuSampler, Mps, physical_gpus
 from bench.server.probes import engine_numbers, engine_stats, snapshot, wait_idle
 from bench.server.procs import SHM_DIR, Server, child_env, reap_stale, shm_entries
@@ -219,7 +219,7 @@ def _warm_up(s: Settings, server: Server, target: str, run_log: dict) -> None:
              **{k: warm[k] for k in ("completed", "errors", "wall_s")}})
         if not warm["completed"]:
             raise BenchError(f"the warm-up requests failed ({warm['errors']}):\n" + "\n".join(
-                f"--- {st}\n{log_tail(p.log_path, 8)}" for st, p in server.procs.items()))
+                f"--- {st}\n{p.log_tail(8)}" for st, p in server.procs.items()))
     if not wait_idle(server, IDLE_TIMEOUT_S):
         raise BenchError("the engines are not idle after the warm-up")
     run_log["warmup"]["stage_warnings"] = server.new_warnings()
@@ -277,7 +277,7 @@ def _clean_up(s: Settings, server: Server | None, mps: Mps | None, shm_before: s
     if server is not None:
         run_log["exit_codes"] = server.stop()
         if any(c not in (0, None) for c in run_log["exit_codes"].values()):
-            run_log["stage_log_tails"] = {st: log_tail(p.log_path, 15) for st, p in server.procs.items()}
+            run_log["stage_log_tails"] = {st: p.log_tail(15) for st, p in server.procs.items()}
     if mps:
         mps.stop()
         result["mps"] = mps.status
