@@ -12,12 +12,10 @@ check the producer's.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 
 import posix_ipc
 
-from services.transport.heartbeat import Heartbeat
 from services.transport.layout import (
     ALIGN,
     KNOWN_FLAGS,
@@ -44,6 +42,7 @@ from services.transport.shm_segment import (
     PRODUCER_HB,
     TAIL,
     WAITING,
+    RingSide,
     SegmentMapping,
     check_control_block,
     checked_size,
@@ -53,31 +52,24 @@ _DATA, _WRAP = int(RecordType.DATA), int(RecordType.WRAP)
 _new_tuple = tuple.__new__  # builds FrameRecord / RecordView without their __new__ (hot path)
 
 
-class RingConsumer:
+class RingConsumer(RingSide):
     """The reading side of one ring (Code2Wav engine thread). Attach with :meth:`attach`.
 
     ``get`` hands out records in order; their codes views stay valid until ``release()``,
     which frees every record handed out so far (so a batch may be held and freed at once).
     """
 
+    HEARTBEAT_SLOT = CONSUMER_HB
+
     def __init__(self, name: str, mapping: SegmentMapping, sem: posix_ipc.Semaphore, spin_us: int,
                  liveness_timeout: float, heartbeat_interval: float) -> None:
-        self.name = name
-        self.capacity = len(mapping.data)
-        self.liveness_timeout = liveness_timeout
-        self.heartbeat = Heartbeat(self._store_heartbeat, interval=heartbeat_interval,
-                                   liveness_timeout=liveness_timeout)
-        self._map = mapping
-        self._ctl = mapping.ctl
-        self._sem = sem
+        super().__init__(name, mapping, sem, liveness_timeout, heartbeat_interval)
         self._spin_ns = int(spin_us * 1000)
         self._tail = self._ctl[TAIL]
         self._read = self._tail  # records in [tail, read) are handed out, not released
         # Epochs only grow, also across consumer instances of one ring, so the producer's
         # "already posted" memory never matches a new wait.
         self._epoch = time.monotonic_ns()
-        self._closed = False
-        self._hb_lock = threading.Lock()  # tick() may come from the engine's keeper thread
         self.tick()
 
     @classmethod
@@ -236,17 +228,6 @@ class RingConsumer:
             raise PeerDead(f"{self.name}: producer heartbeat older than {self.liveness_timeout} s")
 
     # --- liveness and lifetime -------------------------------------------------------
-
-    def tick(self) -> None:
-        """Stores the consumer heartbeat (engine thread, at least every heartbeat interval;
-        during a long step the engine thread's keeper, PROTOCOL.md). Nothing once closed:
-        close()'s "gone" mark is never overwritten."""
-        self.heartbeat.tick()
-
-    def _store_heartbeat(self, now: int) -> None:
-        with self._hb_lock:
-            if not self._closed:
-                self._ctl[CONSUMER_HB] = now
 
     def producer_alive(self, timeout: float | None = None) -> bool:
         """True while the producer's heartbeat is at most ``timeout`` s old (default: the

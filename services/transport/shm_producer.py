@@ -26,13 +26,11 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-import threading
 import time
 
 import numpy as np
 import posix_ipc
 
-from services.transport.heartbeat import Heartbeat
 from services.transport.layout import (
     ALIGN,
     HEADER_BYTES,
@@ -63,6 +61,7 @@ from services.transport.shm_segment import (
     PRODUCER_HB,
     TAIL,
     WAITING,
+    RingSide,
     SegmentMapping,
     check_capacity,
     unlink_quietly,
@@ -74,25 +73,18 @@ _DEFAULT_CAPACITY = 4 << 20
 _FULL_BACKOFF_S = (20e-6, 1e-3)  # put's polling delay while the ring is full: first, largest
 
 
-class RingProducer:
+class RingProducer(RingSide):
     """The writing side of one ring (talker engine thread). Create with :meth:`create`."""
+
+    HEARTBEAT_SLOT = PRODUCER_HB
 
     def __init__(self, name: str, wake_name: str, mapping: SegmentMapping, sem: posix_ipc.Semaphore,
                  liveness_timeout: float, heartbeat_interval: float) -> None:
-        self.name = name
+        super().__init__(name, mapping, sem, liveness_timeout, heartbeat_interval)
         self.wake_name = wake_name
-        self.capacity = len(mapping.data)
-        self.liveness_timeout = liveness_timeout
-        self.heartbeat = Heartbeat(self._store_heartbeat, interval=heartbeat_interval,
-                                   liveness_timeout=liveness_timeout)
-        self._map = mapping
-        self._ctl = mapping.ctl
-        self._sem = sem
         self._head = 0
         self._tail = 0  # last tail read from the consumer; re-read only when short of space
         self._posted_epoch = 0
-        self._closed = False
-        self._hb_lock = threading.Lock()  # tick() may come from the engine's keeper thread
         self._created_ns = self._ctl[CREATED_NS]
 
     @classmethod
@@ -234,17 +226,6 @@ class RingProducer:
             return 0
         self._tail = self._read_tail()
         return self.capacity - (self._head - self._tail)
-
-    def tick(self) -> None:
-        """Stores the producer heartbeat (the engine thread calls this at least every
-        heartbeat interval, idle or not; during a long step the engine thread's keeper
-        does, PROTOCOL.md). Nothing once closed."""
-        self.heartbeat.tick()
-
-    def _store_heartbeat(self, now: int) -> None:
-        with self._hb_lock:
-            if not self._closed:
-                self._ctl[PRODUCER_HB] = now
 
     def consumer_alive(self, timeout: float | None = None) -> bool:
         """True while the consumer's heartbeat is at most ``timeout`` s old (default: the

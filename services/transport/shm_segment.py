@@ -11,11 +11,13 @@ import contextlib
 import mmap
 import os
 import struct
+import threading
 import time
 
 import numpy as np
 import posix_ipc
 
+from services.transport.heartbeat import Heartbeat
 from services.transport.layout import (
     ALIGN,
     CONTROL_FORMAT,
@@ -69,6 +71,38 @@ class SegmentMapping:
             # Record views still held by a caller keep the mapping alive (never a dangling
             # pointer); it is unmapped when the last of them is gone.
             self.mm.close()
+
+
+class RingSide:
+    """What both ends of a ring hold: the segment's mapping and wake-up semaphore, and
+    this side's :class:`Heartbeat`, stored in its control-block slot (``HEARTBEAT_SLOT``)
+    under a lock, because the engine thread's keeper may tick during a long step while
+    the owner closes. Nothing is stored once closed."""
+
+    HEARTBEAT_SLOT: int
+
+    def __init__(self, name: str, mapping: SegmentMapping, sem: posix_ipc.Semaphore,
+                 liveness_timeout: float, heartbeat_interval: float) -> None:
+        self.name = name
+        self.capacity = len(mapping.data)
+        self.liveness_timeout = liveness_timeout
+        self.heartbeat = Heartbeat(self._store_heartbeat, interval=heartbeat_interval,
+                                   liveness_timeout=liveness_timeout)
+        self._map = mapping
+        self._ctl = mapping.ctl
+        self._sem = sem
+        self._closed = False
+        self._hb_lock = threading.Lock()
+
+    def tick(self) -> None:
+        """Stores this side's heartbeat (the engine thread, at least every heartbeat
+        interval, idle or not; during a long step the engine thread's keeper, PROTOCOL.md)."""
+        self.heartbeat.tick()
+
+    def _store_heartbeat(self, now: int) -> None:
+        with self._hb_lock:
+            if not self._closed:
+                self._ctl[self.HEARTBEAT_SLOT] = now
 
 
 def check_capacity(capacity: int) -> None:
