@@ -171,14 +171,6 @@ class StageProcess:
         return _tail(self.log_file, lines)
 
 
-def start_all(stages: list[StageProcess], timeout: float, *, serving: bool = True) -> None:
-    """Spawns every stage (in order), then :func:`wait_all`. The caller stops them
-    (:func:`stop_all`) on failure."""
-    for stage in stages:
-        stage.spawn()
-    wait_all(stages, timeout, serving=serving)
-
-
 def wait_all(stages: list[StageProcess], timeout: float, *, serving: bool = True) -> None:
     """Waits until each spawned stage is ready and, with ``serving``, answers SERVING,
     all within ``timeout`` (grpc is imported only now, after every spawn)."""
