@@ -77,25 +77,19 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.decode_attention import (
-    _dot,
-    _online_softmax_step,
-    decode_attention_eager,
-    decode_attention_triton,
-)
+from kernels.decode_attention import decode_attention_eager, decode_attention_triton
 from kernels.latch import KernelLatch
 from kernels.rms_norm import rms_norm_eager
-from kernels.rope_kv import _round_to, rope_kv_eager
+from kernels.rope_kv import rope_kv_eager
 from kernels.silu_mul import silu_mul_eager
+from kernels.tl_common import NEG_INF, dot, online_softmax_step, round_to, silu
 
 LATCH = KernelLatch("stack_step")
 MAX_ROWS = 16  # rows of one step (the products' M tile)
 MAX_KEYS = 256  # positions one row may attend to: the kernel's attention has no split
 _MAX_SPINS = tl.constexpr(1 << 22)  # a barrier wait this long (about a second) is a fault, not a neighbour
-_NEG_INF = tl.constexpr(float("-inf"))
 # Slots of the marks inside phases (a trace of 128 slots; bench/probes/stack_step.py reads them). Layer
 # l's QKV at MARK_QKV + 2 l and its gate/up at MARK_MLP + 2 l: side 0 once the norm's sums are done,
 # side 1 as the last epilogue starts; its output product at MARK_O + 2 l and its down product at
@@ -361,7 +355,7 @@ def _row(first_ptr, kk, k_ok, rstd, norm_ptr, NORM: tl.constexpr, dtype: tl.cons
     RMS-normed with ``rstd`` (a scalar; the twin's roundings)."""
     x = tl.load(first_ptr + kk, mask=k_ok, other=0.0, cache_modifier=".cg")
     if NORM:
-        normed = _round_to(x.to(tl.float32) * rstd, dtype, OPAQUE)
+        normed = round_to(x.to(tl.float32) * rstd, dtype, OPAQUE)
         w = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
         x = (w * normed).to(dtype)
     return x
@@ -387,7 +381,7 @@ def _operand(
             cache_modifier=".cg",
         )
         if NORM:
-            normed = _round_to(a.to(tl.float32) * rstd[:, None], dtype, OPAQUE)
+            normed = round_to(a.to(tl.float32) * rstd[:, None], dtype, OPAQUE)
             w = tl.load(norm_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             a = (w[None, :] * normed).to(dtype)
     return a
@@ -401,7 +395,7 @@ def _row_dot(first_ptr, kk, k_ok, w, dtype: tl.constexpr, UPCAST: tl.constexpr):
     elementwise work would follow the row into the operand's layout, where every thread repeats it
     (bench/probes/sass_loops.py)."""
     x = tl.load(first_ptr + kk, mask=k_ok, other=0.0, cache_modifier=".cg")
-    return _dot(w, x[:, None].to(dtype), UPCAST)
+    return dot(w, x[:, None].to(dtype), UPCAST)
 
 
 @triton.jit
@@ -500,7 +494,7 @@ def _flat_single(
             w = _weight_parts(w_ptr, tile * BN, N_OUT - tile * BN, item < ITEMS, k0, (split + 1) * KP, K, BN,
                               KQ, BKQ)
             a = _row_parts(first_ptr, k0, (split + 1) * KP, m, rstd, norm_ptr, KQ, BKQ, NORM, dtype, OPAQUE)
-            acc += _dot(a, tl.trans(w), UPCAST)
+            acc += dot(a, tl.trans(w), UPCAST)
         else:
             w = tl.load(
                 w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0,
@@ -510,7 +504,7 @@ def _flat_single(
                 row_acc += _row_dot(first_ptr, kk, k_ok, w, dtype, UPCAST)
             else:
                 a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rstd, norm_ptr, NORM, ONE, dtype, OPAQUE)
-                acc += _dot(a, tl.trans(w), UPCAST)
+                acc += dot(a, tl.trans(w), UPCAST)
         if ki == KI - 1:
             _mark(trace_row, mark, 0, TRACE_IN)
             if PARTS:
@@ -524,7 +518,7 @@ def _flat_single(
             if RESIDUAL:
                 if KS == 1:
                     res = tl.load(res_rows[:, None] + n[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-                    res = res.to(tl.float32) + _round_to(y, dtype, OPAQUE)
+                    res = res.to(tl.float32) + round_to(y, dtype, OPAQUE)
                     tl.store(dst_ptr + m[:, None] * N_OUT + n[None, :], res.to(dtype), mask=ok)
                 else:
                     tl.store(part_ptr + (split * BM + m[:, None]) * N_OUT + n[None, :], y, mask=ok)
@@ -623,24 +617,20 @@ def _flat_dual(
             a = _row_parts(first_ptr, ki * BK, H, m, rs, norm_ptr, KQ, BKQ, True, dtype, OPAQUE)
         else:
             a = _operand(rows_ptr, first_ptr, row_ok, kk, k_ok, rs, norm_ptr, True, ONE, dtype, OPAQUE)
-        acc1 += _dot(a, tl.trans(w1), UPCAST)
-        acc2 += _dot(a, tl.trans(w2), UPCAST)
+        acc1 += dot(a, tl.trans(w1), UPCAST)
+        acc2 += dot(a, tl.trans(w2), UPCAST)
         if ki == KI - 1:
             _mark(trace_row, mark, 1, TRACE_IN)
             ok = row_ok[:, None] & n_ok[None, :]
             if PARTS:
-                x1 = _round_to(_parts_sum(acc1, m, BN, KQ), dtype, OPAQUE)
-                x2 = _round_to(_parts_sum(acc2, m, BN, KQ), dtype, OPAQUE)
+                x1 = round_to(_parts_sum(acc1, m, BN, KQ), dtype, OPAQUE)
+                x2 = round_to(_parts_sum(acc2, m, BN, KQ), dtype, OPAQUE)
             else:
-                x1 = _round_to(acc1, dtype, OPAQUE)
-                x2 = _round_to(acc2, dtype, OPAQUE)
+                x1 = round_to(acc1, dtype, OPAQUE)
+                x2 = round_to(acc2, dtype, OPAQUE)
             if MLP:
-                if LIBDEVICE:  # noqa: SIM108 (a constexpr branch): the silu_mul kernel's exp on CUDA
-                    e = libdevice.exp(-x1)
-                else:
-                    e = tl.exp(-x1)
-                silu = _round_to(tl.math.div_rn(x1, 1.0 + e), dtype, OPAQUE)
-                tl.store(act_ptr + m[:, None] * INTER + n1[None, :], (silu * x2).to(dtype), mask=ok)
+                gate = silu(x1, dtype, OPAQUE, LIBDEVICE)
+                tl.store(act_ptr + m[:, None] * INTER + n1[None, :], (gate * x2).to(dtype), mask=ok)
             else:
                 _qkv_store(
                     x1, x2, head, j, ok, m, cos_ptr, sin_ptr, pos, slot, q_ptr, kc_ptr, vc_ptr, stride_cs,
@@ -706,12 +696,12 @@ def _flat_mlp_down(
         kk = tl.minimum(s, KI - 1) * BK + tl.arange(0, BK)  # the down steps reload the last block (a hit)
         a = _operand(first_ptr, first_ptr, row_ok, kk, kk < H, rs, norm_ptr, True, 1, dtype, OPAQUE)
         if not down:
-            acc1 = tl.where(s == 0, 0.0, acc1) + _dot(a, tl.trans(w1), UPCAST)  # an item's gate/up sums
-            acc2 = tl.where(s == 0, 0.0, acc2) + _dot(a, tl.trans(w2), UPCAST)
+            acc1 = tl.where(s == 0, 0.0, acc1) + dot(a, tl.trans(w1), UPCAST)  # an item's gate/up sums
+            acc2 = tl.where(s == 0, 0.0, acc2) + dot(a, tl.trans(w2), UPCAST)
         else:
             # [BK, BN] @ [BN, 1]: down's outputs col .. col + BK as a row dot (the row's side padded to 8)
-            o1 = _dot(tl.trans(w1), act[:, None], UPCAST)
-            o2 = _dot(tl.trans(w2), act[:, None], UPCAST)
+            o1 = dot(tl.trans(w1), act[:, None], UPCAST)
+            o2 = dot(tl.trans(w2), act[:, None], UPCAST)
             j1 = col1 + tl.arange(0, BK)
             j2 = col2 + tl.arange(0, BK)
             live = item < ITEMS
@@ -719,15 +709,11 @@ def _flat_mlp_down(
             tl.store(part_ptr + item * H + j2[:, None], o2, mask=((j2 < H) & live)[:, None])
         if s == KI - 1:  # the item's activations, rounded as the twin stores them
             _mark(trace_row, mark, 1, TRACE_IN)
-            x1 = _round_to(acc1, dtype, OPAQUE)
-            x2 = _round_to(acc2, dtype, OPAQUE)
-            if LIBDEVICE:  # noqa: SIM108 (a constexpr branch): the silu_mul kernel's exp on CUDA
-                e = libdevice.exp(-x1)
-            else:
-                e = tl.exp(-x1)
-            silu = _round_to(tl.math.div_rn(x1, 1.0 + e), dtype, OPAQUE)
+            x1 = round_to(acc1, dtype, OPAQUE)
+            x2 = round_to(acc2, dtype, OPAQUE)
+            gate = silu(x1, dtype, OPAQUE, LIBDEVICE)
             # row 0's; zero past the last intermediate, where a descriptor's tile holds the next rows
-            act = tl.sum(tl.where((m[:, None] == 0) & n_ok[None, :], silu * x2, 0.0), axis=0).to(dtype)
+            act = tl.sum(tl.where((m[:, None] == 0) & n_ok[None, :], gate * x2, 0.0), axis=0).to(dtype)
         if s == STEPS - 1:
             _mark(trace_row, down_mark, 0, TRACE_IN)
 
@@ -750,7 +736,7 @@ def _phase_reduce_items(
             cache_modifier=".cg",
         )
         res = tl.load(res_ptr + n, mask=n_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        res += _round_to(tl.sum(parts, axis=0), dtype, OPAQUE)
+        res += round_to(tl.sum(parts, axis=0), dtype, OPAQUE)
         tl.store(h_ptr + n, res.to(dtype), mask=n_ok)
         item += nprog
 
@@ -759,10 +745,10 @@ def _phase_reduce_items(
 def _rope_tables(cos_ptr, sin_ptr, pos, j, ok, HALF: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr):
     """The rotary tables of rows j and j + HALF of a head at each row's position (the twin's roundings)."""
     table = pos[:, None] * (2 * HALF) + j[None, :]
-    c1 = _round_to(tl.load(cos_ptr + table, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
-    c2 = _round_to(tl.load(cos_ptr + table + HALF, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
-    s1 = _round_to(tl.load(sin_ptr + table, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
-    s2 = _round_to(tl.load(sin_ptr + table + HALF, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
+    c1 = round_to(tl.load(cos_ptr + table, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
+    c2 = round_to(tl.load(cos_ptr + table + HALF, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
+    s1 = round_to(tl.load(sin_ptr + table, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
+    s2 = round_to(tl.load(sin_ptr + table + HALF, mask=ok, other=0.0).to(tl.float32), dtype, OPAQUE)
     return c1, c2, s1, s2
 
 
@@ -801,8 +787,8 @@ def _qkv_store(
     if head < NUM_Q + NUM_KV:
         if not LOADED:
             c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, pos, j, ok, HALF, dtype, OPAQUE)
-        r1 = (_round_to(x1 * c1, dtype, OPAQUE) + _round_to(-x2 * s1, dtype, OPAQUE)).to(dtype)
-        r2 = (_round_to(x2 * c2, dtype, OPAQUE) + _round_to(x1 * s2, dtype, OPAQUE)).to(dtype)
+        r1 = (round_to(x1 * c1, dtype, OPAQUE) + round_to(-x2 * s1, dtype, OPAQUE)).to(dtype)
+        r2 = (round_to(x2 * c2, dtype, OPAQUE) + round_to(x1 * s2, dtype, OPAQUE)).to(dtype)
         if head < NUM_Q:
             dst = q_ptr + m[:, None] * (NUM_Q * 2 * HALF) + head * 2 * HALF + j[None, :]
         else:
@@ -868,7 +854,7 @@ def _attend(
     q = tl.load(q_row + heads[:, None] * D + d[None, :], mask=q_ok, other=0.0, cache_modifier=".cg")
     k_base = kc_ptr + slot * stride_cs + kv_head * stride_ch
     v_base = vc_ptr + slot * stride_cs + kv_head * stride_ch
-    m_run = tl.full([GROUP_PAD], _NEG_INF, tl.float32)
+    m_run = tl.full([GROUP_PAD], NEG_INF, tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     start = 0
@@ -877,7 +863,7 @@ def _attend(
         kv_ok = (n < length)[:, None] & (d < D)[None, :]
         k = tl.load(k_base + n[:, None] * stride_cl + d[None, :], mask=kv_ok, other=0.0, cache_modifier=".cg")
         v = tl.load(v_base + n[:, None] * stride_cl + d[None, :], mask=kv_ok, other=0.0, cache_modifier=".cg")
-        m_run, total, acc = _online_softmax_step(q, k, v, n < length, m_run, total, acc, scale, UPCAST)
+        m_run, total, acc = online_softmax_step(q, k, v, n < length, m_run, total, acc, scale, UPCAST)
         start += BLOCK_L
     out = acc / total[:, None]
     tl.store(out_row + heads[:, None] * D + d[None, :], out.to(out_row.dtype.element_ty), mask=q_ok)
@@ -918,7 +904,7 @@ def _phase_reduce(
                 cache_modifier=".cg",
             )
         res = tl.load(res_rows[:, None] + n[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-        res = res.to(tl.float32) + _round_to(acc, dtype, OPAQUE)
+        res = res.to(tl.float32) + round_to(acc, dtype, OPAQUE)
         tl.store(h_ptr + m[:, None] * H + n[None, :], res.to(dtype), mask=ok)
         item += nprog
 
