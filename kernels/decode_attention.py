@@ -238,21 +238,11 @@ def kernel_device(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
-def _fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-          lengths: torch.Tensor) -> bool:
-    """Inputs the kernels do not take go to the twin without tripping the latch."""
-    try:
-        _check(q, k_cache, v_cache, slots, lengths, None)
-    except ValueError:
-        return False
-    return True
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
     """The model's entry point (same arguments and result as ``decode_attention_triton``): the
-    kernels on CUDA while the latch is active, the eager twin otherwise."""
-    if not (kernel_device(q) and _fits(q, k_cache, v_cache, slots, lengths)):
-        return decode_attention_eager(q, k_cache, v_cache, slots, lengths, scale)
-    return LATCH.call(decode_attention_triton, decode_attention_eager, q, k_cache, v_cache, slots,
-                      lengths, scale)
+    kernels on CUDA while the latch is active, the eager twin otherwise (and for inputs the kernels do
+    not take, without tripping the latch)."""
+    args = (q, k_cache, v_cache, slots, lengths)
+    return LATCH.dispatch(kernel_device(q), lambda: _check(*args, None), decode_attention_triton,
+                          decode_attention_eager, *args, scale)

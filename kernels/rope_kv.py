@@ -168,10 +168,4 @@ def rope_kv(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
     """The fused layers' entry point: the kernel on CUDA while the latch is active, the twin
     otherwise (and for inputs the kernel does not take, without tripping the latch)."""
     args = (qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, num_q_heads)
-    if not kernel_device(qkv):
-        return rope_kv_eager(*args)
-    try:
-        _check(*args)
-    except ValueError:
-        return rope_kv_eager(*args)
-    return LATCH.call(rope_kv_triton, rope_kv_eager, *args)
+    return LATCH.dispatch(kernel_device(qkv), lambda: _check(*args), rope_kv_triton, rope_kv_eager, *args)

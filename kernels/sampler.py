@@ -269,21 +269,10 @@ def kernel_device(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
-def _fits(logits: torch.Tensor, params: SamplingParams, frame: torch.Tensor, codebook: int,
-          history: torch.Tensor, codebook_size: int) -> bool:
-    """Inputs the kernel does not take (V > 4096, fp64, strided ids) go to the twin without
-    tripping the latch."""
-    try:
-        _check(logits, params, frame, codebook, history, codebook_size)
-    except ValueError:
-        return False
-    return True
-
-
 def sample(logits: torch.Tensor, params: SamplingParams, frame: torch.Tensor, codebook: int,
            history: torch.Tensor, codebook_size: int) -> torch.Tensor:
     """Drop-in for ``kernels.sampler_twin.sample`` (same arguments, same ids): the kernel on
-    CUDA while the latch is active, the eager twin otherwise (and for shapes it does not take)."""
-    if not (kernel_device(logits) and _fits(logits, params, frame, codebook, history, codebook_size)):
-        return twin.sample(logits, params, frame, codebook, history, codebook_size)
-    return LATCH.call(sample_triton, twin.sample, logits, params, frame, codebook, history, codebook_size)
+    CUDA while the latch is active, the eager twin otherwise (and for inputs it does not take: V > 4096,
+    fp64, strided ids; without tripping the latch)."""
+    args = (logits, params, frame, codebook, history, codebook_size)
+    return LATCH.dispatch(kernel_device(logits), lambda: _check(*args), sample_triton, twin.sample, *args)

@@ -69,10 +69,5 @@ def kernel_device(tensor: torch.Tensor) -> bool:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """The fused layers' entry point: the kernel on CUDA while the latch is active, the twin
     otherwise (and for inputs the kernel does not take, without tripping the latch)."""
-    if not kernel_device(gate_up):
-        return silu_mul_eager(gate_up)
-    try:
-        _check(gate_up)
-    except ValueError:
-        return silu_mul_eager(gate_up)
-    return LATCH.call(silu_mul_triton, silu_mul_eager, gate_up)
+    return LATCH.dispatch(kernel_device(gate_up), lambda: _check(gate_up), silu_mul_triton, silu_mul_eager,
+                          gate_up)

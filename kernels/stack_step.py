@@ -1635,13 +1635,8 @@ def stack_step(
     The kernel on CUDA while the latch is active, the twin otherwise."""
     args = (weights, k_cache, v_cache, slots, positions, lengths)
     inputs = dict(x=x, src=src, codes=codes, proj=proj, head=head)
-    if not kernel_device(weights.qkv):
-        return stack_step_eager(*args, **inputs)
-    try:
-        check(*args, **inputs)
-    except ValueError:
-        return stack_step_eager(*args, **inputs)
-    return LATCH.call(stack_step_triton, stack_step_eager, *args, **inputs)
+    return LATCH.dispatch(kernel_device(weights.qkv), lambda: check(*args, **inputs), stack_step_triton,
+                          stack_step_eager, *args, **inputs)
 
 
 def stack_layers(
@@ -1656,14 +1651,11 @@ def stack_layers(
     (ValueError)."""
     args = (weights, k_cache, v_cache, slots, positions, lengths)
     checked_tuning(tuning or {})
-    if not kernel_device(weights.qkv):
-        return stack_step_eager(*args, x=x)
-    try:
-        check(*args, x, None, None, None, None, outside_attention=True)
-    except ValueError:
-        return stack_step_eager(*args, x=x)
 
     def kernel(*args, x):
         return stack_layers_triton(*args, x=x.clone(), tuning=tuning)
 
-    return LATCH.call(kernel, stack_step_eager, *args, x=x)
+    return LATCH.dispatch(
+        kernel_device(weights.qkv), lambda: check(*args, x, None, None, None, None, outside_attention=True),
+        kernel, stack_step_eager, *args, x=x,
+    )
