@@ -41,6 +41,7 @@ GPU only (about 4 minutes on one H200).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -324,13 +325,12 @@ def apply_stack_settings(settings: dict | None, model: CsmTalker | None = None) 
     import models.csm.model as csm_model
 
     settings = dict(settings or {})
-    tuning = stack_kernel.checked_tuning({k: v for k, v in settings.items() if k not in _MODEL_KEYS})
-    stack_kernel.TUNING.update(_DEFAULT_TUNING, **tuning)
+    depth = stack_kernel.DEPTH.with_keys({k: v for k, v in settings.items() if k not in _MODEL_KEYS})
+    csm_model.DEPTH_TUNING = depth
     csm_model.STACK_STEP_ROWS = settings.get("rows", _DEFAULT_ROWS)
     csm_model.PROJECTED_INPUTS = settings.get("projected", False)  # the stages before it project
     csm_model.BACKBONE_STACK_ROWS = settings.get("backbone_rows", _DEFAULT_BACKBONE_ROWS)
-    backbone_tuning = settings.get("backbone_tuning", _DEFAULT_BACKBONE)
-    csm_model.BACKBONE_TUNING = stack_kernel.checked_tuning(backbone_tuning)
+    csm_model.BACKBONE_TUNING = depth.with_keys(settings.get("backbone_tuning", _DEFAULT_BACKBONE))
     backbone = model.backbone_model if model is not None else None
     if backbone is not None and backbone.stack is not None:
         plain = _BACKBONE_STACKS.setdefault("plain", backbone.stack)
@@ -340,15 +340,18 @@ def apply_stack_settings(settings: dict | None, model: CsmTalker | None = None) 
             backbone.stack = plain
 
 
-def _defaults() -> tuple[dict, int]:
+def _defaults() -> tuple[int, int, dict]:
+    """The model's row limits, and the backbone tuning's changes to the depth decoder's (as JSON keys:
+    a stage's tuning keys change both, and "backbone_tuning" replaces these changes)."""
     import kernels.stack_step as stack_kernel
     import models.csm.model as csm_model
 
-    return (dict(stack_kernel.TUNING), csm_model.STACK_STEP_ROWS, csm_model.BACKBONE_STACK_ROWS,
-            dict(csm_model.BACKBONE_TUNING))
+    depth = dataclasses.asdict(stack_kernel.DEPTH)
+    changes = {k: v for k, v in dataclasses.asdict(stack_kernel.BACKBONE).items() if v != depth[k]}
+    return csm_model.STACK_STEP_ROWS, csm_model.BACKBONE_STACK_ROWS, changes
 
 
-_DEFAULT_TUNING, _DEFAULT_ROWS, _DEFAULT_BACKBONE_ROWS, _DEFAULT_BACKBONE = _defaults()
+_DEFAULT_ROWS, _DEFAULT_BACKBONE_ROWS, _DEFAULT_BACKBONE = _defaults()
 
 
 def main() -> None:

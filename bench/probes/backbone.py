@@ -24,6 +24,7 @@ tests (tests/gpu) check the kernels' exactness.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -77,7 +78,7 @@ def kernel_profile(fn) -> dict:
                      "total_us": round(sum(v), 1)} for k, v in top]}
 
 
-def launch_trace(stack, cache, rows, x, tuning: dict) -> dict:
+def launch_trace(stack, cache, rows, x, tuning: stack_kernel.Tuning) -> dict:
     """A middle launch (layer 4's output product and MLP, layer 5's QKV) timed from inside: per phase
     span, median and slowest program's work, and the barrier after it; medians over TRACE_LAUNCHES."""
     n, hq, d = rows[0].shape[0], stack.num_q_heads, stack.head_dim
@@ -136,8 +137,8 @@ def main() -> None:
               "commit": os.environ.get("VOXRING_COMMIT") or subprocess.run(
                   ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
               "shapes": "csm-1b backbone (16 x 2048, 32 / 8 heads of 64, MLP 8192), bf16, random weights",
-              "backbone_tuning": csm_model.BACKBONE_TUNING, "max_len": MAX_LEN, "position": POSITION,
-              "steps_per_graph": STEPS, "per_rows": {}}
+              "backbone_tuning": dataclasses.asdict(csm_model.BACKBONE_TUNING), "max_len": MAX_LEN,
+              "position": POSITION, "steps_per_graph": STEPS, "per_rows": {}}
     model = random_model(CSM_1B, torch.bfloat16)
     backbone = model.backbone_model
     del model.depth_decoder
@@ -163,7 +164,7 @@ def main() -> None:
 
         def layers(tuning=None, stack=plain_stack, x=x, rows=rows, work=work):
             work.copy_(x)
-            tuning = {**csm_model.BACKBONE_TUNING, **(tuning or {})}
+            tuning = csm_model.BACKBONE_TUNING.with_keys(tuning or {})
             return stack_kernel.stack_layers_triton(stack, cache.k, cache.v, *rows, x=work, tuning=tuning)
 
         want = replaced()
@@ -182,7 +183,8 @@ def main() -> None:
             entry["trace"] = {"default": launch_trace(plain_stack, cache, rows, x, default),
                               "mlp_rows": launch_trace(mlp_stack, cache, rows, x, default)}
             for t in args.tunings:
-                entry["trace"][json.dumps(t)] = launch_trace(plain_stack, cache, rows, x, {**default, **t})
+                tuned = default.with_keys(t)
+                entry["trace"][json.dumps(t)] = launch_trace(plain_stack, cache, rows, x, tuned)
         entry["achieved_TBps"] = {
             "forward_rows": round(weight_bytes / entry["forward_rows_us"] / 1e6, 2),
             "stack_layers": round(weight_bytes / entry["stack_layers_us"] / 1e6, 2),

@@ -48,7 +48,6 @@ from bench.talker_gpu import CSM_1B
 from kernels import decode_attention, rms_norm, rope_kv, sampler, silu_mul
 from kernels import stack_step as ss
 from models.csm.config import CsmConfig
-from models.csm.model import BACKBONE_TUNING
 from models.tiny.talker import tiny_config
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -137,7 +136,7 @@ def stack_cases(name: str, config: CsmConfig, dtype_name: str) -> Iterator[Case]
         weights = stack_weights(backbone, dtype, mlp_rows)
         plan = ss.launch_plan(weights, backbone_cache, backbone_cache, index(1), index(1), index(1),
                               x=meta(1, backbone.hidden_size, dtype=dtype), num_programs=SMS, compiled=True,
-                              tuning=BACKBONE_TUNING, q=q, attn=attn)
+                              tuning=ss.BACKBONE, q=q, attn=attn)
         key = f"stack_layers/{name}/{dtype_name}/backbone/rows=1/{'mlp_rows' if mlp_rows else 'no_mlp_rows'}"
         yield from layers_launches(key, plan, backbone.num_layers)
 

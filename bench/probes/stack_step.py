@@ -22,6 +22,7 @@ inside phases (a phase's norm, loop and epilogue; for the default and ``--trace-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -90,7 +91,7 @@ def phase_profile(call, num_layers: int, project: bool) -> dict:
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and "stack_step" in e.name
     ]
-    names = phase_names(stack_kernel.TUNING, 1, False)[:-1]  # one layer's phases
+    names = phase_names(stack_kernel.DEPTH, 1, False)[:-1]  # one layer's phases
     if len(times) != project + 1 + num_layers * len(names):
         return {"note": f"{len(times)} launches in the trace"}
     per = {"PJ": times[0]} if project else {}
@@ -101,13 +102,13 @@ def phase_profile(call, num_layers: int, project: bool) -> dict:
     return {k: round(v, 2) for k, v in per.items()}
 
 
-def phase_names(tuning: dict, num_layers: int, project: bool) -> list[str]:
+def phase_names(tuning: stack_kernel.Tuning, num_layers: int, project: bool) -> list[str]:
     """The phase before each barrier of one launch of one row, in order, then the last (``OUT``);
     ``PJ`` first where the call projects its rows."""
     k = stack_kernel
     names = {k.QKV: "QKV", k.ATT: "ATT", k.OUT_PROJ: "OUT_PROJ", k.OUT_PROJ_REDUCE: "OUT_PROJ_REDUCE",
              k.MLP: "MLP", k.DOWN: "DOWN", k.DOWN_REDUCE: "DOWN_REDUCE"}
-    mlp_down = bool(tuning["MLP_DOWN"] and tuning["ONE_ROW"])  # the probe's stack has the mlp rows
+    mlp_down = bool(tuning.MLP_DOWN and tuning.ONE_ROW)  # the probe's stack has the mlp rows
     layer = [names[phase] for phase in k.layer_phases(tuning, mlp_down)]
     return ["PJ"] * project + [*layer * num_layers, "OUT"]
 
@@ -131,7 +132,7 @@ def trace_breakdown(call, tuning: dict, num_layers: int, programs: int, project:
     it (span), the median and slowest program's work in it, and each barrier's latency (the last
     arrival to the first departure). Medians over TRACE_CALLS launches; phases of the same kind
     averaged over the layers. µs."""
-    names = phase_names({**stack_kernel.TUNING, **tuning}, num_layers, project)
+    names = phase_names(stack_kernel.DEPTH.with_keys(tuning), num_layers, project)
     rows = traces(call, programs, 64)
     per_call = []
     for t in rows:
@@ -171,7 +172,7 @@ def inside_breakdown(call, tuning: dict, num_layers: int, programs: int, project
     ``tail`` from there to reaching the next barrier (the epilogue's loads and stores). For the program
     that reaches the barrier last (the one the phase waits for) and the median over programs that
     have items. Medians over TRACE_CALLS launches, kinds averaged over the layers. µs."""
-    names = phase_names({**stack_kernel.TUNING, **tuning}, num_layers, project)
+    names = phase_names(stack_kernel.DEPTH.with_keys(tuning), num_layers, project)
     before = {}  # kind -> the barrier (epoch) each of its phases starts after, in order
     for e, name in enumerate(names):
         before.setdefault(name, []).append(e)
@@ -261,7 +262,8 @@ def main() -> None:
     parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[0]],
                         help="JSON list of tunings to trace besides the default")
     parser.add_argument("--sweep", type=lambda v: json.loads(v), default=SWEEP,
-                        help="JSON list of tunings (changes to the default) to time beside it")
+                        help="JSON list of tunings (changes to the default, by Tuning field name) to time "
+                             "beside it")
     parser.add_argument("--skip-sweep", action="store_true", help="the default tuning and its trace only")
     parser.add_argument("--way", choices=("table", "gather"), default="table",
                         help="table: rows of the projected embedding table (the model's calls 2 .. 31; "
@@ -279,7 +281,7 @@ def main() -> None:
         "commit": os.environ.get("VOXRING_COMMIT")
         or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "sms": torch.cuda.get_device_properties(0).multi_processor_count,
-        "default_tuning": stack_kernel.TUNING,
+        "default_tuning": dataclasses.asdict(stack_kernel.DEPTH),
     }
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_TBps"] = round(bandwidth / 1e12, 3)
@@ -339,7 +341,7 @@ def main() -> None:
                 codes=codes,
                 **inputs,
                 head=head,
-                tuning=tuning,
+                tuning=stack_kernel.DEPTH.with_keys(tuning or {}),
                 num_programs=num_programs,
                 phased=phased,
                 trace=trace,

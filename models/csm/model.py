@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.sampler import sample  # the Triton kernel on CUDA, its eager twin elsewhere
+from kernels.stack_step import BACKBONE, DEPTH, stack_layers, stack_step
 from kernels.stack_step import fits as stack_fits
-from kernels.stack_step import stack_layers, stack_step
 from models.csm.config import CsmConfig
 from models.csm.modules import KVCache, Transformer
 from models.family import FrameInputs, FrameOutputs, PromptSegment
@@ -53,12 +53,14 @@ PROJECTED_INPUTS = True
 # only. Its launches use grid barriers, as the depth decoder's already do (bench/README.md, MPS). Read as
 # graphs are captured; 0 sends every step to ``forward_rows``.
 BACKBONE_STACK_ROWS = 1
-# ``stack_layers``' tiles for the backbone, over ``stack_step.TUNING`` (the depth decoder's): QKV items of
+# ``stack_layers``' tiles for the backbone (``stack_step.BACKBONE``: the depth decoder's with QKV items of
 # 16 rotary pairs, 96 items of 128 KB for 132 programs, one a program, so its rotary tables load before the
 # product, where 8 made 192 items of 64 KB whose tables loaded in each epilogue: a launch's QKV phase 14.5
 # -> 10.75 us, a one-row step 977.3 -> 936.6 us (d7de182); in blocks of 256 (at 512: 600 bytes of spills,
 # 1246.0 us; at 128: 999.4)
-BACKBONE_TUNING = {"BN_QKV": 16, "BK_QKV": 256}
+BACKBONE_TUNING = BACKBONE
+# ``stack_step``'s tuning for the depth decoder's calls.
+DEPTH_TUNING = DEPTH
 # Whether ``pack_weights`` gives the backbone the mlp rows (down's transpose beside gate/up, 537 MB more at
 # csm-1b in bf16), so its one-row ``stack_layers`` steps take ``stack_step``'s MLP_DOWN: 914.6 against 936.6
 # us a step (d7de182), 0.5% of a frame for the memory. Read by ``pack_weights``.
@@ -279,7 +281,7 @@ class CsmTalker(nn.Module):
             inputs_ = dict(src=src, codes=codes, proj=proj, head=head)
             small = rows[0].shape[0] <= STACK_STEP_ROWS
             if small and stack_fits(depth.stack, cache.k, cache.v, *rows, **inputs_):
-                logits = stack_step(depth.stack, cache.k, cache.v, *rows, **inputs_)
+                logits = stack_step(depth.stack, cache.k, cache.v, *rows, **inputs_, tuning=DEPTH_TUNING)
                 return logits.view(b, 2, -1)[:, 1] if pairs else logits
             x = src if codes is None else F.embedding(codes, src)
             out = depth.forward_rows(x if proj is None else F.linear(x, proj), cache, *rows)

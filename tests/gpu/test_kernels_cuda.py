@@ -453,6 +453,7 @@ def test_stack_step_csm_depth_shapes_on_cuda(dtype: torch.dtype, rows: int):
 
 def assert_knob_keeps_the_bits(case, on: dict, off: dict):
     """The one launch with tuning ``on`` equals its phases and the one launch with ``off``, bit for bit."""
+    on, off = dataclasses.replace(stack_kernel.DEPTH, **on), dataclasses.replace(stack_kernel.DEPTH, **off)
     got = stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning=on))
     assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, tuning=on)))
     assert_same_result(got, stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning=off)))
@@ -474,9 +475,10 @@ def test_stack_step_one_row_equals_all_rows_at_csm_depth_shapes_on_cuda(dtype: t
     # the projection too, without the default's row dots, and in whole blocks, without the default's
     # parts): the one launch, its phases and the kernel that norms every padded row agree bit for bit.
     case = make_stack_case(CSM_DEPTH, 25, [(0, 3)], dtype=dtype, way="table")  # depth calls 2 .. 31
-    whole = {name: 1 for name in stack_kernel.TUNING if name.startswith("KQ_")}
+    whole = {f.name: 1 for f in dataclasses.fields(stack_kernel.Tuning) if f.name.startswith("KQ_")}
     one = {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0, **whole}
-    assert stack_kernel.launch_plan(*case.args, **case.inputs, tuning=one)[1]["ONE"]
+    tuning = dataclasses.replace(stack_kernel.DEPTH, **one)
+    assert stack_kernel.launch_plan(*case.args, **case.inputs, tuning=tuning)[1]["ONE"]
     assert_knob_keeps_the_bits(case, one, {"ONE_ROW": 0})
 
 
@@ -487,7 +489,8 @@ def test_stack_step_row_dots_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
     # one launch equals its phases bit for bit. (The output and down products' parts, KQ_O and KQ_DOWN,
     # would take those products instead of the row dots.)
     case = make_stack_case(CSM_DEPTH, 26, [(0, 3)], dtype=dtype, way="table")  # depth calls 2 .. 31
-    dots = {"tuning": {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1, "KQ_O": 1, "KQ_DOWN": 1}}
+    dots = {"tuning": dataclasses.replace(stack_kernel.DEPTH, ONE_ROW=1, ROW_PJ=2, ROW_DOT=1, KQ_O=1,
+                                          KQ_DOWN=1)}
     plan = stack_kernel.launch_plan(*case.args, **case.inputs, **dots)[1]
     assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (1, 2, 2)
     got = stack_run(case, lambda *a, **k: one_launch(*a, **k, **dots))
@@ -507,9 +510,11 @@ def test_stack_step_mlp_down_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
     case = make_stack_case(CSM_DEPTH, 27, [(0, 3)], dtype=dtype, way="table")  # depth calls 2 .. 31
     case = dataclasses.replace(case, weights=stack_kernel.with_mlp_rows(case.weights))
     on = {"MLP_DOWN": 1}
-    assert stack_kernel.launch_plan(*case.args, **case.inputs, tuning=on)[1]["MLP_DOWN"]
+    assert stack_kernel.launch_plan(*case.args, **case.inputs,
+                                    tuning=dataclasses.replace(stack_kernel.DEPTH, **on))[1]["MLP_DOWN"]
     assert_knob_keeps_the_bits(case, on, {"MLP_DOWN": 1, "TMA": 0})
-    got, ref = stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning=on)), stack_reference(case)
+    tuning = dataclasses.replace(stack_kernel.DEPTH, **on)
+    got, ref = stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning=tuning)), stack_reference(case)
     assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[dtype]
     assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
 

@@ -52,8 +52,9 @@ def compile_kernel(tuning: dict | None = None, way: str = "table"):
     table, no projection phase: calls after the first) or "gather" (embedding rows times the
     projection); or "backbone" / "backbone_mlp": ``stack_layers``' launch for csm-1b's backbone at one
     row (a layer's output product and MLP, the next layer's QKV; its attention outside), without or with
-    the mlp rows."""
+    the mlp rows. ``tuning``: changes (by field name) to ``ss.DEPTH``, or for the backbone ``ss.BACKBONE``."""
     backbone = way in ("backbone", "backbone_mlp")
+    tuning = (ss.BACKBONE if backbone else ss.DEPTH).with_keys(tuning or {})
     depth = (LAYERS, HIDDEN, INTER, NUM_Q, NUM_KV, HEAD_DIM, MAX_LEN)
     layers, hidden, inter, num_q, num_kv, d, max_len = BACKBONE if backbone else depth
     weights = ss.StackWeights(

@@ -18,7 +18,7 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import pytest
@@ -34,7 +34,6 @@ if not torch.cuda.is_available():  # the interpreter must be chosen before trito
 
 from kernels import stack_step as ss
 from kernels.latch import KernelLatch
-from models.csm.model import BACKBONE_TUNING
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 NAN = float("nan")
@@ -43,6 +42,12 @@ EPS = 1e-5
 # the roundings of every intermediate the twin rounds (two layers of them), which the kernel repeats.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 TWIN_FP32 = 2e-6  # kernel against twin in fp32
+TUNING_KEYS = [f.name for f in fields(ss.Tuning)]
+
+
+def tuned(changes: dict) -> ss.Tuning:
+    """The default tuning (the depth decoder's) with ``changes`` by field name."""
+    return replace(ss.DEPTH, **changes)
 
 
 @dataclass(frozen=True)
@@ -299,7 +304,7 @@ def test_hoisted_loads_equal_the_per_layer_loads(shape: str, programs: int):
     # most one QKV item and one attention item (16 rows x the kv heads), so both hoisted paths run.
     case = make_case(SHAPES[shape], 14, ROWS["three"], way="gather")
     got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, num_programs=programs))
-    per_layer = {"num_programs": programs, "tuning": {"HOIST": 0}}
+    per_layer = {"num_programs": programs, "tuning": tuned({"HOIST": 0})}
     want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, **per_layer))
     assert torch.equal(got.out, want.out)
     assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
@@ -326,7 +331,7 @@ def test_tunings_equal_the_reference(shape: str, tuning: dict):
     # past the row's end). Split reductions read the first layer's residual from the table's rows.
     way = "table" if tuning.get("KS_O", 1) > 1 else "gather"
     case = make_case(SHAPES[shape], 11, ROWS["three"], way=way)
-    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
+    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned(tuning)))
     ref = reference(case)
     assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
     assert_caches(got, ref, case, TOLERANCE[torch.float32])
@@ -338,9 +343,9 @@ def test_tma_loads_equal_the_pointer_loads(shape: str):
     # item's last output discarded; a program without an item loads a tile it does not use), so the
     # result is the pointer loads' bit for bit. (Hidden 100 in fp32 is 400-byte rows, as TMA needs.)
     case = make_case(SHAPES[shape], 13, ROWS["three"], way="gather")
-    assert ss.launch_plan(*case.args, **case.inputs, tuning={"TMA": 1}, compiled=False)[1]["TMA"]
-    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": 1}))
-    want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": 0}))
+    assert ss.launch_plan(*case.args, **case.inputs, tuning=tuned({"TMA": 1}), compiled=False)[1]["TMA"]
+    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned({"TMA": 1})))
+    want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned({"TMA": 0})))
     assert torch.equal(got.out, want.out)
     assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
     assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
@@ -360,9 +365,9 @@ def test_one_row_norms_equal_the_all_rows_norms(shape: str, way: str):
     for head in (True, False):
         if not head:
             case = replace(case, inputs={**case.inputs, "head": None})
-        assert ss.launch_plan(*case.args, **case.inputs, tuning=PLACED, compiled=False)[1]["ONE"]
-        got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=PLACED))
-        want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"ONE_ROW": 0}))
+        assert ss.launch_plan(*case.args, **case.inputs, tuning=tuned(PLACED), compiled=False)[1]["ONE"]
+        got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned(PLACED)))
+        want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned({"ONE_ROW": 0})))
         assert torch.equal(got.out, want.out)
         assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
         assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
@@ -377,9 +382,9 @@ def test_row_dots_equal_the_reference(shape: str, way: str):
     # (KQ_O > 1 would take the output product in parts instead)
     tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1, "KQ_O": 1}
     case = make_case(SHAPES[shape], 20, ROWS["one"], way=way, head=way != "x")
-    plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)[1]
+    plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuned(tuning), compiled=False)[1]
     assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (1, 2, 2)
-    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
+    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned(tuning)))
     twin, ref = run(case, ss.stack_step_eager), reference(case)
     assert relative_error(got.out, twin.out) <= TWIN_FP32
     assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
@@ -389,7 +394,7 @@ def test_row_dots_equal_the_reference(shape: str, way: str):
 def test_one_row_is_for_calls_of_one_row():
     case = make_case(SHAPES["tiny_depth"], 19, ROWS["three"], way="gather")
     tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1}
-    plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)[1]
+    plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuned(tuning), compiled=False)[1]
     assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (0, 0, 0)
 
 
@@ -430,13 +435,13 @@ def test_mlp_down_descriptors_equal_its_pointer_loads_and_the_mlp_rows_keep_the_
     # mlp rows alone (MLP_DOWN off) change only where gate/up's rows are read: the same bits as without.
     case = make_case(SHAPES[shape], 29, ROWS["one"], way="table")
     packed = with_mlp(case)
-    got = run(packed, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": 1}))
-    want = run(packed, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning={"TMA": 0}))
+    got = run(packed, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned({"TMA": 1})))
+    want = run(packed, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned({"TMA": 0})))
     assert torch.equal(got.out, want.out)
     off = {"MLP_DOWN": 0}
     assert torch.equal(
-        run(packed, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=off)).out,
-        run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=off)).out,
+        run(packed, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned(off))).out,
+        run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned(off))).out,
     )
 
 
@@ -446,13 +451,13 @@ def test_mlp_down_is_for_one_row_calls_whose_weights_carry_the_mlp_rows():
     bare = make_case(SHAPES["tiny_depth"], 19, ROWS["one"], way="table")
 
     def plan(case, **tuning):
-        return ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)[1]
+        return ss.launch_plan(*case.args, **case.inputs, tuning=tuned(tuning), compiled=False)[1]
 
     assert plan(one)["MLP_DOWN"]
     assert not plan(three)["MLP_DOWN"] and not plan(bare)["MLP_DOWN"]
     assert not plan(one, MLP_DOWN=0)["MLP_DOWN"] and not plan(one, ONE_ROW=0)["MLP_DOWN"]
     # its layers run no DOWN phase, and a reduce phase whatever KS_DOWN says
-    phases = ss.layer_phases({**ss.TUNING, "KS_DOWN": 1}, True)
+    phases = ss.layer_phases(tuned({"KS_DOWN": 1}), True)
     assert ss.DOWN not in phases and ss.DOWN_REDUCE in phases
 
 
@@ -464,12 +469,12 @@ def test_one_row_blocks_apply_to_calls_of_one_row_and_equal_the_reference(shape:
     one = with_mlp(make_case(SHAPES[shape], 30, ROWS["one"], way="table"))
     three = make_case(SHAPES[shape], 30, ROWS["three"], way="gather")
     blocks = ("BK", "BK_QKV")
-    plan = ss.launch_plan(*one.args, **one.inputs, tuning=tuning, compiled=False)[1]
+    plan = ss.launch_plan(*one.args, **one.inputs, tuning=tuned(tuning), compiled=False)[1]
     cap = 1 << (SHAPES[shape].hidden - 1).bit_length()  # a block never passes the row's width
     assert [plan[b] for b in blocks] == [min(tuning[b], cap) for b in blocks]
-    plan = ss.launch_plan(*three.args, **three.inputs, tuning=tuning, compiled=False)[1]
+    plan = ss.launch_plan(*three.args, **three.inputs, tuning=tuned(tuning), compiled=False)[1]
     assert [plan[b] for b in blocks] == [32] * 2
-    got, ref = run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning)), reference(one)
+    got, ref = run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned(tuning))), reference(one)
     assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
     assert_caches(got, ref, one, TOLERANCE[torch.float32])
 
@@ -492,12 +497,13 @@ def test_one_row_products_in_parts_equal_the_twin_and_reference(shape: str, tuni
     # not bit for bit); at hidden 100 the last block's parts reach past the row's end. Calls of more rows
     # keep their products (KQ 1 in their plan), bit for bit.
     knobs = {k: v for k, v in tuning.items() if k.startswith("KQ_")}
-    whole = {**tuning, **{k: 1 for k in ss.TUNING if k.startswith("KQ_")}}
+    whole = tuned({**tuning, **{k: 1 for k in TUNING_KEYS if k.startswith("KQ_")}})
+    parts = tuned(tuning)
     way = "gather" if "KQ_PJ" in knobs else "table"  # the projection phase, or the projected table's rows
     one = make_case(SHAPES[shape], 31, ROWS["one"], way=way)
-    plan = ss.launch_plan(*one.args, **one.inputs, tuning=tuning, compiled=False)[1]
+    plan = ss.launch_plan(*one.args, **one.inputs, tuning=parts, compiled=False)[1]
     assert {k: plan[k] for k in knobs} == knobs and plan["TMA"] == bool(tuning.get("TMA", 1))
-    got, twin, ref = run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning)), run(
+    got, twin, ref = run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=parts)), run(
         one, ss.stack_step_eager), reference(one)
     assert relative_error(got.out, twin.out) <= TWIN_FP32
     assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
@@ -505,9 +511,9 @@ def test_one_row_products_in_parts_equal_the_twin_and_reference(shape: str, tuni
     # the parts change the bits (the test would pass on the one-block products otherwise)
     assert not torch.equal(got.out, run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=whole)).out)
     three = make_case(SHAPES[shape], 31, ROWS["three"], way=way)
-    plan = ss.launch_plan(*three.args, **three.inputs, tuning=tuning, compiled=False)[1]
+    plan = ss.launch_plan(*three.args, **three.inputs, tuning=parts, compiled=False)[1]
     assert all(plan[k] == 1 for k in knobs)
-    got = run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuning))
+    got = run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=parts))
     assert torch.equal(got.out, run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=whole)).out)
 
 
@@ -531,13 +537,13 @@ def test_a_tuning_the_kernel_cannot_take_is_refused_by_name(tuning: dict, named:
     # name), and an odd tile would fail inside the compiler.
     case = make_case(SHAPES["tiny_depth"], 15, ROWS["one"], way="gather")
     with pytest.raises(ValueError, match=re.escape(named)):
-        ss.launch_plan(*case.args, **case.inputs, tuning=tuning, compiled=False)
+        ss.launch_plan(*case.args, **case.inputs, tuning=ss.DEPTH.with_keys(tuning), compiled=False)
 
 
 def test_tma_needs_16_byte_rows():
     # 16-bit rows of 100 elements are 200 bytes: the knob falls back to the pointer loads.
     case = make_case(SHAPES["odd"], 13, ROWS["three"], way="gather").to(torch.float16)
-    assert not ss.launch_plan(*case.args, **case.inputs, tuning={"TMA": 1}, compiled=False)[1]["TMA"]
+    assert not ss.launch_plan(*case.args, **case.inputs, tuning=tuned({"TMA": 1}), compiled=False)[1]["TMA"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16] if DEVICE == "cpu" else [torch.float16, torch.bfloat16])
@@ -742,7 +748,7 @@ def test_stack_layers_with_the_mlp_rows_takes_mlp_down_at_one_row(shape: str):
     assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
     assert_caches(got, ref, case, TOLERANCE[torch.float32])
     # MLP_DOWN off: a DOWN phase and its reduce instead; another summation order, within tolerance
-    off = run(case, lambda *a, head=None, **k: ss.stack_layers_triton(*a, **k, tuning={"MLP_DOWN": 0}))
+    off = run(case, lambda *a, head=None, **k: ss.stack_layers_triton(*a, **k, tuning=tuned({"MLP_DOWN": 0})))
     assert not torch.equal(off.out, got.out)
     assert relative_error(off.out, ref.out) <= TOLERANCE[torch.float32]
 
@@ -863,7 +869,7 @@ def test_a_failing_kernel_trips_the_latch_and_the_twin_serves(fresh_latch, monke
     ("tuning", "way", "dtype"),
     [({}, "table", "bf16"), ({"TMA": 0}, "table", "bf16"), ({"ONE_ROW": 0}, "table", "bf16"),
      ({}, "gather", "bf16"), ({"ONE_ROW": 0}, "gather", "fp32"),
-     (BACKBONE_TUNING, "backbone", "bf16")],  # stack_layers' launch for the backbone
+     ({}, "backbone", "bf16")],  # stack_layers' launch for the backbone (at ss.BACKBONE)
     ids=["default", "pointer_loads", "all_rows", "projection", "fp32_all_rows", "backbone"],
 )
 def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(
@@ -883,7 +889,7 @@ def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["barrier_atomics"] and report["pipelined_loads"]
     # TMA: the dual products' weight tiles arrive as bulk tensor copies (QKV's and gate/up's, pipelined)
-    assert (report["tma_copies"] > 0) == bool({**ss.TUNING, **tuning}["TMA"]), report
+    assert (report["tma_copies"] > 0) == bool(tuned(tuning).TMA), report
     # the wait acquires: an acquire atomic of 0 with its result unused would be compiled away
     assert report["acquire_waits"] > 0, report
     assert report["shared_bytes"] <= 227 * 1024  # the H200's shared memory per block
