@@ -19,7 +19,7 @@ GPU only (about 4 minutes on one H200).
    then depth calls 2 .. 31 reading rows of the projected embedding tables (the default). (A
    stage with nested product loops, an item loop around each pipelined reduction, ran at
    2530d3e: `results/talker_fusion_stack_step.json`; it was as fast and was removed.)
-   ``--tunings '[{"HOIST": 0}, ...]'``: the default stage again with each stack_step tuning
+   ``--tunings '[{"BN_QKV": 16}, ...]'``: the default stage again with each stack_step tuning
    (``candidates`` in the JSON), then the default once more; the sampled and whole-step timings
    below stay the default's. A candidate may also set "backbone_rows" (backbone steps of up to that
    many rows through ``stack_layers``; 1 by default), "backbone_tuning" (its tiles) and

@@ -90,8 +90,8 @@ def launch_trace(stack, cache, rows, x, tuning: stack_kernel.Tuning) -> dict:
     args, static, grid, _, tune = stack_kernel.launch_plan(
         stack, cache.k, cache.v, *rows, x=work, tuning=tuning, trace=trace, q=q, attn=attn
     )
-    names = {stack_kernel.OUT_PROJ: "OUT_PROJ", stack_kernel.OUT_PROJ_REDUCE: "OUT_PROJ_REDUCE",
-             stack_kernel.MLP: "MLP", stack_kernel.DOWN: "DOWN", stack_kernel.DOWN_REDUCE: "DOWN_REDUCE"}
+    names = {stack_kernel.OUT_PROJ: "OUT_PROJ", stack_kernel.MLP: "MLP", stack_kernel.DOWN: "DOWN",
+             stack_kernel.DOWN_REDUCE: "DOWN_REDUCE"}
     after = [p for p in stack_kernel.layer_phases(tune, static["MLP_DOWN"]) if p in names]
     phases = [names[p] for p in after] + ["QKV (next layer)"]
     samples = []

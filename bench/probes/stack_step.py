@@ -43,10 +43,10 @@ from kernels import stack_step as stack_kernel
 
 ROWS = [1, 8, 16]
 CALLS = 31
-SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
-    # gate/up and down in two phases again, MLP_DOWN's predecessor, as the reference (135.0, 133.7 and 133.7
-    # us against 126.9, 125.3 and 125.3 in f5c2bf5 and fb5e923)
-    {"MLP_DOWN": 0},
+SWEEP = [  # changes to the default tuning, by field name, and "mlp_rows" (earlier sweeps: bench/NOTES.md)
+    # the stack without its mlp rows: gate/up and down in two phases again, MLP_DOWN's predecessor, as the
+    # reference (what {"MLP_DOWN": 0} was)
+    {"mlp_rows": 0},
 ]
 TRACE_CALLS = 20
 
@@ -91,7 +91,7 @@ def phase_profile(call, num_layers: int, project: bool) -> dict:
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and "stack_step" in e.name
     ]
-    names = phase_names(stack_kernel.DEPTH, 1, False)[:-1]  # one layer's phases
+    names = phase_names(stack_kernel.DEPTH, 1, False, True)[:-1]  # one layer's phases
     if len(times) != project + 1 + num_layers * len(names):
         return {"note": f"{len(times)} launches in the trace"}
     per = {"PJ": times[0]} if project else {}
@@ -102,13 +102,19 @@ def phase_profile(call, num_layers: int, project: bool) -> dict:
     return {k: round(v, 2) for k, v in per.items()}
 
 
-def phase_names(tuning: stack_kernel.Tuning, num_layers: int, project: bool) -> list[str]:
+def sweep_entry(entry: dict) -> tuple[stack_kernel.Tuning, bool]:
+    """A sweep entry's tuning (its keys other than "mlp_rows": changes to DEPTH by field name) and whether
+    the stack keeps its mlp rows ("mlp_rows", default 1: at one row they make the call MLP_DOWN's)."""
+    changes = {k: v for k, v in entry.items() if k != "mlp_rows"}
+    return stack_kernel.DEPTH.with_keys(changes), bool(entry.get("mlp_rows", 1))
+
+
+def phase_names(tuning: stack_kernel.Tuning, num_layers: int, project: bool, mlp_down: bool) -> list[str]:
     """The phase before each barrier of one launch of one row, in order, then the last (``OUT``);
-    ``PJ`` first where the call projects its rows."""
+    ``PJ`` first where the call projects its rows; ``mlp_down``: the stack has its mlp rows."""
     k = stack_kernel
-    names = {k.QKV: "QKV", k.ATT: "ATT", k.OUT_PROJ: "OUT_PROJ", k.OUT_PROJ_REDUCE: "OUT_PROJ_REDUCE",
-             k.MLP: "MLP", k.DOWN: "DOWN", k.DOWN_REDUCE: "DOWN_REDUCE"}
-    mlp_down = bool(tuning.MLP_DOWN and tuning.ONE_ROW)  # the probe's stack has the mlp rows
+    names = {k.QKV: "QKV", k.ATT: "ATT", k.OUT_PROJ: "OUT_PROJ", k.MLP: "MLP", k.DOWN: "DOWN",
+             k.DOWN_REDUCE: "DOWN_REDUCE"}
     layer = [names[phase] for phase in k.layer_phases(tuning, mlp_down)]
     return ["PJ"] * project + [*layer * num_layers, "OUT"]
 
@@ -132,7 +138,7 @@ def trace_breakdown(call, tuning: dict, num_layers: int, programs: int, project:
     it (span), the median and slowest program's work in it, and each barrier's latency (the last
     arrival to the first departure). Medians over TRACE_CALLS launches; phases of the same kind
     averaged over the layers. µs."""
-    names = phase_names(stack_kernel.DEPTH.with_keys(tuning), num_layers, project)
+    names = phase_names(*sweep_entry(tuning), num_layers, project)
     rows = traces(call, programs, 64)
     per_call = []
     for t in rows:
@@ -172,7 +178,7 @@ def inside_breakdown(call, tuning: dict, num_layers: int, programs: int, project
     ``tail`` from there to reaching the next barrier (the epilogue's loads and stores). For the program
     that reaches the barrier last (the one the phase waits for) and the median over programs that
     have items. Medians over TRACE_CALLS launches, kinds averaged over the layers. µs."""
-    names = phase_names(stack_kernel.DEPTH.with_keys(tuning), num_layers, project)
+    names = phase_names(*sweep_entry(tuning), num_layers, project)
     before = {}  # kind -> the barrier (epoch) each of its phases starts after, in order
     for e, name in enumerate(names):
         before.setdefault(name, []).append(e)
@@ -290,6 +296,7 @@ def main() -> None:
     model.pack_weights()
     depth = model.depth_decoder.model
     stack = depth.stack
+    stack_without_mlp_rows = dataclasses.replace(stack, gate_up=stack.gate_up.contiguous(), mlp=None)
     vocab = model.config.audio_vocab_size
     table = depth.embed_tokens.weight[3 * vocab : 4 * vocab]
     projected = model._depth_inputs[2]  # codebook 3's table, projected
@@ -333,15 +340,16 @@ def main() -> None:
         def kernel(tuning=None, num_programs=None, phased=False, codes=codes, rows=rows, trace=None,
                    project=project):
             inputs = dict(src=table, proj=proj) if project else dict(src=projected)
+            tune, mlp_rows = sweep_entry(tuning or {})
             return stack_kernel.stack_step_triton(
-                stack,
+                stack if mlp_rows else stack_without_mlp_rows,
                 cache.k,
                 cache.v,
                 *rows,
                 codes=codes,
                 **inputs,
                 head=head,
-                tuning=stack_kernel.DEPTH.with_keys(tuning or {}),
+                tuning=tune,
                 num_programs=num_programs,
                 phased=phased,
                 trace=trace,

@@ -50,20 +50,25 @@ from kernels.stack_step.kernel import (
     LAYER_PHASES,
     MLP,
     OUT_PROJ,
-    OUT_PROJ_REDUCE,
     QKV,
     _stack_step_kernel,
 )
-from kernels.stack_step.launch import launch_plan, layer_phases, stack_layers_triton, stack_step_triton
+from kernels.stack_step.launch import (
+    derive_paths,
+    launch_plan,
+    layer_phases,
+    stack_layers_triton,
+    stack_step_triton,
+)
 from kernels.stack_step.trace import MARK_DOWN, MARK_HEAD, MARK_MLP, MARK_O, MARK_PJ, MARK_QKV
-from kernels.stack_step.tuning import BACKBONE, DEPTH, Tuning
+from kernels.stack_step.tuning import BACKBONE, DEPTH, Paths, Tuning
 from kernels.stack_step.twin import stack_step_eager
 from kernels.stack_step.weights import MAX_KEYS, MAX_ROWS, StackWeights, check, with_mlp_rows
 
 __all__ = [
     "ALL_LAYER_PHASES", "ATT", "BACKBONE", "DEPTH", "DOWN", "DOWN_REDUCE", "LATCH", "LAYER_PHASES",
     "MARK_DOWN", "MARK_HEAD", "MARK_MLP", "MARK_O", "MARK_PJ", "MARK_QKV", "MAX_KEYS", "MAX_ROWS", "MLP",
-    "OUT_PROJ", "OUT_PROJ_REDUCE", "QKV", "StackWeights", "Tuning", "_stack_step_kernel", "check",
+    "OUT_PROJ", "QKV", "Paths", "StackWeights", "Tuning", "_stack_step_kernel", "check", "derive_paths",
     "fault_counter", "faults", "fits", "kernel_device", "launch_plan", "layer_phases", "stack_layers",
     "stack_layers_triton", "stack_step", "stack_step_eager", "stack_step_triton", "with_mlp_rows",
 ]

@@ -28,9 +28,10 @@ from kernels.stack_step.trace import (
     _mark_after,
 )
 
-# Phases within a layer (bit i of the ``PHASES`` mask); the reduce phases run only with split products
-QKV, ATT, OUT_PROJ, MLP, DOWN, OUT_PROJ_REDUCE, DOWN_REDUCE = 1, 2, 4, 8, 16, 32, 64
-LAYER_PHASES = (QKV, ATT, OUT_PROJ, OUT_PROJ_REDUCE, MLP, DOWN, DOWN_REDUCE)
+# Phases within a layer, as bits of the ``phases`` mask (32 is free); the reduce phase runs only with a
+# split down product (KS_DOWN > 1) or MLP_DOWN's parts
+QKV, ATT, OUT_PROJ, MLP, DOWN, DOWN_REDUCE = 1, 2, 4, 8, 16, 64
+LAYER_PHASES = (QKV, ATT, OUT_PROJ, MLP, DOWN, DOWN_REDUCE)
 ALL_LAYER_PHASES = sum(LAYER_PHASES)
 
 
@@ -107,7 +108,6 @@ def _stack_step_kernel(
     KQ_MLP: tl.constexpr,
     KQ_DOWN: tl.constexpr,
     RSTD_BK: tl.constexpr,
-    KS_O: tl.constexpr,
     KS_DOWN: tl.constexpr,
     NUM_OUT: tl.constexpr,
     NPROG: tl.constexpr,
@@ -119,9 +119,7 @@ def _stack_step_kernel(
     TRACE_IN: tl.constexpr,
     TRACE_SLOTS: tl.constexpr,
     TMA: tl.constexpr,
-    HOIST: tl.constexpr,
     ONE: tl.constexpr,
-    ONE_PJ: tl.constexpr,
     ONE_PLAIN: tl.constexpr,
     MLP_DOWN: tl.constexpr,
     OUTSIDE_ATT: tl.constexpr,
@@ -152,7 +150,7 @@ def _stack_step_kernel(
             src_first = src_ptr
         _flat_single(
             src_rows, src_first, row_ok, src_rows, src_rows, proj_ptr, x_ptr, src_rows, part_ptr, pid,
-            trace_row, MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, ONE_PJ, False, KQ_PJ, dtype, OPAQUE,
+            trace_row, MARK_PJ, H, HIN, 1, NPROG, BM, BN, BK, False, ONE_PLAIN, False, KQ_PJ, dtype, OPAQUE,
             UPCAST, TRACE_IN,
         )
         epoch += 1
@@ -166,16 +164,15 @@ def _stack_step_kernel(
     else:
         in_rows = h_rows
         in_first = x_ptr
-    # HOIST: what stays the same through the layers loads once, here (the rows' positions and slots, the
-    # rotary tables of this program's QKV item, its attention item's slot and length), not on every
-    # layer's path
+    # What stays the same through the layers loads once, here (the rows' positions and slots, the rotary
+    # tables of this program's QKV item, its attention item's slot and length), not on every layer's path
     pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
     slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
     c1, c2, s1, s2 = _early_tables(
-        cos_ptr, sin_ptr, pos, row_ok, pid, NUM_Q, NUM_KV, D // 2, NPROG, BM, BN_QKV, HOIST, dtype, OPAQUE
+        cos_ptr, sin_ptr, pos, row_ok, pid, NUM_Q, NUM_KV, D // 2, NPROG, BM, BN_QKV, dtype, OPAQUE
     )
     zeros = tl.zeros([BM, BN_WIDE], tl.float32)
-    PRE_ATT: tl.constexpr = HOIST and BM * NUM_KV <= NPROG  # at most one attention item a program
+    PRE_ATT: tl.constexpr = BM * NUM_KV <= NPROG  # at most one attention item a program
     att_slot, att_len = _attention_item(slot_ptr, len_ptr, n_rows, max_len, pid, NUM_KV, PRE_ATT)
     layer = layer_begin
     while layer < layer_end:
@@ -196,15 +193,12 @@ def _stack_step_kernel(
         if (mask & 1) != 0:  # QKV
             rstd = _rstd(rows_in, row_ok, eps, H, BM, RSTD_BK)
             _mark_after(trace_row, MARK_QKV + 2 * layer, 0, rstd, TRACE_IN)
-            if not HOIST:  # the rows' positions and slots again in every layer
-                pos = tl.load(pos_ptr + m, mask=row_ok, other=0)
-                slot = tl.load(slot_ptr + m, mask=row_ok, other=0)
             _flat_dual(
                 rows_in, first_in, row_ok, rstd, ln1_ptr + layer * H,
                 qkv_ptr + layer * ((NUM_Q + 2 * NUM_KV) * D * H), qkv_desc,
                 layer * ((NUM_Q + 2 * NUM_KV) * D), pid, cos_ptr, sin_ptr, pos, slot, c1, c2, s1,
                 s2, q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_QKV + 2 * layer,
-                H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK_QKV, False, TMA, ONE, HOIST, KQ_QKV,
+                H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_QKV, BK_QKV, False, TMA, ONE, KQ_QKV,
                 dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
             )
             epoch += 1
@@ -221,15 +215,11 @@ def _stack_step_kernel(
             a_rows = attn_ptr + m * (NUM_Q * D)
             _flat_single(
                 a_rows, attn_ptr, row_ok, a_rows, a_rows, o_ptr + layer * (H * NUM_Q * D), x_ptr, rows_in,
-                part_ptr, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, KS_O, NPROG, BM, BN, BK, False,
+                part_ptr, pid, trace_row, MARK_O + 2 * layer, H, NUM_Q * D, 1, NPROG, BM, BN, BK, False,
                 ONE_PLAIN, True, KQ_O, dtype, OPAQUE, UPCAST, TRACE_IN,
             )
             epoch += 1
             _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, 4, OUTSIDE_ATT, SYNC, TRACE)
-        if KS_O > 1 and (mask & 32) != 0:  # OUT_PROJ_REDUCE
-            _phase_reduce(x_ptr, rows_in, part_ptr, n_rows, pid, nprog, H, KS_O, BM, BN, dtype, OPAQUE)
-            epoch += 1
-            _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, 32, OUTSIDE_ATT, SYNC, TRACE)
         if (mask & 8) != 0:  # MLP
             rstd = _rstd(h_rows, row_ok, eps, H, BM, RSTD_BK)
             _mark_after(trace_row, MARK_MLP + 2 * layer, 0, rstd, TRACE_IN)
@@ -245,7 +235,7 @@ def _stack_step_kernel(
                     h_rows, x_ptr, row_ok, rstd, ln2_ptr + layer * H, gu_ptr + layer * (GU_ROWS * H), gu_desc,
                     layer * GU_ROWS, pid, cos_ptr, sin_ptr, m, m, zeros, zeros, zeros, zeros,
                     q_ptr, kc, vc, stride_cs, stride_cl, stride_ch, act_ptr, trace_row, MARK_MLP + 2 * layer,
-                    H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, ONE, HOIST, KQ_MLP,
+                    H, NUM_Q, NUM_KV, D // 2, INTER, NPROG, BM, BN_WIDE, BK, True, TMA, ONE, KQ_MLP,
                     dtype, OPAQUE, UPCAST, LIBDEVICE, TRACE_IN,
                 )
             epoch += 1

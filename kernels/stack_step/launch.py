@@ -25,11 +25,10 @@ from kernels.stack_step.kernel import (
     DOWN,
     DOWN_REDUCE,
     LAYER_PHASES,
-    OUT_PROJ_REDUCE,
     QKV,
     _stack_step_kernel,
 )
-from kernels.stack_step.tuning import DEPTH, Tuning
+from kernels.stack_step.tuning import DEPTH, Paths, Tuning
 from kernels.stack_step.weights import MAX_ROWS, StackWeights, check
 
 
@@ -45,11 +44,12 @@ def stack_step_triton(
     positions: torch.Tensor, lengths: torch.Tensor, *, x: torch.Tensor | None = None,
     src: torch.Tensor | None = None, codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
     head: torch.Tensor | None = None, phased: bool | None = None, num_programs: int | None = None,
-    tuning: Tuning = DEPTH, trace: torch.Tensor | None = None,
+    tuning: Tuning = DEPTH, trace: torch.Tensor | None = None, paths: Paths | None = None,
 ) -> torch.Tensor:
     """The kernel, with the twin's arguments and result. ``phased`` (default: under the interpreter)
     launches phase by phase instead of once with grid barriers; ``num_programs`` overrides the
-    grid (default one per SM); ``tuning`` the tiles (benchmarks); ``trace`` (int64
+    grid (default one per SM); ``tuning`` the tiles (benchmarks); ``paths`` (tests) the code paths
+    instead of those the call's inputs decide; ``trace`` (int64
     [programs, 64, 2], the one launch only) receives each program's global-timer ns at the start
     ([p, 0, 1]), on reaching and leaving barrier e ([p, e, 0] and [p, e, 1]) and at the end
     ([p, barriers + 1, 0]), for a benchmark's breakdown of a call; with [programs, 128, 2] also the
@@ -62,6 +62,7 @@ def stack_step_triton(
     args, static, grid, out, tune = launch_plan(
         weights, k_cache, v_cache, slots, positions, lengths, x=x, src=src, codes=codes, proj=proj, head=head,
         num_programs=num_programs, tuning=tuning, compiled=weights.qkv.is_cuda and not interpret, trace=trace,
+        paths=paths,
     )
     # run_pj, layer_begin, layer_end, phases, next_phases, tail, run_out
     everything = (1, 0, weights.num_layers, ALL_LAYER_PHASES, ALL_LAYER_PHASES, 0, 1)
@@ -145,8 +146,7 @@ def layer_phases(tune: Tuning, mlp_down: bool) -> tuple[int, ...]:
     return tuple(
         phase
         for phase in LAYER_PHASES
-        if (phase != OUT_PROJ_REDUCE or tune.KS_O > 1)
-        and (phase != DOWN or not mlp_down)
+        if (phase != DOWN or not mlp_down)
         and (phase != DOWN_REDUCE or tune.KS_DOWN > 1 or mlp_down)
     )
 
@@ -157,14 +157,15 @@ def launch_plan(
     src: torch.Tensor | None = None, codes: torch.Tensor | None = None, proj: torch.Tensor | None = None,
     head: torch.Tensor | None = None, num_programs: int | None = None, tuning: Tuning = DEPTH,
     compiled: bool = True, trace: torch.Tensor | None = None, q: torch.Tensor | None = None,
-    attn: torch.Tensor | None = None,
+    attn: torch.Tensor | None = None, paths: Paths | None = None,
 ) -> tuple[tuple, dict, tuple[int], torch.Tensor, Tuning]:
     """The kernel's arguments (scratch and output allocated on the weights' device), its static
     parameters, the grid, the output and the tuning in force: shapes and dtypes decide everything,
     so the tests can compile the GPU's kernel from meta tensors. ``compiled``: for a GPU (PTX
     rounding and libdevice), not the interpreter. ``q`` and ``attn`` [N, Hq D]: the caller's buffers for
     the rotated queries and the attention rows (``stack_layers``: its attention kernels read and write them),
-    which also switches the plan to OUTSIDE_ATT launches; else scratch."""
+    which also switches the plan to OUTSIDE_ATT launches; else scratch. ``paths`` (tests): the code paths
+    to take instead of those ``derive_paths`` gives the call."""
     device = weights.qkv.device
     rows, hidden, d = slots.shape[0], weights.hidden, weights.head_dim
     hq, hkv, inter, dtype = weights.num_q_heads, weights.num_kv_heads, weights.intermediate, weights.qkv.dtype
@@ -176,25 +177,23 @@ def launch_plan(
     q = torch.empty(rows, hq * d, dtype=dtype, device=device) if q is None else q
     act = torch.empty(rows, inter, dtype=dtype, device=device)
     # a split must cut the reduction into equal parts
-    tune = replace(tuning, KS_O=1 if hq * d % tuning.KS_O else tuning.KS_O,
-                   KS_DOWN=1 if inter % tuning.KS_DOWN else tuning.KS_DOWN)
+    tune = replace(tuning, KS_DOWN=1 if inter % tuning.KS_DOWN else tuning.KS_DOWN)
     grid = (num_programs or _num_programs(device),)
     attn = torch.empty_like(q) if attn is None else attn
-    one = bool(tune.ONE_ROW) and rows == 1
-    # MLP_DOWN: calls of one row, where the weights carry down's transpose beside gate/up (``mlp``)
-    mlp_down = bool(tune.MLP_DOWN) and one and weights.mlp is not None
-    items = -(-inter // tune.BN_WIDE)  # MLP_DOWN's parts: one per item of the fused product
-    part = torch.empty(
-        max(tune.KS_O * MAX_ROWS, tune.KS_DOWN * MAX_ROWS, items if mlp_down else 0), hidden,
-        dtype=torch.float32, device=device,
-    )
-    num_out = hidden if head is None else head.shape[0]
-    out = torch.empty(rows, num_out, dtype=dtype, device=device)
     # gate/up's rows: those of ``mlp`` where the weights have it (each layer's gate, up and down's
     # transpose: 3 INTER rows a layer), else gate_up's (2 INTER a layer)
     gate_up = weights.mlp if weights.mlp is not None else weights.gate_up
+    derived = derive_paths(weights, rows)
+    paths = derived if paths is None else _forced(paths, derived)
+    one, mlp_down = paths.one_row, paths.mlp_down
+    items = -(-inter // tune.BN_WIDE)  # MLP_DOWN's parts: one per item of the fused product
+    part = torch.empty(
+        max(tune.KS_DOWN * MAX_ROWS, items if mlp_down else 0), hidden, dtype=torch.float32, device=device
+    )
+    num_out = hidden if head is None else head.shape[0]
+    out = torch.empty(rows, num_out, dtype=dtype, device=device)
     blocks = _blocks(tune, hidden, one)
-    tma, descriptors = _descriptors(weights, gate_up, tune, blocks)
+    descriptors = _descriptors(weights, gate_up, tune, blocks, paths.tma)
     trace_slots = _trace_slots(trace, weights, tune, grid[0], device, compiled, outside, proj, mlp_down)
     args = (
         src if src is not None else residual, src.stride(0) if src is not None else 0,
@@ -212,14 +211,12 @@ def launch_plan(
         BLOCK_L=min(64 if dtype != torch.float32 else 32, max(16, triton.next_power_of_2(k_cache.shape[2]))),
         BM=MAX_ROWS, BN=tune.BN, BN_QKV=tune.BN_QKV, BN_WIDE=tune.BN_WIDE, BN_DOWN=tune.BN_DOWN,
         BN_HEAD=tune.BN_HEAD, **blocks, **_parts(tune, blocks, one),
-        TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=tma,
-        HOIST=bool(tune.HOIST), ONE=int(one), ONE_PJ=int(tune.ROW_PJ) if one else 0,
-        ONE_PLAIN=2 * bool(tune.ROW_DOT) if one else 0,
-        MLP_DOWN=mlp_down, OUTSIDE_ATT=outside, GU_ROWS=gate_up.shape[1],
-        PARTS_PAD=triton.next_power_of_2(items), KS_O=tune.KS_O, KS_DOWN=tune.KS_DOWN, NUM_OUT=num_out,
-        NPROG=grid[0], PROJECT=proj is not None, GATHER=codes is not None, HEAD=head is not None,
-        OPAQUE=compiled, UPCAST=not compiled and dtype == torch.bfloat16, LIBDEVICE=compiled,
-        **_launch_options(tune, dtype),
+        TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=paths.tma,
+        ONE=int(one), ONE_PLAIN=2 if paths.row_dots else 0, MLP_DOWN=mlp_down, OUTSIDE_ATT=outside,
+        GU_ROWS=gate_up.shape[1], PARTS_PAD=triton.next_power_of_2(items), KS_DOWN=tune.KS_DOWN,
+        NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None, GATHER=codes is not None,
+        HEAD=head is not None, OPAQUE=compiled, UPCAST=not compiled and dtype == torch.bfloat16,
+        LIBDEVICE=compiled, **_launch_options(tune, dtype),
     )
     static["STAGES"] = static["num_stages"]  # MLP_DOWN's loop asks for them by name (tl.range)
     return args, static, grid, out, tune
@@ -241,18 +238,38 @@ def _parts(tune: Tuning, blocks: dict[str, int], one: bool) -> dict[str, int]:
     return parts
 
 
-def _descriptors(
-    weights: StackWeights, gate_up: torch.Tensor, tune: Tuning, blocks: dict[str, int]
-) -> tuple[bool, tuple]:
-    """TMA: the dual products' weight tiles through tensor descriptors, where their rows are 16-byte
-    aligned (as the hardware needs); else the pointer loads (the descriptors' places get the weights)."""
-    hidden = weights.hidden
-    tma = bool(tune.TMA) and all(
-        w.data_ptr() % 16 == 0 and hidden * w.element_size() % 16 == 0 for w in (weights.qkv, gate_up)
+def derive_paths(weights: StackWeights, rows: int) -> Paths:
+    """The code paths a call takes: a call of one row loads and norms only that row and multiplies the
+    unnormed products as row dots, and with the mlp rows runs MLP_DOWN; the dual products' weight tiles go
+    through tensor descriptors (TMA) where their rows are 16-byte aligned, as the hardware needs."""
+    one = rows == 1
+    gate_up = weights.mlp if weights.mlp is not None else weights.gate_up
+    tma = all(
+        w.data_ptr() % 16 == 0 and weights.hidden * w.element_size() % 16 == 0 for w in (weights.qkv, gate_up)
     )
+    return Paths(one_row=one, row_dots=one, mlp_down=one and weights.mlp is not None, tma=tma)
+
+
+def _forced(paths: Paths, derived: Paths) -> Paths:
+    """A test's paths, or ValueError where the call cannot take them."""
+    if (paths.one_row and not derived.one_row) or (paths.tma and not derived.tma) or (
+        paths.mlp_down and not derived.mlp_down
+    ):
+        raise ValueError(f"stack_step: this call cannot take {paths} (its own: {derived})")
+    if (paths.row_dots or paths.mlp_down) and not paths.one_row:
+        raise ValueError(f"stack_step: row dots and MLP_DOWN are for one_row calls, got {paths}")
+    return paths
+
+
+def _descriptors(
+    weights: StackWeights, gate_up: torch.Tensor, tune: Tuning, blocks: dict[str, int], tma: bool
+) -> tuple:
+    """With TMA the dual products' weights as tensor descriptors of the tuning's tiles; else the
+    pointer loads' weights (the descriptors' places get the weights)."""
     if not tma:
-        return False, (weights.qkv, gate_up)
-    return True, (
+        return weights.qkv, gate_up
+    hidden = weights.hidden
+    return (
         TensorDescriptor.from_tensor(weights.qkv.reshape(-1, hidden), [tune.BN_QKV, blocks["BK_QKV"]]),
         TensorDescriptor.from_tensor(gate_up.reshape(-1, hidden), [tune.BN_WIDE, blocks["BK"]]),
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.stack_step.rotary import _qkv_store, _rope_tables
+from kernels.stack_step.rotary import _qkv_store
 from kernels.stack_step.trace import _mark
 from kernels.tl_common import dot, round_to, silu
 
@@ -217,7 +217,7 @@ def _flat_dual(
     H: tl.constexpr,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, INTER: tl.constexpr, NPROG: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MLP: tl.constexpr, TMA: tl.constexpr,
-    ONE: tl.constexpr, HOIST: tl.constexpr, KQ: tl.constexpr, dtype: tl.constexpr,
+    ONE: tl.constexpr, KQ: tl.constexpr, dtype: tl.constexpr,
     OPAQUE: tl.constexpr, UPCAST: tl.constexpr, LIBDEVICE: tl.constexpr, TRACE_IN: tl.constexpr,
 ):
     """The two paired products as one flat loop (see ``_flat_single``), RMS-normed operand: the QKV
@@ -236,15 +236,9 @@ def _flat_dual(
     BLOCKS: tl.constexpr = (HALF + BN - 1) // BN
     ITEMS: tl.constexpr = ((INTER + BN - 1) // BN) if MLP else (NUM_Q + 2 * NUM_KV) * BLOCKS
     KI: tl.constexpr = (H + BK - 1) // BK
-    # QKV with at most one item a program (item pid): its rotary tables load before the product, so
-    # the epilogue does not wait on them;
-    # with HOIST they were loaded once at the launch's start (``_early_tables``: c1, c2, s1, s2)
+    # QKV with at most one item a program (item pid): its rotary tables were loaded once, at the launch's
+    # start (``_early_tables``: c1, c2, s1, s2), so the epilogue does not wait on them
     EARLY: tl.constexpr = (not MLP) and ITEMS <= NPROG
-    if EARLY and not HOIST:
-        head0 = pid // BLOCKS
-        j0 = (pid % BLOCKS) * BN + tl.arange(0, BN)
-        ok0 = row_ok[:, None] & ((j0 < HALF) & (pid < ITEMS) & (head0 < NUM_Q + NUM_KV))[None, :]
-        c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, pos, j0, ok0, HALF, dtype, OPAQUE)
     rs = _first(rstd, m, ONE)
     acc1 = tl.zeros([BM, WN], tl.float32)
     acc2 = tl.zeros([BM, WN], tl.float32)

@@ -23,14 +23,13 @@ def _rope_tables(cos_ptr, sin_ptr, pos, j, ok, HALF: tl.constexpr, dtype: tl.con
 @triton.jit
 def _early_tables(cos_ptr, sin_ptr, pos, row_ok, pid, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
                   HALF: tl.constexpr, NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  HOIST: tl.constexpr, dtype: tl.constexpr, OPAQUE: tl.constexpr):
-    """With HOIST, the rotary tables of this program's QKV item (item pid) when QKV has at most one item
-    a program, else zeros (``_flat_dual`` or ``_qkv_store`` then loads them): rows keep their positions
-    through a call, so the tables are the same in every layer and load once, at the launch's start,
-    off the layers' path."""
+                  dtype: tl.constexpr, OPAQUE: tl.constexpr):
+    """The rotary tables of this program's QKV item (item pid) when QKV has at most one item a program,
+    else zeros (``_qkv_store`` then loads them): rows keep their positions through a call, so the tables
+    are the same in every layer and load once, at the launch's start, off the layers' path."""
     BLOCKS: tl.constexpr = (HALF + BN - 1) // BN
     ITEMS: tl.constexpr = (NUM_Q + 2 * NUM_KV) * BLOCKS
-    if HOIST and ITEMS <= NPROG:
+    if ITEMS <= NPROG:
         head0 = pid // BLOCKS
         j0 = (pid % BLOCKS) * BN + tl.arange(0, BN)
         ok0 = row_ok[:, None] & ((j0 < HALF) & (pid < ITEMS) & (head0 < NUM_Q + NUM_KV))[None, :]

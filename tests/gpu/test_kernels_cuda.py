@@ -451,48 +451,55 @@ def test_stack_step_csm_depth_shapes_on_cuda(dtype: torch.dtype, rows: int):
     assert stack_kernel.faults("cuda") == 0
 
 
+def launch_args(case, tuning: dict | None = None, paths: dict | None = None) -> dict:
+    """A launch's tuning (changes to DEPTH) and code paths (changes to those the case's call takes)."""
+    own = stack_kernel.derive_paths(case.weights, case.slots.shape[0])
+    return dict(tuning=dataclasses.replace(stack_kernel.DEPTH, **(tuning or {})),
+                paths=dataclasses.replace(own, **(paths or {})))
+
+
 def assert_knob_keeps_the_bits(case, on: dict, off: dict):
-    """The one launch with tuning ``on`` equals its phases and the one launch with ``off``, bit for bit."""
-    on, off = dataclasses.replace(stack_kernel.DEPTH, **on), dataclasses.replace(stack_kernel.DEPTH, **off)
-    got = stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning=on))
-    assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, tuning=on)))
-    assert_same_result(got, stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning=off)))
+    """The one launch with ``on`` (``launch_args``' arguments) equals its phases and the one launch with
+    ``off``, bit for bit."""
+    on, off = launch_args(case, **on), launch_args(case, **off)
+    got = stack_run(case, lambda *a, **k: one_launch(*a, **k, **on))
+    assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, **on)))
+    assert_same_result(got, stack_run(case, lambda *a, **k: one_launch(*a, **k, **off)))
     assert stack_kernel.faults("cuda") == 0
 
 
 @pytest.mark.parametrize("rows", [1, 8])
 def test_stack_step_tma_equals_pointer_loads_at_csm_depth_shapes_on_cuda(rows: int):
-    # The TMA knob only changes how the dual products' weight tiles reach shared memory (whole tiles,
-    # their extra columns discarded): the one launch, its phases and the pointer loads agree bit for bit.
+    # The descriptors only change how the dual products' weight tiles reach shared memory (whole tiles,
+    # their extra columns discarded): the one launch, its phases and the pointer loads (the path of rows
+    # not 16-byte aligned) agree bit for bit.
     placed = [(r // 2, r % 2) for r in range(rows)] if rows > 2 else [(0, 3)]
     case = make_stack_case(CSM_DEPTH, 24, placed, dtype=torch.bfloat16, way="gather" if rows > 2 else "table")
-    assert_knob_keeps_the_bits(case, {"TMA": 1}, {"TMA": 0})
+    assert_knob_keeps_the_bits(case, {}, {"paths": {"tma": False}})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_stack_step_one_row_equals_all_rows_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
-    # ONE_ROW norms only the call's row inside the normed products' loops, placed in zero rows (here in
-    # the projection too, without the default's row dots, and in whole blocks, without the default's
-    # parts): the one launch, its phases and the kernel that norms every padded row agree bit for bit.
+    # A call of one row norms only its row inside the normed products' loops, placed in zero rows (here
+    # without the default's row dots, and in whole blocks, without the default's parts): the one launch,
+    # its phases and the kernel that norms every padded row agree bit for bit.
     case = make_stack_case(CSM_DEPTH, 25, [(0, 3)], dtype=dtype, way="table")  # depth calls 2 .. 31
     whole = {f.name: 1 for f in dataclasses.fields(stack_kernel.Tuning) if f.name.startswith("KQ_")}
-    one = {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0, **whole}
-    tuning = dataclasses.replace(stack_kernel.DEPTH, **one)
-    assert stack_kernel.launch_plan(*case.args, **case.inputs, tuning=tuning)[1]["ONE"]
-    assert_knob_keeps_the_bits(case, one, {"ONE_ROW": 0})
+    one = {"tuning": whole, "paths": {"row_dots": False}}
+    assert stack_kernel.launch_plan(*case.args, **case.inputs, **launch_args(case, **one))[1]["ONE"]
+    assert_knob_keeps_the_bits(case, one, {"paths": {"one_row": False, "row_dots": False, "mlp_down": False}})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_stack_step_row_dots_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
-    # ROW_PJ 2 and ROW_DOT put the weights on the matrix unit's left side for a call of one row: another
-    # summation order than the all-rows kernel, so within tolerance of the float64 reference, and the
-    # one launch equals its phases bit for bit. (The output and down products' parts, KQ_O and KQ_DOWN,
-    # would take those products instead of the row dots.)
+    # A call of one row puts the projection's, output's and down weights on the matrix unit's left side
+    # (row dots): another summation order than the all-rows kernel, so within tolerance of the float64
+    # reference, and the one launch equals its phases bit for bit. (The output and down products' parts,
+    # KQ_O and KQ_DOWN, would take those products instead of the row dots.)
     case = make_stack_case(CSM_DEPTH, 26, [(0, 3)], dtype=dtype, way="table")  # depth calls 2 .. 31
-    dots = {"tuning": dataclasses.replace(stack_kernel.DEPTH, ONE_ROW=1, ROW_PJ=2, ROW_DOT=1, KQ_O=1,
-                                          KQ_DOWN=1)}
+    dots = {"tuning": dataclasses.replace(stack_kernel.DEPTH, KQ_O=1, KQ_DOWN=1)}
     plan = stack_kernel.launch_plan(*case.args, **case.inputs, **dots)[1]
-    assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (1, 2, 2)
+    assert (plan["ONE"], plan["ONE_PLAIN"]) == (1, 2)
     got = stack_run(case, lambda *a, **k: one_launch(*a, **k, **dots))
     assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, **dots)))
     ref = stack_reference(case)
@@ -509,12 +516,9 @@ def test_stack_step_mlp_down_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
     # the descriptors, bit for bit. fp32 (the exactness runs' reference) at half the stages.
     case = make_stack_case(CSM_DEPTH, 27, [(0, 3)], dtype=dtype, way="table")  # depth calls 2 .. 31
     case = dataclasses.replace(case, weights=stack_kernel.with_mlp_rows(case.weights))
-    on = {"MLP_DOWN": 1}
-    assert stack_kernel.launch_plan(*case.args, **case.inputs,
-                                    tuning=dataclasses.replace(stack_kernel.DEPTH, **on))[1]["MLP_DOWN"]
-    assert_knob_keeps_the_bits(case, on, {"MLP_DOWN": 1, "TMA": 0})
-    tuning = dataclasses.replace(stack_kernel.DEPTH, **on)
-    got, ref = stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning=tuning)), stack_reference(case)
+    assert stack_kernel.launch_plan(*case.args, **case.inputs)[1]["MLP_DOWN"]
+    assert_knob_keeps_the_bits(case, {}, {"paths": {"tma": False}})
+    got, ref = stack_run(case, one_launch), stack_reference(case)
     assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[dtype]
     assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
 

@@ -50,6 +50,19 @@ def tuned(changes: dict) -> ss.Tuning:
     return replace(ss.DEPTH, **changes)
 
 
+def paths_of(case, **changes) -> ss.Paths:
+    """The code paths the case's call takes (``derive_paths``), with ``changes`` forced."""
+    return replace(ss.derive_paths(case.weights, case.slots.shape[0]), **changes)
+
+
+def launched(case, **kwargs):
+    """``stack_step_triton`` with these launch arguments, for ``run``; ``paths``: changes to the paths the
+    case's call takes."""
+    if "paths" in kwargs:
+        kwargs["paths"] = paths_of(case, **kwargs["paths"])
+    return lambda *a, **k: ss.stack_step_triton(*a, **k, **kwargs)
+
+
 @dataclass(frozen=True)
 class Shape:
     layers: int
@@ -296,42 +309,28 @@ def test_any_grid_gives_the_same_result(programs: int):
     assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
 
 
-@pytest.mark.parametrize(("shape", "programs"), [("tiny_depth", 32), ("odd", 48)])
-def test_hoisted_loads_equal_the_per_layer_loads(shape: str, programs: int):
-    # HOIST loads what stays the same through the layers once at the launch's start (the rows'
-    # positions and slots, the rotary tables of a program's one QKV item, its one attention item's slot
-    # and length): the same values, so the same bits. The fewest programs that give every program at
-    # most one QKV item and one attention item (16 rows x the kv heads), so both hoisted paths run.
-    case = make_case(SHAPES[shape], 14, ROWS["three"], way="gather")
-    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, num_programs=programs))
-    per_layer = {"num_programs": programs, "tuning": tuned({"HOIST": 0})}
-    want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, **per_layer))
-    assert torch.equal(got.out, want.out)
-    assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
-    assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
-
-
 @pytest.mark.parametrize(
-    "tuning",
+    ("tuning", "paths", "way"),
     [
-        {"KS_O": 2, "KS_DOWN": 8},
-        {"KS_O": 1, "KS_DOWN": 1},
-        {"BN": 32, "BN_QKV": 32, "BN_WIDE": 16, "BN_DOWN": 64, "BN_HEAD": 64, "BK": 32, "RSTD_BK": 16},
-        {"TMA": 0},
-        {"TMA": 1, "BN_QKV": 16, "BN_WIDE": 64, "BK": 32},
+        ({"KS_DOWN": 8}, {}, "table"),
+        ({"KS_DOWN": 1}, {}, "gather"),
+        ({"BN": 32, "BN_QKV": 32, "BN_WIDE": 16, "BN_DOWN": 64, "BN_HEAD": 64, "BK": 32, "RSTD_BK": 16}, {},
+         "gather"),
+        ({}, {"tma": False}, "gather"),
+        ({"BN_QKV": 16, "BN_WIDE": 64, "BK": 32}, {}, "gather"),
     ],
     ids=["split_reductions", "no_splits", "other_tiles", "pointer_loads", "tma_other_tiles"],
 )
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_tunings_equal_the_reference(shape: str, tuning: dict):
+def test_tunings_equal_the_reference(shape: str, tuning: dict, paths: dict, way: str):
     # Split reductions (partial sums added in a fixed order by a reduce phase), none, other tiles
     # (items of several reduction blocks, a flat loop's item boundaries inside a block row), the
-    # pointer loads (TMA 0; the default sends the dual products' weights through tensor descriptors),
-    # and descriptors with other tiles (tiles that reach past an item's last output or, at hidden 100,
-    # past the row's end). Split reductions read the first layer's residual from the table's rows.
-    way = "table" if tuning.get("KS_O", 1) > 1 else "gather"
+    # pointer loads (the path of weights whose rows are not 16-byte aligned; the default sends the dual
+    # products' weights through tensor descriptors), and descriptors with other tiles (tiles that reach
+    # past an item's last output or, at hidden 100, past the row's end). The split reduction's call reads
+    # the first layer's residual from the table's rows.
     case = make_case(SHAPES[shape], 11, ROWS["three"], way=way)
-    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned(tuning)))
+    got = run(case, launched(case, tuning=tuned(tuning), paths=paths))
     ref = reference(case)
     assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
     assert_caches(got, ref, case, TOLERANCE[torch.float32])
@@ -343,31 +342,34 @@ def test_tma_loads_equal_the_pointer_loads(shape: str):
     # item's last output discarded; a program without an item loads a tile it does not use), so the
     # result is the pointer loads' bit for bit. (Hidden 100 in fp32 is 400-byte rows, as TMA needs.)
     case = make_case(SHAPES[shape], 13, ROWS["three"], way="gather")
-    assert ss.launch_plan(*case.args, **case.inputs, tuning=tuned({"TMA": 1}), compiled=False)[1]["TMA"]
-    got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned({"TMA": 1})))
-    want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned({"TMA": 0})))
+    assert ss.launch_plan(*case.args, **case.inputs, compiled=False)[1]["TMA"]
+    got = run(case, ss.stack_step_triton)
+    want = run(case, launched(case, paths={"tma": False}))
     assert torch.equal(got.out, want.out)
     assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
     assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
 
 
-# the one row placed in zero rows everywhere (whole blocks, not parts)
-PLACED = {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0, "KQ_QKV": 1, "KQ_O": 1, "KQ_HEAD": 1}
+# the one row placed in zero rows in the normed products (whole blocks, not parts), no row dots
+PLACED = {"KQ_QKV": 1, "KQ_O": 1, "KQ_HEAD": 1}
+ALL_ROWS = {"one_row": False, "row_dots": False, "mlp_down": False}  # the kernel of calls of more rows
 
 
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_one_row_norms_equal_the_all_rows_norms(shape: str, way: str):
-    # ONE_ROW loads (and norms) only the call's one row inside the projection's, QKV's, gate/up's and
-    # the head's loops and places it in row 0 of zeros: the same operand, so the same bits as loading
-    # (and norming) every padded row. Without a head, the final norm's own phase.
+    # A call of one row loads (and norms) only its row inside QKV's, gate/up's and the head's loops and
+    # places it in row 0 of zeros: the same operand, so the same bits as loading (and norming) every
+    # padded row, as the kernel of calls of more rows does. Without a head, the final norm's own phase.
+    # (The row dots, which sum in another order, are off on both sides.)
     case = make_case(SHAPES[shape], 19, ROWS["one"], way=way)
     for head in (True, False):
         if not head:
             case = replace(case, inputs={**case.inputs, "head": None})
-        assert ss.launch_plan(*case.args, **case.inputs, tuning=tuned(PLACED), compiled=False)[1]["ONE"]
-        got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned(PLACED)))
-        want = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned({"ONE_ROW": 0})))
+        placed = dict(tuning=tuned(PLACED), paths=paths_of(case, row_dots=False))
+        assert ss.launch_plan(*case.args, **case.inputs, **placed, compiled=False)[1]["ONE"]
+        got = run(case, launched(case, tuning=tuned(PLACED), paths={"row_dots": False}))
+        want = run(case, launched(case, paths=ALL_ROWS))
         assert torch.equal(got.out, want.out)
         assert torch.equal(got.k_cache.nan_to_num(), want.k_cache.nan_to_num())
         assert torch.equal(got.v_cache.nan_to_num(), want.v_cache.nan_to_num())
@@ -376,14 +378,15 @@ def test_one_row_norms_equal_the_all_rows_norms(shape: str, way: str):
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_row_dots_equal_the_reference(shape: str, way: str):
-    # ROW_PJ 2 and ROW_DOT: a call of one row multiplies the projection's, output's and down weights as
-    # the left operand with the row (no padded rows): another summation order, so within tolerance of
-    # the reference and the twin rather than bit for bit, and in every phase the plan says it is.
-    # (KQ_O > 1 would take the output product in parts instead)
-    tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1, "KQ_O": 1}
+    # The row dots: a call of one row multiplies the projection's, output's and down weights as the left
+    # operand with the row (no padded rows): another summation order, so within tolerance of the
+    # reference and the twin rather than bit for bit, and in every phase the plan says it is (ONE_PLAIN
+    # is the projection's, the output product's and the down product's). (KQ_O > 1 would take the output
+    # product in parts instead)
+    tuning = {"KQ_O": 1}
     case = make_case(SHAPES[shape], 20, ROWS["one"], way=way, head=way != "x")
     plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuned(tuning), compiled=False)[1]
-    assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (1, 2, 2)
+    assert (plan["ONE"], plan["ONE_PLAIN"]) == (1, 2)
     got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned(tuning)))
     twin, ref = run(case, ss.stack_step_eager), reference(case)
     assert relative_error(got.out, twin.out) <= TWIN_FP32
@@ -393,9 +396,8 @@ def test_row_dots_equal_the_reference(shape: str, way: str):
 
 def test_one_row_is_for_calls_of_one_row():
     case = make_case(SHAPES["tiny_depth"], 19, ROWS["three"], way="gather")
-    tuning = {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1}
-    plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuned(tuning), compiled=False)[1]
-    assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (0, 0, 0)
+    plan = ss.launch_plan(*case.args, **case.inputs, compiled=False)[1]
+    assert (plan["ONE"], plan["ONE_PLAIN"]) == (0, 0)
 
 
 def with_mlp(case: Case) -> Case:
@@ -435,14 +437,11 @@ def test_mlp_down_descriptors_equal_its_pointer_loads_and_the_mlp_rows_keep_the_
     # mlp rows alone (MLP_DOWN off) change only where gate/up's rows are read: the same bits as without.
     case = make_case(SHAPES[shape], 29, ROWS["one"], way="table")
     packed = with_mlp(case)
-    got = run(packed, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned({"TMA": 1})))
-    want = run(packed, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned({"TMA": 0})))
+    got = run(packed, ss.stack_step_triton)
+    want = run(packed, launched(packed, paths={"tma": False}))
     assert torch.equal(got.out, want.out)
-    off = {"MLP_DOWN": 0}
-    assert torch.equal(
-        run(packed, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned(off))).out,
-        run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned(off))).out,
-    )
+    mlp_rows_alone = run(packed, launched(packed, paths={"mlp_down": False}))
+    assert torch.equal(mlp_rows_alone.out, run(case, ss.stack_step_triton).out)
 
 
 def test_mlp_down_is_for_one_row_calls_whose_weights_carry_the_mlp_rows():
@@ -450,12 +449,11 @@ def test_mlp_down_is_for_one_row_calls_whose_weights_carry_the_mlp_rows():
     three = with_mlp(make_case(SHAPES["tiny_depth"], 19, ROWS["three"], way="gather"))
     bare = make_case(SHAPES["tiny_depth"], 19, ROWS["one"], way="table")
 
-    def plan(case, **tuning):
-        return ss.launch_plan(*case.args, **case.inputs, tuning=tuned(tuning), compiled=False)[1]
+    def plan(case):
+        return ss.launch_plan(*case.args, **case.inputs, compiled=False)[1]
 
     assert plan(one)["MLP_DOWN"]
     assert not plan(three)["MLP_DOWN"] and not plan(bare)["MLP_DOWN"]
-    assert not plan(one, MLP_DOWN=0)["MLP_DOWN"] and not plan(one, ONE_ROW=0)["MLP_DOWN"]
     # its layers run no DOWN phase, and a reduce phase whatever KS_DOWN says
     phases = ss.layer_phases(tuned({"KS_DOWN": 1}), True)
     assert ss.DOWN not in phases and ss.DOWN_REDUCE in phases
@@ -481,17 +479,18 @@ def test_one_row_blocks_apply_to_calls_of_one_row_and_equal_the_reference(shape:
 
 PARTS_CASES = {  # each product in parts; KQ_* the parts of a one-row block (a knob set alone is 1)
     # the dual products' tiles through descriptors, reshaped; the down product split in 4 (KS_DOWN)
-    "all4": {"KQ_QKV": 4, "KQ_O": 4, "KQ_HEAD": 4, "KQ_MLP": 4, "KQ_DOWN": 4},
-    "pointers": {"KQ_QKV": 4, "KQ_MLP": 4, "TMA": 0},  # their tiles through pointers (``_weight_parts``)
-    "all2": {"KQ_QKV": 2, "KQ_O": 2, "KQ_HEAD": 2, "KQ_MLP": 2, "KQ_DOWN": 2, "KS_DOWN": 1},
-    "projection4_row_dot": {"KQ_PJ": 4},
-    "projection2_placed": {"KQ_PJ": 2, "ROW_PJ": 1},
+    "all4": ({"KQ_QKV": 4, "KQ_O": 4, "KQ_HEAD": 4, "KQ_MLP": 4, "KQ_DOWN": 4}, {}),
+    # their tiles through pointers (``_weight_parts``: the path of rows not 16-byte aligned)
+    "pointers": ({"KQ_QKV": 4, "KQ_MLP": 4}, {"tma": False}),
+    "all2": ({"KQ_QKV": 2, "KQ_O": 2, "KQ_HEAD": 2, "KQ_MLP": 2, "KQ_DOWN": 2, "KS_DOWN": 1}, {}),
+    "projection4_row_dot": ({"KQ_PJ": 4}, {}),
+    "projection2": ({"KQ_PJ": 2}, {}),
 }
 
 
-@pytest.mark.parametrize("tuning", list(PARTS_CASES.values()), ids=list(PARTS_CASES))
+@pytest.mark.parametrize(("tuning", "paths"), list(PARTS_CASES.values()), ids=list(PARTS_CASES))
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_one_row_products_in_parts_equal_the_twin_and_reference(shape: str, tuning: dict):
+def test_one_row_products_in_parts_equal_the_twin_and_reference(shape: str, tuning: dict, paths: dict):
     # KQ_*: a one-row call's product multiplies each block's row as KQ operand rows by weight tiles cut
     # into KQ parts a row, and adds the parts in the epilogue (another summation order: within tolerance,
     # not bit for bit); at hidden 100 the last block's parts reach past the row's end. Calls of more rows
@@ -501,30 +500,30 @@ def test_one_row_products_in_parts_equal_the_twin_and_reference(shape: str, tuni
     parts = tuned(tuning)
     way = "gather" if "KQ_PJ" in knobs else "table"  # the projection phase, or the projected table's rows
     one = make_case(SHAPES[shape], 31, ROWS["one"], way=way)
-    plan = ss.launch_plan(*one.args, **one.inputs, tuning=parts, compiled=False)[1]
-    assert {k: plan[k] for k in knobs} == knobs and plan["TMA"] == bool(tuning.get("TMA", 1))
-    got, twin, ref = run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=parts)), run(
-        one, ss.stack_step_eager), reference(one)
+    forced = paths_of(one, **paths)
+    plan = ss.launch_plan(*one.args, **one.inputs, tuning=parts, paths=forced, compiled=False)[1]
+    assert {k: plan[k] for k in knobs} == knobs and plan["TMA"] == paths.get("tma", True)
+    got = run(one, launched(one, tuning=parts, paths=paths))
+    twin, ref = run(one, ss.stack_step_eager), reference(one)
     assert relative_error(got.out, twin.out) <= TWIN_FP32
     assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
     assert_caches(got, ref, one, TOLERANCE[torch.float32])
     # the parts change the bits (the test would pass on the one-block products otherwise)
-    assert not torch.equal(got.out, run(one, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=whole)).out)
+    assert not torch.equal(got.out, run(one, launched(one, tuning=whole, paths=paths)).out)
     three = make_case(SHAPES[shape], 31, ROWS["three"], way=way)
     plan = ss.launch_plan(*three.args, **three.inputs, tuning=parts, compiled=False)[1]
     assert all(plan[k] == 1 for k in knobs)
-    got = run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=parts))
-    assert torch.equal(got.out, run(three, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=whole)).out)
+    got = run(three, launched(three, tuning=parts, paths=paths))
+    assert torch.equal(got.out, run(three, launched(three, tuning=whole, paths=paths)).out)
 
 
 @pytest.mark.parametrize(
     ("tuning", "named"),
     [
         ({"ONE_ROWS": 1}, "unknown tuning key 'ONE_ROWS'"),
-        ({"ROW_PJ": 3}, "ROW_PJ=3"),
+        ({"HOIST": 0}, "unknown tuning key 'HOIST'"),  # a switch that was deleted: refused, not ignored
         ({"BK": 8}, "BK=8"),
         ({"BN_QKV": 12}, "BN_QKV=12"),
-        ({"TMA": 2}, "TMA=2"),
         ({"KQ_QKV": 3}, "KQ_QKV=3"),
         ({"KQ_HEAD": 32}, "KQ_HEAD=32"),
         ({"num_warps": 3}, "num_warps=3"),
@@ -541,9 +540,26 @@ def test_a_tuning_the_kernel_cannot_take_is_refused_by_name(tuning: dict, named:
 
 
 def test_tma_needs_16_byte_rows():
-    # 16-bit rows of 100 elements are 200 bytes: the knob falls back to the pointer loads.
+    # 16-bit rows of 100 elements are 200 bytes: the call takes the pointer loads.
     case = make_case(SHAPES["odd"], 13, ROWS["three"], way="gather").to(torch.float16)
-    assert not ss.launch_plan(*case.args, **case.inputs, tuning=tuned({"TMA": 1}), compiled=False)[1]["TMA"]
+    assert not ss.launch_plan(*case.args, **case.inputs, compiled=False)[1]["TMA"]
+
+
+def test_tma_needs_16_byte_aligned_weights_and_forced_paths_must_fit_the_call():
+    # Weights that start off a 16-byte boundary take the pointer loads (the descriptors need it); a
+    # test's forced paths are refused where the call cannot take them.
+    case = make_case(SHAPES["tiny_depth"], 13, ROWS["three"], way="gather")
+    qkv = case.weights.qkv
+    shifted = torch.empty(qkv.numel() + 1, dtype=qkv.dtype, device=qkv.device)[1:].view(qkv.shape)
+    shifted.copy_(qkv)
+    moved = replace(case, weights=replace(case.weights, qkv=shifted))
+    assert ss.launch_plan(*case.args, **case.inputs, compiled=False)[1]["TMA"]
+    assert not ss.launch_plan(*moved.args, **moved.inputs, compiled=False)[1]["TMA"]
+    for paths in ({"tma": True}, {"one_row": True}):
+        with pytest.raises(ValueError, match="cannot take"):
+            ss.launch_plan(*moved.args, **moved.inputs, paths=paths_of(moved, **paths), compiled=False)
+    with pytest.raises(ValueError, match="for one_row calls"):
+        ss.launch_plan(*case.args, **case.inputs, paths=paths_of(case, row_dots=True), compiled=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16] if DEVICE == "cpu" else [torch.float16, torch.bfloat16])
@@ -747,8 +763,9 @@ def test_stack_layers_with_the_mlp_rows_takes_mlp_down_at_one_row(shape: str):
     assert relative_error(got.out, twin.out) <= TWIN_FP32
     assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
     assert_caches(got, ref, case, TOLERANCE[torch.float32])
-    # MLP_DOWN off: a DOWN phase and its reduce instead; another summation order, within tolerance
-    off = run(case, lambda *a, head=None, **k: ss.stack_layers_triton(*a, **k, tuning=tuned({"MLP_DOWN": 0})))
+    # without the mlp rows no MLP_DOWN: a DOWN phase and its reduce instead; another summation order,
+    # within tolerance
+    off = run(layers_case(shape, 41, "one"), stack_layers_triton)
     assert not torch.equal(off.out, got.out)
     assert relative_error(off.out, ref.out) <= TOLERANCE[torch.float32]
 
@@ -866,14 +883,14 @@ def test_a_failing_kernel_trips_the_latch_and_the_twin_serves(fresh_latch, monke
 
 
 @pytest.mark.parametrize(
-    ("tuning", "way", "dtype"),
-    [({}, "table", "bf16"), ({"TMA": 0}, "table", "bf16"), ({"ONE_ROW": 0}, "table", "bf16"),
-     ({}, "gather", "bf16"), ({"ONE_ROW": 0}, "gather", "fp32"),
+    ("paths", "way", "dtype"),
+    [({}, "table", "bf16"), ({"tma": False}, "table", "bf16"), (ALL_ROWS, "table", "bf16"),
+     ({}, "gather", "bf16"), (ALL_ROWS, "gather", "fp32"),
      ({}, "backbone", "bf16")],  # stack_layers' launch for the backbone (at ss.BACKBONE)
     ids=["default", "pointer_loads", "all_rows", "projection", "fp32_all_rows", "backbone"],
 )
 def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(
-    tuning: dict, way: str, dtype: str
+    paths: dict, way: str, dtype: str
 ):
     # The barrier path never runs on a CPU machine; compiling it for sm_90 here catches what only the
     # GPU would, and checks what the barrier relies on: one program fits on an SM (registers, shared
@@ -882,14 +899,14 @@ def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # fp32: csm-1b's depth decoder in fp32 (the exactness reference) needed 330 KB of shared memory at
     # the 16-bit pipeline depth, and the kernel failed at its first launch
-    command = [sys.executable, "-m", "tests.unit.stack_step_hopper", json.dumps(tuning), way, dtype]
+    command = [sys.executable, "-m", "tests.unit.stack_step_hopper", "{}", way, dtype, json.dumps(paths)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["barrier_atomics"] and report["pipelined_loads"]
     # TMA: the dual products' weight tiles arrive as bulk tensor copies (QKV's and gate/up's, pipelined)
-    assert (report["tma_copies"] > 0) == bool(tuned(tuning).TMA), report
+    assert (report["tma_copies"] > 0) == paths.get("tma", True), report
     # the wait acquires: an acquire atomic of 0 with its result unused would be compiled away
     assert report["acquire_waits"] > 0, report
     assert report["shared_bytes"] <= 227 * 1024  # the H200's shared memory per block
