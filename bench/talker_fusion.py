@@ -66,7 +66,9 @@ from bench.talker_gpu import (
     prefill_all,
     step_wall_ms,
 )
+from kernels.stack_step import BACKBONE, DEPTH, with_mlp_rows
 from models.csm.config import CsmConfig
+from models.csm.frame_fused import DEFAULT_SETTINGS, FusedSettings
 from models.csm.model import CsmTalker
 from models.csm.modules import RotaryTable
 from models.family import FrameInputs
@@ -190,8 +192,6 @@ def first_frame(runner: Runner, forced: torch.Tensor | None = None):
     (logits [B, N, V] fp64, codes [B, N], next hidden [B, H] fp64). With ``forced`` codes
     [B, N], each codebook's logits are recorded and the forced code is fed on (teacher
     forcing), so every variant's depth logits are compared on the same inputs."""
-    import models.csm.model as csm_model
-
     bucket = runner.buckets[-1]
     ids = torch.arange(bucket, device="cuda")
     buf = runner.pool
@@ -200,19 +200,19 @@ def first_frame(runner: Runner, forced: torch.Tensor | None = None):
                          frame_index=buf.frame_index[ids].clone(), min_frames=buf.min_frames[ids].clone(),
                          sampling=sampling, history=buf.history[ids].clone())
     k, v = runner.caches.backbone.k.clone(), runner.caches.backbone.v.clone()
-    recorded, original = [], csm_model.sample
+    model, recorded = runner.model, []
 
-    def record(logits, params, frame, codebook, history, codebook_size):
+    def record(inputs, logits, codebook, logits_out):  # the model's pick, recording (and forcing) codes
         recorded.append(logits.double())
-        picked = original(logits, params, frame, codebook, history, codebook_size)
+        picked = CsmTalker.pick(model, inputs, logits, codebook, logits_out)
         return picked if forced is None else forced[:, codebook]
 
-    csm_model.sample = record
+    model.pick = record  # this model's frames pick through it, until it is deleted
     try:
         with torch.inference_mode():
-            out = runner.model.decode_frame(inputs, runner.caches)
+            out = model.decode_frame(inputs, runner.caches)
     finally:
-        csm_model.sample = original
+        del model.pick
     runner.caches.backbone.k.copy_(k)
     runner.caches.backbone.v.copy_(v)
     return torch.stack(recorded, dim=1), out.codes, out.hidden.double()
@@ -315,43 +315,41 @@ _MODEL_KEYS = ("rows", "projected", "backbone_rows", "backbone_mlp", "backbone_t
 _BACKBONE_STACKS: dict = {}  # the backbone's packed stack, and with the mlp rows once asked for
 
 
-def apply_stack_settings(settings: dict | None, model: CsmTalker | None = None) -> None:
-    """The default stack_step tuning, row limits and projected depth inputs, changed by a stage's
-    settings ("rows", "projected", "backbone_rows", "backbone_mlp", "backbone_tuning" (stack_layers'
-    tuning, over the depth decoder's) and tuning keys). "backbone_mlp": 1
-    gives the packed backbone's stack the mlp rows (a copy: down's transpose beside gate/up), as
-    ``BACKBONE_MLP_ROWS`` would, so its one-row steps take MLP_DOWN."""
-    import kernels.stack_step as stack_kernel
-    import models.csm.model as csm_model
-
+def fused_settings(settings: dict | None) -> FusedSettings:
+    """A stage's settings as the fused frame's: "rows" (``stack_step_rows``, default the talker's),
+    "projected" (``projected_inputs``, default off: the stages before it project), "backbone_rows"
+    (``backbone_stack_rows``), the other keys but "backbone_mlp" the depth calls' tuning (changes to
+    ``DEPTH`` by field name), and "backbone_tuning" the backbone's (changes to the depth calls' tuning;
+    default BACKBONE's changes to DEPTH, so a stage's tuning keys reach the backbone's launches too)."""
     settings = dict(settings or {})
-    depth = stack_kernel.DEPTH.with_keys({k: v for k, v in settings.items() if k not in _MODEL_KEYS})
-    csm_model.DEPTH_TUNING = depth
-    csm_model.STACK_STEP_ROWS = settings.get("rows", _DEFAULT_ROWS)
-    csm_model.PROJECTED_INPUTS = settings.get("projected", False)  # the stages before it project
-    csm_model.BACKBONE_STACK_ROWS = settings.get("backbone_rows", _DEFAULT_BACKBONE_ROWS)
-    csm_model.BACKBONE_TUNING = depth.with_keys(settings.get("backbone_tuning", _DEFAULT_BACKBONE))
-    backbone = model.backbone_model if model is not None else None
-    if backbone is not None and backbone.stack is not None:
-        plain = _BACKBONE_STACKS.setdefault("plain", backbone.stack)
-        if settings.get("backbone_mlp"):
-            backbone.stack = _BACKBONE_STACKS.setdefault("mlp", stack_kernel.with_mlp_rows(plain))
-        else:
-            backbone.stack = plain
+    depth = DEPTH.with_keys({k: v for k, v in settings.items() if k not in _MODEL_KEYS})
+    return dataclasses.replace(
+        DEFAULT_SETTINGS, stack_step_rows=settings.get("rows", DEFAULT_SETTINGS.stack_step_rows),
+        projected_inputs=bool(settings.get("projected", False)),
+        backbone_stack_rows=settings.get("backbone_rows", DEFAULT_SETTINGS.backbone_stack_rows),
+        depth_tuning=depth,
+        backbone_tuning=depth.with_keys(settings.get("backbone_tuning", _BACKBONE_CHANGES)),
+    )
 
 
-def _defaults() -> tuple[int, int, dict]:
-    """The model's row limits, and the backbone tuning's changes to the depth decoder's (as JSON keys:
-    a stage's tuning keys change both, and "backbone_tuning" replaces these changes)."""
-    import kernels.stack_step as stack_kernel
-    import models.csm.model as csm_model
+def apply_stack_settings(settings: dict | None, model: CsmTalker) -> None:
+    """A stage's settings (``fused_settings``) as a packed model's frame; a plain model has none. A
+    stage's "backbone_mlp": 1 gives the packed backbone's stack the mlp rows (a copy: down's transpose
+    beside gate/up), as ``FusedSettings.backbone_mlp_rows`` would at packing, so its one-row steps take
+    MLP_DOWN."""
+    if not model.fused:
+        return
+    model.pack_weights(fused_settings(settings))  # packed already: only the frame's settings change
+    backbone = model.backbone_model
+    plain = _BACKBONE_STACKS.setdefault("plain", backbone.stack)
+    if (settings or {}).get("backbone_mlp"):
+        backbone.stack = _BACKBONE_STACKS.setdefault("mlp", with_mlp_rows(plain))
+    else:
+        backbone.stack = plain
 
-    depth = dataclasses.asdict(stack_kernel.DEPTH)
-    changes = {k: v for k, v in dataclasses.asdict(stack_kernel.BACKBONE).items() if v != depth[k]}
-    return csm_model.STACK_STEP_ROWS, csm_model.BACKBONE_STACK_ROWS, changes
 
-
-_DEFAULT_ROWS, _DEFAULT_BACKBONE_ROWS, _DEFAULT_BACKBONE = _defaults()
+# BACKBONE's changes to DEPTH (BN_QKV, BK_QKV), by field name
+_BACKBONE_CHANGES = {k: v for k, v in dataclasses.asdict(BACKBONE).items() if v != getattr(DEPTH, k)}
 
 
 def main() -> None:
@@ -399,14 +397,12 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
         set_kernels(**STAGES[-1][2])
-        apply_stack_settings(STAGES[-1][3])
         exactness(result, save)
         save()
         print(json.dumps({k: v for k, v in result.items() if k != "floors"}, indent=1))
         return
 
     set_kernels(**STAGES[0][2])
-    apply_stack_settings(None)
     runner = Runner(model, num_slots=256, max_len=MAX_LEN, buckets=BUCKETS, k_max=8,
                     max_repetition_window=16, use_graphs=False)
     prefill_all(runner, 256, False)

@@ -25,7 +25,7 @@ from kernels import sampler_twin as twin
 from kernels import silu_mul as silu_kernel
 from kernels import stack_step as stack_kernel
 from kernels.sampler_twin import SamplingParams
-from models.csm import model as csm_model
+from models.csm.frame_fused import FusedFrame
 from tests.unit.test_kernel_decode_attention import SHAPES, check, make_inputs
 from tests.unit.test_kernel_fused_layers import (
     CACHE_LAYOUTS,
@@ -367,7 +367,6 @@ def cuda_runners():
     launchers.append((stack_kernel, "stack_layers_triton", "stack_layers"))
     launches: dict[str, int] = {}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(csm_model, "BACKBONE_STACK_ROWS", 2)
         for module, attr, name in launchers:
             launcher = getattr(module, attr)
 
@@ -377,6 +376,8 @@ def cuda_runners():
 
             patch.setattr(module, attr, counted)
         plain, fused = plain_and_fused("cuda")
+        patch.setattr(fused, "frame", FusedFrame(fused, dataclasses.replace(fused.frame.settings,
+                                                                           backbone_stack_rows=2)))
         runners = (make_runner(plain, GRAPH_BUCKETS, use_graphs=True),
                    make_runner(fused, GRAPH_BUCKETS, use_graphs=True))
     assert set(launches) == {*FUSED_FRAME_KERNELS, "stack_layers"}, launches

@@ -17,7 +17,7 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import pytest
@@ -35,8 +35,8 @@ from kernels import rope_kv as rope_kernel
 from kernels import silu_mul as silu_kernel
 from kernels.latch import KernelLatch
 from kernels.sampler_twin import SamplingParams
-from models.csm import model as csm_model
 from models.csm.config import CsmConfig, RopeConfig
+from models.csm.frame_fused import FusedFrame, FusedSettings
 from models.csm.model import CsmTalker, DepthRows
 from models.csm.modules import RotaryTable
 from models.family import FrameInputs, FrameOutputs, PromptSegment
@@ -817,27 +817,29 @@ def on_the_kernels(fresh_latches, monkeypatch) -> Counter:
 
 # One frame of the tiny talker: the backbone's 4 layers through forward_rows (a layer: two norms, one
 # rope_kv, one decode attention, one silu_mul; the stack's final norm), or for buckets of at most
-# BACKBONE_STACK_ROWS rows (1 by default) in one stack_layers call; and the depth decoder's 7 calls (the
-# first two positions together, then one per codebook 2 .. 7): each one stack_step, or, for calls of more
-# rows than STACK_STEP_ROWS, forward_rows through its 2 layers. A bucket of b rows makes a first call of 2 b
-# rows and six calls of b rows. The tiny model's buckets (1, 2, 4) all fit the default depth limit (16), so
-# the tests that need both paths set both limits to 2 (``limit_2``). stack_layers calls decode attention's
-# launcher once a layer (counted too: the fixture wraps the name in each module it patches).
+# ``backbone_stack_rows`` rows (the fused frame's settings; 1 by default) in one stack_layers call; and the
+# depth decoder's 7 calls (the first two positions together, then one per codebook 2 .. 7): each one
+# stack_step, or, for calls of more rows than ``stack_step_rows``, forward_rows through its 2 layers. A
+# bucket of b rows makes a first call of 2 b rows and six calls of b rows. The tiny model's buckets (1, 2,
+# 4) all fit the default depth limit (16), so the tests that need both paths set both limits to 2
+# (``limit_2``). stack_layers calls decode attention's launcher once a layer (counted too: it calls it
+# through kernels.decode_attention, whose launcher the fixture wraps).
 BACKBONE_LAYERS_PER_FRAME = 4
 DEPTH_CALLS_PER_FRAME = 7
 DEPTH_LAYERS = 2
 
 
-def stack_calls(bucket: int) -> int:
+def stack_calls(bucket: int, settings: FusedSettings) -> int:
     """Depth calls per frame that take stack_step for a bucket of ``bucket`` rows."""
-    limit = csm_model.STACK_STEP_ROWS
+    limit = settings.stack_step_rows
     return (2 * bucket <= limit) + (DEPTH_CALLS_PER_FRAME - 1) * (bucket <= limit)
 
 
-def assert_frames_ran_on_the_kernels(launches: Counter, frames: int, bucket: int) -> None:
-    stack = stack_calls(bucket)
+def assert_frames_ran_on_the_kernels(launches: Counter, frames: int, bucket: int,
+                                     settings: FusedSettings) -> None:
+    stack = stack_calls(bucket, settings)
     row_calls = DEPTH_CALLS_PER_FRAME - stack  # depth calls through forward_rows, per frame
-    backbone_rows = bucket > csm_model.BACKBONE_STACK_ROWS  # the backbone through forward_rows
+    backbone_rows = bucket > settings.backbone_stack_rows  # the backbone through forward_rows
     layers = frames * (BACKBONE_LAYERS_PER_FRAME * backbone_rows + DEPTH_LAYERS * row_calls)
     assert launches == Counter({"rms_norm_triton": 2 * layers + frames * (backbone_rows + row_calls),
                                 "rope_kv_triton": layers,
@@ -848,12 +850,13 @@ def assert_frames_ran_on_the_kernels(launches: Counter, frames: int, bucket: int
 
 
 @pytest.fixture
-def limit_2(monkeypatch) -> None:
+def limit_2(talkers, monkeypatch) -> None:
     """Depth calls of more than 2 rows take forward_rows: buckets 1, 2 and 4 then take stack_step
     for all, some and none of their depth calls; and backbone steps of up to 2 rows take stack_layers
     (buckets 1 and 2; bucket 4 forward_rows)."""
-    monkeypatch.setattr(csm_model, "STACK_STEP_ROWS", 2)
-    monkeypatch.setattr(csm_model, "BACKBONE_STACK_ROWS", 2)
+    fused = talkers[1]
+    settings = replace(fused.frame.settings, stack_step_rows=2, backbone_stack_rows=2)
+    monkeypatch.setattr(fused, "frame", FusedFrame(fused, settings))
 
 
 @pytest.fixture(scope="module")
@@ -912,7 +915,7 @@ def test_projected_depth_inputs_are_each_codes_projected_embedding(talkers):
 def test_the_depth_stack_carries_downs_transpose_beside_gate_up(talkers):
     # pack_weights lays each depth layer's gate and up rows and then down's transpose in one tensor
     # (stack_step's MLP_DOWN streams them as one product); gate_up, the linears and forward_rows read
-    # views of it; the backbone keeps no copy (BACKBONE_MLP_ROWS is off: its steps take forward_rows).
+    # views of it; the backbone keeps no copy (backbone_mlp_rows is off: its steps take forward_rows).
     plain, fused = talkers
     depth, backbone = fused.depth_decoder.model, fused.backbone_model
     stack, inter = depth.stack, depth.cfg.intermediate_size
@@ -927,12 +930,13 @@ def test_the_depth_stack_carries_downs_transpose_beside_gate_up(talkers):
 
 
 def test_fused_frames_read_the_projected_inputs_and_can_project_instead(talkers, plain_codes, monkeypatch):
-    # The frames read the projected rows (zeroed rows change the codes), and with PROJECTED_INPUTS off
+    # The frames read the projected rows (zeroed rows change the codes), and with projected_inputs off
     # each depth call projects its embedding rows again, with the same codes.
     fused = talkers[1]
     monkeypatch.setattr(fused, "_depth_inputs", torch.zeros_like(fused._depth_inputs))
     assert not (decode(make_runner(fused), 2, 2).codes == plain_codes[(2, "greedy")].codes).all()
-    monkeypatch.setattr(csm_model, "PROJECTED_INPUTS", False)
+    projecting = replace(fused.frame.settings, projected_inputs=False)
+    monkeypatch.setattr(fused, "frame", FusedFrame(fused, projecting))
     decode(make_runner(fused), 2, 2).assert_matches(plain_codes[(2, "greedy")])
 
 
@@ -945,9 +949,10 @@ interpreter_only = pytest.mark.skipif(DEVICE != "cpu", reason="on CUDA: tests/gp
 def test_fused_frames_on_the_kernels_equal_the_plain_model(
     talkers, plain_codes, on_the_kernels, limit_2, rows: int
 ):
-    assert [stack_calls(b) for b in (1, 2, 4)] == [7, 6, 0]
+    settings = talkers[1].frame.settings
+    assert [stack_calls(b, settings) for b in (1, 2, 4)] == [7, 6, 0]
     decode(make_runner(talkers[1]), rows, 2).assert_matches(plain_codes[(rows, "greedy")])
-    assert_frames_ran_on_the_kernels(on_the_kernels, 2, bucket=1 if rows == 1 else 2 if rows == 2 else 4)
+    assert_frames_ran_on_the_kernels(on_the_kernels, 2, 1 if rows == 1 else 2 if rows == 2 else 4, settings)
 
 
 @interpreter_only
@@ -955,9 +960,10 @@ def test_fused_frames_at_the_default_limit_take_stack_step_for_every_depth_call(
     talkers, plain_codes, on_the_kernels
 ):
     # bucket 4: a first depth call of 8 rows, then six of 4, every one a stack_step launch
-    assert csm_model.STACK_STEP_ROWS == 16 and stack_calls(4) == DEPTH_CALLS_PER_FRAME
+    settings = talkers[1].frame.settings
+    assert settings.stack_step_rows == 16 and stack_calls(4, settings) == DEPTH_CALLS_PER_FRAME
     decode(make_runner(talkers[1]), 4, 2).assert_matches(plain_codes[(4, "greedy")])
-    assert_frames_ran_on_the_kernels(on_the_kernels, 2, bucket=4)
+    assert_frames_ran_on_the_kernels(on_the_kernels, 2, 4, settings)
 
 
 @interpreter_only
@@ -965,7 +971,7 @@ def test_fused_seeded_sampling_on_the_kernels_equals_the_plain_model(
     talkers, plain_codes, on_the_kernels, limit_2
 ):
     decode(make_runner(talkers[1]), 2, 2, seeded).assert_matches(plain_codes[(2, "seeded")])
-    assert_frames_ran_on_the_kernels(on_the_kernels, 2, bucket=2)
+    assert_frames_ran_on_the_kernels(on_the_kernels, 2, 2, talkers[1].frame.settings)
 
 
 @interpreter_only
@@ -974,4 +980,4 @@ def test_fused_frame_logits_on_the_kernels_equal_the_plain_model(talkers, on_the
     want = first_frame(plain, 2)
     assert not on_the_kernels  # the plain path on the CPU never meets a kernel
     assert_frames_match(first_frame(fused, 2), want)
-    assert_frames_ran_on_the_kernels(on_the_kernels, 1, bucket=2)
+    assert_frames_ran_on_the_kernels(on_the_kernels, 1, 2, fused.frame.settings)
