@@ -26,37 +26,37 @@ from kernels import silu_mul as silu_kernel
 from kernels import stack_step as stack_kernel
 from kernels.sampler_twin import SamplingParams
 from models.csm.frame_fused import FusedFrame
+from tests.unit.fused_layer_support import NAN
+from tests.unit.stack_step_cases import CSM_DEPTH
+from tests.unit.stack_step_cases import ROWS as STACK_ROWS
+from tests.unit.stack_step_cases import SHAPES as STACK_SHAPES
+from tests.unit.stack_step_cases import TOLERANCE as STACK_TOLERANCE
+from tests.unit.stack_step_cases import WAYS as STACK_WAYS
+from tests.unit.stack_step_cases import assert_caches as assert_stack_caches
+from tests.unit.stack_step_cases import clean as stack_clean
+from tests.unit.stack_step_cases import make_case as make_stack_case
+from tests.unit.stack_step_cases import reference as stack_reference
+from tests.unit.stack_step_cases import relative_error as stack_error
+from tests.unit.stack_step_cases import run as stack_run
 from tests.unit.test_kernel_decode_attention import SHAPES, check, make_inputs
-from tests.unit.test_kernel_fused_layers import (
-    CACHE_LAYOUTS,
-    NAN,
-    ROPE_SHAPES,
-    RopeCase,
+from tests.unit.test_kernel_fused_frame import (
     assert_frames_match,
-    check_rms_norm,
-    check_rope_kv,
-    check_silu_mul,
     decode,
     first_frame,
-    make_gate_up,
-    make_rms_inputs,
-    make_rope_case,
     make_runner,
     plain_and_fused,
+)
+from tests.unit.test_kernel_rms_norm import check_rms_norm, make_rms_inputs
+from tests.unit.test_kernel_rope_kv import (
+    CACHE_LAYOUTS,
+    ROPE_SHAPES,
+    RopeCase,
+    check_rope_kv,
+    make_rope_case,
     rope_case,
 )
 from tests.unit.test_kernel_sampler import CASES, SEEDS, Case, assert_matches_twin, case_mixed_rows
-from tests.unit.test_kernel_stack_step import CSM_DEPTH
-from tests.unit.test_kernel_stack_step import ROWS as STACK_ROWS
-from tests.unit.test_kernel_stack_step import SHAPES as STACK_SHAPES
-from tests.unit.test_kernel_stack_step import TOLERANCE as STACK_TOLERANCE
-from tests.unit.test_kernel_stack_step import WAYS as STACK_WAYS
-from tests.unit.test_kernel_stack_step import assert_caches as assert_stack_caches
-from tests.unit.test_kernel_stack_step import clean as stack_clean
-from tests.unit.test_kernel_stack_step import make_case as make_stack_case
-from tests.unit.test_kernel_stack_step import reference as stack_reference
-from tests.unit.test_kernel_stack_step import relative_error as stack_error
-from tests.unit.test_kernel_stack_step import run as stack_run
+from tests.unit.test_kernel_silu_mul import check_silu_mul, make_gate_up
 
 pytestmark = pytest.mark.gpu
 
