@@ -352,7 +352,7 @@ def apply_stack_settings(settings: dict | None, model: CsmTalker) -> None:
 _BACKBONE_CHANGES = {k: v for k, v in dataclasses.asdict(BACKBONE).items() if v != getattr(DEPTH, k)}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("bench/results/talker_fusion.json"))
     parser.add_argument("--skip-exactness", action="store_true")
@@ -361,22 +361,23 @@ def main() -> None:
                              "0: the floors and the exactness checks only, with the default's kernels")
     parser.add_argument("--tunings", type=json.loads, default=[],
                         help="JSON list of stack_step tunings to time as the default stage's alternatives")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("talker_fusion.py needs a CUDA GPU")
+    return parser.parse_args()
+
+
+def run_header() -> dict:
+    """What the run measured on: the GPU, the software, the commit, the shapes."""
     import triton
 
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(),
-              "commit": os.environ.get("VOXRING_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-              "shapes": "csm-1b (backbone 16 x 2048, depth 4 x 1024, 32 codebooks), bf16, random weights",
-              "max_len": MAX_LEN, "keys_per_row_at_start": PROMPT}
-    bandwidth, rate = copy_bandwidth(), matmul_rate()
-    result["copy_bandwidth_TBps"] = round(bandwidth / 1e12, 3)
-    result["bf16_matmul_TFLOPs"] = round(rate / 1e12, 1)
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(),
+            "commit": os.environ.get("VOXRING_COMMIT") or subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+            "shapes": "csm-1b (backbone 16 x 2048, depth 4 x 1024, 32 codebooks), bf16, random weights",
+            "max_len": MAX_LEN, "keys_per_row_at_start": PROMPT}
 
-    model = random_model(CSM_1B, torch.bfloat16)
+
+def frame_floors(model: CsmTalker, bandwidth: float, rate: float) -> dict:
+    """Each bucket's bytes and FLOPs floors (1. above) at the measured copy bandwidth and product rate."""
     weight_bytes = frame_floor_bytes(model)
     floors = {}
     for b in BUCKETS:
@@ -386,6 +387,51 @@ def main() -> None:
                             "bytes_floor_ms": round(moved / bandwidth * 1e3, 3),
                             "flops_floor_ms": round(flops / rate * 1e3, 3),
                             "floor_ms": round(max(moved / bandwidth, flops / rate) * 1e3, 3)}
+    return floors
+
+
+def time_stage(runner: Runner, saved: list[torch.Tensor], floors: dict, name: str, switches: dict,
+               settings: dict | None, detail: bool) -> dict:
+    """Captures the graphs with these kernels and stack_step settings from the ``saved`` state and times
+    every bucket against its ``floors`` (with a profile of one replay; the top kernels when ``detail``)."""
+    from kernels import stack_step as stack_kernel
+
+    set_kernels(**switches)
+    apply_stack_settings(settings, runner.model)
+    state = (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)
+    for dst, src in zip(state, saved, strict=True):
+        dst.copy_(src)
+    capture_s = recapture(runner)
+    faults = stack_kernel.faults("cuda")
+    entry = {"stage": name, "capture_s": round(capture_s, 2), "per_bucket": {}}
+    for b in BUCKETS:
+        ms = device_ms_per_frame(runner, b)
+        try:
+            prof = profile_replay(runner, b, top=12 if detail and b in (1, 256) else 0)
+        except Exception as exc:  # a profiler problem must not cost the run's timings
+            prof = {"kernels": None, "profiler_error": repr(exc)}
+        entry["per_bucket"][f"B={b}"] = {"device_ms_per_frame": round(ms, 3),
+                                         "frames_per_s": round(b * 1e3 / ms, 1),
+                                         "vs_floor": round(ms / floors[f"B={b}"]["floor_ms"], 2), **prof}
+    # barrier waits that gave up during the stage (each about a second, and a wrong result)
+    entry["stack_step_faults"] = stack_kernel.faults("cuda") - faults
+    line = "  ".join(f"B={b}: {entry['per_bucket'][f'B={b}']['device_ms_per_frame']:7.2f} ms "
+                     f"({entry['per_bucket'][f'B={b}'].get('kernels')} k)" for b in BUCKETS)
+    print(f"{name:36s} {line}", flush=True)
+    return entry
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("talker_fusion.py needs a CUDA GPU")
+    result = run_header()
+    bandwidth, rate = copy_bandwidth(), matmul_rate()
+    result["copy_bandwidth_TBps"] = round(bandwidth / 1e12, 3)
+    result["bf16_matmul_TFLOPs"] = round(rate / 1e12, 1)
+
+    model = random_model(CSM_1B, torch.bfloat16)
+    floors = frame_floors(model, bandwidth, rate)
     result["floors"] = floors
     print(json.dumps(floors, indent=1), flush=True)
 
@@ -408,51 +454,22 @@ def main() -> None:
     prefill_all(runner, 256, False)
     saved = [t.clone() for t in (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)]
 
-    def time_stage(runner: Runner, name: str, switches: dict, settings: dict | None, detail: bool) -> dict:
-        """Captures the graphs with these kernels and stack_step settings from the saved state and times
-        every bucket (with a profile of one replay; the top kernels when ``detail``)."""
-        from kernels import stack_step as stack_kernel
-
-        set_kernels(**switches)
-        apply_stack_settings(settings, runner.model)
-        state = (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)
-        for dst, src in zip(state, saved, strict=True):
-            dst.copy_(src)
-        capture_s = recapture(runner)
-        faults = stack_kernel.faults("cuda")
-        entry = {"stage": name, "capture_s": round(capture_s, 2), "per_bucket": {}}
-        for b in BUCKETS:
-            ms = device_ms_per_frame(runner, b)
-            try:
-                prof = profile_replay(runner, b, top=12 if detail and b in (1, 256) else 0)
-            except Exception as exc:  # a profiler problem must not cost the run's timings
-                prof = {"kernels": None, "profiler_error": repr(exc)}
-            entry["per_bucket"][f"B={b}"] = {"device_ms_per_frame": round(ms, 3),
-                                             "frames_per_s": round(b * 1e3 / ms, 1),
-                                             "vs_floor": round(ms / floors[f"B={b}"]["floor_ms"], 2), **prof}
-        # barrier waits that gave up during the stage (each about a second, and a wrong result)
-        entry["stack_step_faults"] = stack_kernel.faults("cuda") - faults
-        line = "  ".join(f"B={b}: {entry['per_bucket'][f'B={b}']['device_ms_per_frame']:7.2f} ms "
-                         f"({entry['per_bucket'][f'B={b}'].get('kernels')} k)" for b in BUCKETS)
-        print(f"{name:36s} {line}", flush=True)
-        return entry
-
     stages = []
     for name, pack, switches, settings in STAGES[-args.last_stages:]:
         if pack:
             model.pack_weights()
         detail = name.startswith("plain +") or name.endswith("(default)") or name == "+ silu_mul kernel"
-        stages.append(time_stage(runner, name, switches, settings, detail))
+        stages.append(time_stage(runner, saved, floors, name, switches, settings, detail))
     if args.tunings:
         name, _, switches, settings = STAGES[-1]  # the default stage
         result["candidates"] = [
             {"tuning": tuning,
-             **time_stage(runner, f"default, tuning {json.dumps(tuning)}", switches, {**settings, **tuning},
-                          False)}
+             **time_stage(runner, saved, floors, f"default, tuning {json.dumps(tuning)}", switches,
+                          {**settings, **tuning}, False)}
             for tuning in args.tunings
         ]
         # the default's graphs again for what follows (and its time once more, for the run's drift)
-        stages.append(time_stage(runner, name + ", again", switches, settings, False))
+        stages.append(time_stage(runner, saved, floors, name + ", again", switches, settings, False))
     result["stages"] = stages
     b1 = stages[-1]["per_bucket"]["B=1"]["device_ms_per_frame"]
     result["fused_B1_bandwidth_fraction"] = round(floors["B=1"]["bytes_floor_ms"] / b1, 3)

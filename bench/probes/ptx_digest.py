@@ -1,7 +1,8 @@
 """One sha256 of the PTX a talker kernel compiles to for an H200 (sm_90), per specialisation the talker's
 runner launches, on any machine (CPU is enough): meta tensors go through the JIT's own specialisation
 (``create_function_from_signature``, as ``JITFunction.run`` binds a launch), so each digest is that of
-the program the GPU would run. A change that keeps every digest keeps the device code.
+the program the GPU would run. A change that keeps every digest keeps the device code. Which calls take
+the kernels, and at which tunings, is the model's (``models.csm.frame_fused.DEFAULT_SETTINGS``).
 
     TRITON_DISABLE_LINE_INFO=1 python bench/probes/ptx_digest.py [--out FILE.json] [--only TEXT]
 
@@ -13,8 +14,8 @@ for csm-1b and voxring-tiny in fp32, bf16 and fp16,
   times the projector), the later calls of B rows from the projected tables, and (``gather``, the frames
   without projected tables) the embedding rows times the projector; the depth tuning, the depth stack
   with the mlp rows as ``pack_weights`` lays them out, and without;
-* ``stack_layers``' launches for a backbone step of one row, at the backbone's tuning, without the mlp
-  rows (the default) and with;
+* ``stack_layers``' launches for the backbone steps that take it (one row), at the backbone's tuning,
+  without the mlp rows (the default) and with;
 * decode attention (the backbone's steps and the depth calls past 16 rows), rope_kv, silu_mul, rms_norm
   (with and without a residual) and the sampler at the shapes of their calls in the fused frame.
 
@@ -48,12 +49,14 @@ from bench.talker_gpu import CSM_1B
 from kernels import decode_attention, rms_norm, rope_kv, sampler, silu_mul
 from kernels import stack_step as ss
 from models.csm.config import CsmConfig
+from models.csm.frame_fused import DEFAULT_SETTINGS
 from models.tiny.talker import tiny_config
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMS = 132  # the H200's: one program per SM
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # the talker's default buckets (services/talker/config.py)
-STACK_ROWS = 16  # depth calls of at most this many rows take stack_step (models/csm)
+SETTINGS = DEFAULT_SETTINGS  # the talker's fused frame: which calls take the kernel, at which tunings
+STACK_ROWS = SETTINGS.stack_step_rows  # depth calls of at most this many rows take stack_step
 WINDOW = 64  # the engine's max_repetition_window: the history's width
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODELS = {"csm-1b": CSM_1B, "tiny": tiny_config()}
@@ -126,19 +129,22 @@ def stack_cases(name: str, config: CsmConfig, dtype_name: str) -> Iterator[Case]
                                             proj=proj)))
         for way, rows, inputs in calls:
             plan = ss.launch_plan(weights, depth_cache, depth_cache, index(rows), index(rows), index(rows),
-                                  **inputs, head=head, num_programs=SMS, compiled=True)
+                                  **inputs, head=head, num_programs=SMS, compiled=True,
+                                  tuning=SETTINGS.depth_tuning)
             key = f"stack_step/{name}/{dtype_name}/depth_{way}/rows={rows}/{mlp}"
             yield from one_launch(key, plan, depth.num_layers)
     backbone_cache = cache(backbone, BUCKETS[-1] + 1, config.max_len, dtype)
-    q, attn = meta(1, backbone.num_heads * backbone.head_dim, dtype=dtype), meta(
-        1, backbone.num_heads * backbone.head_dim, dtype=dtype)
+    width = backbone.num_heads * backbone.head_dim
     for mlp_rows in (False, True):
         weights = stack_weights(backbone, dtype, mlp_rows)
-        plan = ss.launch_plan(weights, backbone_cache, backbone_cache, index(1), index(1), index(1),
-                              x=meta(1, backbone.hidden_size, dtype=dtype), num_programs=SMS, compiled=True,
-                              tuning=ss.BACKBONE, q=q, attn=attn)
-        key = f"stack_layers/{name}/{dtype_name}/backbone/rows=1/{'mlp_rows' if mlp_rows else 'no_mlp_rows'}"
-        yield from layers_launches(key, plan, backbone.num_layers)
+        for b in (b for b in BUCKETS if b <= SETTINGS.backbone_stack_rows):
+            x, q, attn = (meta(b, w, dtype=dtype) for w in (backbone.hidden_size, width, width))
+            plan = ss.launch_plan(weights, backbone_cache, backbone_cache, index(b), index(b), index(b), x=x,
+                                  num_programs=SMS, compiled=True, tuning=SETTINGS.backbone_tuning, q=q,
+                                  attn=attn)
+            mlp = "mlp_rows" if mlp_rows else "no_mlp_rows"
+            yield from layers_launches(f"stack_layers/{name}/{dtype_name}/backbone/rows={b}/{mlp}", plan,
+                                       backbone.num_layers)
 
 
 def attention_cases(name: str, config: CsmConfig, dtype_name: str) -> Iterator[Case]:

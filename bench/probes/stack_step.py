@@ -260,7 +260,7 @@ def barrier_overhead(stack) -> float:
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("bench/results/probe_stack_step.json"))
     parser.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=ROWS,
@@ -274,12 +274,79 @@ def main() -> None:
     parser.add_argument("--way", choices=("table", "gather"), default="table",
                         help="table: rows of the projected embedding table (the model's calls 2 .. 31; "
                              "the gathered rows times the projector are timed beside it); gather: those")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/probes/stack_step.py needs a CUDA GPU")
+    return parser.parse_args()
+
+
+def checks_and_times(kernel, replaced, want: torch.Tensor, weight_bytes: int, project: bool) -> dict:
+    """The first call's time, the one launch against its phases and the replaced path, and the device time
+    of the replaced path, the default and (from a projected table) the call as it was, projecting."""
+    entry = {}
+    start = time.perf_counter()
+    got = kernel()
+    torch.cuda.synchronize()
+    entry["first_call_s"] = round(time.perf_counter() - start, 2)
+    entry["one_launch_equals_phased"] = bool(torch.equal(got, kernel(phased=True)))
+    entry["logits_rel_error_vs_replaced"] = float(
+        (got.double() - want.double()).norm() / want.double().norm()
+    )
+    entry["replaced_us"] = round(graph_us_per_call(replaced), 2)
+    entry["default_us"] = round(graph_us_per_call(kernel), 2)
+    entry["default_weight_TBps"] = round(weight_bytes / (entry["default_us"] * 1e-6) / 1e12, 3)
+    if not project:  # the call as it was: the embedding rows times the projector, in a phase of its own
+        entry["projection_phase_us"] = round(graph_us_per_call(lambda: kernel(project=True)), 2)
+        got = kernel(project=True)
+        entry["projection_phase_logits_rel_error_vs_replaced"] = float(
+            (got.double() - want.double()).norm() / want.double().norm()
+        )
+    return entry
+
+
+def sweep_results(kernel, want: torch.Tensor, sweep_entries: list[dict], programs: tuple[int, ...]) -> list:
+    """Each sweep entry's device time, error against the replaced path and equality with its phases, then
+    each smaller grid's time; an entry that does not compile or fit is a result too."""
+    sweep = []
+    for tuning in sweep_entries:
+        try:
+            us = graph_us_per_call(lambda tuning=tuning: kernel(tuning))
+            got = kernel(tuning)
+            error = float((got.double() - want.double()).norm() / want.double().norm())
+            same = bool(torch.equal(got, kernel(tuning, phased=True)))
+            sweep.append({**tuning, "us": round(us, 2), "rel_error": round(error, 6), "equals_phased": same})
+            print(json.dumps(sweep[-1]), flush=True)
+        except Exception as exc:
+            sweep.append({**tuning, "error": repr(exc)[:200]})
+    for count in programs:  # fewer, never more: all resident
+        try:
+            us = graph_us_per_call(lambda count=count: kernel(num_programs=count))
+            sweep.append({"num_programs": count, "us": round(us, 2)})
+        except Exception as exc:
+            sweep.append({"num_programs": count, "error": repr(exc)[:200]})
+    return sweep
+
+
+def one_row_traces(kernel, trace_tunings: list[dict], layers: int, sms: int, project: bool) -> dict:
+    """At one row: the one launch's timer trace and its marks inside phases for the default and each of
+    ``trace_tunings``, and the phased launches' profile."""
+    default = (lambda t: kernel(trace=t), {}, layers, sms, project)
+    entry = {"trace": {"default": trace_breakdown(*default)},
+             "inside": {"default": inside_breakdown(*default)}}
+    for tuning in trace_tunings:
+        entry["trace"][json.dumps(tuning)] = trace_breakdown(
+            lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms, project
+        )
+        entry["inside"][json.dumps(tuning)] = inside_breakdown(
+            lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms, project
+        )
+    print(json.dumps({"trace": entry["trace"], "inside": entry["inside"]}), flush=True)
+    entry["phases_us"] = phase_profile(lambda: kernel(phased=True), layers, project)
+    return entry
+
+
+def run_header() -> dict:
+    """What the run measured on: the GPU, the software, the commit, the SMs and the default tuning."""
     import triton
 
-    result = {
+    return {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -289,6 +356,13 @@ def main() -> None:
         "sms": torch.cuda.get_device_properties(0).multi_processor_count,
         "default_tuning": dataclasses.asdict(stack_kernel.DEPTH),
     }
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/probes/stack_step.py needs a CUDA GPU")
+    result = run_header()
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_TBps"] = round(bandwidth / 1e12, 3)
 
@@ -311,15 +385,8 @@ def main() -> None:
     )
     result["weight_MB_per_call"] = round(weight_bytes / 1e6, 1)
     result["bytes_floor_us_per_call"] = round(weight_bytes / bandwidth * 1e6, 2)
-    print(
-        json.dumps(
-            {
-                k: result[k]
-                for k in ("sms", "copy_bandwidth_TBps", "weight_MB_per_call", "bytes_floor_us_per_call")
-            }
-        ),
-        flush=True,
-    )
+    shown = ("sms", "copy_bandwidth_TBps", "weight_MB_per_call", "bytes_floor_us_per_call")
+    print(json.dumps({k: result[k] for k in shown}), flush=True)
 
     result["barrier_overhead_us_per_call"] = barrier_overhead(stack)
     print(json.dumps({"barrier_overhead_us_per_call": result["barrier_overhead_us_per_call"]}), flush=True)
@@ -355,61 +422,14 @@ def main() -> None:
                 trace=trace,
             )
 
-        entry = {}
         want = replaced()
-        start = time.perf_counter()
-        got = kernel()
-        torch.cuda.synchronize()
-        entry["first_call_s"] = round(time.perf_counter() - start, 2)
-        entry["one_launch_equals_phased"] = bool(torch.equal(got, kernel(phased=True)))
-        entry["logits_rel_error_vs_replaced"] = float(
-            (got.double() - want.double()).norm() / want.double().norm()
-        )
-        entry["replaced_us"] = round(graph_us_per_call(replaced), 2)
-        entry["default_us"] = round(graph_us_per_call(kernel), 2)
-        entry["default_weight_TBps"] = round(weight_bytes / (entry["default_us"] * 1e-6) / 1e12, 3)
-        if not project:  # the call as it was: the embedding rows times the projector, in a phase of its own
-            entry["projection_phase_us"] = round(graph_us_per_call(lambda: kernel(project=True)), 2)
-            got = kernel(project=True)
-            entry["projection_phase_logits_rel_error_vs_replaced"] = float(
-                (got.double() - want.double()).norm() / want.double().norm()
-            )
-        print(json.dumps({k: v for k, v in entry.items() if k != "sweep"}), flush=True)
-        sweep = []
-        for tuning in [] if args.skip_sweep else args.sweep:
-            try:
-                us = graph_us_per_call(lambda tuning=tuning: kernel(tuning))
-                got = kernel(tuning)
-                error = float((got.double() - want.double()).norm() / want.double().norm())
-                same = bool(torch.equal(got, kernel(tuning, phased=True)))
-                sweep.append(
-                    {**tuning, "us": round(us, 2), "rel_error": round(error, 6), "equals_phased": same}
-                )
-                print(json.dumps(sweep[-1]), flush=True)
-            except Exception as exc:  # a configuration that does not compile or fit is a result too
-                sweep.append({**tuning, "error": repr(exc)[:200]})
-        for programs in () if args.skip_sweep else (result["sms"] // 2,):  # fewer, never more: all resident
-            try:
-                us = graph_us_per_call(lambda programs=programs: kernel(num_programs=programs))
-                sweep.append({"num_programs": programs, "us": round(us, 2)})
-            except Exception as exc:
-                sweep.append({"num_programs": programs, "error": repr(exc)[:200]})
-        entry["sweep"] = sweep
+        entry = checks_and_times(kernel, replaced, want, weight_bytes, project)
+        print(json.dumps(entry), flush=True)
+        skip = args.skip_sweep
+        smaller_grids = () if skip else (result["sms"] // 2,)
+        entry["sweep"] = sweep_results(kernel, want, [] if skip else args.sweep, smaller_grids)
         if n == 1:
-            sms = result["sms"]
-            layers = stack.num_layers
-            default = (lambda t: kernel(trace=t), {}, layers, sms, project)
-            entry["trace"] = {"default": trace_breakdown(*default)}
-            entry["inside"] = {"default": inside_breakdown(*default)}
-            for tuning in args.trace_tunings:
-                entry["trace"][json.dumps(tuning)] = trace_breakdown(
-                    lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms, project
-                )
-                entry["inside"][json.dumps(tuning)] = inside_breakdown(
-                    lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms, project
-                )
-            print(json.dumps({"trace": entry["trace"], "inside": entry["inside"]}), flush=True)
-            entry["phases_us"] = phase_profile(lambda: kernel(phased=True), stack.num_layers, project)
+            entry.update(one_row_traces(kernel, args.trace_tunings, stack.num_layers, result["sms"], project))
         entry["faults"] = stack_kernel.faults("cuda")
         per_rows[f"N={n}"] = entry
         print(f"N={n}: {json.dumps(entry)}", flush=True)

@@ -1,5 +1,10 @@
 """The ``@triton.jit`` kernel: one decode step of a stack as a sequence of phases, each split into work
-items the programs share, with a grid-wide barrier (``barrier``) between phases."""
+items the programs share, with a grid-wide barrier (``barrier``) between phases.
+
+The kernel body is one long function on purpose: what it holds is the launch's control flow (which
+phases of which layers run, each followed by its barrier, and the barrier epoch they count), over values
+loaded once at the start and kept in registers through the layers (row masks, positions, slots, rotary
+tables, attention items). The phases themselves are the ``products``, ``rotary`` and ``phases`` helpers."""
 
 from __future__ import annotations
 
