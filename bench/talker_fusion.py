@@ -19,7 +19,7 @@ GPU only (about 4 minutes on one H200).
    then depth calls 2 .. 31 reading rows of the projected embedding tables (the default). (A
    stage with nested product loops, an item loop around each pipelined reduction, ran at
    2530d3e: `results/talker_fusion_stack_step.json`; it was as fast and was removed.)
-   ``--tunings '[{"HOIST": 0}, ...]'``: the default stage again with each stack_step tuning
+   ``--tunings '[{"BN_QKV": 16}, ...]'``: the default stage again with each stack_step tuning
    (``candidates`` in the JSON), then the default once more; the sampled and whole-step timings
    below stay the default's. A candidate may also set "backbone_rows" (backbone steps of up to that
    many rows through ``stack_layers``; 1 by default), "backbone_tuning" (its tiles) and
@@ -41,6 +41,7 @@ GPU only (about 4 minutes on one H200).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -65,7 +66,9 @@ from bench.talker_gpu import (
     prefill_all,
     step_wall_ms,
 )
+from kernels.stack_step import BACKBONE, DEPTH, with_mlp_rows
 from models.csm.config import CsmConfig
+from models.csm.frame_fused import DEFAULT_SETTINGS, FusedSettings
 from models.csm.model import CsmTalker
 from models.csm.modules import RotaryTable
 from models.family import FrameInputs
@@ -189,8 +192,6 @@ def first_frame(runner: Runner, forced: torch.Tensor | None = None):
     (logits [B, N, V] fp64, codes [B, N], next hidden [B, H] fp64). With ``forced`` codes
     [B, N], each codebook's logits are recorded and the forced code is fed on (teacher
     forcing), so every variant's depth logits are compared on the same inputs."""
-    import models.csm.model as csm_model
-
     bucket = runner.buckets[-1]
     ids = torch.arange(bucket, device="cuda")
     buf = runner.pool
@@ -199,19 +200,19 @@ def first_frame(runner: Runner, forced: torch.Tensor | None = None):
                          frame_index=buf.frame_index[ids].clone(), min_frames=buf.min_frames[ids].clone(),
                          sampling=sampling, history=buf.history[ids].clone())
     k, v = runner.caches.backbone.k.clone(), runner.caches.backbone.v.clone()
-    recorded, original = [], csm_model.sample
+    model, recorded = runner.model, []
 
-    def record(logits, params, frame, codebook, history, codebook_size):
+    def record(inputs, logits, codebook, logits_out):  # the model's pick, recording (and forcing) codes
         recorded.append(logits.double())
-        picked = original(logits, params, frame, codebook, history, codebook_size)
+        picked = CsmTalker.pick(model, inputs, logits, codebook, logits_out)
         return picked if forced is None else forced[:, codebook]
 
-    csm_model.sample = record
+    model.pick = record  # this model's frames pick through it, until it is deleted
     try:
         with torch.inference_mode():
-            out = runner.model.decode_frame(inputs, runner.caches)
+            out = model.decode_frame(inputs, runner.caches)
     finally:
-        csm_model.sample = original
+        del model.pick
     runner.caches.backbone.k.copy_(k)
     runner.caches.backbone.v.copy_(v)
     return torch.stack(recorded, dim=1), out.codes, out.hidden.double()
@@ -314,44 +315,44 @@ _MODEL_KEYS = ("rows", "projected", "backbone_rows", "backbone_mlp", "backbone_t
 _BACKBONE_STACKS: dict = {}  # the backbone's packed stack, and with the mlp rows once asked for
 
 
-def apply_stack_settings(settings: dict | None, model: CsmTalker | None = None) -> None:
-    """The default stack_step tuning, row limits and projected depth inputs, changed by a stage's
-    settings ("rows", "projected", "backbone_rows", "backbone_mlp", "backbone_tuning" (stack_layers'
-    tuning, over the depth decoder's) and tuning keys). "backbone_mlp": 1
-    gives the packed backbone's stack the mlp rows (a copy: down's transpose beside gate/up), as
-    ``BACKBONE_MLP_ROWS`` would, so its one-row steps take MLP_DOWN."""
-    import kernels.stack_step as stack_kernel
-    import models.csm.model as csm_model
-
+def fused_settings(settings: dict | None) -> FusedSettings:
+    """A stage's settings as the fused frame's: "rows" (``stack_step_rows``, default the talker's),
+    "projected" (``projected_inputs``, default off: the stages before it project), "backbone_rows"
+    (``backbone_stack_rows``), the other keys but "backbone_mlp" the depth calls' tuning (changes to
+    ``DEPTH`` by field name), and "backbone_tuning" the backbone's (changes to the depth calls' tuning;
+    default BACKBONE's changes to DEPTH, so a stage's tuning keys reach the backbone's launches too)."""
     settings = dict(settings or {})
-    tuning = stack_kernel.checked_tuning({k: v for k, v in settings.items() if k not in _MODEL_KEYS})
-    stack_kernel.TUNING.update(_DEFAULT_TUNING, **tuning)
-    csm_model.STACK_STEP_ROWS = settings.get("rows", _DEFAULT_ROWS)
-    csm_model.PROJECTED_INPUTS = settings.get("projected", False)  # the stages before it project
-    csm_model.BACKBONE_STACK_ROWS = settings.get("backbone_rows", _DEFAULT_BACKBONE_ROWS)
-    backbone_tuning = settings.get("backbone_tuning", _DEFAULT_BACKBONE)
-    csm_model.BACKBONE_TUNING = stack_kernel.checked_tuning(backbone_tuning)
-    backbone = model.backbone_model if model is not None else None
-    if backbone is not None and backbone.stack is not None:
-        plain = _BACKBONE_STACKS.setdefault("plain", backbone.stack)
-        if settings.get("backbone_mlp"):
-            backbone.stack = _BACKBONE_STACKS.setdefault("mlp", stack_kernel.with_mlp_rows(plain))
-        else:
-            backbone.stack = plain
+    depth = DEPTH.with_keys({k: v for k, v in settings.items() if k not in _MODEL_KEYS})
+    return dataclasses.replace(
+        DEFAULT_SETTINGS, stack_step_rows=settings.get("rows", DEFAULT_SETTINGS.stack_step_rows),
+        projected_inputs=bool(settings.get("projected", False)),
+        backbone_stack_rows=settings.get("backbone_rows", DEFAULT_SETTINGS.backbone_stack_rows),
+        depth_tuning=depth,
+        backbone_tuning=depth.with_keys(settings.get("backbone_tuning", _BACKBONE_CHANGES)),
+    )
 
 
-def _defaults() -> tuple[dict, int]:
-    import kernels.stack_step as stack_kernel
-    import models.csm.model as csm_model
+def apply_stack_settings(settings: dict | None, model: CsmTalker) -> None:
+    """A stage's settings (``fused_settings``) as a packed model's frame; a plain model has none. A
+    stage's "backbone_mlp": 1 gives the packed backbone's stack the mlp rows (a copy: down's transpose
+    beside gate/up), as ``FusedSettings.backbone_mlp_rows`` would at packing, so its one-row steps take
+    MLP_DOWN."""
+    if not model.fused:
+        return
+    model.pack_weights(fused_settings(settings))  # packed already: only the frame's settings change
+    backbone = model.backbone_model
+    plain = _BACKBONE_STACKS.setdefault("plain", backbone.stack)
+    if (settings or {}).get("backbone_mlp"):
+        backbone.stack = _BACKBONE_STACKS.setdefault("mlp", with_mlp_rows(plain))
+    else:
+        backbone.stack = plain
 
-    return (dict(stack_kernel.TUNING), csm_model.STACK_STEP_ROWS, csm_model.BACKBONE_STACK_ROWS,
-            dict(csm_model.BACKBONE_TUNING))
+
+# BACKBONE's changes to DEPTH (BN_QKV, BK_QKV), by field name
+_BACKBONE_CHANGES = {k: v for k, v in dataclasses.asdict(BACKBONE).items() if v != getattr(DEPTH, k)}
 
 
-_DEFAULT_TUNING, _DEFAULT_ROWS, _DEFAULT_BACKBONE_ROWS, _DEFAULT_BACKBONE = _defaults()
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("bench/results/talker_fusion.json"))
     parser.add_argument("--skip-exactness", action="store_true")
@@ -360,22 +361,23 @@ def main() -> None:
                              "0: the floors and the exactness checks only, with the default's kernels")
     parser.add_argument("--tunings", type=json.loads, default=[],
                         help="JSON list of stack_step tunings to time as the default stage's alternatives")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("talker_fusion.py needs a CUDA GPU")
+    return parser.parse_args()
+
+
+def run_header() -> dict:
+    """What the run measured on: the GPU, the software, the commit, the shapes."""
     import triton
 
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(),
-              "commit": os.environ.get("VOXRING_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-              "shapes": "csm-1b (backbone 16 x 2048, depth 4 x 1024, 32 codebooks), bf16, random weights",
-              "max_len": MAX_LEN, "keys_per_row_at_start": PROMPT}
-    bandwidth, rate = copy_bandwidth(), matmul_rate()
-    result["copy_bandwidth_TBps"] = round(bandwidth / 1e12, 3)
-    result["bf16_matmul_TFLOPs"] = round(rate / 1e12, 1)
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(),
+            "commit": os.environ.get("VOXRING_COMMIT") or subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+            "shapes": "csm-1b (backbone 16 x 2048, depth 4 x 1024, 32 codebooks), bf16, random weights",
+            "max_len": MAX_LEN, "keys_per_row_at_start": PROMPT}
 
-    model = random_model(CSM_1B, torch.bfloat16)
+
+def frame_floors(model: CsmTalker, bandwidth: float, rate: float) -> dict:
+    """Each bucket's bytes and FLOPs floors (1. above) at the measured copy bandwidth and product rate."""
     weight_bytes = frame_floor_bytes(model)
     floors = {}
     for b in BUCKETS:
@@ -385,6 +387,51 @@ def main() -> None:
                             "bytes_floor_ms": round(moved / bandwidth * 1e3, 3),
                             "flops_floor_ms": round(flops / rate * 1e3, 3),
                             "floor_ms": round(max(moved / bandwidth, flops / rate) * 1e3, 3)}
+    return floors
+
+
+def time_stage(runner: Runner, saved: list[torch.Tensor], floors: dict, name: str, switches: dict,
+               settings: dict | None, detail: bool) -> dict:
+    """Captures the graphs with these kernels and stack_step settings from the ``saved`` state and times
+    every bucket against its ``floors`` (with a profile of one replay; the top kernels when ``detail``)."""
+    from kernels import stack_step as stack_kernel
+
+    set_kernels(**switches)
+    apply_stack_settings(settings, runner.model)
+    state = (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)
+    for dst, src in zip(state, saved, strict=True):
+        dst.copy_(src)
+    capture_s = recapture(runner)
+    faults = stack_kernel.faults("cuda")
+    entry = {"stage": name, "capture_s": round(capture_s, 2), "per_bucket": {}}
+    for b in BUCKETS:
+        ms = device_ms_per_frame(runner, b)
+        try:
+            prof = profile_replay(runner, b, top=12 if detail and b in (1, 256) else 0)
+        except Exception as exc:  # a profiler problem must not cost the run's timings
+            prof = {"kernels": None, "profiler_error": repr(exc)}
+        entry["per_bucket"][f"B={b}"] = {"device_ms_per_frame": round(ms, 3),
+                                         "frames_per_s": round(b * 1e3 / ms, 1),
+                                         "vs_floor": round(ms / floors[f"B={b}"]["floor_ms"], 2), **prof}
+    # barrier waits that gave up during the stage (each about a second, and a wrong result)
+    entry["stack_step_faults"] = stack_kernel.faults("cuda") - faults
+    line = "  ".join(f"B={b}: {entry['per_bucket'][f'B={b}']['device_ms_per_frame']:7.2f} ms "
+                     f"({entry['per_bucket'][f'B={b}'].get('kernels')} k)" for b in BUCKETS)
+    print(f"{name:36s} {line}", flush=True)
+    return entry
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("talker_fusion.py needs a CUDA GPU")
+    result = run_header()
+    bandwidth, rate = copy_bandwidth(), matmul_rate()
+    result["copy_bandwidth_TBps"] = round(bandwidth / 1e12, 3)
+    result["bf16_matmul_TFLOPs"] = round(rate / 1e12, 1)
+
+    model = random_model(CSM_1B, torch.bfloat16)
+    floors = frame_floors(model, bandwidth, rate)
     result["floors"] = floors
     print(json.dumps(floors, indent=1), flush=True)
 
@@ -396,64 +443,33 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
         set_kernels(**STAGES[-1][2])
-        apply_stack_settings(STAGES[-1][3])
         exactness(result, save)
         save()
         print(json.dumps({k: v for k, v in result.items() if k != "floors"}, indent=1))
         return
 
     set_kernels(**STAGES[0][2])
-    apply_stack_settings(None)
     runner = Runner(model, num_slots=256, max_len=MAX_LEN, buckets=BUCKETS, k_max=8,
                     max_repetition_window=16, use_graphs=False)
     prefill_all(runner, 256, False)
     saved = [t.clone() for t in (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)]
-
-    def time_stage(runner: Runner, name: str, switches: dict, settings: dict | None, detail: bool) -> dict:
-        """Captures the graphs with these kernels and stack_step settings from the saved state and times
-        every bucket (with a profile of one replay; the top kernels when ``detail``)."""
-        from kernels import stack_step as stack_kernel
-
-        set_kernels(**switches)
-        apply_stack_settings(settings, runner.model)
-        state = (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)
-        for dst, src in zip(state, saved, strict=True):
-            dst.copy_(src)
-        capture_s = recapture(runner)
-        faults = stack_kernel.faults("cuda")
-        entry = {"stage": name, "capture_s": round(capture_s, 2), "per_bucket": {}}
-        for b in BUCKETS:
-            ms = device_ms_per_frame(runner, b)
-            try:
-                prof = profile_replay(runner, b, top=12 if detail and b in (1, 256) else 0)
-            except Exception as exc:  # a profiler problem must not cost the run's timings
-                prof = {"kernels": None, "profiler_error": repr(exc)}
-            entry["per_bucket"][f"B={b}"] = {"device_ms_per_frame": round(ms, 3),
-                                             "frames_per_s": round(b * 1e3 / ms, 1),
-                                             "vs_floor": round(ms / floors[f"B={b}"]["floor_ms"], 2), **prof}
-        # barrier waits that gave up during the stage (each about a second, and a wrong result)
-        entry["stack_step_faults"] = stack_kernel.faults("cuda") - faults
-        line = "  ".join(f"B={b}: {entry['per_bucket'][f'B={b}']['device_ms_per_frame']:7.2f} ms "
-                         f"({entry['per_bucket'][f'B={b}'].get('kernels')} k)" for b in BUCKETS)
-        print(f"{name:36s} {line}", flush=True)
-        return entry
 
     stages = []
     for name, pack, switches, settings in STAGES[-args.last_stages:]:
         if pack:
             model.pack_weights()
         detail = name.startswith("plain +") or name.endswith("(default)") or name == "+ silu_mul kernel"
-        stages.append(time_stage(runner, name, switches, settings, detail))
+        stages.append(time_stage(runner, saved, floors, name, switches, settings, detail))
     if args.tunings:
         name, _, switches, settings = STAGES[-1]  # the default stage
         result["candidates"] = [
             {"tuning": tuning,
-             **time_stage(runner, f"default, tuning {json.dumps(tuning)}", switches, {**settings, **tuning},
-                          False)}
+             **time_stage(runner, saved, floors, f"default, tuning {json.dumps(tuning)}", switches,
+                          {**settings, **tuning}, False)}
             for tuning in args.tunings
         ]
         # the default's graphs again for what follows (and its time once more, for the run's drift)
-        stages.append(time_stage(runner, name + ", again", switches, settings, False))
+        stages.append(time_stage(runner, saved, floors, name + ", again", switches, settings, False))
     result["stages"] = stages
     b1 = stages[-1]["per_bucket"]["B=1"]["device_ms_per_frame"]
     result["fused_B1_bandwidth_fraction"] = round(floors["B=1"]["bytes_floor_ms"] / b1, 3)

@@ -27,38 +27,13 @@ import triton
 import triton.language as tl
 
 from kernels.latch import KernelLatch
+from kernels.tl_common import NEG_INF, online_softmax_step
 
 LATCH = KernelLatch("decode_attention")
-_LOG2E = tl.constexpr(1.4426950408889634)
-_NEG_INF = tl.constexpr(float("-inf"))
 _MIN_SPLIT_KEYS = 256  # a split shorter than this costs more in the combine than it saves
 
 
 # ---------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    # fp32 accumulation either way; UPCAST only under the interpreter, whose tl.dot misreads
-    # bf16 operands (bf16 x bf16 products are exact in fp32, so the math is the same).
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
-def _online_softmax_step(q, k, v, valid, m, total, acc, scale, UPCAST: tl.constexpr):
-    """One block of keys into the running (max, sum, weighted value sum) of a query group: q [G, D],
-    k and v [N, D] with ``valid`` [N] marking real keys (at least one per block) -> (m, total, acc)."""
-    s = _dot(q, tl.trans(k), UPCAST) * (scale * _LOG2E)  # [G, N]
-    s = tl.where(valid[None, :], s, _NEG_INF)
-    m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every block holds a valid key
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    total = total * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
-    return m_new, total, acc
 
 
 @triton.jit
@@ -91,7 +66,7 @@ def _split_kernel(
     k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
     v_base = v_ptr + slot * stride_vs + kv_head * stride_vh
 
-    m = tl.full([GROUP_PAD], _NEG_INF, tl.float32)  # running max of scores * log2(e)
+    m = tl.full([GROUP_PAD], NEG_INF, tl.float32)  # running max of scores * log2(e)
     total = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     pos = start
@@ -100,7 +75,7 @@ def _split_kernel(
         kv_mask = (n < stop)[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_base + n[:, None] * stride_kl + d[None, :], mask=kv_mask, other=0.0)  # [N, D]
         v = tl.load(v_base + n[:, None] * stride_vl + d[None, :], mask=kv_mask, other=0.0)
-        m, total, acc = _online_softmax_step(q, k, v, n < stop, m, total, acc, scale, UPCAST)
+        m, total, acc = online_softmax_step(q, k, v, n < stop, m, total, acc, scale, UPCAST)
         pos += BLOCK_N
 
     o_mask = q_mask
@@ -127,7 +102,7 @@ def _combine_kernel(
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, BLOCK_D)
     base = (row * num_q_heads + head) * NUM_SPLITS
-    m = tl.load(max_ptr + base + s, mask=s < NUM_SPLITS, other=_NEG_INF)  # -inf: an empty split
+    m = tl.load(max_ptr + base + s, mask=s < NUM_SPLITS, other=NEG_INF)  # -inf: an empty split
     total = tl.load(sum_ptr + base + s, mask=s < NUM_SPLITS, other=0.0)
     mask = (s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :]
     acc = tl.load(acc_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
@@ -263,21 +238,11 @@ def kernel_device(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
-def _fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-          lengths: torch.Tensor) -> bool:
-    """Inputs the kernels do not take go to the twin without tripping the latch."""
-    try:
-        _check(q, k_cache, v_cache, slots, lengths, None)
-    except ValueError:
-        return False
-    return True
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
     """The model's entry point (same arguments and result as ``decode_attention_triton``): the
-    kernels on CUDA while the latch is active, the eager twin otherwise."""
-    if not (kernel_device(q) and _fits(q, k_cache, v_cache, slots, lengths)):
-        return decode_attention_eager(q, k_cache, v_cache, slots, lengths, scale)
-    return LATCH.call(decode_attention_triton, decode_attention_eager, q, k_cache, v_cache, slots,
-                      lengths, scale)
+    kernels on CUDA while the latch is active, the eager twin otherwise (and for inputs the kernels do
+    not take, without tripping the latch)."""
+    args = (q, k_cache, v_cache, slots, lengths)
+    return LATCH.dispatch(kernel_device(q), lambda: _check(*args, None), decode_attention_triton,
+                          decode_attention_eager, *args, scale)

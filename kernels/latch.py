@@ -1,6 +1,8 @@
 """The process-level fallback latch that stands between a Triton kernel and its eager twin.
 
-One ``KernelLatch`` per kernel. Two ways to the twin:
+One ``KernelLatch`` per kernel; each drop-in routes its calls through ``KernelLatch.dispatch`` (the twin
+for tensors off the kernel's device and for inputs the kernel does not take, else ``call``). Two ways
+to the twin besides those:
 
 * **configured off** (``enabled = False``): a strict switch for triage; the twin serves every call
   and nothing is logged;
@@ -70,6 +72,19 @@ class KernelLatch:
         except Exception as exc:  # compile / launch failures of any kind: the twin takes over
             self._trip(exc)
         return twin(*args, **kwargs)
+
+    def dispatch(self, on_device: bool, check: Callable[[], object], kernel: Callable[P, R],
+                 twin: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """A drop-in's one rule: the twin for tensors off the kernel's device (``on_device`` False) and
+        for inputs ``check`` refuses with ValueError (the twin takes what the kernel cannot, and the latch
+        stays as it is), else ``call``."""
+        if not on_device:
+            return twin(*args, **kwargs)
+        try:
+            check()
+        except ValueError:
+            return twin(*args, **kwargs)
+        return self.call(kernel, twin, *args, **kwargs)
 
     def trip(self, exc: Exception) -> None:
         """Trips the latch for a failure found after the kernel returned (its results are already

@@ -116,10 +116,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused layers' entry point: the kernel on CUDA while the latch is active, the twin
     otherwise (and for inputs the kernel does not take, without tripping the latch)."""
-    if not kernel_device(x):
-        return rms_norm_eager(x, weight, eps, residual)
-    try:
-        _check(x, weight, residual)
-    except ValueError:
-        return rms_norm_eager(x, weight, eps, residual)
-    return LATCH.call(rms_norm_triton, rms_norm_eager, x, weight, eps, residual)
+    return LATCH.dispatch(kernel_device(x), lambda: _check(x, weight, residual), rms_norm_triton,
+                          rms_norm_eager, x, weight, eps, residual)

@@ -24,27 +24,9 @@ import triton
 import triton.language as tl
 
 from kernels.latch import KernelLatch
+from kernels.tl_common import round_to
 
 LATCH = KernelLatch("rope_kv")
-
-
-@triton.jit
-def _round_to(x, dtype: tl.constexpr, OPAQUE: tl.constexpr):
-    """fp32 x rounded to ``dtype`` (to nearest even) and widened back. A plain ``.to(dtype).to(fp32)``
-    pair is not safe here: on the H200 the compiler dropped one product's pair and fused it into the
-    sum (an fma), off by an ulp from the twin in ~15% of outputs. The PTX conversions in inline
-    assembly cannot be folded (OPAQUE, on CUDA); the interpreter has no such pass."""
-    if dtype == tl.float32:
-        return x
-    elif OPAQUE:
-        if dtype == tl.bfloat16:
-            return tl.inline_asm_elementwise("{ .reg .b16 t; cvt.rn.bf16.f32 t, $1; cvt.f32.bf16 $0, t; }",
-                                             "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise("{ .reg .b16 t; cvt.rn.f16.f32 t, $1; cvt.f32.f16 $0, t; }",
-                                             "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return x.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -69,15 +51,15 @@ def _rope_kv_kernel(
     x1 = tl.load(src, mask=valid, other=0.0).to(tl.float32)  # first half of each head
     x2 = tl.load(src + HALF, mask=valid, other=0.0).to(tl.float32)
     table = pos * stride_table + j
-    c1 = _round_to(tl.load(cos_ptr + table, mask=j < HALF, other=0.0).to(tl.float32), dtype, OPAQUE)[None, :]
-    c2 = _round_to(tl.load(cos_ptr + table + HALF, mask=j < HALF, other=0.0).to(tl.float32), dtype,
+    c1 = round_to(tl.load(cos_ptr + table, mask=j < HALF, other=0.0).to(tl.float32), dtype, OPAQUE)[None, :]
+    c2 = round_to(tl.load(cos_ptr + table + HALF, mask=j < HALF, other=0.0).to(tl.float32), dtype,
                    OPAQUE)[None, :]
-    s1 = _round_to(tl.load(sin_ptr + table, mask=j < HALF, other=0.0).to(tl.float32), dtype, OPAQUE)[None, :]
-    s2 = _round_to(tl.load(sin_ptr + table + HALF, mask=j < HALF, other=0.0).to(tl.float32), dtype,
+    s1 = round_to(tl.load(sin_ptr + table, mask=j < HALF, other=0.0).to(tl.float32), dtype, OPAQUE)[None, :]
+    s2 = round_to(tl.load(sin_ptr + table + HALF, mask=j < HALF, other=0.0).to(tl.float32), dtype,
                    OPAQUE)[None, :]
     # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); each product rounded, then the sum
-    r1 = (_round_to(x1 * c1, dtype, OPAQUE) + _round_to(-x2 * s1, dtype, OPAQUE)).to(dtype)
-    r2 = (_round_to(x2 * c2, dtype, OPAQUE) + _round_to(x1 * s2, dtype, OPAQUE)).to(dtype)
+    r1 = (round_to(x1 * c1, dtype, OPAQUE) + round_to(-x2 * s1, dtype, OPAQUE)).to(dtype)
+    r2 = (round_to(x2 * c2, dtype, OPAQUE) + round_to(x1 * s2, dtype, OPAQUE)).to(dtype)
 
     is_q = (h < NUM_Q)[:, None] & valid
     dst = q_ptr + row * stride_qn + h[:, None] * stride_qh + j[None, :]
@@ -186,10 +168,4 @@ def rope_kv(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
     """The fused layers' entry point: the kernel on CUDA while the latch is active, the twin
     otherwise (and for inputs the kernel does not take, without tripping the latch)."""
     args = (qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, num_q_heads)
-    if not kernel_device(qkv):
-        return rope_kv_eager(*args)
-    try:
-        _check(*args)
-    except ValueError:
-        return rope_kv_eager(*args)
-    return LATCH.call(rope_kv_triton, rope_kv_eager, *args)
+    return LATCH.dispatch(kernel_device(qkv), lambda: _check(*args), rope_kv_triton, rope_kv_eager, *args)

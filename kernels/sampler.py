@@ -31,13 +31,13 @@ from triton.language.extra import libdevice
 from kernels import sampler_twin as twin
 from kernels.latch import KernelLatch
 from kernels.sampler_twin import SamplingParams
+from kernels.tl_common import NEG_INF, exp
 
 MAX_VOCAB = 4096  # ids are packed into 12 bits for the top-p sort
 LATCH = KernelLatch("sampler")
 
 _ID_BITS = tl.constexpr(12)
 _ID_MASK = tl.constexpr(4095)  # (1 << _ID_BITS) - 1
-_NEG_INF = tl.constexpr(float("-inf"))
 _U_SCALE = tl.constexpr(2.0**-24)
 _U_MAX = tl.constexpr(1.0 - 2.0**-24)  # largest fp32 below 1
 _HISTORY_CHUNK = tl.constexpr(16)  # history codes matched per step of the penalty loop
@@ -53,14 +53,6 @@ def _log(x, LIBDEVICE: tl.constexpr):
         return libdevice.log(x)
     else:
         return tl.log(x)
-
-
-@triton.jit
-def _exp(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
 
 
 @triton.jit
@@ -120,7 +112,7 @@ def _top_k(x, real, k):
         candidate = kth | (one << b)
         if tl.sum(((key >= candidate) & real).to(tl.int32), axis=0) >= k:
             kth = candidate
-    return tl.where(key >= kth, x, _NEG_INF)
+    return tl.where(key >= kth, x, NEG_INF)
 
 
 @triton.jit
@@ -130,7 +122,7 @@ def _top_p(x, ids, real, top_p, LIBDEVICE: tl.constexpr):
     Each id gets a unique key (its probability's bits, then the lower id first); an id is kept
     iff the mass of the keys above its own is < p. That mass only falls as the key grows, so the
     kept ids are the keys >= the smallest cut whose mass above is < p, found bit by bit."""
-    e = _exp(x - tl.max(x, axis=0), LIBDEVICE)  # [BLOCK]; 0 at -inf and on padding
+    e = exp(x - tl.max(x, axis=0), LIBDEVICE)  # [BLOCK]; 0 at -inf and on padding
     probs = tl.math.div_rn(e, tl.sum(e, axis=0))
     bits = probs.to(tl.int32, bitcast=True).to(tl.int64)  # >= 0, ordered like the probability
     packed = tl.where(real, (bits << _ID_BITS) | (_ID_MASK - ids), -1)  # < 2^43
@@ -143,7 +135,7 @@ def _top_p(x, ids, real, top_p, LIBDEVICE: tl.constexpr):
     # A fixed reduction tree over non-negative terms is monotone, so the search is consistent.
     reached = tl.sum(tl.where(packed > below, probs, 0.0), axis=0) >= top_p
     cut = tl.where(reached, below + 1, below)
-    return tl.where(packed >= cut, x, _NEG_INF)
+    return tl.where(packed >= cut, x, NEG_INF)
 
 
 # ---------------------------------------------------------------- the kernel
@@ -167,8 +159,8 @@ def _sampler_kernel(
     seed, frame = tl.load(seed_ptr + row), tl.load(frame_ptr + row)
     ids = tl.arange(0, BLOCK)
     real = ids < vocab
-    x = tl.load(logits_ptr + row * stride_lb + ids, mask=real, other=_NEG_INF).to(tl.float32)
-    x = tl.where(ids >= codebook_size, _NEG_INF, x)  # step 1
+    x = tl.load(logits_ptr + row * stride_lb + ids, mask=real, other=NEG_INF).to(tl.float32)
+    x = tl.where(ids >= codebook_size, NEG_INF, x)  # step 1
     # Steps 2 and 3 only where they change something: a penalty of 1 or an empty window, and a
     # temperature of 1 or a greedy row, leave x as it is (x / 1 == x * 1 == x exactly), and each is an
     # IEEE division of every lane: a greedy launch 5.99 -> 2.89 us without them (H200, bench/README.md)
@@ -186,7 +178,7 @@ def _sampler_kernel(
         if (top_p > 0) & (top_p < 1):
             x = _top_p(x, ids, real, top_p, LIBDEVICE)
         g = _gumbel(seed, frame, codebook, ids, LIBDEVICE)
-        scores = tl.where(x > _NEG_INF, x + g, _NEG_INF)  # kept ids only
+        scores = tl.where(x > NEG_INF, x + g, NEG_INF)  # kept ids only
         picked = tl.argmax(scores, axis=0).to(tl.int64)
     tl.store(ids_out_ptr + row, picked)
 
@@ -277,21 +269,10 @@ def kernel_device(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
-def _fits(logits: torch.Tensor, params: SamplingParams, frame: torch.Tensor, codebook: int,
-          history: torch.Tensor, codebook_size: int) -> bool:
-    """Inputs the kernel does not take (V > 4096, fp64, strided ids) go to the twin without
-    tripping the latch."""
-    try:
-        _check(logits, params, frame, codebook, history, codebook_size)
-    except ValueError:
-        return False
-    return True
-
-
 def sample(logits: torch.Tensor, params: SamplingParams, frame: torch.Tensor, codebook: int,
            history: torch.Tensor, codebook_size: int) -> torch.Tensor:
     """Drop-in for ``kernels.sampler_twin.sample`` (same arguments, same ids): the kernel on
-    CUDA while the latch is active, the eager twin otherwise (and for shapes it does not take)."""
-    if not (kernel_device(logits) and _fits(logits, params, frame, codebook, history, codebook_size)):
-        return twin.sample(logits, params, frame, codebook, history, codebook_size)
-    return LATCH.call(sample_triton, twin.sample, logits, params, frame, codebook, history, codebook_size)
+    CUDA while the latch is active, the eager twin otherwise (and for inputs it does not take: V > 4096,
+    fp64, strided ids; without tripping the latch)."""
+    args = (logits, params, frame, codebook, history, codebook_size)
+    return LATCH.dispatch(kernel_device(logits), lambda: _check(*args), sample_triton, twin.sample, *args)

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from kernels.latch import KernelLatch
+from kernels.tl_common import silu
 
 LATCH = KernelLatch("silu_mul")
 _BLOCK = 1024
@@ -30,12 +30,8 @@ def _silu_mul_kernel(gu_ptr, stride_gu, out_ptr, stride_out, inter,
     dtype = gu_ptr.dtype.element_ty
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_gu + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    if LIBDEVICE:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
-        e = libdevice.exp(-g)
-    else:
-        e = tl.exp(-g)
-    silu = tl.math.div_rn(g, 1.0 + e).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (silu * u).to(dtype), mask=mask)
+    gate = silu(g, dtype, False, LIBDEVICE)  # rounded to the dtype, as the twin's F.silu is
+    tl.store(out_ptr + row * stride_out + cols, (gate * u).to(dtype), mask=mask)
 
 
 def silu_mul_eager(gate_up: torch.Tensor) -> torch.Tensor:
@@ -73,10 +69,5 @@ def kernel_device(tensor: torch.Tensor) -> bool:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """The fused layers' entry point: the kernel on CUDA while the latch is active, the twin
     otherwise (and for inputs the kernel does not take, without tripping the latch)."""
-    if not kernel_device(gate_up):
-        return silu_mul_eager(gate_up)
-    try:
-        _check(gate_up)
-    except ValueError:
-        return silu_mul_eager(gate_up)
-    return LATCH.call(silu_mul_triton, silu_mul_eager, gate_up)
+    return LATCH.dispatch(kernel_device(gate_up), lambda: _check(gate_up), silu_mul_triton, silu_mul_eager,
+                          gate_up)

@@ -9,8 +9,8 @@ row at position ``POSITION`` (so the attention reads that many keys). For each r
 
 * device time of one step, from graphs of ``STEPS`` steps replayed under CUDA events (median of 5 x 10
   after warm-up): ``forward_rows`` (cuBLAS products and the fused-layer kernels, the path before
-  ``stack_layers``), ``stack_layers`` at the model's tuning for it (``BACKBONE_TUNING``), at one row with
-  the mlp rows too (MLP_DOWN), and each ``--tunings`` candidate (over ``BACKBONE_TUNING``);
+  ``stack_layers``), ``stack_layers`` at the model's tuning for it (``stack_step.BACKBONE``), at one row
+  with the mlp rows too (MLP_DOWN), and each ``--tunings`` candidate (changes to ``BACKBONE`` by field name);
 * a profile of one step of each path: the kernels, their count and mean time by name;
 * for the default (and each candidate) at one row, a middle launch's own timer trace (layer 4's phases
   after attention and layer 5's QKV): per phase the span from the first program leaving the barrier
@@ -24,6 +24,7 @@ tests (tests/gpu) check the kernels' exactness.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -40,14 +41,13 @@ from bench.probes.stack_step import graph_us_per_call
 from bench.talker_fusion import random_model
 from bench.talker_gpu import CSM_1B
 from kernels import stack_step as stack_kernel
-from models.csm import model as csm_model
 
 ROWS = [1, 8]
 STEPS = 8
 MAX_LEN = 2048
 POSITION = 300
 TRACE_LAUNCHES = 20
-TUNINGS = [  # candidates for the backbone's launches, over the default's BACKBONE_TUNING (bench/README.md)
+TUNINGS = [  # candidates for the backbone's launches, changes to BACKBONE (bench/NOTES.md)
     {"KQ_QKV": 1, "KQ_O": 1},  # whole blocks, before the parts (932.7 us a step against 855.0, 73dacff)
     {"KQ_QKV": 8},
 ]
@@ -77,7 +77,7 @@ def kernel_profile(fn) -> dict:
                      "total_us": round(sum(v), 1)} for k, v in top]}
 
 
-def launch_trace(stack, cache, rows, x, tuning: dict) -> dict:
+def launch_trace(stack, cache, rows, x, tuning: stack_kernel.Tuning) -> dict:
     """A middle launch (layer 4's output product and MLP, layer 5's QKV) timed from inside: per phase
     span, median and slowest program's work, and the barrier after it; medians over TRACE_LAUNCHES."""
     n, hq, d = rows[0].shape[0], stack.num_q_heads, stack.head_dim
@@ -89,8 +89,8 @@ def launch_trace(stack, cache, rows, x, tuning: dict) -> dict:
     args, static, grid, _, tune = stack_kernel.launch_plan(
         stack, cache.k, cache.v, *rows, x=work, tuning=tuning, trace=trace, q=q, attn=attn
     )
-    names = {stack_kernel.OUT_PROJ: "OUT_PROJ", stack_kernel.OUT_PROJ_REDUCE: "OUT_PROJ_REDUCE",
-             stack_kernel.MLP: "MLP", stack_kernel.DOWN: "DOWN", stack_kernel.DOWN_REDUCE: "DOWN_REDUCE"}
+    names = {stack_kernel.OUT_PROJ: "OUT_PROJ", stack_kernel.MLP: "MLP", stack_kernel.DOWN: "DOWN",
+             stack_kernel.DOWN_REDUCE: "DOWN_REDUCE"}
     after = [p for p in stack_kernel.layer_phases(tune, static["MLP_DOWN"]) if p in names]
     phases = [names[p] for p in after] + ["QKV (next layer)"]
     samples = []
@@ -136,8 +136,8 @@ def main() -> None:
               "commit": os.environ.get("VOXRING_COMMIT") or subprocess.run(
                   ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
               "shapes": "csm-1b backbone (16 x 2048, 32 / 8 heads of 64, MLP 8192), bf16, random weights",
-              "backbone_tuning": csm_model.BACKBONE_TUNING, "max_len": MAX_LEN, "position": POSITION,
-              "steps_per_graph": STEPS, "per_rows": {}}
+              "backbone_tuning": dataclasses.asdict(stack_kernel.BACKBONE), "max_len": MAX_LEN,
+              "position": POSITION, "steps_per_graph": STEPS, "per_rows": {}}
     model = random_model(CSM_1B, torch.bfloat16)
     backbone = model.backbone_model
     del model.depth_decoder
@@ -163,7 +163,7 @@ def main() -> None:
 
         def layers(tuning=None, stack=plain_stack, x=x, rows=rows, work=work):
             work.copy_(x)
-            tuning = {**csm_model.BACKBONE_TUNING, **(tuning or {})}
+            tuning = stack_kernel.BACKBONE.with_keys(tuning or {})
             return stack_kernel.stack_layers_triton(stack, cache.k, cache.v, *rows, x=work, tuning=tuning)
 
         want = replaced()
@@ -178,11 +178,12 @@ def main() -> None:
         entry["stack_layers_again_us"] = round(graph_us(layers), 2)
         entry["profile"] = {"forward_rows": kernel_profile(replaced), "stack_layers": kernel_profile(layers)}
         if n == 1:
-            default = csm_model.BACKBONE_TUNING
+            default = stack_kernel.BACKBONE
             entry["trace"] = {"default": launch_trace(plain_stack, cache, rows, x, default),
                               "mlp_rows": launch_trace(mlp_stack, cache, rows, x, default)}
             for t in args.tunings:
-                entry["trace"][json.dumps(t)] = launch_trace(plain_stack, cache, rows, x, {**default, **t})
+                tuned = default.with_keys(t)
+                entry["trace"][json.dumps(t)] = launch_trace(plain_stack, cache, rows, x, tuned)
         entry["achieved_TBps"] = {
             "forward_rows": round(weight_bytes / entry["forward_rows_us"] / 1e6, 2),
             "stack_layers": round(weight_bytes / entry["stack_layers_us"] / 1e6, 2),

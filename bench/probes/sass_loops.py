@@ -2,12 +2,13 @@
 on any machine (CPU is enough): a product loop runs one warp per scheduler, so its time per block
 follows the instructions each thread issues, and a change to a loop can be counted before it is timed.
 
-    python bench/probes/sass_loops.py ['{"ONE_ROW": 0}' ...]   # tunings (JSON) over the default; one row
+    python bench/probes/sass_loops.py ['{"KQ_QKV": 1}' ...]   # tunings (JSON) over the default; one row
 
 Prints one JSON line per tuning: for each loop of at least 40 instructions (its back edge found in
 nvdisasm's output), the instruction count, the main opcodes, and the kernel functions its source lines
 fall in (``_flat_dual`` with ``_operand``: the QKV or gate/up loop; ``_flat_single``: the projection,
-output, down or head loop; ``_rstd``: a norm's sums; ``_phase_attention``: attention)."""
+output, down or head loop; ``_rstd``: a norm's sums; ``_phase_attention``: attention), over the files of
+kernels/stack_step/ and kernels/tl_common.py."""
 
 from __future__ import annotations
 
@@ -26,17 +27,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.unit import stack_step_hopper
 
-KERNEL = Path(__file__).resolve().parents[2] / "kernels" / "stack_step.py"
+PACKAGE = Path(__file__).resolve().parents[2] / "kernels" / "stack_step"
 OPCODES = ("HMMA", "LDGSTS", "UTMALDG", "LDG", "LDS", "LDSM", "STS", "BAR", "F2F", "FMUL", "FFMA", "SEL")
 
 
-def functions() -> dict[int, str]:
-    """Source line -> the name of the kernel function it is in."""
+def functions() -> dict[tuple[str, int], str]:
+    """(file name, source line) -> the name of the kernel function it is in, over the package's files and
+    the shared helpers' (kernels/tl_common.py)."""
     where = {}
-    for node in ast.walk(ast.parse(KERNEL.read_text())):
-        if isinstance(node, ast.FunctionDef):
-            for line in range(node.lineno, node.end_lineno + 1):
-                where.setdefault(line, node.name)
+    for path in [*sorted(PACKAGE.glob("*.py")), PACKAGE.parent / "tl_common.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                for line in range(node.lineno, node.end_lineno + 1):
+                    where.setdefault((path.name, line), node.name)
     return where
 
 
@@ -50,8 +53,8 @@ def loops(tuning: dict | None) -> list[dict]:
                               check=True, timeout=300).stdout
     instructions, labels, line = [], {}, None
     for raw in text.splitlines():
-        if m := re.match(r'\s*//## File ".*?", line (\d+)', raw):
-            line = int(m.group(1))
+        if m := re.match(r'\s*//## File "(.*?)", line (\d+)', raw):
+            line = (Path(m.group(1)).name, int(m.group(2)))
         elif m := re.match(r"\s*\.(L_x_\d+):", raw):
             labels[m.group(1)] = len(instructions)
         elif m := re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?);", raw):

@@ -22,6 +22,7 @@ inside phases (a phase's norm, loop and epilogue; for the default and ``--trace-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -42,10 +43,10 @@ from kernels import stack_step as stack_kernel
 
 ROWS = [1, 8, 16]
 CALLS = 31
-SWEEP = [  # changes to the default tuning (earlier sweeps: bench/README.md)
-    # gate/up and down in two phases again, MLP_DOWN's predecessor, as the reference (135.0, 133.7 and 133.7
-    # us against 126.9, 125.3 and 125.3 in f5c2bf5 and fb5e923)
-    {"MLP_DOWN": 0},
+SWEEP = [  # changes to the default tuning, by field name, and "mlp_rows" (earlier sweeps: bench/NOTES.md)
+    # the stack without its mlp rows: gate/up and down in two phases again, MLP_DOWN's predecessor, as the
+    # reference (what {"MLP_DOWN": 0} was)
+    {"mlp_rows": 0},
 ]
 TRACE_CALLS = 20
 
@@ -90,7 +91,7 @@ def phase_profile(call, num_layers: int, project: bool) -> dict:
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and "stack_step" in e.name
     ]
-    names = phase_names(stack_kernel.TUNING, 1, False)[:-1]  # one layer's phases
+    names = phase_names(stack_kernel.DEPTH, 1, False, True)[:-1]  # one layer's phases
     if len(times) != project + 1 + num_layers * len(names):
         return {"note": f"{len(times)} launches in the trace"}
     per = {"PJ": times[0]} if project else {}
@@ -101,13 +102,19 @@ def phase_profile(call, num_layers: int, project: bool) -> dict:
     return {k: round(v, 2) for k, v in per.items()}
 
 
-def phase_names(tuning: dict, num_layers: int, project: bool) -> list[str]:
+def sweep_entry(entry: dict) -> tuple[stack_kernel.Tuning, bool]:
+    """A sweep entry's tuning (its keys other than "mlp_rows": changes to DEPTH by field name) and whether
+    the stack keeps its mlp rows ("mlp_rows", default 1: at one row they make the call MLP_DOWN's)."""
+    changes = {k: v for k, v in entry.items() if k != "mlp_rows"}
+    return stack_kernel.DEPTH.with_keys(changes), bool(entry.get("mlp_rows", 1))
+
+
+def phase_names(tuning: stack_kernel.Tuning, num_layers: int, project: bool, mlp_down: bool) -> list[str]:
     """The phase before each barrier of one launch of one row, in order, then the last (``OUT``);
-    ``PJ`` first where the call projects its rows."""
+    ``PJ`` first where the call projects its rows; ``mlp_down``: the stack has its mlp rows."""
     k = stack_kernel
-    names = {k.QKV: "QKV", k.ATT: "ATT", k.OUT_PROJ: "OUT_PROJ", k.OUT_PROJ_REDUCE: "OUT_PROJ_REDUCE",
-             k.MLP: "MLP", k.DOWN: "DOWN", k.DOWN_REDUCE: "DOWN_REDUCE"}
-    mlp_down = bool(tuning["MLP_DOWN"] and tuning["ONE_ROW"])  # the probe's stack has the mlp rows
+    names = {k.QKV: "QKV", k.ATT: "ATT", k.OUT_PROJ: "OUT_PROJ", k.MLP: "MLP", k.DOWN: "DOWN",
+             k.DOWN_REDUCE: "DOWN_REDUCE"}
     layer = [names[phase] for phase in k.layer_phases(tuning, mlp_down)]
     return ["PJ"] * project + [*layer * num_layers, "OUT"]
 
@@ -131,7 +138,7 @@ def trace_breakdown(call, tuning: dict, num_layers: int, programs: int, project:
     it (span), the median and slowest program's work in it, and each barrier's latency (the last
     arrival to the first departure). Medians over TRACE_CALLS launches; phases of the same kind
     averaged over the layers. µs."""
-    names = phase_names({**stack_kernel.TUNING, **tuning}, num_layers, project)
+    names = phase_names(*sweep_entry(tuning), num_layers, project)
     rows = traces(call, programs, 64)
     per_call = []
     for t in rows:
@@ -171,7 +178,7 @@ def inside_breakdown(call, tuning: dict, num_layers: int, programs: int, project
     ``tail`` from there to reaching the next barrier (the epilogue's loads and stores). For the program
     that reaches the barrier last (the one the phase waits for) and the median over programs that
     have items. Medians over TRACE_CALLS launches, kinds averaged over the layers. µs."""
-    names = phase_names({**stack_kernel.TUNING, **tuning}, num_layers, project)
+    names = phase_names(*sweep_entry(tuning), num_layers, project)
     before = {}  # kind -> the barrier (epoch) each of its phases starts after, in order
     for e, name in enumerate(names):
         before.setdefault(name, []).append(e)
@@ -253,7 +260,7 @@ def barrier_overhead(stack) -> float:
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("bench/results/probe_stack_step.json"))
     parser.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=ROWS,
@@ -261,17 +268,85 @@ def main() -> None:
     parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[0]],
                         help="JSON list of tunings to trace besides the default")
     parser.add_argument("--sweep", type=lambda v: json.loads(v), default=SWEEP,
-                        help="JSON list of tunings (changes to the default) to time beside it")
+                        help="JSON list of tunings (changes to the default, by Tuning field name) to time "
+                             "beside it")
     parser.add_argument("--skip-sweep", action="store_true", help="the default tuning and its trace only")
     parser.add_argument("--way", choices=("table", "gather"), default="table",
                         help="table: rows of the projected embedding table (the model's calls 2 .. 31; "
                              "the gathered rows times the projector are timed beside it); gather: those")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/probes/stack_step.py needs a CUDA GPU")
+    return parser.parse_args()
+
+
+def checks_and_times(kernel, replaced, want: torch.Tensor, weight_bytes: int, project: bool) -> dict:
+    """The first call's time, the one launch against its phases and the replaced path, and the device time
+    of the replaced path, the default and (from a projected table) the call as it was, projecting."""
+    entry = {}
+    start = time.perf_counter()
+    got = kernel()
+    torch.cuda.synchronize()
+    entry["first_call_s"] = round(time.perf_counter() - start, 2)
+    entry["one_launch_equals_phased"] = bool(torch.equal(got, kernel(phased=True)))
+    entry["logits_rel_error_vs_replaced"] = float(
+        (got.double() - want.double()).norm() / want.double().norm()
+    )
+    entry["replaced_us"] = round(graph_us_per_call(replaced), 2)
+    entry["default_us"] = round(graph_us_per_call(kernel), 2)
+    entry["default_weight_TBps"] = round(weight_bytes / (entry["default_us"] * 1e-6) / 1e12, 3)
+    if not project:  # the call as it was: the embedding rows times the projector, in a phase of its own
+        entry["projection_phase_us"] = round(graph_us_per_call(lambda: kernel(project=True)), 2)
+        got = kernel(project=True)
+        entry["projection_phase_logits_rel_error_vs_replaced"] = float(
+            (got.double() - want.double()).norm() / want.double().norm()
+        )
+    return entry
+
+
+def sweep_results(kernel, want: torch.Tensor, sweep_entries: list[dict], programs: tuple[int, ...]) -> list:
+    """Each sweep entry's device time, error against the replaced path and equality with its phases, then
+    each smaller grid's time; an entry that does not compile or fit is a result too."""
+    sweep = []
+    for tuning in sweep_entries:
+        try:
+            us = graph_us_per_call(lambda tuning=tuning: kernel(tuning))
+            got = kernel(tuning)
+            error = float((got.double() - want.double()).norm() / want.double().norm())
+            same = bool(torch.equal(got, kernel(tuning, phased=True)))
+            sweep.append({**tuning, "us": round(us, 2), "rel_error": round(error, 6), "equals_phased": same})
+            print(json.dumps(sweep[-1]), flush=True)
+        except Exception as exc:
+            sweep.append({**tuning, "error": repr(exc)[:200]})
+    for count in programs:  # fewer, never more: all resident
+        try:
+            us = graph_us_per_call(lambda count=count: kernel(num_programs=count))
+            sweep.append({"num_programs": count, "us": round(us, 2)})
+        except Exception as exc:
+            sweep.append({"num_programs": count, "error": repr(exc)[:200]})
+    return sweep
+
+
+def one_row_traces(kernel, trace_tunings: list[dict], layers: int, sms: int, project: bool) -> dict:
+    """At one row: the one launch's timer trace and its marks inside phases for the default and each of
+    ``trace_tunings``, and the phased launches' profile."""
+    default = (lambda t: kernel(trace=t), {}, layers, sms, project)
+    entry = {"trace": {"default": trace_breakdown(*default)},
+             "inside": {"default": inside_breakdown(*default)}}
+    for tuning in trace_tunings:
+        entry["trace"][json.dumps(tuning)] = trace_breakdown(
+            lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms, project
+        )
+        entry["inside"][json.dumps(tuning)] = inside_breakdown(
+            lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms, project
+        )
+    print(json.dumps({"trace": entry["trace"], "inside": entry["inside"]}), flush=True)
+    entry["phases_us"] = phase_profile(lambda: kernel(phased=True), layers, project)
+    return entry
+
+
+def run_header() -> dict:
+    """What the run measured on: the GPU, the software, the commit, the SMs and the default tuning."""
     import triton
 
-    result = {
+    return {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -279,8 +354,15 @@ def main() -> None:
         "commit": os.environ.get("VOXRING_COMMIT")
         or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "sms": torch.cuda.get_device_properties(0).multi_processor_count,
-        "default_tuning": stack_kernel.TUNING,
+        "default_tuning": dataclasses.asdict(stack_kernel.DEPTH),
     }
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/probes/stack_step.py needs a CUDA GPU")
+    result = run_header()
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_TBps"] = round(bandwidth / 1e12, 3)
 
@@ -288,6 +370,7 @@ def main() -> None:
     model.pack_weights()
     depth = model.depth_decoder.model
     stack = depth.stack
+    stack_without_mlp_rows = dataclasses.replace(stack, gate_up=stack.gate_up.contiguous(), mlp=None)
     vocab = model.config.audio_vocab_size
     table = depth.embed_tokens.weight[3 * vocab : 4 * vocab]
     projected = model._depth_inputs[2]  # codebook 3's table, projected
@@ -302,15 +385,8 @@ def main() -> None:
     )
     result["weight_MB_per_call"] = round(weight_bytes / 1e6, 1)
     result["bytes_floor_us_per_call"] = round(weight_bytes / bandwidth * 1e6, 2)
-    print(
-        json.dumps(
-            {
-                k: result[k]
-                for k in ("sms", "copy_bandwidth_TBps", "weight_MB_per_call", "bytes_floor_us_per_call")
-            }
-        ),
-        flush=True,
-    )
+    shown = ("sms", "copy_bandwidth_TBps", "weight_MB_per_call", "bytes_floor_us_per_call")
+    print(json.dumps({k: result[k] for k in shown}), flush=True)
 
     result["barrier_overhead_us_per_call"] = barrier_overhead(stack)
     print(json.dumps({"barrier_overhead_us_per_call": result["barrier_overhead_us_per_call"]}), flush=True)
@@ -331,75 +407,29 @@ def main() -> None:
         def kernel(tuning=None, num_programs=None, phased=False, codes=codes, rows=rows, trace=None,
                    project=project):
             inputs = dict(src=table, proj=proj) if project else dict(src=projected)
+            tune, mlp_rows = sweep_entry(tuning or {})
             return stack_kernel.stack_step_triton(
-                stack,
+                stack if mlp_rows else stack_without_mlp_rows,
                 cache.k,
                 cache.v,
                 *rows,
                 codes=codes,
                 **inputs,
                 head=head,
-                tuning=tuning,
+                tuning=tune,
                 num_programs=num_programs,
                 phased=phased,
                 trace=trace,
             )
 
-        entry = {}
         want = replaced()
-        start = time.perf_counter()
-        got = kernel()
-        torch.cuda.synchronize()
-        entry["first_call_s"] = round(time.perf_counter() - start, 2)
-        entry["one_launch_equals_phased"] = bool(torch.equal(got, kernel(phased=True)))
-        entry["logits_rel_error_vs_replaced"] = float(
-            (got.double() - want.double()).norm() / want.double().norm()
-        )
-        entry["replaced_us"] = round(graph_us_per_call(replaced), 2)
-        entry["default_us"] = round(graph_us_per_call(kernel), 2)
-        entry["default_weight_TBps"] = round(weight_bytes / (entry["default_us"] * 1e-6) / 1e12, 3)
-        if not project:  # the call as it was: the embedding rows times the projector, in a phase of its own
-            entry["projection_phase_us"] = round(graph_us_per_call(lambda: kernel(project=True)), 2)
-            got = kernel(project=True)
-            entry["projection_phase_logits_rel_error_vs_replaced"] = float(
-                (got.double() - want.double()).norm() / want.double().norm()
-            )
-        print(json.dumps({k: v for k, v in entry.items() if k != "sweep"}), flush=True)
-        sweep = []
-        for tuning in [] if args.skip_sweep else args.sweep:
-            try:
-                us = graph_us_per_call(lambda tuning=tuning: kernel(tuning))
-                got = kernel(tuning)
-                error = float((got.double() - want.double()).norm() / want.double().norm())
-                same = bool(torch.equal(got, kernel(tuning, phased=True)))
-                sweep.append(
-                    {**tuning, "us": round(us, 2), "rel_error": round(error, 6), "equals_phased": same}
-                )
-                print(json.dumps(sweep[-1]), flush=True)
-            except Exception as exc:  # a configuration that does not compile or fit is a result too
-                sweep.append({**tuning, "error": repr(exc)[:200]})
-        for programs in () if args.skip_sweep else (result["sms"] // 2,):  # fewer, never more: all resident
-            try:
-                us = graph_us_per_call(lambda programs=programs: kernel(num_programs=programs))
-                sweep.append({"num_programs": programs, "us": round(us, 2)})
-            except Exception as exc:
-                sweep.append({"num_programs": programs, "error": repr(exc)[:200]})
-        entry["sweep"] = sweep
+        entry = checks_and_times(kernel, replaced, want, weight_bytes, project)
+        print(json.dumps(entry), flush=True)
+        skip = args.skip_sweep
+        smaller_grids = () if skip else (result["sms"] // 2,)
+        entry["sweep"] = sweep_results(kernel, want, [] if skip else args.sweep, smaller_grids)
         if n == 1:
-            sms = result["sms"]
-            layers = stack.num_layers
-            default = (lambda t: kernel(trace=t), {}, layers, sms, project)
-            entry["trace"] = {"default": trace_breakdown(*default)}
-            entry["inside"] = {"default": inside_breakdown(*default)}
-            for tuning in args.trace_tunings:
-                entry["trace"][json.dumps(tuning)] = trace_breakdown(
-                    lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms, project
-                )
-                entry["inside"][json.dumps(tuning)] = inside_breakdown(
-                    lambda t, tuning=tuning: kernel(tuning, trace=t), tuning, layers, sms, project
-                )
-            print(json.dumps({"trace": entry["trace"], "inside": entry["inside"]}), flush=True)
-            entry["phases_us"] = phase_profile(lambda: kernel(phased=True), stack.num_layers, project)
+            entry.update(one_row_traces(kernel, args.trace_tunings, stack.num_layers, result["sms"], project))
         entry["faults"] = stack_kernel.faults("cuda")
         per_rows[f"N={n}"] = entry
         print(f"N={n}: {json.dumps(entry)}", flush=True)

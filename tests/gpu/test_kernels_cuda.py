@@ -1,8 +1,8 @@
 """The Triton kernels on a CUDA GPU: the unit tests' cases against the eager twins, a full-size
 batch, and capture + replay of each kernel in a CUDA graph equal to eager on fresh inputs copied
-into the captured buffers; stack_step's one launch with grid barriers against its phase-by-phase
-launches, bit for bit; the tiny talker's fused frame against its plain one through the Runner
-with CUDA graphs. Skipped without CUDA (tests/conftest.py)."""
+into the captured buffers; the tiny talker's fused frame against its plain one through the Runner
+with CUDA graphs (stack_step's one launch with grid barriers: test_stack_step_cuda.py). Skipped
+without CUDA (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -25,38 +25,27 @@ from kernels import sampler_twin as twin
 from kernels import silu_mul as silu_kernel
 from kernels import stack_step as stack_kernel
 from kernels.sampler_twin import SamplingParams
-from models.csm import model as csm_model
+from models.csm.frame_fused import FusedFrame
+from tests.unit.fused_layer_support import NAN
 from tests.unit.test_kernel_decode_attention import SHAPES, check, make_inputs
-from tests.unit.test_kernel_fused_layers import (
-    CACHE_LAYOUTS,
-    NAN,
-    ROPE_SHAPES,
-    RopeCase,
+from tests.unit.test_kernel_fused_frame import (
     assert_frames_match,
-    check_rms_norm,
-    check_rope_kv,
-    check_silu_mul,
     decode,
     first_frame,
-    make_gate_up,
-    make_rms_inputs,
-    make_rope_case,
     make_runner,
     plain_and_fused,
+)
+from tests.unit.test_kernel_rms_norm import check_rms_norm, make_rms_inputs
+from tests.unit.test_kernel_rope_kv import (
+    CACHE_LAYOUTS,
+    ROPE_SHAPES,
+    RopeCase,
+    check_rope_kv,
+    make_rope_case,
     rope_case,
 )
 from tests.unit.test_kernel_sampler import CASES, SEEDS, Case, assert_matches_twin, case_mixed_rows
-from tests.unit.test_kernel_stack_step import CSM_DEPTH
-from tests.unit.test_kernel_stack_step import ROWS as STACK_ROWS
-from tests.unit.test_kernel_stack_step import SHAPES as STACK_SHAPES
-from tests.unit.test_kernel_stack_step import TOLERANCE as STACK_TOLERANCE
-from tests.unit.test_kernel_stack_step import WAYS as STACK_WAYS
-from tests.unit.test_kernel_stack_step import assert_caches as assert_stack_caches
-from tests.unit.test_kernel_stack_step import clean as stack_clean
-from tests.unit.test_kernel_stack_step import make_case as make_stack_case
-from tests.unit.test_kernel_stack_step import reference as stack_reference
-from tests.unit.test_kernel_stack_step import relative_error as stack_error
-from tests.unit.test_kernel_stack_step import run as stack_run
+from tests.unit.test_kernel_silu_mul import check_silu_mul, make_gate_up
 
 pytestmark = pytest.mark.gpu
 
@@ -367,7 +356,6 @@ def cuda_runners():
     launchers.append((stack_kernel, "stack_layers_triton", "stack_layers"))
     launches: dict[str, int] = {}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(csm_model, "BACKBONE_STACK_ROWS", 2)
         for module, attr, name in launchers:
             launcher = getattr(module, attr)
 
@@ -377,6 +365,8 @@ def cuda_runners():
 
             patch.setattr(module, attr, counted)
         plain, fused = plain_and_fused("cuda")
+        patch.setattr(fused, "frame", FusedFrame(fused, dataclasses.replace(fused.frame.settings,
+                                                                           backbone_stack_rows=2)))
         runners = (make_runner(plain, GRAPH_BUCKETS, use_graphs=True),
                    make_runner(fused, GRAPH_BUCKETS, use_graphs=True))
     assert set(launches) == {*FUSED_FRAME_KERNELS, "stack_layers"}, launches
@@ -396,176 +386,3 @@ def test_fused_frames_in_cuda_graphs_equal_the_plain_model(cuda_runners, rows: i
 def test_fused_frame_logits_equal_the_plain_model_on_cuda():
     plain, fused = plain_and_fused("cuda")
     assert_frames_match(first_frame(fused, 4), first_frame(plain, 4))
-
-
-# ---------------------------------------------------------------- stack_step: one launch with grid barriers
-
-
-def one_launch(*args, **kwargs):
-    return stack_kernel.stack_step_triton(*args, **kwargs, phased=False)
-
-
-def phased(*args, **kwargs):
-    return stack_kernel.stack_step_triton(*args, **kwargs, phased=True)
-
-
-def assert_same_result(got, want) -> None:
-    assert torch.equal(got.out, want.out)
-    for name in ("k_cache", "v_cache"):
-        torch.testing.assert_close(getattr(got, name), getattr(want, name), equal_nan=True, rtol=0, atol=0)
-
-
-# Each (shape, dtype, way) compiles the kernel twice (barriers, phases): every dtype with rows
-# gathered by code, and the other ways in bf16.
-STACK_GPU_CASES = [(shape, dtype, "gather") for shape in STACK_SHAPES
-                   for dtype in (torch.float32, torch.bfloat16, torch.float16)]
-STACK_GPU_CASES += [("tiny_depth", torch.bfloat16, way) for way in STACK_WAYS if way != "gather"]
-
-
-@pytest.mark.parametrize(("shape", "dtype", "way"), STACK_GPU_CASES)
-def test_stack_step_one_launch_equals_its_phases_on_cuda(shape: str, dtype: torch.dtype, way: str):
-    # The same phase code with barriers instead of launch boundaries: bit for bit, and both within
-    # tolerance of the float64 reference.
-    case = make_stack_case(STACK_SHAPES[shape], 21, STACK_ROWS["three"], dtype=dtype, way=way)
-    got, want, ref = stack_run(case, one_launch), stack_run(case, phased), stack_reference(case)
-    assert_same_result(got, want)
-    assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[dtype]
-    assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
-    assert stack_kernel.faults("cuda") == 0
-
-
-@pytest.mark.parametrize("rows", [1, 2, 8, 16])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_stack_step_csm_depth_shapes_on_cuda(dtype: torch.dtype, rows: int):
-    # csm-1b's depth decoder: 4 layers of 1024, 8 / 2 heads of 128, 8192 wide MLP, projector from
-    # 2048, the padded codebook head; rows in pairs at positions 0 and 1 (the first depth call) or
-    # one per slot further on. fp32 runs at half the pipeline stages (at 4 its all-rows kernel
-    # needed more shared memory than an SM has).
-    placed = [(r // 2, r % 2) for r in range(rows)] if rows % 2 == 0 and rows > 2 else \
-        [(slot, 3 + slot) for slot in range(rows)]
-    case = make_stack_case(CSM_DEPTH, 22, placed, dtype=dtype, way="gather")
-    got, want, ref = stack_run(case, one_launch), stack_run(case, phased), stack_reference(case)
-    assert_same_result(got, want)
-    assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[dtype]
-    assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
-    assert stack_kernel.faults("cuda") == 0
-
-
-def assert_knob_keeps_the_bits(case, on: dict, off: dict):
-    """The one launch with tuning ``on`` equals its phases and the one launch with ``off``, bit for bit."""
-    got = stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning=on))
-    assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, tuning=on)))
-    assert_same_result(got, stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning=off)))
-    assert stack_kernel.faults("cuda") == 0
-
-
-@pytest.mark.parametrize("rows", [1, 8])
-def test_stack_step_tma_equals_pointer_loads_at_csm_depth_shapes_on_cuda(rows: int):
-    # The TMA knob only changes how the dual products' weight tiles reach shared memory (whole tiles,
-    # their extra columns discarded): the one launch, its phases and the pointer loads agree bit for bit.
-    placed = [(r // 2, r % 2) for r in range(rows)] if rows > 2 else [(0, 3)]
-    case = make_stack_case(CSM_DEPTH, 24, placed, dtype=torch.bfloat16, way="gather" if rows > 2 else "table")
-    assert_knob_keeps_the_bits(case, {"TMA": 1}, {"TMA": 0})
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_stack_step_one_row_equals_all_rows_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
-    # ONE_ROW norms only the call's row inside the normed products' loops, placed in zero rows (here in
-    # the projection too, without the default's row dots, and in whole blocks, without the default's
-    # parts): the one launch, its phases and the kernel that norms every padded row agree bit for bit.
-    case = make_stack_case(CSM_DEPTH, 25, [(0, 3)], dtype=dtype, way="table")  # depth calls 2 .. 31
-    whole = {name: 1 for name in stack_kernel.TUNING if name.startswith("KQ_")}
-    one = {"ONE_ROW": 1, "ROW_PJ": 1, "ROW_DOT": 0, **whole}
-    assert stack_kernel.launch_plan(*case.args, **case.inputs, tuning=one)[1]["ONE"]
-    assert_knob_keeps_the_bits(case, one, {"ONE_ROW": 0})
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_stack_step_row_dots_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
-    # ROW_PJ 2 and ROW_DOT put the weights on the matrix unit's left side for a call of one row: another
-    # summation order than the all-rows kernel, so within tolerance of the float64 reference, and the
-    # one launch equals its phases bit for bit. (The output and down products' parts, KQ_O and KQ_DOWN,
-    # would take those products instead of the row dots.)
-    case = make_stack_case(CSM_DEPTH, 26, [(0, 3)], dtype=dtype, way="table")  # depth calls 2 .. 31
-    dots = {"tuning": {"ONE_ROW": 1, "ROW_PJ": 2, "ROW_DOT": 1, "KQ_O": 1, "KQ_DOWN": 1}}
-    plan = stack_kernel.launch_plan(*case.args, **case.inputs, **dots)[1]
-    assert (plan["ONE"], plan["ONE_PJ"], plan["ONE_PLAIN"]) == (1, 2, 2)
-    got = stack_run(case, lambda *a, **k: one_launch(*a, **k, **dots))
-    assert_same_result(got, stack_run(case, lambda *a, **k: phased(*a, **k, **dots)))
-    ref = stack_reference(case)
-    assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[dtype]
-    assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
-    assert stack_kernel.faults("cuda") == 0
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_stack_step_mlp_down_at_csm_depth_shapes_on_cuda(dtype: torch.dtype):
-    # MLP_DOWN streams gate/up and down's transpose (the weights' mlp rows) in one loop a program and
-    # adds the items' parts of the down product after the barrier: another summation order, so within
-    # tolerance of the float64 reference; the one launch equals its phases, and the pointer loads
-    # the descriptors, bit for bit. fp32 (the exactness runs' reference) at half the stages.
-    case = make_stack_case(CSM_DEPTH, 27, [(0, 3)], dtype=dtype, way="table")  # depth calls 2 .. 31
-    case = dataclasses.replace(case, weights=stack_kernel.with_mlp_rows(case.weights))
-    on = {"MLP_DOWN": 1}
-    assert stack_kernel.launch_plan(*case.args, **case.inputs, tuning=on)[1]["MLP_DOWN"]
-    assert_knob_keeps_the_bits(case, on, {"MLP_DOWN": 1, "TMA": 0})
-    got, ref = stack_run(case, lambda *a, **k: one_launch(*a, **k, tuning=on)), stack_reference(case)
-    assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[dtype]
-    assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
-
-
-# csm-1b's backbone layers (2 of its 16: the reference runs in float64 on the CPU): 2048 wide, 32 / 8 heads
-# of 64, an 8192 wide MLP, caches of 2048 positions (past stack_step's attention phase)
-CSM_BACKBONE = dataclasses.replace(
-    CSM_DEPTH, layers=2, hidden=2048, inter=8192, num_q=32, num_kv=8, head_dim=64, slots=8, max_len=2048
-)
-
-
-@pytest.mark.parametrize(
-    ("rows", "dtype", "mlp"),
-    [(1, torch.bfloat16, False), (1, torch.bfloat16, True), (8, torch.bfloat16, False),
-     (1, torch.float32, True)],
-    ids=["one_row", "one_row_mlp_down", "eight_rows", "fp32_one_row_mlp_down"],
-)
-def test_stack_layers_at_csm_backbone_shapes_on_cuda(rows: int, dtype: torch.dtype, mlp: bool):
-    # stack_layers: a launch before the first attention, one between each two layers' attention kernels,
-    # one after the last, each without a barrier after its last phase. The same phase code as the launch
-    # of each phase on its own, so bit for bit, within tolerance of the float64 reference; rows deep into
-    # the cache, so the attention kernels split the sequence.
-    placed = [(slot, 1500 + 61 * slot) for slot in range(rows)]
-    case = make_stack_case(CSM_BACKBONE, 45, placed, dtype=dtype, way="x", head=False)
-    if mlp:
-        case = dataclasses.replace(case, weights=stack_kernel.with_mlp_rows(case.weights))
-
-    def layers(phased_: bool):
-        return lambda *a, head=None, **k: stack_kernel.stack_layers_triton(*a, **k, phased=phased_)
-
-    got, want, ref = stack_run(case, layers(False)), stack_run(case, layers(True)), stack_reference(case)
-    assert_same_result(got, want)
-    assert stack_error(got.out, ref.out) <= STACK_TOLERANCE[dtype]
-    assert_stack_caches(got, ref, case, STACK_TOLERANCE[dtype])
-    assert stack_kernel.faults("cuda") == 0
-
-
-def test_stack_step_graph_replay_equals_eager_on_new_codes():
-    # 31 launches in one graph (the depth loop's shape: each reads the previous one's output), and
-    # the barrier counter is reset by each launch itself: replays on fresh codes equal eager runs.
-    case = stack_clean(make_stack_case(STACK_SHAPES["tiny_depth"], 23, STACK_ROWS["three"], way="gather"))
-    table, proj, head, codes = (case.inputs[k] for k in ("src", "proj", "head", "codes"))
-    vocab = table.shape[0]
-
-    def chain(start: torch.Tensor) -> torch.Tensor:
-        code = start
-        for _ in range(31):
-            logits = stack_kernel.stack_step_triton(*case.args, src=table, codes=code, proj=proj, head=head)
-            code = logits.argmax(dim=1) % vocab
-        return logits
-
-    graph, out = capture(lambda: chain(codes))
-    for seed in range(3):
-        codes.copy_(torch.randint(0, vocab, codes.shape, generator=torch.Generator().manual_seed(seed)))
-        out.fill_(NAN)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, chain(codes.clone()))
-    assert stack_kernel.faults("cuda") == 0

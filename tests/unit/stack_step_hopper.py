@@ -4,12 +4,15 @@ barrier's atomics and acquire loads, pipelined (cp.async) loads, TMA bulk tensor
 tests/unit/test_kernel_stack_step.py in a process of its own (Triton's interpreter, which that test
 module may run, cannot compile).
 
-    python -m tests.unit.stack_step_hopper ['{"ONE_ROW": 0}' [table|gather|backbone|backbone_mlp [bf16|fp32]]]
+    python -m tests.unit.stack_step_hopper ['{"BK": 128}' [table|gather|backbone|backbone_mlp [bf16|fp32
+        ['{"one_row": false, "row_dots": false, "mlp_down": false}']]]]
 
-csm-1b's depth decoder in bf16, one row, rows of the projected embedding table (or embedding rows times
-the projection: "gather") and the padded codebook head; the weights with the mlp rows the depth decoder
-packs (so one-row calls compile MLP_DOWN's loop); with ptxas, the registers and bytes of spills;
-pointers 16-byte aligned, as the JIT sees the real tensors; one program per SM (132)."""
+The first argument changes the tuning (by field name), the last the code paths the call would take
+(``Paths``, by field name: the kernel a test compares with). csm-1b's depth decoder in bf16, one row,
+rows of the projected embedding table (or embedding rows times the projection: "gather") and the padded
+codebook head; the weights with the mlp rows the depth decoder packs (so one-row calls compile MLP_DOWN's
+loop); with ptxas, the registers and bytes of spills; pointers 16-byte aligned, as the JIT sees the real
+tensors; one program per SM (132)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -47,13 +51,15 @@ def meta(*size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
 WEIGHTS = torch.bfloat16  # the weights' (and caches', inputs') dtype; main's third argument may change it
 
 
-def compile_kernel(tuning: dict | None = None, way: str = "table"):
+def compile_kernel(tuning: dict | None = None, way: str = "table", paths: dict | None = None):
     """The one launch for a depth call of one row: ``way`` "table" (rows of the projected embedding
     table, no projection phase: calls after the first) or "gather" (embedding rows times the
     projection); or "backbone" / "backbone_mlp": ``stack_layers``' launch for csm-1b's backbone at one
     row (a layer's output product and MLP, the next layer's QKV; its attention outside), without or with
-    the mlp rows."""
+    the mlp rows. ``tuning``: changes (by field name) to ``ss.DEPTH``, or for the backbone ``ss.BACKBONE``;
+    ``paths``: changes to the call's own code paths (``ss.derive_paths``)."""
     backbone = way in ("backbone", "backbone_mlp")
+    tuning = (ss.BACKBONE if backbone else ss.DEPTH).with_keys(tuning or {})
     depth = (LAYERS, HIDDEN, INTER, NUM_Q, NUM_KV, HEAD_DIM, MAX_LEN)
     layers, hidden, inter, num_q, num_kv, d, max_len = BACKBONE if backbone else depth
     weights = ss.StackWeights(
@@ -78,8 +84,10 @@ def compile_kernel(tuning: dict | None = None, way: str = "table"):
         inputs.update(dict(src=meta(VOCAB, HIDDEN)) if way == "table" else dict(
             src=meta(VOCAB, SRC_WIDTH), proj=meta(HIDDEN, SRC_WIDTH)))
         launch = [1, 0, LAYERS, ss.ALL_LAYER_PHASES, ss.ALL_LAYER_PHASES, 0, 1]
+    forced = replace(ss.derive_paths(weights, 1), **(paths or {}))
     args, static, _, _, _ = ss.launch_plan(
-        weights, cache, cache, index, index, index, **inputs, num_programs=SMS, compiled=True, tuning=tuning)
+        weights, cache, cache, index, index, index, **inputs, num_programs=SMS, compiled=True, tuning=tuning,
+        paths=forced)
     options = {"num_warps": static.pop("num_warps"), "num_stages": static.pop("num_stages")}
     static["SYNC"] = True
     values = iter([*args, *launch])
@@ -126,7 +134,8 @@ def main() -> None:
     if len(sys.argv) > 3:
         WEIGHTS = {"bf16": torch.bfloat16, "fp32": torch.float32}[sys.argv[3]]
     kernel = compile_kernel(json.loads(sys.argv[1]) if len(sys.argv) > 1 else None,
-                            sys.argv[2] if len(sys.argv) > 2 else "table")
+                            sys.argv[2] if len(sys.argv) > 2 else "table",
+                            json.loads(sys.argv[4]) if len(sys.argv) > 4 else None)
     ptx = kernel.asm["ptx"]
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     regs, spills = registers(ptx, ptxas)

@@ -6,22 +6,14 @@ launcher's checks and the latch. On a CPU machine the kernels run under Triton's
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("kernel tests on CPU need the Triton interpreter, but triton was imported "
-                           "without it: run pytest with TRITON_INTERPRET=1")
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from kernels import decode_attention as kernel
 from kernels.latch import KernelLatch
+from tests.unit.kernel_device import DEVICE
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 # Relative error bounds against the float64 reference (METHOD.md): fp32 arithmetic lands far
 # under 1e-3; 16-bit inputs and outputs between 1e-3 and 1e-2 (the output rounding alone is
 # ~2^-9 for bf16, and the probabilities meet V in the inputs' dtype).

@@ -5,28 +5,20 @@ and the fallback latch. On a CPU machine the kernel runs under Triton's interpre
 from __future__ import annotations
 
 import logging
-import os
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # the interpreter must be chosen before triton is imported
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("kernel tests on CPU need the Triton interpreter, but triton was imported "
-                           "without it: run pytest with TRITON_INTERPRET=1")
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import kernels
 from kernels import sampler as kernel
 from kernels import sampler_twin as twin
 from kernels.latch import KernelLatch
 from kernels.sampler_twin import SamplingParams
+from tests.unit.kernel_device import DEVICE
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 U64 = 1 << 64
 INF = float("inf")
 
