@@ -163,7 +163,7 @@ def _sampler_kernel(
     x = tl.where(ids >= codebook_size, NEG_INF, x)  # step 1
     # Steps 2 and 3 only where they change something: a penalty of 1 or an empty window, and a
     # temperature of 1 or a greedy row, leave x as it is (x / 1 == x * 1 == x exactly), and each is an
-    # IEEE division of every lane: a greedy launch 5.99 -> 2.89 us without them (H200, bench/README.md)
+    # IEEE division of every lane: a greedy launch 5.99 -> 2.89 us without them (H200, bench/NOTES.md)
     if (window > 0) & (penalty != 1.0):
         x = _penalise(x, ids, history_ptr + row * stride_hb, stride_hw, width, window, penalty, vocab)
     greedy = temperature <= 0

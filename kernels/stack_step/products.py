@@ -148,7 +148,7 @@ def _flat_single(
     dst's own rows, or a call's input rows in its first layer) + the product (KS == 1), or fp32
     partial sums [KS, BM, N_OUT] for ``_phase_reduce``; else dst = the product. Every program runs as many
     iterations as the busiest, those past the last item masked (loads and stores off): a trip count
-    that depends on the program measured slower (bench/README.md). TRACE_IN: the timer as each item's
+    that depends on the program measured slower (bench/NOTES.md). TRACE_IN: the timer as each item's
     epilogue starts, into slot ``mark`` (the last item's stays: when its last block's loads were in).
     KQ > 1 (calls of one row, ONE 1 or 2): ``_flat_dual``'s parts, the row as KQ operand rows a block."""
     m = tl.arange(0, BM)
