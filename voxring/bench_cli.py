@@ -29,7 +29,8 @@ DESCRIPTION = (
     "(other than rejected), 2 on a bad option.")
 
 
-def _audio_seconds(text: str) -> tuple[float, float]:
+def audio_seconds_argument(text: str) -> tuple[float, float]:
+    """``loads.parse_audio_seconds`` as an argparse type (its message in the usage error)."""
     try:
         return loads.parse_audio_seconds(text)
     except ValueError as exc:
@@ -48,7 +49,7 @@ def add_bench_arguments(bench: argparse.ArgumentParser,
                        help="closed: requests at a time; poisson: streams in flight on average; "
                             "burst: requests at once")
     bench.add_argument("--text", default=None, help="closed: the text of every request")
-    bench.add_argument("--audio-seconds", type=_audio_seconds, default=loads.DEFAULT_AUDIO_SECONDS,
+    bench.add_argument("--audio-seconds", type=audio_seconds_argument, default=loads.DEFAULT_AUDIO_SECONDS,
                        metavar="MIN,MAX",
                        help="poisson, burst: each request's max_audio_seconds, uniform over "
                             f"[MIN, MAX] (default {low:g},{high:g})")
