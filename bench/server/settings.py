@@ -246,7 +246,7 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="tiers: where the engines run: "
                         + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
     parser.add_argument("--smoke", action="store_true",
-                        help="CPU: voxring-tiny, tiers 1 and 2 of 2 requests, no MPS/nvidia-smi")
+                        help="CPU: voxring-tiny, tiers 1 and 2 (fixed: 2 requests each), no MPS/nvidia-smi")
     parser.add_argument("--out", type=Path, default=None,
                         help="results folder (default bench/results; smoke: a folder under /tmp)")
     parser.add_argument("--tiers", type=_tiers, default=None, help=f"default {','.join(map(str, TIERS))}")
