@@ -11,10 +11,19 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.unit.test_sdk import WAIT_S, FakeSynthesizer, serve_fake
+from tests.unit.test_sdk import WAIT_S, FakeSynthesizer, Step, serve_fake
 from voxring import loads
 from voxring.cli import main
-from voxring.loadgen import BenchConfig, RequestTrace, run, schedule, send_on_schedule, summarize
+from voxring.loadgen import (
+    BenchConfig,
+    RequestTrace,
+    format_report,
+    run,
+    run_bench,
+    schedule,
+    send_on_schedule,
+    summarize,
+)
 
 
 @pytest.fixture
@@ -159,6 +168,25 @@ def test_poisson_run_sends_each_request_its_own_text_and_length(fake):
     assert report.requested_audio_seconds == pytest.approx(sum(a.max_audio_seconds for a in planned))
     assert report.mean_in_flight > 0 and 1 <= report.max_in_flight <= 6
     assert not report.timed_out
+
+
+def test_the_run_bound_cancels_an_open_loop_and_counts_what_it_never_sent(fake, capsys):
+    fake.plan = [Step(2 * WAIT_S, 2400)]  # the first request hangs (the fake bounds it)
+    config = BenchConfig(target=fake.target, num_requests=5, concurrency=1, load="poisson",
+                         audio_seconds=(5.0, 10.0), load_seed=0, request_timeout_s=WAIT_S, max_total_s=0.5)
+    assert schedule(config)[1].at_s > 2.0  # the second arrival is due well after the bound
+
+    async def scenario():
+        report = await run_bench(config)
+        return report, asyncio.all_tasks() - {asyncio.current_task()}
+
+    report, left = asyncio.run(scenario())
+    assert not left  # every request task was ended with the run
+    assert report.timed_out and report.unsent == 4
+    assert report.errors == {"unfinished": 1} and report.completed == 0
+    assert fake.ended.get(timeout=WAIT_S)[1] == "inactive"  # the request was cancelled, not left
+    print(format_report(report))
+    assert "4 never sent" in capsys.readouterr().out
 
 
 def test_burst_run_counts_rejections(fake):
