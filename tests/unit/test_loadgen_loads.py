@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 
 import pytest
 
-from tests.unit.test_sdk import WAIT_S, FakeSynthesizer, Step, serve_fake
+from tests.unit import test_sdk
+from tests.unit.test_sdk import WAIT_S, Step
 from voxring import loads
 from voxring.cli import main
 from voxring.loadgen import (
@@ -25,11 +25,7 @@ from voxring.loadgen import (
     summarize,
 )
 
-
-@pytest.fixture
-def fake(sock_dir) -> Iterator[FakeSynthesizer]:
-    with serve_fake(sock_dir) as servicer:
-        yield servicer
+fake = test_sdk.fake  # the in-process fake Synthesizer (a fixture)
 
 
 def _config(**changes) -> BenchConfig:
