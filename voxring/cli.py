@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import struct
 import sys
 import time
 from pathlib import Path
 
+from voxring.bench_cli import DESCRIPTION as BENCH_DESCRIPTION
+from voxring.bench_cli import add_bench_arguments
 from voxring.errors import VoxringError
 from voxring.stack import STAGES, Stack, StackError, find_root
 
@@ -261,24 +262,14 @@ def cmd_voices(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from voxring.loadgen import DEFAULT_TEXT, BenchConfig, format_report, run
+    from voxring.bench_cli import run_bench_command
 
     try:
         connection = _connection(args)
     except _UsageError as exc:
         print(f"voxring bench: {exc}", file=sys.stderr)
         return 2
-    config = BenchConfig(target=args.target, num_requests=args.requests,
-                         concurrency=args.concurrency, text=args.text or DEFAULT_TEXT, seed=args.seed,
-                         voice=args.voice, request_timeout_s=args.timeout,
-                         max_total_s=args.max_time, **connection)
-    try:
-        report = run(config)
-    except VoxringError as exc:
-        print(f"voxring bench: {exc.describe()}", file=sys.stderr)
-        return 1
-    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
-    return 1 if report.errors else 0
+    return run_bench_command(args, connection)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -352,20 +343,9 @@ def _add_client_commands(sub) -> None:
     voices.add_argument("--timeout", type=_positive(float), default=10.0, help="deadline, seconds")
 
     bench = sub.add_parser("bench", help="load a server with streaming requests",
-                           description="N streaming requests, C at a time: time to first audio, "
-                                       "chunk gaps, underruns, admitted vs rejected, audio-s per "
-                                       "s. Exits 1 when a request failed (other than rejected).")
+                           description=BENCH_DESCRIPTION)
     bench.set_defaults(fn=cmd_bench)
-    bench.add_argument("--requests", type=_positive(int), default=16)
-    bench.add_argument("--concurrency", type=_positive(int), default=4)
-    bench.add_argument("--text", default=None, help="the text of every request")
-    bench.add_argument("--seed", type=int, default=None, help="the seed of every request")
-    bench.add_argument("--voice", default=None)
-    bench.add_argument("--timeout", type=_positive(float), default=60.0,
-                       help="deadline of each request, seconds")
-    bench.add_argument("--max-time", type=_positive(float), default=600.0,
-                       help="bound on the whole run, seconds")
-    bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_bench_arguments(bench, _positive)
     for parser in (say, voices, bench):
         parser.add_argument("--target", default=DEFAULT_TARGET,
                             help=f"the gateway, HOST:PORT or unix:PATH (default {DEFAULT_TARGET})")

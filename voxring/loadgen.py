@@ -1,5 +1,11 @@
-"""The load generator behind ``voxring bench``: N streaming requests, C at a time, through
-one ``AsyncClient``, and the numbers users judge a speech server by.
+"""The load generator behind ``voxring bench``: N streaming requests through one
+``AsyncClient``, and the numbers users judge a speech server by.
+
+Three loads (``BenchConfig.load``): **closed**, C requests at a time of one fixed text, the
+next sent when one ends; **poisson**, open loop, arrivals at the rate that keeps C streams
+in flight on average, each request sent at its time whatever the others do; **burst**, all
+N at once. Poisson and burst requests each carry their own corpus text and audio length
+(voxring/loads.py draws the schedule from ``load_seed`` before the run).
 
 Per request it records when each audio chunk arrived and how much audio had been
 delivered once it was in. From those: time to first audio (client side, from sending
@@ -11,7 +17,8 @@ playback). Each stall is counted by the chunk it waited for, which tells a strea
 as rejected, not admitted.
 
 Everything is bounded: the number of requests, the time of each request, and the whole
-run (``max_total_s``; requests still running then are cancelled and counted).
+run (``max_total_s``; requests still running then are cancelled and counted, those not yet
+sent are counted as unsent).
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ import asyncio
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 
+from voxring import loads
 from voxring.client import AsyncClient
 from voxring.errors import VoxringError
+from voxring.loads import Arrival
 
 DEFAULT_TEXT = "Hello from voxring. This sentence measures how fast the first audio arrives."
 _BYTES_PER_SAMPLE = 2  # the bench asks for raw int16 mono PCM
@@ -46,15 +55,52 @@ class BenchConfig:
     tls: bool | None = None
     root_certificates: bytes | None = field(default=None, repr=False)
     tls_server_name: str | None = None
+    load: str = "closed"              # one of loads.LOADS
+    # poisson and burst: each request's max_audio_seconds, uniform over [min, max]
+    audio_seconds: tuple[float, float] = loads.DEFAULT_AUDIO_SECONDS
+    load_seed: int = 0                # draws the arrivals, texts and lengths
 
     def __post_init__(self) -> None:
+        if not isinstance(self.target, str) or not self.target:
+            raise ValueError(f"target must be an address, got {self.target!r}")
+        if self.load not in loads.LOADS:
+            raise ValueError(f"load must be one of {', '.join(loads.LOADS)}, got {self.load!r}")
+        for name in ("num_requests", "concurrency", "load_seed"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.load == "burst" and self.concurrency != self.num_requests:
+            raise ValueError(f"concurrency must equal num_requests in a burst (all are sent at "
+                             f"once), got {self.concurrency} and {self.num_requests}")
+        if self.load == "closed" and not (isinstance(self.text, str) and self.text.strip()):
+            raise ValueError(f"text must not be empty, got {self.text!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         for name in ("request_timeout_s", "max_total_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite (every run is bounded), got {getattr(self, name)}")
+        loads.check_audio_seconds(self.audio_seconds)
+
+    @property
+    def offered_rate_per_s(self) -> float | None:
+        """Poisson: arrivals per second (C / mean audio length); None for the other loads."""
+        return loads.poisson_rate(self.concurrency, self.audio_seconds) if self.load == "poisson" else None
+
+
+def schedule(config: BenchConfig) -> list[Arrival]:
+    """The requests of a poisson or burst run, in sending order (the same for the same
+    config); [] for the closed loop, which sends ``config.text`` as requests end."""
+    if config.load == "poisson":
+        return loads.poisson_schedule(config.num_requests, config.concurrency, config.audio_seconds,
+                                      config.load_seed)
+    if config.load == "burst":
+        return loads.burst_schedule(config.num_requests, config.audio_seconds, config.load_seed)
+    return []
 
 
 @dataclass
@@ -65,6 +111,9 @@ class RequestTrace:
     arrivals: list[tuple[float, float]] = field(default_factory=list)
     outcome: str = "unfinished"   # "ok", "rejected", a status code name, or "unfinished"
     audio_seconds: float = 0.0    # the final usage's (what was delivered if none came)
+    requested_audio_seconds: float | None = None  # its max_audio_seconds (None: the server's default)
+    sent_at_s: float = 0.0        # seconds since the run started, when it was sent
+    ended_at_s: float | None = None  # ... when it ended (None: still running when the run stopped)
 
 
 @dataclass(frozen=True)
@@ -93,6 +142,15 @@ class BenchReport:
     wall_s: float
     audio_s_per_s: float
     timed_out: bool        # max_total_s ended the run
+    load: str = "closed"   # BenchConfig.load
+    offered_rate_per_s: float | None = None   # poisson: the arrival rate it sent at
+    burst_size: int | None = None             # burst: the requests sent at once
+    audio_seconds_range: tuple[float, float] | None = None  # poisson, burst: lengths drawn from
+    load_seed: int | None = None              # poisson, burst: the schedule's seed
+    unsent: int = 0        # not sent before max_total_s ended the run
+    mean_in_flight: float = 0.0   # streams open (sent, not ended), time-averaged over wall_s
+    max_in_flight: int = 0
+    requested_audio_seconds: float | None = None  # the sum of the max_audio_seconds asked for
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -161,12 +219,31 @@ def summarize(config: BenchConfig, traces: Sequence[RequestTrace], wall_s: float
         stall_s=sum(stalled for e in events for _, _, stalled in e),
         stalls_by_chunk=stalls_by_chunk([event for e in events for event in e]),
         audio_seconds=audio_seconds, wall_s=wall_s,
-        audio_s_per_s=audio_seconds / wall_s if wall_s > 0 else 0.0, timed_out=timed_out)
+        audio_s_per_s=audio_seconds / wall_s if wall_s > 0 else 0.0, timed_out=timed_out,
+        **_load_fields(config, traces, wall_s))
 
 
-async def _one_request(client: AsyncClient, config: BenchConfig, trace: RequestTrace) -> None:
+def _load_fields(config: BenchConfig, traces: Sequence[RequestTrace], wall_s: float) -> dict:
+    """The report's fields that say which load ran and what it kept in flight."""
+    intervals = [(t.sent_at_s, wall_s if t.ended_at_s is None else t.ended_at_s) for t in traces]
+    mean, peak = loads.streams_in_flight(intervals, 0.0, wall_s) if wall_s > 0 else (0.0, 0)
+    requested = [t.requested_audio_seconds for t in traces if t.requested_audio_seconds is not None]
+    scheduled = config.load != "closed"
+    return {"load": config.load, "offered_rate_per_s": config.offered_rate_per_s,
+            "burst_size": config.num_requests if config.load == "burst" else None,
+            "audio_seconds_range": tuple(config.audio_seconds) if scheduled else None,
+            "load_seed": config.load_seed if scheduled else None,
+            "unsent": config.num_requests - len(traces), "mean_in_flight": mean, "max_in_flight": peak,
+            "requested_audio_seconds": sum(requested) if requested else None}
+
+
+async def _one_request(client: AsyncClient, config: BenchConfig, trace: RequestTrace, text: str,
+                       run_started: float) -> None:
+    """Sends one request now and records it in ``trace`` (its times from its own send)."""
     started = time.perf_counter()
-    stream = client.stream(config.text, voice=config.voice, seed=config.seed, encoding="pcm",
+    trace.sent_at_s = started - run_started
+    stream = client.stream(text, voice=config.voice, seed=config.seed, encoding="pcm",
+                           max_audio_seconds=trace.requested_audio_seconds,
                            timeout=config.request_timeout_s)
     try:
         async for chunk in stream:
@@ -177,10 +254,46 @@ async def _one_request(client: AsyncClient, config: BenchConfig, trace: RequestT
         trace.outcome = "rejected" if exc.code == "RESOURCE_EXHAUSTED" else exc.code
     else:
         trace.outcome = "ok"
+    trace.ended_at_s = time.perf_counter() - run_started
     if stream.result is not None:
         trace.audio_seconds = stream.result.usage.audio_seconds
     elif trace.arrivals:
         trace.audio_seconds = trace.arrivals[-1][1]
+
+
+async def send_on_schedule(arrivals: Sequence[Arrival], send: Callable[[Arrival], object], *,
+                           clock: Callable[[], float] = time.perf_counter,
+                           sleep: Callable[[float], Awaitable[object]] = asyncio.sleep) -> None:
+    """Calls ``send(arrival)`` at each arrival's time (``at_s`` after the call, on ``clock``),
+    never later for what earlier sends are doing: ``send`` only starts a request (it must
+    not wait for it), so a slow server cannot slow the arrivals (an open loop). Arrivals
+    already due are sent at once, in order."""
+    started = clock()
+    for arrival in arrivals:
+        delay = started + arrival.at_s - clock()
+        if delay > 0:
+            await sleep(delay)
+        send(arrival)
+
+
+async def _open_loop(client: AsyncClient, config: BenchConfig, traces: list[RequestTrace],
+                     run_started: float) -> None:
+    """The schedule's requests, each a task started at its arrival; cancelled (by the run's
+    bound), it cancels every request still running."""
+    requests: list[asyncio.Task] = []
+
+    def send(arrival: Arrival) -> None:
+        trace = RequestTrace(requested_audio_seconds=arrival.max_audio_seconds)
+        traces.append(trace)
+        requests.append(asyncio.create_task(_one_request(client, config, trace, arrival.text,
+                                                         run_started)))
+    try:
+        await send_on_schedule(schedule(config), send)
+        await asyncio.gather(*requests)
+    finally:
+        for task in requests:
+            task.cancel()
+        await asyncio.gather(*requests, return_exceptions=True)
 
 
 async def run_bench(config: BenchConfig) -> BenchReport:
@@ -191,16 +304,19 @@ async def run_bench(config: BenchConfig) -> BenchReport:
                            tls_server_name=config.tls_server_name) as client:
         await client.voices(timeout=min(10.0, config.max_total_s))
         traces: list[RequestTrace] = []
+        started = time.perf_counter()
 
         async def worker() -> None:
             while len(traces) < config.num_requests:
                 trace = RequestTrace()
                 traces.append(trace)
-                await _one_request(client, config, trace)
+                await _one_request(client, config, trace, config.text, started)
 
-        started = time.perf_counter()
-        tasks = [asyncio.create_task(worker()) for _ in range(min(config.concurrency,
-                                                                 config.num_requests))]
+        if config.load == "closed":
+            tasks = [asyncio.create_task(worker())
+                     for _ in range(min(config.concurrency, config.num_requests))]
+        else:
+            tasks = [asyncio.create_task(_open_loop(client, config, traces, started))]
         done, pending = await asyncio.wait(tasks, timeout=config.max_total_s)
         for task in pending:
             task.cancel()
@@ -235,8 +351,23 @@ def format_report(report: BenchReport) -> str:
         f"audio         {report.audio_seconds:.2f} s in {report.wall_s:.2f} s "
         f"= {report.audio_s_per_s:.2f} audio-s per s",
     ]
+    if report.load != "closed":
+        lines[1:1] = _load_lines(report)
     if report.errors:
         lines.append("errors        " + ", ".join(f"{code} {n}" for code, n in report.errors.items()))
     if report.timed_out:
-        lines.append("the run reached its time bound; unfinished requests were cancelled")
+        lines.append("the run reached its time bound; unfinished requests were cancelled"
+                     + (f", {report.unsent} never sent" if report.unsent else ""))
     return "\n".join(lines)
+
+
+def _load_lines(report: BenchReport) -> list[str]:
+    """What a poisson or burst run offered and kept in flight, for ``format_report``."""
+    low, high = report.audio_seconds_range or (0.0, 0.0)
+    offered = (f"poisson arrivals at {report.offered_rate_per_s:.3f}/s" if report.load == "poisson"
+               else f"a burst of {report.burst_size}")
+    requested = report.requested_audio_seconds or 0.0
+    return [f"load          {offered}, {low:g}-{high:g} s of audio each, corpus texts "
+            f"(seed {report.load_seed})",
+            f"in flight     mean {report.mean_in_flight:.2f}, peak {report.max_in_flight} "
+            f"(audio asked {requested:.2f} s, delivered {report.audio_seconds:.2f} s)"]

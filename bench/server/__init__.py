@@ -5,6 +5,7 @@
     python -m bench.server --part tiers --layout two-pairs|split [--mps off|on]   # 2 GPUs
     python -m bench.server --part baseline        [--max-wall 540]
     python -m bench.server --part report          # table and plots from the JSON there
+    python -m bench.server --part tiers --load poisson|burst [--audio-seconds 1,10] [--load-seed 0]
     python -m bench.server --smoke [--out DIR]    # CPU: the orchestration, tiny model
 
 ``--part tiers`` writes a random-weight checkpoint with the real csm-1b + Mimi shapes in
@@ -12,13 +13,18 @@ bf16 (bench/full_checkpoint.py; reused from the temporary folder by later parts 
 machine), starts the real gateway, talker and Code2Wav as three processes on the GPU
 (unix sockets in a private folder, metrics on free ports), waits until each is ready
 (model load and CUDA graph capture, bounded by ``--start-timeout``) and drives the
-gateway with the SDK's load generator (voxring/loadgen.py) at each concurrency tier:
-``--requests-per-stream`` x C requests of one fixed prompt, every one capped at
-``--audio-seconds`` of audio by the gateway's limits (random weights practically never
-emit the stop frame, so each request runs to that cap), the tier itself capped at
-``--tier-max-s``. ``--mps on`` runs the same with the NVIDIA MPS control daemon started
-for the run (stopped again in every case); when it cannot start, the run says so and
-goes on without it.
+gateway with the SDK's load generator (voxring/loadgen.py) at each concurrency tier
+under ``--load`` (bench/server/load.py). ``fixed`` (the default): ``--requests-per-stream``
+x C requests of one fixed prompt, C at a time, every one capped at ``--audio-seconds`` of
+audio by the gateway's limits (random weights practically never emit the stop frame, so
+each request runs to that cap). ``poisson``: as many requests in an open loop, arriving at
+C / (mean audio) per second, each with its own corpus text and a length drawn uniformly
+from ``--audio-seconds MIN,MAX`` (default 1,10; smoke 0.4,1.2); ``burst``: C such requests
+at once; ``--load-seed`` and C draw each tier's schedule. The tier itself is capped at
+``--tier-max-s`` (poisson and burst: raised to fit the schedule and its longest request).
+Their result files are named ``server_gpu_tiers_<mode>-poisson.json`` (``-burst``).
+``--mps on`` runs the same with the NVIDIA MPS control daemon started for the run (stopped
+again in every case); when it cannot start, the run says so and goes on without it.
 
 ``--layout`` places the engines (each stage's ``CUDA_VISIBLE_DEVICES``): ``one`` (the
 default) is one engine pair on GPU 0; ``two-pairs`` is one pair per GPU on two GPUs, with
@@ -57,6 +63,7 @@ it), so a part cut by ``--max-wall`` is finished by running it again.
 
 # The package, one module per concern (each imports only those above it):
 #   settings  the command line, the layouts, each stage's config, the configuration's fingerprint
+#   load      what a tier sends (--load): the load generator's config per tier, its time cap
 #   gpu       the GPU host: nvidia-smi queries, the memory sampler, the MPS control daemon
 #   procs     the stage processes (Server): start, ready-wait, stop; stale runs reaped, /dev/shm
 #   probes    what the stages report: Stats, /metrics, snapshots, a tier's engine numbers

@@ -86,42 +86,7 @@ def report(out: Path) -> str:
             runs[data.get("mode", path.stem)] = data
     lines = []
     for mode, data in runs.items():
-        mps = data.get("mps")
-        note = ""
-        if mps is not None and mps.get("requested") and not mps.get("active"):
-            note = f" — MPS requested but NOT active ({mps.get('error', 'unknown')})"
-        gpu = data.get("gpu", {})
-        per_tier = ("2 requests" if "smoke" in mode
-                    else f"{data.get('requests_per_stream')} x C requests")
-        gpus_used = data.get("gpus_used", 1)
-        lines += [f"### {mode}: {gpu.get('name', '?')}, driver {gpu.get('driver', '-')}, torch "
-                  f"{data.get('versions', {}).get('torch')}, commit {data.get('commit', '?')[:12]}{note}", "",
-                  f"Layout: {data.get('layout_text', LAYOUTS['one'])}. "
-                  f"{per_tier} per tier of {data.get('audio_seconds')} s audio each (one fixed prompt), "
-                  f"each tier capped at {data.get('tier_max_s')} s. Real-time streams: "
-                  f"**{data.get('realtime_streams', data.get('realtime_streams_per_gpu', 0))}** on "
-                  f"{gpus_used} GPU{'s' if gpus_used > 1 else ''} "
-                  f"({data.get('realtime_streams_per_gpu', 0)} per GPU); every tier clean up to "
-                  f"**{clean_through(data.get('tiers', {}))}**.", "",
-                  "| C | admitted / rejected | TTFA p50 / p90 / p99 ms | gap p99 ms | underruns | "
-                  "audio-s/s | RTF | talker frames/s | step ms | mean K | rows/step | C2W chunks/s | "
-                  "gateway CPU cores | GPU MiB peak | clean |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for c, t in sorted(data.get("tiers", {}).items(), key=lambda kv: int(kv[0])):
-            tk, cw, ttfa = t.get("talker", {}), t.get("code2wav", {}), t["ttfa_ms"]
-            errors = f" ({', '.join(f'{k} {v}' for k, v in t['errors'].items())})" if t["errors"] else ""
-            lines.append(
-                f"| {c} | {t['admitted']} / {t['rejected']}{errors} | {_fmt(ttfa['p50'])} / "
-                f"{_fmt(ttfa['p90'])} / {_fmt(ttfa['p99'])} | {_fmt(t['gap_p99_ms'])} | "
-                f"{t['underruns']}{_stall_chunks(t.get('stalls_by_chunk'))} | "
-                f"{_fmt(t['audio_s_per_s'])} | {_fmt(t['rtf'], 3)} | {_fmt(tk.get('frames_per_s'))} | "
-                f"{_fmt(tk.get('step_ms'))} | {_fmt(tk.get('mean_k'), 2)} | "
-                f"{_fmt(tk.get('mean_rows_per_step'))} | {_fmt(cw.get('chunks_per_s'))} | "
-                f"{_fmt(t.get('cpu_cores_busy', {}).get('gateway'), 2)} | "
-                f"{_memory(t.get('gpu_memory_mib', {}).get('peak'))} | "
-                f"{'yes' if t['clean'] else 'no'}{' (partial)' if t['status'] == 'partial' else ''} |")
-        lines.append("")
-        lines += step_split_table(data.get("tiers", {}))
+        lines += run_table(mode, data)
     lines += scale_out_tables(runs)
     for path in sorted(out.glob("server_gpu_baseline*.json")):
         with contextlib.suppress(ValueError):
@@ -130,6 +95,71 @@ def report(out: Path) -> str:
     (out / "server_gpu.md").write_text(text)
     plots(out, runs)
     return text
+
+
+def load_text(mode: str, data: dict) -> str:
+    """Which load a result file's tiers ran, in a sentence (files from before --load: fixed)."""
+    load = data.get("load", "fixed")
+    if load == "fixed":
+        per_tier = "2 requests" if "smoke" in mode else f"{data.get('requests_per_stream')} x C requests"
+        return (f"Load: fixed, {per_tier} per tier of {data.get('audio_seconds')} s audio each "
+                "(one fixed prompt, C at a time)")
+    low, high = data.get("audio_range") or ("?", "?")
+    texts = f"corpus texts, audio {low}-{high} s each, uniform (seed {data.get('load_seed')})"
+    if load == "poisson":
+        return (f"Load: poisson, {data.get('requests_per_stream')} x C requests per tier in an open "
+                f"loop at C / {data.get('audio_seconds')} s arrivals per second (C streams in flight "
+                f"on average), {texts}")
+    return f"Load: burst, C requests at once per tier, {texts}"
+
+
+def run_table(mode: str, data: dict) -> list[str]:
+    """Markdown: one result file's heading, its load and the table of its tiers."""
+    mps = data.get("mps")
+    note = ""
+    if mps is not None and mps.get("requested") and not mps.get("active"):
+        note = f" — MPS requested but NOT active ({mps.get('error', 'unknown')})"
+    gpu = data.get("gpu", {})
+    gpus_used = data.get("gpus_used", 1)
+    scheduled = data.get("load", "fixed") != "fixed"
+    lines = [f"### {mode}: {gpu.get('name', '?')}, driver {gpu.get('driver', '-')}, torch "
+             f"{data.get('versions', {}).get('torch')}, commit {data.get('commit', '?')[:12]}{note}", "",
+             f"Layout: {data.get('layout_text', LAYOUTS['one'])}. {load_text(mode, data)}; "
+             f"each tier capped at {data.get('tier_max_s')} s"
+             f"{' or what its schedule needs' if scheduled else ''}. Real-time streams: "
+             f"**{data.get('realtime_streams', data.get('realtime_streams_per_gpu', 0))}** on "
+             f"{gpus_used} GPU{'s' if gpus_used > 1 else ''} "
+             f"({data.get('realtime_streams_per_gpu', 0)} per GPU); every tier clean up to "
+             f"**{clean_through(data.get('tiers', {}))}**.", "",
+             "| C | admitted / rejected | TTFA p50 / p90 / p99 ms | gap p99 ms | underruns | "
+             "audio-s/s | RTF | talker frames/s | step ms | mean K | rows/step | C2W chunks/s | "
+             "gateway CPU cores | GPU MiB peak | clean |"
+             + (" in flight mean / peak | audio-s asked / delivered |" if scheduled else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * scheduled]
+    for c, t in sorted(data.get("tiers", {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(_tier_row(c, t) + (_load_cells(t) if scheduled else ""))
+    lines.append("")
+    return lines + step_split_table(data.get("tiers", {}))
+
+
+def _load_cells(t: dict) -> str:
+    """A poisson or burst tier's extra cells: streams in flight, audio asked and delivered."""
+    return (f" {_fmt(t.get('mean_in_flight'), 2)} / {_fmt(t.get('max_in_flight'))} | "
+            f"{_fmt(t.get('requested_audio_s'))} / {_fmt(t.get('delivered_audio_s'))} |")
+
+
+def _tier_row(c: str, t: dict) -> str:
+    tk, cw, ttfa = t.get("talker", {}), t.get("code2wav", {}), t["ttfa_ms"]
+    errors = f" ({', '.join(f'{k} {v}' for k, v in t['errors'].items())})" if t["errors"] else ""
+    return (f"| {c} | {t['admitted']} / {t['rejected']}{errors} | {_fmt(ttfa['p50'])} / "
+            f"{_fmt(ttfa['p90'])} / {_fmt(ttfa['p99'])} | {_fmt(t['gap_p99_ms'])} | "
+            f"{t['underruns']}{_stall_chunks(t.get('stalls_by_chunk'))} | "
+            f"{_fmt(t['audio_s_per_s'])} | {_fmt(t['rtf'], 3)} | {_fmt(tk.get('frames_per_s'))} | "
+            f"{_fmt(tk.get('step_ms'))} | {_fmt(tk.get('mean_k'), 2)} | "
+            f"{_fmt(tk.get('mean_rows_per_step'))} | {_fmt(cw.get('chunks_per_s'))} | "
+            f"{_fmt(t.get('cpu_cores_busy', {}).get('gateway'), 2)} | "
+            f"{_memory(t.get('gpu_memory_mib', {}).get('peak'))} | "
+            f"{'yes' if t['clean'] else 'no'}{' (partial)' if t['status'] == 'partial' else ''} |")
 
 
 def _memory(peak) -> str:

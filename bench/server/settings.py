@@ -13,13 +13,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import bench.server
+from voxring.bench_cli import audio_seconds_argument
+from voxring.loads import MAX_TEXT_CHARS, corpus_texts
 
 USAGE = bench.server.__doc__  # the package docstring: what --help prints
 REPO = Path(__file__).resolve().parents[2]
 
 TIERS = (1, 8, 32, 64, 128, 256, 512, 1024)
 SMOKE_TIERS = (1, 2)
-# One fixed prompt for every request (the load generator sends one text): ~85 prompt tokens.
+# The load of a tier (--load): "fixed", the load generator's closed loop of one prompt at one
+# length (every row in lockstep; the committed results' load); "poisson", open-loop arrivals at
+# C streams in flight on average; "burst", C requests at once (voxring/loads.py draws both).
+LOADS = {
+    "fixed": "closed loop, C at a time, one fixed prompt, one audio length",
+    "poisson": "open-loop Poisson arrivals at C / mean audio per second, corpus texts, uniform lengths",
+    "burst": "C requests at once, corpus texts, uniform lengths",
+}
+AUDIO_SECONDS = {"fixed": 4.0, "range": (1.0, 10.0)}          # --audio-seconds' defaults
+SMOKE_AUDIO_SECONDS = {"fixed": 0.8, "range": (0.4, 1.2)}
+# One fixed prompt for every request of the fixed load (and the warm-up): ~85 prompt tokens.
 PROMPT = "The quick brown fox jumps over the lazy dog while seven birds sing near the old stone bridge."
 STAGE_KINDS = ("talker", "code2wav", "gateway")
 # Where the engines run. Stage names: pair 0's are "talker" and "code2wav", pair i's
@@ -73,7 +85,7 @@ class Settings:
     out: Path
     tiers: tuple[int, ...]
     requests_per_stream: int
-    audio_seconds: float
+    audio_seconds: float         # fixed: each request's audio; poisson, burst: the range's mean
     tier_max_s: float
     max_wall: float
     start_timeout: float
@@ -83,6 +95,9 @@ class Settings:
     hf_frames: int
     fresh: bool
     keep_run_dir: bool
+    load: str = "fixed"          # one of LOADS
+    audio_range: tuple[float, float] | None = None  # poisson, burst: each request's length, uniform
+    load_seed: int = 0           # poisson, burst: draws each tier's schedule (with its C)
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -97,7 +112,13 @@ class Settings:
         """Names the result file: the one-pair layout keeps the plain names (mps-off, mps-on,
         smoke); the others are prefixed with the layout (two-pairs-mps-off, ...)."""
         base = "smoke" if self.smoke else f"mps-{'on' if self.mps else 'off'}"
+        base += "" if self.load == "fixed" else f"-{self.load}"
         return base if self.layout == "one" else f"{self.layout}-{base}"
+
+    @property
+    def max_audio_seconds(self) -> float:
+        """The longest audio a request of this run asks for."""
+        return self.audio_seconds if self.audio_range is None else self.audio_range[1]
 
     @property
     def stages(self) -> list[StageSpec]:
@@ -121,8 +142,9 @@ def stage_configs(s: Settings, run_dir: Path, checkpoint: Path | None) -> dict[s
     sock = {spec.name: f"unix:{run_dir}/{spec.name}.sock" for spec in s.stages}
     model = {"checkpoint": str(checkpoint) if checkpoint else None,
              "dtype": "float32" if s.smoke else "bfloat16", "device": "cpu" if s.smoke else "cuda"}
-    frames = -(-round(s.audio_seconds * 1000) * 125 // 10000)  # ceil(seconds * 12.5)
-    prompt_len = len(PROMPT.encode()) + 16                   # byte-level tokens + specials + "[0]"
+    frames = -(-round(s.max_audio_seconds * 1000) * 125 // 10000)  # ceil(seconds * 12.5)
+    longest_text = len(PROMPT.encode()) if s.load == "fixed" else max(len(PROMPT), MAX_TEXT_CHARS)
+    prompt_len = longest_text + 16                           # byte-level tokens + specials + "[0]"
     max_len = max(256, -(-(prompt_len + frames + 8) // 64) * 64)
     server = {"drain_timeout": 5, "grace": 2}
     metrics = {"listen": "127.0.0.1:0"}
@@ -152,7 +174,8 @@ def stage_configs(s: Settings, run_dir: Path, checkpoint: Path | None) -> dict[s
         else:
             configs[spec.name] = {
                 **common,
-                "limits": {"max_audio_seconds": s.audio_seconds, "default_audio_seconds": s.audio_seconds},
+                "limits": {"max_audio_seconds": s.max_audio_seconds,  # the warm-up asks for none
+                           "default_audio_seconds": s.audio_seconds},
                 "voices": {"file": None},
                 "engines": {"pairs": [{"talker": sock[talkers[i]], "code2wav": sock[code2wavs[i]],
                                        "talker_id": f"talker-{i}", "consumer_id": f"code2wav-{i}"}
@@ -164,11 +187,14 @@ def stage_configs(s: Settings, run_dir: Path, checkpoint: Path | None) -> dict[s
 
 def fingerprint(configs: dict, s: Settings, checkpoint_name: str | None) -> str:
     """Identifies a configuration: tiers measured under another one are not reused."""
-    blob = json.dumps({"configs": portable_configs(configs), "layout": s.layout,
-                       "requests_per_stream": s.requests_per_stream,
-                       "audio_seconds": s.audio_seconds, "tier_max_s": s.tier_max_s,
-                       "checkpoint": checkpoint_name, "env": overrides_env(), "prompt": PROMPT},
-                      sort_keys=True)
+    identity = {"configs": portable_configs(configs), "layout": s.layout,
+                "requests_per_stream": s.requests_per_stream,
+                "audio_seconds": s.audio_seconds, "tier_max_s": s.tier_max_s,
+                "checkpoint": checkpoint_name, "env": overrides_env(), "prompt": PROMPT}
+    if s.load != "fixed":  # (the fixed load's fingerprint is what it was before there were others)
+        identity.update({"load": s.load, "audio_range": s.audio_range, "load_seed": s.load_seed,
+                         "corpus": hashlib.sha256("\n".join(corpus_texts(64, 0)).encode()).hexdigest()})
+    blob = json.dumps(identity, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -198,6 +224,19 @@ def _tiers(text: str) -> tuple[int, ...]:
     return values
 
 
+def _audio(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[float, tuple | None]:
+    """(Settings.audio_seconds, Settings.audio_range) from --load and --audio-seconds."""
+    defaults = SMOKE_AUDIO_SECONDS if args.smoke else AUDIO_SECONDS
+    if args.load != "fixed":
+        low, high = args.audio_seconds or defaults["range"]
+        return (low + high) / 2, (low, high)
+    low, high = args.audio_seconds or (defaults["fixed"],) * 2
+    if low != high:
+        parser.error("--audio-seconds: the fixed load asks for one length (a range needs --load "
+                     "poisson or burst)")
+    return low, None
+
+
 def parse_args(argv: list[str] | None) -> Settings:
     parser = argparse.ArgumentParser(prog="python -m bench.server", description=USAGE.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=USAGE)
@@ -207,13 +246,20 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="tiers: where the engines run: "
                         + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
     parser.add_argument("--smoke", action="store_true",
-                        help="CPU: voxring-tiny, tiers 1 and 2 of 2 requests, no MPS/nvidia-smi")
+                        help="CPU: voxring-tiny, tiers 1 and 2 (fixed: 2 requests each), no MPS/nvidia-smi")
     parser.add_argument("--out", type=Path, default=None,
                         help="results folder (default bench/results; smoke: a folder under /tmp)")
     parser.add_argument("--tiers", type=_tiers, default=None, help=f"default {','.join(map(str, TIERS))}")
     parser.add_argument("--requests-per-stream", type=int, default=3, help="requests per tier = this x C")
-    parser.add_argument("--audio-seconds", type=float, default=None,
-                        help="audio per request (default 4; smoke 0.8)")
+    parser.add_argument("--load", choices=list(LOADS), default="fixed",
+                        help="tiers: the load of each tier: "
+                        + "; ".join(f"{k}: {v}" for k, v in LOADS.items()))
+    parser.add_argument("--audio-seconds", type=audio_seconds_argument, default=None,
+                        metavar="S|MIN,MAX",
+                        help="fixed: the audio of every request (default 4; smoke 0.8); poisson, "
+                             "burst: each request's, uniform over MIN,MAX (default 1,10; smoke 0.4,1.2)")
+    parser.add_argument("--load-seed", type=int, default=0,
+                        help="poisson, burst: the seed of the arrivals, texts and lengths (default 0)")
     parser.add_argument("--tier-max-s", type=float, default=60.0, help="wall-clock cap of one tier")
     parser.add_argument("--max-wall", type=float, default=540.0, help="wall-clock cap of this invocation")
     parser.add_argument("--start-timeout", type=float, default=300.0,
@@ -236,12 +282,13 @@ def parse_args(argv: list[str] | None) -> Settings:
         parser.error("--smoke runs without MPS")
     if args.requests_per_stream < 1 or args.tier_max_s <= 0 or args.max_wall <= 0:
         parser.error("--requests-per-stream, --tier-max-s and --max-wall must be positive")
+    audio_seconds, audio_range = _audio(args, parser)
     return Settings(
         part=args.part, smoke=args.smoke, mps=args.mps == "on", layout=args.layout,
         out=(args.out or default_out).resolve(),
         tiers=args.tiers or (SMOKE_TIERS if args.smoke else TIERS),
         requests_per_stream=args.requests_per_stream,
-        audio_seconds=args.audio_seconds or (0.8 if args.smoke else 4.0),
+        audio_seconds=audio_seconds, load=args.load, audio_range=audio_range, load_seed=args.load_seed,
         tier_max_s=args.tier_max_s, max_wall=args.max_wall, start_timeout=args.start_timeout,
         checkpoint=args.checkpoint.resolve() if args.checkpoint else None,
         checkpoint_root=(args.checkpoint_root or default_root()).resolve(),

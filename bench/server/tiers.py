@@ -4,7 +4,6 @@ the random csm-1b checkpoint it serves is written first."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -18,11 +17,13 @@ from pathlib import Path
 
 from bench.server import BenchError, log
 from bench.server.gpu import GpuSampler, Mps, physical_gpus
+from bench.server.load import load_fields, run_load, tier_config, wanted_cap_s, warmup_configs
 from bench.server.probes import engine_numbers, engine_stats, snapshot, wait_idle
 from bench.server.procs import SHM_DIR, Server, child_env, reap_stale, shm_entries
 from bench.server.report import base_result, write_json
 from bench.server.settings import (
     LAYOUTS,
+    LOADS,
     PROMPT,
     REPO,
     STOP_MARGIN_S,
@@ -36,26 +37,17 @@ from voxring.errors import VoxringError  # torch- and grpc-free
 
 MIN_TIER_S = 10.0          # a tier with less time than this left is not started
 IDLE_TIMEOUT_S = 30.0      # after a tier, the engines must be idle within this
-WARMUP = [(2, 1), (16, 8), (32, 16)]  # (requests, concurrency) rounds before the first tier, not counted
-WARMUP_SMOKE = [(1, 1)]
-
-
-def load(target: str, requests: int, concurrency: int, cap_s: float) -> dict:
-    from voxring.loadgen import BenchConfig, run_bench
-
-    config = BenchConfig(target=target, num_requests=requests, concurrency=concurrency, text=PROMPT,
-                         request_timeout_s=cap_s, max_total_s=cap_s)
-    return asyncio.run(run_bench(config)).to_dict()
 
 
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 1)
 
 
-def tier_record(concurrency: int, requests: int, cap_s: float, cut_by_wall: bool, report: dict,
+def tier_record(s: Settings, concurrency: int, requests: int, cap_s: float, cut_by_wall: bool, report: dict,
                 numbers: dict, gpu: dict) -> dict:
     ttfa = report["ttfa_s"]
-    streams = min(concurrency, requests)
+    # streams served at once: the closed loop's C; poisson and burst: the mean observed in flight
+    streams = min(concurrency, requests) if s.load == "fixed" else report["mean_in_flight"]
     clean = (report["rejected"] == 0 and not report["errors"] and report["underruns"] == 0
              and not report["timed_out"] and report["completed"] == requests)
     return {
@@ -70,7 +62,7 @@ def tier_record(concurrency: int, requests: int, cap_s: float, cut_by_wall: bool
         "audio_s_per_s": round(report["audio_s_per_s"], 2),
         "rtf": round(streams / report["audio_s_per_s"], 3) if report["audio_s_per_s"] else None,
         "wall_s": round(report["wall_s"], 2), "timed_out": report["timed_out"], "clean": clean,
-        **numbers, "gpu_memory_mib": gpu, "loadgen": report,
+        **load_fields(s, report), **numbers, "gpu_memory_mib": gpu, "loadgen": report,
     }
 
 
@@ -95,7 +87,10 @@ def part_tiers(s: Settings) -> int:
     todo = [c for c in s.tiers if c not in done]
     result.update(base_result(s))
     result.update({"part": "tiers", "mode": s.mode, "layout": s.layout, "layout_text": LAYOUTS[s.layout],
-                   "gpus_used": layout_gpus(s.layout), "fingerprint": fp, "prompt": PROMPT,
+                   "gpus_used": layout_gpus(s.layout), "fingerprint": fp,
+                   "load": s.load, "load_text": LOADS[s.load],
+                   **({"prompt": PROMPT} if s.load == "fixed" else
+                      {"prompt": "corpus", "audio_range": s.audio_range, "load_seed": s.load_seed}),
                    "audio_seconds": s.audio_seconds, "requests_per_stream": s.requests_per_stream,
                    "tier_max_s": s.tier_max_s, "checkpoint": checkpoint_name or "voxring-tiny",
                    "configs": portable_configs(configs)})
@@ -212,10 +207,10 @@ def _warm_up(s: Settings, server: Server, target: str, run_log: dict) -> None:
     # not land in the first tiers: one stream alone, 8 at once (the quiet schedule's 1-frame
     # first chunk), then 16 at once (past the busy threshold: 4-frame first chunks)
     run_log["warmup"] = {"rounds": []}
-    for requests, concurrency in WARMUP_SMOKE if s.smoke else WARMUP:
-        warm = load(target, requests, concurrency, min(60.0, max(5.0, s.left() / 8)))
+    for config in warmup_configs(s, target, min(60.0, max(5.0, s.left() / 8))):
+        warm = run_load(config)
         run_log["warmup"]["rounds"].append(
-            {"requests": requests, "concurrency": concurrency,
+            {"requests": config.num_requests, "concurrency": config.concurrency, "load": config.load,
              **{k: warm[k] for k in ("completed", "errors", "wall_s")}})
         if not warm["completed"]:
             raise BenchError(f"the warm-up requests failed ({warm['errors']}):\n" + "\n".join(
@@ -235,7 +230,7 @@ def _measure(s: Settings, server: Server, gpu: GpuSampler, target: str, record: 
             log(f"wall cap: tiers {[c for c in todo if c not in record.done]} not run (run again to finish)")
             record.run_log["stopped_by_wall_cap_before"] = concurrency
             break
-        tier = _measure_tier(s, server, gpu, target, concurrency, min(s.tier_max_s, left),
+        tier = _measure_tier(s, server, gpu, target, concurrency, left,
                              record.run_log["gpu_memory_after_start_mib"])
         record.result["tiers"][str(concurrency)] = tier
         if tier["status"] == "done":
@@ -250,18 +245,21 @@ def _measure(s: Settings, server: Server, gpu: GpuSampler, target: str, record: 
                              f"{concurrency}")
 
 
-def _measure_tier(s: Settings, server: Server, gpu: GpuSampler, target: str, concurrency: int, cap: float,
+def _measure_tier(s: Settings, server: Server, gpu: GpuSampler, target: str, concurrency: int, left: float,
                   memory_after_start: dict) -> dict:
-    """One tier: the load between two snapshots of the idle engines, capped at ``cap`` s."""
-    requests = 2 if s.smoke else s.requests_per_stream * concurrency
-    log(f"tier C={concurrency}: {requests} requests, at most {cap:.0f} s")
+    """One tier: the load between two snapshots of the idle engines, capped at the time it
+    needs or the ``left`` seconds of the wall cap, the less."""
+    wanted = wanted_cap_s(s, concurrency)
+    cap = min(wanted, left)
+    config = tier_config(s, target, concurrency, cap)
+    log(f"tier C={concurrency}: {config.num_requests} requests ({s.load}), at most {cap:.0f} s")
     before = snapshot(server)
     gpu.reset()
-    report = load(target, requests, concurrency, cap)
+    report = run_load(config)
     rates = engine_stats(server)  # the stages' own rates over the tier (window since `before`)
     idle = wait_idle(server, IDLE_TIMEOUT_S)
     after = snapshot(server)      # counters once idle: consistent with each other
-    tier = tier_record(concurrency, requests, cap, cap < s.tier_max_s, report,
+    tier = tier_record(s, concurrency, config.num_requests, cap, cap < wanted, report,
                        engine_numbers(before, after, rates, concurrency),
                        {"peak": gpu.peak(), "after_start": memory_after_start})
     tier["engines_idle_after"] = idle
@@ -336,8 +334,10 @@ def write_checkpoint(s: Settings) -> Path:
 def format_tier(t: dict) -> str:
     ttfa = t["ttfa_ms"]
     tk = t.get("talker", {})
+    load = "" if t.get("load", "fixed") == "fixed" else (
+        f" [{t['load']}: {t['mean_in_flight']} in flight on average, peak {t['max_in_flight']}]")
     return (f"C={t['concurrency']}: admitted {t['admitted']}/{t['requests']} (rejected {t['rejected']}), "
             f"TTFA p50/p90/p99 {ttfa['p50']}/{ttfa['p90']}/{ttfa['p99']} ms, gap p99 {t['gap_p99_ms']} ms, "
             f"underruns {t['underruns']}, {t['audio_s_per_s']} audio-s/s, RTF {t['rtf']}, "
             f"talker {tk.get('frames_per_s')} frames/s, step {tk.get('step_ms')} ms, K {tk.get('mean_k')}, "
-            f"errors {t['errors'] or 'none'}{' CLEAN' if t['clean'] else ''}")
+            f"errors {t['errors'] or 'none'}{' CLEAN' if t['clean'] else ''}{load}")

@@ -2,7 +2,8 @@
 tiny model started and found ready, two load tiers through the SDK's load generator,
 Stats and metrics read, JSON and the table written, every stage stopped with SIGTERM
 (exit 0) and nothing left in /dev/shm, once with one engine pair and once with two behind
-one gateway; and the baseline part (voxring's talker and
+one gateway; the tiers under the open-loop Poisson load (every request accounted for); and
+the baseline part (voxring's talker and
 transformers' generate on the same tiny checkpoint). The numbers themselves are the GPU
 run's business."""
 
@@ -86,6 +87,34 @@ def test_smoke_tiers(tmp_path):
     table = (tmp_path / "server_gpu.md").read_text()
     assert "### Scale-out: two-pairs-smoke against smoke" in table
     assert _run_dirs() == run_dirs  # the stages' private folders (sockets, configs, logs) are gone
+
+
+def test_smoke_tiers_under_a_poisson_load(tmp_path):
+    # the open-loop load end to end: every request accounted for, the load named everywhere
+    # (whether a tier is clean is the GPU run's business, not this test's)
+    done = _run("--part", "tiers", "--load", "poisson", "--max-wall", "100", out=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "server_gpu_tiers_smoke-poisson.json").read_text())
+    assert (result["mode"], result["load"], result["prompt"]) == ("smoke-poisson", "poisson", "corpus")
+    assert result["audio_range"] == [0.4, 1.2] and result["audio_seconds"] == pytest.approx(0.8)
+    assert sorted(result["tiers"]) == ["1", "2"]
+    for c, tier in result["tiers"].items():
+        requests = result["requests_per_stream"] * int(c)
+        assert tier["status"] == "done" and tier["load"] == tier["loadgen"]["load"] == "poisson"
+        assert tier["requests"] == requests and tier["unsent"] == 0
+        assert tier["admitted"] + tier["rejected"] == requests
+        assert tier["completed"] + sum(tier["errors"].values()) == tier["admitted"]
+        assert tier["offered_rate_per_s"] == pytest.approx(int(c) / 0.8, abs=1e-3)
+        assert 0.4 * requests <= tier["requested_audio_s"] <= 1.2 * requests
+        assert tier["loadgen"]["audio_seconds_range"] == [0.4, 1.2]
+        assert 1 <= tier["max_in_flight"] <= requests
+    run = result["runs"][-1]
+    assert "error" not in run, run
+    assert run["exit_codes"] == {"gateway": 0, "code2wav": 0, "talker": 0}
+    assert [r["load"] for r in run["warmup"]["rounds"]] == ["closed", "burst"]
+    assert result["configs"]["gateway"]["limits"]["max_audio_seconds"] == 1.2
+    table = (tmp_path / "server_gpu.md").read_text()
+    assert "### smoke-poisson:" in table and "Load: poisson" in table
 
 
 def test_smoke_baseline(tmp_path):

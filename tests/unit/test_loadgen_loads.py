@@ -1,0 +1,225 @@
+"""The load generator's poisson and burst loads: its config's validation, the open loop
+driven by a fake clock (requests that never finish do not hold the arrivals back), the
+report's load fields from hand-built traces, and runs through the SDK and the CLI against
+the in-process fake Synthesizer of test_sdk. No assertion here is about time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tests.unit import test_sdk
+from tests.unit.test_sdk import WAIT_S, Step
+from voxring import loads
+from voxring.cli import main
+from voxring.loadgen import (
+    BenchConfig,
+    RequestTrace,
+    format_report,
+    run,
+    run_bench,
+    schedule,
+    send_on_schedule,
+    summarize,
+)
+
+fake = test_sdk.fake  # the in-process fake Synthesizer (a fixture)
+
+
+def _config(**changes) -> BenchConfig:
+    fields = {"target": "unix:/nowhere", "num_requests": 4, "concurrency": 2, **changes}
+    return BenchConfig(**fields)
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"target": ""}, "target"),
+    ({"load": "open"}, "load"),
+    ({"num_requests": 0}, "num_requests"),
+    ({"num_requests": 2.5}, "num_requests"),
+    ({"concurrency": 0}, "concurrency"),
+    ({"load": "burst", "num_requests": 4, "concurrency": 2}, "concurrency"),
+    ({"text": "  "}, "text"),
+    ({"seed": "3"}, "seed"),
+    ({"load_seed": None}, "load_seed"),
+    ({"load_seed": True}, "load_seed"),
+    ({"request_timeout_s": 0}, "request_timeout_s"),
+    ({"max_total_s": float("inf")}, "max_total_s"),
+    ({"load": "poisson", "audio_seconds": (10.0, 1.0)}, "audio_seconds"),
+    ({"load": "poisson", "audio_seconds": (0.0, 1.0)}, "audio_seconds"),
+    ({"audio_seconds": (1.0,)}, "audio_seconds"),
+])
+def test_config_errors_name_the_field(changes, field):
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        _config(**changes)
+
+
+def test_schedule_follows_the_load():
+    assert schedule(_config()) == []  # the closed loop sends config.text as requests end
+    poisson = _config(load="poisson", num_requests=30, concurrency=3, audio_seconds=(1.0, 2.0), load_seed=9)
+    assert schedule(poisson) == loads.poisson_schedule(30, 3, (1.0, 2.0), 9) == schedule(poisson)
+    assert poisson.offered_rate_per_s == pytest.approx(3 / 1.5)
+    burst = _config(load="burst", num_requests=5, concurrency=5)
+    assert [a.at_s for a in schedule(burst)] == [0.0] * 5
+    assert burst.offered_rate_per_s is None and _config().offered_rate_per_s is None
+
+
+class FakeTime:
+    """A clock that only ``sleep`` moves: each sleep lasts what was asked plus ``late_s``
+    (a busy event loop wakes late)."""
+
+    def __init__(self, late_s: float = 0.0) -> None:
+        self.now, self.late_s, self.sleeps = 0.0, late_s, []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds + self.late_s
+        await asyncio.sleep(0)  # what was started runs (and hangs)
+
+
+def _send_all(arrivals, time: FakeTime) -> list[tuple[float, loads.Arrival]]:
+    """Drives send_on_schedule with requests that never finish; (clock at send, arrival)."""
+    async def scenario():
+        never = asyncio.Event()
+        sent, hanging = [], []
+
+        def send(arrival):
+            sent.append((time.now, arrival))
+            hanging.append(asyncio.create_task(never.wait()))
+
+        await asyncio.wait_for(send_on_schedule(arrivals, send, clock=time.clock, sleep=time.sleep),
+                               timeout=WAIT_S)  # a bound on the test, not a measurement
+        assert hanging and not any(task.done() for task in hanging)  # none finished ...
+        for task in hanging:
+            task.cancel()
+        return sent
+
+    return asyncio.run(scenario())
+
+
+def test_open_loop_sends_every_request_on_time_although_none_finishes():
+    arrivals = loads.poisson_schedule(200, 16, (1.0, 10.0), seed=1)
+    time = FakeTime()
+    sent = _send_all(arrivals, time)
+    assert [a for _, a in sent] == arrivals  # ... and still every one was sent, in order,
+    assert [t for t, _ in sent] == pytest.approx([a.at_s for a in arrivals])  # each at its time
+    assert len(time.sleeps) == 199  # the first arrival is at 0: sent without waiting
+
+
+def test_a_late_wake_up_does_not_push_the_later_arrivals_back():
+    # each sleep wakes 0.5 s late: the schedule holds from the start (no drift), and an
+    # arrival already due when the loop wakes is sent at once, without sleeping
+    arrivals = [loads.Arrival(t, f"text {t}", 1.0) for t in (0.0, 1.0, 1.2, 1.4, 3.0, 3.1)]
+    sent = _send_all(arrivals, FakeTime(late_s=0.5))
+    assert [t for t, _ in sent] == pytest.approx([0.0, 1.5, 1.5, 1.5, 3.5, 3.5])
+
+
+def test_burst_sends_everything_without_waiting():
+    arrivals = loads.burst_schedule(32, (1.0, 2.0), seed=0)
+    time = FakeTime()
+    assert [t for t, _ in _send_all(arrivals, time)] == [0.0] * 32 and time.sleeps == []
+
+
+def test_summarize_reports_the_load_and_what_was_in_flight():
+    config = _config(load="poisson", num_requests=6, concurrency=2, audio_seconds=(1.0, 3.0), load_seed=4)
+    traces = [
+        RequestTrace([(0.1, 0.5), (0.3, 1.0)], "ok", 1.0, 1.5, sent_at_s=0.0, ended_at_s=2.0),
+        RequestTrace([(0.1, 0.5)], "ok", 0.5, 2.0, sent_at_s=1.0, ended_at_s=3.0),
+        RequestTrace([], "rejected", 0.0, 1.0, sent_at_s=1.0, ended_at_s=1.0),
+        RequestTrace([(0.2, 0.5)], "unfinished", 0.5, 3.0, sent_at_s=1.0),  # cut at wall_s
+    ]
+    report = summarize(config, traces, wall_s=4.0, timed_out=True)
+    assert (report.load, report.load_seed, report.audio_seconds_range) == ("poisson", 4, (1.0, 3.0))
+    assert report.offered_rate_per_s == pytest.approx(1.0) and report.burst_size is None
+    assert report.unsent == 2  # 6 requests, 4 sent before the bound
+    assert report.mean_in_flight == pytest.approx((2 + 2 + 0 + 3) / 4)
+    assert report.max_in_flight == 3
+    assert report.requested_audio_seconds == pytest.approx(7.5)
+    assert report.audio_seconds == pytest.approx(2.0)  # delivered: the meaning it always had
+    assert (report.completed, report.admitted, report.rejected) == (2, 3, 1)
+    assert report.errors == {"unfinished": 1}
+    closed = summarize(_config(), traces[:1], wall_s=2.0)
+    assert (closed.load, closed.offered_rate_per_s, closed.audio_seconds_range, closed.load_seed) == (
+        "closed", None, None, None)
+
+
+def test_poisson_run_sends_each_request_its_own_text_and_length(fake):
+    config = BenchConfig(target=fake.target, num_requests=6, concurrency=3, load="poisson",
+                         audio_seconds=(0.05, 0.2), load_seed=3, request_timeout_s=WAIT_S,
+                         max_total_s=4 * WAIT_S)
+    report = run(config)
+    planned = schedule(config)
+    # in the order the server saw them (near-simultaneous sends may swap), as drawn: the
+    # lengths are exact in the wire's float32
+    assert sorted((r.text, r.max_audio_seconds) for r in fake.requests) == sorted(
+        (a.text, a.max_audio_seconds) for a in planned)
+    assert all(r.HasField("max_audio_seconds") for r in fake.requests)
+    assert (report.completed, report.admitted, report.rejected, report.unsent) == (6, 6, 0, 0)
+    assert report.errors == {}
+    assert report.load == "poisson" and report.offered_rate_per_s == pytest.approx(3 / 0.125)
+    assert report.requested_audio_seconds == pytest.approx(sum(a.max_audio_seconds for a in planned))
+    assert report.mean_in_flight > 0 and 1 <= report.max_in_flight <= 6
+    assert not report.timed_out
+
+
+def test_the_run_bound_cancels_an_open_loop_and_counts_what_it_never_sent(fake, capsys):
+    fake.plan = [Step(2 * WAIT_S, 2400)]  # the first request hangs (the fake bounds it)
+    config = BenchConfig(target=fake.target, num_requests=5, concurrency=1, load="poisson",
+                         audio_seconds=(5.0, 10.0), load_seed=0, request_timeout_s=WAIT_S, max_total_s=0.5)
+    assert schedule(config)[1].at_s > 2.0  # the second arrival is due well after the bound
+
+    async def scenario():
+        report = await run_bench(config)
+        return report, asyncio.all_tasks() - {asyncio.current_task()}
+
+    report, left = asyncio.run(scenario())
+    assert not left  # every request task was ended with the run
+    assert report.timed_out and report.unsent == 4
+    assert report.errors == {"unfinished": 1} and report.completed == 0
+    assert fake.ended.get(timeout=WAIT_S)[1] == "inactive"  # the request was cancelled, not left
+    print(format_report(report))
+    assert "4 never sent" in capsys.readouterr().out
+
+
+def test_burst_run_counts_rejections(fake):
+    fake.reject_every = 2
+    report = run(BenchConfig(target=fake.target, num_requests=6, concurrency=6, load="burst",
+                             audio_seconds=(0.05, 0.1), request_timeout_s=WAIT_S, max_total_s=4 * WAIT_S))
+    assert len({r.text for r in fake.requests}) == 6
+    assert (report.completed, report.admitted, report.rejected, report.errors) == (3, 3, 3, {})
+    assert report.burst_size == 6 and report.load == "burst"
+
+
+def test_bench_command_runs_a_poisson_load(fake, capsys):
+    assert main(["bench", "--target", fake.target, "--load", "poisson", "--requests", "4",
+                 "--concurrency", "2", "--audio-seconds", "0.05,0.1", "--load-seed", "7", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["load"], report["load_seed"], report["audio_seconds_range"]) == ("poisson", 7, [0.05, 0.1])
+    assert (report["num_requests"], report["completed"], report["unsent"]) == (4, 4, 0)
+    assert len({r.text for r in fake.requests}) == 4
+    assert all(0.05 <= r.max_audio_seconds <= 0.1 for r in fake.requests)
+    assert main(["bench", "--target", fake.target, "--load", "burst", "--concurrency", "3",
+                 "--audio-seconds", "0.05,0.1"]) == 0
+    printed = capsys.readouterr().out
+    assert "a burst of 3" in printed and "3 completed" in printed
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--load", "burst", "--requests", "3", "--concurrency", "2"], "--requests"),
+    (["--load", "poisson", "--text", "hello"], "--text"),
+])
+def test_bench_command_refuses_options_that_disagree(args, named, capsys):
+    assert main(["bench", "--target", "unix:/nowhere", *args]) == 2
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["5,1", "0,2", "x"])
+def test_bench_command_refuses_a_bad_audio_range(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--load", "poisson", "--audio-seconds", value])
+    assert exit_.value.code == 2
+    assert "--audio-seconds" in capsys.readouterr().err
