@@ -1,0 +1,261 @@
+"""The device costs the serving simulator's H200 model needs, at the shapes the server runs.
+GPU only (``--smoke``: the same code on the CPU with voxring-tiny and a small grid).
+
+    python bench/steps_gpu.py [--parts talker,prefill,codec] [--out bench/results/steps_gpu.json]
+
+- ``talker``: the whole decode step as the engine calls it (``Runner.decode``: stage the
+  slot ids, gather the rows' state, K graph replays, scatter, one copy to the host) per
+  batch bucket B = 1, 8, 64, 256, 512, 1,024 and K = 1, 4, 8 frames, and the device time of
+  one frame's graph replay alone; csm-1b shapes, bf16, random weights, the fused frame as
+  the server loads it (``pack_weights``), rows greedy.
+- ``prefill``: today's eager ``Runner.prefill`` of 1, 8 and 64 prompts of 32, 128 and 512
+  tokens.
+- ``codec``: Code2Wav's ``CodecDecoder.decode`` per (batch 1 .. 512, chunk 1, 2, 4, 8, 16
+  frames), replayed from its CUDA graph and run eagerly (``decode_step``), real Mimi shapes,
+  bf16, random weights and codebooks; and audio seconds per second at each.
+
+Timing (METHOD.md): CUDA events around each call, a warm-up first, the median of the
+repeats; on the CPU the host clock. Every part writes the JSON as it finishes (a run cut
+short keeps what it measured). The device's copy of the tree has no .git: pass
+VOXRING_COMMIT there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.talker_gpu import CSM_1B, random_model
+from models.family import PromptSegment
+from services.common.chunks import Sampling
+from services.talker.runner import PrefillRow, Runner
+
+TALKER_BUCKETS, KS = [1, 8, 64, 256, 512, 1024], [1, 4, 8]
+PROMPTS, PROMPT_TOKENS = [1, 8, 64], [32, 128, 512]
+CODEC_BATCHES, CODEC_CHUNKS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], [1, 2, 4, 8, 16]
+CONTEXT = 64  # positions a row has attended over when a talker measurement starts
+SMOKE = {"buckets": [1, 2, 4], "ks": [1, 2], "prompts": [1, 2], "tokens": [8, 16],
+         "codec_batches": [1, 2], "codec_chunks": [1, 2]}
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2) -> dict:
+    """Median and spread of ``fn``'s time: CUDA events on a GPU, the host clock elsewhere."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": round(statistics.median(times), 4), "min_ms": round(min(times), 4),
+            "max_ms": round(max(times), 4), "repeats": repeats}
+
+
+def talker_model(smoke: bool):
+    from models.tiny.talker import tiny_config
+
+    if smoke:
+        return _cpu_model(tiny_config())
+    model = random_model(CSM_1B, torch.bfloat16)
+    model.pack_weights()  # the fused frame, as the talker loads it on CUDA
+    return model
+
+
+def _cpu_model(config: dict):
+    from models.csm.config import CsmConfig
+    from models.csm.model import CsmTalker
+
+    torch.manual_seed(0)
+    return CsmTalker(CsmConfig.from_dict(config)).eval()
+
+
+def prompt_rows(slots: range, tokens: int, vocab: int) -> list[PrefillRow]:
+    g = torch.Generator().manual_seed(tokens)
+    return [PrefillRow(slot, [PromptSegment(torch.randint(0, vocab, (tokens,), generator=g).tolist())],
+                       Sampling(), 0) for slot in slots]
+
+
+def part_talker(model, device: torch.device, smoke: bool) -> dict:
+    buckets, ks = (SMOKE["buckets"], SMOKE["ks"]) if smoke else (TALKER_BUCKETS, KS)
+    started = time.perf_counter()
+    runner = Runner(model, num_slots=buckets[-1], max_len=256, buckets=buckets, k_max=max(ks),
+                    max_repetition_window=16, use_graphs=device.type == "cuda")
+    out = {"capture_s": round(time.perf_counter() - started, 2), "max_len": 256,
+           "context": f"each measurement starts every row at position {CONTEXT}", "steps": {}}
+    vocab = model.config.text_vocab_size
+    for first in range(0, buckets[-1], 64):  # every slot holds a 12-token prompt
+        runner.prefill(prompt_rows(range(first, min(first + 64, buckets[-1])), 12, vocab))
+    for bucket in buckets:
+        slots = list(range(bucket))
+        entry = {}
+        if runner.graphs:
+            at_context(runner)
+            entry["replay"] = timed_ms(runner.graphs[bucket].replay, device, repeats=20, warmup=3)
+        for k in ks:
+            at_context(runner)
+            entry[f"K={k}"] = timed_ms(lambda k=k, slots=slots: runner.decode(slots, k), device,
+                                       repeats=10 if not smoke else 2)
+        out["steps"][f"B={bucket}"] = entry
+        print(f"talker B={bucket}: " + ", ".join(f"{key} {v['median_ms']} ms" for key, v in entry.items()),
+              flush=True)
+    return out
+
+
+def at_context(runner: Runner) -> None:
+    """Every row at position CONTEXT, frame 0: each (bucket, K) measurement attends over the
+    same keys (CONTEXT to CONTEXT + 12 K: well inside the cache)."""
+    runner.pool.positions.fill_(CONTEXT)
+    runner.pool.frame_index.zero_()
+
+
+def part_prefill(model, device: torch.device, smoke: bool) -> dict:
+    prompts, tokens = (SMOKE["prompts"], SMOKE["tokens"]) if smoke else (PROMPTS, PROMPT_TOKENS)
+    max_len = max(tokens) + 16
+    runner = Runner(model, num_slots=max(prompts), max_len=max_len, buckets=[1], k_max=1,
+                    max_repetition_window=16, use_graphs=False)
+    vocab = model.config.text_vocab_size
+    out = {}
+    for n in prompts:
+        for length in tokens:
+            rows = prompt_rows(range(n), length, vocab)
+            key = f"prompts={n},tokens={length}"
+            out[key] = timed_ms(lambda rows=rows: _prefill(runner, rows, device), device,
+                                repeats=5 if not smoke else 2)
+            print(f"prefill {key}: {out[key]['median_ms']} ms", flush=True)
+    return out
+
+
+def _prefill(runner: Runner, rows: list[PrefillRow], device: torch.device) -> None:
+    runner.prefill(rows)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # prefill returns with work queued
+
+
+def codec_model(device: torch.device, smoke: bool):
+    from models.mimi.config import MimiConfig
+    from models.mimi.model import MimiCodec
+
+    torch.manual_seed(0)
+    if smoke:
+        from models.tiny.talker import tiny_config
+
+        config = MimiConfig.from_dict(tiny_config()["codec_config"])
+    else:
+        config = MimiConfig.from_dict({"model_type": "mimi"})
+    with torch.device(device):
+        codec = MimiCodec(config)
+    with torch.no_grad():
+        for name, buffer in codec.named_buffers():
+            if name.endswith("embed_sum"):
+                buffer.normal_()
+    codec.quantizer.refresh()
+    dtype = torch.float32 if smoke else torch.bfloat16
+    return codec.to(dtype).eval().requires_grad_(False)
+
+
+def part_codec(device: torch.device, smoke: bool) -> dict:
+    from services.code2wav.decoder import CodecDecoder
+
+    batches, chunks = (SMOKE["codec_batches"], SMOKE["codec_chunks"]) if smoke else (CODEC_BATCHES,
+                                                                                      CODEC_CHUNKS)
+    codec = codec_model(device, smoke)
+    started = time.perf_counter()
+    decoder = CodecDecoder(codec, max(batches), buckets=batches, chunk_frames=chunks,
+                           max_graphs=len(batches) * len(chunks) if device.type == "cuda" else 0,
+                           max_graph_mb=65536)
+    out = {"capture_s": round(time.perf_counter() - started, 2), "graphs": len(decoder.graphs),
+           "dtype": str(codec.upsample.conv.weight.dtype), "calls": {}}
+    spf, rate = codec.config.samples_per_frame, codec.config.sampling_rate
+    codebooks, size = codec.num_codebooks, codec.config.codebook_size
+    with torch.inference_mode():
+        for frames in chunks:
+            for batch in batches:
+                slots = list(range(batch))
+                ids = torch.tensor(slots, device=device)
+                codes = torch.randint(0, size, (batch, codebooks, frames), device=device)
+                entry = {"eager": timed_ms(lambda ids=ids, codes=codes: codec.decode_step(ids, codes),
+                                           device, repeats=5 if not smoke else 2)}
+                if (batch, frames) in decoder.graphs:
+                    entry["graph"] = timed_ms(lambda slots=slots, codes=codes: decoder.decode(slots, codes),
+                                              device, repeats=10)
+                best = min(v["median_ms"] for v in entry.values())
+                entry["audio_s_per_s"] = round(batch * frames * spf / rate / (best / 1e3), 1)
+                out["calls"][f"B={batch},T={frames}"] = entry
+            print(f"codec T={frames}: audio-s/s " + ", ".join(
+                f"B={b} {out['calls'][f'B={b},T={frames}']['audio_s_per_s']}" for b in batches), flush=True)
+    return out
+
+
+def header(device: torch.device) -> dict:
+    return {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "python": platform.python_version(),
+            "triton": _version("triton"),
+            "commit": os.environ.get("VOXRING_COMMIT") or subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()}
+
+
+def _version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="talker,prefill,codec")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/steps_gpu.json"))
+    parser.add_argument("--smoke", action="store_true", help="CPU: voxring-tiny, a small grid")
+    args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - {"talker", "prefill", "codec"}
+    if unknown:
+        parser.error(f"--parts: unknown {sorted(unknown)}")
+    if not args.smoke and not torch.cuda.is_available():
+        return print("steps_gpu.py needs a CUDA GPU (--smoke runs on the CPU)", file=sys.stderr) or 2
+    device = torch.device("cpu" if args.smoke else "cuda")
+    result = {**header(device), "smoke": args.smoke}
+    if args.out.exists():  # another call's parts stay
+        result = {**json.loads(args.out.read_text()), **result}
+    model = talker_model(args.smoke) if {"talker", "prefill"} & set(parts) else None
+    for part in parts:
+        started = time.perf_counter()
+        if part == "talker":
+            result["talker"] = part_talker(model, device, args.smoke)
+        elif part == "prefill":
+            result["prefill"] = part_prefill(model, device, args.smoke)
+        else:
+            del model
+            model = None
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            result["codec"] = part_codec(device, args.smoke)
+        result.setdefault("part_s", {})[part] = round(time.perf_counter() - started, 1)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
