@@ -95,16 +95,16 @@ def prompt_rows(slots: range, tokens: int, vocab: int) -> list[PrefillRow]:
                        Sampling(), 0) for slot in slots]
 
 
-def part_talker(model, device: torch.device, smoke: bool) -> dict:
+def part_talker(model, device: torch.device, smoke: bool, out: dict, save: Callable[[], None]) -> None:
     buckets, ks = (SMOKE["buckets"], SMOKE["ks"]) if smoke else (TALKER_BUCKETS, KS)
     started = time.perf_counter()
     runner = Runner(model, num_slots=buckets[-1], max_len=256, buckets=buckets, k_max=max(ks),
                     max_repetition_window=16, use_graphs=device.type == "cuda")
-    out = {"capture_s": round(time.perf_counter() - started, 2), "max_len": 256,
-           "context": f"each measurement starts every row at position {CONTEXT}", "steps": {}}
+    out.update({"capture_s": round(time.perf_counter() - started, 2), "max_len": 256,
+                "context": f"each measurement starts every row at position {CONTEXT}", "steps": {}})
     vocab = model.config.text_vocab_size
-    for first in range(0, buckets[-1], 64):  # every slot holds a 12-token prompt
-        runner.prefill(prompt_rows(range(first, min(first + 64, buckets[-1])), 12, vocab))
+    for first in range(0, buckets[-1], 64):  # every slot holds a prompt of CONTEXT tokens
+        runner.prefill(prompt_rows(range(first, min(first + 64, buckets[-1])), CONTEXT, vocab))
     for bucket in buckets:
         slots = list(range(bucket))
         entry = {}
@@ -116,9 +116,9 @@ def part_talker(model, device: torch.device, smoke: bool) -> dict:
             entry[f"K={k}"] = timed_ms(lambda k=k, slots=slots: runner.decode(slots, k), device,
                                        repeats=10 if not smoke else 2)
         out["steps"][f"B={bucket}"] = entry
+        save()
         print(f"talker B={bucket}: " + ", ".join(f"{key} {v['median_ms']} ms" for key, v in entry.items()),
               flush=True)
-    return out
 
 
 def at_context(runner: Runner) -> None:
@@ -128,13 +128,12 @@ def at_context(runner: Runner) -> None:
     runner.pool.frame_index.zero_()
 
 
-def part_prefill(model, device: torch.device, smoke: bool) -> dict:
+def part_prefill(model, device: torch.device, smoke: bool, out: dict, save: Callable[[], None]) -> None:
     prompts, tokens = (SMOKE["prompts"], SMOKE["tokens"]) if smoke else (PROMPTS, PROMPT_TOKENS)
     max_len = max(tokens) + 16
     runner = Runner(model, num_slots=max(prompts), max_len=max_len, buckets=[1], k_max=1,
                     max_repetition_window=16, use_graphs=False)
     vocab = model.config.text_vocab_size
-    out = {}
     for n in prompts:
         for length in tokens:
             rows = prompt_rows(range(n), length, vocab)
@@ -142,7 +141,7 @@ def part_prefill(model, device: torch.device, smoke: bool) -> dict:
             out[key] = timed_ms(lambda rows=rows: _prefill(runner, rows, device), device,
                                 repeats=5 if not smoke else 2)
             print(f"prefill {key}: {out[key]['median_ms']} ms", flush=True)
-    return out
+            save()
 
 
 def _prefill(runner: Runner, rows: list[PrefillRow], device: torch.device) -> None:
@@ -173,7 +172,7 @@ def codec_model(device: torch.device, smoke: bool):
     return codec.to(dtype).eval().requires_grad_(False)
 
 
-def part_codec(device: torch.device, smoke: bool) -> dict:
+def part_codec(device: torch.device, smoke: bool, out: dict, save: Callable[[], None]) -> None:
     from services.code2wav.decoder import CodecDecoder
 
     batches, chunks = (SMOKE["codec_batches"], SMOKE["codec_chunks"]) if smoke else (CODEC_BATCHES,
@@ -183,8 +182,8 @@ def part_codec(device: torch.device, smoke: bool) -> dict:
     decoder = CodecDecoder(codec, max(batches), buckets=batches, chunk_frames=chunks,
                            max_graphs=len(batches) * len(chunks) if device.type == "cuda" else 0,
                            max_graph_mb=65536)
-    out = {"capture_s": round(time.perf_counter() - started, 2), "graphs": len(decoder.graphs),
-           "dtype": str(codec.upsample.conv.weight.dtype), "calls": {}}
+    out.update({"capture_s": round(time.perf_counter() - started, 2), "graphs": len(decoder.graphs),
+                "dtype": str(codec.upsample.conv.weight.dtype), "calls": {}})
     spf, rate = codec.config.samples_per_frame, codec.config.sampling_rate
     codebooks, size = codec.num_codebooks, codec.config.codebook_size
     with torch.inference_mode():
@@ -203,7 +202,7 @@ def part_codec(device: torch.device, smoke: bool) -> dict:
                 out["calls"][f"B={batch},T={frames}"] = entry
             print(f"codec T={frames}: audio-s/s " + ", ".join(
                 f"B={b} {out['calls'][f'B={b},T={frames}']['audio_s_per_s']}" for b in batches), flush=True)
-    return out
+            save()
 
 
 def header(device: torch.device) -> dict:
@@ -240,20 +239,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.out.exists():  # another call's parts stay
         result = {**json.loads(args.out.read_text()), **result}
     model = talker_model(args.smoke) if {"talker", "prefill"} & set(parts) else None
-    for part in parts:
-        started = time.perf_counter()
-        if part == "talker":
-            result["talker"] = part_talker(model, device, args.smoke)
-        elif part == "prefill":
-            result["prefill"] = part_prefill(model, device, args.smoke)
-        else:
-            del model
-            model = None
-            torch.cuda.empty_cache() if device.type == "cuda" else None
-            result["codec"] = part_codec(device, args.smoke)
-        result.setdefault("part_s", {})[part] = round(time.perf_counter() - started, 1)
+
+    def save() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+    for part in parts:  # each part fills its entry as it goes and saves after every row of its grid
+        started = time.perf_counter()
+        out = result[part] = {}
+        if part == "talker":
+            part_talker(model, device, args.smoke, out, save)
+        elif part == "prefill":
+            part_prefill(model, device, args.smoke, out, save)
+        else:
+            model = None  # the talker's weights go before the codec's graphs take their memory
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            part_codec(device, args.smoke, out, save)
+        result.setdefault("part_s", {})[part] = round(time.perf_counter() - started, 1)
+        save()
     return 0
 
 
