@@ -189,6 +189,44 @@ def test_stack_layers_at_csm_backbone_shapes_on_cuda(rows: int, dtype: torch.dty
     assert stack_kernel.faults("cuda") == 0
 
 
+# Three layers of one kv head over 34,000 slots of 512 positions: 1.1G elements a layer (under 2**31, so
+# the stride arrives as a 32-bit argument), 2.2G at the third layer's offset (past it).
+BIG_CACHE_SLOTS = 34_000
+WIDE_LAYERS = dataclasses.replace(
+    CSM_DEPTH, layers=3, hidden=256, inter=512, num_q=4, num_kv=1, head_dim=64, slots=4, max_len=512
+)
+
+
+def test_stack_layers_addresses_caches_past_2_31_elements_on_cuda():
+    # The backbone's caches at the server's sizes (1,025 slots of 768 positions) put later layers past
+    # 2**31 elements from the cache's start: the kernel's cache addresses must be 64-bit there (a 32-bit
+    # layer offset wrapped and faulted the talker at start-up). The same rows at the end of a cache that
+    # large give the same bits and write the same keys as in a small cache.
+    rows = [(slot, 300 + 50 * slot) for slot in range(3)]
+    small = make_stack_case(WIDE_LAYERS, 61, rows, dtype=torch.bfloat16, way="x", head=False)
+    end = BIG_CACHE_SLOTS - 1
+    assert small.k_cache[0].numel() // small.k_cache.shape[1] * BIG_CACHE_SLOTS < 2**31 <= (
+        2 * small.k_cache[0].numel() // small.k_cache.shape[1] * BIG_CACHE_SLOTS)
+    caches = []
+    for cache in (small.k_cache, small.v_cache):
+        big = torch.full((cache.shape[0], BIG_CACHE_SLOTS, *cache.shape[2:]), float("nan"), dtype=cache.dtype,
+                         device=cache.device)
+        big[:, end - torch.arange(cache.shape[1], device=cache.device)] = cache
+        caches.append(big)
+    large = dataclasses.replace(small, k_cache=caches[0], v_cache=caches[1], slots=end - small.slots)
+
+    def layers(*a, head=None, **k):
+        return stack_kernel.stack_layers_triton(*a, **k, phased=False)
+
+    got_small, got_large = stack_run(small, layers), stack_run(large, layers)
+    torch.cuda.synchronize()
+    assert torch.equal(got_large.out, got_small.out)
+    for name in ("k_cache", "v_cache"):
+        moved = getattr(got_large, name)[:, end - torch.arange(small.k_cache.shape[1], device="cuda")]
+        torch.testing.assert_close(moved, getattr(got_small, name), equal_nan=True, rtol=0, atol=0)
+    assert stack_kernel.faults("cuda") == 0
+
+
 def test_stack_step_graph_replay_equals_eager_on_new_codes():
     # 31 launches in one graph (the depth loop's shape: each reads the previous one's output), and
     # the barrier counter is reset by each launch itself: replays on fresh codes equal eager runs.
