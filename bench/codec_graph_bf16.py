@@ -14,8 +14,10 @@ For each shape (batch B, chunk T) of codec_gpu.json, from fresh slots and the sa
    under capture they land in the graph's pool and hold the replay's values), the first
    module whose output differs between graph and eager while its input is equal, for the
    smallest shape that differs.
-4. **Switches**: the same comparison with cuDNN deterministic, with cuDNN off, and with
-   bf16 matmul reductions in full precision, to name the library whose choice differs.
+4. **Switches**: ``default`` lets cuDNN pick any algorithm (Code2Wav's
+   ``engine.deterministic: false``); then the same comparison with cuDNN deterministic (the
+   engine's default), with cuDNN off, and with bf16 matmul reductions in full precision, to
+   name the library whose choice differs.
 """
 
 from __future__ import annotations
@@ -179,7 +181,8 @@ def run(smoke: bool) -> dict:
                 decoder = CodecDecoder(codec, max(b for b, _ in shapes),
                                        buckets=sorted({b for b, _ in shapes}),
                                        chunk_frames=sorted({t for _, t in shapes}),
-                                       max_graphs=0 if smoke else len(shapes), max_graph_mb=16384)
+                                       max_graphs=0 if smoke else len(shapes), max_graph_mb=16384,
+                                       deterministic=name == "cudnn_deterministic")
                 result[name] = compare(codec, None if smoke else decoder, reference, shapes)
                 differing = [s for s in shapes if not result[name][f"B={s[0]},T={s[1]}"].get(
                     "graph_equals_eager", True)]

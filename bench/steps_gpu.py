@@ -172,7 +172,8 @@ def codec_model(device: torch.device, smoke: bool):
     return codec.to(dtype).eval().requires_grad_(False)
 
 
-def part_codec(device: torch.device, smoke: bool, out: dict, save: Callable[[], None]) -> None:
+def part_codec(device: torch.device, smoke: bool, out: dict, save: Callable[[], None], *,
+               deterministic: bool = True) -> None:
     from services.code2wav.decoder import CodecDecoder
 
     batches, chunks = (SMOKE["codec_batches"], SMOKE["codec_chunks"]) if smoke else (CODEC_BATCHES,
@@ -181,8 +182,9 @@ def part_codec(device: torch.device, smoke: bool, out: dict, save: Callable[[], 
     started = time.perf_counter()
     decoder = CodecDecoder(codec, max(batches), buckets=batches, chunk_frames=chunks,
                            max_graphs=len(batches) * len(chunks) if device.type == "cuda" else 0,
-                           max_graph_mb=65536)
+                           max_graph_mb=65536, deterministic=deterministic)
     out.update({"capture_s": round(time.perf_counter() - started, 2), "graphs": len(decoder.graphs),
+                "cudnn_deterministic": deterministic,
                 "dtype": str(codec.upsample.conv.weight.dtype), "calls": {}})
     spf, rate = codec.config.samples_per_frame, codec.config.sampling_rate
     codebooks, size = codec.num_codebooks, codec.config.codebook_size
@@ -227,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default="talker,prefill,codec")
     parser.add_argument("--out", type=Path, default=Path("bench/results/steps_gpu.json"))
     parser.add_argument("--smoke", action="store_true", help="CPU: voxring-tiny, a small grid")
+    parser.add_argument("--codec-nondeterministic", action="store_true",
+                        help="codec: let cuDNN pick any algorithm (Code2Wav's engine.deterministic: false)")
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     unknown = set(parts) - {"talker", "prefill", "codec"}
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             model = None  # the talker's weights go before the codec's graphs take their memory
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            part_codec(device, args.smoke, out, save)
+            part_codec(device, args.smoke, out, save, deterministic=not args.codec_nondeterministic)
         result.setdefault("part_s", {})[part] = round(time.perf_counter() - started, 1)
         save()
     return 0

@@ -46,7 +46,8 @@ def build(config: Code2WavConfig, config_path: Path | None):
     eng = config.engine
     decoder = CodecDecoder(codec, eng.max_slots, buckets=eng.graph_buckets,
                            chunk_frames=eng.graph_chunk_frames,
-                           max_graphs=eng.max_graphs if eng.cuda_graphs else 0, max_graph_mb=eng.max_graph_mb)
+                           max_graphs=eng.max_graphs if eng.cuda_graphs else 0, max_graph_mb=eng.max_graph_mb,
+                           deterministic=eng.deterministic)
     engine = Code2WavEngine(decoder, links, max_slots=config.engine.max_slots,
                             max_undelivered_seconds=config.engine.max_undelivered_seconds,
                             max_records_per_step=config.engine.max_records_per_step)

@@ -58,6 +58,7 @@ class EngineSection:
     graph_chunk_frames: tuple[int, ...] = (1, 2, 4, 8, 16)       # chunk sizes with graphs
     max_graphs: int = 35                # budget: graphs captured at most
     max_graph_mb: float = 2048.0        # budget: device memory the graphs may take
+    deterministic: bool = True          # CUDA: cuDNN algorithms that sum in a fixed order
 
     def __post_init__(self) -> None:
         if self.max_slots < 1:

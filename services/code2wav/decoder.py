@@ -6,6 +6,13 @@ count or memory budget is spent; a call whose T has a graph runs in the smallest
 that holds its rows, padded with a spare slot whose state is never read. Any other
 shape runs eagerly through the same ``decode_step``; each such shape is logged once.
 On the CPU everything runs eagerly.
+
+Deterministic (the default): on CUDA, cuDNN may pick convolution algorithms whose sums
+run in a varying order (the transposed convolutions of the upsampling stack, from batch 8
+at 8 frames in bf16 on an H200), so the same codes decoded twice give waveforms a few
+bf16 ulps apart, graph replay and eager alike. ``deterministic`` restricts cuDNN to
+algorithms that sum in a fixed order. The switch is the process's
+(``torch.backends.cudnn.deterministic``): Code2Wav runs in its own process.
 """
 
 from __future__ import annotations
@@ -22,9 +29,14 @@ log = logging.getLogger(__name__)
 
 class CodecDecoder:
     def __init__(self, codec: MimiCodec, max_slots: int, *, buckets: Sequence[int] = (),
-                 chunk_frames: Sequence[int] = (), max_graphs: int = 0, max_graph_mb: float = 0.0) -> None:
+                 chunk_frames: Sequence[int] = (), max_graphs: int = 0, max_graph_mb: float = 0.0,
+                 deterministic: bool = True) -> None:
         self.codec = codec
         self.device = codec.upsample.conv.weight.device
+        if self.device.type == "cuda":  # before any capture: a graph keeps the algorithms it saw
+            torch.backends.cudnn.deterministic = deterministic
+            if deterministic:
+                torch.backends.cudnn.benchmark = False
         self.pad_slot = max_slots  # spare slot for padding rows
         codec.allocate(max_slots + 1)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
