@@ -8,6 +8,8 @@
 #   costs        prefill, Code2Wav's decode grid, the bf16 graph probe, the talker/Code2Wav overlap
 #   server-off   the whole server under the Poisson load, tiers 1 .. 1,024, without MPS
 #   server-on    the same with MPS (then the table of both)
+#   determinism  Code2Wav's bf16 decode with cuDNN deterministic (the default) and free: the GPU
+#                test, the decode grid both ways (same call), the graph/eager probe
 #
 #   bench/h200_baseline.sh tests talker      # e.g.
 #
@@ -56,6 +58,17 @@ for part in "$@"; do
       echo "codec graph bf16: exit ${PIPESTATUS[0]}"
       timeout "$(left)" python3 bench/overlap_gpu.py --seconds 5 --out "$OUT/overlap_gpu.json"
       echo "overlap: exit $?" ;;
+    determinism)
+      timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_codec_cuda.py 2>&1 \
+        | tee "$OUT/gpu_tests_codec.log" | tail -5
+      for mode in deterministic nondeterministic; do
+        flag=$([ "$mode" = nondeterministic ] && echo --codec-nondeterministic)
+        timeout 120 python3 bench/steps_gpu.py --parts codec $flag --out "$OUT/steps_gpu_codec_$mode.json" \
+          | tail -5
+        echo "codec grid, $mode: exit $?"
+      done
+      timeout "$(left)" python3 bench/codec_graph_bf16.py --out "$OUT/codec_graph_bf16.json" 2>&1 | tail -8
+      echo "codec graph bf16: exit ${PIPESTATUS[0]}" ;;
     server-off) server off ;;
     server-on) server on ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
