@@ -65,7 +65,7 @@ for part in "$@"; do
         flag=$([ "$mode" = nondeterministic ] && echo --codec-nondeterministic)
         timeout 120 python3 bench/steps_gpu.py --parts codec $flag --out "$OUT/steps_gpu_codec_$mode.json" \
           | tail -5
-        echo "codec grid, $mode: exit $?"
+        echo "codec grid, $mode: exit ${PIPESTATUS[0]}"
       done
       timeout "$(left)" python3 bench/codec_graph_bf16.py --out "$OUT/codec_graph_bf16.json" 2>&1 | tail -8
       echo "codec graph bf16: exit ${PIPESTATUS[0]}" ;;
