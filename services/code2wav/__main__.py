@@ -18,7 +18,7 @@ from services.code2wav.config import Code2WavConfig
 from services.code2wav.decoder import CodecDecoder
 from services.code2wav.engine import Code2WavEngine
 from services.code2wav.servicer import Code2WavServicer
-from services.code2wav.talkers import TalkerLink
+from services.code2wav.talkers import LinkHealth, TalkerLink
 from services.common import metrics
 from services.common.config import ConfigError
 from services.common.engine_thread import EngineComponent, EngineThread
@@ -62,7 +62,8 @@ def build(config: Code2WavConfig, config_path: Path | None):
     log.info("codec %s on %s (%s), %d slots, talkers %s", folder, device, config.model.dtype,
              config.engine.max_slots, ", ".join(f"{t.id}={t.address}" for t in talkers.attach))
     return ([ServiceBinding(name, code2wav_pb2_grpc.add_Code2WavServicer_to_server, servicer)],
-            [EngineComponent(thread, close=engine.close_links)],
+            [EngineComponent(thread, close=engine.close_links),
+             LinkHealth(links, config.transport.heartbeat_interval)],
             {"drain_exempt": ["/voxring.v1.Code2Wav/Stats"]})
 
 

@@ -5,16 +5,20 @@ every tick: while disconnected it calls ``Talker.Attach`` (a short blocking call
 engine thread, never on the event loop) at most every ``reattach_interval`` seconds and
 opens the ring (or gRPC stream) it is given. A link whose producer heartbeat goes stale
 or whose ring closes is dropped; the engine fails that talker's open requests.
+:class:`LinkHealth` publishes each link's state on the stage's health service.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 
 import grpc
 
+from services.common.health import status, talker_link_service
+from services.common.loop_task import LoopTask
 from services.transport import Endpoint, FrameConsumer, TransportSection, open_consumer
 from services.transport.layout import RingError
 from voxring.v1 import talker_pb2, talker_pb2_grpc
@@ -111,3 +115,31 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, grpc.RpcError):
         return f"{exc.code().name}: {exc.details()}"
     return str(exc)
+
+
+class LinkHealth(LoopTask):
+    """Publishes ``talker/<id>`` on Code2Wav's health service (services.common.health):
+    SERVING while that talker's link is attached, so a gateway counts the pair ready only
+    when a request could reach Code2Wav through it. Reads only ``TalkerLink.connected``
+    (an attribute the engine thread sets), every ``interval`` seconds, from the loop."""
+
+    name = "talker link health"
+
+    def __init__(self, links: dict[str, TalkerLink], interval: float) -> None:
+        super().__init__()
+        self.links = links
+        self.interval = interval
+        self._health = None
+        self._published: dict[str, bool] = {}
+
+    def attach_health(self, servicer) -> None:
+        self._health = servicer
+
+    async def run(self) -> None:
+        while not self.stopping:
+            for talker_id, link in self.links.items():
+                connected = link.connected
+                if self._health is not None and self._published.get(talker_id) != connected:
+                    await self._health.set(talker_link_service(talker_id), status(connected))
+                    self._published[talker_id] = connected
+            await asyncio.sleep(self.interval)

@@ -58,6 +58,11 @@ def register(snapshot: Callable[[], dict[str, tuple[str, str, float]]]) -> None:
     REGISTRY.register(StageCollector(snapshot))
 
 
+def register_collector(collector) -> None:
+    """A collector with its own families (labelled ones): ``collector.collect()`` at scrape time."""
+    REGISTRY.register(collector)
+
+
 def serve(section: MetricsSection) -> str | None:
     """Starts the /metrics endpoint; returns its address (None when off)."""
     if section.listen is None:

@@ -2,8 +2,8 @@
 
 A stage builds its servicers and hands them to :class:`ServiceHost`, which
 
-- serves them on ``server.listen`` with the standard health service (overall status
-  and one per service) and server reflection; over TLS when ``server.tls_cert`` and
+- serves them on ``server.listen`` with the standard health service (liveness, readiness
+  and one per service: services.common.health) and server reflection; over TLS when ``server.tls_cert`` and
   ``server.tls_key`` are set (read and checked when the host is made);
 - runs the stage's own interceptors (the gateway's bearer-token check) outermost;
 - maps :class:`~services.common.errors.ServiceError` to status codes in one
@@ -37,6 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import ServiceError
+from services.common.health import LIVENESS, NOT_SERVING, SERVING
 from services.common.log import request_context, request_id_var
 from services.common.metrics import RPC_ERRORS
 from services.common.sections import ServerSection, is_loopback, read_tls_files
@@ -275,11 +276,10 @@ class ServiceHost:
         if self.on_bound is not None:
             self.on_bound(self.address)
         self._install_signal_handlers()
+        await self._initial_health(health_servicer, names)
         for component in self.components:
             component.start()
         await server.start()
-        for name in ("", *names):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on %s%s", ", ".join(names) or "health only", self.address,
                  " (TLS)" if self._tls else "")
         self._write_ready_file()
@@ -288,6 +288,17 @@ class ServiceHost:
             await self._shutdown(server, health_servicer, tracker)
         finally:
             self._remove_ready_file()
+
+    async def _initial_health(self, health_servicer, names: list[str]) -> None:
+        """Liveness SERVING; readiness too, unless a component manages it (services.common.health)."""
+        managed = False
+        for component in self.components:
+            if hasattr(component, "attach_health"):
+                component.attach_health(health_servicer)
+            managed = managed or getattr(component, "manages_readiness", False)
+        await health_servicer.set(LIVENESS, SERVING)
+        for name in ("", *names):
+            await health_servicer.set(name, NOT_SERVING if managed else SERVING)
 
     def request_stop(self) -> None:
         """Starts the graceful shutdown (what SIGTERM does)."""

@@ -13,6 +13,7 @@ from services.common.stage import run_stage
 from services.gateway.config import GatewayConfig
 from services.gateway.discovery import PairDiscovery
 from services.gateway.pipeline import SynthesisPipeline
+from services.gateway.readiness import PairReadiness
 from services.gateway.routing import EnginePair, Router
 from services.gateway.servicer import SynthesizerServicer
 from services.gateway.voices import VoiceCatalog
@@ -35,8 +36,8 @@ def build(config: GatewayConfig, config_path: Path | None):
         voices = VoiceCatalog.load(base / config.voices.file)
     discovery = config.engines.discovery
     if discovery is None:
-        router = Router([EnginePair(f"pair-{i}", p.talker, p.code2wav, p.talker_id, p.consumer_id)
-                         for i, p in enumerate(config.engines.pairs)])
+        router = Router([EnginePair(name, p.talker, p.code2wav, p.talker_id, p.consumer_id)
+                         for name, p in config.engines.named_pairs()])
         components = []
     else:  # the pairs come from DNS, resolved in the server's loop while it runs
         router = Router([], source=discovery.service)
@@ -45,6 +46,9 @@ def build(config: GatewayConfig, config_path: Path | None):
     metrics.register(pipeline.metrics)
     servicer = SynthesizerServicer(config, voices, pipeline)
     name = synthesizer_pb2.DESCRIPTOR.services_by_name["Synthesizer"].full_name
+    readiness = PairReadiness(router, config.engines, [name])
+    metrics.register_collector(readiness)
+    components.append(readiness)
     binding = ServiceBinding(name, synthesizer_pb2_grpc.add_SynthesizerServicer_to_server,
                              servicer)
     return [binding], components, options

@@ -122,14 +122,23 @@ class DiscoverySection:
 class EnginesSection:
     pairs: tuple[PairEntry, ...] = (PairEntry("127.0.0.1:50052", "127.0.0.1:50053"),)
     discovery: DiscoverySection | None = None  # null: the static pairs above
+    health_interval: float = 1.0  # seconds between health probes of every pair (readiness)
+    health_timeout: float = 1.0   # a probe not answered within this counts as failed
 
     def __post_init__(self) -> None:
+        for key in ("health_interval", "health_timeout"):
+            if not getattr(self, key) > 0:
+                raise ConfigValueError(key, f"must be > 0 seconds, got {getattr(self, key)}")
         if self.discovery is not None and self.pairs:
             raise ConfigValueError("pairs", "must be empty (pairs: []) when discovery is set: engine "
                                    "pairs come from a static list or from DNS, not both")
         if self.discovery is None and not self.pairs:
             raise ConfigValueError("pairs", "needs at least one engine pair (or discovery, to find "
                                    "them by DNS)")
+
+    def named_pairs(self) -> list[tuple[str, PairEntry]]:
+        """The static pairs with the names the gateway gives them (pair-0, pair-1, ...)."""
+        return [(f"pair-{i}", pair) for i, pair in enumerate(self.pairs)]
 
 
 @dataclass(frozen=True)

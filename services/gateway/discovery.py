@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from services.common.errors import Unavailable
+from services.common.loop_task import LoopTask
 from services.gateway.config import DiscoverySection
 from services.gateway.routing import EnginePair, Router
 
@@ -47,21 +48,20 @@ def pairs_at(section: DiscoverySection, addresses: list[str]) -> list[EnginePair
             for ip in addresses]
 
 
-class PairDiscovery:
+class PairDiscovery(LoopTask):
     """The resolver task (a server component: started with the server, stopped after
     the drain). ``resolve`` is injectable for tests; ``clock`` paces the warnings."""
 
     def __init__(self, section: DiscoverySection, router: Router, resolve: Resolve = resolve_addresses,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.name = f"discovery {section.service}"
         self.section = section
         self.router = router
         self.resolve = resolve
         self.clock = clock
         self.failures = 0                  # failed or empty resolutions in a row
         self._last_warning: float | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._task: asyncio.Task | None = None
-        self._stopping = False
 
     async def refresh(self) -> None:
         """One resolution; the router's pairs follow the answer, unless it failed."""
@@ -103,43 +103,7 @@ class PairDiscovery:
                 log.warning("asking an engine pair for its model failed: %r", result)
 
     async def run(self) -> None:
-        while not self._stopping:
+        while not self.stopping:
             await self.refresh()
             await self.probe()
             await asyncio.sleep(self.section.refresh_s)
-
-    # --- the component interface: start in the server's loop, stop from any thread ------
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._task = self._loop.create_task(self.run(), name=f"discovery {self.section.service}")
-        self._task.add_done_callback(self._ended)
-
-    @staticmethod
-    def _ended(task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("engine pair discovery stopped", exc_info=task.exception())
-
-    async def aclose(self) -> None:
-        self._stopping = True
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait({self._task})
-
-    def stop(self, timeout: float) -> None:
-        """Ends the task; the host calls this from a worker thread (waits up to ``timeout`` s)."""
-        if self._task is None or self._loop is None or self._loop.is_closed():
-            return
-        try:
-            on_loop = asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
-            self._stopping = True
-            self._task.cancel()
-            return
-        future = asyncio.run_coroutine_threadsafe(self.aclose(), self._loop)
-        try:
-            future.result(timeout)
-        except TimeoutError:
-            log.warning("engine pair discovery did not stop within %.1f s", timeout)

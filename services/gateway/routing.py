@@ -6,7 +6,8 @@ one pair (PROTOCOL.md, Units). The gateway has no model folder: it reads
 first time it needs the pair, and refuses pairs whose model differs from the first one
 it learned. Routing picks the pair with the fewest requests in flight from this gateway;
 a pair that could not be reached is tried last for a while (backing off up to
-``MAX_DOWN_S``), so one dead pair does not fail requests that another pair can serve.
+``MAX_DOWN_S``), and so is one whose health probe failed (services.gateway.readiness),
+so one dead pair does not fail requests that another pair can serve.
 
 The pairs come from the config (a static list) or from DNS discovery
 (:mod:`services.gateway.discovery`), which calls :meth:`Router.update`: a pair that left
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 from tokenizers import Tokenizer
 
 from services.common.errors import Unavailable
@@ -65,16 +67,23 @@ class EnginePair:
     retired: bool = False    # left discovery: no new requests; closed when in_flight is 0
     failures: int = 0        # ModelInfo failures in a row
     down_until: float = 0.0  # monotonic time until which the pair is tried last
+    ready: bool | None = None  # both stages answer their health (None: not probed yet)
+    state: str = "not probed yet"  # what the last probe found (services.gateway.readiness)
     _stubs: dict = field(default_factory=dict)
-    _channels: list[grpc.aio.Channel] = field(default_factory=list)
+    _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)  # by address
 
     def _stub(self, kind: str, address: str, factory):
-        """Channels open on first use, inside the server's event loop."""
+        """One channel per address, opened on first use inside the server's event loop."""
         if kind not in self._stubs:
-            channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
-            self._channels.append(channel)
-            self._stubs[kind] = factory(channel)
+            if address not in self._channels:
+                self._channels[address] = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
+            self._stubs[kind] = factory(self._channels[address])
         return self._stubs[kind]
+
+    def health(self, stage: str) -> health_pb2_grpc.HealthStub:
+        """The standard health service of the pair's ``talker`` or ``code2wav``."""
+        address = self.talker_address if stage == "talker" else self.code2wav_address
+        return self._stub(f"{stage}-health", address, health_pb2_grpc.HealthStub)
 
     @property
     def talker(self) -> talker_pb2_grpc.TalkerStub:
@@ -113,8 +122,8 @@ class EnginePair:
         return self.facts
 
     async def close(self) -> None:
-        channels, self._channels, self._stubs = self._channels, [], {}
-        for channel in channels:
+        channels, self._channels, self._stubs = self._channels, {}, {}
+        for channel in channels.values():
             await channel.close()
 
 
@@ -158,7 +167,7 @@ class Router:
                               else "no engine pair configured")
         errors = []
         now = time.monotonic()
-        for pair in sorted(self.pairs, key=lambda p: (p.down_until > now, p.in_flight)):
+        for pair in sorted(self.pairs, key=lambda p: (p.ready is False, p.down_until > now, p.in_flight)):
             if pair.retired or pair.name in exclude:  # left discovery meanwhile, or already tried
                 continue
             try:

@@ -32,6 +32,7 @@ import yaml
 
 from services.code2wav.config import Code2WavConfig
 from services.common.config import load_config
+from services.common.health import LIVENESS
 from services.gateway.config import GatewayConfig
 from services.gateway.voices import VoiceCatalog
 from services.talker.config import TalkerConfig
@@ -252,6 +253,8 @@ def test_compose_every_service_has_a_voxring_health_check(compose):
         test = service["healthcheck"]["test"]
         assert test[0] == "CMD" and test[1:3] == ["voxring", "health"], f"{name}: {test}"
         assert test[3] == f"127.0.0.1:{_port(loaded[name][1].server.listen)}", f"{name}: {test}"
+        if loaded[name][0] == "gateway":  # swarm replaces unhealthy tasks: liveness, not readiness
+            assert test[test.index("--service") + 1] == LIVENESS, f"{name}: {test}"
 
 
 def test_compose_stop_grace_covers_drain_and_grace(compose):
@@ -455,6 +458,8 @@ def test_k8s_pair_pod_gpus_probes_and_stop_budget(manifests, k8s_configs):
         assert config.model.device.startswith("cuda")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == port, f"{container['name']} {probe}"
+            wanted = "" if probe == "readinessProbe" else LIVENESS  # restart only a process not fine
+            assert container[probe]["grpc"].get("service", "") == wanted, f"{container['name']} {probe}"
         budgets.append(_budget(config))
     assert pod["spec"]["terminationGracePeriodSeconds"] >= max(budgets)
 
@@ -517,6 +522,10 @@ def test_k8s_gateway_tls_token_probes_and_replicas(manifests, k8s_configs):
         assert kind == "secret" and name == secrets["tls_cert"][1], f"{probe}: CA {ca} not in the TLS Secret"
         server_name = command[command.index("--tls-server-name") + 1]
         assert server_name == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+        # readiness follows the engine pairs; startup and liveness must not, or the kubelet would
+        # restart a gateway that is fine whenever its pairs are gone
+        service_name = command[command.index("--service") + 1] if "--service" in command else ""
+        assert service_name == ("" if probe == "readinessProbe" else LIVENESS), f"{probe}: {command}"
     budget = _one(manifests, "PodDisruptionBudget", "voxring-gateway")
     assert budget["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
 
