@@ -1,6 +1,7 @@
 """The ``voxring`` command: run a local stack and talk to a server.
 
-``up``, ``down``, ``status`` and ``demo`` run the local stack; ``say``, ``voices`` and
+``up``, ``down``, ``status`` and ``demo`` run the local stack (``up`` starts what is not
+running, a stage that died included; ``status`` says which died and shows its log); ``say``, ``voices`` and
 ``bench`` use a server's public API (with ``--token-file`` and ``--tls-ca`` for a gateway
 that wants them); ``health`` asks a service's gRPC health (for container probes).
 
@@ -44,11 +45,11 @@ def _print_endpoints(addresses: dict[str, str]) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     stack = _stack(args)
-    if all(pid is not None for pid, _ in stack.status().values()):
-        print("a voxring stack is already running:")
-        _print_endpoints({s: addr or "?" for s, (_, addr) in stack.status().items()})
-        return 0
-    print(f"starting gateway, talker and Code2Wav (logs in {stack.log_dir})")
+    missing = [stage for stage, (pid, _) in stack.status().items() if pid is None]
+    if not missing:
+        print("a voxring stack is already running; waiting until it serves")
+    else:
+        print(f"starting {', '.join(missing)} (logs in {stack.log_dir})")
     addresses = stack.up(timeout=args.timeout)
     print("voxring stack is SERVING:")
     _print_endpoints(addresses)
@@ -63,13 +64,31 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """Each stage: running (and its health), stopped, or died (with its log's last lines);
+    the gateway's readiness and each engine pair's. Exit 0 when all serve or none runs."""
+    from voxring.health import check_health, gateway_pairs
+
     stack = _stack(args)
-    running = 0
+    healthy = stopped = 0
     for stage, (pid, address) in stack.status().items():
-        state = f"running, pid {pid}, {address or 'starting'}" if pid else "stopped"
-        running += pid is not None
-        print(f"  {stage:<9} {state}")
-    return 0 if running in (0, len(STAGES)) else 1
+        if pid is None:
+            died = stack.died(stage)
+            stopped += 1
+            if died is None:
+                print(f"  {stage:<9} stopped")
+            else:
+                print(f"  {stage:<9} DIED (pid {died} is gone; `voxring up` starts it again). "
+                      f"Last lines of {stack.log_file(stage)}:")
+                for line in stack.log_tail(stage, args.log_lines).splitlines():
+                    print(f"      {line}")
+            continue
+        health = check_health(address, "") if address else "starting"
+        healthy += health == "SERVING"
+        print(f"  {stage:<9} running, pid {pid}, {address or 'starting'}: {health}")
+        if stage == "gateway" and address:
+            for name, target in gateway_pairs(stack.config_file("gateway")):
+                print(f"      pair {name} ({target}): {check_health(address, f'pair/{name}')}")
+    return 0 if stopped == len(STAGES) or healthy == len(STAGES) else 1
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -387,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(fn=fn)
         if timeout:
             p.add_argument("--timeout", type=float, default=timeout, help="seconds (bounded wait)")
+        if name == "status":
+            p.add_argument("--log-lines", type=_positive(int), default=10,
+                           help="lines of a dead stage's log to show")
     _add_client_commands(sub)
     args = parser.parse_args(argv)
     try:

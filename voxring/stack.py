@@ -4,7 +4,8 @@ on it: gateway, talker and Code2Wav as background processes of a voxring checkou
 
 State lives in ``<root>/.voxring/`` by default: ``run/<stage>.pid`` (written by the launcher),
 ``run/<stage>.json`` (written by the stage once serving: address and pid) and
-``logs/<stage>.log``. A stack whose processes are alive is reported, never started twice.
+``logs/<stage>.log``. ``up`` starts only the stages that are not running (a dead one again)
+and waits until all serve; a stage whose pid file outlives its process died.
 
 grpc is imported only after every process has been spawned: a process must not fork
 after importing grpc.
@@ -216,6 +217,9 @@ class Stack:
     def config_file(self, stage: str) -> Path:
         return self.config_dir / f"{stage}.yaml"
 
+    def log_tail(self, stage: str, lines: int = 10) -> str:
+        return _tail(self.log_file(stage), lines)
+
     # --- what is running ----------------------------------------------------------------
 
     def running_pid(self, stage: str) -> int | None:
@@ -238,18 +242,15 @@ class Stack:
     # --- up and down --------------------------------------------------------------------
 
     def up(self, timeout: float = 60.0) -> dict[str, str]:
-        """Starts the stages that are not running; returns {stage: address}.
+        """Starts the stages that are not running (a stage that died is started again; the
+        running ones keep their state), then waits until every stage answers SERVING —
+        the gateway once an engine pair is ready behind it. Returns {stage: address}.
 
-        Raises StackError when a stage fails to start (the others are stopped again)
-        or when only part of a stack is running.
+        Raises StackError when a stage fails to start or to serve within ``timeout``: the
+        stages this call started are stopped again, those that were running are left.
         """
-        alive = {s: pid for s in STAGES if (pid := self.running_pid(s)) is not None}
-        if len(alive) == len(STAGES):
-            return {s: self.address(s) or "?" for s in STAGES}
-        if alive:
-            raise StackError(f"part of a stack is running ({', '.join(alive)}); "
-                             "run `voxring down` first")
-        for stage in STAGES:
+        missing = [s for s in STAGES if self.running_pid(s) is None]
+        for stage in missing:
             if not self.config_file(stage).is_file():
                 raise StackError(f"missing config {self.config_file(stage)}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -257,16 +258,34 @@ class Stack:
         procs = [StageProcess(stage, ready_file=self.ready_file(stage), log_file=self.log_file(stage),
                               config=self.config_file(stage), cwd=self.root, new_session=True,
                               append_log=True)  # survives the launcher and its terminal's Ctrl-C
-                 for stage in STAGES]
+                 for stage in missing]
+        deadline = time.monotonic() + timeout
         try:
             for proc in procs:
                 proc.spawn()
                 self.pid_file(proc.stage).write_text(f"{proc.pid}\n")
-            wait_all(procs, timeout)
+            wait_all(procs, timeout, serving=False)
+            for stage in STAGES:  # grpc is imported from here on: every spawn is done
+                address = self.address(stage)
+                if address is None:
+                    raise StackError(f"{stage} is running but has no ready file in {self.run_dir}")
+                wait_serving(address, max(0.1, deadline - time.monotonic()), stage)
         except BaseException:
-            self.down(timeout=10.0)
+            for proc in procs:
+                proc.stop(timeout=10.0)
+                for path in (self.pid_file(proc.stage), self.ready_file(proc.stage)):
+                    path.unlink(missing_ok=True)
             raise
-        return {proc.stage: proc.address for proc in procs}
+        return {stage: self.address(stage) or "?" for stage in STAGES}
+
+    def died(self, stage: str) -> int | None:
+        """The pid of a ``stage`` process this stack started that is gone without
+        ``voxring down`` (its pid file is still there), else None."""
+        try:
+            pid = int(self.pid_file(stage).read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+        return None if self.running_pid(stage) is not None else pid
 
     def down(self, timeout: float = 45.0) -> list[str]:
         """Stops every running stage (gateway first) with SIGTERM, SIGKILL after

@@ -1,16 +1,25 @@
 """`voxring up` / `voxring down`: three real processes come up SERVING, a running stack
-is reported rather than started twice, and everything stops gracefully."""
+is reported rather than started twice, and everything stops gracefully; a killed talker
+makes the gateway unready (not unlive), `voxring status` names it with its log, and
+`voxring up` restarts only it."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 import wave
+from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.health import NOT_SERVING, SERVING
 from tests.conftest import REPO, stage_env, unix_config
+from voxring.client import Client
 
 
 def _configs(folder, talker_extra=""):
@@ -93,3 +102,67 @@ def test_demo_brings_the_stack_up_checks_it_and_takes_it_down(voxring, sock_dir)
         assert clip.getframerate() == 24000 and clip.getnframes() % 1920 == 0 and clip.getnframes() > 0
     assert "stack stopped" in result.stdout
     assert not _pids(sock_dir)
+
+
+# --- readiness follows the pairs; `voxring up` restarts only what died -------------------------
+
+READINESS_WAIT_S = 30.0  # bounded: the gateway probes every engines.health_interval (1 s)
+
+
+def _health(address: str, service: str = "") -> int | str:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        except grpc.RpcError as exc:
+            return exc.code().name
+
+
+def _wait_health(address: str, wanted: int, service: str = "") -> None:
+    deadline = time.monotonic() + READINESS_WAIT_S
+    while (status := _health(address, service)) != wanted:
+        assert time.monotonic() < deadline, f"{address} {service!r} stayed {status}"
+        time.sleep(0.05)
+
+
+def _mapped_shm(pid: int) -> set[str]:
+    """The /dev/shm entries (rings, wake-up semaphores) a process has mapped: this stack's."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {Path(line.split()[-1]).name for line in maps if "/dev/shm/" in line}
+
+
+def test_killed_talker_makes_the_gateway_unready_and_up_restarts_only_it(voxring, sock_dir):
+    _configs(sock_dir)
+    voxring("up", check_rc=0)
+    gateway = f"unix:{sock_dir}/gateway.sock"
+    pids = _pids(sock_dir)
+    assert _health(gateway) == SERVING and _health(gateway, "voxring.v1.Synthesizer") == SERVING
+    assert _health(gateway, "pair/pair-0") == SERVING
+    segments = _mapped_shm(pids["talker"])
+    assert any(name.startswith("voxring-ring-") for name in segments), segments
+
+    os.kill(pids["talker"], signal.SIGKILL)
+    _wait_health(gateway, NOT_SERVING)  # readiness follows the pair ...
+    assert _health(gateway, "pair/pair-0") == NOT_SERVING
+    assert _health(gateway, "liveness") == SERVING  # ... liveness does not: no restart wanted
+    status = voxring("status", check_rc=1).stdout
+    assert "talker    DIED" in status and "serving voxring.v1.Talker" in status, status
+    assert "gateway   running" in status and "NOT_SERVING" in status, status
+
+    up = voxring("up", check_rc=0).stdout
+    assert "starting talker (" in up, up
+    restarted = _pids(sock_dir)
+    assert restarted["talker"] != pids["talker"]
+    assert {s: restarted[s] for s in ("gateway", "code2wav")} == {s: pids[s] for s in ("gateway", "code2wav")}
+    assert _health(gateway) == SERVING  # `up` returned: the gateway is ready again
+    with Client(gateway, timeout=60) as client:
+        result = client.synthesize("Back again.", encoding="pcm", max_audio_seconds=0.5, seed=3)
+    assert len(result.audio) > 0
+    assert voxring("status", check_rc=0).stdout.count("SERVING") >= 4
+    segments |= _mapped_shm(restarted["talker"])
+
+    voxring("down", check_rc=0)
+    deadline = time.monotonic() + READINESS_WAIT_S
+    while left := {name for name in segments if (Path("/dev/shm") / name).exists()}:
+        assert time.monotonic() < deadline, f"left in /dev/shm: {sorted(left)}"
+        time.sleep(0.05)
