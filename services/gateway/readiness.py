@@ -9,7 +9,10 @@
   (services.common.health), so a talker that restarted counts again only once its
   Code2Wav has re-attached and a request could be served end to end.
 
-A pair is ready when both answer SERVING. The gateway's readiness (health ``""`` and
+A pair is ready when both answer SERVING (on the probe's own channels) and the
+gateway's channels for requests to it are not waiting out a reconnect backoff (a request
+there would fail at once: after a restart the pair counts once they have redialled). The
+gateway's readiness (health ``""`` and
 ``voxring.v1.Synthesizer``) is SERVING while at least one pair is ready and NOT_SERVING
 when none is — from start-up until the first probe answers too; ``pair/<name>`` carries
 each pair's state; ``liveness`` stays SERVING, so an orchestrator does not restart a
@@ -81,6 +84,8 @@ class PairReadiness(LoopTask):
         checks = [("talker", ""), ("code2wav", talker_link_service(pair.talker_id))]
         answers = await asyncio.gather(*(self._check(pair, stage, service) for stage, service in checks))
         problems = [a for a in answers if a is not None]
+        problems += [f"the gateway's channel to its {stage} is reconnecting"
+                     for stage in ("talker", "code2wav") if not problems and pair.reconnecting(stage)]
         return "; ".join(problems) if problems else "ready"
 
     async def _check(self, pair: EnginePair, stage: str, service: str) -> str | None:

@@ -70,18 +70,28 @@ class EnginePair:
     ready: bool | None = None  # both stages answer their health (None: not probed yet)
     state: str = "not probed yet"  # what the last probe found (services.gateway.readiness)
     _stubs: dict = field(default_factory=dict)
-    _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)  # by address
+    _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)  # by kind
 
     def _stub(self, kind: str, address: str, factory):
-        """One channel per address, opened on first use inside the server's event loop."""
+        """A channel per kind, opened on first use inside the server's event loop."""
         if kind not in self._stubs:
-            if address not in self._channels:
-                self._channels[address] = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
-            self._stubs[kind] = factory(self._channels[address])
+            self._channels[kind] = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
+            self._stubs[kind] = factory(self._channels[kind])
         return self._stubs[kind]
 
+    def reconnecting(self, stage: str) -> bool:
+        """True while the requests' channel to ``talker`` or ``code2wav`` waits out its
+        reconnect backoff (a call there fails at once); it is asked to connect meanwhile.
+        False for a channel not opened yet (the first call connects it)."""
+        channel = self._channels.get(stage)
+        if channel is None:
+            return False
+        return channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
     def health(self, stage: str) -> health_pb2_grpc.HealthStub:
-        """The standard health service of the pair's ``talker`` or ``code2wav``."""
+        """The standard health service of the pair's ``talker`` or ``code2wav``, on its own
+        channel: a probe that found a stage down must not leave the requests' channel in
+        its reconnect backoff (a call there fails at once until it redials)."""
         address = self.talker_address if stage == "talker" else self.code2wav_address
         return self._stub(f"{stage}-health", address, health_pb2_grpc.HealthStub)
 
