@@ -17,7 +17,7 @@ import time
 
 import grpc
 
-from services.common.health import status, talker_link_service
+from services.common.health import HealthPublisher, talker_link_service
 from services.common.loop_task import LoopTask
 from services.transport import Endpoint, FrameConsumer, TransportSection, open_consumer
 from services.transport.layout import RingError
@@ -117,7 +117,7 @@ def _reason(exc: BaseException) -> str:
     return str(exc)
 
 
-class LinkHealth(LoopTask):
+class LinkHealth(LoopTask, HealthPublisher):
     """Publishes ``talker/<id>`` on Code2Wav's health service (services.common.health):
     SERVING while that talker's link is attached, so a gateway counts the pair ready only
     when a request could reach Code2Wav through it. Reads only ``TalkerLink.connected``
@@ -126,20 +126,13 @@ class LinkHealth(LoopTask):
     name = "talker link health"
 
     def __init__(self, links: dict[str, TalkerLink], interval: float) -> None:
-        super().__init__()
+        LoopTask.__init__(self)
+        HealthPublisher.__init__(self)
         self.links = links
         self.interval = interval
-        self._health = None
-        self._published: dict[str, bool] = {}
-
-    def attach_health(self, servicer) -> None:
-        self._health = servicer
 
     async def run(self) -> None:
         while not self.stopping:
             for talker_id, link in self.links.items():
-                connected = link.connected
-                if self._health is not None and self._published.get(talker_id) != connected:
-                    await self._health.set(talker_link_service(talker_id), status(connected))
-                    self._published[talker_id] = connected
+                await self.publish(talker_link_service(talker_id), link.connected)
             await asyncio.sleep(self.interval)

@@ -37,3 +37,20 @@ def pair_service(pair: str) -> str:
 def talker_link_service(talker_id: str) -> str:
     """Code2Wav's health name for its link to one talker."""
     return f"talker/{talker_id}"
+
+
+class HealthPublisher:
+    """The part of a component that publishes statuses: the host hands it the health
+    servicer (``attach_health``); :meth:`publish` sets a name only when its status changed."""
+
+    def __init__(self) -> None:
+        self._health = None
+        self._published: dict[str, bool] = {}
+
+    def attach_health(self, servicer) -> None:
+        self._health = servicer
+
+    async def publish(self, name: str, ok: bool) -> None:
+        if self._health is not None and self._published.get(name) != ok:
+            await self._health.set(name, status(ok))
+            self._published[name] = ok

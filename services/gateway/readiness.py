@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client.core import GaugeMetricFamily
 
-from services.common.health import SERVING, pair_service, status, talker_link_service
+from services.common.health import SERVING, HealthPublisher, pair_service, talker_link_service
 from services.common.loop_task import LoopTask
 from services.gateway.config import EnginesSection
 from services.gateway.routing import EnginePair, Router
@@ -37,23 +37,19 @@ from services.gateway.routing import EnginePair, Router
 log = logging.getLogger(__name__)
 
 
-class PairReadiness(LoopTask):
+class PairReadiness(LoopTask, HealthPublisher):
     name = "engine pair health"
     manages_readiness = True  # the host leaves "" and the services NOT_SERVING until we say
 
     def __init__(self, router: Router, section: EnginesSection, readiness_names: list[str]) -> None:
-        super().__init__()
+        LoopTask.__init__(self)
+        HealthPublisher.__init__(self)
         self.router = router
         self.interval = section.health_interval
         self.timeout = section.health_timeout
         self.readiness_names = ["", *readiness_names]
         self.ready = False
         self.rounds = 0  # probe rounds completed
-        self._health = None
-        self._published: dict[str, bool] = {}
-
-    def attach_health(self, servicer) -> None:
-        self._health = servicer
 
     async def run(self) -> None:
         while not self.stopping:
@@ -69,14 +65,14 @@ class PairReadiness(LoopTask):
                 log.log(logging.INFO if ready or pair.ready is None else logging.WARNING,
                         "engine pair %s: %s", pair.name, state)
             pair.ready, pair.state = ready, state
-            await self._publish(pair_service(pair.name), ready)
+            await self.publish(pair_service(pair.name), ready)
         ready = any(pair.ready for pair in pairs)
         if ready != self.ready:
             log.log(logging.INFO if ready else logging.WARNING, "gateway %s: %d of %d engine pair(s) ready",
                     "SERVING" if ready else "NOT_SERVING", sum(bool(p.ready) for p in pairs), len(pairs))
         self.ready = ready
         for name in self.readiness_names:
-            await self._publish(name, ready)
+            await self.publish(name, ready)
         self.rounds += 1
 
     async def probe(self, pair: EnginePair) -> str:
@@ -100,11 +96,6 @@ class PairReadiness(LoopTask):
             name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             return f"{stage} {name}" + (f" for {service!r}" if service else "")
         return None
-
-    async def _publish(self, name: str, ok: bool) -> None:
-        if self._health is not None and self._published.get(name) != ok:
-            await self._health.set(name, status(ok))
-            self._published[name] = ok
 
     def collect(self):
         """Prometheus: read at scrape time (services.common.metrics.register_collector)."""
