@@ -11,12 +11,13 @@
 
 A pair is ready when both answer SERVING (on the probe's own channels) and the
 gateway's channels for requests to it are not waiting out a reconnect backoff (a request
-there would fail at once: after a restart the pair counts once they have redialled). The
-gateway's readiness (health ``""`` and
-``voxring.v1.Synthesizer``) is SERVING while at least one pair is ready and NOT_SERVING
-when none is — from start-up until the first probe answers too; ``pair/<name>`` carries
-each pair's state; ``liveness`` stays SERVING, so an orchestrator does not restart a
-healthy gateway whose backends are gone. Router.pick tries pairs found not ready last.
+there would fail at once: after a restart the pair counts once they have redialled).
+The gateway's readiness (health ``""`` and ``voxring.v1.Synthesizer``) is SERVING while
+at least one pair is ready and NOT_SERVING when none is — from start-up until the first
+probe answers too; ``pair/<name>`` carries each pair's state; ``liveness`` stays
+SERVING, so an orchestrator does not restart a healthy gateway whose backends are gone.
+Routing does not follow the probes (a probe that times out on a loaded host must not
+move traffic; requests find dead pairs themselves, services.gateway.routing).
 The states are in Prometheus (``voxring_gateway_ready``, ``voxring_gateway_pair_ready``).
 """
 

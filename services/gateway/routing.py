@@ -6,8 +6,9 @@ one pair (PROTOCOL.md, Units). The gateway has no model folder: it reads
 first time it needs the pair, and refuses pairs whose model differs from the first one
 it learned. Routing picks the pair with the fewest requests in flight from this gateway;
 a pair that could not be reached is tried last for a while (backing off up to
-``MAX_DOWN_S``), and so is one whose health probe failed (services.gateway.readiness),
-so one dead pair does not fail requests that another pair can serve.
+``MAX_DOWN_S``), so one dead pair does not fail requests that another pair can serve.
+(The health probes of services.gateway.readiness decide the gateway's readiness, not
+the routing: a request learns a pair is down at the cost of one refused call.)
 
 The pairs come from the config (a static list) or from DNS discovery
 (:mod:`services.gateway.discovery`), which calls :meth:`Router.update`: a pair that left
@@ -177,7 +178,7 @@ class Router:
                               else "no engine pair configured")
         errors = []
         now = time.monotonic()
-        for pair in sorted(self.pairs, key=lambda p: (p.ready is False, p.down_until > now, p.in_flight)):
+        for pair in sorted(self.pairs, key=lambda p: (p.down_until > now, p.in_flight)):
             if pair.retired or pair.name in exclude:  # left discovery meanwhile, or already tried
                 continue
             try:
