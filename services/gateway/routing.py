@@ -73,10 +73,10 @@ class EnginePair:
     _stubs: dict = field(default_factory=dict)
     _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)  # by kind
 
-    def _stub(self, kind: str, address: str, factory):
+    def _stub(self, kind: str, address: str, factory, options=()):
         """A channel per kind, opened on first use inside the server's event loop."""
         if kind not in self._stubs:
-            self._channels[kind] = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
+            self._channels[kind] = grpc.aio.insecure_channel(address, options=[*RECONNECT_OPTIONS, *options])
             self._stubs[kind] = factory(self._channels[kind])
         return self._stubs[kind]
 
@@ -91,10 +91,12 @@ class EnginePair:
 
     def health(self, stage: str) -> health_pb2_grpc.HealthStub:
         """The standard health service of the pair's ``talker`` or ``code2wav``, on its own
-        channel: a probe that found a stage down must not leave the requests' channel in
-        its reconnect backoff (a call there fails at once until it redials)."""
+        channel and connection (gRPC shares connections between channels to one target
+        unless told not to): a probe that found a stage down must not leave the requests'
+        connection in its reconnect backoff, where a call fails at once until it redials."""
         address = self.talker_address if stage == "talker" else self.code2wav_address
-        return self._stub(f"{stage}-health", address, health_pb2_grpc.HealthStub)
+        return self._stub(f"{stage}-health", address, health_pb2_grpc.HealthStub,
+                          [("grpc.use_local_subchannel_pool", 1)])
 
     @property
     def talker(self) -> talker_pb2_grpc.TalkerStub:
