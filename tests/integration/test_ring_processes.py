@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from services.transport.layout import shm_file_prefixes
 from services.transport.shm_sweep import list_entries, sweep_stale, unlink_ring
 from tests.conftest import REPO, stage_env
 
@@ -86,7 +87,7 @@ class Peers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 peer.proc.wait(timeout=10)
         for entry in list_entries():
-            if entry.startswith("voxring-ring-") and any(t in entry for t in self.tokens):
+            if entry.startswith(shm_file_prefixes()[0]) and any(t in entry for t in self.tokens):
                 unlink_ring(entry)
 
 
@@ -144,6 +145,12 @@ def kill9(peer: Peer) -> int:
 
 def ring_entries(token: str) -> list[str]:
     return [e for e in list_entries() if token in e]
+
+
+def ring_files(token: str, consumer: str = "c2w_test", generation: int = 1) -> list[str]:
+    """The /dev/shm file names of one ring, sorted: its semaphore, its segment."""
+    ring, sem = shm_file_prefixes()
+    return sorted([f"{sem}{token}-{consumer}-g{generation}", f"{ring}{token}-{consumer}-g{generation}"])
 
 
 @pytest.mark.parametrize("kind", ["shm", "grpc"])
@@ -213,8 +220,7 @@ def test_new_producer_after_a_crash_sweeps_the_dead_ring_and_works(peers):
 
     fresh = peers.producer("stream", "--sweep", "--count", "300", "--seed", "5")
     swept = json.loads(fresh.files["ready"].read_text())["swept"]
-    assert sorted(s for s in swept if dead_token in s) == [f"sem.voxring-wake-{dead_token}-c2w_test-g1",
-                                                         f"voxring-ring-{dead_token}-c2w_test-g1"]
+    assert sorted(s for s in swept if dead_token in s) == ring_files(dead_token)
     assert not ring_entries(dead_token)
     reader = peers.consumer("drain", fresh, "--count", "300", "--seed", "5")
     received, sent = finish(reader), finish(fresh)
@@ -229,8 +235,7 @@ def test_sweep_removes_dead_producers_segments_and_never_a_live_ones(peers):
     kill9(dead)
     time.sleep(LIVENESS_S + 0.3)  # the dead one's heartbeat ages past the timeout
     removed = sweep_stale(LIVENESS_S)
-    assert sorted(e for e in removed if dead_token in e) == [f"sem.voxring-wake-{dead_token}-c2w_test-g1",
-                                                           f"voxring-ring-{dead_token}-c2w_test-g1"]
+    assert sorted(e for e in removed if dead_token in e) == ring_files(dead_token)
     assert not any(live_token in e for e in removed)
     assert len(ring_entries(live_token)) == 2 and not ring_entries(dead_token)
     live.proc.send_signal(signal.SIGTERM)  # a clean stop unlinks its own ring

@@ -24,6 +24,7 @@ from services.transport.layout import (
     RingClosed,
     RingError,
     RingFull,
+    ring_prefix,
 )
 from services.transport.shm_consumer import RingConsumer
 from services.transport.shm_producer import RingProducer
@@ -269,18 +270,21 @@ def test_consumer_refuses_a_ring_others_can_open():
 
 
 def test_sweep_removes_stale_and_unreadable_rings_never_live_ones():
-    live = RingProducer.create(secrets.randbits(64), "live", 0, 4096, liveness_timeout=0.3)
+    # A liveness timeout no scheduling delay between live.tick() and the sweep reaches;
+    # what is stale is older than it by as much again.
+    liveness = 5.0
+    live = RingProducer.create(secrets.randbits(64), "live", 0, 4096, liveness_timeout=liveness)
     stale = RingProducer.create(secrets.randbits(64), "stale", 0, 4096)
     stale_file = stale.name.lstrip("/")
-    garbage = SHM / f"voxring-ring-{secrets.randbits(64):016x}-garbage-g0"
+    garbage = SHM / f"{ring_prefix()}{secrets.randbits(64):016x}-garbage-g0"
     try:
         # "stale" is abandoned as by a killed talker: its names stay, its heartbeat ages.
-        stale._ctl[OFF_PRODUCER_HB // 8] = time.monotonic_ns() - 10**9
+        stale._ctl[OFF_PRODUCER_HB // 8] = time.monotonic_ns() - int(2 * liveness * 1e9)
         garbage.write_bytes(b"\x00" * 100)
         os.chmod(garbage, 0o600)
-        os.utime(garbage, (time.time() - 10, time.time() - 10))
+        os.utime(garbage, (time.time() - 2 * liveness, time.time() - 2 * liveness))
         live.tick()
-        removed = sweep_stale(0.3)
+        removed = sweep_stale(liveness)
         assert stale_file in removed and f"sem.{stale.wake_name.lstrip('/')}" in removed
         assert garbage.name in removed and not garbage.exists()
         assert live.name.lstrip("/") not in removed
@@ -293,7 +297,7 @@ def test_sweep_removes_stale_and_unreadable_rings_never_live_ones():
 
 
 def test_sweep_leaves_a_young_unreadable_segment_alone():
-    young = SHM / f"voxring-ring-{secrets.randbits(64):016x}-young-g0"
+    young = SHM / f"{ring_prefix()}{secrets.randbits(64):016x}-young-g0"
     try:
         young.write_bytes(b"")
         os.chmod(young, 0o600)
