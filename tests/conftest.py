@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.transport.layout import SHM_PREFIX_ENV, shm_file_prefixes
 from voxring.stack import StageProcess, stop_all
 
 if not torch.cuda.is_available():
@@ -21,7 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 10.0  # a stage must report SERVING within this
+START_TIMEOUT_S = 60.0  # bound on a stage reporting SERVING (model load on a busy 2-core CI), as e2e
 
 
 def pytest_addoption(parser):
@@ -42,8 +44,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# This test process's own ring name prefix (pytest-xdist: each worker imports this file
+# and gets its own). Every ring and semaphore it or the stages it starts create is named
+# "<prefix>-ring-..." / "sem.<prefix>-wake-...", and every sweep and check here or in the
+# stages sees only these: another run's (or worker's) live rings are never touched.
+os.environ[SHM_PREFIX_ENV] = f"vxtest_{os.getpid()}_{secrets.token_hex(3)}"
+
 SHM_DIR = Path("/dev/shm")
-SHM_PREFIXES = ("voxring-", "sem.voxring-")  # ring segments and their wake-up semaphores
+SHM_PREFIXES = shm_file_prefixes()  # this process's ring segments and wake-up semaphores
 SHM_SETTLE_S = 5.0  # peers still exiting may unlink theirs this long after the last test
 
 
@@ -56,9 +64,9 @@ def _voxring_shm_entries() -> set[str]:
 
 @pytest.fixture(scope="session", autouse=True)
 def no_voxring_shm_left():
-    """After the whole suite no voxring entry may remain in /dev/shm. What this run left
-    is reported (the run fails) and then removed; entries that were there before the run
-    started are not this run's and are left alone."""
+    """After the whole session no ring entry of this process's prefix may remain in
+    /dev/shm. What it left is reported (the run fails) and then removed; other runs' and
+    workers' entries have other prefixes and are never looked at."""
     before = _voxring_shm_entries()
     yield
     deadline = time.monotonic() + SHM_SETTLE_S

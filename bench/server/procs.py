@@ -14,10 +14,10 @@ from pathlib import Path
 
 from bench.server import BenchError, log
 from bench.server.settings import REPO, STATE_DIR, StageSpec
+from services.transport.layout import shm_file_prefixes
 from voxring.stack import StackError, StageProcess
 
 SHM_DIR = Path("/dev/shm")
-SHM_PREFIXES = ("voxring-", "sem.voxring-")  # ring segments and their wake-up semaphores
 
 
 def child_env(extra: dict[str, str], smoke: bool) -> dict[str, str]:
@@ -165,6 +165,7 @@ def reap_stale() -> None:
 
 def shm_entries() -> set[str]:
     try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIXES)}
+        # ring segments and their wake-up semaphores, of this run's name prefix only
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(shm_file_prefixes())}
     except FileNotFoundError:
         return set()

@@ -42,7 +42,10 @@ LAYOUTS = {
     "split": "one pair over two GPUs: talker on GPU 0, Code2Wav on GPU 1 (no sharing)",
 }
 STOP_MARGIN_S = 45.0       # wall time kept for stopping the stages and writing the results
-STATE_DIR = Path(tempfile.gettempdir()) / "voxring-bench-state"  # pids of the running stages, MPS dirs
+# pids of the running stages (reaped by the next run), MPS dirs; runs that must not reap
+# each other's stages (tests run in parallel) each name their own
+STATE_DIR = Path(os.environ.get("VOXRING_BENCH_STATE_DIR")
+                 or Path(tempfile.gettempdir()) / "voxring-bench-state")
 
 
 @dataclass(frozen=True)

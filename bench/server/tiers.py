@@ -96,7 +96,8 @@ def part_tiers(s: Settings) -> int:
                    "configs": portable_configs(configs)})
     result.setdefault("tiers", {})
     result.setdefault("runs", [])
-    record = _Record(path, result, {"started": time.strftime("%H:%M:%S"), "tiers_planned": todo}, done)
+    record = _Record(path, result, {"started": time.strftime("%H:%M:%S"), "tiers_planned": todo,
+                                    "run_dir": str(run_dir)}, done)
     result["runs"].append(record.run_log)
     record.write()
     if not todo:

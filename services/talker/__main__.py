@@ -30,6 +30,7 @@ from services.talker.runner import Runner
 from services.talker.scheduler import Scheduler
 from services.talker.servicer import ModelFacts, TalkerServicer
 from services.transport.grpc_producer import FrameStreamServicer
+from services.transport.layout import shm_prefix
 from services.transport.shm_sweep import sweep_stale
 from voxring.v1 import frames_pb2, frames_pb2_grpc, talker_pb2, talker_pb2_grpc
 
@@ -53,6 +54,11 @@ def model_info(folder: Path, model, max_len: int) -> talker_pb2.ModelInfoRespons
 
 
 def build(config: TalkerConfig, config_path: Path | None):
+    if config.transport.kind == "shm":
+        try:
+            shm_prefix()  # the ring names' prefix ($VOXRING_SHM_PREFIX): fail before loading a model
+        except ValueError as exc:
+            raise ConfigError(f"transport: {exc}") from None
     kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention,
                       fused_layers=config.kernels.fused_layers)
     try:

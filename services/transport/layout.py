@@ -37,6 +37,7 @@ the capacity and the published head before memory is touched, and a violation ra
 from __future__ import annotations
 
 import enum
+import os
 import platform
 import re
 import struct
@@ -240,11 +241,44 @@ def check_record(length: int, flags: int, finish_reason: int, num_codebooks: int
 
 # --- names -------------------------------------------------------------------------
 
-RING_PREFIX = "voxring-ring-"
-WAKE_PREFIX = "voxring-wake-"
+# Every ring and wake-up semaphore name starts with "<prefix>-ring-" / "<prefix>-wake-".
+# The prefix is "voxring" unless $VOXRING_SHM_PREFIX names another: stacks (or test runs)
+# sharing one /dev/shm that must never see each other's entries, not even in a talker's
+# start-up sweep, each set their own. Every process of one stack needs the same value
+# (the talker names the rings; Code2Wav attaches to the names it is given).
+SHM_PREFIX_ENV = "VOXRING_SHM_PREFIX"
+DEFAULT_SHM_PREFIX = "voxring"
+MAX_SHM_PREFIX = 32
+# no "-": then "<p>-ring-" can never begin another prefix's names
+_PREFIX = re.compile(r"[A-Za-z0-9_.]+")
 SEM_FILE_PREFIX = "sem."  # glibc stores named semaphore NAME as /dev/shm/sem.NAME
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.]")
 MAX_CONSUMER_ID = 64
+
+
+def shm_prefix() -> str:
+    """This process's name prefix for rings and semaphores ($VOXRING_SHM_PREFIX, default
+    "voxring"); raises ValueError naming the variable when its value is unusable."""
+    value = os.environ.get(SHM_PREFIX_ENV, DEFAULT_SHM_PREFIX)
+    if not _PREFIX.fullmatch(value) or len(value) > MAX_SHM_PREFIX:
+        raise ValueError(f"{SHM_PREFIX_ENV} must be 1 to {MAX_SHM_PREFIX} characters of "
+                         f"[A-Za-z0-9_.] (no '-'), got {value!r}")
+    return value
+
+
+def ring_prefix() -> str:
+    """``<prefix>-ring-``: how this process's ring segment names begin."""
+    return shm_prefix() + "-ring-"
+
+
+def wake_prefix() -> str:
+    """``<prefix>-wake-``: how this process's wake-up semaphore names begin."""
+    return shm_prefix() + "-wake-"
+
+
+def shm_file_prefixes() -> tuple[str, str]:
+    """How this process's entries in /dev/shm begin: (ring segments, semaphore files)."""
+    return ring_prefix(), SEM_FILE_PREFIX + wake_prefix()
 
 
 def sanitize_consumer_id(consumer_id: str) -> str:
@@ -256,19 +290,20 @@ def sanitize_consumer_id(consumer_id: str) -> str:
 
 def ring_names(talker_token: int, consumer_id: str, generation: int) -> tuple[str, str]:
     """(shared-memory name, semaphore name) of one ring, as posix_ipc spells them:
-    ``/voxring-ring-<token hex16>-<consumer id>-g<generation>`` and ``/voxring-wake-...``."""
+    ``/<prefix>-ring-<token hex16>-<consumer id>-g<generation>`` and ``/<prefix>-wake-...``
+    (prefix: :func:`shm_prefix`)."""
     if not 0 <= talker_token < 1 << 64 or not 0 <= generation < 1 << 32:
         raise ValueError("talker_token must be a u64 and generation a u32")
     suffix = f"{talker_token:016x}-{sanitize_consumer_id(consumer_id)}-g{generation}"
-    return f"/{RING_PREFIX}{suffix}", f"/{WAKE_PREFIX}{suffix}"
+    return f"/{ring_prefix()}{suffix}", f"/{wake_prefix()}{suffix}"
 
 
 def wake_name_for(ring_name: str) -> str:
-    """The semaphore name that goes with shared-memory name ``ring_name``."""
-    bare = ring_name.lstrip("/")
-    if not bare.startswith(RING_PREFIX):
+    """The semaphore name that goes with shared-memory name ``ring_name`` (any prefix)."""
+    prefix, sep, suffix = ring_name.lstrip("/").partition("-ring-")
+    if not sep or not _PREFIX.fullmatch(prefix):
         raise ValueError(f"not a voxring ring name: {ring_name!r}")
-    return "/" + WAKE_PREFIX + bare[len(RING_PREFIX):]
+    return f"/{prefix}-wake-{suffix}"
 
 
 # --- architecture and fences -------------------------------------------------------

@@ -3,10 +3,12 @@
 Only talkers sweep, at start-up (PROTOCOL.md, Rings 2): :func:`sweep_stale` removes
 ``voxring-ring-*`` segments (and their ``sem.voxring-wake-*`` semaphores) whose producer
 heartbeat is older than the liveness timeout, or whose control block is unreadable, and
-semaphores left without a ring. A live producer stores its heartbeat at least every
-100 ms, so its ring is never removed. Entries younger than the timeout are never judged
-unreadable (a producer may be between creating a segment and writing its header), and
-entries of other users are left alone.
+semaphores left without a ring. ``voxring`` is the default name prefix
+(layout.shm_prefix): only entries of this process's prefix are ever looked at, so a
+stack (or test run) with its own prefix is invisible to every other one's sweep. A live
+producer stores its heartbeat at least every 100 ms, so its ring is never removed.
+Entries younger than the timeout are never judged unreadable (a producer may be between
+creating a segment and writing its header), and entries of other users are left alone.
 
 Reads go through a read-only mmap with aligned 8-byte loads (see layout.py), after
 checking the file is large enough, so a short or garbage file cannot fault the reader.
@@ -30,24 +32,24 @@ from services.transport.layout import (
     OFF_MAGIC,
     OFF_PRODUCER_HB,
     OFF_VERSION,
-    RING_PREFIX,
     SEM_FILE_PREFIX,
-    WAKE_PREFIX,
+    shm_file_prefixes,
+    wake_name_for,
 )
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-_SEM_FILE = SEM_FILE_PREFIX + WAKE_PREFIX
 
 
 def list_entries() -> list[str]:
-    """File names of every voxring ring and wake-up semaphore in /dev/shm, sorted."""
+    """File names of every ring and wake-up semaphore of this process's name prefix
+    (layout.shm_prefix) in /dev/shm, sorted; other prefixes' entries are never listed."""
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return []
-    return sorted(n for n in names if n.startswith(RING_PREFIX) or n.startswith(_SEM_FILE))
+    return sorted(n for n in names if n.startswith(shm_file_prefixes()))
 
 
 def producer_heartbeat_age(ring_file: Path) -> float | None:
@@ -85,11 +87,12 @@ def _is_stale_ring(path: Path, liveness_timeout: float) -> bool:
 
 def unlink_ring(ring_file_name: str) -> None:
     """Removes a ring segment and its semaphore by /dev/shm file name; idempotent."""
-    suffix = ring_file_name.removeprefix("/").removeprefix(RING_PREFIX)
+    name = "/" + ring_file_name.removeprefix("/")
+    wake_name = wake_name_for(name)
     with contextlib.suppress(posix_ipc.ExistentialError):
-        posix_ipc.unlink_shared_memory("/" + RING_PREFIX + suffix)
+        posix_ipc.unlink_shared_memory(name)
     with contextlib.suppress(posix_ipc.ExistentialError):
-        posix_ipc.unlink_semaphore("/" + WAKE_PREFIX + suffix)
+        posix_ipc.unlink_semaphore(wake_name)
 
 
 def _unlink_semaphore_file(sem_file_name: str) -> None:
@@ -98,19 +101,21 @@ def _unlink_semaphore_file(sem_file_name: str) -> None:
 
 
 def sweep_stale(liveness_timeout: float) -> list[str]:
-    """Removes stale voxring rings and orphaned semaphores; returns the file names removed."""
+    """Removes stale rings and orphaned semaphores of this process's name prefix; returns
+    the file names removed."""
     removed: list[str] = []
+    ring_prefix, sem_file_prefix = shm_file_prefixes()
     entries = list_entries()
-    rings = {n.removeprefix(RING_PREFIX) for n in entries if n.startswith(RING_PREFIX)}
+    rings = {n.removeprefix(ring_prefix) for n in entries if n.startswith(ring_prefix)}
     for suffix in sorted(rings):
-        name = RING_PREFIX + suffix
+        name = ring_prefix + suffix
         if _is_stale_ring(SHM_DIR / name, liveness_timeout):
             unlink_ring(name)
             removed.append(name)
-            if _SEM_FILE + suffix in entries:
-                removed.append(_SEM_FILE + suffix)
+            if sem_file_prefix + suffix in entries:
+                removed.append(sem_file_prefix + suffix)
     for entry in entries:
-        if not entry.startswith(_SEM_FILE) or entry.removeprefix(_SEM_FILE) in rings:
+        if not entry.startswith(sem_file_prefix) or entry.removeprefix(sem_file_prefix) in rings:
             continue
         with contextlib.suppress(OSError):
             st = (SHM_DIR / entry).lstat()

@@ -4,8 +4,9 @@ Stats and metrics read, JSON and the table written, every stage stopped with SIG
 (exit 0) and nothing left in /dev/shm, once with one engine pair and once with two behind
 one gateway; the tiers under the open-loop Poisson load (every request accounted for); and
 the baseline part (voxring's talker and
-transformers' generate on the same tiny checkpoint). The numbers themselves are the GPU
-run's business."""
+transformers' generate on the same tiny checkpoint). The numbers themselves, and whether
+a tier is clean (real time: zero underruns) on this CPU, are the GPU run's business: the
+tests check that the harness judges them by its own rule, not what it finds."""
 
 from __future__ import annotations
 
@@ -23,22 +24,40 @@ RUN_TIMEOUT_S = 120  # a bound, not an expectation: the tiers part takes ~10 s o
 
 
 def _run(*args: str, out) -> subprocess.CompletedProcess:
+    # its own state folder: bench.server reaps the stages an earlier run recorded there,
+    # and the stages of a run in another test (or another test run) are not that
+    env = stage_env({"VOXRING_BENCH_STATE_DIR": str(out / "bench-state")})
     return subprocess.run([*COMMAND, "--smoke", "--out", str(out), *args], cwd=REPO,
-                          env=stage_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+                          env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
-def _run_dirs() -> set[Path]:
-    return set(Path("/tmp").glob("vxb-*"))  # where bench.server makes them
+def _judged_by_its_rule(tier: dict) -> bool:
+    """Whether the tier's ``clean`` is what bench.server's rule gives for its own counts."""
+    clean = (tier["rejected"] == 0 and not tier["errors"] and tier["underruns"] == 0
+             and not tier["timed_out"] and tier["completed"] == tier["requests"])
+    return tier["clean"] == clean
+
+
+def _realtime_streams_follow_the_clean_tiers(result: dict) -> None:
+    clean = [int(c) for c, t in result["tiers"].items() if t["clean"]]
+    assert result["realtime_streams"] == max(clean, default=0)
+    assert result["realtime_streams_per_gpu"] == result["realtime_streams"] / result["gpus_used"]
+
+
+def _run_dirs_gone(*results: dict) -> None:
+    """Every run's private folder (sockets, configs, logs) is removed."""
+    for result in results:
+        for run in result["runs"]:
+            assert not Path(run["run_dir"]).exists(), run
 
 
 def test_smoke_tiers(tmp_path):
-    run_dirs = _run_dirs()
     done = _run("--part", "tiers", "--max-wall", "100", out=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((tmp_path / "server_gpu_tiers_smoke.json").read_text())
     assert sorted(result["tiers"]) == ["1", "2"]
     for tier in result["tiers"].values():
-        assert tier["status"] == "done" and tier["clean"], tier
+        assert tier["status"] == "done" and _judged_by_its_rule(tier), tier
         assert tier["admitted"] == tier["completed"] == 2 and tier["rejected"] == 0
         assert tier["ttfa_ms"]["p50"] is not None and tier["audio_s_per_s"] > 0
         assert tier["talker"]["frames"] >= 2 * 10  # 2 requests x 0.8 s x 12.5 frames/s
@@ -52,7 +71,7 @@ def test_smoke_tiers(tmp_path):
     assert "error" not in run, run
     assert run["exit_codes"] == {"gateway": 0, "code2wav": 0, "talker": 0}  # SIGTERM, graceful
     assert run["shm_left"] == []
-    assert result["realtime_streams_per_gpu"] == 2
+    _realtime_streams_follow_the_clean_tiers(result)
     assert result["configs"]["talker"]["model"] == {"checkpoint": None, "dtype": "float32", "device": "cpu"}
     table = (tmp_path / "server_gpu.md").read_text()
     assert "| 2 | 2 / 0 |" in table and table in done.stdout
@@ -61,6 +80,7 @@ def test_smoke_tiers(tmp_path):
     again = _run("--part", "tiers", out=tmp_path)  # same configuration: nothing left to measure
     assert again.returncode == 0, again.stderr
     assert "already in" in again.stderr
+    one_pair = json.loads((tmp_path / "server_gpu_tiers_smoke.json").read_text())
 
     # Two engine pairs behind one gateway (on the GPU machine, one per GPU): both serve.
     two = _run("--part", "tiers", "--layout", "two-pairs", "--max-wall", "100", out=tmp_path)
@@ -77,16 +97,16 @@ def test_smoke_tiers(tmp_path):
     assert result["configs"]["code2wav-1"]["talkers"]["attach"] == [
         {"id": "talker-1", "address": "unix:<run>/talker-1.sock"}]
     tier = result["tiers"]["2"]
-    assert tier["clean"], tier
+    assert tier["status"] == "done" and _judged_by_its_rule(tier), tier
     per_engine = tier["per_engine"]
     assert per_engine["talker"]["frames"] > 0 and per_engine["talker-1"]["frames"] > 0  # least loaded
     assert tier["talker"]["frames"] == per_engine["talker"]["frames"] + per_engine["talker-1"]["frames"]
     assert tier["code2wav"]["chunks"] == per_engine["code2wav"]["chunks"] + per_engine["code2wav-1"]["chunks"]
     assert tier["gateway"]["cpu_cores_per_stream"] is not None
-    assert result["realtime_streams"] == 2 and result["realtime_streams_per_gpu"] == 1
+    _realtime_streams_follow_the_clean_tiers(result)
     table = (tmp_path / "server_gpu.md").read_text()
     assert "### Scale-out: two-pairs-smoke against smoke" in table
-    assert _run_dirs() == run_dirs  # the stages' private folders (sockets, configs, logs) are gone
+    _run_dirs_gone(one_pair, result)
 
 
 def test_smoke_tiers_under_a_poisson_load(tmp_path):

@@ -14,6 +14,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
+from services.transport import TransportSection
 from services.transport.layout import (
     HEADER_BYTES,
     OFF_PRODUCER_HB,
@@ -24,9 +25,11 @@ from services.transport.layout import (
     RingClosed,
     RingError,
     RingFull,
+    ring_prefix,
 )
 from services.transport.shm_consumer import RingConsumer
 from services.transport.shm_producer import RingProducer
+from services.transport.shm_segment import WAITING
 from services.transport.shm_sweep import list_entries, sweep_stale, unlink_ring
 
 SHM = Path("/dev/shm")
@@ -103,15 +106,28 @@ def test_full_ring_try_put_false_put_times_out_then_resumes_after_drain(make_rin
     with pytest.raises(RingFull, match="no room"):
         producer.put(codes, handle=1, seq=count, timeout=0.05)
 
-    def drain_later():
-        time.sleep(0.2)
+    blocked = threading.Event()  # set once put has found the ring full and waits
+    write = producer._write
+
+    def write_or_flag(*args):
+        written = write(*args)
+        if not written:
+            blocked.set()
+        return written
+
+    producer._write = write_or_flag
+
+    def drain_once_blocked():
+        blocked.wait(10)
         while consumer.get() is not None:
             pass
         consumer.release()
 
-    drainer = threading.Thread(target=drain_later)
+    drainer = threading.Thread(target=drain_once_blocked)
     drainer.start()
     producer.put(codes, handle=1, seq=count, timeout=10)  # blocks until the drain
+    drainer.join(10)
+    assert blocked.is_set()  # it did wait for the drain
     drainer.join(5)
     assert consumer.get().record.seq == count
 
@@ -171,7 +187,11 @@ def test_a_sleeping_consumer_is_woken_and_an_awake_one_is_not_posted(make_ring):
         got = []
         reader = threading.Thread(target=lambda: got.append(consumer.get(timeout=None)), daemon=True)
         reader.start()
-        time.sleep(0.2)  # the reader is asleep on the semaphore by now
+        # the reader has announced its sleep (the wake-up handshake's flag) and sleeps
+        deadline = time.monotonic() + 10
+        while not consumer._ctl[WAITING] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert consumer._ctl[WAITING], "the reader never went to sleep"
         producer.put(codes_of(1, 1, 3), handle=1, seq=3)
         reader.join(10)  # bounds the wait; without the post the reader sleeps for an hour
         assert not reader.is_alive(), "the sleeping consumer was not woken"
@@ -197,9 +217,12 @@ def test_an_idle_waiting_consumer_uses_almost_no_cpu(make_ring):
 
 
 def test_liveness_follows_the_heartbeats(make_ring):
-    producer, consumer = make_ring(liveness_timeout=0.3, consumer_kw={"liveness_timeout": 0.3})
+    liveness = TransportSection().liveness_timeout
+    producer, consumer = make_ring(liveness_timeout=liveness, consumer_kw={"liveness_timeout": liveness})
     assert producer.consumer_alive() and consumer.producer_alive()
-    time.sleep(0.4)  # neither side ticks
+    deadline = time.monotonic() + 10 * liveness  # neither side ticks: both heartbeats age
+    while (producer.consumer_alive() or consumer.producer_alive()) and time.monotonic() < deadline:
+        time.sleep(liveness / 10)
     assert not producer.consumer_alive() and not consumer.producer_alive()
     with pytest.raises(PeerDead, match="producer heartbeat"):
         consumer.get(timeout=0)
@@ -211,7 +234,7 @@ def test_liveness_follows_the_heartbeats(make_ring):
 
 
 def test_a_blocked_put_reports_a_dead_consumer(make_ring):
-    producer, consumer = make_ring(liveness_timeout=0.3)
+    producer, consumer = make_ring(liveness_timeout=TransportSection().liveness_timeout)
     codes = codes_of(64, 8, 0)
     while producer.try_put(codes, handle=1, seq=0):
         pass
@@ -269,18 +292,21 @@ def test_consumer_refuses_a_ring_others_can_open():
 
 
 def test_sweep_removes_stale_and_unreadable_rings_never_live_ones():
-    live = RingProducer.create(secrets.randbits(64), "live", 0, 4096, liveness_timeout=0.3)
+    # A liveness timeout no scheduling delay between live.tick() and the sweep reaches;
+    # what is stale is older than it by as much again.
+    liveness = 5.0
+    live = RingProducer.create(secrets.randbits(64), "live", 0, 4096, liveness_timeout=liveness)
     stale = RingProducer.create(secrets.randbits(64), "stale", 0, 4096)
     stale_file = stale.name.lstrip("/")
-    garbage = SHM / f"voxring-ring-{secrets.randbits(64):016x}-garbage-g0"
+    garbage = SHM / f"{ring_prefix()}{secrets.randbits(64):016x}-garbage-g0"
     try:
         # "stale" is abandoned as by a killed talker: its names stay, its heartbeat ages.
-        stale._ctl[OFF_PRODUCER_HB // 8] = time.monotonic_ns() - 10**9
+        stale._ctl[OFF_PRODUCER_HB // 8] = time.monotonic_ns() - int(2 * liveness * 1e9)
         garbage.write_bytes(b"\x00" * 100)
         os.chmod(garbage, 0o600)
-        os.utime(garbage, (time.time() - 10, time.time() - 10))
+        os.utime(garbage, (time.time() - 2 * liveness, time.time() - 2 * liveness))
         live.tick()
-        removed = sweep_stale(0.3)
+        removed = sweep_stale(liveness)
         assert stale_file in removed and f"sem.{stale.wake_name.lstrip('/')}" in removed
         assert garbage.name in removed and not garbage.exists()
         assert live.name.lstrip("/") not in removed
@@ -293,7 +319,7 @@ def test_sweep_removes_stale_and_unreadable_rings_never_live_ones():
 
 
 def test_sweep_leaves_a_young_unreadable_segment_alone():
-    young = SHM / f"voxring-ring-{secrets.randbits(64):016x}-young-g0"
+    young = SHM / f"{ring_prefix()}{secrets.randbits(64):016x}-young-g0"
     try:
         young.write_bytes(b"")
         os.chmod(young, 0o600)

@@ -54,6 +54,9 @@ def edge(server):
         side.close()
 
 
+LIVENESS_S = TransportSection().liveness_timeout  # the default, as the stages run
+
+
 def wait_until(condition, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -83,27 +86,41 @@ def test_backpressure_full_try_put_then_blocking_put_resumes(edge):
     producer, consumer = edge(4096, liveness_timeout=30.0)  # nobody ticks here
     codes = np.ones((64, 8), np.int16)  # 1 KiB + 32 B
     # The consumer does not read: its inbox and gRPC's windows take some records, then the
-    # stream stalls and the producer's outbox stays full.
-    count, last_progress = 0, time.monotonic()
-    while time.monotonic() - last_progress < 0.5:
-        if producer.try_put(codes, handle=1, seq=count):
-            count, last_progress = count + 1, time.monotonic()
+    # stream stalls and the producer's outbox stays full (a put that times out says so;
+    # one that gets room meanwhile was early, and filling goes on).
+    count = 0
+    while True:
+        while producer.try_put(codes, handle=1, seq=count):
+            count += 1
             assert count < 10_000, "no backpressure: the producer never saw a full edge"
-        else:
-            time.sleep(0.01)
-    with pytest.raises(RingFull):
-        producer.put(codes, handle=1, seq=count, timeout=0.05)
+        try:
+            producer.put(codes, handle=1, seq=count, timeout=0.05)
+        except RingFull:
+            break
+        count += 1
 
-    def drain_later():
-        time.sleep(0.2)
+    blocked = threading.Event()  # set once put has found the outbox full and waits
+    offer = producer._outbox.offer
+
+    def offer_or_flag(*args):
+        taken = offer(*args)
+        if not taken:
+            blocked.set()
+        return taken
+
+    producer._outbox.offer = offer_or_flag
+
+    def drain_once_blocked():
+        blocked.wait(10)
         for _ in range(count):
             consumer.get(timeout=5)
             consumer.release()
 
-    drainer = threading.Thread(target=drain_later)
+    drainer = threading.Thread(target=drain_once_blocked)
     drainer.start()
     producer.put(codes, handle=1, seq=count, timeout=10)
     drainer.join(10)
+    assert blocked.is_set()  # it did wait for the drain
     assert consumer.get(timeout=5).record.seq == count
 
 
@@ -126,17 +143,17 @@ def test_close_delivers_what_is_queued_then_closed(edge):
 
 
 def test_consumer_leaving_is_seen_by_the_producer(edge):
-    producer, consumer = edge(liveness_timeout=0.3)
+    producer, consumer = edge(liveness_timeout=LIVENESS_S)
     assert producer.consumer_alive()
     consumer.close()
     wait_until(lambda: not producer.consumer_alive())
 
 
 def test_silent_producer_is_dead_to_the_consumer(edge):
-    producer, consumer = edge(liveness_timeout=0.3)
+    producer, consumer = edge(liveness_timeout=LIVENESS_S)
     producer.tick()
     assert consumer.get(timeout=0.05) is None and consumer.producer_alive()
-    time.sleep(0.4)  # the producer stops ticking
+    wait_until(lambda: not consumer.producer_alive(), timeout=10 * LIVENESS_S)  # it stops ticking
     with pytest.raises(PeerDead, match="nothing heard"):
         consumer.get(timeout=0.2)
 

@@ -14,12 +14,14 @@ from services.transport import TransportSection
 from services.transport.layout import (
     RECORD,
     RECORD_HEADER_BYTES,
+    SHM_PREFIX_ENV,
     FinishReason,
     RecordTooLarge,
     as_codes,
     record_bytes,
     ring_names,
     sanitize_consumer_id,
+    shm_file_prefixes,
     wake_name_for,
 )
 from services.transport.shm_consumer import RingConsumer
@@ -52,7 +54,8 @@ def test_records_occupy_16_byte_multiples(payload, size):
     assert record_bytes(payload) == size
 
 
-def test_names_carry_token_consumer_and_generation():
+def test_names_carry_token_consumer_and_generation(monkeypatch):
+    monkeypatch.delenv(SHM_PREFIX_ENV)  # production: the default prefix (tests set their own)
     ring, wake = ring_names(0xDEADBEEF, "c2w/0 ü", 3)
     assert ring == "/voxring-ring-00000000deadbeef-c2w_0__-g3"
     assert wake == "/voxring-wake-00000000deadbeef-c2w_0__-g3"
@@ -62,6 +65,22 @@ def test_names_carry_token_consumer_and_generation():
         sanitize_consumer_id("")
     with pytest.raises(ValueError):
         ring_names(1 << 64, "c", 0)
+
+
+def test_a_name_prefix_from_the_environment_names_every_entry(monkeypatch):
+    monkeypatch.setenv(SHM_PREFIX_ENV, "stack_b.2")
+    ring, wake = ring_names(0xDEADBEEF, "c2w-0", 3)
+    assert ring == "/stack_b.2-ring-00000000deadbeef-c2w_0-g3"
+    assert wake == "/stack_b.2-wake-00000000deadbeef-c2w_0-g3"
+    assert wake_name_for(ring) == wake
+    assert shm_file_prefixes() == ("stack_b.2-ring-", "sem.stack_b.2-wake-")
+    # a prefix with "-" could begin another's names ("a" and "a-ring-b"); none of these is usable
+    for bad in ("", "a-b", "a/b", "x" * 33, "ü"):
+        monkeypatch.setenv(SHM_PREFIX_ENV, bad)
+        with pytest.raises(ValueError, match=SHM_PREFIX_ENV):
+            ring_names(1, "c", 0)
+    with pytest.raises(ValueError, match="not a voxring ring name"):
+        wake_name_for("/some-other-name")
 
 
 def test_codes_are_checked_and_converted():
