@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.health import NOT_SERVING, SERVING
+from services.transport.layout import ring_prefix
 from tests.conftest import REPO, stage_env, unix_config
 from voxring.client import Client
 
@@ -139,7 +140,7 @@ def test_killed_talker_makes_the_gateway_unready_and_up_restarts_only_it(voxring
     assert _health(gateway) == SERVING and _health(gateway, "voxring.v1.Synthesizer") == SERVING
     assert _health(gateway, "pair/pair-0") == SERVING
     segments = _mapped_shm(pids["talker"])
-    assert any(name.startswith("voxring-ring-") for name in segments), segments
+    assert any(name.startswith(ring_prefix()) for name in segments), segments
 
     os.kill(pids["talker"], signal.SIGKILL)
     _wait_health(gateway, NOT_SERVING)  # readiness follows the pair ...
