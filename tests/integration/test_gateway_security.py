@@ -141,10 +141,8 @@ def test_untrusted_certificate_is_refused(stack):
 
 
 def test_plaintext_client_cannot_talk_to_the_tls_gateway(stack):
-    started = time.monotonic()
     with Client(stack["address"], token=TOKEN, timeout=5) as client, pytest.raises(errors.Unavailable):
         client.voices()
-    assert time.monotonic() - started < 10
 
 
 @pytest.mark.parametrize("call", ["voices", "synthesize", "stream"])
@@ -243,10 +241,9 @@ def test_health_command_fails_cleanly(stack):
          "NOT_FOUND"),
     ]
     for args, needle in checks:
-        result, elapsed = _voxring(*args)
+        result, _ = _voxring(*args)
         assert result.returncode == 1, (args, result.stdout, result.stderr)
         assert needle in result.stderr + result.stdout, (args, result.stderr)
-        assert elapsed < 15, (args, elapsed)
     result, _ = _voxring("health", stack["address"], "--tls-ca", str(stack["dir"] / "missing.pem"))
     assert result.returncode == 2 and "--tls-ca" in result.stderr and "cannot read" in result.stderr
 

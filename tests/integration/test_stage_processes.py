@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -39,7 +38,6 @@ def _reflected_services(channel: grpc.Channel) -> set[str]:
 
 @pytest.mark.parametrize("stage", sorted(STAGES))
 def test_stage_serves_reflects_and_stops_on_sigterm(stage, start_stage, sock_dir):
-    started = time.monotonic()
     svc = start_stage(stage, unix_config(sock_dir, stage))
     # A gateway alone has no engine pair that answers: not ready, yet live
     # (services.common.health); the engines are ready as soon as they serve.
@@ -48,15 +46,12 @@ def test_stage_serves_reflects_and_stops_on_sigterm(stage, start_stage, sock_dir
         assert _health(channel, "liveness") == SERVING
         assert _health(channel) == ready
         assert _health(channel, STAGES[stage]) == ready
-        assert time.monotonic() - started < 10
         names = _reflected_services(channel)
     assert {STAGES[stage], "grpc.health.v1.Health",
             "grpc.reflection.v1alpha.ServerReflection"} <= names
     sock = sock_dir / f"{stage}.sock"
     assert sock.is_socket() and (sock.stat().st_mode & 0o777) == 0o600
-    stopping = time.monotonic()
     assert svc.stop(timeout=10) == 0
-    assert time.monotonic() - stopping < 1 + 2  # grace 1 s + drain_timeout 2 s at most
     log = svc.log()
     assert "SIGTERM received: draining" in log and "stopped after" in log
     assert not (sock_dir / f"{stage}.ready").exists()
