@@ -88,7 +88,7 @@ bench:  ## GPU only: the whole server under load (without, with MPS) and the tra
 	exit $$fail
 
 soak: setup  ## longer fault and load runs (bounded); not part of make test
-	@$(PY) -m pytest -m soak --run-soak tests $(PYTEST_ARGS)
+	@$(PY) -m pytest -n 0 -m soak --run-soak tests $(PYTEST_ARGS)
 
 clean:  ## remove the venv and caches (not the committed generated code)
 	rm -rf $(VENV) .pytest_cache .ruff_cache .voxring
