@@ -1,9 +1,10 @@
 """The ``voxring`` command: run a local stack and talk to a server.
 
 ``up``, ``down``, ``status`` and ``demo`` run the local stack (``up`` starts what is not
-running, a stage that died included; ``status`` says which died and shows its log); ``say``, ``voices`` and
-``bench`` use a server's public API (with ``--token-file`` and ``--tls-ca`` for a gateway
-that wants them); ``health`` asks a service's gRPC health (for container probes).
+running, a stage that died included; ``status`` says which died and shows its log);
+``say``, ``voices`` and ``bench`` use a server's public API (with ``--token-file`` and
+``--tls-ca`` for a gateway that wants them); ``health`` asks a service's gRPC health (for
+container probes).
 
 Imports neither torch nor the engines. grpc is imported only by the commands that talk
 to a server (``voxring.client`` is loaded inside them): ``up`` spawns processes, and a
