@@ -108,7 +108,10 @@ def stats(stub: talker_pb2_grpc.TalkerStub) -> talker_pb2.TalkerStats:
     return stub.Stats(talker_pb2.TalkerStatsRequest(), timeout=10)
 
 
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+HANG_S = 60.0  # a bound against hangs, not a speed target: two suites on two cores are slow
+
+
+def wait_for(predicate, timeout: float = HANG_S, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:

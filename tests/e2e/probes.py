@@ -14,7 +14,7 @@ import grpc
 from services.transport.shm_sweep import list_entries
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition",
+def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition",
              interval: float = 0.02) -> float:
     """Polls until ``predicate()``; the seconds it took. Bounded."""
     started = time.monotonic()

@@ -77,7 +77,7 @@ def serve_first_pair(stack: FaultStack, metric_stage: str, metric: str) -> tuple
     while pair 0 is down), until ``metric`` of the restarted ``metric_stage`` (> 0) shows
     pair 0 served one (how soon is reported, not judged: routing's reconnect options are
     checked in tests/unit/test_reconnect_options.py)."""
-    stack.wait_idle(timeout=15)
+    stack.wait_idle()
     started = time.monotonic()
     failed = []
     bound = HANG_S + REQUEST_DOWN_S
@@ -203,7 +203,7 @@ def sigterm_gateway(stack: FaultStack, name: str = "gw-drain") -> str:
     exited = time.monotonic() - term_at
     assert code == 0, gw.log()
     gw.close_channel()
-    stack.wait_idle(timeout=5)
+    stack.wait_idle()
     return (f"gateway SIGTERM with 4 streams in flight: a new request UNAVAILABLE ({refused.details!r}) "
             f"{refused_s * 1e3:.0f} ms after the signal; the 4 completed {finished:.2f} s after it "
             f"(drain_timeout {DRAIN_S} s); exit 0 after {exited:.2f} s")

@@ -242,7 +242,7 @@ class FaultStack:
     def pair_idle(self, i: int) -> bool:
         return self.talker_idle(i) and self.code2wav_stats(i).active_slots == 0
 
-    def wait_idle(self, timeout: float = 10.0, pairs: list[int] | None = None) -> float:
+    def wait_idle(self, timeout: float = 60.0, pairs: list[int] | None = None) -> float:
         """Waits until every talker slot is free and no Code2Wav stream is open; seconds taken."""
         pairs = list(range(self.num_pairs)) if pairs is None else pairs
         return wait_for(lambda: all(self.pair_idle(i) for i in pairs), timeout, "every slot free")
@@ -319,4 +319,4 @@ def warm_up(stack: FaultStack, gateway: str = "gateway") -> None:
             time.sleep(0.05)
         for result in streams.join(60).values():
             assert result.ok or result.code == grpc.StatusCode.CANCELLED, (result.code, result.details)
-    stack.wait_idle(timeout=10)
+    stack.wait_idle()

@@ -211,7 +211,7 @@ def test_cancelling_the_stream_frees_the_slot_and_cancels_on_the_talker(pair):
     stream.cancel()
     assert talker.expect("cancel")["cancel"] == handle
     wait_for(lambda: stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).active_slots == 0,
-             timeout=2, what="slot freed")
+             what="slot freed")
     talker.put(handle, 1, random_codes(4, 2))  # a late record for the closed handle
     wait_for(lambda: stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).dropped_records >= 1,
              what="late record dropped")
