@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from models.mimi.config import MimiConfig
+from models.mimi.loader import random_codec as load_random_codec
 from models.mimi.model import MimiCodec
 from services.code2wav.decoder import CodecDecoder
 
@@ -32,15 +33,7 @@ FIRST, STEADY = 2, 8
 
 
 def random_codec(dtype: torch.dtype) -> MimiCodec:
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        codec = MimiCodec(MimiConfig.from_dict({"model_type": "mimi"}))
-    with torch.no_grad():
-        for name, buffer in codec.named_buffers():
-            if name.endswith("embed_sum"):
-                buffer.normal_()
-    codec.quantizer.refresh()
-    return codec.to(dtype).eval().requires_grad_(False)
+    return load_random_codec(MimiConfig.from_dict({"model_type": "mimi"}), "cuda", dtype)
 
 
 def events_ms(fn, repeats: int = 10) -> float:

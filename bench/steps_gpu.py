@@ -152,24 +152,15 @@ def _prefill(runner: Runner, rows: list[PrefillRow], device: torch.device) -> No
 
 def codec_model(device: torch.device, smoke: bool):
     from models.mimi.config import MimiConfig
-    from models.mimi.model import MimiCodec
+    from models.mimi.loader import random_codec
 
-    torch.manual_seed(0)
     if smoke:
         from models.tiny.talker import tiny_config
 
         config = MimiConfig.from_dict(tiny_config()["codec_config"])
     else:
         config = MimiConfig.from_dict({"model_type": "mimi"})
-    with torch.device(device):
-        codec = MimiCodec(config)
-    with torch.no_grad():
-        for name, buffer in codec.named_buffers():
-            if name.endswith("embed_sum"):
-                buffer.normal_()
-    codec.quantizer.refresh()
-    dtype = torch.float32 if smoke else torch.bfloat16
-    return codec.to(dtype).eval().requires_grad_(False)
+    return random_codec(config, device, torch.float32 if smoke else torch.bfloat16)
 
 
 def part_codec(device: torch.device, smoke: bool, out: dict, save: Callable[[], None], *,

@@ -51,3 +51,19 @@ def load_codec(folder: str | Path, dtype: str | torch.dtype = torch.float32,
         if isinstance(module, MimiTransformer):
             module.materialize(device)
     return model.eval().requires_grad_(False)
+
+
+def random_codec(config: MimiConfig, device: str | torch.device, dtype: torch.dtype,
+                 seed: int = 0) -> MimiCodec:
+    """A codec of ``config``'s shapes with random weights and usable codebooks (the
+    codebooks' sums drawn too, so dequantised codes are not all zero), for benchmarks and
+    tests at a real checkpoint's sizes without one; in ``dtype``, for inference."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        codec = MimiCodec(config)
+    with torch.no_grad():
+        for name, buffer in codec.named_buffers():
+            if name.endswith("embed_sum"):
+                buffer.normal_()
+    codec.quantizer.refresh()
+    return codec.to(dtype).eval().requires_grad_(False)

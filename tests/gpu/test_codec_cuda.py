@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU; this machine has none", allow_module_level=True)
 
 from models.mimi.config import MimiConfig
+from models.mimi.loader import random_codec
 from models.mimi.model import MimiCodec
 from services.code2wav.decoder import CodecDecoder
 
@@ -23,15 +24,7 @@ SHAPES = [(8, 8), (32, 2), (32, 8)]  # (batch, chunk frames): each varied run to
 
 @pytest.fixture(scope="module")
 def decoder():
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        codec = MimiCodec(MimiConfig.from_dict({"model_type": "mimi"}))
-    with torch.no_grad():
-        for name, buffer in codec.named_buffers():
-            if name.endswith("embed_sum"):
-                buffer.normal_()
-    codec.quantizer.refresh()
-    codec = codec.to(torch.bfloat16).eval().requires_grad_(False)
+    codec = random_codec(MimiConfig.from_dict({"model_type": "mimi"}), "cuda", torch.bfloat16)
     saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
     built = CodecDecoder(codec, max(b for b, _ in SHAPES), buckets=sorted({b for b, _ in SHAPES}),
                          chunk_frames=sorted({t for _, t in SHAPES}), max_graphs=len(SHAPES),

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from models.checkpoint import CheckpointError
 from models.mimi.config import MimiConfig
-from models.mimi.loader import CSM_PREFIX, build_meta, load_codec
+from models.mimi.loader import CSM_PREFIX, build_meta, load_codec, random_codec
 from models.mimi.model import CodecInputError, all_streaming_state
 from models.tiny.talker import tiny_config, write_tiny_checkpoint
 from tests.parity.tiny_reference import save_transformers_mimi, save_transformers_tiny
@@ -135,3 +135,21 @@ def test_decode_without_a_pool_is_a_clear_error(tmp_path):
     codec = load_codec(folder)
     with pytest.raises(CodecInputError, match="allocate"):
         codec.decode_chunk([0], torch.zeros(1, 8, 1, dtype=torch.int64))
+
+
+def test_random_codec_decodes_codes_to_distinct_audio():
+    """The benchmarks' random-weight codec: usable codebooks, the same weights for one seed."""
+    config = MimiConfig.from_dict(tiny_config()["codec_config"])
+    codec = random_codec(config, "cpu", torch.float32)
+    again = random_codec(config, "cpu", torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(codec.state_dict().values(), again.state_dict().values(),
+                                                  strict=True))
+    assert not codec.training and not any(p.requires_grad for p in codec.parameters())
+    codec.allocate(2)
+    ids = torch.arange(2)
+    codes = torch.stack([torch.zeros(codec.num_codebooks, 2, dtype=torch.int64),
+                         torch.ones(codec.num_codebooks, 2, dtype=torch.int64)])
+    with torch.inference_mode():
+        audio = codec.decode_step(ids, codes)
+    assert audio.shape == (2, 2 * config.samples_per_frame) and torch.isfinite(audio).all()
+    assert not torch.equal(audio[0], audio[1])  # codebook entries differ: not all-zero sums
