@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from models.mimi.model import MimiCodec
@@ -44,6 +45,18 @@ class CodecDecoder:
         self._eager_logged: set[tuple[int, int]] = set()
         if self.device.type == "cuda" and max_graphs > 0:
             self._capture(sorted(buckets), sorted(chunk_frames), max_graphs, max_graph_mb)
+
+    def reset(self, slots: Sequence[int]) -> None:
+        """Zeroes the streaming state of ``slots`` (newly opened streams), in one batch."""
+        self.codec.reset(torch.tensor(list(slots), device=self.device))
+
+    @torch.inference_mode()
+    def decode_pcm(self, slots: Sequence[int], codes: np.ndarray) -> np.ndarray:
+        """codes: [n, T, K] int16 on the host -> int16 PCM [n, T * spf] on the host: the decode,
+        the conversion on the device, and one device-to-host copy."""
+        batch = torch.from_numpy(codes.astype(np.int64)).to(self.device).transpose(1, 2)
+        audio = self.decode(slots, batch)
+        return (audio.float().clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16).cpu().numpy()
 
     @torch.inference_mode()
     def decode(self, slots: Sequence[int], codes: torch.Tensor) -> torch.Tensor:

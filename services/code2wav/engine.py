@@ -19,10 +19,9 @@ import logging
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from services.code2wav.decoder import CodecDecoder
 from services.code2wav.streams import ChunkOut, OpenStream
@@ -48,7 +47,7 @@ class Counters:
     duplicate_records: int = 0
     chunks: int = 0
     audio_s: float = 0.0
-    window: tuple[float, int, float] = field(default_factory=lambda: (time.monotonic(), 0, 0.0))
+    window: tuple[float, int, float] = (0.0, 0, 0.0)  # (clock, chunks, audio seconds) at the last Stats
 
 
 class Code2WavEngine:
@@ -64,9 +63,8 @@ class Code2WavEngine:
         self.clock = clock
         self.streams: dict[int, OpenStream] = {}
         self.free_slots = deque(range(max_slots))
-        self.counters = Counters()
+        self.counters = Counters(window=(clock(), 0, 0.0))
         self.frame_seconds = 1.0 / codec.config.frame_rate
-        self.device = codec.upsample.conv.weight.device
         self._turn = -1
         self._to_reset: list[int] = []  # slots opened since the last step: state zeroed then
 
@@ -109,7 +107,7 @@ class Code2WavEngine:
         block), so it reports work whenever a talker is attached."""
         if self._to_reset:
             slots, self._to_reset = self._to_reset, []
-            self.codec.reset(torch.tensor(slots, device=self.device))
+            self.decoder.reset(slots)
         took = self._consume()
         decoded = self._decode_ready()
         if took or decoded:
@@ -212,15 +210,12 @@ class Code2WavEngine:
                 self._finish(stream)
         return bool(groups)
 
-    @torch.inference_mode()
     def _decode_group(self, frames: int, streams: list[OpenStream]) -> None:
         codes = np.stack([s.take(frames) for s in streams])                # [B, T, K]
-        started = time.perf_counter()
-        batch = torch.from_numpy(codes.astype(np.int64)).to(self.device).transpose(1, 2)
-        audio = self.decoder.decode([s.slot for s in streams], batch)       # [B, T * spf]
-        pcm = (audio.float().clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16).cpu().numpy()
-        elapsed = time.perf_counter() - started
-        now = time.monotonic()
+        started = self.clock()
+        pcm = self.decoder.decode_pcm([s.slot for s in streams], codes)     # [B, T * spf] int16
+        now = self.clock()
+        elapsed = now - started
         for row, stream in enumerate(streams):
             with request_context(stream.request_id):
                 stream.send("chunk", ChunkOut(pcm[row].astype("<i2").tobytes(), stream.chunk_index,
@@ -247,7 +242,7 @@ class Code2WavEngine:
 
     def stats(self) -> dict:
         start, chunks, audio = self.counters.window
-        now = time.monotonic()
+        now = self.clock()
         elapsed = max(now - start, 1e-9)
         c = self.counters
         result = dict(active_slots=len(self.streams),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,7 +45,8 @@ class OpenStream:
     max_frames: int
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    opened: float = field(default_factory=time.monotonic)
+    clock: Callable[[], float] = time.monotonic  # the engine's
+    opened: float | None = None                  # the clock's reading at open (None: now)
 
     pending: list[np.ndarray] = field(default_factory=list)  # [frames, K] int16 blocks
     pending_frames: int = 0
@@ -60,6 +62,10 @@ class OpenStream:
     decode_s: float = 0.0
     closed: bool = False
 
+    def __post_init__(self) -> None:
+        if self.opened is None:
+            self.opened = self.clock()
+
     def send(self, *message) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, message)
 
@@ -67,7 +73,7 @@ class OpenStream:
         if not len(codes):
             return
         if self.first_frame_at is None:
-            self.first_frame_at = time.monotonic()
+            self.first_frame_at = self.clock()
         self.pending.append(np.array(codes, dtype=np.int16))  # copy out of the ring
         self.pending_frames += len(codes)
         self.frames_received += len(codes)
@@ -95,6 +101,7 @@ class OpenStream:
         return taken
 
     def finish_out(self) -> FinishOut:
+        now = self.clock()
         return FinishOut(self.last_reason or 0, self.frames_decoded,
-                         (self.first_frame_at or time.monotonic()) - self.opened,
-                         (self.first_chunk_at or time.monotonic()) - self.opened, self.decode_s)
+                         (self.first_frame_at or now) - self.opened,
+                         (self.first_chunk_at or now) - self.opened, self.decode_s)

@@ -7,7 +7,6 @@ futures resolved with ``loop.call_soon_threadsafe``. Nothing here touches the ev
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from services.common.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
@@ -35,7 +34,7 @@ class TalkerCore:
     def __init__(self, engine: TalkerEngine, consumers: Consumers) -> None:
         self.engine = engine
         self.consumers = consumers
-        self._window = (time.monotonic(), 0, 0)  # start, steps, frames of the Stats window
+        self._window = (engine.clock(), 0, 0)  # start, steps, frames of the Stats window
 
     # --- EngineThread protocol ------------------------------------------------------------------
 
@@ -82,7 +81,7 @@ class TalkerCore:
     def stats(self) -> StatsSnapshot:
         scheduler, counters = self.engine.scheduler, self.engine.counters
         start, steps, frames = self._window
-        now = time.monotonic()
+        now = self.engine.clock()
         elapsed = max(now - start, 1e-9)
         snapshot = StatsSnapshot(
             running=len(scheduler.running), waiting=len(scheduler.waiting), free_slots=len(scheduler.slots),

@@ -61,7 +61,7 @@ class EngineCounters:
     steps: int = 0
     frames: int = 0
     step_frames: int = 0  # sum of K over steps
-    started: float = field(default_factory=time.monotonic)
+    started: float = 0.0  # the engine's clock when it was built
     # Seconds of the engine thread in each part of its steps (where a step's time goes under load):
     # the scheduler's plan; prefill of admitted rows; the runner's decode (K graph replays and the
     # one copy to the host, waiting for the device); turning the frames into records and writing
@@ -81,7 +81,7 @@ class TalkerEngine:
         self.max_pending_frames = max_pending_frames
         self.clock = clock
         self.outboxes: dict[tuple[str, int], Outbox] = {}
-        self.counters = EngineCounters()
+        self.counters = EngineCounters(started=clock())
         self.num_codebooks = runner.num_codebooks
 
     # --- one step ---------------------------------------------------------------------------
@@ -89,22 +89,21 @@ class TalkerEngine:
     def step(self) -> bool:
         """Runs one step; False when there was nothing to do."""
         counters = self.counters
-        started = time.perf_counter()
         now = self.clock()
         plan = self.scheduler.schedule(now)
-        planned = time.perf_counter()
-        counters.schedule_s += planned - started
+        planned = self.clock()
+        counters.schedule_s += planned - now
         for request in plan.finished:
             self._final_record(request)
         if plan.prefill:
-            begun = time.perf_counter()
+            begun = self.clock()
             self._prefill(plan)
-            counters.prefill_s += time.perf_counter() - begun
+            counters.prefill_s += self.clock() - begun
         if plan.decode:
             self._decode(plan)
-        begun = time.perf_counter()
+        begun = self.clock()
         self._flush(now)
-        counters.emit_s += time.perf_counter() - begun
+        counters.emit_s += self.clock() - begun
         return bool(plan.decode or plan.prefill or plan.finished)
 
     def _prefill(self, plan: StepPlan) -> None:
@@ -118,7 +117,7 @@ class TalkerEngine:
             plan.decode = [r for r in plan.decode if r.finish is None]
 
     def _decode(self, plan: StepPlan) -> None:
-        begun = time.perf_counter()
+        begun = self.clock()
         try:
             out = self.runner.decode([r.slot for r in plan.decode], plan.k)  # [K, B, N + 1]
         except Exception:
@@ -127,7 +126,7 @@ class TalkerEngine:
                 self._end_with_error(request)
             return
         finally:
-            decoded = time.perf_counter()
+            decoded = self.clock()
             self.counters.decode_s += decoded - begun
         produced = {request: self._row_frames(out[:, row]) for row, request in enumerate(plan.decode)}
         self.scheduler.update(plan, produced)
@@ -142,7 +141,7 @@ class TalkerEngine:
                 self._queue(request, codes, first_frame=request.frames_done - len(frames),
                             flags=int(RecordFlags.LAST) if ended else 0,
                             finish=request.finish or FinishReason.UNSPECIFIED)
-        self.counters.emit_s += time.perf_counter() - decoded
+        self.counters.emit_s += self.clock() - decoded
 
     def _row_frames(self, row: np.ndarray) -> RowFrames:
         """row: [K, N + 1]. Frames up to (not including) the first stop frame."""
