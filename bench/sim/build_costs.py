@@ -1,0 +1,222 @@
+"""Writes bench/sim/h200.json, the serving simulator's H200 device costs, from committed result
+files. Every number is copied from a file (named with the commit its "commit" field records) or
+made by one of RULES, and an entry so made names its rule ("estimated"). The output is
+deterministic: sorted keys, indent 1, a trailing newline.
+
+    python -m bench.sim.build_costs [--out bench/sim/h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from bench.sim.costs import REPLAY_LAUNCH_MS, validate
+
+REPO = Path(__file__).resolve().parents[2]
+GPU = "NVIDIA H200"
+TIP_STEPS = "bench/results/h200_baseline/steps_gpu_talker.json"
+BARRIER = "bench/results/talker_fusion_barrier.json"
+L2_PREFETCH = "bench/results/talker_fusion_l2_prefetch.json"
+PREFILL = "bench/results/h200_baseline/steps_gpu_costs.json"
+CODEC_DET = "bench/results/h200_baseline/steps_gpu_codec_deterministic.json"
+CODEC_FREE = "bench/results/h200_baseline/steps_gpu_codec_nondeterministic.json"
+OVERLAP = "bench/results/h200_baseline/overlap_gpu.json"
+COMMITS = {  # each source -> the commit its "commit" field must record (a re-run elsewhere stops the build)
+    TIP_STEPS: "db1c4a9", BARRIER: "204ca18", L2_PREFETCH: "4723495", PREFILL: "db1c4a9",
+    CODEC_DET: "c1903d9", CODEC_FREE: "c1903d9", OVERLAP: "db1c4a9",
+}
+CROSS_CHECK_STAGE = "+ stack_step, depth calls <= 2 rows, no L2 prefetch"
+CROSS_CHECK_TOLERANCE = 0.10
+BUCKETS = tuple(2**i for i in range(11))  # 1 .. 1024 rows
+COPY_GBPS, COPY_LATENCY_MS = 25.0, 0.02
+RULES = {
+    "rows_linear": "A talker bucket between measured buckets takes, for each K, the linear interpolation "
+                   "in rows between the nearest measured buckets below and above.",
+    "tip_ratio": "A talker_step_ee9c553 bucket above 256 rows takes its 256-row value times the tip's "
+                 "(talker_step_db1c4a9) measured ratio step(bucket, K) / step(256, K) at the same K.",
+    "floor_scaling": "A bucket without a measured floor takes the larger of the bytes floor of the nearest "
+                     "measured bucket below and the 256-row FLOPs floor scaled linearly with rows.",
+    "raised_to_floor": "An estimated step entry below K times its bucket's floor is raised to that product "
+                       "and carries raised_to_floor: true; a measured entry below it stops the build.",
+    "pageable_pcie": f"The device-to-host copy of a Code2Wav call's PCM (not measured) is a pageable .cpu() "
+                     f"over the H200's PCIe 5.0 x16 link at {COPY_GBPS:g} GB/s (about 40% of its 64 GB/s per "
+                     f"direction) plus {COPY_LATENCY_MS:g} ms a call.",
+    "replay_launch": f"A CUDA graph replay's host launch takes {REPLAY_LAUNCH_MS:g} ms (not measured); the "
+                     f"loader (costs.py) serves it for every graph call.",
+    "launch_bound": "Prefill's launch_ms is the measured 1-prompt, 32-token call: a lone short prompt is "
+                    "launch-bound, so it is the host's launch time and the least any prefill call takes.",
+    "rounding": "Estimated values are rounded to 0.0001 ms (a value raised to a floor is the exact "
+                "product); measured values are copied as their source files have them.",
+}
+
+
+class BuildError(RuntimeError):
+    """A source file that is not what the rules expect."""
+
+
+def _read(root: Path, file: str) -> dict:
+    doc = json.loads((root / file).read_text())
+    if doc.get("commit") != COMMITS[file]:
+        raise BuildError(f"{file}: commit is {doc.get('commit')!r}, the rules expect {COMMITS[file]!r}")
+    if doc.get("gpu") != GPU:
+        raise BuildError(f"{file}: gpu is {doc.get('gpu')!r}, not {GPU!r}")
+    return doc
+
+
+def _source(file: str, what: str) -> dict:
+    return {"file": file, "commit": COMMITS[file], "what": what}
+
+
+def _rows_linear(measured: dict[int, dict[int, float]], b: int) -> dict[int, float]:
+    lo = max(m for m in measured if m < b)
+    hi = min(m for m in measured if m > b)
+    return {k: round(measured[lo][k] + (measured[hi][k] - measured[lo][k]) * (b - lo) / (hi - lo), 4)
+            for k in measured[lo]}
+
+
+def floors(barrier: dict) -> dict[str, dict]:
+    """floor_ms_per_frame for every bucket: the barrier file's where it has one, else floor_scaling."""
+    measured = {int(key[2:]): entry for key, entry in barrier["floors"].items()}
+    for b, entry in measured.items():
+        if entry["floor_ms"] != max(entry["bytes_floor_ms"], entry["flops_floor_ms"]):
+            raise BuildError(f"{BARRIER}: floors.B={b}: floor_ms is not max(bytes, FLOPs floor)")
+    out = {}
+    for b in BUCKETS:
+        if b in measured:
+            out[str(b)] = {"ms": measured[b]["floor_ms"]}
+            continue
+        below = measured[max(m for m in measured if m < b)]["bytes_floor_ms"]
+        flops = measured[256]["flops_floor_ms"] * b / 256
+        out[str(b)] = {"ms": round(max(below, flops), 4), "estimated": "floor_scaling"}
+    return out
+
+
+def _talker_table(measured, estimated, floor, source) -> dict:
+    """measured {bucket: {k: ms}}, estimated {bucket: ({k: ms}, rule)}: the table, floors applied."""
+    buckets = {}
+    for b in BUCKETS:
+        ks, rule = (measured[b], None) if b in measured else estimated[b]
+        entry: dict = {"k": {}} if rule is None else {"k": {}, "estimated": rule}
+        for k, ms in sorted(ks.items()):
+            least = k * floor[str(b)]["ms"]
+            if ms < least and rule is None:
+                raise BuildError(f"measured step B={b}, K={k}: {ms} ms is below K x floor = {least} ms")
+            if ms < least:
+                ms, entry["raised_to_floor"] = least, True
+            entry["k"][str(k)] = ms
+        buckets[str(b)] = entry
+    return {"source": source, "buckets": buckets, "floor_ms_per_frame": floor}
+
+
+def tip_measured(tip: dict) -> dict[int, dict[int, float]]:
+    steps = tip["talker"]["steps"]
+    return {b: {k: steps[f"B={b}"][f"K={k}"]["median_ms"] for k in (1, 4, 8)}
+            for b in (1, 8, 64, 256, 512, 1024)}
+
+
+def ee_measured(barrier: dict) -> dict[int, dict[int, float]]:
+    wall = barrier["fused_step_wall_ms"]
+    return {b: {k: wall[f"B={b}"][f"K{k}"] for k in (1, 8)} for b in (1, 8, 64, 256)}
+
+
+def cross_check(ee: dict[int, dict[int, float]], l2: dict) -> None:
+    """(K8 - K1) / 7 of the barrier file's steps against the l2-prefetch file's per-frame device time."""
+    stage = next(s for s in l2["stages"] if s["stage"] == CROSS_CHECK_STAGE)
+    for b, ks in ee.items():
+        per_frame = (ks[8] - ks[1]) / 7
+        ref = stage["per_bucket"][f"B={b}"]["device_ms_per_frame"]
+        if abs(per_frame - ref) > CROSS_CHECK_TOLERANCE * ref:
+            raise BuildError(f"B={b}: (K8 - K1) / 7 = {per_frame:.3f} ms in {BARRIER} is more than "
+                             f"{CROSS_CHECK_TOLERANCE:.0%} from {ref} ms in {L2_PREFETCH}")
+
+
+def talker_tables(root: Path) -> dict[str, dict]:
+    tip_doc, barrier, l2 = _read(root, TIP_STEPS), _read(root, BARRIER), _read(root, L2_PREFETCH)
+    floor = floors(barrier)
+    floor_src = _source(BARRIER, "floors.B=<rows>.floor_ms: max(bytes, FLOPs) floor ms per frame")
+    tip, ee = tip_measured(tip_doc), ee_measured(barrier)
+    cross_check(ee, l2)
+    tip_est = {b: (_rows_linear(tip, b), "rows_linear") for b in BUCKETS if b not in tip}
+    ee_est = {b: (_rows_linear(ee, b), "rows_linear") for b in BUCKETS if b not in ee and b < 256}
+    for b in (512, 1024):
+        ee_est[b] = ({k: round(ee[256][k] * tip[b][k] / tip[256][k], 4) for k in (1, 8)}, "tip_ratio")
+    tip_src = _source(TIP_STEPS, 'talker.steps["B=<rows>"]["K=<k>"].median_ms: a whole decode step '
+                                 "(gather, K graph replays, scatter, one copy to host)")
+    ee_src = [
+        _source(BARRIER, 'fused_step_wall_ms["B=<rows>"]["K1"|"K8"]: wall ms of a whole step (the kernel of '
+                         "ee9c553 within noise)"),
+        _source(L2_PREFETCH, f'stages["{CROSS_CHECK_STAGE}"].per_bucket["B=<rows>"].device_ms_per_frame: '
+                             f"cross-check of (K8 - K1) / 7 within {CROSS_CHECK_TOLERANCE:.0%}"),
+        {**tip_src, "what": "the ratios step(512 or 1024, K) / step(256, K) of rule tip_ratio"},
+    ]
+    return {"talker_step_db1c4a9": _talker_table(tip, tip_est, floor, [tip_src, floor_src]),
+            "talker_step_ee9c553": _talker_table(ee, ee_est, floor, [*ee_src, floor_src])}
+
+
+def prefill_table(root: Path) -> dict:
+    calls = _read(root, PREFILL)["prefill"]
+    rows = {str(r): {"tokens": {str(t): calls[f"prompts={r},tokens={t}"]["median_ms"]
+                                for t in (32, 128, 512)}} for r in (1, 8, 64)}
+    what = ('prefill["prompts=<rows>,tokens=<tokens>"].median_ms: one eager prefill call of <rows> prompts '
+            "padded to <tokens> tokens (prefill code unchanged since ee9c553)")
+    return {"source": [_source(PREFILL, what)], "rows": rows, "launch_ms": rows["1"]["tokens"]["32"]}
+
+
+def codec_table(root: Path, file: str) -> dict:
+    calls = _read(root, file)["codec"]["calls"]
+    batches: dict[str, dict] = {}
+    for key, call in calls.items():
+        b, t = map(int, re.fullmatch(r"B=(\d+),T=(\d+)", key).groups())
+        cell = {"graph": call["graph"]["median_ms"], "eager": call["eager"]["median_ms"]}
+        batches.setdefault(str(b), {"frames": {}})["frames"][str(t)] = cell
+    what = ('codec.calls["B=<batch>,T=<frames>"]["graph"|"eager"].median_ms: one Code2Wav call, a graph '
+            "replay or eager")
+    return {"source": [_source(file, what)], "batches": batches}
+
+
+def sharing_table(root: Path) -> dict:
+    doc = _read(root, OVERLAP)
+    what = "mps_off|mps_on.slowdown.talker|codec: each process's rate alone / its rate with both running"
+    return {"source": [_source(OVERLAP, what)],
+            **{mode: {p: doc[mode]["slowdown"][p] for p in ("talker", "codec")}
+               for mode in ("mps_off", "mps_on")}}
+
+
+def build(root: Path = REPO) -> dict:
+    root = Path(root)
+    copy = {"source": [], "GBps": COPY_GBPS, "latency_ms": COPY_LATENCY_MS, "estimated": "pageable_pcie"}
+    tables = {**talker_tables(root), "prefill_eager": prefill_table(root), "copy": copy,
+              "codec_free": codec_table(root, CODEC_FREE),
+              "codec_deterministic": codec_table(root, CODEC_DET), "sharing": sharing_table(root)}
+    common = {"prefill": "prefill_eager", "copy": "copy", "sharing": "sharing"}
+    profiles = {"ee9c553": {"talker_step": "talker_step_ee9c553", "codec": "codec_free", **common},
+                "tip": {"talker_step": "talker_step_db1c4a9", "codec": "codec_deterministic", **common}}
+    doc = {"format": 1, "gpu": GPU, "rules": RULES, "profiles": profiles, "tables": tables}
+    validate(doc, "build_costs output")  # what the loader would refuse is never written
+    return doc
+
+
+def render(doc: dict) -> str:
+    return json.dumps(doc, sort_keys=True, indent=1) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("h200.json"))
+    args = parser.parse_args(argv)
+    try:
+        text = render(build())
+    except BuildError as exc:
+        print(f"build_costs: {exc}", file=sys.stderr)
+        return 1
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
