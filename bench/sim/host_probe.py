@@ -16,7 +16,9 @@ on the machine it runs on:
   ``step()`` at 64, 256 and 1024 rows with K = 8 (bench/sim/host_probe_engine.py);
 - ``reference_loop_ms``: a fixed pure-Python dict/list loop (about 50 ms on the 2-core
   CPU machine), a second host-speed yardstick beside the engine's;
-- ``machine``: CPU model, counts, versions, platform, load average at the start.
+- ``machine``: CPU model, counts, versions, platform, load average at the start;
+  ``conditions``: the load average at the end and the CPU steal (a VM's host taking
+  its cores) during the run, to judge a run by.
 
 The ratio of two hosts' ``engine`` (or ``reference_loop_ms``) numbers is the simulator's
 host-speed factor. Nothing here touches a GPU: CUDA_VISIBLE_DEVICES is emptied before
@@ -96,16 +98,40 @@ def reference_loop_ms(repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(all, steal) jiffies of every CPU so far, from /proc/stat; None off Linux."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(fields[:8]), fields[7] if len(fields) > 7 else 0
+
+
+def _conditions(before: tuple[int, int] | None) -> dict:
+    """What the machine was doing besides: strings, as a zero is a fair value here."""
+    after = _cpu_jiffies()
+    steal = "unknown"
+    if before and after and after[0] > before[0]:
+        steal = f"{100 * (after[1] - before[1]) / (after[0] - before[0]):.1f}"
+    return {"load_average_at_end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+            "cpu_steal_percent_during_run": steal}
+
+
 def run_probe(quick: bool) -> dict:
     from bench.sim.host_probe_engine import run_engine_probe
     from bench.sim.host_probe_grpc import run_grpc_probe
 
-    started = time.perf_counter()
-    result = {"machine": machine_facts(), "quick": quick}
+    started, jiffies = time.perf_counter(), _cpu_jiffies()
+    result, parts = {"machine": machine_facts(), "quick": quick}, {}
     result["grpc"] = run_grpc_probe(quick, GRPC_LIMIT_S[quick])
+    parts["grpc"] = time.perf_counter() - started
     result["reference_loop_ms"] = reference_loop_ms(3 if quick else 7)
+    parts["reference_loop"] = time.perf_counter() - started - parts["grpc"]
     result["engine"] = run_engine_probe(quick)
     result["seconds"] = time.perf_counter() - started
+    parts["engine"] = result["seconds"] - parts["grpc"] - parts["reference_loop"]
+    result["section_seconds"] = parts
+    result["conditions"] = _conditions(jiffies)
     return result
 
 

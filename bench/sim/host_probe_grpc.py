@@ -41,10 +41,10 @@ UNIX_PATH_MAX = 107  # sun_path less its NUL
 
 @dataclass(frozen=True)
 class GrpcSettings:
-    stream_messages: int = 1500       # one stream
-    concurrent_messages: int = 40     # each of the 64 concurrent streams
-    unary_calls: int = 1500           # sequential
-    concurrent_calls: int = 30        # each of 64 concurrent callers
+    stream_messages: int = 800        # one stream
+    concurrent_messages: int = 24     # each of the 64 concurrent streams
+    unary_calls: int = 800            # sequential
+    concurrent_calls: int = 16        # each of 64 concurrent callers
     repeats: int = 5
 
     @classmethod
