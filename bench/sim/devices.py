@@ -1,0 +1,106 @@
+"""The modeled device: the talker's runner and Code2Wav's decoder with the real interfaces,
+their work put on the modeled GPU (``gpu.py``) at the costs of ``h200.json``.
+
+They return what the real ones return, in the right shapes: codes drawn once at random (the
+benchmark's random weights never stop, so a request's length is its ``max_frames``), and
+silent PCM. The calling lane is the engine thread that holds the baton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import numpy as np
+
+from bench.sim.costs import DeviceCosts
+from bench.sim.gpu import Gpu
+from bench.sim.kernel import Sim
+
+NUM_CODEBOOKS, CODEBOOK_SIZE = 32, 2048          # csm-1b's Mimi
+FRAME_RATE, SAMPLES_PER_FRAME = 12.5, 1920
+
+
+def prompt_tokens(segments) -> int:
+    """KV positions of a prompt (CSM: text tokens, and an audio turn's frames + its end frame)."""
+    return sum(len(s.text_token_ids) + (len(s.frames) + 1 if s.frames is not None else 0) for s in segments)
+
+
+class ModeledRunner:
+    """``services.talker.runner.Runner``'s interface: prefill(rows), decode(slots, k)."""
+
+    def __init__(self, sim: Sim, gpu: Gpu, costs: DeviceCosts, *, buckets: Sequence[int], k_max: int,
+                 seed: int = 0) -> None:
+        costs.check_talker_buckets(buckets)
+        self.sim, self.gpu, self.costs = sim, gpu, costs
+        self.buckets, self.k_max = sorted(set(buckets)), k_max
+        self.num_codebooks = NUM_CODEBOOKS
+        rng = np.random.default_rng(seed)
+        self._codes = rng.integers(0, CODEBOOK_SIZE, (k_max, self.buckets[-1], NUM_CODEBOOKS + 1),
+                                   dtype=np.int32)
+        self._codes[..., NUM_CODEBOOKS] = 0  # no stop frame
+        self.prefills: list[tuple[int, int]] = []   # (rows, tokens) of each call
+        self.steps: list[tuple[int, int]] = []      # (bucket, k) of each decode
+
+    def bucket_for(self, rows: int) -> int:
+        for bucket in self.buckets:
+            if bucket >= rows:
+                return bucket
+        raise ValueError(f"{rows} rows exceed the largest bucket {self.buckets[-1]}")
+
+    def prefill(self, rows) -> None:
+        """Eager prefill: launch-bound host work; the device work queues behind it, no sync."""
+        tokens = max(prompt_tokens(r.segments) for r in rows)
+        lane = self.sim.current
+        lane.sync()
+        self.gpu.submit("talker", self.costs.prefill_ms(len(rows), tokens) / 1e3, lane.now())
+        lane.hold(self.costs.prefill_host_ms(len(rows), tokens) / 1e3)
+        self.prefills.append((len(rows), tokens))
+
+    def decode(self, slots: Sequence[int], k: int) -> np.ndarray:
+        if not 1 <= k <= self.k_max:
+            raise ValueError(f"k must be in [1, {self.k_max}], got {k}")
+        bucket = self.bucket_for(len(slots))
+        lane = self.sim.current
+        lane.sync()
+        job = self.gpu.submit("talker", self.costs.talker_step_ms(bucket, k) / 1e3, lane.now())
+        lane.wait_job(job)  # graph replays' launches hide under the device time; then the sync
+        self.steps.append((bucket, k))
+        return self._codes[:k, : len(slots)].copy()
+
+
+class ModeledDecoder:
+    """``services.code2wav.decoder.CodecDecoder``'s interface: reset(slots), decode_pcm(slots, codes)."""
+
+    def __init__(self, sim: Sim, gpu: Gpu, costs: DeviceCosts, *, graph_buckets: Sequence[int],
+                 graph_chunk_frames: Sequence[int], cuda_graphs: bool) -> None:
+        self.sim, self.gpu, self.costs = sim, gpu, costs
+        self.graph_buckets = sorted(graph_buckets) if cuda_graphs else []
+        self.graph_frames = set(graph_chunk_frames) if cuda_graphs else set()
+        self.codec = SimpleNamespace(num_codebooks=NUM_CODEBOOKS, config=SimpleNamespace(
+            codebook_size=CODEBOOK_SIZE, frame_rate=FRAME_RATE, samples_per_frame=SAMPLES_PER_FRAME))
+        self.calls: list[tuple[int, int, bool]] = []  # (rows, frames, graph)
+
+    def reset(self, slots: Sequence[int]) -> None:
+        """A few elementwise kernels on the state pool: queued, never waited for."""
+
+    def _graph_bucket(self, rows: int, frames: int) -> int | None:
+        if frames not in self.graph_frames:
+            return None
+        fits = [b for b in self.graph_buckets if b >= rows]
+        return fits[0] if fits else None
+
+    def decode_pcm(self, slots: Sequence[int], codes: np.ndarray) -> np.ndarray:
+        rows, frames, _ = codes.shape
+        bucket = self._graph_bucket(rows, frames)
+        graph = bucket is not None
+        device_ms = (self.costs.codec_ms(bucket, frames, True) if graph
+                     else self.costs.codec_ms(rows, frames, False))
+        device_ms += self.costs.d2h_ms(rows * frames * SAMPLES_PER_FRAME * 2)
+        lane = self.sim.current
+        lane.sync()
+        job = self.gpu.submit("codec", device_ms / 1e3, lane.now())
+        lane.hold(self.costs.codec_host_ms(rows, frames, graph) / 1e3)
+        lane.wait_job(job)
+        self.calls.append((rows, frames, graph))
+        return np.zeros((rows, frames * SAMPLES_PER_FRAME), dtype=np.int16)
