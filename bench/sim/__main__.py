@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from bench.sim.freeze import fingerprint
-from bench.sim.run import DEFAULT_TIERS, RunSpec, run_tiers
 from bench.sim.report import table
+from bench.sim.run import DEFAULT_TIERS, RunSpec, run_tiers
 
 
 def _env(items: list[str]) -> dict:

@@ -47,6 +47,13 @@ RULES = {
                      f"direction) plus {COPY_LATENCY_MS:g} ms a call.",
     "replay_launch": f"A CUDA graph replay's host launch takes {REPLAY_LAUNCH_MS:g} ms (not measured); the "
                      f"loader (costs.py) serves it for every graph call.",
+    "step_launch": "A talker decode step's host launch time (not measured) is its eager ops (the runner's "
+                   "staging, 11 gathers, 11 scatters, the copies: about 40) at 0.01 ms each, and per frame a "
+                   "replay's launch and one copy op; the loader (costs.py) serves it.",
+    "gil_ops": "A device call's host time is spread over its eager ops (not measured: about 300 for a "
+               "prefill call plus 10 a prompt, 40 plus 2 a frame for a decode step, 8 for a Code2Wav graph "
+               "call, 300 for an eager one), each of which gives the GIL up around its launch; the loader "
+               "(costs.py) serves the counts.",
     "launch_bound": "Prefill's launch_ms is the measured 1-prompt, 32-token call: a lone short prompt is "
                     "launch-bound, so it is the host's launch time and the least any prefill call takes.",
     "rounding": "Estimated values are rounded to 0.0001 ms (a value raised to a floor is the exact "

@@ -14,12 +14,14 @@ compare against.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
 
 from bench.server.settings import portable_configs, stage_configs
+from bench.sim.fit import FIT, Fit
 from bench.sim.freeze import fingerprint
 from bench.sim.run import RunSpec, run_tiers
 
@@ -48,7 +50,7 @@ def spec_for(measured: dict) -> RunSpec:
     ours = portable_configs(stage_configs(spec.settings(), Path("/nonexistent-sim-run"), None))
     theirs = json.loads(json.dumps(measured["configs"]))
     for stage in ("talker", "code2wav"):
-        theirs[stage]["model"]["checkpoint"] = None  # a random-weight checkpoint; the model costs stand for it
+        theirs[stage]["model"]["checkpoint"] = None  # random weights: the cost model stands for them
     if ours != theirs:
         raise CalibrationError("the simulated stage configs differ from the measured run's")
     return spec
@@ -60,67 +62,121 @@ def _error(sim: float | None, real: float | None) -> float | None:
     return round((sim - real) / real, 3)
 
 
+COLUMNS = {"ttfa_p50_ms": lambda t: t["ttfa_ms"]["p50"], "ttfa_p99_ms": lambda t: t["ttfa_ms"]["p99"],
+           "audio_s_per_s": lambda t: t["audio_s_per_s"], "step_ms": lambda t: t["talker"]["step_ms"],
+           "mean_k": lambda t: t["talker"]["mean_k"], "underruns": lambda t: t["underruns"],
+           "clean": lambda t: t["clean"]}
+WITH_ERROR = ("ttfa_p50_ms", "ttfa_p99_ms", "audio_s_per_s", "step_ms", "mean_k")
+
+
 def compare(measured: dict, simulated: dict[int, dict]) -> list[dict]:
     rows = []
     for c, sim in sorted(simulated.items()):
         real = measured["tiers"][str(c)]
         row = {"c": c}
-        for name, get in (("ttfa_p50_ms", lambda t: t["ttfa_ms"]["p50"]),
-                          ("ttfa_p99_ms", lambda t: t["ttfa_ms"]["p99"]),
-                          ("audio_s_per_s", lambda t: t["audio_s_per_s"]), ("underruns", lambda t: t["underruns"]),
-                          ("step_ms", lambda t: t["talker"]["step_ms"]), ("mean_k", lambda t: t["talker"]["mean_k"]),
-                          ("clean", lambda t: t["clean"])):
+        for name, get in COLUMNS.items():
             row[name] = {"measured": get(real), "simulated": get(sim)}
-            if name in ("ttfa_p50_ms", "ttfa_p99_ms", "audio_s_per_s", "step_ms", "mean_k"):
+            if name in WITH_ERROR:
                 row[name]["error"] = _error(get(sim), get(real))
-        row["within"] = (c < 8 or (abs(row["ttfa_p50_ms"]["error"]) <= TTFA_TOLERANCE
-                                   and abs(row["audio_s_per_s"]["error"]) <= RATE_TOLERANCE))
-        row["step_split_ms"] = sim["talker"]["step_split_ms"]
-        row["cores"] = sim["cpu_cores_busy"]
-        row["gpu_busy"] = sim["gpu_busy"]
+        row["within"] = c < 8 or (abs(row["ttfa_p50_ms"]["error"]) <= TTFA_TOLERANCE
+                                  and abs(row["audio_s_per_s"]["error"]) <= RATE_TOLERANCE)
+        row.update(step_split_ms=sim["talker"]["step_split_ms"], cores=sim["cpu_cores_busy"],
+                   gpu_busy=sim["gpu_busy"], rows_per_step=sim["talker"]["mean_rows_per_step"])
         rows.append(row)
     return rows
 
 
+def _pair(cell: dict, pct: bool = False) -> str:
+    text = f"{cell['measured']} / {cell['simulated']}"
+    return f"{text} ({cell['error']:+.0%})" if pct else text
+
+
 def markdown(name: str, path: Path, measured: dict, rows: list[dict]) -> list[str]:
     lines = [f"### {name}: `{path.relative_to(REPO)}` (commit {measured['commit'][:7]})", "",
-             "| C | TTFA p50 ms measured / sim (error) | audio-s/s measured / sim (error) | underruns measured / sim "
-             "| step ms measured / sim | mean K measured / sim | clean measured / sim | within bar |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| C | TTFA p50 ms, measured / sim (error) | audio-s/s, measured / sim (error) | underruns | "
+             "step ms | mean K | clean | within the bar |", "|---|---|---|---|---|---|---|---|"]
+    yes = {True: "yes", False: "no"}
     for r in rows:
-        t, a = r["ttfa_p50_ms"], r["audio_s_per_s"]
-        lines.append(f"| {r['c']} | {t['measured']} / {t['simulated']} ({t['error']:+.0%}) | {a['measured']} / "
-                     f"{a['simulated']} ({a['error']:+.0%}) | {r['underruns']['measured']} / "
-                     f"{r['underruns']['simulated']} | {r['step_ms']['measured']} / {r['step_ms']['simulated']} | "
-                     f"{r['mean_k']['measured']} / {r['mean_k']['simulated']} | "
-                     f"{'yes' if r['clean']['measured'] else 'no'} / {'yes' if r['clean']['simulated'] else 'no'} "
-                     f"| {'yes' if r['within'] else 'no'}{' (C < 8: no bar)' if r['c'] < 8 else ''} |")
+        clean = f"{yes[r['clean']['measured']]} / {yes[r['clean']['simulated']]}"
+        lines.append(f"| {r['c']} | {_pair(r['ttfa_p50_ms'], True)} | {_pair(r['audio_s_per_s'], True)} | "
+                     f"{_pair(r['underruns'])} | {_pair(r['step_ms'])} | {_pair(r['mean_k'])} | {clean} | "
+                     f"{yes[r['within']]}{' (C < 8: no bar)' if r['c'] < 8 else ''} |")
     return [*lines, ""]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.sim.calibrate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"any of {', '.join(RUNS)}")
-    args = parser.parse_args(argv)
-    report = {"fingerprint": fingerprint(), "tolerance": {"ttfa_p50": TTFA_TOLERANCE, "audio_s_per_s": RATE_TOLERANCE,
-                                                          "tiers": "8..1024"}, "runs": {}}
+def score(rows: list[dict]) -> float:
+    """The worst tier (8..1024) against the bar: 1.0 is exactly at it."""
+    return max(max(abs(r["ttfa_p50_ms"]["error"]) / TTFA_TOLERANCE,
+                   abs(r["audio_s_per_s"]["error"]) / RATE_TOLERANCE) for r in rows if r["c"] >= 8)
+
+
+def search(factors: list[float], overheads_ms: list[float]) -> list[dict]:
+    """The grid of both fitted parameters on the calibration run (no held-out run is read)."""
+    measured = json.loads(RUNS["calibration"].read_text())
+    base = spec_for(measured)
+    grid = []
+    for factor in factors:
+        for overhead in overheads_ms:
+            spec = dataclasses.replace(base, fit=Fit(grpc_factor=factor, call_overhead_s=overhead / 1e3))
+            rows = compare(measured, run_tiers(spec))
+            grid.append({"grpc_factor": factor, "call_overhead_ms": overhead, "score": round(score(rows), 3),
+                         "errors": {r["c"]: {"ttfa_p50": r["ttfa_p50_ms"]["error"],
+                                             "audio_s_per_s": r["audio_s_per_s"]["error"]} for r in rows}})
+            print(json.dumps(grid[-1]), flush=True)
+    return sorted(grid, key=lambda g: g["score"])
+
+
+def _grid(text: str) -> tuple[list[float], list[float]]:
+    try:
+        factors, overheads = ([float(x) for x in part.split(",")] for part in text.split(";"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'F1,F2,...;MS1,MS2,...', got {text!r}") from None
+    return factors, overheads
+
+
+def calibrate(names: list[str], out: Path) -> dict:
+    report = {"fingerprint": fingerprint(), "fit": dataclasses.asdict(FIT),
+              "tolerance": {"ttfa_p50": TTFA_TOLERANCE, "audio_s_per_s": RATE_TOLERANCE, "tiers": "8..1024"},
+              "runs": {}}
     lines = []
-    for name in args.runs.split(","):
+    for name in names:
         path = RUNS[name]
         measured = json.loads(path.read_text())
         spec = spec_for(measured)
         began = time.process_time()
-        simulated = run_tiers(spec)
-        rows = compare(measured, simulated)
+        rows = compare(measured, run_tiers(spec))
         report["runs"][name] = {"measured": str(path.relative_to(REPO)), "commit": measured["commit"],
                                 "spec": spec.describe(), "cpu_s": round(time.process_time() - began, 1),
                                 "all_within": all(r["within"] for r in rows), "tiers": rows}
         lines += markdown(name, path, measured, rows)
         print("\n".join(markdown(name, path, measured, rows)), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "calibration.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
-    (args.out / "calibration.md").write_text("\n".join(lines) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "calibration.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    (out / "calibration.md").write_text("\n".join(lines) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.sim.calibrate",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"any of {', '.join(RUNS)}")
+    parser.add_argument("--fit", type=_grid, metavar="FACTORS;CALL_MS", default=None,
+                        help="search the fitted parameters (grpc factors; call overheads in ms), "
+                             "e.g. '2,3;0,0.15'")
+    args = parser.parse_args(argv)
+    names = [n for n in args.runs.split(",") if n]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown or not names:
+        parser.error(f"--runs: unknown {', '.join(unknown) or '(none given)'} (known: {', '.join(RUNS)})")
+    if args.fit:
+        grid = search(*args.fit)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fit_search.json").write_text(json.dumps({"fingerprint": fingerprint(), "grid": grid},
+                                                             indent=1, sort_keys=True) + "\n")
+        print(json.dumps(grid[:3], indent=1))
+        return 0
+    calibrate(names, args.out)
     return 0
 
 

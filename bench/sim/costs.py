@@ -15,6 +15,11 @@ DEFAULT_PATH = Path(__file__).with_name("h200.json")
 PROFILES = ("ee9c553", "tip")
 SLOTS = ("talker_step", "prefill", "codec", "copy", "sharing")
 REPLAY_LAUNCH_MS = 0.05  # a graph replay's host launch (rule "replay_launch" in the file)
+EAGER_OP_MS = 0.01       # an eager op's host dispatch (rule "step_launch")
+STEP_OPS, STEP_OPS_PER_FRAME = 40, 1  # eager ops of a talker decode step beside its replays
+# GIL releases of one call (rule "gil_ops"): eager ops, each giving the GIL up around its launch
+PREFILL_OPS, PREFILL_OPS_PER_ROW = 300, 10
+CODEC_GRAPH_OPS, CODEC_EAGER_OPS = 8, 300
 TOP_KEYS = {"format", "gpu", "rules", "profiles", "tables"}
 
 
@@ -212,8 +217,9 @@ def validate(doc, name: str) -> dict[str, dict[str, object]]:
     for table in tables:
         if table not in kinds:
             rd.fail(f"tables.{table}", "no profile names this table")
-    if "replay_launch" not in rules:
-        rd.fail("rules", "missing rule 'replay_launch' (the graph replay's launch time)")
+    for rule in ("replay_launch", "step_launch", "gil_ops"):
+        if rule not in rules:
+            rd.fail("rules", f"missing rule {rule!r} (a host launch time the loader serves)")
     parsed = {t: CHECKS[kind](rd, tables[t], f"tables.{t}") for t, kind in kinds.items()}
     return {prof: {slot: (slots[slot], parsed[slots[slot]]) for slot in SLOTS}
             for prof, slots in profiles.items()}
@@ -271,6 +277,22 @@ class DeviceCosts:
             if b >= batch:
                 return dict(cells)[frames]
         self._err("codec", "batches", f"no graph for B={batch}, T={frames} (largest batch {graphs[-1][0]})")
+
+    @staticmethod
+    def step_ops(k: int) -> int:
+        return STEP_OPS + k * (1 + STEP_OPS_PER_FRAME)
+
+    @staticmethod
+    def prefill_ops(rows: int) -> int:
+        return PREFILL_OPS + PREFILL_OPS_PER_ROW * rows
+
+    @staticmethod
+    def codec_ops(graph: bool) -> int:
+        return CODEC_GRAPH_OPS if graph else CODEC_EAGER_OPS
+
+    def step_launch_ms(self, k: int) -> float:
+        """A talker decode step's host launches: its gathers, scatters and copies, K replays."""
+        return STEP_OPS * EAGER_OP_MS + k * (REPLAY_LAUNCH_MS + STEP_OPS_PER_FRAME * EAGER_OP_MS)
 
     def codec_host_ms(self, batch: int, frames: int, graph: bool) -> float:
         if graph:

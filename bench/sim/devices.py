@@ -49,12 +49,17 @@ class ModeledRunner:
         raise ValueError(f"{rows} rows exceed the largest bucket {self.buckets[-1]}")
 
     def prefill(self, rows) -> None:
-        """Eager prefill: launch-bound host work; the device work queues behind it, no sync."""
+        """Eager prefill. It is synchronous, not queued: each prompt's token ids reach the
+        device by a copy from pageable memory (``prompt_embeds``' ``torch.as_tensor(...,
+        device=)``), which waits for the stream. So the engine thread is held for the call's
+        whole measured time (``steps_gpu.py`` timed it with events around the call), which
+        the talker's queue on the GPU also takes."""
         tokens = max(prompt_tokens(r.segments) for r in rows)
         lane = self.sim.current
         lane.sync()
-        self.gpu.submit("talker", self.costs.prefill_ms(len(rows), tokens) / 1e3, lane.now())
-        lane.hold(self.costs.prefill_host_ms(len(rows), tokens) / 1e3)
+        job = self.gpu.submit("talker", self.costs.prefill_ms(len(rows), tokens) / 1e3, lane.now())
+        lane.ops(self.costs.prefill_ops(len(rows)), self.costs.prefill_host_ms(len(rows), tokens) / 1e3)
+        lane.wait_job(job)
         self.prefills.append((len(rows), tokens))
 
     def decode(self, slots: Sequence[int], k: int) -> np.ndarray:
@@ -64,7 +69,8 @@ class ModeledRunner:
         lane = self.sim.current
         lane.sync()
         job = self.gpu.submit("talker", self.costs.talker_step_ms(bucket, k) / 1e3, lane.now())
-        lane.wait_job(job)  # graph replays' launches hide under the device time; then the sync
+        lane.ops(self.costs.step_ops(k), self.costs.step_launch_ms(k) / 1e3)  # gathers, K replays, scatters
+        lane.wait_job(job)
         self.steps.append((bucket, k))
         return self._codes[:k, : len(slots)].copy()
 
@@ -100,7 +106,7 @@ class ModeledDecoder:
         lane = self.sim.current
         lane.sync()
         job = self.gpu.submit("codec", device_ms / 1e3, lane.now())
-        lane.hold(self.costs.codec_host_ms(rows, frames, graph) / 1e3)
+        lane.ops(self.costs.codec_ops(graph), self.costs.codec_host_ms(rows, frames, graph) / 1e3)
         lane.wait_job(job)
         self.calls.append((rows, frames, graph))
         return np.zeros((rows, frames * SAMPLES_PER_FRAME), dtype=np.int16)

@@ -38,6 +38,16 @@ class HostCosts:
     unary_client_s: float
     stream_send_s: tuple[float, float]   # (fixed, per byte) on the sender
     stream_recv_s: tuple[float, float]   # (fixed, per byte) on the receiver
+    call_overhead_s: float = 0.0   # fitted (bench/sim/fit.py): a served call's servicer code
+
+    def scaled(self, factor: float, call_overhead_s: float) -> HostCosts:
+        """These costs times the fitted ``grpc_factor``, with the fitted call overhead."""
+        return HostCosts(self.unary_server_s * factor, self.unary_client_s * factor,
+                         (self.stream_send_s[0] * factor, self.stream_send_s[1] * factor),
+                         (self.stream_recv_s[0] * factor, self.stream_recv_s[1] * factor), call_overhead_s)
+
+    def served_call(self) -> float:
+        return self.unary_server_s + self.call_overhead_s
 
     def send(self, nbytes: int) -> float:
         return self.stream_send_s[0] + self.stream_send_s[1] * nbytes
@@ -86,6 +96,7 @@ class SimRing:
         self.box.put((record, empty if codes is None else codes, size), self.sim.current.now())
         self.records += 1
         self.frames_in += frames
+        self.sim.current.maybe_switch()
         return True
 
     def get_batch(self, max_records: int, timeout: float = 0.0) -> list:
@@ -171,7 +182,8 @@ class TalkerProcess:
         self.core = TalkerCore(self.engine, SimConsumers(consumer_id, ring))
         self.inbox = Mailbox(sim, "talker-engine")
         self.loop_box = Mailbox(sim, "talker-loop")
-        self.engine_lane = sim.lane("talker-engine", gil, lambda lane: engine_loop(lane, self.core, self.inbox))
+        self.engine_lane = sim.lane("talker-engine", gil,
+                                    lambda lane: engine_loop(lane, self.core, self.inbox))
         self.loop_lane = sim.lane("talker-loop", gil, self._loop)
 
     def _loop(self, lane: Lane) -> None:
@@ -183,9 +195,10 @@ class TalkerProcess:
                 else:  # the engine's answer: the response goes back
                     reply_to, token, result = rest
                     reply_to.box.put(("submitted", token, result), lane.now())
+                lane.maybe_switch()
 
     def _submit(self, lane: Lane, submit, token, reply_to: Peer) -> None:
-        lane.spend(self.host.unary_server_s)
+        lane.spend(self.host.served_call())
         try:
             request = build_request(submit, self.facts, self.default_schedule, lane.now())
         except ServiceError as exc:
@@ -220,6 +233,7 @@ class _LoopHandle:
 
     def call_soon_threadsafe(self, callback: Callable, *args) -> None:
         self.box.put(("call", callback, args), self.sim.current.now())
+        self.sim.current.maybe_switch()
 
 
 @dataclass
@@ -246,7 +260,8 @@ class Code2WavProcess:
         self.frame_seconds = 1.0 / decoder.codec.config.frame_rate
         self.counters = Code2WavCounters()
         self._handles = 0
-        self.engine_lane = sim.lane("code2wav-engine", gil, lambda lane: engine_loop(lane, self.engine, self.inbox))
+        self.engine_lane = sim.lane("code2wav-engine", gil,
+                                    lambda lane: engine_loop(lane, self.engine, self.inbox))
         self.loop_lane = sim.lane("code2wav-loop", gil, self._loop)
 
     def _loop(self, lane: Lane) -> None:
@@ -262,9 +277,10 @@ class Code2WavProcess:
                     reply_to, token, result = rest
                     lane.spend(self.host.send(16))
                     reply_to.box.put(("opened", token, result), lane.now())
+                lane.maybe_switch()
 
     def _open(self, lane: Lane, request, token, reply_to: Peer) -> None:
-        lane.spend(self.host.unary_server_s)
+        lane.spend(self.host.served_call())
         schedule = requested_schedule(request) or self.default_schedule
         self._handles += 1
         handle = self._handles

@@ -67,9 +67,10 @@ class GatewayProcess:
             lane.wait([self.box], None)
             for kind, *rest in lane.take(self.box):
                 handlers[kind](lane, *rest)
+                lane.maybe_switch()
 
     def _synthesize(self, lane: Lane, token: int, text: str, seconds: float) -> None:
-        lane.spend(self.host.unary_server_s)
+        lane.spend(self.host.served_call())
         if self.pair.in_flight >= self.config.admission.max_in_flight:
             self.client.box.put(("ended", token, "rejected", 0), lane.now())
             return

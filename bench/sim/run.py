@@ -4,6 +4,7 @@ loaded through the stages' own config loader; the result in ``bench.server``'s c
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -13,18 +14,19 @@ import yaml
 
 from bench.server.settings import PROMPT, Settings, parse_args, stage_configs
 from bench.sim.costs import DeviceCosts, load_costs
-from bench.sim.devices import CODEBOOK_SIZE, FRAME_RATE, NUM_CODEBOOKS, ModeledDecoder, ModeledRunner
+from bench.sim.devices import CODEBOOK_SIZE, NUM_CODEBOOKS, ModeledDecoder, ModeledRunner
 from bench.sim.engines import Code2WavProcess, HostCosts, SimRing, TalkerProcess
+from bench.sim.fit import FIT, Fit
 from bench.sim.front import ClientPlan, ClientProcess, GatewayProcess, Send
 from bench.sim.gpu import Gpu
+from bench.sim.host import host_factor, load_host_costs
 from bench.sim.kernel import Gil, Sim
 from services.code2wav.config import Code2WavConfig
 from services.common.config import load_config
 from services.gateway.config import GatewayConfig
 from services.talker.config import TalkerConfig
 from services.talker.servicer import ModelFacts
-from voxring import loadgen, loads
-
+from voxring import loadgen
 
 DEFAULT_TIERS = (1, 8, 64, 256, 512, 1024, 1536, 2048)
 ENGINE_CAP = 1024  # engines are sized for the top tier up to the largest bucket the cost file measures
@@ -42,14 +44,16 @@ class RunSpec:
     audio_seconds: tuple[float, float] | None = None   # None: bench.server's default for the load
     load_seed: int = 0
     env: dict = field(default_factory=dict)            # VOXRING_<STAGE>__... overrides, as in the bench
-    host_factor: float = 1.0
+    host_factor: float | None = None   # None: bench/sim/host.py's, measured
     tier_max_s: float = 60.0           # virtual seconds a tier may run
+    fit: Fit = FIT                     # the fitted parameters (fit.py); the calibration's search varies them
 
     def describe(self) -> dict:
         return {"profile": self.profile, "mps": self.mps, "load": self.load, "tiers": list(self.tiers),
                 "requests_per_stream": self.requests_per_stream, "audio_seconds": self.audio_seconds,
-                "load_seed": self.load_seed, "env": dict(self.env), "host_factor": self.host_factor,
-                "tier_max_s": self.tier_max_s, "engine_cap": ENGINE_CAP}
+                "load_seed": self.load_seed, "env": dict(self.env),
+                "host_factor": self.host_factor if self.host_factor is not None else host_factor(),
+                "tier_max_s": self.tier_max_s, "engine_cap": ENGINE_CAP, "fit": dataclasses.asdict(self.fit)}
 
     def settings(self) -> Settings:
         """bench.server's settings for these tiers (engines sized for the top one, at most ENGINE_CAP)."""
@@ -99,7 +103,7 @@ class Stack:
 
 def build_stack(spec: RunSpec, costs: DeviceCosts, host: HostCosts, plan: ClientPlan) -> Stack:
     talker_cfg, c2w_cfg, gw_cfg = stage_config_objects(spec)
-    sim = Sim(spec.host_factor)
+    sim = Sim(spec.host_factor if spec.host_factor is not None else host_factor())
     talker_share, codec_share = costs.slowdown(spec.mps)
     gpu = Gpu(sim, {"talker": talker_share, "codec": codec_share})
     engine = talker_cfg.engine
@@ -111,6 +115,7 @@ def build_stack(spec: RunSpec, costs: DeviceCosts, host: HostCosts, plan: Client
     attach = c2w_cfg.talkers.attach[0]
     facts = ModelFacts(num_codebooks=NUM_CODEBOOKS, codebook_size=CODEBOOK_SIZE, text_vocab_size=65536,
                        max_len=engine.max_len, max_repetition_window=engine.max_repetition_window)
+    host = host.scaled(spec.fit.grpc_factor, spec.fit.call_overhead_s)
     talker = TalkerProcess(sim, Gil("talker"), runner, engine, host, ring, c2w_cfg.talkers.consumer_id, facts,
                            talker_cfg.chunks)
     code2wav = Code2WavProcess(sim, Gil("code2wav"), decoder, c2w, host, ring, attach.id, c2w_cfg.chunks)
@@ -134,7 +139,6 @@ def run_tier(spec: RunSpec, concurrency: int, costs: DeviceCosts | None = None,
 
 
 def default_host_costs() -> HostCosts:
-    from bench.sim.host import load_host_costs
     return load_host_costs()
 
 
