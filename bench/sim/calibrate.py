@@ -4,8 +4,10 @@ Calibration: the closed-loop burst of ee9c553 without MPS
 (``bench/results/server_gpu_h200/server_gpu_tiers_mps-off.json``), simulated with that
 run's own stage configs (checked equal to the ones its JSON records) and the ee9c553 cost
 profile. Held out, predicted with nothing refitted: the same run with MPS
-(``server_gpu_tiers_mps-on.json``) and the first-chunk-of-4 policy change
-(``first_chunk_4/server_gpu_tiers_mps-on.json``, db073e0, whose serving code is ee9c553's).
+(``server_gpu_tiers_mps-on.json``), the first-chunk-of-4 policy change
+(``first_chunk_4/server_gpu_tiers_mps-on.json``, db073e0, whose serving code is ee9c553's),
+and the Poisson load at 3d75c85 without and with MPS (``h200_baseline/``: today's talker,
+Code2Wav before its deterministic default).
 Writes ``bench/results/sim/calibration.json`` and ``calibration.md`` with the simulator's
 fingerprint (the sha256 of its code and cost files): the version the serving-loop issues
 compare against.
@@ -29,10 +31,13 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results" / "server_gpu_h200"
 OUT = REPO / "bench" / "results" / "sim"
 TTFA_TOLERANCE, RATE_TOLERANCE = 0.30, 0.20   # the issue's bar, at tiers 8..1024
-RUNS = {
-    "calibration": RESULTS / "server_gpu_tiers_mps-off.json",
-    "held_out_mps_on": RESULTS / "server_gpu_tiers_mps-on.json",
-    "held_out_first_chunk_4": RESULTS / "first_chunk_4" / "server_gpu_tiers_mps-on.json",
+BASELINE = REPO / "bench" / "results" / "h200_baseline"
+RUNS = {  # name: (measured result file, the cost profile of its tree)
+    "calibration": (RESULTS / "server_gpu_tiers_mps-off.json", "ee9c553"),
+    "held_out_mps_on": (RESULTS / "server_gpu_tiers_mps-on.json", "ee9c553"),
+    "held_out_first_chunk_4": (RESULTS / "first_chunk_4" / "server_gpu_tiers_mps-on.json", "ee9c553"),
+    "held_out_poisson_mps_off": (BASELINE / "server_gpu_tiers_mps-off-poisson.json", "3d75c85"),
+    "held_out_poisson_mps_on": (BASELINE / "server_gpu_tiers_mps-on-poisson.json", "3d75c85"),
 }
 
 
@@ -40,12 +45,14 @@ class CalibrationError(RuntimeError):
     """The simulated run is not the measured one (its configs differ)."""
 
 
-def spec_for(measured: dict) -> RunSpec:
+def spec_for(measured: dict, profile: str = "ee9c553") -> RunSpec:
     """The simulated run of a committed result file: its tiers, load, MPS and overrides."""
-    spec = RunSpec(profile="ee9c553", mps=bool(measured["mps"]["requested"]), load="fixed",
+    load = measured.get("load", "fixed")
+    audio = (measured["audio_seconds"],) * 2 if load == "fixed" else tuple(measured["audio_range"])
+    spec = RunSpec(profile=profile, mps=bool(measured["mps"]["requested"]), load=load,
                    tiers=tuple(sorted(int(c) for c in measured["tiers"])),
-                   requests_per_stream=measured["requests_per_stream"],
-                   audio_seconds=(measured["audio_seconds"],) * 2, env=dict(measured["env_overrides"]),
+                   requests_per_stream=measured["requests_per_stream"], audio_seconds=audio,
+                   load_seed=measured.get("load_seed", 0), env=dict(measured["env_overrides"]),
                    tier_max_s=measured["tier_max_s"])
     ours = portable_configs(stage_configs(spec.settings(), Path("/nonexistent-sim-run"), None))
     theirs = json.loads(json.dumps(measured["configs"]))
@@ -112,8 +119,9 @@ def score(rows: list[dict]) -> float:
 
 def search(factors: list[float], overheads_ms: list[float]) -> list[dict]:
     """The grid of both fitted parameters on the calibration run (no held-out run is read)."""
-    measured = json.loads(RUNS["calibration"].read_text())
-    base = spec_for(measured)
+    path, profile = RUNS["calibration"]
+    measured = json.loads(path.read_text())
+    base = spec_for(measured, profile)
     grid = []
     for factor in factors:
         for overhead in overheads_ms:
@@ -140,9 +148,9 @@ def calibrate(names: list[str], out: Path) -> dict:
               "runs": {}}
     lines = []
     for name in names:
-        path = RUNS[name]
+        path, profile = RUNS[name]
         measured = json.loads(path.read_text())
-        spec = spec_for(measured)
+        spec = spec_for(measured, profile)
         began = time.process_time()
         rows = compare(measured, run_tiers(spec))
         report["runs"][name] = {"measured": str(path.relative_to(REPO)), "commit": measured["commit"],

@@ -18,8 +18,8 @@ from bench.sim.costs import DEFAULT_PATH, PROFILES, CostFileError, load_costs
 from tests.conftest import REPO
 
 BUCKETS = [2**i for i in range(11)]
-TALKER = {"tip": "talker_step_db1c4a9", "ee9c553": "talker_step_ee9c553"}
-CODEC = {"tip": build_costs.CODEC_DET, "ee9c553": build_costs.CODEC_FREE}
+TALKER = {"tip": "talker_step_db1c4a9", "ee9c553": "talker_step_ee9c553", "3d75c85": "talker_step_db1c4a9"}
+CODEC = {"tip": build_costs.CODEC_DET, "ee9c553": build_costs.CODEC_FREE, "3d75c85": build_costs.CODEC_FREE}
 
 
 def _result(file: str) -> dict:
