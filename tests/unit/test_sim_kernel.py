@@ -144,3 +144,19 @@ def test_bad_arguments_are_refused_by_name():
         Sim(host_factor=0)
     with pytest.raises(ValueError, match=r"slowdown\[codec\]"):
         Gpu(Sim(), {"talker": 1.0, "codec": 0.5})
+
+
+def test_time_never_runs_backwards():
+    sim = Sim()
+    times = []
+
+    def ticker(lane):
+        for step in range(5):
+            lane.sleep_until(0.01 * (5 - step))  # asks for the past after the first: resumes now
+            times.append(lane.now())
+
+    sim.lane("ticker", Gil("p"), ticker)
+    sim.run(until=lambda: len(times) == 5, max_time=1.0)
+    assert times == sorted(times) and times[0] == pytest.approx(0.05, abs=1e-3)
+    with pytest.raises(SimError, match="before now"):
+        sim.at(sim.now - 1.0, lambda: None)
