@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bench.sim.devices import FRAME_RATE
 from bench.sim.kernel import Lane, Mailbox, Sim
 from services.code2wav.engine import Code2WavEngine
 from services.code2wav.streams import OpenStream
@@ -173,9 +174,11 @@ class TalkerProcess:
     def __init__(self, sim: Sim, gil, runner, engine_cfg, host: HostCosts, ring: SimRing, consumer_id: str,
                  facts: ModelFacts, default_schedule: ChunkSchedule) -> None:
         self.sim, self.host, self.facts, self.default_schedule = sim, host, facts, default_schedule
+        self.first_audio_budget_s = engine_cfg.first_audio_budget_s
         scheduler = Scheduler(num_slots=engine_cfg.max_num_seqs, max_num_seqs=engine_cfg.max_num_seqs,
                               k_max=engine_cfg.k_max, prefill_token_budget=engine_cfg.prefill_token_budget,
-                              max_waiting=engine_cfg.max_waiting, stall_timeout=engine_cfg.stall_timeout)
+                              max_waiting=engine_cfg.max_waiting, stall_timeout=engine_cfg.stall_timeout,
+                              frame_rate=FRAME_RATE, path_s=engine_cfg.path_s, bucket_for=runner.bucket_for)
         clock = sim.clock
         self.engine = TalkerEngine(runner, scheduler, SimConsumers(consumer_id, ring).sink_for,
                                    max_pending_frames=engine_cfg.max_pending_frames, clock=clock)
@@ -200,7 +203,8 @@ class TalkerProcess:
     def _submit(self, lane: Lane, submit, token, reply_to: Peer) -> None:
         lane.spend(self.host.served_call())
         try:
-            request = build_request(submit, self.facts, self.default_schedule, lane.now())
+            request = build_request(submit, self.facts, self.default_schedule, lane.now(),
+                                    self.first_audio_budget_s)
         except ServiceError as exc:
             reply_to.box.put(("submitted", token, exc), lane.now())
             return

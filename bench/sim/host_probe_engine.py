@@ -63,7 +63,8 @@ def _engine(rows: int, k_max: int):
     from services.talker.scheduler import Scheduler
 
     scheduler = Scheduler(num_slots=rows, max_num_seqs=rows, k_max=k_max,
-                          prefill_token_budget=rows * PROMPT_LEN, max_waiting=rows, stall_timeout=1e9)
+                          prefill_token_budget=rows * PROMPT_LEN, max_waiting=rows, stall_timeout=1e9,
+                          frame_rate=12.5, path_s=0.0)
     sink = AcceptingSink()
     engine = TalkerEngine(FakeRunner(rows, k_max), scheduler, lambda consumer: sink)
     schedule = ChunkSchedule(first_frames=16, growth=1.0, steady_frames=16)

@@ -32,6 +32,10 @@ class EngineSection:
     max_pending_frames: int = 64            # frames kept for a full ring before the row pauses
     stall_timeout: float = 5.0              # a row paused longer ends STALLED
     cuda_graphs: bool = True                # capture the frame per bucket on CUDA
+    # Pacing (PROTOCOL.md): a record's way to the listener (Code2Wav, transport, gateway), and the
+    # first-audio budget of a Submit that carries none (0: none)
+    path_s: float = 0.1
+    first_audio_budget_s: float = 0.5
 
     def __post_init__(self) -> None:
         positive = {"k_max": self.k_max, "max_num_seqs": self.max_num_seqs,
@@ -50,6 +54,10 @@ class EngineSection:
             raise ConfigValueError("max_len" if self.max_len < 0 else "max_repetition_window", "must be >= 0")
         if not self.stall_timeout > 0:
             raise ConfigValueError("stall_timeout", f"must be > 0 seconds, got {self.stall_timeout}")
+        for key in ("path_s", "first_audio_budget_s"):
+            value = getattr(self, key)
+            if not 0 <= value < 60:  # NaN is refused too
+                raise ConfigValueError(key, f"must be in [0, 60) seconds, got {value}")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from services.common.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
 from services.talker.consumers import Consumers
 from services.talker.engine import TalkerEngine
+from services.talker.pacing import BOUNDS
 from services.talker.request import TalkerRequest
 from services.talker.scheduler import QueueFull
 from services.transport import Endpoint
@@ -105,7 +106,9 @@ class TalkerCore:
                 "step_decode_seconds": ("counter", "engine time in the runner's decode (graph replays, copy "
                                         "to host)", counters.decode_s),
                 "step_emit_seconds": ("counter", "engine time turning frames into records and writing them",
-                                      counters.emit_s)}
+                                      counters.emit_s),
+                **{f"steps_k_bound_{bound}": ("counter", f"decode steps whose K was limited by {bound}",
+                                              counters.k_bounds.get(bound, 0)) for bound in BOUNDS}}
 
     def close(self) -> None:
         self.consumers.close()

@@ -70,6 +70,7 @@ class EngineCounters:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     emit_s: float = 0.0
+    k_bounds: dict = field(default_factory=dict)  # steps by what limited their K (pacing.BOUNDS)
 
 
 class TalkerEngine:
@@ -95,15 +96,24 @@ class TalkerEngine:
         counters.schedule_s += planned - now
         for request in plan.finished:
             self._final_record(request)
+        prefill_s = 0.0
         if plan.prefill:
             begun = self.clock()
             self._prefill(plan)
-            counters.prefill_s += self.clock() - begun
-        if plan.decode:
+            prefill_s = self.clock() - begun
+            counters.prefill_s += prefill_s
+            self.scheduler.times.observe_prefill(prefill_s)
+        decoded = bool(plan.decode)
+        if decoded:
             self._decode(plan)
         begun = self.clock()
         self._flush(now)
-        counters.emit_s += self.clock() - begun
+        ended = self.clock()
+        counters.emit_s += ended - begun
+        if decoded:  # what a step of K frames took, from planning to its records written
+            bucket = self.scheduler.bucket_for(len(plan.decode))
+            self.scheduler.times.observe(bucket, plan.k, ended - now - prefill_s)
+            counters.k_bounds[plan.k_bound] = counters.k_bounds.get(plan.k_bound, 0) + 1
         return bool(plan.decode or plan.prefill or plan.finished)
 
     def _prefill(self, plan: StepPlan) -> None:
@@ -128,7 +138,8 @@ class TalkerEngine:
         finally:
             decoded = self.clock()
             self.counters.decode_s += decoded - begun
-        produced = {request: self._row_frames(out[:, row]) for row, request in enumerate(plan.decode)}
+        produced = {request: self._row_frames(out[:, row], request.frames_left)
+                    for row, request in enumerate(plan.decode)}
         self.scheduler.update(plan, produced)
         self.counters.steps += 1
         self.counters.step_frames += plan.k
@@ -143,10 +154,11 @@ class TalkerEngine:
                             finish=request.finish or FinishReason.UNSPECIFIED)
         self.counters.emit_s += self.clock() - decoded
 
-    def _row_frames(self, row: np.ndarray) -> RowFrames:
-        """row: [K, N + 1]. Frames up to (not including) the first stop frame."""
+    def _row_frames(self, row: np.ndarray, limit: int) -> RowFrames:
+        """row: [K, N + 1]. Frames up to (not including) the first stop frame, at most ``limit``
+        (the row's frames left: a row ending inside the step rides along as padding)."""
         result = RowFrames()
-        for frame in row:
+        for frame in row[:limit]:
             if frame[self.num_codebooks]:
                 result.stopped = True
                 break
@@ -179,7 +191,11 @@ class TalkerEngine:
                 del self.outboxes[key]
                 continue
             while box.records and self._put(sink, box):
-                box.records.popleft()
+                written = box.records.popleft()
+                if written.codes is not None:
+                    box.request.frames_written += len(written.codes)
+                    if box.request.first_written_at is None:
+                        box.request.first_written_at = self.clock()
             request = box.request
             if not box.records:
                 del self.outboxes[key]

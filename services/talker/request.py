@@ -35,6 +35,7 @@ class TalkerRequest:
     schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
     arrival: float = 0.0       # monotonic seconds
     deadline: float | None = None
+    first_audio_by: float | None = None  # when its first audio is due at the listener (None: no budget)
 
     state: RequestState = RequestState.WAITING
     slot: int | None = None
@@ -43,12 +44,13 @@ class TalkerRequest:
     finish: FinishReason | None = None
     paused_since: float | None = None
     cancel_requested: bool = False
+    first_written_at: float | None = None  # when its first record with frames reached the sink
+    frames_written: int = 0                # frames in records the sink has taken
 
     @property
     def key(self) -> tuple[str, int]:
         return self.consumer_id, self.handle
 
-    def frames_to_boundary(self) -> int:
-        """Frames this request may produce before its next chunk boundary (or its end)."""
-        boundary = min(self.schedule.next_boundary(self.frames_done), self.max_frames)
-        return boundary - self.frames_done
+    @property
+    def frames_left(self) -> int:
+        return self.max_frames - self.frames_done

@@ -9,17 +9,19 @@ then K frames for every decode row) -> ``update(plan, frames)``. At each step bo
 - waiting requests are admitted in arrival order while a slot is free, fewer than
   ``max_num_seqs`` run, and the step's prefill token budget lasts (the first admission
   of a step is always allowed, so a long prompt cannot starve);
-- K is the largest value <= k_max such that no decode row passes its next chunk
-  boundary (or its max frames) inside the step, and 1 while requests still wait, so a
-  waiting request is admitted about one frame later.
+- K comes from the rows' playout slack (services/talker/pacing.py): the most frames,
+  1..k_max, that every row's listener outlasts, a waiting request included. No row is held
+  back by another row's chunk boundary; a row needing fewer frames than K to reach its
+  max frames keeps only those.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.talker.pacing import PacingConfig, StepTimes, choose_k
 from services.talker.request import FinishReason, RequestState, TalkerRequest
 
 
@@ -33,6 +35,7 @@ class StepPlan:
     prefill: list[TalkerRequest] = field(default_factory=list)   # admitted: prefill, then decode
     decode: list[TalkerRequest] = field(default_factory=list)    # rows of this step, in order
     k: int = 0
+    k_bound: str = ""      # what limited K (pacing.BOUNDS)
 
 
 @dataclass
@@ -59,10 +62,14 @@ class SlotAllocator:
 
 class Scheduler:
     def __init__(self, *, num_slots: int, max_num_seqs: int, k_max: int, prefill_token_budget: int,
-                 max_waiting: int, stall_timeout: float) -> None:
+                 max_waiting: int, stall_timeout: float, frame_rate: float, path_s: float,
+                 bucket_for: Callable[[int], int] = lambda rows: rows) -> None:
         self.slots = SlotAllocator(num_slots)
         self.max_num_seqs = max_num_seqs
         self.k_max = k_max
+        self.pacing = PacingConfig(frame_rate=frame_rate, path_s=path_s, k_max=k_max)
+        self.times = StepTimes()       # the engine feeds it each step's measured time
+        self.bucket_for = bucket_for
         self.prefill_token_budget = prefill_token_budget
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
@@ -115,7 +122,9 @@ class Scheduler:
         plan.finished = self._end_at_boundary(now)
         plan.prefill = self._admit()
         plan.decode = [r for r in self.running if r.paused_since is None]
-        plan.k = self._choose_k(plan.decode) if plan.decode else 0
+        if plan.decode:
+            plan.k, plan.k_bound = choose_k(plan.decode, self.waiting, now, self.bucket_for(len(plan.decode)),
+                                            len(plan.prefill), self.pacing, self.times)
         return plan
 
     def _end_at_boundary(self, now: float) -> list[TalkerRequest]:
@@ -146,12 +155,6 @@ class Scheduler:
             admitted.append(request)
             budget -= request.prompt_len
         return admitted
-
-    def _choose_k(self, rows: Iterable[TalkerRequest]) -> int:
-        k = 1 if self.waiting else self.k_max
-        for request in rows:
-            k = min(k, request.frames_to_boundary())
-        return max(1, k)
 
     def update(self, plan: StepPlan, produced: dict[TalkerRequest, RowFrames]) -> list[TalkerRequest]:
         """Applies a step's frames; returns the requests that ended (STOP or LENGTH)."""

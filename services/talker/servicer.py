@@ -68,7 +68,8 @@ def _frames(frames: talker_pb2.Frames, facts: ModelFacts, field: str) -> torch.T
 
 
 def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, default_schedule: ChunkSchedule,
-                  now: float) -> TalkerRequest:
+                  now: float, first_audio_budget_s: float = 0.0) -> TalkerRequest:
+    """``first_audio_budget_s``: the budget of a Submit that carries none (0: none)."""
     if not req.consumer_id:
         raise InvalidArgument("consumer_id", "must not be empty")
     if req.max_frames < 1:
@@ -77,6 +78,9 @@ def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, default_sche
         raise InvalidArgument("min_frames", "must not exceed max_frames")
     if not req.timeout_s >= 0:
         raise InvalidArgument("timeout_s", f"must be >= 0, got {req.timeout_s}")
+    if not 0 <= req.first_audio_budget_s < 3600:
+        raise InvalidArgument("first_audio_budget_s",
+                              f"must be in [0, 3600) seconds, got {req.first_audio_budget_s}")
     segments, prompt_len = _segments(req, facts)
     if prompt_len + req.max_frames > facts.max_len:
         raise InvalidArgument("max_frames", f"prompt ({prompt_len}) + max_frames ({req.max_frames}) "
@@ -92,11 +96,13 @@ def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, default_sche
     except ConfigValueError as exc:
         raise InvalidArgument(f"sampling.{exc.key}", exc.reason) from None
     schedule = requested_schedule(req) or default_schedule
+    budget = req.first_audio_budget_s or first_audio_budget_s
     return TalkerRequest(
         request_id=req.request_id or f"handle-{req.handle}", handle=req.handle,
         consumer_id=req.consumer_id, prompt=segments, prompt_len=prompt_len,
         max_frames=req.max_frames, min_frames=req.min_frames, sampling=sampling, schedule=schedule,
-        arrival=now, deadline=now + req.timeout_s if req.timeout_s else None)
+        arrival=now, deadline=now + req.timeout_s if req.timeout_s else None,
+        first_audio_by=now + budget if budget else None)
 
 
 class TalkerServicer(talker_pb2_grpc.TalkerServicer):
@@ -107,6 +113,7 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
         self._facts = facts
         self._model_info = model_info
         self._default_schedule = config.chunks
+        self._first_audio_budget_s = config.engine.first_audio_budget_s
 
     async def _call(self, command):
         """``command(engine)`` on the engine thread (see EngineThread.call)."""
@@ -131,7 +138,8 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
         return self._model_info
 
     async def Submit(self, request, context):
-        talker_request = build_request(request, self._facts, self._default_schedule, time.monotonic())
+        talker_request = build_request(request, self._facts, self._default_schedule, time.monotonic(),
+                                       self._first_audio_budget_s)
         position = await self._call(lambda core: core.submit(talker_request))
         admission = (talker_pb2.SubmitResponse.ADMISSION_ADMITTED if position == 0
                      else talker_pb2.SubmitResponse.ADMISSION_QUEUED)

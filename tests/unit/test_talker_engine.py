@@ -52,7 +52,8 @@ def make_engine(folder, *, k_max: int, buckets=(4,), stop_rule=None, sink=None, 
     runner = Runner(model, num_slots=num_slots, max_len=MAX_LEN, buckets=list(buckets), k_max=k_max,
                     max_repetition_window=8)
     scheduler = Scheduler(num_slots=num_slots, max_num_seqs=num_slots, k_max=k_max,
-                          prefill_token_budget=4096, max_waiting=64, stall_timeout=5.0)
+                          prefill_token_budget=4096, max_waiting=64, stall_timeout=5.0, frame_rate=12.5,
+                          path_s=0.1, bucket_for=runner.bucket_for)
     sink = sink or ListSink()
     return TalkerEngine(runner, scheduler, lambda consumer: sink), sink
 
@@ -171,8 +172,11 @@ def test_max_frames_exact_and_one_record_per_step(folder):
     run(engine, [request(1, "Seven frames.", max_frames=7)])
     codes, reason = collect(sink.records)[1]
     assert len(codes) == 7 and reason == FinishReason.LENGTH
-    # chunks of 2 then 4 then the last 1: three records, one per step
-    assert [len(r["codes"]) for r in sink.records] == [2, 4, 1]
+    # one record per step, each of that step's K frames, the last cut at max frames (a step
+    # may make more frames than the row has left: the rest ride along as padding)
+    sizes = [len(r["codes"]) for r in sink.records]
+    assert sum(sizes) == 7 and len(sizes) == engine.counters.steps and all(1 <= n <= 8 for n in sizes)
+    assert sizes[0] == 1  # the first step of a bucket runs at K=1, to be measured
 
 
 def test_cancel_frees_the_slot_and_writes_cancelled(folder):

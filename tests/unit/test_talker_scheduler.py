@@ -19,7 +19,7 @@ def req(handle: int, *, prompt_len: int = 10, max_frames: int = 100, consumer: s
 
 def sched(**overrides) -> Scheduler:
     args = dict(num_slots=4, max_num_seqs=4, k_max=8, prefill_token_budget=64, max_waiting=8,
-                stall_timeout=1.0)
+                stall_timeout=1.0, frame_rate=12.5, path_s=0.1)
     args.update(overrides)
     return Scheduler(**args)
 
@@ -42,27 +42,48 @@ def test_chunk_schedule_boundaries():
         ChunkSchedule(growth=0.5)
 
 
-def test_k_follows_the_chunk_schedule_of_a_lone_request():
+def test_k_is_1_until_a_step_of_the_bucket_is_measured_then_k_max_with_slack():
     s = sched()
     r = req(1, max_frames=30)
     s.add(r)
-    ks = []
-    while r.finish is None:
-        plan, _ = run_step(s, 0.0)
-        ks.append(plan.k)
-    # chunks of 2, 4, 8, 8 then the last 8 frames capped at max_frames by k_max
-    assert ks == [2, 4, 8, 8, 8]
-    assert r.frames_done == 30 and r.finish is FinishReason.LENGTH
+    plan, _ = run_step(s, 0.0)
+    assert plan.k == 1  # nothing measured yet for this bucket
+    s.times.observe(1, 1, 0.010)  # 10 ms a frame
+    r.first_written_at, r.frames_written = 0.0, 1
+    plan = s.schedule(0.0)
+    # 80 ms of audio written, 100 ms of path: the listener starts at 0.1 s, so the row has
+    # 0.08 s of slack; a step of K takes 10 K ms: K = 7 keeps 10 ms of it
+    assert (plan.k, plan.k_bound) == (7, "slack")
+    r.frames_written = 40  # 3.2 s written: no step of 8 frames runs it dry
+    plan = s.schedule(0.0)
+    assert (plan.k, plan.k_bound) == (8, "k_max")
 
 
-def test_k_is_the_fewest_frames_to_any_boundary_and_1_while_waiting():
+def test_no_row_is_held_back_by_another_rows_chunk_boundary_or_its_end():
+    s = sched()
+    for h in (1, 2):
+        s.add(req(h, max_frames=3))
+    run_step(s, 0.0)
+    s.times.observe(2, 1, 0.001)
+    for r in s.running:
+        r.first_written_at, r.frames_written = 0.0, 50
+    plan = s.schedule(0.0)
+    assert plan.k == 8  # the first chunk of 2 frames and the 3-frame ends do not bind K
+
+
+def test_a_waiting_request_bounds_k_by_its_first_audio_deadline():
     s = sched(num_slots=1, max_num_seqs=1)
-    s.add(req(1))
-    plan, _ = run_step(s, 0.0)
-    assert [r.handle for r in plan.prefill] == [1] and plan.k == 2
-    s.add(req(2))  # no slot: it waits, so steps shrink to one frame
-    plan, _ = run_step(s, 0.0)
-    assert plan.k == 1 and [r.handle for r in s.waiting] == [2]
+    running = req(1)
+    s.add(running)
+    run_step(s, 0.0)
+    s.times.observe(1, 1, 0.010)
+    running.first_written_at, running.frames_written = 0.0, 100
+    waiting = req(2)
+    waiting.first_audio_by = 0.1 + 0.055  # path 0.1: 55 ms left for this step and its own first
+    s.add(waiting)
+    plan = s.schedule(0.0)
+    # its own first step (10 ms) must follow this one: 10 K + 10 < 55 ms -> K = 4
+    assert (plan.k, plan.k_bound) == (4, "waiting")
 
 
 def test_admission_respects_slots_max_num_seqs_and_prefill_budget():
