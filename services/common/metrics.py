@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from services.common.config import ConfigValueError
 from services.common.sections import parse_listen
@@ -43,13 +43,18 @@ class MetricsSection:
 
 class StageCollector:
     """Turns a stage's ``snapshot() -> {name: (kind, help, value)}`` into metrics at
-    scrape time; kind is "counter" or "gauge"."""
+    scrape time; kind is "counter", "gauge" or "histogram" (value: ``(buckets, sum)``, buckets
+    as ``[(upper edge, cumulative count), ...]`` ending with ``("+Inf", total)``)."""
 
     def __init__(self, snapshot: Callable[[], dict[str, tuple[str, str, float]]]) -> None:
         self.snapshot = snapshot
 
     def collect(self):
         for name, (kind, text, value) in self.snapshot().items():
+            if kind == "histogram":
+                buckets, total = value
+                yield HistogramMetricFamily(f"voxring_{name}", text, buckets=buckets, sum_value=total)
+                continue
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"voxring_{name}", text, value=value)
 

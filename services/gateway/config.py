@@ -145,8 +145,14 @@ class EnginesSection:
 class AdmissionSection:
     max_in_flight: int = 64          # beyond: RESOURCE_EXHAUSTED with a retry hint
     retry_after_s: float = 1.0
+    # the time-to-first-audio target the talker paces a request's first frames by (PROTOCOL.md,
+    # Pacing): what is left of it after the gateway's queueing goes in Submit; 0: the talker's default
+    first_audio_budget_s: float = 0.05
 
     def __post_init__(self) -> None:
+        if not 0 <= self.first_audio_budget_s < 60:
+            raise ConfigValueError("first_audio_budget_s", f"must be in [0, 60) seconds, got "
+                                   f"{self.first_audio_budget_s}")
         if self.max_in_flight < 1:
             raise ConfigValueError("max_in_flight", f"must be >= 1, got {self.max_in_flight}")
         if not self.retry_after_s > 0:

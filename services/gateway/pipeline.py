@@ -24,6 +24,7 @@ import grpc
 
 from services.common import errors
 from services.common.metrics import TIME_TO_FIRST_AUDIO
+from services.common.server import RETRY_AFTER_METADATA
 from services.gateway.audio import make_encoder, wav_bytes
 from services.gateway.config import GatewayConfig
 from services.gateway.routing import REQUEST_DOWN_S, EnginePair, Router
@@ -63,8 +64,19 @@ def _stage_error(exc: grpc.aio.AioRpcError, stage: str) -> errors.ServiceError:
     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
         field, _, reason = exc.details().partition(": ")
         return errors.InvalidArgument(field, reason)
+    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a stage at capacity: keep its retry hint
+        hint = dict(exc.trailing_metadata() or ()).get(RETRY_AFTER_METADATA)
+        return errors.ResourceExhausted(f"{stage}: {exc.details()}", retry_after=_seconds(hint))
     kind = STATUS_ERRORS.get(exc.code(), errors.Internal)
     return kind(f"{stage}: {exc.details()}")
+
+
+def _seconds(text: str | None) -> float | None:
+    try:
+        value = float(text) if text is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and math.isfinite(value) and value > 0 else None
 
 
 class SynthesisPipeline:
@@ -207,7 +219,8 @@ class SynthesisPipeline:
             await self._submit(pair, talker_pb2.SubmitRequest(
                 request_id=request.request_id, handle=started.handle, consumer_id=pair.consumer_id,
                 segments=segments, sampling=self._sampling(msg, seed), max_frames=max_frames,
-                chunk_schedule=schedule, timeout_s=_remaining(request) or 0.0))
+                chunk_schedule=schedule, timeout_s=_remaining(request) or 0.0,
+                first_audio_budget_s=self._first_audio_budget(started.arrival)))
         except grpc.aio.AioRpcError as exc:
             call.cancel()
             raise _stage_error(exc, "engine") from None
@@ -215,6 +228,14 @@ class SynthesisPipeline:
             call.cancel()  # Code2Wav then cancels it on the talker too
             raise
         return started
+
+    def _first_audio_budget(self, arrival: float) -> float:
+        """What is left of the time-to-first-audio target after the gateway's own work since
+        ``arrival`` (PROTOCOL.md, Pacing); at least a millisecond (0 means the talker's default)."""
+        target = self.config.admission.first_audio_budget_s
+        if not target:
+            return 0.0
+        return max(1e-3, target - (time.monotonic() - arrival))
 
     @staticmethod
     async def _submit(pair: EnginePair, submit: talker_pb2.SubmitRequest) -> None:

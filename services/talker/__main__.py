@@ -86,7 +86,9 @@ def build(config: TalkerConfig, config_path: Path | None):
     scheduler = Scheduler(num_slots=engine_cfg.max_num_seqs, max_num_seqs=engine_cfg.max_num_seqs,
                           k_max=engine_cfg.k_max, prefill_token_budget=engine_cfg.prefill_token_budget,
                           max_waiting=engine_cfg.max_waiting, stall_timeout=engine_cfg.stall_timeout,
-                          frame_rate=model.frame_rate, path_s=engine_cfg.path_s, bucket_for=runner.bucket_for)
+                          frame_rate=model.frame_rate, path_s=engine_cfg.path_s, bucket_for=runner.bucket_for,
+                          min_chunk_tokens=engine_cfg.min_chunk_tokens,
+                          admission_headroom=engine_cfg.admission_headroom)
     frame_servicer = FrameStreamServicer() if config.transport.kind == "grpc" else None
     consumers = Consumers(config.transport, secrets.randbits(64), frame_servicer)
     engine = TalkerEngine(runner, scheduler, consumers.sink_for,

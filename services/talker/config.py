@@ -34,8 +34,13 @@ class EngineSection:
     cuda_graphs: bool = True                # capture the frame per bucket on CUDA
     # Pacing (PROTOCOL.md): a record's way to the listener (Code2Wav, transport, gateway), and the
     # first-audio budget of a Submit that carries none (0: none)
-    path_s: float = 0.1
-    first_audio_budget_s: float = 0.5
+    path_s: float = 0.02
+    first_audio_budget_s: float = 0.1
+    # Prefill in chunks: the least a step prefills when prompts wait (so they always advance), and
+    # admission by slack: a stream is refused when a step of k_max frames for one more would not
+    # beat the audio it makes by this fraction
+    min_chunk_tokens: int = 32
+    admission_headroom: float = 0.2
 
     def __post_init__(self) -> None:
         positive = {"k_max": self.k_max, "max_num_seqs": self.max_num_seqs,
@@ -54,6 +59,10 @@ class EngineSection:
             raise ConfigValueError("max_len" if self.max_len < 0 else "max_repetition_window", "must be >= 0")
         if not self.stall_timeout > 0:
             raise ConfigValueError("stall_timeout", f"must be > 0 seconds, got {self.stall_timeout}")
+        if self.min_chunk_tokens < 1:
+            raise ConfigValueError("min_chunk_tokens", f"must be >= 1, got {self.min_chunk_tokens}")
+        if not 0 <= self.admission_headroom < 10:
+            raise ConfigValueError("admission_headroom", f"must be in [0, 10), got {self.admission_headroom}")
         for key in ("path_s", "first_audio_budget_s"):
             value = getattr(self, key)
             if not 0 <= value < 60:  # NaN is refused too

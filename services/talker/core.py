@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from services.common.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
 from services.talker.consumers import Consumers
 from services.talker.engine import TalkerEngine
+from services.talker.metrics import SLACK_EDGES
 from services.talker.pacing import BOUNDS
 from services.talker.request import TalkerRequest
-from services.talker.scheduler import QueueFull
+from services.talker.scheduler import Overloaded, QueueFull
 from services.transport import Endpoint
 
 
@@ -72,6 +75,8 @@ class TalkerCore:
             return self.engine.scheduler.add(request)
         except QueueFull as exc:
             raise ResourceExhausted(f"talker queue full: {exc}") from None
+        except Overloaded as exc:
+            raise ResourceExhausted(f"talker at capacity: {exc}", retry_after=exc.retry_after_s) from None
         except KeyError:
             raise AlreadyExists(f"handle {request.handle} is already in flight for consumer "
                                 f"{request.consumer_id!r}") from None
@@ -103,12 +108,33 @@ class TalkerCore:
                 "step_schedule_seconds": ("counter", "engine time planning steps", counters.schedule_s),
                 "step_prefill_seconds": ("counter", "engine time prefilling admitted rows",
                                          counters.prefill_s),
-                "step_decode_seconds": ("counter", "engine time in the runner's decode (graph replays, copy "
-                                        "to host)", counters.decode_s),
+                "step_decode_seconds": ("counter", "engine time launching decode steps (on a synchronous "
+                                        "device: running them)", counters.decode_s),
+                "step_wait_seconds": ("counter", "engine time waiting for a launched step's results",
+                                      counters.wait_s),
                 "step_emit_seconds": ("counter", "engine time turning frames into records and writing them",
                                       counters.emit_s),
+                "step_host_seconds": ("counter", "engine time in steps other than waiting for the device",
+                                      counters.host_s),
+                "steps_overlapped": ("counter", "steps collected while the next one was already queued "
+                                     "(host work overlapped with the device)", counters.overlapped_steps),
+                "step_frames": ("counter", "frames asked per row, summed over steps (mean K: / steps)",
+                                counters.step_frames),
+                "prefill_steps": ("counter", "steps that prefilled prompt chunks", counters.prefill_steps),
+                "prefill_tokens": ("counter", "prompt positions prefilled", counters.prefill_tokens),
+                "admissions_refused_slack": ("counter", "requests refused: one more stream would not be fed "
+                                             "in real time", scheduler.refused_overload),
+                "row_slack_seconds": ("histogram", "a row's slack (audio ahead of its listener) when its "
+                                      "record is written", _slack_histogram(counters)),
                 **{f"steps_k_bound_{bound}": ("counter", f"decode steps whose K was limited by {bound}",
                                               counters.k_bounds.get(bound, 0)) for bound in BOUNDS}}
 
     def close(self) -> None:
+        self.engine.drain()
         self.consumers.close()
+
+
+def _slack_histogram(counters) -> tuple[list, float]:
+    cumulative = np.cumsum(counters.slack_counts).tolist()
+    edges = [str(edge) for edge in SLACK_EDGES] + ["+Inf"]
+    return list(zip(edges, cumulative, strict=True)), counters.slack_sum

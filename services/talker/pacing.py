@@ -1,61 +1,77 @@
 """Playout pacing (PROTOCOL.md, "Pacing"; DESIGN.md, "Serving loop"): how many frames a
-step makes. Pure Python (no torch, no grpc).
+step makes, how much prompt it may prefill, and whether one more stream fits. Pure Python
+(no torch, no grpc).
 
 The talker models each request's listener from its own writes: playout starts at t0 =
 when the request's first record was written + ``path_s`` (Code2Wav, transport, gateway),
 so at ``now`` the listener has buffered frames_written / frame_rate − (now − t0) seconds,
-of which the last ``path_s`` are still on their way: that is the row's **slack**. A row that
-has not written its first record has the slack of its first-audio deadline instead
-(``first_audio_by`` − path_s − now).
+of which the last ``path_s`` are still on their way. That leaves the row's **slack**:
+frames_written / frame_rate − (now − first_written_at) − 2·path_s + path_s, i.e. the row's
+records must keep arriving before its **due time** ``first_written_at + frames_written /
+frame_rate`` (``path_s`` cancels: the listener hears every record ``path_s`` after it was
+written). A row that has not written its first record is due at its first-audio deadline
+less the path (``first_audio_by − path_s``).
 
-A step of K frames takes T(bucket, K) (an online estimate from the steps measured so far)
-plus the prefill it carries; its frames are written when it ends. K is the most frames,
-1..K_max, for which every row's slack stays positive through the step; a request still
-waiting for a slot must also be able to start and write its first record in time. No
-row is held back by another row's chunk boundary.
+A step of K frames writes its records when the device has run the step in flight before
+it, its own prefill and its K frames. K is the most frames, 1..K_max, for which every
+row's next records arrive before the row is due, with one more step's time to spare (the
+estimate's error); a request still waiting for its slot or its prefill must also be able
+to write its first record in time after it. No row is held back by another row's chunk
+boundary.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.talker.request import TalkerRequest
 
-BOUNDS = ("k_max", "slack", "first_audio", "waiting")
+BOUNDS = ("k_max", "slack", "first_audio", "waiting", "unmeasured")
 
 
 @dataclass
 class StepTimes:
-    """Seconds a step of K frames takes per bucket (exponentially weighted), and a prefill call."""
+    """Seconds a step of K frames takes per bucket (exponentially weighted, from steps without
+    prefill), and the seconds of prefill per prompt position (from the steps with it: what they
+    took beyond the estimate of the same step without)."""
 
     alpha: float = 0.25
     steps: dict[tuple[int, int], float] = field(default_factory=dict)
-    prefill_s: float | None = None
+    per_token_s: float = 0.0
 
-    def observe(self, bucket: int, k: int, seconds: float) -> None:
+    def observe(self, bucket: int, k: int, seconds: float, prefill_tokens: int = 0) -> None:
+        if prefill_tokens:
+            base = self.estimate(bucket, k)
+            if base is not None:
+                sample = max(0.0, seconds - base) / prefill_tokens
+                self.per_token_s += self.alpha * (sample - self.per_token_s) if self.per_token_s else sample
+            return
         old = self.steps.get((bucket, k))
         self.steps[(bucket, k)] = seconds if old is None else old + self.alpha * (seconds - old)
 
-    def observe_prefill(self, seconds: float) -> None:
-        old = self.prefill_s
-        self.prefill_s = seconds if old is None else old + self.alpha * (seconds - old)
-
     def estimate(self, bucket: int, k: int) -> float | None:
         """T(bucket, K): measured, or a line through the bucket's measured K (one point: per
-        frame), or None when the bucket has no step yet."""
+        frame), or a smaller bucket's scaled by rows when this one has none; None when no
+        bucket has a step yet."""
         if (bucket, k) in self.steps:
             return self.steps[(bucket, k)]
         seen = sorted((kk, t) for (b, kk), t in self.steps.items() if b == bucket)
         if not seen:
-            return None
+            smaller = [b for b, _ in self.steps if b < bucket]
+            if not smaller:
+                return None
+            nearest = max(smaller)
+            return self.estimate(nearest, k) * bucket / nearest  # pessimistic: time grows with rows
         if len(seen) == 1:
             k0, t0 = seen[0]
             return t0 * k / k0
         (k0, t0), (k1, t1) = seen[0], seen[-1]
         slope = max(0.0, (t1 - t0) / (k1 - k0))
         return max(t0 + slope * (k - k0), slope * k, 1e-6)
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.per_token_s * tokens
 
 
 @dataclass(frozen=True)
@@ -73,37 +89,70 @@ class PacingConfig:
             raise ValueError(f"k_max must be >= 1, got {self.k_max}")
 
 
+def due(request: TalkerRequest, config: PacingConfig) -> float:
+    """When the row's next records must be written (see the module's docstring)."""
+    if request.first_written_at is None:
+        return math.inf if request.first_audio_by is None else request.first_audio_by - config.path_s
+    return request.first_written_at + request.frames_written / config.frame_rate
+
+
 def slack(request: TalkerRequest, now: float, config: PacingConfig) -> float:
     """Seconds before the row's listener runs dry (or its first-audio deadline passes)."""
-    if request.first_written_at is None:
-        if request.first_audio_by is None:
-            return math.inf
-        return request.first_audio_by - config.path_s - now
-    t0 = request.first_written_at + config.path_s
-    return request.frames_written / config.frame_rate - (now - t0) - config.path_s
+    return due(request, config) - now
 
 
-def choose_k(rows: Iterable[TalkerRequest], waiting: Iterable[TalkerRequest], now: float, bucket: int,
-             prefill_rows: int, config: PacingConfig, times: StepTimes) -> tuple[int, str]:
-    """(K, what bound it: one of BOUNDS). The most frames for which every row's slack outlasts
-    the step (its prefill included), and a waiting request could still start and write its
-    first record in time after it. 1 when even one frame does not fit (the most urgent choice)
-    or while the bucket has no measured step yet (its first step is measured at K=1)."""
-    if times.estimate(bucket, 1) is None:
-        return 1, "slack"
-    margins = [(slack(r, now, config), r.first_written_at is None) for r in rows]
-    margin, unstarted = min(margins, default=(math.inf, False))
-    urgent_wait = min((slack(r, now, config) for r in waiting), default=math.inf)
-    prefill = (times.prefill_s or 0.0) if prefill_rows else 0.0
-    start_after = times.estimate(bucket, 1) + (times.prefill_s or 0.0)  # a waiting row's own first step
+@dataclass(frozen=True)
+class StepOutlook:
+    """What a step's K is chosen from."""
+
+    now: float
+    bucket: int
+    row_due: float            # the earliest due time of the step's rows
+    unstarted_due: bool       # whether that row has not written its first record yet
+    waiting_due: float        # the earliest first-audio deadline (less the path) of requests not in the step
+    ahead_s: float            # device time queued before this step: the step in flight, this step's prefill
+
+
+def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tuple[int, str]:
+    """(K, what bound it: one of BOUNDS). The most frames whose records arrive before every row
+    is due with one K=1 step to spare, and after which a waiting request can still prefill (its
+    share is already in ``ahead_s`` when it prefills this step) and write its first record in
+    time. 1 when even one frame does not fit (the most urgent choice) or while no step of this
+    size was measured (its first is measured at K=1)."""
+    one = times.estimate(outlook.bucket, 1)
+    if one is None:
+        return 1, "unmeasured"
+    start = outlook.now + outlook.ahead_s
     best, why = 0, "k_max"
     for k in range(1, config.k_max + 1):
-        step = prefill + times.estimate(bucket, k)
-        if step >= margin:
-            why = "first_audio" if unstarted else "slack"
+        written = start + times.estimate(outlook.bucket, k)
+        if written + one > outlook.row_due:
+            why = "first_audio" if outlook.unstarted_due else "slack"
             break
-        if step + start_after >= urgent_wait:
+        if written + 2 * one > outlook.waiting_due:
             why = "waiting"
             break
         best = k
     return max(best, 1), why
+
+
+def prefill_tokens_allowed(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> float:
+    """Prompt positions this step may prefill and still write every decoding row's next record
+    (at K=1) before it is due with a step to spare; infinite while nothing is measured."""
+    one = times.estimate(outlook.bucket, 1)
+    if one is None or times.per_token_s <= 0:
+        return math.inf
+    spare = outlook.row_due - (outlook.now + outlook.ahead_s + 2 * one)
+    return max(0.0, spare / times.per_token_s)
+
+
+def fits(rows: int, bucket_for, config: PacingConfig, times: StepTimes, headroom: float) -> bool:
+    """Whether ``rows`` streams can be fed faster than real time: a step of K_max frames at their
+    bucket takes less than the audio it makes, with ``headroom`` (0.2: 20% to spare). Unknown
+    sizes (nothing measured yet) fit: admission then rests on the counts alone."""
+    try:
+        bucket = bucket_for(rows)
+    except ValueError:
+        return False
+    step = times.estimate(bucket, config.k_max)
+    return step is None or step * (1 + headroom) < config.k_max / config.frame_rate

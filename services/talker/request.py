@@ -46,11 +46,13 @@ class TalkerRequest:
     cancel_requested: bool = False
     first_written_at: float | None = None  # when its first record with frames reached the sink
     frames_written: int = 0                # frames in records the sink has taken
+    prefilled: int = 0                     # prompt positions in its slot (a long prompt takes steps)
+    frames_dispatched: int = 0             # frames asked of the device so far (a step may be in flight)
 
     @property
     def key(self) -> tuple[str, int]:
         return self.consumer_id, self.handle
 
     @property
-    def frames_left(self) -> int:
-        return self.max_frames - self.frames_done
+    def prefilling(self) -> bool:
+        return self.prefilled < self.prompt_len

@@ -42,9 +42,20 @@ _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
 @dataclass
 class PrefillRow:
     slot: int
-    segments: Sequence[PromptSegment]
+    tokens: np.ndarray   # [n, N + 1]: a chunk of the packed prompt
+    start: int
+    final: bool
     sampling: Sampling
     min_frames: int
+
+
+@dataclass
+class _Launched:
+    """A queued decode step: its results' host buffer, the event after its copy, its fault count."""
+
+    host: torch.Tensor               # [K, B, N + 1] int32 (pinned on CUDA)
+    event: torch.cuda.Event | None
+    faults: torch.Tensor | None
 
 
 @dataclass
@@ -97,14 +108,17 @@ class Runner:
         self.results = {b: torch.zeros(b, self.num_codebooks + 1, dtype=torch.int32, device=self.device)
                         for b in self.buckets}
         pin = self.device.type == "cuda"
+        self.asynchronous = pin  # launch returns before the device is done: the engine overlaps
         self.out = torch.zeros(k_max, self.buckets[-1], self.num_codebooks + 1, dtype=torch.int32,
                                device=self.device)
-        self.out_host = torch.zeros(self.out.shape, dtype=torch.int32, pin_memory=pin)
-        self.slots_host = torch.zeros(self.buckets[-1], dtype=torch.int64, pin_memory=pin)
+        # two of each host buffer: a step is collected while the next one is queued
+        self.out_host = [torch.zeros(self.out.shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.slots_host = [torch.zeros(self.buckets[-1], dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # stack_step's count of grid-barrier waits that gave up (the kernel runs on CUDA only)
         self.fault_counter = stack_kernel.fault_counter(self.device) if self.device.type == "cuda" else None
-        self._faults_host = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+        self._faults_host = [torch.zeros(1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._faults_seen = 0 if self.fault_counter is None else int(self.fault_counter.item())
         if use_graphs is None:
             use_graphs = self.device.type == "cuda"
@@ -144,16 +158,24 @@ class Runner:
                 return bucket
         raise ValueError(f"{rows} rows exceed the largest bucket {self.buckets[-1]}")
 
-    @torch.inference_mode()
     def decode(self, slots: Sequence[int], k: int) -> np.ndarray:
         """K frames for ``slots`` -> int32 array [K, len(slots), N + 1]: codes, then the stop flag."""
+        return self.collect(self.launch(slots, k))
+
+    @torch.inference_mode()
+    def launch(self, slots: Sequence[int], k: int) -> _Launched:
+        """Queues a step of K frames for ``slots`` and returns at once on CUDA (the CPU runs it
+        here); ``collect`` gives its results. Host buffers alternate between two steps, so one
+        step may be collected while the next is queued, never more."""
         if not 1 <= k <= self.k_max:
             raise ValueError(f"k must be in [1, {self.k_max}], got {k}")
         bucket = self.bucket_for(len(slots))
+        turn = self._turn
+        self._turn ^= 1
         ids, buf = self.slot_ids[bucket], self.buffers[bucket]
-        staged = self.slots_host[:bucket]
+        staged = self.slots_host[turn][:bucket]
         staged.fill_(self.pad_slot)
-        staged[: len(slots)] = torch.as_tensor(list(slots), dtype=torch.int64)
+        staged[: len(slots)] = torch.from_numpy(np.asarray(slots, dtype=np.int64))
         ids.copy_(staged, non_blocking=True)
         for dst, src in zip(buf.tensors(), self.pool.tensors(), strict=True):
             dst.copy_(src[ids])
@@ -162,17 +184,28 @@ class Runner:
             self.out[i, :bucket].copy_(self.results[bucket])
         for dst, src in zip(self.pool.tensors(), buf.tensors(), strict=True):
             dst[ids] = src  # padding rows all land on the spare slot
-        host = self.out_host[:k, :bucket]
+        host = self.out_host[turn][:k, :bucket]
         host.copy_(self.out[:k, :bucket], non_blocking=True)
+        faults = None
         if self.fault_counter is not None:
-            self._faults_host.copy_(self.fault_counter, non_blocking=True)
+            faults = self._faults_host[turn]
+            faults.copy_(self.fault_counter, non_blocking=True)
+        event = None
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        if self.fault_counter is not None:
-            error = self._kernel_faulted(int(self._faults_host[0]))
-            if error is not None:  # this step's frames are wrong: the engine ends its rows with ERROR
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        return _Launched(host[:, : len(slots)], event, faults)
+
+    def collect(self, step: _Launched) -> np.ndarray:
+        """Waits for a launched step; its [K, B, N + 1] codes and stop flags. Raises when the
+        step's frames are wrong (a fault of ``stack_step``): the engine ends its rows with ERROR."""
+        if step.event is not None:
+            step.event.synchronize()
+        if step.faults is not None:
+            error = self._kernel_faulted(int(step.faults[0]))
+            if error is not None:
                 raise error
-        return host[:, : len(slots)].numpy().copy()
+        return step.host.numpy().copy()
 
     def _kernel_faulted(self, count: int) -> RuntimeError | None:
         """The error to report if ``stack_step``'s fault count rose to ``count`` since it was last
@@ -186,7 +219,8 @@ class Runner:
             "process")
         self._faults_seen = count
         stack_kernel.LATCH.trip(error)
-        if self.graphs:  # the capture runs frames on the spare slot only
+        if self.graphs:  # the step queued behind this one still replays the old graphs: let it end
+            torch.cuda.synchronize(self.device)  # the capture runs frames on the spare slot only
             for ids in self.slot_ids.values():
                 ids.fill_(self.pad_slot)
             self._capture_all()

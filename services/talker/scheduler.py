@@ -1,18 +1,26 @@
-"""Continuous batching for the talker: which requests run this step, and for how many
-frames. Pure Python (no torch, no grpc), so it is tested on the CPU in milliseconds.
+"""Continuous batching for the talker: which requests run this step, how much prompt is
+prefilled, and for how many frames. Pure Python (no torch, no grpc), so it is tested on the
+CPU in milliseconds.
 
-The engine loop reads ``plan = schedule(now)`` -> execute (prefill the admitted rows,
-then K frames for every decode row) -> ``update(plan, frames)``. At each step boundary:
+The engine reads ``plan = schedule(now, ahead_s)`` (``ahead_s``: device time still queued
+before this step, the step in flight) -> prefills the plan's chunks and launches K frames
+for every decode row -> applies the step's frames when it collects them (one step later
+when the device runs asynchronously). At each step boundary:
 
 - requests that were cancelled, passed their deadline, or stayed paused longer than the
   stall timeout end (CANCELLED, DEADLINE, STALLED) and free their slots;
-- waiting requests are admitted in arrival order while a slot is free, fewer than
-  ``max_num_seqs`` run, and the step's prefill token budget lasts (the first admission
-  of a step is always allowed, so a long prompt cannot starve);
-- K comes from the rows' playout slack (services/talker/pacing.py): the most frames,
-  1..k_max, that every row's listener outlasts, a waiting request included. No row is held
-  back by another row's chunk boundary; a row needing fewer frames than K to reach its
-  max frames keeps only those.
+- waiting requests get slots in arrival order while one is free and fewer than
+  ``max_num_seqs`` run; their prompts are prefilled in chunks, as many positions a step as
+  the token budget allows and the decoding rows' slack affords (pacing.py): a long prompt
+  takes several steps and never stalls the rows already speaking. The first chunk of a step
+  always gets at least ``min_chunk_tokens`` so a prompt cannot starve;
+- a row decodes once its whole prompt is in its slot; K comes from the rows' playout slack
+  (pacing.py): the most frames, 1..k_max, that every row's listener outlasts, a waiting
+  request included. A row needing fewer frames than K to reach its max frames is asked
+  for only those (``StepPlan.limits``).
+
+New work is refused (``Overloaded``) when one more stream would not be fed faster than real
+time by a step of the measured size (admission by slack).
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.talker.pacing import PacingConfig, StepTimes, choose_k
+from services.talker.pacing import (PacingConfig, StepOutlook, StepTimes, choose_k, due, fits,
+                                    prefill_tokens_allowed)
 from services.talker.request import FinishReason, RequestState, TalkerRequest
 
 
@@ -29,21 +38,40 @@ class QueueFull(Exception):
     """The waiting queue is at its bound."""
 
 
+class Overloaded(Exception):
+    """One more stream would push the running ones behind real time."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class PrefillChunk:
+    """Positions [start, start + count) of a request's prompt; ``final``: its prompt's last."""
+
+    request: TalkerRequest
+    start: int
+    count: int
+
+    @property
+    def final(self) -> bool:
+        return self.start + self.count == self.request.prompt_len
+
+
 @dataclass
 class StepPlan:
     finished: list[TalkerRequest] = field(default_factory=list)  # ended at this boundary
-    prefill: list[TalkerRequest] = field(default_factory=list)   # admitted: prefill, then decode
+    prefill: list[PrefillChunk] = field(default_factory=list)    # prompt chunks before the frames
     decode: list[TalkerRequest] = field(default_factory=list)    # rows of this step, in order
     k: int = 0
     k_bound: str = ""      # what limited K (pacing.BOUNDS)
+    limits: list[int] = field(default_factory=list)              # frames asked of each decode row
+    bucket: int = 0
 
-
-@dataclass
-class RowFrames:
-    """What one decode row produced in a step: frames (codes) and whether a stop frame came."""
-
-    frames: list = field(default_factory=list)
-    stopped: bool = False
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(chunk.count for chunk in self.prefill)
 
 
 class SlotAllocator:
@@ -63,7 +91,8 @@ class SlotAllocator:
 class Scheduler:
     def __init__(self, *, num_slots: int, max_num_seqs: int, k_max: int, prefill_token_budget: int,
                  max_waiting: int, stall_timeout: float, frame_rate: float, path_s: float,
-                 bucket_for: Callable[[int], int] = lambda rows: rows) -> None:
+                 bucket_for: Callable[[int], int] = lambda rows: rows, min_chunk_tokens: int = 32,
+                 admission_headroom: float = 0.2) -> None:
         self.slots = SlotAllocator(num_slots)
         self.max_num_seqs = max_num_seqs
         self.k_max = k_max
@@ -71,11 +100,14 @@ class Scheduler:
         self.times = StepTimes()       # the engine feeds it each step's measured time
         self.bucket_for = bucket_for
         self.prefill_token_budget = prefill_token_budget
+        self.min_chunk_tokens = min_chunk_tokens
+        self.admission_headroom = admission_headroom
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
         self.waiting: deque[TalkerRequest] = deque()
-        self.running: list[TalkerRequest] = []
+        self.running: list[TalkerRequest] = []   # in admission order; some may still prefill
         self.by_key: dict[tuple[str, int], TalkerRequest] = {}
+        self.refused_overload = 0
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -85,9 +117,23 @@ class Scheduler:
             raise KeyError(f"handle {request.handle} of consumer {request.consumer_id!r} is in flight")
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests wait already (max_waiting)")
+        self._check_capacity()
         self.waiting.append(request)
         self.by_key[request.key] = request
         return self._position(request)
+
+    def _check_capacity(self) -> None:
+        """Admission by slack: refuses a stream the measured step times say cannot be fed in
+        real time beside the ones already admitted, with a hint of when one may end."""
+        streams = len(self.running) + len(self.waiting) + 1
+        if fits(min(streams, self.max_num_seqs), self.bucket_for, self.pacing, self.times,
+                self.admission_headroom):
+            return
+        self.refused_overload += 1
+        left = min((r.max_frames - r.frames_dispatched for r in self.running), default=0)
+        retry = max(0.1, left / self.pacing.frame_rate)
+        raise Overloaded(f"{streams - 1} streams already use the talker's real-time capacity "
+                         f"(a step of {self.k_max} frames for {streams} would outlast their audio)", retry)
 
     def _position(self, request: TalkerRequest) -> int:
         ahead = len(self.waiting) - 1
@@ -106,7 +152,7 @@ class Scheduler:
         """Ends every request matching ``predicate`` now (a dead consumer's rows)."""
         ended = [r for r in [*self.running, *self.waiting] if predicate(r)]
         for request in ended:
-            self._finish(request, reason)
+            self.finish(request, reason)
         return ended
 
     def set_paused(self, request: TalkerRequest, paused: bool, now: float) -> None:
@@ -117,14 +163,18 @@ class Scheduler:
 
     # --- the step -----------------------------------------------------------------------------
 
-    def schedule(self, now: float) -> StepPlan:
+    def schedule(self, now: float, ahead_s: float = 0.0) -> StepPlan:
+        """The next step's plan; ``ahead_s``: device time queued before it (a step in flight)."""
         plan = StepPlan()
         plan.finished = self._end_at_boundary(now)
-        plan.prefill = self._admit()
-        plan.decode = [r for r in self.running if r.paused_since is None]
-        if plan.decode:
-            plan.k, plan.k_bound = choose_k(plan.decode, self.waiting, now, self.bucket_for(len(plan.decode)),
-                                            len(plan.prefill), self.pacing, self.times)
+        self._admit()
+        decode = [r for r in self.running if not r.prefilling and r.paused_since is None
+                  and r.frames_dispatched < r.max_frames]
+        plan.prefill = self._prefill_chunks(now, ahead_s, decode)
+        decode += [c.request for c in plan.prefill if c.final]
+        plan.decode = decode
+        if decode:
+            self._choose_k(plan, now, ahead_s + self.times.prefill_s(plan.prefill_tokens))
         return plan
 
     def _end_at_boundary(self, now: float) -> list[TalkerRequest]:
@@ -138,42 +188,72 @@ class Scheduler:
                 reason = FinishReason.STALLED
             else:
                 continue
-            self._finish(request, reason)
+            self.finish(request, reason)
             ended.append(request)
         return ended
 
-    def _admit(self) -> list[TalkerRequest]:
-        admitted, budget = [], self.prefill_token_budget
+    def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs and len(self.slots):
-            request = self.waiting[0]
-            if admitted and request.prompt_len > budget:
-                break
-            self.waiting.popleft()
+            request = self.waiting.popleft()
             request.slot = self.slots.allocate()
             request.state = RequestState.RUNNING
+            request.prefilled = 0
             self.running.append(request)
-            admitted.append(request)
-            budget -= request.prompt_len
-        return admitted
 
-    def update(self, plan: StepPlan, produced: dict[TalkerRequest, RowFrames]) -> list[TalkerRequest]:
-        """Applies a step's frames; returns the requests that ended (STOP or LENGTH)."""
-        ended = []
-        for request in plan.decode:
-            if request.finish is not None:
-                continue  # ended while the step ran (dropped with its consumer)
-            result = produced[request]
-            request.frames_done += len(result.frames)
-            if result.stopped:
-                self._finish(request, FinishReason.STOP)
-            elif request.frames_done >= request.max_frames:
-                self._finish(request, FinishReason.LENGTH)
-            else:
-                continue
-            ended.append(request)
-        return ended
+    def _outlook(self, now: float, ahead_s: float, rows: list[TalkerRequest]) -> StepOutlook:
+        config = self.pacing
+        first = min(rows, key=lambda r: due(r, config), default=None)
+        others = [r for r in self.running if r.prefilling] + list(self.waiting)
+        waiting_due = min((due(r, config) - self.times.prefill_s(r.prompt_len - r.prefilled)
+                           for r in others), default=float("inf"))
+        return StepOutlook(now=now, bucket=self.bucket_for(max(1, len(rows))),
+                           row_due=float("inf") if first is None else due(first, config),
+                           unstarted_due=first is not None and first.first_written_at is None,
+                           waiting_due=waiting_due, ahead_s=ahead_s)
 
-    def _finish(self, request: TalkerRequest, reason: FinishReason) -> None:
+    def _prefill_chunks(self, now: float, ahead_s: float, decode: list[TalkerRequest]) -> list[PrefillChunk]:
+        """Chunks of the admitted prompts, in admission order, within the step's token budget:
+        ``prefill_token_budget`` and what the decoding rows' slack affords (at least
+        ``min_chunk_tokens`` for the first, so prompts always advance)."""
+        pending = [r for r in self.running if r.prefilling]
+        if not pending:
+            return []
+        affordable = prefill_tokens_allowed(self._outlook(now, ahead_s, decode), self.pacing, self.times)
+        budget = int(min(self.prefill_token_budget, max(affordable, self.min_chunk_tokens)))
+        chunks = []
+        for request in pending:
+            count = min(request.prompt_len - request.prefilled, budget)
+            if count <= 0:
+                break
+            chunks.append(PrefillChunk(request, request.prefilled, count))
+            request.prefilled += count
+            budget -= count
+        return chunks
+
+    def _choose_k(self, plan: StepPlan, now: float, ahead_s: float) -> None:
+        outlook = self._outlook(now, ahead_s, plan.decode)
+        plan.bucket = outlook.bucket
+        plan.k, plan.k_bound = choose_k(outlook, self.pacing, self.times)
+        plan.limits = [min(plan.k, r.max_frames - r.frames_dispatched) for r in plan.decode]
+        for request, limit in zip(plan.decode, plan.limits, strict=True):
+            request.frames_dispatched += limit
+
+    def apply(self, request: TalkerRequest, count: int, stopped: bool) -> FinishReason | None:
+        """A decode row's outcome in a step: ``count`` frames kept, and whether a stop frame
+        came right after them; returns the reason it ended (STOP, LENGTH) or None."""
+        request.frames_done += count
+        if stopped:
+            reason = FinishReason.STOP
+        elif request.frames_done >= request.max_frames:
+            reason = FinishReason.LENGTH
+        else:
+            return None
+        self.finish(request, reason)
+        return reason
+
+    def finish(self, request: TalkerRequest, reason: FinishReason) -> None:
+        """Ends a request (its slot is free at once: later device work is queued after the steps
+        still using it)."""
         if request.state is RequestState.RUNNING:
             self.running.remove(request)
             self.slots.free(request.slot)

@@ -1,11 +1,12 @@
 """Playout pacing (services/talker/pacing.py): the slack of a row, the online step-time
-estimate, and K chosen from both. Pure Python, virtual times: nothing here is timed."""
+estimate, K and the prefill budget chosen from both, and whether one more stream fits. Pure Python, virtual times: nothing here is timed."""
 
 import math
 
 import pytest
 
-from services.talker.pacing import PacingConfig, StepTimes, choose_k, slack
+from services.talker.pacing import (PacingConfig, StepOutlook, StepTimes, choose_k, due, fits,
+                                    prefill_tokens_allowed, slack)
 from services.talker.request import TalkerRequest
 
 CONFIG = PacingConfig(frame_rate=12.5, path_s=0.1, k_max=8)
@@ -18,10 +19,11 @@ def row(handle=1, *, written=None, frames=0, first_by=None, max_frames=100) -> T
     return r
 
 
-def test_slack_of_a_started_row_is_its_buffer_less_the_path():
-    r = row(written=1.0, frames=25)  # 2 s written; playout from 1.1 s
-    assert slack(r, 1.1, CONFIG) == pytest.approx(2.0 - 0.1)
-    assert slack(r, 2.1, CONFIG) == pytest.approx(1.0 - 0.1)
+def test_slack_of_a_started_row_is_its_written_audio_less_what_was_played():
+    r = row(written=1.0, frames=25)  # 2 s written from 1.0 s on; heard from 1.1 s, path_s later
+    assert slack(r, 1.1, CONFIG) == pytest.approx(1.9)  # the next record is due at 3.0 s
+    assert slack(r, 2.1, CONFIG) == pytest.approx(0.9)
+    assert due(r, CONFIG) == pytest.approx(3.0)
 
 
 def test_slack_of_an_unstarted_row_is_its_first_audio_deadline_less_the_path():
@@ -29,7 +31,7 @@ def test_slack_of_an_unstarted_row_is_its_first_audio_deadline_less_the_path():
     assert slack(row(), 0.2, CONFIG) == math.inf  # no budget
 
 
-def test_step_times_average_and_extrapolate_within_a_bucket():
+def test_step_times_average_extrapolate_and_learn_prefill_per_position():
     times = StepTimes(alpha=0.5)
     assert times.estimate(8, 1) is None
     times.observe(8, 1, 0.010)
@@ -38,25 +40,54 @@ def test_step_times_average_and_extrapolate_within_a_bucket():
     assert times.estimate(8, 4) == pytest.approx(0.010 + 3 * (0.040 / 7))  # the line through both
     times.observe(8, 1, 0.020)
     assert times.estimate(8, 1) == pytest.approx(0.015)  # weighted average
-    assert times.estimate(16, 1) is None  # buckets do not share estimates
+    assert times.estimate(16, 1) == pytest.approx(0.030)  # a larger bucket: the nearest, scaled by rows
+    assert times.estimate(4, 1) is None  # nothing smaller measured
+    times.observe(8, 1, 0.035, prefill_tokens=100)  # 20 ms beyond the step: 0.2 ms a position
+    assert times.estimate(8, 1) == pytest.approx(0.015)  # steps with prefill do not move the step time
+    assert times.prefill_s(50) == pytest.approx(0.010)
 
 
-def test_k_max_when_every_row_has_slack_and_1_when_none_fits():
+def outlook(**fields) -> StepOutlook:
+    values = dict(now=0.0, bucket=4, row_due=math.inf, unstarted_due=False, waiting_due=math.inf, ahead_s=0.0)
+    values.update(fields)
+    return StepOutlook(**values)
+
+
+def test_k_max_when_every_row_has_slack_1_when_none_fits_and_1_while_unmeasured():
     times = StepTimes()
+    assert choose_k(outlook(row_due=10.0), CONFIG, times) == (1, "unmeasured")
     times.observe(4, 1, 0.010)
-    rich = [row(h, written=0.0, frames=100) for h in range(3)]
-    assert choose_k(rich, [], 0.0, 4, 0, CONFIG, times) == (8, "k_max")
-    starving = [*rich, row(9, written=0.0, frames=0)]  # nothing buffered: slack 0
-    assert choose_k(starving, [], 0.0, 4, 0, CONFIG, times) == (1, "slack")
+    assert choose_k(outlook(row_due=10.0), CONFIG, times) == (8, "k_max")
+    assert choose_k(outlook(row_due=0.0), CONFIG, times) == (1, "slack")
+    # 35 ms: K frames and one step to spare: 10 K + 10 <= 35
+    assert choose_k(outlook(row_due=0.035), CONFIG, times) == (2, "slack")
 
 
-def test_an_unstarted_row_is_bound_by_its_first_audio_budget_and_prefill_counts():
+def test_an_unstarted_row_is_bound_by_its_first_audio_budget_and_the_queued_work_counts():
     times = StepTimes()
     times.observe(1, 1, 0.010)
-    times.observe_prefill(0.020)
-    new = row(first_by=0.1 + 0.065)  # 65 ms to write its first record
-    assert choose_k([new], [], 0.0, 1, 0, CONFIG, times) == (6, "first_audio")
-    assert choose_k([new], [], 0.0, 1, 1, CONFIG, times) == (4, "first_audio")  # 20 ms of prefill first
+    new = outlook(bucket=1, row_due=0.065, unstarted_due=True)
+    assert choose_k(new, CONFIG, times) == (5, "first_audio")
+    ahead = outlook(bucket=1, row_due=0.065, unstarted_due=True, ahead_s=0.020)  # a step in flight, prefill
+    assert choose_k(ahead, CONFIG, times) == (3, "first_audio")
+
+
+def test_prefill_allowed_is_what_the_slack_leaves_after_two_steps():
+    times = StepTimes()
+    assert prefill_tokens_allowed(outlook(row_due=1.0), CONFIG, times) == math.inf
+    times.observe(4, 1, 0.010)
+    times.observe(4, 1, 0.012, prefill_tokens=10)  # 0.2 ms a position
+    assert prefill_tokens_allowed(outlook(row_due=0.1), CONFIG, times) == pytest.approx(400)
+    assert prefill_tokens_allowed(outlook(row_due=0.0), CONFIG, times) == 0
+
+
+def test_fits_compares_a_k_max_step_with_the_audio_it_makes():
+    times = StepTimes()
+    assert fits(4, lambda rows: 4, CONFIG, times, 0.2)  # nothing measured: counts decide
+    times.observe(4, 8, 0.5)
+    assert fits(4, lambda rows: 4, CONFIG, times, 0.2)  # 640 ms of audio in 500 ms (+20%: 600)
+    assert not fits(4, lambda rows: 4, CONFIG, times, 0.3)
+    assert not fits(4, lambda rows: (_ for _ in ()).throw(ValueError("too many")), CONFIG, times, 0.2)
 
 
 def test_bad_pacing_settings_are_refused_by_name():

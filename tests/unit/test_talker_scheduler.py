@@ -1,5 +1,5 @@
-"""The talker scheduler on hand-built steps: admission, K per step, endings, pauses.
-Pure Python; no model, no torch."""
+"""The talker scheduler on hand-built steps: admission (by slots and by slack), prompt chunks,
+K per step, endings, pauses. Pure Python; no model, no torch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from services.common.chunks import ChunkSchedule
 from services.talker.request import FinishReason, RequestState, TalkerRequest
-from services.talker.scheduler import QueueFull, RowFrames, Scheduler
+from services.talker.scheduler import Overloaded, QueueFull, Scheduler
 
 
 def req(handle: int, *, prompt_len: int = 10, max_frames: int = 100, consumer: str = "c0",
@@ -25,11 +25,17 @@ def sched(**overrides) -> Scheduler:
 
 
 def run_step(s: Scheduler, now: float, stop: set[int] = frozenset()):
-    """Schedules, then pretends every decode row produced k frames (or stopped at once)."""
+    """Schedules, then pretends every decode row produced the frames asked of it (or stopped at once)."""
     plan = s.schedule(now)
-    produced = {r: RowFrames(frames=[] if r.handle in stop else [None] * plan.k, stopped=r.handle in stop)
-                for r in plan.decode}
-    return plan, s.update(plan, produced)
+    ended = []
+    for r, limit in zip(plan.decode, plan.limits, strict=True):
+        if r.finish is None and s.apply(r, 0 if r.handle in stop else limit, r.handle in stop):
+            ended.append(r)
+    return plan, ended
+
+
+def chunks(plan):
+    return [(c.request.handle, c.start, c.count) for c in plan.prefill]
 
 
 def test_chunk_schedule_boundaries():
@@ -51,8 +57,8 @@ def test_k_is_1_until_a_step_of_the_bucket_is_measured_then_k_max_with_slack():
     s.times.observe(1, 1, 0.010)  # 10 ms a frame
     r.first_written_at, r.frames_written = 0.0, 1
     plan = s.schedule(0.0)
-    # 80 ms of audio written, 100 ms of path: the listener starts at 0.1 s, so the row has
-    # 0.08 s of slack; a step of K takes 10 K ms: K = 7 keeps 10 ms of it
+    # 80 ms of audio written at 0 s: the listener hears it from path_s on, so the next record is
+    # due 80 ms after the first; a step of K takes 10 K ms, and one step is kept to spare: K = 7
     assert (plan.k, plan.k_bound) == (7, "slack")
     r.frames_written = 40  # 3.2 s written: no step of 8 frames runs it dry
     plan = s.schedule(0.0)
@@ -82,24 +88,75 @@ def test_a_waiting_request_bounds_k_by_its_first_audio_deadline():
     waiting.first_audio_by = 0.1 + 0.055  # path 0.1: 55 ms left for this step and its own first
     s.add(waiting)
     plan = s.schedule(0.0)
-    # its own first step (10 ms) must follow this one: 10 K + 10 < 55 ms -> K = 4
-    assert (plan.k, plan.k_bound) == (4, "waiting")
+    # its own first step (10 ms) and one to spare must follow this one: 10 K + 20 <= 55 ms -> K = 3
+    assert (plan.k, plan.k_bound) == (3, "waiting")
 
 
-def test_admission_respects_slots_max_num_seqs_and_prefill_budget():
+def test_admission_respects_slots_and_max_num_seqs_and_prompts_are_chunked_by_the_budget():
     s = sched(num_slots=3, max_num_seqs=2, prefill_token_budget=25)
     for h in range(4):
         s.add(req(h, prompt_len=10))
-    plan = s.schedule(0.0)
-    assert [r.handle for r in plan.prefill] == [0, 1]  # max_num_seqs
+    assert chunks(s.schedule(0.0)) == [(0, 0, 10), (1, 0, 10)]  # max_num_seqs
     s2 = sched(prefill_token_budget=25)
     for h in range(4):
         s2.add(req(h, prompt_len=10))
-    assert [r.handle for r in s2.schedule(0.0).prefill] == [0, 1]  # 10 + 10 <= 25 < 30
-    assert [r.handle for r in s2.schedule(0.0).prefill] == [2, 3]
-    s3 = sched(prefill_token_budget=5)
+    plan = s2.schedule(0.0)
+    assert chunks(plan) == [(0, 0, 10), (1, 0, 10), (2, 0, 5)]  # the third's rest comes next step
+    assert [r.handle for r in plan.decode] == [0, 1]  # only whole prompts decode
+    plan = s2.schedule(0.0)
+    assert chunks(plan) == [(2, 5, 5), (3, 0, 10)] and [r.handle for r in plan.decode] == [0, 1, 2, 3]
+    s3 = sched(prefill_token_budget=20)
     s3.add(req(9, prompt_len=50))
-    assert [r.handle for r in s3.schedule(0.0).prefill] == [9]  # a long prompt still runs alone
+    plans = [s3.schedule(0.0) for _ in range(3)]
+    assert [chunks(p) for p in plans] == [[(9, 0, 20)], [(9, 20, 20)], [(9, 40, 10)]]
+    assert [len(p.decode) for p in plans] == [0, 0, 1]
+
+
+def test_prefill_is_bounded_by_the_decoding_rows_slack_but_always_advances():
+    s = sched(prefill_token_budget=512, min_chunk_tokens=16)
+    speaking = req(1)
+    s.add(speaking)
+    run_step(s, 0.0)
+    s.times.observe(1, 1, 0.010)
+    s.times.observe(1, 1, 0.030, prefill_tokens=100)  # 20 ms beyond the step: 0.2 ms a position
+    assert s.times.prefill_s(100) == pytest.approx(0.020)
+    speaking.first_written_at, speaking.frames_written = 0.0, 1  # due at 80 ms
+    s.add(req(2, prompt_len=400))
+    # 80 ms - two steps of 10 ms to spare = 60 ms of prefill: 300 positions
+    assert chunks(s.schedule(0.0)) == [(2, 0, 300)]
+    speaking.frames_written = 0  # due now: no slack left, yet the prompt advances
+    assert chunks(s.schedule(0.0)) == [(2, 300, 16)]
+
+
+def test_rows_are_asked_only_for_the_frames_they_have_left_and_not_again_while_in_flight():
+    s = sched(bucket_for=lambda rows: 2)
+    a, b = req(1, max_frames=3), req(2, max_frames=20)
+    s.add(a)
+    s.add(b)
+    s.times.observe(2, 1, 0.001)
+    for r in (a, b):
+        r.first_written_at, r.frames_written = 0.0, 100
+    plan = s.schedule(0.0)  # prefill + the first step, both rows
+    assert plan.k == 8 and plan.limits == [3, 8]
+    plan = s.schedule(0.0)  # the first step is still in flight: a has nothing left to ask
+    assert [r.handle for r in plan.decode] == [2] and plan.limits == [8]
+
+
+def test_admission_by_slack_refuses_a_stream_the_step_times_cannot_feed():
+    s = sched(num_slots=8, max_num_seqs=8, bucket_for=lambda rows: 4 if rows <= 4 else 8)
+    for h in range(4):
+        s.add(req(h))
+    s.times.observe(4, 8, 0.40)  # 8 frames (640 ms of audio) in 400 ms for 4 rows: fits
+    s.times.observe(8, 8, 0.60)  # 600 ms for 8 rows: less than 20% to spare
+    with pytest.raises(Overloaded, match="real-time capacity") as refused:
+        s.add(req(5))
+    assert refused.value.retry_after_s > 0 and s.refused_overload == 1
+    assert len(s.waiting) == 4 and (("c0", 5) not in s.by_key)
+    s.times.observe(8, 8, 0.20)
+    s.times.observe(8, 8, 0.20)
+    s.times.observe(8, 8, 0.20)
+    s.times.observe(8, 8, 0.20)  # the estimate comes back under: admitted again
+    s.add(req(5))
 
 
 def test_more_requests_than_slots_queue_and_all_complete():
@@ -142,7 +199,7 @@ def test_stop_frees_the_slot_at_the_step_boundary():
     plan, ended = run_step(s, 0.0, stop={1})
     assert [r.handle for r in ended] == [1] and ended[0].finish is FinishReason.STOP
     plan = s.schedule(0.0)
-    assert [r.handle for r in plan.prefill] == [2]
+    assert chunks(plan) == [(2, 0, 10)]
 
 
 def test_cancel_and_deadline_end_at_the_next_boundary():

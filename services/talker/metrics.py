@@ -1,0 +1,59 @@
+"""The talker engine's counters: where a step's time goes, what bound its K, how far ahead of
+their listeners the rows are. Read by TalkerCore's metrics (services/talker/core.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.talker.pacing import BOUNDS
+
+# Upper edges (seconds) of the slack histogram: a row's slack when its record is written
+SLACK_EDGES = (0.0, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    frames: int = 0
+    step_frames: int = 0  # sum of K over steps
+    started: float = 0.0  # the engine's clock when it was built
+    # Seconds of the engine thread in each part of its iterations (where a step's time goes):
+    # the scheduler's plan; queueing prefill (on a synchronous device: running it); launching the
+    # decode (K graph replays; on a synchronous device, running them); waiting for a launched
+    # step's results; turning the frames into records and writing them. The rest is commands,
+    # ring housekeeping and waiting for work.
+    schedule_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    wait_s: float = 0.0
+    emit_s: float = 0.0
+    prefill_steps: int = 0
+    prefill_tokens: int = 0
+    overlapped_steps: int = 0  # steps collected while the next one was already queued
+    k_bounds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BOUNDS, 0))
+    # rows' slack at their records' writes: counts per bucket of SLACK_EDGES (the last: beyond)
+    slack_counts: np.ndarray = field(default_factory=lambda: np.zeros(len(SLACK_EDGES) + 1, np.int64))
+    slack_sum: float = 0.0
+    slack_n: int = 0
+
+    @property
+    def host_s(self) -> float:
+        """The engine thread's time in its iterations other than waiting for the device."""
+        return self.schedule_s + self.prefill_s + self.decode_s + self.emit_s
+
+    def count_step(self, k: int, bound: str, overlapped: bool) -> None:
+        self.steps += 1
+        self.step_frames += k
+        self.k_bounds[bound] = self.k_bounds.get(bound, 0) + 1
+        self.overlapped_steps += overlapped
+
+    def observe_slack(self, slacks: list[float]) -> None:
+        if not slacks:
+            return
+        values = np.asarray(slacks)
+        self.slack_counts += np.bincount(np.searchsorted(SLACK_EDGES, values),
+                                         minlength=len(SLACK_EDGES) + 1)
+        self.slack_sum += float(values.sum())
+        self.slack_n += len(slacks)

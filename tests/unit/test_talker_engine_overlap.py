@@ -1,0 +1,239 @@
+"""The talker engine with a runner that runs asynchronously (a fake: no model, no timing):
+step N+1 is launched before step N is collected, results are read one step late, a row
+that stopped rides along once and its extra frames are discarded, and the faults of an
+overlapped step (cancel, deadline, a failed collect) end exactly the rows they should."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from services.talker.engine import TalkerEngine
+from services.talker.request import FinishReason, TalkerRequest
+from services.talker.scheduler import Scheduler
+from services.transport.layout import RecordFlags
+
+N = 4  # codebooks
+
+
+@dataclass
+class FakeStep:
+    slots: list[int]
+    codes: np.ndarray
+    fail: bool = False
+
+
+@dataclass
+class FakeRunner:
+    """Frames of slot s are ``[s, f, f, f]`` for its frame f (counted on the "device", so a row that
+    rides along keeps counting); slot s stops after ``stop_after[s]`` frames. Every call is logged."""
+
+    asynchronous: bool = True
+    num_codebooks: int = N
+    k_max: int = 4
+    stop_after: dict[int, int] = field(default_factory=dict)
+    fail_next_collect: bool = False
+    calls: list[tuple] = field(default_factory=list)
+    frame: dict[int, int] = field(default_factory=dict)
+
+    def bucket_for(self, rows: int) -> int:
+        return 8
+
+    def prefill(self, rows) -> None:
+        for row in rows:
+            self.calls.append(("prefill", row.slot, row.start, len(row.tokens), row.final))
+            if row.final:
+                self.frame[row.slot] = 0
+
+    def launch(self, slots, k: int) -> FakeStep:
+        out = np.zeros((k, len(slots), N + 1), np.int32)
+        for b, slot in enumerate(slots):
+            for i in range(k):
+                f = self.frame[slot]
+                out[i, b, :N] = [slot, f, f, f]
+                out[i, b, N] = int(f >= self.stop_after.get(slot, 10**9))
+                self.frame[slot] = f + 1
+        step = FakeStep(list(slots), out)
+        self.calls.append(("launch", tuple(slots), k))
+        return step
+
+    def collect(self, step: FakeStep) -> np.ndarray:
+        self.calls.append(("collect", tuple(step.slots)))
+        if self.fail_next_collect:
+            self.fail_next_collect = False
+            raise RuntimeError("the device failed")
+        return step.codes
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def try_put(self, codes, *, handle, seq, first_frame=0, flags=0, finish_reason=0) -> bool:
+        self.records.append(dict(codes=None if codes is None else codes.copy(), handle=handle, seq=seq,
+                                 first_frame=first_frame, flags=flags, finish=finish_reason))
+        return True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 0.001
+        return self.t
+
+
+def make(runner: FakeRunner, slots: int = 4):
+    clock = Clock()
+    scheduler = Scheduler(num_slots=slots, max_num_seqs=slots, k_max=runner.k_max, prefill_token_budget=64,
+                          max_waiting=16, stall_timeout=5.0, frame_rate=12.5, path_s=0.05,
+                          bucket_for=runner.bucket_for)
+    sink = ListSink()
+    return TalkerEngine(runner, scheduler, lambda consumer: sink, clock=clock), sink, clock
+
+
+def req(handle: int, *, max_frames: int = 12, prompt_len: int = 6, deadline=None) -> TalkerRequest:
+    prompt = np.zeros((prompt_len, N + 1), np.int64)
+    return TalkerRequest(request_id=f"r{handle}", handle=handle, consumer_id="c", prompt=prompt,
+                         prompt_len=prompt_len, max_frames=max_frames, deadline=deadline)
+
+
+def run(engine, max_steps=200):
+    for _ in range(max_steps):
+        if not engine.busy:
+            return
+        engine.step()
+    raise AssertionError("engine did not finish")
+
+
+def frames_of(sink, handle):
+    records = [r for r in sink.records if r["handle"] == handle]
+    assert [r["seq"] for r in records] == list(range(len(records)))
+    codes = [r["codes"] for r in records if r["codes"] is not None]
+    return (np.concatenate(codes) if codes else np.zeros((0, N), np.int16)), records[-1]
+
+
+def test_the_next_step_is_launched_before_the_last_is_collected():
+    runner = FakeRunner()
+    engine, sink, _ = make(runner)
+    engine.scheduler.add(req(1, max_frames=12))
+    run(engine)
+    order = [c[0] for c in runner.calls if c[0] in ("launch", "collect")]
+    # launch, launch, collect, launch, collect, ..., collect: one step always in flight
+    assert order[:3] == ["launch", "launch", "collect"] and order[-1] == "collect"
+    assert order.count("launch") == order.count("collect")
+    assert engine.counters.overlapped_steps >= 1
+    frames, last = frames_of(sink, 1)
+    assert frames[:, 1].tolist() == list(range(12)) and last["finish"] == FinishReason.LENGTH
+
+
+def test_a_synchronous_runner_collects_each_step_at_once():
+    runner = FakeRunner(asynchronous=False)
+    engine, sink, _ = make(runner)
+    engine.scheduler.add(req(1, max_frames=6))
+    run(engine)
+    order = [c[0] for c in runner.calls if c[0] in ("launch", "collect")]
+    assert order == ["launch", "collect"] * (len(order) // 2)
+    assert engine.counters.overlapped_steps == 0
+
+
+def test_a_stopped_row_rides_along_once_and_its_extra_frames_are_discarded():
+    runner = FakeRunner(stop_after={0: 5})  # slot 0 (the first request) stops after 5 frames
+    engine, sink, _ = make(runner)
+    engine.scheduler.add(req(1, max_frames=40))
+    engine.scheduler.add(req(2, max_frames=9))
+    run(engine)
+    frames, last = frames_of(sink, 1)
+    assert frames[:, 1].tolist() == [0, 1, 2, 3, 4] and last["finish"] == FinishReason.STOP
+    assert last["flags"] & RecordFlags.LAST
+    launches_with_0 = [c for c in runner.calls if c[0] == "launch" and 0 in c[1]]
+    assert runner.frame[0] > 5  # slot 0 ran past its stop on the device ...
+    assert len(launches_with_0) >= 2  # ... in the step launched before its stop was seen
+    frames2, last2 = frames_of(sink, 2)
+    assert frames2[:, 1].tolist() == list(range(9)) and last2["finish"] == FinishReason.LENGTH
+
+
+def test_the_output_is_the_same_with_and_without_overlap():
+    def outputs(asynchronous):
+        runner = FakeRunner(asynchronous=asynchronous, stop_after={1: 7})
+        engine, sink, _ = make(runner)
+        for h, m in ((1, 10), (2, 10), (3, 3)):
+            engine.scheduler.add(req(h, max_frames=m))
+        run(engine)
+        return {h: frames_of(sink, h)[0].tolist() for h in (1, 2, 3)}
+    assert outputs(True) == outputs(False)
+
+
+def test_cancel_during_an_overlapped_step_frees_the_slot_once_and_nothing_follows_cancelled():
+    runner = FakeRunner()
+    engine, sink, _ = make(runner, slots=2)
+    engine.scheduler.add(req(1, max_frames=100))
+    engine.step()
+    engine.step()
+    assert engine.inflight is not None
+    engine.scheduler.cancel("c", 1)
+    engine.step()  # ends it at this boundary while its last step is still in flight
+    records = [r for r in sink.records if r["handle"] == 1]
+    assert records[-1]["flags"] & RecordFlags.CANCELLED
+    written = len(sink.records)
+    run(engine)
+    assert len(sink.records) == written  # the in-flight step's frames were discarded
+    assert len(engine.scheduler.slots) == 2  # freed once: both slots free, no duplicate
+    assert sorted(engine.scheduler.slots._free) == [0, 1]
+
+
+def test_a_failed_collect_ends_exactly_that_steps_rows_with_error():
+    runner = FakeRunner()
+    engine, sink, _ = make(runner)
+    engine.scheduler.add(req(1, max_frames=50))
+    engine.step()
+    engine.step()  # step 1 is collected, step 2 in flight (request 1 only)
+    engine.scheduler.add(req(2, max_frames=6))  # prefilled and launched with step 3
+    runner.fail_next_collect = True
+    engine.step()  # collects step 2: fails
+    run(engine)
+    _, last1 = frames_of(sink, 1)
+    assert last1["finish"] == FinishReason.ERROR and last1["flags"] & RecordFlags.LAST
+    frames2, last2 = frames_of(sink, 2)
+    assert last2["finish"] == FinishReason.LENGTH and frames2[:, 1].tolist() == list(range(6))
+
+
+def test_a_deadline_that_passes_while_waiting_ends_deadline_at_the_next_boundary():
+    runner = FakeRunner()
+    engine, sink, clock = make(runner, slots=1)
+    engine.scheduler.add(req(1, max_frames=30))
+    engine.scheduler.add(req(2, deadline=0.01))  # waits for the only slot
+    engine.step()
+    clock.t = 1.0
+    run(engine)
+    records = [r for r in sink.records if r["handle"] == 2]
+    assert len(records) == 1 and records[0]["finish"] == FinishReason.DEADLINE and records[0]["codes"] is None
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_then_decodes():
+    runner = FakeRunner()
+    engine, sink, _ = make(runner)
+    engine.scheduler.prefill_token_budget = 40
+    engine.scheduler.add(req(1, prompt_len=100, max_frames=4))
+    run(engine)
+    prefills = [c for c in runner.calls if c[0] == "prefill"]
+    assert prefills == [("prefill", 0, 0, 40, False), ("prefill", 0, 40, 40, False),
+                        ("prefill", 0, 80, 20, True)]
+    assert frames_of(sink, 1)[0][:, 1].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_every_record_of_a_step_is_one_per_request(asynchronous):
+    runner = FakeRunner(asynchronous=asynchronous)
+    engine, sink, _ = make(runner)
+    for h in range(4):
+        engine.scheduler.add(req(h, max_frames=7))
+    run(engine)
+    steps = engine.counters.steps
+    assert len(sink.records) <= 4 * steps
+    for h in range(4):
+        frames, last = frames_of(sink, h)
+        assert len(frames) == 7 and last["finish"] == FinishReason.LENGTH
