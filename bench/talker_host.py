@@ -41,6 +41,7 @@ from bench.talker_host_report import loadavg, machine_info, tables
 OUT = Path(__file__).resolve().parent / "results" / "talker_host_cpu.json"
 ROWS = (64, 256, 1024)
 KS = (1, 8)
+BUSY_SPIN_US = 10_000  # the most TransportSection allows: the consumer polls through a step
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,15 @@ class Settings:
     overlap_rows: tuple[int, ...] = (256, 1024)
     overlap_k: int = 8
     device_ms: tuple[float, ...] = (2.0, 10.0)
+    repeats: int = 3  # fresh engine, ring and consumer each; the least disturbed one is reported
+    busy_consumer_rows: tuple[int, ...] = (256, 1024)
     pin: bool = True
     verify_codes: bool = False
 
     @classmethod
     def quick(cls) -> Settings:
         return cls(warmup_steps=2, steps=5, rows=(8, 64), unforced_rows=64, overlap_rows=(64,),
-                   device_ms=(2.0,))
+                   device_ms=(2.0,), repeats=1, busy_consumer_rows=(64,))
 
 
 def host_cases(s: Settings) -> list[Case]:
@@ -69,7 +72,9 @@ def host_cases(s: Settings) -> list[Case]:
     unforced = [Case(f"unforced_lockstep_{s.unforced_rows}", s.unforced_rows, s.unforced_k_max, forced=False),
                 Case(f"unforced_staggered_{s.unforced_rows}", s.unforced_rows, s.unforced_k_max, forced=False,
                      stagger_groups=s.stagger_groups)]
-    return forced + unforced
+    busy = [Case(f"rows_{rows}_k8_busy_consumer", rows, 8, consumer_spin_us=BUSY_SPIN_US)
+            for rows in s.busy_consumer_rows]
+    return forced + unforced + busy
 
 
 def overlap_cases(s: Settings) -> list[Case]:
@@ -85,9 +90,22 @@ def run_parts(parts: list[str], s: Settings, cpu: int | None) -> dict:
         results[part] = {}
         for case in cases:
             print(f"{part}: {case.name} ...", file=sys.stderr, flush=True)
-            results[part][case.name] = run_case(case, s.warmup_steps, s.steps, consumer_cpu=cpu,
-                                                verify_codes=s.verify_codes)
+            results[part][case.name] = best_of(case, s, cpu)
     return results
+
+
+def best_of(case, s: Settings, cpu: int | None) -> dict:
+    """The repeat with the lowest median host time: on a shared host other processes only
+    ever add time (caches, preemption), so the least disturbed run is the engine's cost. Every
+    repeat's median is kept beside it, and every repeat's consumer check must pass."""
+    runs = [run_case(case, s.warmup_steps, s.steps, consumer_cpu=cpu, verify_codes=s.verify_codes)
+            for _ in range(max(1, s.repeats))]
+    best = dict(min(runs, key=lambda r: r["host_ms"]["p50"]))
+    best["repeats_host_ms_p50"] = [r["host_ms"]["p50"] for r in runs]
+    if case.device_s is not None:
+        best["repeats_period_ms_p50"] = [r["overlap"]["period_ms"] for r in runs]
+    best["check"] = {**best["check"], "ok": all(r["check"]["ok"] for r in runs)}
+    return best
 
 
 def pin_cpus(s: Settings) -> int | None:
@@ -107,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", action="store_true", help="run the host part")
     parser.add_argument("--overlap", action="store_true", help="run the overlap part")
     parser.add_argument("--steps", type=int, help="measured steps per case")
+    parser.add_argument("--repeats", type=int, help="runs per case (the least disturbed is reported)")
     parser.add_argument("--no-pin", action="store_true", help="leave CPU placement to the OS")
     parser.add_argument("--verify-codes", action="store_true", help="the consumer checks code ranges")
     parser.add_argument("--out", type=Path, default=OUT)
@@ -115,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     s = replace(s, pin=not args.no_pin, verify_codes=args.verify_codes)
     if args.steps:
         s = replace(s, steps=args.steps)
+    if args.repeats:
+        s = replace(s, repeats=args.repeats)
     parts = [p for p, on in (("host", args.host), ("overlap", args.overlap)) if on] or ["host", "overlap"]
     import services.talker.engine  # noqa: F401  (torch's import is no part of a step)
 

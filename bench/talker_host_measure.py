@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.talker_host_ring import CONSUMER_ID, RingConsumerProcess
+from bench.talker_host_ring import CONSUMER_ID, RingConsumerProcess, bench_section
 from bench.talker_host_runners import ImmediateRunner, ThreadedRunner
 
 PROMPT_LEN = 110
+STEADY_FRAMES = 16  # the production chunk schedule's steady chunk (services/common/chunks.py)
 END_STEPS = 10  # steps allowed for the cancelled rows' last records to be written
 
 
@@ -26,6 +27,7 @@ class Case:
     forced: bool = True          # chunks of exactly k_max frames: K = k_max every step
     stagger_groups: int = 1      # rows arrive in this many groups, one step apart
     device_s: float | None = None  # None: ImmediateRunner; else ThreadedRunner's device time
+    consumer_spin_us: int | None = None  # None: production's (50 us, then it sleeps)
 
 
 def make_runner(case: Case) -> ImmediateRunner:
@@ -46,8 +48,7 @@ def build_engine(case: Case, runner, sink):
     scheduler = Scheduler(num_slots=rows, max_num_seqs=rows, k_max=case.k_max,
                           prefill_token_budget=rows * PROMPT_LEN, max_waiting=rows, stall_timeout=1e9)
     engine = TalkerEngine(runner, scheduler, lambda consumer_id: sink if consumer_id == CONSUMER_ID else None)
-    schedule = (ChunkSchedule(first_frames=case.k_max, growth=1.0, steady_frames=case.k_max)
-                if case.forced else ChunkSchedule())
+    schedule = forced_schedule(case.k_max) if case.forced else ChunkSchedule()
     requests = [TalkerRequest(request_id=f"r{h}", handle=h, consumer_id=CONSUMER_ID, prompt=None,
                               prompt_len=PROMPT_LEN, max_frames=1 << 30, schedule=schedule)
                 for h in range(rows)]
@@ -59,6 +60,17 @@ def build_engine(case: Case, runner, sink):
     if len(scheduler.running) != rows:
         raise RuntimeError(f"{len(scheduler.running)} of {rows} rows were admitted")
     return engine, requests
+
+
+def forced_schedule(k: int):
+    """Chunks of a fixed size that K divides, so no step crosses a boundary and today's policy
+    gives K = k_max every step. The production steady size (16) where K divides it: the
+    scheduler's ``next_boundary`` walks a request's chunks from the first on every step, so
+    chunks of K frames would make scheduling K = 1 rows 16 times dearer than production's."""
+    from services.common.chunks import ChunkSchedule
+
+    chunk = STEADY_FRAMES if STEADY_FRAMES % k == 0 else k
+    return ChunkSchedule(first_frames=chunk, growth=1.0, steady_frames=chunk)
 
 
 def _counter_values(counters) -> dict[str, float]:
@@ -122,6 +134,12 @@ def _stats(values) -> dict:
             "min": float(a.min()), "max": float(a.max())}
 
 
+def _by_quarter(values: list[float]) -> list[float]:
+    """Medians of each quarter of the steps: a cost that grows with the rows' age shows here."""
+    n = len(values)
+    return [float(np.median(values[i * n // 4:(i + 1) * n // 4])) for i in range(4) if n >= 4]
+
+
 def summarize(case: Case, samples: list[dict]) -> dict:
     """ms per step (host = engine thread CPU; wall), us per row-frame, counters in ms per step."""
     ms = 1e3
@@ -136,6 +154,9 @@ def summarize(case: Case, samples: list[dict]) -> dict:
         "period_ms": _stats(periods) if len(periods) else None,
         "us_per_row_frame": _stats(per_frame) if per_frame else None,
         "counters_ms_p50": counters,
+        "host_ms_p50_by_quarter": _by_quarter([s["host_s"] * ms for s in samples]),
+        "schedule_ms_p50_by_quarter": _by_quarter([s["counters"].get("schedule_s", 0.0) * ms
+                                                   for s in samples]),
         "k_per_step": {str(k): ks.count(k) for k in sorted(set(ks))},
         "k_at_k_max": sum(k == case.k_max for k in ks) / len(ks),
         "frames_per_step_p50": float(np.median([s["frames"] for s in samples])),
@@ -159,7 +180,8 @@ def run_case(case: Case, warmup_steps: int, steps: int, *, consumer_cpu: int | N
     """One case end to end: ring and consumer, engine, warm-up, measured steps, the check."""
     runner = make_runner(case)
     try:
-        with RingConsumerProcess(verify_codes=verify_codes, cpu=consumer_cpu) as ring:
+        section = bench_section(case.consumer_spin_us)
+        with RingConsumerProcess(verify_codes=verify_codes, cpu=consumer_cpu, section=section) as ring:
             engine, requests = build_engine(case, runner, ring.producer)
             measure(engine, ring.producer, warmup_steps)
             samples = measure(engine, ring.producer, steps)
@@ -171,4 +193,7 @@ def run_case(case: Case, warmup_steps: int, steps: int, *, consumer_cpu: int | N
     if isinstance(runner, ThreadedRunner):
         result["overlap"] = overlap_summary(result, runner, steps)
     result["check"] = check_drained(requests, tally)
+    result["consumer_sleeps"] = tally["sleeps"]  # each one costs the producer a semaphore post
+    result["consumer_sleeps_per_step"] = tally["sleeps"] / (warmup_steps + steps)
+    result["consumer_spin_us"] = section.spin_us
     return result

@@ -56,15 +56,16 @@ def _f(value: float | None, digits: int = 3) -> str:
 
 def host_table(cases: dict) -> list[str]:
     lines = ["| case | rows | K | host ms/step p50 | p90 | us/row-frame p50 | p90 | schedule | decode "
-             "| emit (ms/step p50) | wall ms p50 | K per step (K: steps) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| emit (ms/step p50) | wall ms p50 | K per step (K: steps) | consumer sleeps/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in cases.items():
         c, per = r["counters_ms_p50"], r["us_per_row_frame"] or {}
         ks = ", ".join(f"{k}: {n}" for k, n in r["k_per_step"].items())
         lines.append(f"| {name} | {r['rows']} | {r['k_max']}{'' if r['forced'] else ' (max)'} "
                      f"| {_f(r['host_ms']['p50'])} | {_f(r['host_ms']['p90'])} | {_f(per.get('p50'))} "
                      f"| {_f(per.get('p90'))} | {_f(c.get('schedule_s'))} | {_f(c.get('decode_s'))} "
-                     f"| {_f(c.get('emit_s'))} | {_f(r['wall_ms']['p50'])} | {ks} |")
+                     f"| {_f(c.get('emit_s'))} | {_f(r['wall_ms']['p50'])} | {ks} "
+                     f"| {_f(r['consumer_sleeps_per_step'], 1)} |")
     return lines
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.transport import Endpoint, TransportSection, open_consumer, open_producer
 
@@ -30,10 +30,12 @@ BATCH = 512
 MAX_ERRORS = 20
 
 
-def bench_section() -> TransportSection:
-    """Production ring size and spin; a long liveness timeout, since the benchmark pauses
-    between cases (the heartbeats still run: the engine side ticks between steps)."""
-    return TransportSection(kind="shm", liveness_timeout=30.0)
+def bench_section(spin_us: int | None = None) -> TransportSection:
+    """Production ring size and spin (unless ``spin_us``); a long liveness timeout, since the
+    benchmark pauses between cases (the heartbeats still run: the engine side ticks between
+    steps)."""
+    section = TransportSection(kind="shm", liveness_timeout=30.0)
+    return section if spin_us is None else replace(section, spin_us=spin_us)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Tally:
     last_flags: dict[int, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     verify_codes: bool = False
+    sleeps: int = 0  # waits that blocked on the semaphore: the producer posts to end each
 
     def add(self, record, codes) -> None:
         handle = record.handle
@@ -71,7 +74,7 @@ class Tally:
     def summary(self) -> dict:
         return {"records": self.records, "frames": self.frames, "errors": self.errors,
                 "records_by_handle": dict(self.next_seq), "frames_by_handle": dict(self.next_frame),
-                "last_flags": dict(self.last_flags)}
+                "last_flags": dict(self.last_flags), "sleeps": self.sleeps}
 
 
 def drain(section: TransportSection, endpoint: Endpoint, conn, ready, verify_codes: bool,
@@ -84,6 +87,7 @@ def drain(section: TransportSection, endpoint: Endpoint, conn, ready, verify_cod
         os.sched_setaffinity(0, {cpu})
     tally = Tally(verify_codes=verify_codes)
     consumer = open_consumer(section, endpoint, secrets.randbits(64))
+    _count_sleeps(consumer, tally)
     ready.set()
     try:
         while True:
@@ -101,6 +105,18 @@ def drain(section: TransportSection, endpoint: Endpoint, conn, ready, verify_cod
         consumer.close()
         conn.send(tally.summary())
         conn.close()
+
+
+def _count_sleeps(consumer, tally: Tally) -> None:
+    """Counts the consumer's blocking waits (its private ``_block``, shadowed on this one
+    instance): how often the producer had a sleeping consumer to post."""
+    block = consumer._block
+
+    def counted(seconds: float) -> None:
+        tally.sleeps += 1
+        block(seconds)
+
+    consumer._block = counted
 
 
 class RingConsumerProcess:
