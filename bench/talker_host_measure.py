@@ -44,12 +44,16 @@ def build_engine(case: Case, runner, sink):
     from services.talker.request import TalkerRequest
     from services.talker.scheduler import Scheduler
 
+    import numpy as np
+
     rows = case.rows
     scheduler = Scheduler(num_slots=rows, max_num_seqs=rows, k_max=case.k_max,
-                          prefill_token_budget=rows * PROMPT_LEN, max_waiting=rows, stall_timeout=1e9)
+                          prefill_token_budget=rows * PROMPT_LEN, max_waiting=rows, stall_timeout=1e9,
+                          frame_rate=12.5, path_s=0.02)
     engine = TalkerEngine(runner, scheduler, lambda consumer_id: sink if consumer_id == CONSUMER_ID else None)
     schedule = forced_schedule(case.k_max) if case.forced else ChunkSchedule()
-    requests = [TalkerRequest(request_id=f"r{h}", handle=h, consumer_id=CONSUMER_ID, prompt=None,
+    prompt = np.zeros((PROMPT_LEN, 33), np.int64)  # a packed prompt (the fake runner ignores it)
+    requests = [TalkerRequest(request_id=f"r{h}", handle=h, consumer_id=CONSUMER_ID, prompt=prompt,
                               prompt_len=PROMPT_LEN, max_frames=1 << 30, schedule=schedule)
                 for h in range(rows)]
     groups = max(1, case.stagger_groups)

@@ -92,7 +92,10 @@ class DeviceJob:
 
 
 class ThreadedRunner(ImmediateRunner):
-    """Each launch is ``device_s`` of "device" time on one worker thread, in launch order."""
+    """Each launch is ``device_s`` of "device" time on one worker thread, in launch order.
+    ``asynchronous``: the engine may launch the next step before collecting this one."""
+
+    asynchronous = True
 
     def __init__(self, max_rows: int, k_max: int, device_s: float,
                  buckets: Sequence[int] | None = None) -> None:
