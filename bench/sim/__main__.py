@@ -2,7 +2,7 @@
 
     python -m bench.sim [--profile tip|ee9c553] [--load poisson|fixed|burst] [--mps off|on]
                         [--tiers 1,8,64,...] [--requests-per-stream 3] [--out FILE.json]
-                        [--env VOXRING_GATEWAY__CHUNKS__FIRST_FRAMES=4 ...]
+                        [--env VOXRING_GATEWAY__CHUNKS__FIRST_FRAMES=4 ...] [--free-code2wav]
     python -m bench.sim.calibrate    # the calibration against the committed H200 runs
 
 The real scheduler, talker engine, Code2Wav engine and the gateway's choices run on virtual
@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None) -> tuple[RunSpec, Path | None]:
     parser.add_argument("--load-seed", type=int, default=0)
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="a stage config override, as the benchmark's environment")
+    parser.add_argument("--free-code2wav", action="store_true",
+                        help="Code2Wav's decode takes 0 device time and its process 0 CPU (the talker isolated)")
     parser.add_argument("--out", type=Path, default=None, help="write the tiers as JSON here")
     args = parser.parse_args(argv)
     try:
@@ -58,7 +60,7 @@ def parse_args(argv: list[str] | None) -> tuple[RunSpec, Path | None]:
         parser.error("--requests-per-stream: must be >= 1")
     return RunSpec(profile=args.profile, mps=args.mps == "on", load=args.load, tiers=tiers,
                    requests_per_stream=args.requests_per_stream, load_seed=args.load_seed,
-                   env=_env(args.env)), args.out
+                   env=_env(args.env), free_code2wav=args.free_code2wav), args.out
 
 
 def main(argv: list[str] | None = None) -> int:
