@@ -63,8 +63,9 @@ RULES = {
     "graphed_prefill": "A graphed, asynchronous prefill call (captured per (rows, prompt-length) bucket; not "
                        "measured) of R prompt chunks padded to T positions takes max(weight_floor_ms, "
                        "ms_per_token x R x T). ms_per_token is the measured eager call of 64 prompts x 512 "
-                       "tokens over its 32,768 tokens: that call is compute-bound (it takes about 2.1x its backbone "
-                       "matmuls' FLOPs at the barrier file's measured 785 bf16 TFLOP/s), so a graph would not "
+                       "tokens over its 32,768 tokens: that call is compute-bound (it takes about 2.1x its "
+                       "backbone matmuls' FLOPs at the barrier file's measured 785 bf16 TFLOP/s), so a graph "
+                       "would not "
                        "shorten it much, and it is the compute floor used. weight_floor_ms is one read of "
                        "csm-1b's backbone weights (16 layers x (q, k, v, o, gate, up, down) = 973.1 M "
                        "parameters, bf16) at the barrier file's measured copy bandwidth (4.216 TB/s). "
@@ -204,7 +205,8 @@ def prefill_graphed_table(root: Path) -> dict:
     rows, tokens = PREFILL_COMPUTE_SHAPE
     largest = calls[f"prompts={rows},tokens={tokens}"]["median_ms"]
     bandwidth = _read(root, BARRIER)["copy_bandwidth_TBps"]
-    return {"source": [_source(PREFILL, f'prefill["prompts={rows},tokens={tokens}"].median_ms / {rows * tokens} '
+    key = f'prefill["prompts={rows},tokens={tokens}"].median_ms'
+    return {"source": [_source(PREFILL, f"{key} / {rows * tokens} "
                                         "tokens: the per-token compute floor"),
                        _source(BARRIER, "copy_bandwidth_TBps: the weight read's bandwidth")],
             "estimated": "graphed_prefill", "ms_per_token": round(largest / (rows * tokens), 4),

@@ -109,7 +109,8 @@ class ModeledRunner:
         lane = self.sim.current
         lane.sync()
         self.gpu.submit("talker", self.costs.prefill_graphed_ms(len(rows), tokens) / 1e3, lane.now())
-        lane.ops(self.costs.prefill_graphed_ops(len(rows)), self.costs.prefill_graphed_host_ms(len(rows)) / 1e3)
+        host_s = self.costs.prefill_graphed_host_ms(len(rows)) / 1e3
+        lane.ops(self.costs.prefill_graphed_ops(len(rows)), host_s)
         self.prefills.append((len(rows), tokens))
         self.graphed_prefills += 1
 
