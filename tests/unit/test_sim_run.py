@@ -118,3 +118,9 @@ def test_the_command_refuses_bad_tiers():
     done = subprocess.run([sys.executable, "-m", "bench.sim", "--tiers", "0"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "--tiers" in done.stderr
+
+
+def test_the_identity_check_is_bit_reproducible():
+    from bench.sim import identity
+    first, second = (identity.run(["calibration"], (8,)) for _ in range(2))
+    assert first == second and first["calibration"]["8"]["invariants"]["requests_ended"] > 0
