@@ -1,8 +1,8 @@
 """``python -m bench.sim``: the serving stack on a modeled H200, tier by tier, as a table.
 
     python -m bench.sim [--profile tip|ee9c553] [--load poisson|fixed|burst] [--mps off|on]
-                        [--tiers 1,8,64,...] [--requests-per-stream 3] [--out FILE.json]
-                        [--env VOXRING_GATEWAY__CHUNKS__FIRST_FRAMES=4 ...]
+                        [--tiers 1,8,64,...] [--requests-per-stream 3] [--out FILE.json] [--md FILE.md]
+                        [--env VOXRING_GATEWAY__CHUNKS__FIRST_FRAMES=4 ...] [--free-code2wav]
     python -m bench.sim.calibrate    # the calibration against the committed H200 runs
 
 The real scheduler, talker engine, Code2Wav engine and the gateway's choices run on virtual
@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.sim import acceptance
 from bench.sim.freeze import fingerprint
 from bench.sim.report import table
 from bench.sim.run import DEFAULT_TIERS, RunSpec, run_tiers
@@ -33,7 +34,7 @@ def _env(items: list[str]) -> dict:
     return env
 
 
-def parse_args(argv: list[str] | None) -> tuple[RunSpec, Path | None]:
+def parse_args(argv: list[str] | None) -> tuple[RunSpec, Path | None, Path | None]:
     parser = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--profile", choices=["tip", "ee9c553", "3d75c85"], default="tip",
@@ -46,7 +47,11 @@ def parse_args(argv: list[str] | None) -> tuple[RunSpec, Path | None]:
     parser.add_argument("--load-seed", type=int, default=0)
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="a stage config override, as the benchmark's environment")
+    parser.add_argument("--free-code2wav", action="store_true",
+                        help="Code2Wav's decode takes 0 device time and its process 0 CPU "
+                             "(the talker isolated)")
     parser.add_argument("--out", type=Path, default=None, help="write the tiers as JSON here")
+    parser.add_argument("--md", type=Path, default=None, help="write the tables and the acceptance here")
     args = parser.parse_args(argv)
     try:
         tiers = tuple(sorted({int(x) for x in args.tiers.split(",") if x.strip()}))
@@ -58,18 +63,24 @@ def parse_args(argv: list[str] | None) -> tuple[RunSpec, Path | None]:
         parser.error("--requests-per-stream: must be >= 1")
     return RunSpec(profile=args.profile, mps=args.mps == "on", load=args.load, tiers=tiers,
                    requests_per_stream=args.requests_per_stream, load_seed=args.load_seed,
-                   env=_env(args.env)), args.out
+                   env=_env(args.env), free_code2wav=args.free_code2wav), args.out, args.md
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec, out = parse_args(argv)
+    spec, out, md = parse_args(argv)
     began = time.process_time()
     tiers = run_tiers(spec, progress=lambda c, r: print(f"[sim] C={c}: TTFA p50 {r['ttfa_ms']['p50']} ms, "
                                                          f"{r['audio_s_per_s']} audio-s/s, {r['underruns']} "
                                                          f"underruns", file=sys.stderr, flush=True))
     title = f"sim {spec.profile} {spec.load} mps-{'on' if spec.mps else 'off'}"
-    print(table(title, {str(c): r for c, r in tiers.items()}, spec))
-    print(f"simulated in {time.process_time() - began:.1f} s of CPU; {fingerprint()['short']}")
+    title += ", Code2Wav free" if spec.free_code2wav else ""
+    by_tier = {str(c): r for c, r in tiers.items()}
+    text = "\n".join([table(title, by_tier, spec), "", *acceptance.markdown(by_tier), "",
+                      f"{fingerprint()['short']}; spec {json.dumps(spec.describe(), sort_keys=True)}"])
+    print(text)
+    print(f"simulated in {time.process_time() - began:.1f} s of CPU")
+    if md is not None:
+        md.write_text(text + "\n")
     if out is not None:
         out.write_text(json.dumps({"spec": spec.describe(), "fingerprint": fingerprint(),
                                    "tiers": {str(c): r for c, r in tiers.items()}}, indent=1, sort_keys=True))

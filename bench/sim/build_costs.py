@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from bench.sim.costs import REPLAY_LAUNCH_MS, validate
+from bench.sim.costs import EAGER_OP_MS, GRAPHED_PREFILL_OPS, REPLAY_LAUNCH_MS, validate
 
 REPO = Path(__file__).resolve().parents[2]
 GPU = "NVIDIA H200"
@@ -33,6 +33,10 @@ CROSS_CHECK_STAGE = "+ stack_step, depth calls <= 2 rows, no L2 prefetch"
 CROSS_CHECK_TOLERANCE = 0.10
 BUCKETS = tuple(2**i for i in range(11))  # 1 .. 1024 rows
 COPY_GBPS, COPY_LATENCY_MS = 25.0, 0.02
+# csm-1b's backbone (bench/talker_gpu.py's config; the barrier file's "shapes": backbone 16 x 2048):
+# layers, hidden, MLP width, query heads, key/value heads, head dim
+BACKBONE = (16, 2048, 8192, 32, 8, 64)
+PREFILL_COMPUTE_SHAPE = (64, 512)   # the largest measured eager prefill call (prompts, tokens)
 RULES = {
     "rows_linear": "A talker bucket between measured buckets takes, for each K, the linear interpolation "
                    "in rows between the nearest measured buckets below and above.",
@@ -56,6 +60,21 @@ RULES = {
                "(costs.py) serves the counts.",
     "launch_bound": "Prefill's launch_ms is the measured 1-prompt, 32-token call: a lone short prompt is "
                     "launch-bound, so it is the host's launch time and the least any prefill call takes.",
+    "graphed_prefill": "A graphed, asynchronous prefill call (captured per (rows, prompt-length) bucket; not "
+                       "measured) of R prompt chunks padded to T positions takes max(weight_floor_ms, "
+                       "ms_per_token x R x T). ms_per_token is the measured eager call of 64 prompts x 512 "
+                       "tokens over its 32,768 tokens: that call is compute-bound (it takes about 2.1x its "
+                       "backbone matmuls' FLOPs at the barrier file's measured 785 bf16 TFLOP/s), so a graph "
+                       "would not "
+                       "shorten it much, and it is the compute floor used. weight_floor_ms is one read of "
+                       "csm-1b's backbone weights (16 layers x (q, k, v, o, gate, up, down) = 973.1 M "
+                       "parameters, bf16) at the barrier file's measured copy bandwidth (4.216 TB/s). "
+                       "Small calls are therefore far cheaper than the eager table's launch-bound 15 ms.",
+    "graphed_prefill_launch": f"A graphed prefill call's host work (not measured) is {GRAPHED_PREFILL_OPS} "
+                              f"eager ops at {EAGER_OP_MS:g} ms (the staged copy of the prompt chunks to "
+                              f"pinned memory, its H2D copy, the scatters of the rows' pool state, an event) "
+                              f"and one replay's launch; it is queued, never waited for; the loader "
+                              f"(costs.py) serves it.",
     "rounding": "Estimated values are rounded to 0.0001 ms (a value raised to a floor is the exact "
                 "product); measured values are copied as their source files have them.",
 }
@@ -173,6 +192,27 @@ def prefill_table(root: Path) -> dict:
     return {"source": [_source(PREFILL, what)], "rows": rows, "launch_ms": rows["1"]["tokens"]["32"]}
 
 
+def backbone_params() -> int:
+    """csm-1b's backbone weights read once per prefill call (the embeddings are gathered, not read)."""
+    layers, hidden, mlp, heads, kv_heads, head_dim = BACKBONE
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2   # q, o; k, v
+    return layers * (attention + 3 * hidden * mlp)
+
+
+def prefill_graphed_table(root: Path) -> dict:
+    """Rule graphed_prefill's two numbers, from the measured eager prefill and the barrier file."""
+    calls = _read(root, PREFILL)["prefill"]
+    rows, tokens = PREFILL_COMPUTE_SHAPE
+    largest = calls[f"prompts={rows},tokens={tokens}"]["median_ms"]
+    bandwidth = _read(root, BARRIER)["copy_bandwidth_TBps"]
+    key = f'prefill["prompts={rows},tokens={tokens}"].median_ms'
+    return {"source": [_source(PREFILL, f"{key} / {rows * tokens} "
+                                        "tokens: the per-token compute floor"),
+                       _source(BARRIER, "copy_bandwidth_TBps: the weight read's bandwidth")],
+            "estimated": "graphed_prefill", "ms_per_token": round(largest / (rows * tokens), 4),
+            "weight_floor_ms": round(backbone_params() * 2 / (bandwidth * 1e12) * 1e3, 4)}
+
+
 def codec_table(root: Path, file: str) -> dict:
     calls = _read(root, file)["codec"]["calls"]
     batches: dict[str, dict] = {}
@@ -196,10 +236,12 @@ def sharing_table(root: Path) -> dict:
 def build(root: Path = REPO) -> dict:
     root = Path(root)
     copy = {"source": [], "GBps": COPY_GBPS, "latency_ms": COPY_LATENCY_MS, "estimated": "pageable_pcie"}
-    tables = {**talker_tables(root), "prefill_eager": prefill_table(root), "copy": copy,
+    tables = {**talker_tables(root), "prefill_eager": prefill_table(root),
+              "prefill_graphed": prefill_graphed_table(root), "copy": copy,
               "codec_free": codec_table(root, CODEC_FREE),
               "codec_deterministic": codec_table(root, CODEC_DET), "sharing": sharing_table(root)}
-    common = {"prefill": "prefill_eager", "copy": "copy", "sharing": "sharing"}
+    common = {"prefill": "prefill_eager", "prefill_graphed": "prefill_graphed", "copy": "copy",
+              "sharing": "sharing"}
     profiles = {"ee9c553": {"talker_step": "talker_step_ee9c553", "codec": "codec_free", **common},
                 "tip": {"talker_step": "talker_step_db1c4a9", "codec": "codec_deterministic", **common},
                 # the Poisson runs at 3d75c85: today's talker, Code2Wav before its deterministic default

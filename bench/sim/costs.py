@@ -13,13 +13,17 @@ from pathlib import Path
 
 DEFAULT_PATH = Path(__file__).with_name("h200.json")
 PROFILES = ("ee9c553", "3d75c85", "tip")
-SLOTS = ("talker_step", "prefill", "codec", "copy", "sharing")
+SLOTS = ("talker_step", "prefill", "prefill_graphed", "codec", "copy", "sharing")
 REPLAY_LAUNCH_MS = 0.05  # a graph replay's host launch (rule "replay_launch" in the file)
 EAGER_OP_MS = 0.01       # an eager op's host dispatch (rule "step_launch")
 STEP_OPS, STEP_OPS_PER_FRAME = 40, 1  # eager ops of a talker decode step beside its replays
 # GIL releases of one call (rule "gil_ops"): eager ops, each giving the GIL up around its launch
 PREFILL_OPS, PREFILL_OPS_PER_ROW = 300, 10
 CODEC_GRAPH_OPS, CODEC_EAGER_OPS = 8, 300
+# A graphed, asynchronous prefill call's host work (rule "graphed_prefill_launch", estimated): the
+# staged copy of the packed prompt chunks into pinned memory and its one H2D copy, the scatters of
+# the rows' pool state, an event: eager ops at EAGER_OP_MS each, and one graph replay.
+GRAPHED_PREFILL_OPS = 12
 TOP_KEYS = {"format", "gpu", "rules", "profiles", "tables"}
 
 
@@ -165,6 +169,14 @@ def _prefill(rd: _Reader, t: dict, path: str):
     return grid, rd.cost(t["launch_ms"], f"{path}.launch_ms")
 
 
+def _prefill_graphed(rd: _Reader, t: dict, path: str):
+    """(ms per prompt token, weight-read floor ms) of a graphed prefill call (estimated)."""
+    rd.keys(t, path, ("source", "estimated", "ms_per_token", "weight_floor_ms"))
+    rd.source(t, path)
+    return rd.cost(t["ms_per_token"], f"{path}.ms_per_token"), rd.cost(t["weight_floor_ms"],
+                                                                      f"{path}.weight_floor_ms")
+
+
 def _codec(rd: _Reader, t: dict, path: str):
     rd.keys(t, path, ("source", "batches"))
     rd.source(t, path)
@@ -190,7 +202,8 @@ def _sharing(rd: _Reader, t: dict, path: str):
     return out
 
 
-CHECKS = {"talker_step": _talker, "prefill": _prefill, "codec": _codec, "copy": _copy, "sharing": _sharing}
+CHECKS = {"talker_step": _talker, "prefill": _prefill, "prefill_graphed": _prefill_graphed, "codec": _codec,
+          "copy": _copy, "sharing": _sharing}
 
 
 def validate(doc, name: str) -> dict[str, dict[str, object]]:
@@ -217,7 +230,7 @@ def validate(doc, name: str) -> dict[str, dict[str, object]]:
     for table in tables:
         if table not in kinds:
             rd.fail(f"tables.{table}", "no profile names this table")
-    for rule in ("replay_launch", "step_launch", "gil_ops"):
+    for rule in ("replay_launch", "step_launch", "gil_ops", "graphed_prefill_launch"):
         if rule not in rules:
             rd.fail("rules", f"missing rule {rule!r} (a host launch time the loader serves)")
     parsed = {t: CHECKS[kind](rd, tables[t], f"tables.{t}") for t, kind in kinds.items()}
@@ -261,6 +274,35 @@ class DeviceCosts:
 
     def prefill_host_ms(self, rows: int, tokens: int) -> float:
         return min(self.prefill_ms(rows, tokens), self._tables["prefill"][1][1])
+
+    def prefill_graphed_ms(self, rows: int, tokens: int) -> float:
+        """One graphed prefill call of rows prompt chunks padded to tokens positions (estimated,
+        rule graphed_prefill): the larger of the backbone's weight read and rows x tokens at the
+        per-token time of the largest measured eager call (a compute-bound shape graphs cannot
+        shorten much)."""
+        if rows < 1 or tokens < 1:
+            raise ValueError(f"prefill needs rows >= 1 and tokens >= 1, got ({rows}, {tokens})")
+        per_token, weights = self._tables["prefill_graphed"][1]
+        return max(weights, per_token * rows * tokens)
+
+    def prefill_burst_floor_ms(self, lengths) -> float:
+        """The prefill compute floor of a burst: the least device time that prefills prompts of
+        these lengths (tokens each) under rule graphed_prefill, whatever the packing into calls:
+        every call costs at least its tokens at the per-token time and at least one weight read,
+        so no schedule beats max(weight read, all tokens x per-token time)."""
+        lengths = list(lengths)
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"lengths must be one or more prompt lengths >= 1, got {lengths[:8]}")
+        per_token, weights = self._tables["prefill_graphed"][1]
+        return max(weights, per_token * sum(lengths))
+
+    @staticmethod
+    def prefill_graphed_ops(rows: int) -> int:
+        return GRAPHED_PREFILL_OPS
+
+    def prefill_graphed_host_ms(self, rows: int) -> float:
+        """A graphed prefill call's host launch and staging (rule graphed_prefill_launch)."""
+        return GRAPHED_PREFILL_OPS * EAGER_OP_MS + REPLAY_LAUNCH_MS
 
     def codec_ms(self, batch: int, frames: int, graph: bool) -> float:
         """One Code2Wav call of batch streams x frames frames: a graph replay padded to its batch

@@ -47,9 +47,18 @@ SWITCH_INTERVAL_S = 0.005  # CPython's sys.getswitchinterval(): a thread waiting
 
 @dataclass
 class Gil:
+    """A process's GIL. ``cpu_scale`` multiplies every host cost of its lanes (measured and
+    modeled): 1 as measured, 0 for a process whose host work is taken as free (the option that
+    isolates the talker from Code2Wav's CPU: its lanes still run their code, in no virtual time)."""
+
     name: str
     free_at: float = 0.0   # virtual time at which the holder's current segment ends
     lanes: list = field(default_factory=list)
+    cpu_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cpu_scale <= 1.0:
+            raise ValueError(f"Gil {self.name}: cpu_scale must be in [0, 1], got {self.cpu_scale}")
 
 
 class Mailbox:
@@ -105,16 +114,17 @@ class Lane:
 
     def now(self) -> float:
         """The lane's virtual time now: its last resume plus the host work since."""
-        return self.t + (time.thread_time() - self._mark) * self.sim.host_factor
+        return self.t + (time.thread_time() - self._mark) * self.sim.host_factor * self.gil.cpu_scale
 
     def charge(self) -> None:
-        spent = (time.thread_time() - self._mark) * self.sim.host_factor
+        spent = (time.thread_time() - self._mark) * self.sim.host_factor * self.gil.cpu_scale
         self.t += spent
         self.host_s += spent
         self._mark = time.thread_time()
 
     def spend(self, seconds: float) -> None:
         """Host work the simulation does not run for real (a gRPC message's CPU), GIL held."""
+        seconds *= self.gil.cpu_scale
         self.t += seconds
         self.host_s += seconds
 
@@ -146,7 +156,7 @@ class Lane:
         GIL often against one that holds it for the switch interval)."""
         each = seconds / max(count, 1)
         for _ in range(count):
-            self.spend(each)
+            self.spend(each)  # scaled there
             now = self.now()
             if any(other is not self and other._wake_at is not None and other._wake_at <= now
                    for other in self.gil.lanes):
@@ -166,6 +176,7 @@ class Lane:
 
     def hold(self, seconds: float) -> None:
         """Modeled host work without the GIL (a device call's launches)."""
+        seconds *= self.gil.cpu_scale
         self.charge()
         self.held_s += seconds
         self._yield(self.t + seconds, [])

@@ -7,6 +7,7 @@ from __future__ import annotations
 from bench.server.probes import STEP_PARTS
 from bench.server.report import run_table
 from bench.server.tiers import tier_record as bench_tier_record
+from bench.sim.front import prompt_ids
 from voxring import loadgen
 
 
@@ -32,7 +33,56 @@ def talker_numbers(stack, window: float) -> dict:
             "frames_per_s": round(c.frames / window, 1), "step_ms": round(step_ms, 2),
             "mean_k": round(c.step_frames / steps, 2),
             "mean_rows_per_step": round(c.frames / max(c.step_frames, 1), 1),
-            "step_split_ms": {k: round(v, 2) for k, v in split.items()}}
+            "step_split_ms": {k: round(v, 2) for k, v in split.items()},
+            # steps by what bounded their K, where the engine counts them (absent: None)
+            "k_bounds": dict(c.k_bounds) if isinstance(getattr(c, "k_bounds", None), dict) else None}
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1e3, 1)
+
+
+def refusals(traces) -> dict:
+    """Admitted against refused (RESOURCE_EXHAUSTED: the gateway's admission or the talker's
+    queue), and how long a refusal took from the client's send: a refusal is only cheap for
+    the caller if it is quick, so its latency is judged beside the admitted streams' stalls."""
+    refused = [t.ended_at_s - t.sent_at_s for t in traces
+               if t.outcome == "rejected" and t.ended_at_s is not None]
+    latency = {"p50": _ms(loadgen.percentile(refused, 50)), "p99": _ms(loadgen.percentile(refused, 99)),
+               "max": _ms(max(refused, default=None))}
+    return {"admitted": sum(t.outcome != "rejected" for t in traces), "refused": len(refused),
+            "refusal_ms": latency}
+
+
+def first_chunk_frames(config, admitted: int) -> int:
+    """The frames of the first chunk the gateway asks of the burst's last admitted request
+    (``SynthesisPipeline._schedule``: the busy size once more than busy_threshold are in flight)."""
+    chunks = config.chunks
+    busy = chunks.adaptive and admitted - 1 > chunks.busy_threshold
+    return chunks.first_frames_busy if busy else chunks.first_frames
+
+
+def burst_numbers(plan, stack, report: dict) -> dict:
+    """The burst's prefill compute floor (rule graphed_prefill, ``costs.prefill_burst_floor_ms``)
+    of its prompts as the talker counts their positions, and TTFA p99 against floor + one step:
+    no loop can give the last admitted request audio before every admitted prompt is prefilled
+    and one decode step has made its first chunk (one step: the cost model's step at the
+    admitted rows' bucket, K = that chunk's frames)."""
+    costs, runner, traces = stack.runner.costs, stack.runner, stack.client.traces
+    lengths = [len(prompt_ids(s.text)) for s in plan.sends]
+    admitted = [n for n, t in zip(lengths, traces, strict=False) if t.outcome != "rejected"]
+    out = {"prompts": len(lengths), "prefill_floor_ms": round(costs.prefill_burst_floor_ms(lengths), 2),
+           "admitted_prompts": len(admitted), "admitted_prefill_floor_ms": None, "one_step_ms": None,
+           "one_step_k": None, "ttfa_p99_ms": _ms(report["ttfa_s"]["p99"]), "ttfa_p99_over_floor_step": None}
+    if not admitted:
+        return out
+    k = min(first_chunk_frames(stack.gateway.config, len(admitted)), runner.k_max)
+    step = costs.talker_step_ms(runner.bucket_for(min(len(admitted), runner.buckets[-1])), k)
+    floor = costs.prefill_burst_floor_ms(admitted)
+    out.update(admitted_prefill_floor_ms=round(floor, 2), one_step_ms=round(step, 2), one_step_k=k)
+    if report["ttfa_s"]["p99"] is not None:
+        out["ttfa_p99_over_floor_step"] = round(report["ttfa_s"]["p99"] * 1e3 / (floor + step), 2)
+    return out
 
 
 def lanes_busy(stack, window: float) -> dict:
@@ -78,6 +128,9 @@ def tier_record(spec, concurrency: int, plan, stack, cpu_s: float) -> dict:
     record = bench_tier_record(spec.settings(), concurrency, len(plan.sends), spec.tier_max_s, False,
                                report, numbers, {})
     record["rejected_by"] = "gateway admission" if report["rejected"] else None
+    record["refusals"] = refusals(traces)
+    if spec.load == "burst":
+        record["burst"] = burst_numbers(plan, stack, report)
     return record
 
 

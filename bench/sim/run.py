@@ -47,13 +47,18 @@ class RunSpec:
     host_factor: float | None = None   # None: bench/sim/host.py's, measured
     tier_max_s: float = 60.0           # virtual seconds a tier may run
     fit: Fit = FIT                     # the fitted parameters (fit.py); the calibration's search varies them
+    # Code2Wav free: its decode calls take 0 device time and its process's host work (both lanes'
+    # measured CPU, their modeled gRPC and launch costs) 0 CPU, so the talker runs as if alone on
+    # the GPU and the host; the stream still flows through the real Code2Wav engine and gateway.
+    free_code2wav: bool = False
 
     def describe(self) -> dict:
         return {"profile": self.profile, "mps": self.mps, "load": self.load, "tiers": list(self.tiers),
                 "requests_per_stream": self.requests_per_stream, "audio_seconds": self.audio_seconds,
                 "load_seed": self.load_seed, "env": dict(self.env),
                 "host_factor": self.host_factor if self.host_factor is not None else host_factor(),
-                "tier_max_s": self.tier_max_s, "engine_cap": ENGINE_CAP, "fit": dataclasses.asdict(self.fit)}
+                "tier_max_s": self.tier_max_s, "engine_cap": ENGINE_CAP, "fit": dataclasses.asdict(self.fit),
+                "free_code2wav": self.free_code2wav}
 
     def settings(self) -> Settings:
         """bench.server's settings for these tiers (engines sized for the top one, at most ENGINE_CAP)."""
@@ -110,7 +115,8 @@ def build_stack(spec: RunSpec, costs: DeviceCosts, host: HostCosts, plan: Client
     runner = ModeledRunner(sim, gpu, costs, buckets=engine.buckets, k_max=engine.k_max)
     c2w = c2w_cfg.engine
     decoder = ModeledDecoder(sim, gpu, costs, graph_buckets=c2w.graph_buckets,
-                             graph_chunk_frames=c2w.graph_chunk_frames, cuda_graphs=c2w.cuda_graphs)
+                             graph_chunk_frames=c2w.graph_chunk_frames, cuda_graphs=c2w.cuda_graphs,
+                             free=spec.free_code2wav)
     ring = SimRing(sim, talker_cfg.transport.capacity_bytes)
     attach = c2w_cfg.talkers.attach[0]
     facts = ModelFacts(num_codebooks=NUM_CODEBOOKS, codebook_size=CODEBOOK_SIZE, text_vocab_size=65536,
@@ -118,7 +124,8 @@ def build_stack(spec: RunSpec, costs: DeviceCosts, host: HostCosts, plan: Client
     host = host.scaled(spec.fit.grpc_factor, spec.fit.call_overhead_s)
     talker = TalkerProcess(sim, Gil("talker"), runner, engine, host, ring, c2w_cfg.talkers.consumer_id, facts,
                            talker_cfg.chunks)
-    code2wav = Code2WavProcess(sim, Gil("code2wav"), decoder, c2w, host, ring, attach.id, c2w_cfg.chunks)
+    code2wav_gil = Gil("code2wav", cpu_scale=0.0 if spec.free_code2wav else 1.0)
+    code2wav = Code2WavProcess(sim, code2wav_gil, decoder, c2w, host, ring, attach.id, c2w_cfg.chunks)
     gateway = GatewayProcess(sim, Gil("gateway"), gw_cfg, host, talker, code2wav, attach.id,
                              c2w_cfg.talkers.consumer_id)
     client = ClientProcess(sim, Gil("client"), host, gateway, plan)

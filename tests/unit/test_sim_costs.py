@@ -259,3 +259,44 @@ def test_builder_raises_estimates_to_the_floor():
                                      "raised_to_floor": True}
     with pytest.raises(build_costs.BuildError, match="below"):
         build_costs._talker_table({b: {1: 1.0} for b in BUCKETS}, {}, floor, [])
+
+
+def test_graphed_prefill_rule_from_the_committed_files(doc):
+    costs = load_costs(profile="tip")
+    table = doc["tables"]["prefill_graphed"]
+    assert table["estimated"] == "graphed_prefill" and "graphed_prefill" in doc["rules"]
+    rows, tokens = build_costs.PREFILL_COMPUTE_SHAPE
+    largest = _result(build_costs.PREFILL)["prefill"][f"prompts={rows},tokens={tokens}"]["median_ms"]
+    bandwidth = _result(build_costs.BARRIER)["copy_bandwidth_TBps"]
+    per_token, weights = round(largest / (rows * tokens), 4), round(build_costs.backbone_params() * 2 / (
+        bandwidth * 1e12) * 1e3, 4)
+    assert (table["ms_per_token"], table["weight_floor_ms"]) == (per_token, weights)
+    assert 0.9e9 < build_costs.backbone_params() < 1.1e9   # csm-1b: a 1 B backbone
+    assert costs.prefill_graphed_ms(1, 1) == weights       # a short prompt reads the weights once
+    assert costs.prefill_graphed_ms(64, 512) == pytest.approx(per_token * 64 * 512)
+    assert costs.prefill_graphed_ms(1, 110) < costs.prefill_ms(1, 110)   # far below the eager launch
+    with pytest.raises(ValueError, match="rows >= 1"):
+        costs.prefill_graphed_ms(0, 10)
+
+
+def test_a_bursts_prefill_floor_bounds_every_packing():
+    costs = load_costs(profile="tip")
+    lengths = [30, 100, 100, 257, 64, 12, 180, 75]
+    floor = costs.prefill_burst_floor_ms(lengths)
+    assert floor == max(costs.prefill_graphed_ms(1, 1), costs.prefill_graphed_ms(1, sum(lengths)))
+    one_call = costs.prefill_graphed_ms(len(lengths), max(lengths))
+    one_each = sum(costs.prefill_graphed_ms(1, n) for n in lengths)
+    assert floor <= one_call and floor <= one_each
+    assert costs.prefill_burst_floor_ms([5]) == costs.prefill_graphed_ms(1, 1)
+    for bad in ([], [0, 3]):
+        with pytest.raises(ValueError, match="lengths"):
+            costs.prefill_burst_floor_ms(bad)
+
+
+def test_a_file_without_the_graphed_prefill_is_refused(tmp_path, doc):
+    bad = copy.deepcopy(doc)
+    del bad["tables"]["prefill_graphed"]["weight_floor_ms"]
+    _refused(tmp_path, bad, "tables.prefill_graphed", "weight_floor_ms")
+    bad = copy.deepcopy(doc)
+    del bad["profiles"]["tip"]["prefill_graphed"]
+    _refused(tmp_path, bad, "profiles.tip", "prefill_graphed")
