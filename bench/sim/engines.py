@@ -178,7 +178,9 @@ class TalkerProcess:
         scheduler = Scheduler(num_slots=engine_cfg.max_num_seqs, max_num_seqs=engine_cfg.max_num_seqs,
                               k_max=engine_cfg.k_max, prefill_token_budget=engine_cfg.prefill_token_budget,
                               max_waiting=engine_cfg.max_waiting, stall_timeout=engine_cfg.stall_timeout,
-                              frame_rate=FRAME_RATE, path_s=engine_cfg.path_s, bucket_for=runner.bucket_for)
+                              frame_rate=FRAME_RATE, path_s=engine_cfg.path_s, bucket_for=runner.bucket_for,
+                              min_chunk_tokens=engine_cfg.min_chunk_tokens,
+                              admission_headroom=engine_cfg.admission_headroom)
         clock = sim.clock
         self.engine = TalkerEngine(runner, scheduler, SimConsumers(consumer_id, ring).sink_for,
                                    max_pending_frames=engine_cfg.max_pending_frames, clock=clock)

@@ -18,7 +18,7 @@ from bench.sim.devices import FRAME_RATE, SAMPLES_PER_FRAME
 from bench.sim.engines import Code2WavProcess, HostCosts, Peer, TalkerProcess
 from bench.sim.kernel import Lane, Mailbox, Sim
 from services.gateway.config import GatewayConfig
-from services.gateway.pipeline import SynthesisPipeline
+from services.gateway.pipeline import SynthesisPipeline, first_audio_budget
 from voxring.loadgen import RequestTrace
 from voxring.v1 import code2wav_pb2, common_pb2, talker_pb2
 
@@ -44,6 +44,7 @@ class _Request:
     ids: list[int]
     max_frames: int
     schedule: common_pb2.ChunkSchedule
+    arrival: float
     handle: int = 0
 
 
@@ -77,7 +78,7 @@ class GatewayProcess:
         self.pair.in_flight += 1
         schedule = SynthesisPipeline._schedule(self, self.pair)
         max_frames = max(1, math.ceil(seconds * FRAME_RATE - 1e-4))
-        request = _Request(token, prompt_ids(text), max_frames, schedule)
+        request = _Request(token, prompt_ids(text), max_frames, schedule, lane.now())
         self.requests[token] = request
         open_request = code2wav_pb2.OpenRequest(request_id=f"sim-{token}", talker_id=self.talker_id,
                                                 chunk_schedule=schedule, max_frames=max_frames)
@@ -96,7 +97,9 @@ class GatewayProcess:
             segments=[talker_pb2.PromptSegment(text_token_ids=request.ids)],
             sampling=common_pb2.SamplingParams(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.0,
                                                seed=token),
-            max_frames=request.max_frames, chunk_schedule=request.schedule)
+            max_frames=request.max_frames, chunk_schedule=request.schedule,
+            first_audio_budget_s=first_audio_budget(self.config.admission.first_audio_budget_s,
+                                                    request.arrival, lane.now()))
         lane.spend(self.host.unary_client_s)
         self.talker.loop_box.put(("submit", submit, token, self.peer), lane.now())
 

@@ -79,6 +79,12 @@ def _seconds(text: str | None) -> float | None:
     return value if value is not None and math.isfinite(value) and value > 0 else None
 
 
+def first_audio_budget(target: float, arrival: float, now: float) -> float:
+    """What is left of the time-to-first-audio ``target`` after the gateway's own work since
+    ``arrival`` (PROTOCOL.md, Pacing); at least a millisecond (0 means the talker's default)."""
+    return max(1e-3, target - (now - arrival)) if target else 0.0
+
+
 class SynthesisPipeline:
     def __init__(self, config: GatewayConfig, router: Router, voices: VoiceCatalog) -> None:
         self.config = config
@@ -230,12 +236,7 @@ class SynthesisPipeline:
         return started
 
     def _first_audio_budget(self, arrival: float) -> float:
-        """What is left of the time-to-first-audio target after the gateway's own work since
-        ``arrival`` (PROTOCOL.md, Pacing); at least a millisecond (0 means the talker's default)."""
-        target = self.config.admission.first_audio_budget_s
-        if not target:
-            return 0.0
-        return max(1e-3, target - (time.monotonic() - arrival))
+        return first_audio_budget(self.config.admission.first_audio_budget_s, arrival, time.monotonic())
 
     @staticmethod
     async def _submit(pair: EnginePair, submit: talker_pb2.SubmitRequest) -> None:
