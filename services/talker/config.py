@@ -32,6 +32,14 @@ class EngineSection:
     max_pending_frames: int = 64            # frames kept for a full ring before the row pauses
     stall_timeout: float = 5.0              # a row paused longer ends STALLED
     cuda_graphs: bool = True                # capture the frame per bucket on CUDA
+    # Prefill graphs per (rows, tokens) bucket on CUDA: a call of R chunks of up to T tokens runs
+    # in the smallest captured bucket that holds it (padded), else eagerly. Captured smallest
+    # first until the graph pool passes prefill_graph_memory_mb or capture prefill_graph_startup_s;
+    # empty rows or tokens: no prefill graphs.
+    prefill_graph_rows: tuple[int, ...] = (1, 2, 4, 8)
+    prefill_graph_tokens: tuple[int, ...] = (32, 64, 128, 256)
+    prefill_graph_memory_mb: float = 1024.0
+    prefill_graph_startup_s: float = 30.0
 
     def __post_init__(self) -> None:
         positive = {"k_max": self.k_max, "max_num_seqs": self.max_num_seqs,
@@ -50,6 +58,18 @@ class EngineSection:
             raise ConfigValueError("max_len" if self.max_len < 0 else "max_repetition_window", "must be >= 0")
         if not self.stall_timeout > 0:
             raise ConfigValueError("stall_timeout", f"must be > 0 seconds, got {self.stall_timeout}")
+        self._check_prefill_graphs()
+
+    def _check_prefill_graphs(self) -> None:
+        for key in ("prefill_graph_rows", "prefill_graph_tokens"):
+            sizes = list(getattr(self, key))
+            if sizes != sorted(set(sizes)) or (sizes and sizes[0] < 1):
+                raise ConfigValueError(key, f"must be distinct positive sizes in ascending order, "
+                                       f"got {sizes}")
+        for key in ("prefill_graph_memory_mb", "prefill_graph_startup_s"):
+            value = getattr(self, key)
+            if not value >= 0:  # NaN is refused too
+                raise ConfigValueError(key, f"must be >= 0, got {value}")
 
 
 @dataclass(frozen=True)

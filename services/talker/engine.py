@@ -107,7 +107,8 @@ class TalkerEngine:
         return bool(plan.decode or plan.prefill or plan.finished)
 
     def _prefill(self, plan: StepPlan) -> None:
-        rows = [PrefillRow(r.slot, r.prompt, r.sampling, r.min_frames) for r in plan.prefill]
+        # whole prompts for now: request.prompt is the packed prompt built by the servicer
+        rows = [PrefillRow(r.slot, r.prompt, 0, True, r.sampling, r.min_frames) for r in plan.prefill]
         try:
             self.runner.prefill(rows)
         except Exception:
