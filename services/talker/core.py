@@ -105,7 +105,20 @@ class TalkerCore:
                 "step_decode_seconds": ("counter", "engine time in the runner's decode (graph replays, copy "
                                         "to host)", counters.decode_s),
                 "step_emit_seconds": ("counter", "engine time turning frames into records and writing them",
-                                      counters.emit_s)}
+                                      counters.emit_s),
+                **self._prefill_graph_metrics()}
+
+    def _prefill_graph_metrics(self) -> dict:
+        """What capturing the prefill graphs cost (absent for a runner without them, e.g. the simulator's)."""
+        stats = getattr(self.engine.runner, "prefill_graph_stats", None)
+        if stats is None:
+            return {}
+        return {"prefill_graph_capture_seconds": ("gauge", "start-up time capturing prefill graphs",
+                                                  stats.capture_s),
+                "prefill_graph_reserved_bytes": ("gauge", "GPU memory the prefill graph pool reserved",
+                                                 stats.memory_reserved_bytes),
+                "prefill_graph_buckets": ("gauge", "prefill (rows, tokens) buckets with a graph",
+                                          len(stats.captured))}
 
     def close(self) -> None:
         self.consumers.close()

@@ -114,9 +114,8 @@ class PrefillGraphs:
         if capture:
             self._capture(ordered, buckets)
             self.buckets = list(self.stats.captured)
-        else:
+        else:  # every bucket runs eagerly on its static views; nothing is captured
             self.buckets = ordered
-            self.stats.captured = list(ordered)
 
     def bucket_for(self, rows: int, tokens: int) -> Bucket | None:
         """The smallest available bucket holding ``rows`` chunks of up to ``tokens``; None: eager."""

@@ -32,8 +32,8 @@ MAX_LEN, FRAMES = 96, 20
 ATOL, RTOL = 2e-6, 1e-5  # measured: about 1e-7 (the K/V entries are O(1))
 
 
-@pytest.fixture(scope="module")
-def model() -> CsmTalker:
+def tiny_model() -> CsmTalker:
+    """voxring-tiny's architecture in fp32 on the CPU with fresh seeded weights."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         talker = CsmTalker(CsmConfig.from_dict(tiny_config())).eval()
@@ -41,6 +41,11 @@ def model() -> CsmTalker:
             for name, p in talker.named_parameters():
                 p.normal_(0, 1 / p.shape[-1] ** 0.5 if "embed" not in name else 1.0)
     return talker
+
+
+@pytest.fixture(scope="module")
+def model() -> CsmTalker:
+    return tiny_model()
 
 
 def segments(seed: int, audio_frames: int = 0) -> list[PromptSegment]:
