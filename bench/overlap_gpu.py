@@ -43,7 +43,7 @@ class Talker:
         self.rows = SMOKE_ROWS if smoke else ROWS
         self.runner = Runner(model, num_slots=self.rows, max_len=1024, buckets=[self.rows], k_max=K,
                              max_repetition_window=16, use_graphs=not smoke)
-        self.runner.prefill(prompt_rows(range(self.rows), CONTEXT, model.config.text_vocab_size))
+        self.runner.prefill(prompt_rows(model, range(self.rows), CONTEXT))
 
     def call(self) -> None:
         self.runner.decode(list(range(self.rows)), K)

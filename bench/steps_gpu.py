@@ -89,10 +89,12 @@ def _cpu_model(config: dict):
     return CsmTalker(CsmConfig.from_dict(config)).eval()
 
 
-def prompt_rows(slots: range, tokens: int, vocab: int) -> list[PrefillRow]:
+def prompt_rows(model, slots: range, tokens: int) -> list[PrefillRow]:
     g = torch.Generator().manual_seed(tokens)
-    return [PrefillRow(slot, [PromptSegment(torch.randint(0, vocab, (tokens,), generator=g).tolist())],
-                       Sampling(), 0) for slot in slots]
+    vocab = model.config.text_vocab_size
+    prompts = [[PromptSegment(torch.randint(0, vocab, (tokens,), generator=g).tolist())] for _ in slots]
+    return [PrefillRow.whole(slot, model.pack_prompt(prompt), Sampling())
+            for slot, prompt in zip(slots, prompts, strict=True)]
 
 
 def part_talker(model, device: torch.device, smoke: bool, out: dict, save: Callable[[], None]) -> None:
@@ -102,9 +104,8 @@ def part_talker(model, device: torch.device, smoke: bool, out: dict, save: Calla
                     max_repetition_window=16, use_graphs=device.type == "cuda")
     out.update({"capture_s": round(time.perf_counter() - started, 2), "max_len": 256,
                 "context": f"each measurement starts every row at position {CONTEXT}", "steps": {}})
-    vocab = model.config.text_vocab_size
     for first in range(0, buckets[-1], 64):  # every slot holds a prompt of CONTEXT tokens
-        runner.prefill(prompt_rows(range(first, min(first + 64, buckets[-1])), CONTEXT, vocab))
+        runner.prefill(prompt_rows(model, range(first, min(first + 64, buckets[-1])), CONTEXT))
     for bucket in buckets:
         slots = list(range(bucket))
         entry = {}
@@ -133,10 +134,9 @@ def part_prefill(model, device: torch.device, smoke: bool, out: dict, save: Call
     max_len = max(tokens) + 16
     runner = Runner(model, num_slots=max(prompts), max_len=max_len, buckets=[1], k_max=1,
                     max_repetition_window=16, use_graphs=False)
-    vocab = model.config.text_vocab_size
     for n in prompts:
         for length in tokens:
-            rows = prompt_rows(range(n), length, vocab)
+            rows = prompt_rows(model, range(n), length)
             key = f"prompts={n},tokens={length}"
             out[key] = timed_ms(lambda rows=rows: _prefill(runner, rows, device), device,
                                 repeats=5 if not smoke else 2)

@@ -74,7 +74,7 @@ def prefill_all(runner: Runner, rows: int, sampled: bool) -> None:
         ids = torch.randint(0, vocab, (12,), generator=g).tolist()
         sampling = (Sampling(temperature=0.9, top_k=50, top_p=0.95, seed=1000 + slot) if sampled
                     else Sampling())
-        batch.append(PrefillRow(slot, [PromptSegment(ids)], sampling, 0))
+        batch.append(PrefillRow.whole(slot, runner.model.pack_prompt([PromptSegment(ids)]), sampling))
         if len(batch) == 32:
             runner.prefill(batch)
             batch = []

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kernels.sampler_twin import SamplingParams
@@ -64,16 +65,28 @@ class TalkerModel(Protocol):
     rows_per_request: int
 
     def prompt_embeds(self, segments: Sequence[PromptSegment]) -> torch.Tensor:
-        """The prompt as input embeddings [T, H]."""
+        """The prompt as input embeddings [T, H] (the reference ``embed_packed`` must equal)."""
+
+    def pack_prompt(self, segments: Sequence[PromptSegment]) -> np.ndarray:
+        """The prompt as host rows [T, N + 1] int64, one per KV position: what a request carries
+        to the engine. Pure host code (no device, no model state), so the servicer can call it
+        on its event loop when a request arrives."""
+
+    def embed_packed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Packed rows [T, N + 1] or [B, T, N + 1] on the device -> embeddings [.., T, H], equal to
+        ``prompt_embeds`` of the same prompt; no host sync, no branches on values."""
 
     def new_caches(self, num_slots: int, max_len: int, batch_size: int) -> Any:
         """Static caches for ``num_slots`` rows of up to ``max_len`` positions, with frame
         scratch space for batches of up to ``batch_size`` rows."""
 
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
-                caches: Any) -> torch.Tensor:
-        """Runs right-padded prompts [B, T, H] (true lengths [B]) into their slots;
-        returns each row's last hidden state [B, H]."""
+                caches: Any, starts: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs right-padded prompt chunks [B, T, H] (true lengths [B]) into their slots at
+        positions ``starts + 0 .. T-1`` (``starts`` [B], default 0: whole prompts); returns each
+        row's hidden state at its last true position [B, H]. Padding positions may write K/V
+        past a row's end (clamped to the cache): the row's next chunk or frame rewrites them
+        before any query sees them."""
 
     def decode_frame(self, inputs: FrameInputs, caches: Any, return_logits: bool = False) -> FrameOutputs:
         """Produces one frame per row and advances the backbone by that frame."""

@@ -48,6 +48,12 @@ class FakeRunner:
     def decode(self, slots, k: int) -> np.ndarray:
         return self._codes[:k, : len(slots)].copy()  # a fresh array, as the one device-to-host copy is
 
+    def launch(self, slots, k: int) -> np.ndarray:
+        return self.decode(slots, k)
+
+    def collect(self, handle: np.ndarray) -> np.ndarray:
+        return handle
+
 
 class AcceptingSink:
     """A consumer whose ring always has space."""
@@ -68,9 +74,10 @@ def _engine(rows: int, k_max: int):
     sink = AcceptingSink()
     engine = TalkerEngine(FakeRunner(rows, k_max), scheduler, lambda consumer: sink)
     schedule = ChunkSchedule(first_frames=16, growth=1.0, steady_frames=16)
+    prompt = np.zeros((PROMPT_LEN, NUM_CODEBOOKS + 1), np.int64)  # packed (the fake runner ignores it)
     for handle in range(rows):
         scheduler.add(TalkerRequest(request_id=f"r{handle}", handle=handle, consumer_id="code2wav-0",
-                                    prompt=None, prompt_len=PROMPT_LEN, max_frames=1 << 40,
+                                    prompt=prompt, prompt_len=PROMPT_LEN, max_frames=1 << 40,
                                     schedule=schedule))
     engine.step()  # admits every row (prefill) and decodes the first frames
     if len(scheduler.running) != rows:

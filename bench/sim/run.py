@@ -21,12 +21,15 @@ from bench.sim.front import ClientPlan, ClientProcess, GatewayProcess, Send
 from bench.sim.gpu import Gpu
 from bench.sim.host import host_factor, load_host_costs
 from bench.sim.kernel import Gil, Sim
+from models.csm.model import pack_prompt
 from services.code2wav.config import Code2WavConfig
 from services.common.config import load_config
 from services.gateway.config import GatewayConfig
 from services.talker.config import TalkerConfig
 from services.talker.servicer import ModelFacts
 from voxring import loadgen
+
+CODEBOOK_EOS = 0  # csm-1b's stop frame code (the prompt's audio-end frame; the sim's prompts have none)
 
 DEFAULT_TIERS = (1, 8, 64, 256, 512, 1024, 1536, 2048)
 ENGINE_CAP = 1024  # engines are sized for the top tier up to the largest bucket the cost file measures
@@ -120,7 +123,8 @@ def build_stack(spec: RunSpec, costs: DeviceCosts, host: HostCosts, plan: Client
     ring = SimRing(sim, talker_cfg.transport.capacity_bytes)
     attach = c2w_cfg.talkers.attach[0]
     facts = ModelFacts(num_codebooks=NUM_CODEBOOKS, codebook_size=CODEBOOK_SIZE, text_vocab_size=65536,
-                       max_len=engine.max_len, max_repetition_window=engine.max_repetition_window)
+                       max_len=engine.max_len, max_repetition_window=engine.max_repetition_window,
+                       pack_prompt=lambda segments: pack_prompt(segments, NUM_CODEBOOKS, CODEBOOK_EOS))
     host = host.scaled(spec.fit.grpc_factor, spec.fit.call_overhead_s)
     talker = TalkerProcess(sim, Gil("talker"), runner, engine, host, ring, c2w_cfg.talkers.consumer_id, facts,
                            talker_cfg.chunks)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -149,6 +150,21 @@ class CsmTalker(nn.Module):
                 parts.append(self.embed_frames(torch.cat([frames, eos])))
         return torch.cat(parts)
 
+    def pack_prompt(self, segments: Sequence[PromptSegment]) -> np.ndarray:
+        """The prompt as host rows ``[L, N + 1]`` int64, one per KV position, laid out as
+        ``prompt_embeds`` lays them out; see ``pack_prompt`` below."""
+        return pack_prompt(segments, self.num_codebooks, self.config.codebook_eos_token_id)
+
+    def embed_packed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Packed prompt rows ``[..., T, N + 1]`` (``pack_prompt``'s layout) -> ``[..., T, H]``, equal
+        to ``prompt_embeds``. Branch-free (both tables are read at every position and ``where``
+        picks), so a batch of chunks embeds in one call that a CUDA graph can capture."""
+        n = self.num_codebooks
+        text_ids = tokens[..., n]
+        text = self.embed_text_tokens(text_ids.clamp(min=0))
+        audio = self.embed_frames(tokens[..., :n].clamp(min=0))
+        return torch.where((text_ids >= 0)[..., None], text, audio)
+
     def new_caches(self, num_slots: int, max_len: int, batch_size: int) -> CsmCaches:
         return CsmCaches(self.backbone_model.new_cache(num_slots, max_len),
                          self.depth_decoder.model.new_cache(batch_size, self.num_codebooks),
@@ -205,14 +221,18 @@ class CsmTalker(nn.Module):
         return out
 
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
-                caches: CsmCaches) -> torch.Tensor:
-        # embeds: [B, T, H] right-padded; lengths, slots: [B] -> last hidden [B, H]
+                caches: CsmCaches, starts: torch.Tensor | None = None) -> torch.Tensor:
+        # embeds: [B, T, H] right-padded; lengths, slots, starts: [B] -> last hidden [B, H]
+        # Row b's tokens go to positions starts[b] + 0 .. T-1 (0 .. T-1 without starts); its
+        # queries see keys 0 .. p of its slot, so a chunk continues the chunks before it.
         b, t, _ = embeds.shape
         max_pos = caches.backbone.max_len - 1
-        positions = torch.arange(t, device=embeds.device).clamp(max=max_pos).expand(b, t)
-        hidden = self.backbone_model(embeds, caches.backbone, slots, positions)
-        # Padding positions wrote K/V past a row's end; each is rewritten by that row's
-        # own frame step before any query can see it.
+        positions = torch.arange(t, device=embeds.device).expand(b, t)
+        if starts is not None:
+            positions = positions + starts[:, None]
+        hidden = self.backbone_model(embeds, caches.backbone, slots, positions.clamp(max=max_pos))
+        # Padding positions wrote K/V past a row's end (clamped into the cache); each is rewritten
+        # by that row's next chunk or its own frame step before any query can see it.
         return hidden[torch.arange(b, device=embeds.device), lengths - 1]
 
     # --- one frame ------------------------------------------------------------------------
@@ -240,3 +260,27 @@ class CsmTalker(nn.Module):
             history = torch.cat([history[:, :, 1:], codes[:, :, None]], dim=-1)
         return FrameOutputs(codes=codes, stop=stop, hidden=hidden, history=history,
                             logits=torch.stack(logits, dim=1) if logits is not None else None)
+
+
+def pack_prompt(segments: Sequence[PromptSegment], num_codebooks: int, eos_id: int) -> np.ndarray:
+    """The prompt as ``[L, N + 1]`` int64 host rows, one per KV position (N = num_codebooks). A
+    text position holds its token id in column N and -1 in columns 0 .. N-1; an audio position
+    (an audio-context turn's frames, then its all-EOS end frame) holds its codes in columns
+    0 .. N-1 and -1 in column N. -1 marks "not this kind" both ways, so a row says what it is.
+    Built on the host when the request arrives, so the engine copies one array per batch."""
+    width, parts = num_codebooks + 1, []
+    for i, segment in enumerate(segments):
+        ids = np.asarray(segment.text_token_ids, dtype=np.int64).reshape(-1)
+        text = np.full((len(ids), width), -1, dtype=np.int64)
+        text[:, num_codebooks] = ids
+        parts.append(text)
+        if segment.frames is not None:
+            frames = np.asarray(segment.frames, dtype=np.int64)
+            if frames.ndim != 2 or frames.shape[1] != num_codebooks:
+                raise ValueError(f"segments[{i}].frames: shape {tuple(frames.shape)}, "
+                                 f"[num_frames, {num_codebooks}] expected")
+            audio = np.full((len(frames) + 1, width), -1, dtype=np.int64)
+            audio[:-1, :num_codebooks] = frames
+            audio[-1, :num_codebooks] = eos_id
+            parts.append(audio)
+    return np.concatenate(parts) if parts else np.empty((0, width), dtype=np.int64)

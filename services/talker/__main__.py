@@ -26,7 +26,7 @@ from services.talker.config import TalkerConfig
 from services.talker.consumers import Consumers
 from services.talker.core import TalkerCore
 from services.talker.engine import TalkerEngine
-from services.talker.runner import Runner
+from services.talker.runner import PrefillBuckets, Runner
 from services.talker.scheduler import Scheduler
 from services.talker.servicer import ModelFacts, TalkerServicer
 from services.transport.grpc_producer import FrameStreamServicer
@@ -51,6 +51,19 @@ def model_info(folder: Path, model, max_len: int) -> talker_pb2.ModelInfoRespons
         prompt_format=f"{bos}[{{speaker}}]{{text}}{eos}",
         max_len=max_len, num_codebooks=model.num_codebooks, codebook_size=model.codebook_size,
         frame_rate=model.frame_rate, sample_rate=model.sample_rate)
+
+
+def prefill_buckets(engine_cfg, max_len: int, use_graphs: bool) -> PrefillBuckets | None:
+    """The prefill graph buckets, or None (eager prefill at each call's own shape: the CPU, or
+    graphs off, where padding to a bucket would only add work). Buckets no call can fill are
+    dropped: rows past max_num_seqs (a call has one row per slot), tokens of max_len or more (a
+    chunk leaves the slot's last position for a frame)."""
+    rows = tuple(r for r in engine_cfg.prefill_graph_rows if r <= engine_cfg.max_num_seqs)
+    tokens = tuple(t for t in engine_cfg.prefill_graph_tokens if t < max_len)
+    if not (use_graphs and rows and tokens):
+        return None
+    return PrefillBuckets(rows=rows, tokens=tokens, memory_mb=engine_cfg.prefill_graph_memory_mb,
+                          startup_s=engine_cfg.prefill_graph_startup_s)
 
 
 def build(config: TalkerConfig, config_path: Path | None):
@@ -80,9 +93,10 @@ def build(config: TalkerConfig, config_path: Path | None):
         swept = sweep_stale(config.transport.liveness_timeout)
         if swept:
             log.info("removed %d stale ring segment(s) of dead talkers", len(swept))
+    use_graphs = engine_cfg.cuda_graphs and device.type == "cuda"
     runner = Runner(model, num_slots=engine_cfg.max_num_seqs, max_len=max_len, buckets=engine_cfg.buckets,
                     k_max=engine_cfg.k_max, max_repetition_window=engine_cfg.max_repetition_window,
-                    use_graphs=engine_cfg.cuda_graphs and device.type == "cuda")
+                    use_graphs=use_graphs, prefill_buckets=prefill_buckets(engine_cfg, max_len, use_graphs))
     scheduler = Scheduler(num_slots=engine_cfg.max_num_seqs, max_num_seqs=engine_cfg.max_num_seqs,
                           k_max=engine_cfg.k_max, prefill_token_budget=engine_cfg.prefill_token_budget,
                           max_waiting=engine_cfg.max_waiting, stall_timeout=engine_cfg.stall_timeout,
@@ -99,7 +113,7 @@ def build(config: TalkerConfig, config_path: Path | None):
                           keepalive_limit=config.transport.step_keepalive,
                           slow_step=config.transport.liveness_timeout)
     facts = ModelFacts(model.num_codebooks, model.codebook_size, model.config.text_vocab_size, max_len,
-                       engine_cfg.max_repetition_window)
+                       engine_cfg.max_repetition_window, model.pack_prompt)
     servicer = TalkerServicer(thread, config, facts, model_info(folder, model, max_len))
     bindings = [ServiceBinding(talker_pb2.DESCRIPTOR.services_by_name["Talker"].full_name,
                                talker_pb2_grpc.add_TalkerServicer_to_server, servicer)]

@@ -41,6 +41,14 @@ class EngineSection:
     # beat the audio it makes by this fraction
     min_chunk_tokens: int = 32
     admission_headroom: float = 0.2
+    # Prefill graphs per (rows, tokens) bucket on CUDA: a call of R chunks of up to T tokens runs
+    # in the smallest captured bucket that holds it (padded), else eagerly. Captured smallest
+    # first until the graph pool passes prefill_graph_memory_mb or capture prefill_graph_startup_s;
+    # empty rows or tokens: no prefill graphs.
+    prefill_graph_rows: tuple[int, ...] = (1, 2, 4, 8)
+    prefill_graph_tokens: tuple[int, ...] = (32, 64, 128, 256)
+    prefill_graph_memory_mb: float = 1024.0
+    prefill_graph_startup_s: float = 30.0
 
     def __post_init__(self) -> None:
         positive = {"k_max": self.k_max, "max_num_seqs": self.max_num_seqs,
@@ -67,6 +75,18 @@ class EngineSection:
             value = getattr(self, key)
             if not 0 <= value < 60:  # NaN is refused too
                 raise ConfigValueError(key, f"must be in [0, 60) seconds, got {value}")
+        self._check_prefill_graphs()
+
+    def _check_prefill_graphs(self) -> None:
+        for key in ("prefill_graph_rows", "prefill_graph_tokens"):
+            sizes = list(getattr(self, key))
+            if sizes != sorted(set(sizes)) or (sizes and sizes[0] < 1):
+                raise ConfigValueError(key, f"must be distinct positive sizes in ascending order, "
+                                       f"got {sizes}")
+        for key in ("prefill_graph_memory_mb", "prefill_graph_startup_s"):
+            value = getattr(self, key)
+            if not value >= 0:  # NaN is refused too
+                raise ConfigValueError(key, f"must be >= 0, got {value}")
 
 
 @dataclass(frozen=True)

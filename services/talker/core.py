@@ -127,7 +127,20 @@ class TalkerCore:
                 "row_slack_seconds": ("histogram", "a row's slack (audio ahead of its listener) when its "
                                       "record is written", _slack_histogram(counters)),
                 **{f"steps_k_bound_{bound}": ("counter", f"decode steps whose K was limited by {bound}",
-                                              counters.k_bounds.get(bound, 0)) for bound in BOUNDS}}
+                                              counters.k_bounds.get(bound, 0)) for bound in BOUNDS},
+                **self._prefill_graph_metrics()}
+
+    def _prefill_graph_metrics(self) -> dict:
+        """What capturing the prefill graphs cost (absent for a runner without them, e.g. the simulator's)."""
+        stats = getattr(self.engine.runner, "prefill_graph_stats", None)
+        if stats is None:
+            return {}
+        return {"prefill_graph_capture_seconds": ("gauge", "start-up time capturing prefill graphs",
+                                                  stats.capture_s),
+                "prefill_graph_reserved_bytes": ("gauge", "GPU memory the prefill graph pool reserved",
+                                                 stats.memory_reserved_bytes),
+                "prefill_graph_buckets": ("gauge", "prefill (rows, tokens) buckets with a graph",
+                                          len(stats.captured))}
 
     def close(self) -> None:
         self.engine.drain()

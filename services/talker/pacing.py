@@ -33,22 +33,21 @@ BOUNDS = ("k_max", "slack", "first_audio", "waiting", "unmeasured")
 @dataclass
 class StepTimes:
     """Seconds a step of K frames takes per bucket (exponentially weighted, from steps without
-    prefill), and the seconds of prefill per prompt position (from the steps with it: what they
-    took beyond the estimate of the same step without)."""
+    prefill, but for a size's first step), and the seconds of prefill per prompt position (from
+    the steps with it: what they took beyond the measured step of the same size without)."""
 
     alpha: float = 0.25
     steps: dict[tuple[int, int], float] = field(default_factory=dict)
     per_token_s: float = 0.0
 
     def observe(self, bucket: int, k: int, seconds: float, prefill_tokens: int = 0) -> None:
-        if prefill_tokens:
-            base = self.estimate(bucket, k)
-            if base is not None:
-                sample = max(0.0, seconds - base) / prefill_tokens
-                self.per_token_s += self.alpha * (sample - self.per_token_s) if self.per_token_s else sample
+        base = self.steps.get((bucket, k))
+        if prefill_tokens and base is not None:
+            sample = max(0.0, seconds - base) / prefill_tokens
+            self.per_token_s += self.alpha * (sample - self.per_token_s) if self.per_token_s else sample
             return
-        old = self.steps.get((bucket, k))
-        self.steps[(bucket, k)] = seconds if old is None else old + self.alpha * (seconds - old)
+        # a first step of this size stands for it even with prefill inside (pessimistic, soon replaced)
+        self.steps[(bucket, k)] = seconds if base is None else base + self.alpha * (seconds - base)
 
     def estimate(self, bucket: int, k: int) -> float | None:
         """T(bucket, K): measured, or a line through the bucket's measured K (one point: per

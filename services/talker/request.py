@@ -27,7 +27,7 @@ class TalkerRequest:
     request_id: str
     handle: int
     consumer_id: str
-    prompt: Any                # the family's prompt (segments), opaque to the scheduler
+    prompt: Any                # the family's packed prompt ([prompt_len, N + 1] int64), opaque here
     prompt_len: int            # positions the prompt occupies in the KV cache
     max_frames: int
     min_frames: int = 0

@@ -18,7 +18,8 @@ decode step of K frames for rows ``slots``:
 
 A row that stops at frame j keeps running as padding until the step ends; its frames
 after j are discarded by the engine, so output is identical for every K when the same
-bucket runs. Prefill stays eager.
+bucket runs. Prefill (``prefill.py``: packed prompt chunks at a position offset, one staged
+copy, graphs per (rows, tokens) bucket) writes the same pools.
 """
 
 from __future__ import annotations
@@ -32,23 +33,15 @@ import torch
 
 from kernels import stack_step as stack_kernel
 from kernels.sampler_twin import SamplingParams
-from models.family import FrameInputs, PromptSegment, TalkerModel
-from services.common.chunks import Sampling
+from models.family import FrameInputs, TalkerModel
+from services.talker.prefill import PrefillBuckets, Prefiller, PrefillRow
 
+__all__ = ["PrefillBuckets", "PrefillRow", "Runner"]
 log = logging.getLogger(__name__)
 _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
 
 
 @dataclass
-class PrefillRow:
-    slot: int
-    tokens: np.ndarray   # [n, N + 1]: a chunk of the packed prompt
-    start: int
-    final: bool
-    sampling: Sampling
-    min_frames: int
-
-
 @dataclass
 class _Launched:
     """A queued decode step: its results' host buffer, the event after its copy, its fault count."""
@@ -89,7 +82,10 @@ def _empty_state(rows: int, hidden: int, num_codebooks: int, window: int, dtype,
 
 class Runner:
     def __init__(self, model: TalkerModel, *, num_slots: int, max_len: int, buckets: Sequence[int],
-                 k_max: int, max_repetition_window: int, use_graphs: bool | None = None) -> None:
+                 k_max: int, max_repetition_window: int, use_graphs: bool | None = None,
+                 prefill_buckets: PrefillBuckets | None = None) -> None:
+        """``prefill_buckets``: prefill runs per (rows, tokens) bucket (captured when graphs are
+        on, eagerly on the same static buffers otherwise); None: every prefill eager at its shape."""
         self.model = model
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
@@ -126,29 +122,20 @@ class Runner:
             self._capture_all()
             if self.fault_counter is not None:  # the capture's warm-up frames ran the kernel too
                 self._kernel_faulted(int(self.fault_counter.item()))
+        self.prefiller = Prefiller(model, self.caches, self.pool, num_slots=num_slots, max_len=max_len,
+                                   buckets=prefill_buckets, capture=use_graphs)
 
     # --- prefill ------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def prefill(self, rows: Sequence[PrefillRow]) -> None:
-        """Runs the prompts into their slots and resets the slots' frame state."""
-        prompts = [self.model.prompt_embeds(r.segments) for r in rows]
-        lengths = torch.tensor([p.shape[0] for p in prompts], dtype=torch.int64, device=self.device)
-        slots = torch.tensor([r.slot for r in rows], dtype=torch.int64, device=self.device)
-        embeds = torch.nn.utils.rnn.pad_sequence(prompts, batch_first=True)
-        hidden = self.model.prefill(embeds, lengths, slots, self.caches)
-        pool = self.pool
-        pool.hidden[slots] = hidden
-        pool.positions[slots] = lengths
-        pool.frame_index[slots] = 0
-        pool.min_frames[slots] = torch.tensor([r.min_frames for r in rows], device=self.device)
-        pool.history[slots] = -1
-        for name in _SAMPLING_FIELDS:
-            values = [getattr(r.sampling, name) for r in rows]
-            if name == "seed":  # uint64 seeds travel as their int64 bit pattern
-                values = [v - (1 << 64) if v >= 1 << 63 else v for v in values]
-            target = getattr(pool.sampling, name)
-            target[slots] = torch.tensor(values, dtype=target.dtype, device=self.device)
+        """Runs packed prompt chunks into their slots; a final chunk resets its slot's frame
+        state (see prefill.py). Queues device work and returns without syncing."""
+        self.prefiller.prefill(rows)
+
+    @property
+    def prefill_graph_stats(self):
+        """Capture time, graph pool memory and the captured buckets (``PrefillGraphStats``)."""
+        return self.prefiller.stats
 
     # --- decode -----------------------------------------------------------------------------------
 

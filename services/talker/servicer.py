@@ -8,6 +8,7 @@ errors; the server interceptor maps them to status codes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,13 +33,16 @@ class ModelFacts:
     text_vocab_size: int
     max_len: int
     max_repetition_window: int
+    # the family's pack_prompt (host code): Submit packs the prompt here, off the engine thread
+    pack_prompt: Callable[[Sequence[PromptSegment]], np.ndarray]
 
 
-def _segments(req: talker_pb2.SubmitRequest, facts: ModelFacts) -> tuple[list[PromptSegment], int]:
-    """The prompt and the KV positions it takes (CSM: text tokens, frames + 1 end frame)."""
+def _segments(req: talker_pb2.SubmitRequest, facts: ModelFacts) -> np.ndarray:
+    """The prompt packed by the family (``pack_prompt``: [L, N + 1] int64, one row per KV
+    position; CSM: text tokens, then an audio turn's frames + 1 end frame)."""
     if not req.segments:
         raise InvalidArgument("segments", "the prompt needs at least one segment")
-    segments, length = [], 0
+    segments = []
     for i, seg in enumerate(req.segments):
         ids = list(seg.text_token_ids)
         if any(t >= facts.text_vocab_size for t in ids):
@@ -46,12 +50,11 @@ def _segments(req: talker_pb2.SubmitRequest, facts: ModelFacts) -> tuple[list[Pr
         frames = None
         if seg.HasField("frames") and seg.frames.num_frames:
             frames = _frames(seg.frames, facts, f"segments[{i}].frames")
-            length += len(frames) + 1
-        length += len(ids)
         segments.append(PromptSegment(ids, frames))
-    if length == 0:
+    packed = facts.pack_prompt(segments)
+    if len(packed) == 0:
         raise InvalidArgument("segments", "the prompt is empty")
-    return segments, length
+    return packed
 
 
 def _frames(frames: talker_pb2.Frames, facts: ModelFacts, field: str) -> torch.Tensor:
@@ -81,7 +84,8 @@ def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, default_sche
     if not 0 <= req.first_audio_budget_s < 3600:
         raise InvalidArgument("first_audio_budget_s",
                               f"must be in [0, 3600) seconds, got {req.first_audio_budget_s}")
-    segments, prompt_len = _segments(req, facts)
+    prompt = _segments(req, facts)
+    prompt_len = len(prompt)
     if prompt_len + req.max_frames > facts.max_len:
         raise InvalidArgument("max_frames", f"prompt ({prompt_len}) + max_frames ({req.max_frames}) "
                               f"exceeds the model's max length {facts.max_len}")
@@ -99,7 +103,7 @@ def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, default_sche
     budget = req.first_audio_budget_s or first_audio_budget_s
     return TalkerRequest(
         request_id=req.request_id or f"handle-{req.handle}", handle=req.handle,
-        consumer_id=req.consumer_id, prompt=segments, prompt_len=prompt_len,
+        consumer_id=req.consumer_id, prompt=prompt, prompt_len=prompt_len,
         max_frames=req.max_frames, min_frames=req.min_frames, sampling=sampling, schedule=schedule,
         arrival=now, deadline=now + req.timeout_s if req.timeout_s else None,
         first_audio_by=now + budget if budget else None)

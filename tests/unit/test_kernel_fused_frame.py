@@ -92,7 +92,8 @@ class Decoded:
 
 def decode(runner: Runner, rows: int, k: int, sampling: Callable[[int], Sampling] = greedy) -> Decoded:
     """Prefills slots 0 .. rows - 1 and decodes k frames of them."""
-    runner.prefill([PrefillRow(slot, prompt(slot), sampling(slot), 0) for slot in range(rows)])
+    runner.prefill([PrefillRow.whole(slot, runner.model.pack_prompt(prompt(slot)), sampling(slot))
+                    for slot in range(rows)])
     codes = runner.decode(list(range(rows)), k)
     caches = runner.caches
     state = {"hidden": runner.pool.hidden[:rows], "backbone.k": caches.backbone.k[:, :rows],
@@ -104,7 +105,8 @@ def decode(runner: Runner, rows: int, k: int, sampling: Callable[[int], Sampling
 def first_frame(model: CsmTalker, rows: int) -> FrameOutputs:
     """decode_frame with logits for slots 0 .. rows - 1 straight after prefill (no runner padding)."""
     runner = make_runner(model)
-    runner.prefill([PrefillRow(slot, prompt(slot), greedy(slot), 0) for slot in range(rows)])
+    runner.prefill([PrefillRow.whole(slot, model.pack_prompt(prompt(slot)), greedy(slot))
+                    for slot in range(rows)])
     pool, slots = runner.pool, torch.arange(rows, device=runner.device)
     sampling = SamplingParams(**{f.name: getattr(pool.sampling, f.name)[slots]
                                  for f in fields(SamplingParams)})

@@ -14,8 +14,9 @@ import torch
 from kernels import stack_step as stack_kernel
 from kernels.latch import KernelLatch
 from models.csm.loader import load_talker
+from models.csm.model import pack_prompt
 from models.family import PromptSegment
-from models.tiny.talker import build_tokenizer, write_tiny_checkpoint
+from models.tiny.talker import NUM_CODEBOOKS, build_tokenizer, write_tiny_checkpoint
 from services.common.chunks import ChunkSchedule
 from services.talker.engine import TalkerEngine
 from services.talker.generate import GenerationRequest, Sampling, generate
@@ -58,11 +59,15 @@ def make_engine(folder, *, k_max: int, buckets=(4,), stop_rule=None, sink=None, 
     return TalkerEngine(runner, scheduler, lambda consumer: sink), sink
 
 
+def segments(handle: int, text: str) -> list[PromptSegment]:
+    return [PromptSegment(build_tokenizer().encode(f"[{handle % 2}]{text}").ids)]
+
+
 def request(handle: int, text: str, *, sampling: Sampling | None = None, max_frames=24,
             min_frames=0) -> TalkerRequest:
-    ids = build_tokenizer().encode(f"[{handle % 2}]{text}").ids
-    return TalkerRequest(request_id=f"r{handle}", handle=handle, consumer_id="c", prompt=[PromptSegment(ids)],
-                         prompt_len=len(ids), max_frames=max_frames, min_frames=min_frames,
+    packed = pack_prompt(segments(handle, text), NUM_CODEBOOKS, 0)
+    return TalkerRequest(request_id=f"r{handle}", handle=handle, consumer_id="c", prompt=packed,
+                         prompt_len=len(packed), max_frames=max_frames, min_frames=min_frames,
                          sampling=sampling or Sampling(),
                          schedule=ChunkSchedule(first_frames=2, growth=2.0, steady_frames=8))
 
@@ -147,7 +152,8 @@ def test_engine_equals_the_eager_generation_api(folder):
     run(engine, [req])
     codes, reason = collect(sink.records)[3]
     expected = generate(engine.runner.model,
-                        [GenerationRequest(req.prompt, max_frames=30, sampling=sampling)],
+                        [GenerationRequest(segments(3, "Compare me with generate."), max_frames=30,
+                                           sampling=sampling)],
                         cache_len=MAX_LEN)[0]
     assert reason == FinishReason.LENGTH and expected.finish_reason == "length"
     np.testing.assert_array_equal(codes, expected.codes.numpy())

@@ -105,11 +105,16 @@ def _submit(**fields):
                                     segments=[talker_pb2.PromptSegment(text_token_ids=[1, 2, 3])], **fields)
 
 
+def pack_prompt(segments, num_codebooks, eos_id):
+    from models.csm.model import pack_prompt as pack
+    return pack(segments, num_codebooks, eos_id)
+
+
 def test_a_submits_first_audio_budget_sets_the_deadline_and_its_default_applies_otherwise():
     from services.common.chunks import ChunkSchedule
     from services.talker.servicer import ModelFacts, build_request
     facts = ModelFacts(num_codebooks=32, codebook_size=2048, text_vocab_size=256, max_len=64,
-                       max_repetition_window=8)
+                       max_repetition_window=8, pack_prompt=lambda segments: pack_prompt(segments, 32, 0))
     carried = build_request(_submit(first_audio_budget_s=0.2), facts, ChunkSchedule(), 10.0, 0.5)
     assert carried.first_audio_by == pytest.approx(10.2)
     default = build_request(_submit(), facts, ChunkSchedule(), 10.0, 0.5)
@@ -123,7 +128,7 @@ def test_a_bad_first_audio_budget_is_refused_naming_the_field(value):
     from services.common.errors import InvalidArgument
     from services.talker.servicer import ModelFacts, build_request
     facts = ModelFacts(num_codebooks=32, codebook_size=2048, text_vocab_size=256, max_len=64,
-                       max_repetition_window=8)
+                       max_repetition_window=8, pack_prompt=lambda segments: pack_prompt(segments, 32, 0))
     with pytest.raises(InvalidArgument, match="first_audio_budget_s"):
         build_request(_submit(first_audio_budget_s=value), facts, ChunkSchedule(), 0.0)
 
