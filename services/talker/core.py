@@ -116,8 +116,8 @@ class TalkerCore:
                                       counters.emit_s),
                 "step_host_seconds": ("counter", "engine time in steps other than waiting for the device",
                                       counters.host_s),
-                "steps_overlapped": ("counter", "steps collected while the next one was already queued "
-                                     "(host work overlapped with the device)", counters.overlapped_steps),
+                "steps_overlapped": ("counter", "steps whose records were written while the device ran the "
+                                     "next (host work overlapped with the device)", counters.overlapped_steps),
                 "step_frames": ("counter", "frames asked per row, summed over steps (mean K: / steps)",
                                 counters.step_frames),
                 "prefill_steps": ("counter", "steps that prefilled prompt chunks", counters.prefill_steps),

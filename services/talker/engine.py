@@ -1,18 +1,19 @@
-"""The talker engine: schedule -> prefill and launch -> collect and emit, and the records
+"""The talker engine: collect -> schedule -> prefill and launch -> write, and the records
 each step leaves.
 
 Runs on its own thread (services/common/engine_thread.py); the gRPC servicer only posts
-commands. One iteration: the scheduler plans step N+1 (rows, prompt chunks, K: pacing.py)
-from what is known; the runner queues its prefill and its K frames; then the engine
-collects step N, which the device ran meanwhile, and turns it into records. On a device
-that runs asynchronously (CUDA) the host's planning and writing thus overlap the device's
-work: results are read one step late, so a row that stopped in step N rides along in step
-N+1 as padding and its extra frames are discarded (the output is unchanged). A
-synchronous runner (the CPU) collects each step at once.
+commands. One iteration: the engine collects step N (waiting for the device) and applies its
+frames (stops, lengths, the rows' counts: array operations over the step's [K, B, N + 1]
+result); the scheduler plans step N+1 from that (rows, prompt chunks, K: pacing.py); the
+runner queues its prefill and its K frames; then, while the device runs step N+1, the
+engine writes step N's records. On a device that runs asynchronously (CUDA) the writing,
+the largest part of the host's work, thus overlaps the device's, and a request that arrived
+while step N ran is planned into step N+1. A synchronous runner (the CPU) runs each step in
+``launch`` and its records are written at once.
 
 Every row's frames of a step become **one** ring record (LAST with the finish reason when
-it ended; CANCELLED on cancel), built from the step's [K, B, N + 1] array with array
-operations; only the write per row is a Python call. Records wait in a small per-request
+it ended; CANCELLED on cancel), queued in order with the records of requests that ended at
+the boundary; only the write per row is a Python call. Records wait in a small per-request
 outbox when the consumer's ring is full; past ``max_pending_frames`` the row is paused (not
 scheduled) until space returns, and a row paused longer than the stall timeout ends STALLED,
 its LAST record written when space returns (PROTOCOL.md, Backpressure).
@@ -42,11 +43,11 @@ _LAST, _CANCELLED = int(RecordFlags.LAST), int(RecordFlags.CANCELLED)
 
 @dataclass
 class InFlight:
-    """A launched step: its plan, the runner's handle, and when its iteration began."""
+    """A launched step: its plan, the runner's handle, and when it was launched."""
 
     plan: StepPlan
     handle: Any
-    started: float
+    launched: float
 
 
 class TalkerEngine:
@@ -64,40 +65,35 @@ class TalkerEngine:
         self.pipelined = bool(getattr(runner, "asynchronous", False))
         self.inflight: InFlight | None = None
         self._last_collected = float("-inf")
+        self._to_write: list[tuple[TalkerRequest, PendingRecord]] = []  # this iteration's records, in order
 
     # --- one iteration ----------------------------------------------------------------------
 
     def step(self) -> bool:
         """Runs one iteration; False when there was nothing to do."""
         counters = self.counters
+        previous, self.inflight = self.inflight, None
+        if previous is not None:
+            self._complete(previous)  # waits for the device; its records are queued, not yet written
         now = self.clock()
-        plan = self.scheduler.schedule(now, self._ahead_s(now))
+        plan = self.scheduler.schedule(now)
         counters.schedule_s += self.clock() - now
         for request in plan.finished:
             self._final_record(request)
         if plan.prefill:
             self._prefill(plan)
-        launched = self._launch(plan, now) if plan.decode else None
-        previous, self.inflight = self.inflight, launched
-        if previous is not None:
-            self._complete(previous, overlapped=launched is not None)
-        if launched is not None and not self.pipelined:
-            self.inflight = None
-            self._complete(launched, overlapped=False)
+        if plan.decode:
+            launched = self._launch(plan)
+            if launched is not None and self.pipelined:
+                self.inflight = launched  # the device runs it while the records below are written
+            elif launched is not None:
+                self._complete(launched)
         begun = self.clock()
+        counters.overlapped_steps += previous is not None and self.inflight is not None
+        self._write()
         self._flush(now)
         counters.emit_s += self.clock() - begun
         return bool(plan.decode or plan.prefill or plan.finished or previous)
-
-    def _ahead_s(self, now: float) -> float:
-        """Device time still queued before the next step: what is left of the step in flight."""
-        inflight = self.inflight
-        if inflight is None:
-            return 0.0
-        plan = inflight.plan
-        took = self.scheduler.times.estimate(plan.bucket, plan.k) or 0.0
-        took += self.scheduler.times.prefill_s(plan.prefill_tokens)
-        return max(0.0, max(inflight.started, self._last_collected) + took - now)
 
     def _prefill(self, plan: StepPlan) -> None:
         begun = self.clock()
@@ -119,7 +115,7 @@ class TalkerEngine:
             self.counters.prefill_steps += 1
             self.counters.prefill_tokens += plan.prefill_tokens
 
-    def _launch(self, plan: StepPlan, started: float) -> InFlight | None:
+    def _launch(self, plan: StepPlan) -> InFlight | None:
         begun = self.clock()
         try:
             handle = self.runner.launch([r.slot for r in plan.decode], plan.k)
@@ -130,10 +126,10 @@ class TalkerEngine:
             return None
         finally:
             self.counters.decode_s += self.clock() - begun
-        return InFlight(plan, handle, started)
+        return InFlight(plan, handle, begun)
 
-    def _complete(self, step: InFlight, *, overlapped: bool) -> None:
-        """Collects a launched step and writes its records."""
+    def _complete(self, step: InFlight) -> None:
+        """Collects a launched step, applies its frames and queues its records."""
         plan, counters = step.plan, self.counters
         begun = self.clock()
         try:
@@ -147,15 +143,16 @@ class TalkerEngine:
         finally:
             collected = self.clock()
             counters.wait_s += collected - begun
-        self.scheduler.times.observe(plan.bucket, plan.k, collected - max(step.started, self._last_collected),
+        self.scheduler.times.observe(plan.bucket, plan.k, collected - max(step.launched, self._last_collected),
                                      plan.prefill_tokens)
         self._last_collected = collected
-        counters.count_step(plan.k, plan.k_bound, overlapped)
-        self._emit_step(plan, out)
+        counters.count_step(plan.k, plan.k_bound)
+        self._apply_step(plan, out, collected)
         counters.emit_s += self.clock() - collected
 
-    def _emit_step(self, plan: StepPlan, out: np.ndarray) -> None:
-        """The step's records, from array operations over ``out`` [K, B, N + 1]."""
+    def _apply_step(self, plan: StepPlan, out: np.ndarray, now: float) -> None:
+        """The step's frames to its rows and its records to the write queue, by array operations
+        over ``out`` [K, B, N + 1]: one stop search, one conversion, a slice per row."""
         n = self.num_codebooks
         k = out.shape[0]
         stops = out[:, :, n] != 0
@@ -164,39 +161,45 @@ class TalkerEngine:
         counts = np.minimum(first_stop, limits).tolist()
         stopped = (first_stop < limits).tolist()
         codes = np.ascontiguousarray(out[:, :, :n].transpose(1, 0, 2), dtype=np.int16)  # [B, K, N]
-        apply, sinks, slacks = self.scheduler.apply, {}, []
-        now = self.clock()
-        frame_rate = self.scheduler.pacing.frame_rate
+        apply, queue, slacks = self.scheduler.apply, self._to_write.append, []
+        due = self.scheduler.due
         for row, request in enumerate(plan.decode):
             if request.finish is not None:
-                continue  # ended meanwhile (cancelled, its consumer gone) or rode along after its stop
+                continue  # ended while the step ran (cancelled, its consumer gone)
             count = counts[row]
             first = request.frames_done
-            reason = apply(request, count, stopped[row])
             if request.first_written_at is not None:
-                slacks.append(request.first_written_at + request.frames_written / frame_rate - now)
+                slacks.append(due(request) - now)
+            reason = apply(request, count, stopped[row], now)
             if count or reason is not None:
-                sink = sinks.get(request.consumer_id, False)
-                if sink is False:
-                    sink = sinks[request.consumer_id] = self.sink_for(request.consumer_id)
-                self._emit(sink, request, codes[row, :count] if count else None, first,
-                           _LAST if reason is not None else 0, int(reason or FinishReason.UNSPECIFIED), now)
+                queue((request, PendingRecord(codes[row, :count] if count else None, request.seq, first,
+                                              _LAST if reason is not None else 0,
+                                              int(reason or FinishReason.UNSPECIFIED))))
+                request.seq += 1
         self.counters.frames += sum(counts)
         self.counters.observe_slack(slacks)
 
-    def _emit(self, sink: RecordSink | None, request: TalkerRequest, codes, first_frame: int, flags: int,
-              finish: int, now: float) -> None:
-        """Writes a record now when nothing of its request waits before it, else queues it."""
-        record = PendingRecord(codes, request.seq, first_frame, flags, finish)
+    def _queue(self, request: TalkerRequest, codes, first_frame: int, flags: int, finish: int) -> None:
+        self._to_write.append((request, PendingRecord(codes, request.seq, first_frame, flags, finish)))
         request.seq += 1
-        if sink is None:  # the consumer is gone: nobody will read it
-            return
-        box = self.outboxes.get(request.key)
-        if box is None:
-            if self._put(sink, request, record, now):
-                return
-            box = self.outboxes[request.key] = Outbox(request)
-        box.records.append(record)
+
+    def _write(self) -> None:
+        """Writes the queued records in order: each now, unless an earlier one of its request
+        still waits for ring space (then behind it, in its outbox)."""
+        queued, self._to_write = self._to_write, []
+        sinks, now = {}, self.clock()
+        for request, record in queued:
+            sink = sinks.get(request.consumer_id, False)
+            if sink is False:
+                sink = sinks[request.consumer_id] = self.sink_for(request.consumer_id)
+            if sink is None:  # the consumer is gone: nobody will read it
+                continue
+            box = self.outboxes.get(request.key)
+            if box is None:
+                if self._put(sink, request, record, now):
+                    continue
+                box = self.outboxes[request.key] = Outbox(request)
+            box.records.append(record)
 
     def _put(self, sink: RecordSink, request: TalkerRequest, record: PendingRecord, now: float) -> bool:
         try:
@@ -209,8 +212,6 @@ class TalkerEngine:
             raise
         if written and record.codes is not None:
             request.frames_written += len(record.codes)
-            if request.first_written_at is None:
-                request.first_written_at = now
         return written
 
     def _end_with_error(self, request: TalkerRequest) -> None:
@@ -219,10 +220,10 @@ class TalkerEngine:
         self._final_record(request)
 
     def _final_record(self, request: TalkerRequest) -> None:
-        """The record of a request that ended at a step boundary (no frames)."""
+        """The record of a request that ended at a step boundary (no frames): queued after its
+        last step's, written with them."""
         flags = _CANCELLED if request.finish is FinishReason.CANCELLED else _LAST
-        self._emit(self.sink_for(request.consumer_id), request, None, request.frames_done, flags,
-                   int(request.finish), self.clock())
+        self._queue(request, None, request.frames_done, flags, int(request.finish))
 
     # --- records that waited -----------------------------------------------------------------
 
@@ -251,11 +252,12 @@ class TalkerEngine:
         return dropped
 
     def drain(self) -> None:
-        """Collects the step in flight, if any (shutdown, tests)."""
+        """Collects the step in flight, if any, and writes what is queued (shutdown, tests)."""
         previous, self.inflight = self.inflight, None
         if previous is not None:
-            self._complete(previous, overlapped=False)
-            self._flush(self.clock())
+            self._complete(previous)
+        self._write()
+        self._flush(self.clock())
 
     @property
     def busy(self) -> bool:

@@ -31,7 +31,7 @@ class EngineCounters:
     emit_s: float = 0.0
     prefill_steps: int = 0
     prefill_tokens: int = 0
-    overlapped_steps: int = 0  # steps collected while the next one was already queued
+    overlapped_steps: int = 0  # steps whose records were written while the next one ran
     k_bounds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BOUNDS, 0))
     # rows' slack at their records' writes: counts per bucket of SLACK_EDGES (the last: beyond)
     slack_counts: np.ndarray = field(default_factory=lambda: np.zeros(len(SLACK_EDGES) + 1, np.int64))
@@ -43,11 +43,10 @@ class EngineCounters:
         """The engine thread's time in its iterations other than waiting for the device."""
         return self.schedule_s + self.prefill_s + self.decode_s + self.emit_s
 
-    def count_step(self, k: int, bound: str, overlapped: bool) -> None:
+    def count_step(self, k: int, bound: str) -> None:
         self.steps += 1
         self.step_frames += k
         self.k_bounds[bound] = self.k_bounds.get(bound, 0) + 1
-        self.overlapped_steps += overlapped
 
     def observe_slack(self, slacks: list[float]) -> None:
         if not slacks:

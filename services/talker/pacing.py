@@ -6,14 +6,16 @@ The talker models each request's listener from its own writes: playout starts at
 when the request's first record was written + ``path_s`` (Code2Wav, transport, gateway),
 so at ``now`` the listener has buffered frames_written / frame_rate − (now − t0) seconds,
 of which the last ``path_s`` are still on their way. That leaves the row's **slack**:
-frames_written / frame_rate − (now − first_written_at) − 2·path_s + path_s, i.e. the row's
+frames_written / frame_rate − (now − first_written_at) − path_s + path_s, i.e. the row's
 records must keep arriving before its **due time** ``first_written_at + frames_written /
 frame_rate`` (``path_s`` cancels: the listener hears every record ``path_s`` after it was
-written). A row that has not written its first record is due at its first-audio deadline
-less the path (``first_audio_by − path_s``).
+written). The engine counts a step's frames as written when it collects them (``frames_done``;
+their record goes out moments later, while the next step runs). A row that has not written
+its first record is due at its first-audio deadline less the path (``first_audio_by −
+path_s``).
 
-A step of K frames writes its records when the device has run the step in flight before
-it, its own prefill and its K frames. K is the most frames, 1..K_max, for which every
+A step of K frames writes its records when the device has run what is queued before it
+(``ahead_s``: its prefill) and its K frames. K is the most frames, 1..K_max, for which every
 row's next records arrive before the row is due, with one more step's time to spare (the
 estimate's error); a request still waiting for its slot or its prefill must also be able
 to write its first record in time after it. No row is held back by another row's chunk
@@ -49,14 +51,16 @@ class StepTimes:
         # a first step of this size stands for it even with prefill inside (pessimistic, soon replaced)
         self.steps[(bucket, k)] = seconds if base is None else base + self.alpha * (seconds - base)
 
-    def estimate(self, bucket: int, k: int) -> float | None:
+    def estimate(self, bucket: int, k: int, *, across_buckets: bool = True) -> float | None:
         """T(bucket, K): measured, or a line through the bucket's measured K (one point: per
-        frame), or a smaller bucket's scaled by rows when this one has none; None when no
-        bucket has a step yet."""
+        frame), or (``across_buckets``) a smaller bucket's scaled by rows when this one has none;
+        None when no bucket has a step yet."""
         if (bucket, k) in self.steps:
             return self.steps[(bucket, k)]
         seen = sorted((kk, t) for (b, kk), t in self.steps.items() if b == bucket)
         if not seen:
+            if not across_buckets:
+                return None
             smaller = [b for b, _ in self.steps if b < bucket]
             if not smaller:
                 return None
@@ -92,7 +96,7 @@ def due(request: TalkerRequest, config: PacingConfig) -> float:
     """When the row's next records must be written (see the module's docstring)."""
     if request.first_written_at is None:
         return math.inf if request.first_audio_by is None else request.first_audio_by - config.path_s
-    return request.first_written_at + request.frames_written / config.frame_rate
+    return request.first_written_at + request.frames_done / config.frame_rate
 
 
 def slack(request: TalkerRequest, now: float, config: PacingConfig) -> float:
@@ -148,10 +152,11 @@ def prefill_tokens_allowed(outlook: StepOutlook, config: PacingConfig, times: St
 def fits(rows: int, bucket_for, config: PacingConfig, times: StepTimes, headroom: float) -> bool:
     """Whether ``rows`` streams can be fed faster than real time: a step of K_max frames at their
     bucket takes less than the audio it makes, with ``headroom`` (0.2: 20% to spare). Unknown
-    sizes (nothing measured yet) fit: admission then rests on the counts alone."""
+    sizes (no step of their bucket measured yet) fit: admission then rests on the counts alone,
+    since a larger bucket's step grows far less than its rows."""
     try:
         bucket = bucket_for(rows)
     except ValueError:
         return False
-    step = times.estimate(bucket, config.k_max)
+    step = times.estimate(bucket, config.k_max, across_buckets=False)
     return step is None or step * (1 + headroom) < config.k_max / config.frame_rate

@@ -44,10 +44,9 @@ class TalkerRequest:
     finish: FinishReason | None = None
     paused_since: float | None = None
     cancel_requested: bool = False
-    first_written_at: float | None = None  # when its first record with frames reached the sink
+    first_written_at: float | None = None  # when its first frames were collected (their record then goes out)
     frames_written: int = 0                # frames in records the sink has taken
     prefilled: int = 0                     # prompt positions in its slot (a long prompt takes steps)
-    frames_dispatched: int = 0             # frames asked of the device so far (a step may be in flight)
 
     @property
     def key(self) -> tuple[str, int]:

@@ -130,7 +130,7 @@ class Scheduler:
                 self.admission_headroom):
             return
         self.refused_overload += 1
-        left = min((r.max_frames - r.frames_dispatched for r in self.running), default=0)
+        left = min((r.max_frames - r.frames_done for r in self.running), default=0)
         retry = max(0.1, left / self.pacing.frame_rate)
         raise Overloaded(f"{streams - 1} streams already use the talker's real-time capacity "
                          f"(a step of {self.k_max} frames for {streams} would outlast their audio)", retry)
@@ -168,8 +168,7 @@ class Scheduler:
         plan = StepPlan()
         plan.finished = self._end_at_boundary(now)
         self._admit()
-        decode = [r for r in self.running if not r.prefilling and r.paused_since is None
-                  and r.frames_dispatched < r.max_frames]
+        decode = [r for r in self.running if not r.prefilling and r.paused_since is None]
         plan.prefill = self._prefill_chunks(now, ahead_s, decode)
         decode += [c.request for c in plan.prefill if c.final]
         plan.decode = decode
@@ -234,13 +233,14 @@ class Scheduler:
         outlook = self._outlook(now, ahead_s, plan.decode)
         plan.bucket = outlook.bucket
         plan.k, plan.k_bound = choose_k(outlook, self.pacing, self.times)
-        plan.limits = [min(plan.k, r.max_frames - r.frames_dispatched) for r in plan.decode]
-        for request, limit in zip(plan.decode, plan.limits, strict=True):
-            request.frames_dispatched += limit
+        plan.limits = [min(plan.k, r.max_frames - r.frames_done) for r in plan.decode]
 
-    def apply(self, request: TalkerRequest, count: int, stopped: bool) -> FinishReason | None:
+    def apply(self, request: TalkerRequest, count: int, stopped: bool, now: float) -> FinishReason | None:
         """A decode row's outcome in a step: ``count`` frames kept, and whether a stop frame
-        came right after them; returns the reason it ended (STOP, LENGTH) or None."""
+        came right after them; returns the reason it ended (STOP, LENGTH) or None. ``now``: when
+        its record goes out (its first starts the listener's clock)."""
+        if count and request.first_written_at is None:
+            request.first_written_at = now
         request.frames_done += count
         if stopped:
             reason = FinishReason.STOP
@@ -250,6 +250,9 @@ class Scheduler:
             return None
         self.finish(request, reason)
         return reason
+
+    def due(self, request: TalkerRequest) -> float:
+        return due(request, self.pacing)
 
     def finish(self, request: TalkerRequest, reason: FinishReason) -> None:
         """Ends a request (its slot is free at once: later device work is queued after the steps

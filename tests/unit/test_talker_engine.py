@@ -46,17 +46,25 @@ class ListSink:
         return True
 
 
-def make_engine(folder, *, k_max: int, buckets=(4,), stop_rule=None, sink=None, num_slots=4):
+def make_engine(folder, *, k_max: int, buckets=(4,), stop_rule=None, sink=None, num_slots=4,
+                clock=time.monotonic, prefill_token_budget=4096, min_chunk_tokens=32):
     model = load_talker(folder)
     if stop_rule is not None:
         model.is_stop_frame = stop_rule
     runner = Runner(model, num_slots=num_slots, max_len=MAX_LEN, buckets=list(buckets), k_max=k_max,
                     max_repetition_window=8)
     scheduler = Scheduler(num_slots=num_slots, max_num_seqs=num_slots, k_max=k_max,
-                          prefill_token_budget=4096, max_waiting=64, stall_timeout=5.0, frame_rate=12.5,
-                          path_s=0.1, bucket_for=runner.bucket_for)
+                          prefill_token_budget=prefill_token_budget, max_waiting=64, stall_timeout=5.0,
+                          frame_rate=12.5, path_s=0.1, bucket_for=runner.bucket_for,
+                          min_chunk_tokens=min_chunk_tokens)
     sink = sink or ListSink()
-    return TalkerEngine(runner, scheduler, lambda consumer: sink), sink
+    return TalkerEngine(runner, scheduler, lambda consumer: sink, clock=clock), sink
+
+
+def frozen_clock() -> float:
+    """Time that never passes: every step is measured at 0 s, so every row always has slack and
+    the pacing gives K = k_max (after a bucket's first step): K is what the test pins."""
+    return 0.0
 
 
 def segments(handle: int, text: str) -> list[PromptSegment]:
@@ -124,7 +132,7 @@ def test_codes_identical_for_every_k(folder, case):
     results = {}
     for k in (1, 2, 4, 8):
         stop_rule = stop_when_code0_divisible_by_7 if case == "stops-mid-step" else None
-        engine, sink = make_engine(folder, k_max=k, stop_rule=stop_rule)
+        engine, sink = make_engine(folder, k_max=k, stop_rule=stop_rule, clock=frozen_clock)
         requests = [request(0, TEXTS[0])] if case == "single" else _batch(case == "stops-mid-step")
         run(engine, requests)
         results[k] = collect(sink.records)

@@ -15,7 +15,7 @@ CONFIG = PacingConfig(frame_rate=12.5, path_s=0.1, k_max=8)
 def row(handle=1, *, written=None, frames=0, first_by=None, max_frames=100) -> TalkerRequest:
     r = TalkerRequest(request_id=f"r{handle}", handle=handle, consumer_id="c", prompt=None, prompt_len=4,
                       max_frames=max_frames, first_audio_by=first_by)
-    r.first_written_at, r.frames_written = written, frames
+    r.first_written_at, r.frames_done = written, frames
     return r
 
 

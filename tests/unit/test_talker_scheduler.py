@@ -29,7 +29,7 @@ def run_step(s: Scheduler, now: float, stop: set[int] = frozenset()):
     plan = s.schedule(now)
     ended = []
     for r, limit in zip(plan.decode, plan.limits, strict=True):
-        if r.finish is None and s.apply(r, 0 if r.handle in stop else limit, r.handle in stop):
+        if r.finish is None and s.apply(r, 0 if r.handle in stop else limit, r.handle in stop, now):
             ended.append(r)
     return plan, ended
 
@@ -55,12 +55,12 @@ def test_k_is_1_until_a_step_of_the_bucket_is_measured_then_k_max_with_slack():
     plan, _ = run_step(s, 0.0)
     assert plan.k == 1  # nothing measured yet for this bucket
     s.times.observe(1, 1, 0.010)  # 10 ms a frame
-    r.first_written_at, r.frames_written = 0.0, 1
+    r.first_written_at, r.frames_done = 0.0, 1
     plan = s.schedule(0.0)
     # 80 ms of audio written at 0 s: the listener hears it from path_s on, so the next record is
     # due 80 ms after the first; a step of K takes 10 K ms, and one step is kept to spare: K = 7
     assert (plan.k, plan.k_bound) == (7, "slack")
-    r.frames_written = 40  # 3.2 s written: no step of 8 frames runs it dry
+    r.frames_done = 40  # 3.2 s written: no step of 8 frames runs it dry
     plan = s.schedule(0.0)
     assert (plan.k, plan.k_bound) == (8, "k_max")
 
@@ -72,7 +72,7 @@ def test_no_row_is_held_back_by_another_rows_chunk_boundary_or_its_end():
     run_step(s, 0.0)
     s.times.observe(2, 1, 0.001)
     for r in s.running:
-        r.first_written_at, r.frames_written = 0.0, 50
+        r.first_written_at = 10.0  # its listener is 10 s ahead
     plan = s.schedule(0.0)
     assert plan.k == 8  # the first chunk of 2 frames and the 3-frame ends do not bind K
 
@@ -83,7 +83,7 @@ def test_a_waiting_request_bounds_k_by_its_first_audio_deadline():
     s.add(running)
     run_step(s, 0.0)
     s.times.observe(1, 1, 0.010)
-    running.first_written_at, running.frames_written = 0.0, 100
+    running.first_written_at = 8.0  # its listener is 8 s ahead
     waiting = req(2)
     waiting.first_audio_by = 0.1 + 0.055  # path 0.1: 55 ms left for this step and its own first
     s.add(waiting)
@@ -120,26 +120,25 @@ def test_prefill_is_bounded_by_the_decoding_rows_slack_but_always_advances():
     s.times.observe(1, 1, 0.010)
     s.times.observe(1, 1, 0.030, prefill_tokens=100)  # 20 ms beyond the step: 0.2 ms a position
     assert s.times.prefill_s(100) == pytest.approx(0.020)
-    speaking.first_written_at, speaking.frames_written = 0.0, 1  # due at 80 ms
+    speaking.first_written_at, speaking.frames_done = 0.0, 1  # due at 80 ms
     s.add(req(2, prompt_len=400))
     # 80 ms - two steps of 10 ms to spare = 60 ms of prefill: 300 positions
     assert chunks(s.schedule(0.0)) == [(2, 0, 300)]
-    speaking.frames_written = 0  # due now: no slack left, yet the prompt advances
+    speaking.frames_done = 0  # due now: no slack left, yet the prompt advances
     assert chunks(s.schedule(0.0)) == [(2, 300, 16)]
 
 
-def test_rows_are_asked_only_for_the_frames_they_have_left_and_not_again_while_in_flight():
+def test_rows_are_asked_only_for_the_frames_they_have_left():
     s = sched(bucket_for=lambda rows: 2)
-    a, b = req(1, max_frames=3), req(2, max_frames=20)
+    a, b = req(1, max_frames=3), req(2, max_frames=200)
     s.add(a)
     s.add(b)
     s.times.observe(2, 1, 0.001)
     for r in (a, b):
-        r.first_written_at, r.frames_written = 0.0, 100
-    plan = s.schedule(0.0)  # prefill + the first step, both rows
-    assert plan.k == 8 and plan.limits == [3, 8]
-    plan = s.schedule(0.0)  # the first step is still in flight: a has nothing left to ask
-    assert [r.handle for r in plan.decode] == [2] and plan.limits == [8]
+        r.first_written_at = 0.0
+    a.frames_done, b.frames_done = 1, 100
+    plan = s.schedule(0.0)
+    assert plan.k == 8 and plan.limits == [2, 8]
 
 
 def test_admission_by_slack_refuses_a_stream_the_step_times_cannot_feed():
