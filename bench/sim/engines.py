@@ -58,9 +58,13 @@ class HostCosts:
 
 
 def engine_loop(lane: Lane, engine, inbox: Mailbox, tick_s: float = TICK_S) -> None:
-    """``EngineThread._run`` on a lane: commands, a tick when due, one step."""
+    """``EngineThread._run`` on a lane: the device work in flight collected, commands, a tick
+    when due, one step."""
     last_tick, busy = -math.inf, False
+    collect = getattr(engine, "collect", None)
     while True:
+        if busy and collect is not None:
+            collect()
         commands = lane.take(inbox)
         if not commands and not busy:
             lane.wait([inbox], tick_s)

@@ -44,6 +44,9 @@ class Engine(Protocol):
     def tick(self) -> None:
         """Periodic housekeeping (heartbeats); called at least every tick_interval."""
 
+    # Optional: ``collect()`` waits for device work the last step left in flight and applies it;
+    # the thread calls it before taking the commands of the next step, so a request that came
+    # while the device ran is planned into the very next step.
     # Optional: ``keepalive()`` stores this side's own heartbeats and nothing else. The
     # keeper thread calls it while a step runs, concurrently with that step, so it must be
     # safe against the engine thread (the transports' tick() is).
@@ -151,10 +154,14 @@ class EngineThread:
     def _run(self) -> None:
         last_tick = 0.0
         busy = False
+        collect = getattr(self.engine, "collect", None)
         try:
             while True:
                 timeout = 0.0 if busy else self.tick_interval
                 try:
+                    if busy and collect is not None:
+                        self._step_started = time.monotonic()
+                        collect()
                     if not self._take_commands(timeout):  # marks the thread busy once a command came
                         return
                     now = time.monotonic()

@@ -45,6 +45,10 @@ class TalkerCore:
     def handle(self, command) -> None:
         command(self)
 
+    def collect(self) -> bool:
+        """The device work in flight, collected before the commands of the next step."""
+        return self.engine.collect()
+
     def step(self) -> bool:
         return self.engine.step()
 

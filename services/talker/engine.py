@@ -66,15 +66,25 @@ class TalkerEngine:
         self.inflight: InFlight | None = None
         self._last_collected = float("-inf")
         self._to_write: list[tuple[TalkerRequest, PendingRecord]] = []  # this iteration's records, in order
+        self._collected = False  # a step was collected since the last iteration
 
     # --- one iteration ----------------------------------------------------------------------
+
+    def collect(self) -> bool:
+        """Waits for the step in flight, if any, and applies it (its records are queued, written
+        while the next step runs). The engine thread calls it before taking new commands."""
+        previous, self.inflight = self.inflight, None
+        if previous is None:
+            return False
+        self._complete(previous)
+        self._collected = True
+        return True
 
     def step(self) -> bool:
         """Runs one iteration; False when there was nothing to do."""
         counters = self.counters
-        previous, self.inflight = self.inflight, None
-        if previous is not None:
-            self._complete(previous)  # waits for the device; its records are queued, not yet written
+        self.collect()
+        previous, self._collected = self._collected, False
         now = self.clock()
         plan = self.scheduler.schedule(now)
         counters.schedule_s += self.clock() - now
@@ -89,11 +99,11 @@ class TalkerEngine:
             elif launched is not None:
                 self._complete(launched)
         begun = self.clock()
-        counters.overlapped_steps += previous is not None and self.inflight is not None
+        counters.overlapped_steps += previous and self.inflight is not None
         self._write()
         self._flush(now)
         counters.emit_s += self.clock() - begun
-        return bool(plan.decode or plan.prefill or plan.finished or previous)
+        return bool(plan.decode or plan.prefill or plan.finished or previous or self.inflight)
 
     def _prefill(self, plan: StepPlan) -> None:
         begun = self.clock()
@@ -253,9 +263,8 @@ class TalkerEngine:
 
     def drain(self) -> None:
         """Collects the step in flight, if any, and writes what is queued (shutdown, tests)."""
-        previous, self.inflight = self.inflight, None
-        if previous is not None:
-            self._complete(previous)
+        self.collect()
+        self._collected = False
         self._write()
         self._flush(self.clock())
 

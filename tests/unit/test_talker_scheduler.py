@@ -50,7 +50,7 @@ def test_chunk_schedule_boundaries():
 
 def test_k_is_1_until_a_step_of_the_bucket_is_measured_then_k_max_with_slack():
     s = sched()
-    r = req(1, max_frames=30)
+    r = req(1, max_frames=30, schedule=ChunkSchedule(first_frames=1, growth=2.0, steady_frames=8))
     s.add(r)
     plan, _ = run_step(s, 0.0)
     assert plan.k == 1  # nothing measured yet for this bucket
@@ -63,6 +63,20 @@ def test_k_is_1_until_a_step_of_the_bucket_is_measured_then_k_max_with_slack():
     r.frames_done = 40  # 3.2 s written: no step of 8 frames runs it dry
     plan = s.schedule(0.0)
     assert (plan.k, plan.k_bound) == (8, "k_max")
+
+
+def test_a_silent_row_gets_at_least_its_first_chunk_in_one_step():
+    s = sched(bucket_for=lambda rows: 2)
+    s.times.observe(2, 1, 0.010)
+    speaking = req(1, schedule=ChunkSchedule(first_frames=1, growth=2.0, steady_frames=8))
+    s.add(speaking)
+    run_step(s, 0.0)
+    speaking.first_written_at, speaking.frames_done = 0.0, 1  # due at 80 ms: K = 7 alone
+    new = req(2, schedule=ChunkSchedule(first_frames=4, growth=2.0, steady_frames=8))
+    new.first_audio_by = 0.1 + 0.015  # 15 ms: one frame would fit, but Code2Wav waits for 4
+    s.add(new)
+    plan = s.schedule(0.0)
+    assert [r.handle for r in plan.decode] == [1, 2] and plan.k == 4
 
 
 def test_no_row_is_held_back_by_another_rows_chunk_boundary_or_its_end():
