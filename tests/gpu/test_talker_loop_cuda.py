@@ -1,0 +1,58 @@
+"""The talker's serving loop on a CUDA GPU with the tiny model: the runner is asynchronous there,
+so the engine writes step N's records while step N+1 runs; its codes equal the same engine
+collecting each step at once and the K=1 run, with frame graphs and prefill graphs on, prompts
+chunked over steps, and rows stopping mid-step. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU; this machine has none", allow_module_level=True)
+
+import numpy as np
+
+from models.csm.loader import load_talker
+from models.tiny.talker import write_tiny_checkpoint
+from services.talker.engine import TalkerEngine
+from services.talker.prefill_graphs import PrefillBuckets
+from services.talker.runner import Runner
+from services.talker.scheduler import Scheduler
+from tests.unit.test_talker_engine import (MAX_LEN, ListSink, _batch, collect, frozen_clock, run,
+                                           stop_when_code0_divisible_by_7)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "t", seed=0)
+    talker = load_talker(folder, device="cuda")
+    talker.is_stop_frame = stop_when_code0_divisible_by_7
+    return talker
+
+
+def outputs(model, *, k_max: int, pipelined: bool, prefill_token_budget: int = 4096):
+    runner = Runner(model, num_slots=4, max_len=MAX_LEN, buckets=[4], k_max=k_max, max_repetition_window=8,
+                    use_graphs=True, prefill_buckets=PrefillBuckets(rows=(1, 4), tokens=(16, 32), memory_mb=4096,
+                                                                    startup_s=600))
+    assert runner.asynchronous and runner.graphs
+    scheduler = Scheduler(num_slots=4, max_num_seqs=4, k_max=k_max, prefill_token_budget=prefill_token_budget,
+                          max_waiting=64, stall_timeout=5.0, frame_rate=12.5, path_s=0.1,
+                          bucket_for=runner.bucket_for, min_chunk_tokens=1)
+    sink = ListSink()
+    engine = TalkerEngine(runner, scheduler, lambda consumer: sink, clock=frozen_clock)
+    engine.pipelined = pipelined
+    run(engine, _batch(True))
+    return collect(sink.records), engine
+
+
+def test_the_pipelined_loop_equals_collecting_each_step_and_k_1(model):
+    reference, _ = outputs(model, k_max=1, pipelined=False)
+    serial, _ = outputs(model, k_max=8, pipelined=False)
+    piped, engine = outputs(model, k_max=8, pipelined=True, prefill_token_budget=7)
+    assert engine.counters.overlapped_steps > 0 and engine.counters.prefill_steps > 4
+    for result in (serial, piped):
+        assert result.keys() == reference.keys()
+        for handle, (codes, reason) in reference.items():
+            np.testing.assert_array_equal(result[handle][0], codes)
+            assert result[handle][1] == reason
