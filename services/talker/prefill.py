@@ -168,8 +168,8 @@ class Prefiller:
         pool, slots = self.pool, dev["final_slots"]
         pool.hidden[slots] = hidden[dev["final_rows"]]
         pool.positions[slots] = dev["final_positions"]
-        pool.frame_index[slots] = 0
+        pool.frame_index.index_fill_(0, slots, 0)  # a scalar fill: ``[slots] = 0`` copies the 0 in, a sync
         pool.min_frames[slots] = dev["min_frames"]
-        pool.history[slots] = -1
+        pool.history.index_fill_(0, slots, -1)
         for name in _SAMPLING_FIELDS:
             getattr(pool.sampling, name)[slots] = dev[name]

@@ -35,9 +35,10 @@ def test_every_bucket_replays_like_eager_and_never_syncs(model):
     stats = graphed.prefill_graph_stats
     assert sorted(stats.captured) == sorted(BUCKETS.ordered()) and stats.memory_reserved_bytes > 0
     prompts = [model.pack_prompt(segments(seed, audio_frames=3 * seed + 2)) for seed in range(4)]
+    assert [len(p) for p in prompts] == [15, 20, 25, 27]  # the cuts below fall inside them
     calls = [[PrefillRow.whole(0, prompts[0], Sampling())],                                # (1, 32)
-             [*chunks(prompts[1], 1, [20])[:1], *chunks(prompts[2], 2, [5])[:1]],          # (2, 32)
-             [chunks(prompts[1], 1, [20])[1], chunks(prompts[2], 2, [5])[1],
+             [*chunks(prompts[1], 1, [12])[:1], *chunks(prompts[2], 2, [5])[:1]],          # (2, 32)
+             [chunks(prompts[1], 1, [12])[1], chunks(prompts[2], 2, [5])[1],
               PrefillRow.whole(3, prompts[3], Sampling())]]                                # (4, 32 or 64)
     for rows in calls:
         eager.prefill(rows)
