@@ -2,7 +2,7 @@
 
     python -m bench.sim [--profile tip|ee9c553] [--load poisson|fixed|burst] [--mps off|on]
                         [--tiers 1,8,64,...] [--requests-per-stream 3] [--out FILE.json] [--md FILE.md]
-                        [--env VOXRING_GATEWAY__CHUNKS__FIRST_FRAMES=4 ...] [--free-code2wav]
+                        [--env VOXRING_GATEWAY__CHUNKS__FIRST_FRAMES=4 ...] [--free-code2wav] [--free-gateway]
     python -m bench.sim.calibrate    # the calibration against the committed H200 runs
 
 The real scheduler, talker engine, Code2Wav engine and the gateway's choices run on virtual
@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None) -> tuple[RunSpec, Path | None, Path | Non
     parser.add_argument("--free-code2wav", action="store_true",
                         help="Code2Wav's decode takes 0 device time and its process 0 CPU "
                              "(the talker isolated)")
+    parser.add_argument("--free-gateway", action="store_true",
+                        help="the gateway's process 0 CPU (with --free-code2wav: the talker alone)")
     parser.add_argument("--out", type=Path, default=None, help="write the tiers as JSON here")
     parser.add_argument("--md", type=Path, default=None, help="write the tables and the acceptance here")
     args = parser.parse_args(argv)
@@ -63,7 +65,8 @@ def parse_args(argv: list[str] | None) -> tuple[RunSpec, Path | None, Path | Non
         parser.error("--requests-per-stream: must be >= 1")
     return RunSpec(profile=args.profile, mps=args.mps == "on", load=args.load, tiers=tiers,
                    requests_per_stream=args.requests_per_stream, load_seed=args.load_seed,
-                   env=_env(args.env), free_code2wav=args.free_code2wav), args.out, args.md
+                   env=_env(args.env), free_code2wav=args.free_code2wav,
+                   free_gateway=args.free_gateway), args.out, args.md
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          f"underruns", file=sys.stderr, flush=True))
     title = f"sim {spec.profile} {spec.load} mps-{'on' if spec.mps else 'off'}"
     title += ", Code2Wav free" if spec.free_code2wav else ""
+    title += ", gateway free" if spec.free_gateway else ""
     by_tier = {str(c): r for c, r in tiers.items()}
     text = "\n".join([table(title, by_tier, spec), "", *acceptance.markdown(by_tier), "",
                       f"{fingerprint()['short']}; spec {json.dumps(spec.describe(), sort_keys=True)}"])

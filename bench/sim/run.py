@@ -54,6 +54,9 @@ class RunSpec:
     # measured CPU, their modeled gRPC and launch costs) 0 CPU, so the talker runs as if alone on
     # the GPU and the host; the stream still flows through the real Code2Wav engine and gateway.
     free_code2wav: bool = False
+    # the gateway free: its process's host work costs 0 CPU (its lane's measured CPU and modeled gRPC
+    # costs), so a talker measurement is not bounded by the gateway's event loop either
+    free_gateway: bool = False
 
     def describe(self) -> dict:
         return {"profile": self.profile, "mps": self.mps, "load": self.load, "tiers": list(self.tiers),
@@ -61,7 +64,7 @@ class RunSpec:
                 "load_seed": self.load_seed, "env": dict(self.env),
                 "host_factor": self.host_factor if self.host_factor is not None else host_factor(),
                 "tier_max_s": self.tier_max_s, "engine_cap": ENGINE_CAP, "fit": dataclasses.asdict(self.fit),
-                "free_code2wav": self.free_code2wav}
+                "free_code2wav": self.free_code2wav, "free_gateway": self.free_gateway}
 
     def settings(self) -> Settings:
         """bench.server's settings for these tiers (engines sized for the top one, at most ENGINE_CAP)."""
@@ -130,7 +133,8 @@ def build_stack(spec: RunSpec, costs: DeviceCosts, host: HostCosts, plan: Client
                            talker_cfg.chunks)
     code2wav_gil = Gil("code2wav", cpu_scale=0.0 if spec.free_code2wav else 1.0)
     code2wav = Code2WavProcess(sim, code2wav_gil, decoder, c2w, host, ring, attach.id, c2w_cfg.chunks)
-    gateway = GatewayProcess(sim, Gil("gateway"), gw_cfg, host, talker, code2wav, attach.id,
+    gateway_gil = Gil("gateway", cpu_scale=0.0 if spec.free_gateway else 1.0)
+    gateway = GatewayProcess(sim, gateway_gil, gw_cfg, host, talker, code2wav, attach.id,
                              c2w_cfg.talkers.consumer_id)
     client = ClientProcess(sim, Gil("client"), host, gateway, plan)
     return Stack(sim, gpu, talker, code2wav, gateway, client, runner, decoder, ring)

@@ -25,6 +25,7 @@ time by a step of the measured size (admission by slack).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -213,12 +214,17 @@ class Scheduler:
 
     def _prefill_chunks(self, now: float, ahead_s: float, decode: list[TalkerRequest]) -> list[PrefillChunk]:
         """Chunks of the admitted prompts, in admission order, within the step's token budget:
-        ``prefill_token_budget`` and what the decoding rows' slack affords (at least
-        ``min_chunk_tokens`` for the first, so prompts always advance)."""
+        ``prefill_token_budget`` and what the slack of the rows already speaking affords (at
+        least ``min_chunk_tokens``, so prompts always advance). Rows still silent do not bound
+        it: they wait for prefill as much as anyone (a burst's prompts go in as fast as the
+        budget allows)."""
         pending = [r for r in self.running if r.prefilling]
         if not pending:
             return []
-        affordable = prefill_tokens_allowed(self._outlook(now, ahead_s, decode), self.pacing, self.times)
+        speaking_due = min((due(r, self.pacing) for r in decode if r.first_written_at is not None),
+                           default=float("inf"))
+        outlook = dataclasses.replace(self._outlook(now, ahead_s, decode), row_due=speaking_due)
+        affordable = prefill_tokens_allowed(outlook, self.pacing, self.times)
         budget = int(min(self.prefill_token_budget, max(affordable, self.min_chunk_tokens)))
         chunks = []
         for request in pending:

@@ -140,6 +140,9 @@ def test_prefill_is_bounded_by_the_decoding_rows_slack_but_always_advances():
     assert chunks(s.schedule(0.0)) == [(2, 0, 300)]
     speaking.frames_done = 0  # due now: no slack left, yet the prompt advances
     assert chunks(s.schedule(0.0)) == [(2, 300, 16)]
+    speaking.first_written_at = None  # a row still silent does not bound prefill: the rest goes in
+    speaking.first_audio_by = 0.0
+    assert chunks(s.schedule(0.0)) == [(2, 316, 84)]
 
 
 def test_rows_are_asked_only_for_the_frames_they_have_left():
