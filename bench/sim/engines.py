@@ -184,7 +184,8 @@ class TalkerProcess:
                               max_waiting=engine_cfg.max_waiting, stall_timeout=engine_cfg.stall_timeout,
                               frame_rate=FRAME_RATE, path_s=engine_cfg.path_s, bucket_for=runner.bucket_for,
                               min_chunk_tokens=engine_cfg.min_chunk_tokens,
-                              admission_headroom=engine_cfg.admission_headroom)
+                              admission_headroom=engine_cfg.admission_headroom,
+                              max_queue_wait_s=engine_cfg.max_queue_wait_s)
         clock = sim.clock
         self.engine = TalkerEngine(runner, scheduler, SimConsumers(consumer_id, ring).sink_for,
                                    max_pending_frames=engine_cfg.max_pending_frames, clock=clock)

@@ -41,6 +41,7 @@ class EngineSection:
     # beat the audio it makes by this fraction
     min_chunk_tokens: int = 32
     admission_headroom: float = 0.2
+    max_queue_wait_s: float = 1.0           # refuse a request expected to wait longer for a slot
     # Prefill graphs per (rows, tokens) bucket on CUDA: a call of R chunks of up to T tokens runs
     # in the smallest captured bucket that holds it (padded), else eagerly. Captured smallest
     # first until the graph pool passes prefill_graph_memory_mb or capture prefill_graph_startup_s;
@@ -71,7 +72,7 @@ class EngineSection:
             raise ConfigValueError("min_chunk_tokens", f"must be >= 1, got {self.min_chunk_tokens}")
         if not 0 <= self.admission_headroom < 10:
             raise ConfigValueError("admission_headroom", f"must be in [0, 10), got {self.admission_headroom}")
-        for key in ("path_s", "first_audio_budget_s"):
+        for key in ("path_s", "first_audio_budget_s", "max_queue_wait_s"):
             value = getattr(self, key)
             if not 0 <= value < 60:  # NaN is refused too
                 raise ConfigValueError(key, f"must be in [0, 60) seconds, got {value}")

@@ -20,7 +20,8 @@ when the device runs asynchronously). At each step boundary:
   for only those (``StepPlan.limits``).
 
 New work is refused (``Overloaded``) when one more stream would not be fed faster than real
-time by a step of the measured size (admission by slack).
+time by a step of the measured size (admission by slack), or when every slot is taken and it
+would wait longer than ``max_queue_wait_s`` for one (at the rate slots have lately freed).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class Scheduler:
     def __init__(self, *, num_slots: int, max_num_seqs: int, k_max: int, prefill_token_budget: int,
                  max_waiting: int, stall_timeout: float, frame_rate: float, path_s: float,
                  bucket_for: Callable[[int], int] = lambda rows: rows, min_chunk_tokens: int = 32,
-                 admission_headroom: float = 0.2) -> None:
+                 admission_headroom: float = 0.2, max_queue_wait_s: float = 1.0) -> None:
         self.slots = SlotAllocator(num_slots)
         self.max_num_seqs = max_num_seqs
         self.k_max = k_max
@@ -103,12 +104,14 @@ class Scheduler:
         self.prefill_token_budget = prefill_token_budget
         self.min_chunk_tokens = min_chunk_tokens
         self.admission_headroom = admission_headroom
+        self.max_queue_wait_s = max_queue_wait_s
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
         self.waiting: deque[TalkerRequest] = deque()
         self.running: list[TalkerRequest] = []   # in admission order; some may still prefill
         self.by_key: dict[tuple[str, int], TalkerRequest] = {}
         self.refused_overload = 0
+        self._released: deque[float] = deque(maxlen=64)  # when slots were freed lately (their rate)
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -119,9 +122,26 @@ class Scheduler:
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests wait already (max_waiting)")
         self._check_capacity()
+        self._check_wait(request)
         self.waiting.append(request)
         self.by_key[request.key] = request
         return self._position(request)
+
+    def _check_wait(self, request: TalkerRequest) -> None:
+        """Refuses a request that would wait for a slot longer than ``max_queue_wait_s``: with
+        every slot taken it starts only as running rows end, at the rate they have lately been
+        ending (unknown before a few have: then the queue's count bound alone applies)."""
+        ahead = len(self.waiting) - min(len(self.slots), self.max_num_seqs - len(self.running))
+        released = self._released
+        if ahead < 0 or len(released) < 2 or request.arrival <= released[0]:
+            return  # a slot is free for it at the next step, or the rate is not known yet
+        rate = (len(released) - 1) / (request.arrival - released[0])
+        wait = (ahead + 1) / rate
+        if wait <= self.max_queue_wait_s:
+            return
+        self.refused_overload += 1
+        raise Overloaded(f"every slot is taken and {ahead + 1} request(s) wait for one: about {wait:.2f} s "
+                         f"before it could start (max_queue_wait_s {self.max_queue_wait_s:g})", min(wait, 60.0))
 
     def _check_capacity(self) -> None:
         """Admission by slack: refuses a stream the measured step times say cannot be fed in
@@ -188,7 +208,7 @@ class Scheduler:
                 reason = FinishReason.STALLED
             else:
                 continue
-            self.finish(request, reason)
+            self.finish(request, reason, now)
             ended.append(request)
         return ended
 
@@ -255,18 +275,20 @@ class Scheduler:
             reason = FinishReason.LENGTH
         else:
             return None
-        self.finish(request, reason)
+        self.finish(request, reason, now)
         return reason
 
     def due(self, request: TalkerRequest) -> float:
         return due(request, self.pacing)
 
-    def finish(self, request: TalkerRequest, reason: FinishReason) -> None:
+    def finish(self, request: TalkerRequest, reason: FinishReason, now: float | None = None) -> None:
         """Ends a request (its slot is free at once: later device work is queued after the steps
-        still using it)."""
+        still using it); ``now``, when known, counts toward the rate slots free at."""
         if request.state is RequestState.RUNNING:
             self.running.remove(request)
             self.slots.free(request.slot)
+            if now is not None:
+                self._released.append(now)
         elif request.state is RequestState.WAITING:
             self.waiting.remove(request)
         request.state = RequestState.FINISHED

@@ -175,19 +175,29 @@ def test_admission_by_slack_refuses_a_stream_the_step_times_cannot_feed():
     s.add(req(5))
 
 
-def test_more_requests_than_slots_queue_and_all_complete():
-    s = sched(num_slots=2, max_num_seqs=2)
-    requests = [req(h, max_frames=5) for h in range(6)]
-    for r in requests:
-        s.add(r)
-    for _ in range(100):
-        if all(r.finish for r in requests):
-            break
-        plan, _ = run_step(s, 0.0)
-        assert len(plan.decode) <= 2
-        assert len({r.slot for r in plan.decode}) == len(plan.decode)
-    assert all(r.finish is FinishReason.LENGTH and r.frames_done == 5 for r in requests)
-    assert len(s.slots) == 2 and not s.running and not s.by_key
+def test_a_request_that_would_wait_too_long_for_a_slot_is_refused():
+    def arriving(handle, at):
+        r = req(handle)
+        r.arrival = at
+        return r
+
+    s = sched(num_slots=2, max_num_seqs=2, max_queue_wait_s=0.5)
+    for h in (1, 2):
+        s.add(req(h))
+    s.schedule(0.0)
+    s.add(arriving(9, 0.5))  # every slot taken, but no slot has freed yet: the count bound alone
+    s.cancel("c0", 9)
+    s.schedule(0.5)
+    for r, at in zip(list(s.running), (0.0, 1.0), strict=True):
+        s.finish(r, FinishReason.STOP, now=at)  # two slots freed within 1 s
+    for h in (3, 4):
+        s.add(arriving(h, 1.0))
+    s.schedule(1.0)  # both take the free slots
+    with pytest.raises(Overloaded, match="wait for one") as refused:
+        s.add(arriving(5, 2.0))  # one slot a second over 2 s: about 2 s of wait
+    assert refused.value.retry_after_s == pytest.approx(2.0)
+    s.max_queue_wait_s = 5.0
+    assert s.add(arriving(6, 2.0)) == 1  # queued: it waits for the next slot
 
 
 def test_queue_bound_and_duplicate_handles():
