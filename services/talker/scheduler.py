@@ -128,20 +128,36 @@ class Scheduler:
         return self._position(request)
 
     def _check_wait(self, request: TalkerRequest) -> None:
-        """Refuses a request that would wait for a slot longer than ``max_queue_wait_s``: with
-        every slot taken it starts only as running rows end, at the rate they have lately been
-        ending (unknown before a few have: then the queue's count bound alone applies)."""
-        ahead = len(self.waiting) - min(len(self.slots), self.max_num_seqs - len(self.running))
-        released = self._released
-        if ahead < 0 or len(released) < 2 or request.arrival <= released[0]:
-            return  # a slot is free for it at the next step, or the rate is not known yet
-        rate = (len(released) - 1) / (request.arrival - released[0])
-        wait = (ahead + 1) / rate
+        """Refuses a request expected to wait longer than ``max_queue_wait_s`` before it speaks:
+        for a slot, when every slot is taken (it starts as running rows end, at the rate they have
+        lately been ending; unknown before a few have, then the queue's count bound alone
+        applies), or for the prompts queued before it to be prefilled (at ``prefill_token_budget``
+        positions a step, each step at least a one-frame step of today's rows)."""
+        wait = max(self._slot_wait(request.arrival), self._prefill_wait(request.prompt_len))
         if wait <= self.max_queue_wait_s:
             return
         self.refused_overload += 1
-        raise Overloaded(f"every slot is taken and {ahead + 1} request(s) wait for one: about {wait:.2f} s "
-                         f"before it could start (max_queue_wait_s {self.max_queue_wait_s:g})", min(wait, 60.0))
+        raise Overloaded(f"about {wait:.2f} s before it could start ({len(self.waiting)} request(s) wait for a "
+                         f"slot, {self._backlog_tokens()} prompt positions for prefill; max_queue_wait_s "
+                         f"{self.max_queue_wait_s:g})", min(wait, 60.0))
+
+    def _slot_wait(self, now: float) -> float:
+        ahead = len(self.waiting) - min(len(self.slots), self.max_num_seqs - len(self.running))
+        released = self._released
+        if ahead < 0 or len(released) < 2 or now <= released[0]:
+            return 0.0
+        return (ahead + 1) * (now - released[0]) / (len(released) - 1)
+
+    def _backlog_tokens(self) -> int:
+        return (sum(r.prompt_len - r.prefilled for r in self.running if r.prefilling)
+                + sum(r.prompt_len for r in self.waiting))
+
+    def _prefill_wait(self, prompt_len: int) -> float:
+        step = self.times.estimate(self.bucket_for(max(1, min(len(self.running), self.max_num_seqs))), 1)
+        if step is None:
+            return 0.0
+        steps = (self._backlog_tokens() + prompt_len) // self.prefill_token_budget
+        return steps * (step + self.times.prefill_s(self.prefill_token_budget))
 
     def _check_capacity(self) -> None:
         """Admission by slack: refuses a stream the measured step times say cannot be fed in

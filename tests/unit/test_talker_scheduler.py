@@ -175,6 +175,18 @@ def test_admission_by_slack_refuses_a_stream_the_step_times_cannot_feed():
     s.add(req(5))
 
 
+def test_a_request_behind_too_much_prompt_to_prefill_is_refused():
+    s = sched(num_slots=16, max_num_seqs=16, prefill_token_budget=20, max_queue_wait_s=0.05,
+              bucket_for=lambda rows: 16)
+    s.times.observe(16, 1, 0.010)  # a prefill step: at least 10 ms for its 20 positions
+    for h in range(11):
+        s.add(req(h, prompt_len=10))  # the 11th: 100 positions before it, 5 steps, 50 ms
+    with pytest.raises(Overloaded, match="110 prompt positions for prefill"):
+        s.add(req(11, prompt_len=10))  # 6 steps: 60 ms
+    s.schedule(0.0)  # 20 positions go in
+    s.add(req(11, prompt_len=10))
+
+
 def test_a_request_that_would_wait_too_long_for_a_slot_is_refused():
     def arriving(handle, at):
         r = req(handle)
@@ -193,7 +205,7 @@ def test_a_request_that_would_wait_too_long_for_a_slot_is_refused():
     for h in (3, 4):
         s.add(arriving(h, 1.0))
     s.schedule(1.0)  # both take the free slots
-    with pytest.raises(Overloaded, match="wait for one") as refused:
+    with pytest.raises(Overloaded, match="before it could start") as refused:
         s.add(arriving(5, 2.0))  # one slot a second over 2 s: about 2 s of wait
     assert refused.value.retry_after_s == pytest.approx(2.0)
     s.max_queue_wait_s = 5.0
