@@ -112,6 +112,8 @@ class Scheduler:
         self.by_key: dict[tuple[str, int], TalkerRequest] = {}
         self.refused_overload = 0
         self._released: deque[float] = deque(maxlen=64)  # when slots were freed lately (their rate)
+        self.period_s: float | None = None  # seconds between plans while rows decode (weighted)
+        self._last_plan: float | None = None
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -132,7 +134,7 @@ class Scheduler:
         for a slot, when every slot is taken (it starts as running rows end, at the rate they have
         lately been ending; unknown before a few have, then the queue's count bound alone
         applies), or for the prompts queued before it to be prefilled (at ``prefill_token_budget``
-        positions a step, each step at least a one-frame step of today's rows)."""
+        positions a step, a step as long as the busy steps lately were)."""
         wait = max(self._slot_wait(request.arrival), self._prefill_wait(request.prompt_len))
         if wait <= self.max_queue_wait_s:
             return
@@ -153,11 +155,10 @@ class Scheduler:
                 + sum(r.prompt_len for r in self.waiting))
 
     def _prefill_wait(self, prompt_len: int) -> float:
-        step = self.times.estimate(self.bucket_for(max(1, min(len(self.running), self.max_num_seqs))), 1)
-        if step is None:
+        if self.period_s is None:
             return 0.0
         steps = (self._backlog_tokens() + prompt_len) // self.prefill_token_budget
-        return steps * (step + self.times.prefill_s(self.prefill_token_budget))
+        return steps * self.period_s
 
     def _check_capacity(self) -> None:
         """Admission by slack: refuses a stream the measured step times say cannot be fed in
@@ -202,6 +203,9 @@ class Scheduler:
 
     def schedule(self, now: float, ahead_s: float = 0.0) -> StepPlan:
         """The next step's plan; ``ahead_s``: device time queued before it (a step in flight)."""
+        if self._last_plan is not None:
+            period = now - self._last_plan
+            self.period_s = period if self.period_s is None else self.period_s + 0.25 * (period - self.period_s)
         plan = StepPlan()
         plan.finished = self._end_at_boundary(now)
         self._admit()
@@ -209,6 +213,7 @@ class Scheduler:
         plan.prefill = self._prefill_chunks(now, ahead_s, decode)
         decode += [c.request for c in plan.prefill if c.final]
         plan.decode = decode
+        self._last_plan = now if decode else None  # idle gaps are not steps
         if decode:
             self._choose_k(plan, now, ahead_s + self.times.prefill_s(plan.prefill_tokens))
         return plan

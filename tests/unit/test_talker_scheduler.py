@@ -176,14 +176,17 @@ def test_admission_by_slack_refuses_a_stream_the_step_times_cannot_feed():
 
 
 def test_a_request_behind_too_much_prompt_to_prefill_is_refused():
-    s = sched(num_slots=16, max_num_seqs=16, prefill_token_budget=20, max_queue_wait_s=0.05,
-              bucket_for=lambda rows: 16)
-    s.times.observe(16, 1, 0.010)  # a prefill step: at least 10 ms for its 20 positions
+    s = sched(num_slots=16, max_num_seqs=16, prefill_token_budget=20, max_queue_wait_s=0.05, max_waiting=64)
+    s.add(req(99, prompt_len=1))
+    s.schedule(0.0)
+    s.schedule(0.010)  # busy steps 10 ms apart: 20 positions of prompt each
+    s.cancel("c0", 99)
+    s.schedule(0.020)
     for h in range(11):
         s.add(req(h, prompt_len=10))  # the 11th: 100 positions before it, 5 steps, 50 ms
     with pytest.raises(Overloaded, match="110 prompt positions for prefill"):
         s.add(req(11, prompt_len=10))  # 6 steps: 60 ms
-    s.schedule(0.0)  # 20 positions go in
+    s.schedule(0.030)  # 20 positions go in
     s.add(req(11, prompt_len=10))
 
 
