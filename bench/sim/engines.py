@@ -22,7 +22,7 @@ from services.code2wav.engine import Code2WavEngine
 from services.code2wav.streams import OpenStream
 from services.common.chunks import ChunkSchedule, requested_schedule
 from services.common.errors import ServiceError
-from services.talker.core import TalkerCore
+from services.talker.core import TalkerCore, overloaded
 from services.talker.engine import TalkerEngine
 from services.talker.scheduler import Scheduler
 from services.talker.servicer import ModelFacts, build_request
@@ -214,6 +214,10 @@ class TalkerProcess:
                                     self.first_audio_budget_s)
         except ServiceError as exc:
             reply_to.box.put(("submitted", token, exc), lane.now())
+            return
+        if self.core.refusing is not None:  # the servicer's early refusal on the engine's last verdict
+            self.core.refused_early += 1
+            reply_to.box.put(("submitted", token, overloaded(self.core.refusing)), lane.now())
             return
 
         def command(core: TalkerCore) -> None:

@@ -39,6 +39,11 @@ class TalkerCore:
         self.engine = engine
         self.consumers = consumers
         self._window = (engine.clock(), 0, 0)  # start, steps, frames of the Stats window
+        self._typical_prompt = 100.0  # prompt positions of recent requests (weighted)
+        # the refusal a typical request would get now (scheduler.Overloaded), or None: read by the
+        # servicer's event loop to refuse at once while the engine runs a step
+        self.refusing: Overloaded | None = None
+        self.refused_early = 0  # Submits the servicer refused on that verdict
 
     # --- EngineThread protocol ------------------------------------------------------------------
 
@@ -50,7 +55,15 @@ class TalkerCore:
         return self.engine.collect()
 
     def step(self) -> bool:
-        return self.engine.step()
+        busy = self.engine.step()
+        self._update_admission()
+        return busy
+
+    def _update_admission(self) -> None:
+        """What the servicer may answer a Submit at once, without waiting for this thread (which
+        takes commands only between steps): the refusal a typical request would get now."""
+        scheduler = self.engine.scheduler
+        self.refusing = scheduler.refusal(self.engine.clock(), self._typical_prompt)
 
     def tick(self) -> None:
         for consumer_id in self.consumers.tick():
@@ -73,6 +86,7 @@ class TalkerCore:
         return endpoint
 
     def submit(self, request: TalkerRequest) -> int:
+        self._typical_prompt += 0.1 * (request.prompt_len - self._typical_prompt)
         if self.consumers.sink_for(request.consumer_id) is None:
             raise FailedPrecondition(f"consumer_id: {request.consumer_id!r} has not attached")
         try:
@@ -80,7 +94,7 @@ class TalkerCore:
         except QueueFull as exc:
             raise ResourceExhausted(f"talker queue full: {exc}") from None
         except Overloaded as exc:
-            raise ResourceExhausted(f"talker at capacity: {exc}", retry_after=exc.retry_after_s) from None
+            raise overloaded(exc) from None
         except KeyError:
             raise AlreadyExists(f"handle {request.handle} is already in flight for consumer "
                                 f"{request.consumer_id!r}") from None
@@ -127,7 +141,7 @@ class TalkerCore:
                 "prefill_steps": ("counter", "steps that prefilled prompt chunks", counters.prefill_steps),
                 "prefill_tokens": ("counter", "prompt positions prefilled", counters.prefill_tokens),
                 "admissions_refused_slack": ("counter", "requests refused: one more stream would not be fed "
-                                             "in real time", scheduler.refused_overload),
+                                             "in real time or start soon", scheduler.refused_overload + self.refused_early),
                 "row_slack_seconds": ("histogram", "a row's slack (audio ahead of its listener) when its "
                                       "record is written", _slack_histogram(counters)),
                 **{f"steps_k_bound_{bound}": ("counter", f"decode steps whose K was limited by {bound}",
@@ -149,6 +163,10 @@ class TalkerCore:
     def close(self) -> None:
         self.engine.drain()
         self.consumers.close()
+
+
+def overloaded(exc: Overloaded) -> ResourceExhausted:
+    return ResourceExhausted(f"talker at capacity: {exc}", retry_after=exc.retry_after_s)
 
 
 def _slack_histogram(counters) -> tuple[list, float]:

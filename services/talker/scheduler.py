@@ -123,25 +123,35 @@ class Scheduler:
             raise KeyError(f"handle {request.handle} of consumer {request.consumer_id!r} is in flight")
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests wait already (max_waiting)")
-        self._check_capacity()
-        self._check_wait(request)
+        refusal = self.refusal(request.arrival, request.prompt_len)
+        if refusal is not None:
+            self.refused_overload += 1
+            raise refusal
         self.waiting.append(request)
         self.by_key[request.key] = request
         return self._position(request)
 
-    def _check_wait(self, request: TalkerRequest) -> None:
-        """Refuses a request expected to wait longer than ``max_queue_wait_s`` before it speaks:
-        for a slot, when every slot is taken (it starts as running rows end, at the rate they have
-        lately been ending; unknown before a few have, then the queue's count bound alone
-        applies), or for the prompts queued before it to be prefilled (at ``prefill_token_budget``
-        positions a step, a step as long as the busy steps lately were)."""
-        wait = max(self._slot_wait(request.arrival), self._prefill_wait(request.prompt_len))
+    def refusal(self, now: float, prompt_len: int) -> Overloaded | None:
+        """Why a request of ``prompt_len`` positions arriving at ``now`` would be refused, or None:
+        one more stream would not be fed in real time at the measured step times (admission by
+        slack), or it would wait longer than ``max_queue_wait_s`` before it speaks: for a slot,
+        when every slot is taken (it starts as running rows end, at the rate they have lately
+        been ending; unknown before a few have, then the queue's count bound alone applies), or
+        for the prompts queued before it to be prefilled (``prefill_token_budget`` positions a
+        step, a step as long as the busy steps lately were)."""
+        streams = len(self.running) + len(self.waiting) + 1
+        if not fits(min(streams, self.max_num_seqs), self.bucket_for, self.pacing, self.times,
+                    self.admission_headroom):
+            left = min((r.max_frames - r.frames_done for r in self.running), default=0)
+            return Overloaded(f"{streams - 1} streams already use the talker's real-time capacity (a step "
+                              f"of {self.k_max} frames for {streams} would outlast their audio)",
+                              max(0.1, left / self.pacing.frame_rate))
+        wait = max(self._slot_wait(now), self._prefill_wait(prompt_len))
         if wait <= self.max_queue_wait_s:
-            return
-        self.refused_overload += 1
-        raise Overloaded(f"about {wait:.2f} s before it could start ({len(self.waiting)} request(s) wait for a "
-                         f"slot, {self._backlog_tokens()} prompt positions for prefill; max_queue_wait_s "
-                         f"{self.max_queue_wait_s:g})", min(wait, 60.0))
+            return None
+        return Overloaded(f"about {wait:.2f} s before it could start ({len(self.waiting)} request(s) wait for a "
+                          f"slot, {self._backlog_tokens()} prompt positions for prefill; max_queue_wait_s "
+                          f"{self.max_queue_wait_s:g})", min(wait, 60.0))
 
     def _slot_wait(self, now: float) -> float:
         ahead = len(self.waiting) - min(len(self.slots), self.max_num_seqs - len(self.running))
@@ -159,19 +169,6 @@ class Scheduler:
             return 0.0
         steps = (self._backlog_tokens() + prompt_len) // self.prefill_token_budget
         return steps * self.period_s
-
-    def _check_capacity(self) -> None:
-        """Admission by slack: refuses a stream the measured step times say cannot be fed in
-        real time beside the ones already admitted, with a hint of when one may end."""
-        streams = len(self.running) + len(self.waiting) + 1
-        if fits(min(streams, self.max_num_seqs), self.bucket_for, self.pacing, self.times,
-                self.admission_headroom):
-            return
-        self.refused_overload += 1
-        left = min((r.max_frames - r.frames_done for r in self.running), default=0)
-        retry = max(0.1, left / self.pacing.frame_rate)
-        raise Overloaded(f"{streams - 1} streams already use the talker's real-time capacity "
-                         f"(a step of {self.k_max} frames for {streams} would outlast their audio)", retry)
 
     def _position(self, request: TalkerRequest) -> int:
         ahead = len(self.waiting) - 1

@@ -20,6 +20,7 @@ from services.common.config import ConfigValueError
 from services.common.engine_thread import EngineStopped, EngineThread
 from services.common.errors import InvalidArgument, Unavailable
 from services.talker.config import TalkerConfig
+from services.talker.core import overloaded
 from services.talker.request import TalkerRequest
 from voxring.v1 import talker_pb2, talker_pb2_grpc
 
@@ -144,6 +145,11 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
     async def Submit(self, request, context):
         talker_request = build_request(request, self._facts, self._default_schedule, time.monotonic(),
                                        self._first_audio_budget_s)
+        core = self._thread.engine
+        refusing = core.refusing  # the engine thread's verdict after its last step
+        if refusing is not None:
+            core.refused_early += 1
+            raise overloaded(refusing)  # at once: the engine thread would answer only after its step
         position = await self._call(lambda core: core.submit(talker_request))
         admission = (talker_pb2.SubmitResponse.ADMISSION_ADMITTED if position == 0
                      else talker_pb2.SubmitResponse.ADMISSION_QUEUED)

@@ -186,11 +186,11 @@ def test_max_frames_exact_and_one_record_per_step(folder):
     run(engine, [request(1, "Seven frames.", max_frames=7)])
     codes, reason = collect(sink.records)[1]
     assert len(codes) == 7 and reason == FinishReason.LENGTH
-    # one record per step, each of that step's K frames, the last cut at max frames (a step
-    # may make more frames than the row has left: the rest ride along as padding)
+    # one record per step, each of that step's K frames, the last cut at max frames (a row is
+    # asked only for the frames it has left)
     sizes = [len(r["codes"]) for r in sink.records]
     assert sum(sizes) == 7 and len(sizes) == engine.counters.steps and all(1 <= n <= 8 for n in sizes)
-    assert sizes[0] == 1  # the first step of a bucket runs at K=1, to be measured
+    assert sizes[0] == 2  # a bucket's first step, unmeasured: the fewest frames, the first chunk's 2
 
 
 def test_cancel_frees_the_slot_and_writes_cancelled(folder):
