@@ -215,14 +215,15 @@ class TalkerProcess:
         except ServiceError as exc:
             reply_to.box.put(("submitted", token, exc), lane.now())
             return
-        if self.core.refusing is not None:  # the servicer's early refusal on the engine's last verdict
+        refusing = self.core.admission.take()  # the servicer's early refusal on the engine's last verdict
+        if refusing is not None:
             self.core.refused_early += 1
-            reply_to.box.put(("submitted", token, overloaded(self.core.refusing)), lane.now())
+            reply_to.box.put(("submitted", token, overloaded(refusing)), lane.now())
             return
 
         def command(core: TalkerCore) -> None:
             try:
-                result = core.submit(request)
+                result = core.submit(request, checked=True)
             except ServiceError as exc:
                 result = exc
             self.loop_box.put(("answer", reply_to, token, result), self.sim.current.now())

@@ -21,6 +21,26 @@ from services.talker.scheduler import Overloaded, QueueFull
 from services.transport import Endpoint
 
 
+@dataclass
+class Admission:
+    """The refusal a typical request would get now (scheduler.Overloaded) or None, and how many
+    more the servicer may post before the next verdict (``posted`` counts them)."""
+
+    refusing: Overloaded | None
+    room: int
+    posted: int = 0
+
+    def take(self) -> Overloaded | None:
+        """None: post the request (counted); else the refusal to answer at once."""
+        if self.refusing is not None:
+            return self.refusing
+        if self.posted >= self.room:
+            return Overloaded(f"{self.posted} requests came since the talker's last step, the most it "
+                              "expects to start in time", 0.1)
+        self.posted += 1
+        return None
+
+
 @dataclass(frozen=True)
 class StatsSnapshot:
     running: int
@@ -40,9 +60,9 @@ class TalkerCore:
         self.consumers = consumers
         self._window = (engine.clock(), 0, 0)  # start, steps, frames of the Stats window
         self._typical_prompt = 100.0  # prompt positions of recent requests (weighted)
-        # the refusal a typical request would get now (scheduler.Overloaded), or None: read by the
-        # servicer's event loop to refuse at once while the engine runs a step
-        self.refusing: Overloaded | None = None
+        # the engine thread's verdict after its last step, read by the servicer's event loop to
+        # refuse at once while a step runs: a new one each step (its count starts again)
+        self.admission = Admission(None, 1 << 30)
         self.refused_early = 0  # Submits the servicer refused on that verdict
 
     # --- EngineThread protocol ------------------------------------------------------------------
@@ -62,8 +82,10 @@ class TalkerCore:
     def _update_admission(self) -> None:
         """What the servicer may answer a Submit at once, without waiting for this thread (which
         takes commands only between steps): the refusal a typical request would get now."""
-        scheduler = self.engine.scheduler
-        self.refusing = scheduler.refusal(self.engine.clock(), self._typical_prompt)
+        scheduler, now = self.engine.scheduler, self.engine.clock()
+        refusing = scheduler.refusal(now, self._typical_prompt)
+        room = 0 if refusing is not None else scheduler.admissible(now, round(self._typical_prompt))
+        self.admission = Admission(refusing, room)
 
     def tick(self) -> None:
         for consumer_id in self.consumers.tick():
@@ -85,12 +107,13 @@ class TalkerCore:
             self.engine.drop_consumer(consumer_id)
         return endpoint
 
-    def submit(self, request: TalkerRequest) -> int:
+    def submit(self, request: TalkerRequest, *, checked: bool = False) -> int:
+        """``checked``: admitted by the servicer on ``admission`` (the capacity checks are done)."""
         self._typical_prompt += 0.1 * (request.prompt_len - self._typical_prompt)
         if self.consumers.sink_for(request.consumer_id) is None:
             raise FailedPrecondition(f"consumer_id: {request.consumer_id!r} has not attached")
         try:
-            return self.engine.scheduler.add(request)
+            return self.engine.scheduler.add(request, checked=checked)
         except QueueFull as exc:
             raise ResourceExhausted(f"talker queue full: {exc}") from None
         except Overloaded as exc:

@@ -117,13 +117,15 @@ class Scheduler:
 
     # --- requests in and out ----------------------------------------------------------------
 
-    def add(self, request: TalkerRequest) -> int:
-        """Queues a request; returns how many wait before it (0: runs at the next step)."""
+    def add(self, request: TalkerRequest, *, checked: bool = False) -> int:
+        """Queues a request; returns how many wait before it (0: runs at the next step).
+        ``checked``: the servicer already took it on the last step's verdict (``admissible``), so
+        only the hard bounds apply here."""
         if request.key in self.by_key:
             raise KeyError(f"handle {request.handle} of consumer {request.consumer_id!r} is in flight")
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests wait already (max_waiting)")
-        refusal = self.refusal(request.arrival, request.prompt_len)
+        refusal = None if checked else self.refusal(request.arrival, request.prompt_len)
         if refusal is not None:
             self.refused_overload += 1
             raise refusal
@@ -140,6 +142,8 @@ class Scheduler:
         for the prompts queued before it to be prefilled (``prefill_token_budget`` positions a
         step, a step as long as the busy steps lately were)."""
         streams = len(self.running) + len(self.waiting) + 1
+        if streams == 1:
+            return None  # alone it is served as fast as this device can: refusing helps nobody
         if not fits(min(streams, self.max_num_seqs), self.bucket_for, self.pacing, self.times,
                     self.admission_headroom):
             left = min((r.max_frames - r.frames_done for r in self.running), default=0)
@@ -152,6 +156,22 @@ class Scheduler:
         return Overloaded(f"about {wait:.2f} s before it could start ({len(self.waiting)} request(s) wait for a "
                           f"slot, {self._backlog_tokens()} prompt positions for prefill; max_queue_wait_s "
                           f"{self.max_queue_wait_s:g})", min(wait, 60.0))
+
+    def admissible(self, now: float, prompt_len: int) -> int:
+        """About how many more requests of ``prompt_len`` positions could be taken now before the
+        waits ``refusal`` checks pass ``max_queue_wait_s`` (0 when one would be refused)."""
+        if self.refusal(now, prompt_len) is not None:
+            return 0
+        room = self.max_num_seqs  # at most a full batch more between two looks
+        released = self._released
+        if len(released) >= 2 and now > released[0]:
+            rate = (len(released) - 1) / (now - released[0])
+            free = min(len(self.slots), self.max_num_seqs - len(self.running))
+            room = min(room, int(free + rate * self.max_queue_wait_s) - len(self.waiting))
+        if self.period_s:
+            steps = self.max_queue_wait_s / self.period_s
+            room = min(room, int((steps * self.prefill_token_budget - self._backlog_tokens()) / max(1, prompt_len)))
+        return max(1, room)
 
     def _slot_wait(self, now: float) -> float:
         ahead = len(self.waiting) - min(len(self.slots), self.max_num_seqs - len(self.running))
