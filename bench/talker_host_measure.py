@@ -39,12 +39,12 @@ def make_runner(case: Case) -> ImmediateRunner:
 def build_engine(case: Case, runner, sink):
     """The real engine and scheduler; every row admitted (in ``stagger_groups`` groups, one
     engine step each) and decoding. Returns (engine, requests)."""
+    import numpy as np
+
     from services.common.chunks import ChunkSchedule
     from services.talker.engine import TalkerEngine
     from services.talker.request import TalkerRequest
     from services.talker.scheduler import Scheduler
-
-    import numpy as np
 
     rows = case.rows
     scheduler = Scheduler(num_slots=rows, max_num_seqs=rows, k_max=case.k_max,

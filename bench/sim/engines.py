@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bench.sim.compat import PACING_KEYS, overloaded, supported
 from bench.sim.devices import FRAME_RATE
 from bench.sim.kernel import Lane, Mailbox, Sim
 from services.code2wav.engine import Code2WavEngine
 from services.code2wav.streams import OpenStream
 from services.common.chunks import ChunkSchedule, requested_schedule
 from services.common.errors import ServiceError
-from services.talker.core import TalkerCore, overloaded
+from services.talker.core import TalkerCore
 from services.talker.engine import TalkerEngine
 from services.talker.scheduler import Scheduler
 from services.talker.servicer import ModelFacts, build_request
@@ -178,14 +179,14 @@ class TalkerProcess:
     def __init__(self, sim: Sim, gil, runner, engine_cfg, host: HostCosts, ring: SimRing, consumer_id: str,
                  facts: ModelFacts, default_schedule: ChunkSchedule) -> None:
         self.sim, self.host, self.facts, self.default_schedule = sim, host, facts, default_schedule
-        self.first_audio_budget_s = engine_cfg.first_audio_budget_s
-        scheduler = Scheduler(num_slots=engine_cfg.max_num_seqs, max_num_seqs=engine_cfg.max_num_seqs,
+        self.budget_args = (getattr(engine_cfg, "first_audio_budget_s", 0.0),) if hasattr(
+            engine_cfg, "first_audio_budget_s") else ()
+        pacing = {key: getattr(engine_cfg, key) for key in PACING_KEYS if hasattr(engine_cfg, key)}
+        scheduler = supported(Scheduler, num_slots=engine_cfg.max_num_seqs,
+                              max_num_seqs=engine_cfg.max_num_seqs,
                               k_max=engine_cfg.k_max, prefill_token_budget=engine_cfg.prefill_token_budget,
                               max_waiting=engine_cfg.max_waiting, stall_timeout=engine_cfg.stall_timeout,
-                              frame_rate=FRAME_RATE, path_s=engine_cfg.path_s, bucket_for=runner.bucket_for,
-                              min_chunk_tokens=engine_cfg.min_chunk_tokens,
-                              admission_headroom=engine_cfg.admission_headroom,
-                              max_queue_wait_s=engine_cfg.max_queue_wait_s)
+                              frame_rate=FRAME_RATE, bucket_for=runner.bucket_for, **pacing)
         clock = sim.clock
         self.engine = TalkerEngine(runner, scheduler, SimConsumers(consumer_id, ring).sink_for,
                                    max_pending_frames=engine_cfg.max_pending_frames, clock=clock)
@@ -210,12 +211,12 @@ class TalkerProcess:
     def _submit(self, lane: Lane, submit, token, reply_to: Peer) -> None:
         lane.spend(self.host.served_call())
         try:
-            request = build_request(submit, self.facts, self.default_schedule, lane.now(),
-                                    self.first_audio_budget_s)
+            request = build_request(submit, self.facts, self.default_schedule, lane.now(), *self.budget_args)
         except ServiceError as exc:
             reply_to.box.put(("submitted", token, exc), lane.now())
             return
-        refusing = self.core.admission.take()  # the servicer's early refusal on the engine's last verdict
+        admission = getattr(self.core, "admission", None)  # absent before the serving loop's issue
+        refusing = admission.take() if admission is not None else None  # the servicer's early refusal
         if refusing is not None:
             self.core.refused_early += 1
             reply_to.box.put(("submitted", token, overloaded(refusing)), lane.now())
@@ -223,7 +224,7 @@ class TalkerProcess:
 
         def command(core: TalkerCore) -> None:
             try:
-                result = core.submit(request, checked=True)
+                result = core.submit(request, checked=True) if admission is not None else core.submit(request)
             except ServiceError as exc:
                 result = exc
             self.loop_box.put(("answer", reply_to, token, result), self.sim.current.now())

@@ -9,7 +9,8 @@ HERE = Path(__file__).resolve().parent
 # The files whose contents define the simulator's predictions (the code it runs of the
 # services is the served code itself, named by the commit).
 FROZEN = ("kernel.py", "gpu.py", "devices.py", "engines.py", "front.py", "run.py", "report.py",
-          "acceptance.py", "host.py", "fit.py", "costs.py", "h200.json", "../results/sim/host_gpu_1.json",
+          "acceptance.py", "compat.py", "host.py", "fit.py", "costs.py", "h200.json",
+          "../results/sim/host_gpu_1.json",
           "../results/sim/host_gpu_2.json", "../results/sim/host_gpu_3.json",
           "../results/sim/host_this_cpu.json")
 

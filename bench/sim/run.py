@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from bench.server.settings import PROMPT, Settings, parse_args, stage_configs
+from bench.sim.compat import pack_prompt, supported
 from bench.sim.costs import DeviceCosts, load_costs
 from bench.sim.devices import CODEBOOK_SIZE, NUM_CODEBOOKS, ModeledDecoder, ModeledRunner
 from bench.sim.engines import Code2WavProcess, HostCosts, SimRing, TalkerProcess
@@ -21,7 +22,6 @@ from bench.sim.front import ClientPlan, ClientProcess, GatewayProcess, Send
 from bench.sim.gpu import Gpu
 from bench.sim.host import host_factor, load_host_costs
 from bench.sim.kernel import Gil, Sim
-from models.csm.model import pack_prompt
 from services.code2wav.config import Code2WavConfig
 from services.common.config import load_config
 from services.gateway.config import GatewayConfig
@@ -125,9 +125,10 @@ def build_stack(spec: RunSpec, costs: DeviceCosts, host: HostCosts, plan: Client
                              free=spec.free_code2wav)
     ring = SimRing(sim, talker_cfg.transport.capacity_bytes)
     attach = c2w_cfg.talkers.attach[0]
-    facts = ModelFacts(num_codebooks=NUM_CODEBOOKS, codebook_size=CODEBOOK_SIZE, text_vocab_size=65536,
-                       max_len=engine.max_len, max_repetition_window=engine.max_repetition_window,
-                       pack_prompt=lambda segments: pack_prompt(segments, NUM_CODEBOOKS, CODEBOOK_EOS))
+    facts = supported(ModelFacts, num_codebooks=NUM_CODEBOOKS, codebook_size=CODEBOOK_SIZE,
+                      text_vocab_size=65536,
+                      max_len=engine.max_len, max_repetition_window=engine.max_repetition_window,
+                      pack_prompt=lambda segments: pack_prompt(segments, NUM_CODEBOOKS, CODEBOOK_EOS))
     host = host.scaled(spec.fit.grpc_factor, spec.fit.call_overhead_s)
     talker = TalkerProcess(sim, Gil("talker"), runner, engine, host, ring, c2w_cfg.talkers.consumer_id, facts,
                            talker_cfg.chunks)

@@ -157,14 +157,16 @@ class TalkerCore:
                                       counters.emit_s),
                 "step_host_seconds": ("counter", "engine time in steps other than waiting for the device",
                                       counters.host_s),
-                "steps_overlapped": ("counter", "steps whose records were written while the device ran the "
-                                     "next (host work overlapped with the device)", counters.overlapped_steps),
+                "steps_overlapped": ("counter", "steps whose records were written while the device ran "
+                                     "the next (host work overlapped with the device)",
+                                     counters.overlapped_steps),
                 "step_frames": ("counter", "frames asked per row, summed over steps (mean K: / steps)",
                                 counters.step_frames),
                 "prefill_steps": ("counter", "steps that prefilled prompt chunks", counters.prefill_steps),
                 "prefill_tokens": ("counter", "prompt positions prefilled", counters.prefill_tokens),
                 "admissions_refused_slack": ("counter", "requests refused: one more stream would not be fed "
-                                             "in real time or start soon", scheduler.refused_overload + self.refused_early),
+                                             "in real time or start soon",
+                                             scheduler.refused_overload + self.refused_early),
                 "row_slack_seconds": ("histogram", "a row's slack (audio ahead of its listener) when its "
                                       "record is written", _slack_histogram(counters)),
                 **{f"steps_k_bound_{bound}": ("counter", f"decode steps whose K was limited by {bound}",

@@ -153,8 +153,8 @@ class TalkerEngine:
         finally:
             collected = self.clock()
             counters.wait_s += collected - begun
-        self.scheduler.times.observe(plan.bucket, plan.k, collected - max(step.launched, self._last_collected),
-                                     plan.prefill_tokens)
+        took = collected - max(step.launched, self._last_collected)
+        self.scheduler.times.observe(plan.bucket, plan.k, took, plan.prefill_tokens)
         self._last_collected = collected
         counters.count_step(plan.k, plan.k_bound)
         self._apply_step(plan, out, collected)

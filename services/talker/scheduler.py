@@ -31,8 +31,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.talker.pacing import (PacingConfig, StepOutlook, StepTimes, choose_k, due, fits,
-                                    prefill_tokens_allowed)
+from services.talker.pacing import (
+    PacingConfig,
+    StepOutlook,
+    StepTimes,
+    choose_k,
+    due,
+    fits,
+    prefill_tokens_allowed,
+)
 from services.talker.request import FinishReason, RequestState, TalkerRequest
 
 
@@ -153,9 +160,9 @@ class Scheduler:
         wait = max(self._slot_wait(now), self._prefill_wait(prompt_len))
         if wait <= self.max_queue_wait_s:
             return None
-        return Overloaded(f"about {wait:.2f} s before it could start ({len(self.waiting)} request(s) wait for a "
-                          f"slot, {self._backlog_tokens()} prompt positions for prefill; max_queue_wait_s "
-                          f"{self.max_queue_wait_s:g})", min(wait, 60.0))
+        return Overloaded(f"about {wait:.2f} s before it could start ({len(self.waiting)} request(s) "
+                          f"wait for a slot, {self._backlog_tokens()} prompt positions for prefill; "
+                          f"max_queue_wait_s {self.max_queue_wait_s:g})", min(wait, 60.0))
 
     def admissible(self, now: float, prompt_len: int) -> int:
         """About how many more requests of ``prompt_len`` positions could be taken now before the
@@ -170,7 +177,8 @@ class Scheduler:
             room = min(room, int(free + rate * self.max_queue_wait_s) - len(self.waiting))
         if self.period_s:
             steps = self.max_queue_wait_s / self.period_s
-            room = min(room, int((steps * self.prefill_token_budget - self._backlog_tokens()) / max(1, prompt_len)))
+            tokens = steps * self.prefill_token_budget - self._backlog_tokens()
+            room = min(room, int(tokens / max(1, prompt_len)))
         return max(1, room)
 
     def _slot_wait(self, now: float) -> float:
@@ -222,7 +230,8 @@ class Scheduler:
         """The next step's plan; ``ahead_s``: device time queued before it (a step in flight)."""
         if self._last_plan is not None:
             period = now - self._last_plan
-            self.period_s = period if self.period_s is None else self.period_s + 0.25 * (period - self.period_s)
+            old = self.period_s
+            self.period_s = period if old is None else old + 0.25 * (period - old)
         plan = StepPlan()
         plan.finished = self._end_at_boundary(now)
         self._admit()

@@ -19,8 +19,15 @@ from services.talker.engine import TalkerEngine
 from services.talker.prefill_graphs import PrefillBuckets
 from services.talker.runner import Runner
 from services.talker.scheduler import Scheduler
-from tests.unit.test_talker_engine import (MAX_LEN, ListSink, _batch, collect, frozen_clock, run,
-                                           stop_when_code0_divisible_by_7)
+from tests.unit.test_talker_engine import (
+    MAX_LEN,
+    ListSink,
+    _batch,
+    collect,
+    frozen_clock,
+    run,
+    stop_when_code0_divisible_by_7,
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +39,9 @@ def model(tmp_path_factory):
 
 
 def outputs(model, *, k_max: int, pipelined: bool, prefill_token_budget: int = 4096):
+    buckets = PrefillBuckets(rows=(1, 4), tokens=(16, 32), memory_mb=4096, startup_s=600)
     runner = Runner(model, num_slots=4, max_len=MAX_LEN, buckets=[4], k_max=k_max, max_repetition_window=8,
-                    use_graphs=True, prefill_buckets=PrefillBuckets(rows=(1, 4), tokens=(16, 32), memory_mb=4096,
-                                                                    startup_s=600))
+                    use_graphs=True, prefill_buckets=buckets)
     assert runner.asynchronous and runner.graphs
     scheduler = Scheduler(num_slots=4, max_num_seqs=4, k_max=k_max, prefill_token_budget=prefill_token_budget,
                           max_waiting=64, stall_timeout=5.0, frame_rate=12.5, path_s=0.1,

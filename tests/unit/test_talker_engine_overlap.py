@@ -136,7 +136,7 @@ def test_a_steps_records_are_written_after_the_next_step_is_launched():
 
 def test_a_synchronous_runner_writes_each_step_at_once():
     runner = FakeRunner(asynchronous=False)
-    engine, sink, _ = make(runner)
+    engine, _, _ = make(runner)
     engine.scheduler.add(req(1, max_frames=6))
     run(engine)
     order = [c[0] for c in runner.calls if c[0] in ("launch", "collect", "write")]

@@ -11,8 +11,15 @@ import numpy as np
 import pytest
 
 import services.talker.scheduler as scheduler_module
-from tests.unit.test_talker_engine import (TEXTS, _batch, collect, frozen_clock, make_engine, run,
-                                           stop_when_code0_divisible_by_7)
+from tests.unit.test_talker_engine import (
+    TEXTS,
+    _batch,
+    collect,
+    frozen_clock,
+    make_engine,
+    run,
+    stop_when_code0_divisible_by_7,
+)
 
 
 @pytest.fixture(scope="module")

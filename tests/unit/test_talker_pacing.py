@@ -1,12 +1,21 @@
 """Playout pacing (services/talker/pacing.py): the slack of a row, the online step-time
-estimate, K and the prefill budget chosen from both, and whether one more stream fits. Pure Python, virtual times: nothing here is timed."""
+estimate, K and the prefill budget chosen from both, and whether one more stream fits. Pure
+Python, virtual times: nothing here is timed."""
 
 import math
 
 import pytest
 
-from services.talker.pacing import (PacingConfig, StepOutlook, StepTimes, choose_k, due, fits,
-                                    prefill_tokens_allowed, slack)
+from services.talker.pacing import (
+    PacingConfig,
+    StepOutlook,
+    StepTimes,
+    choose_k,
+    due,
+    fits,
+    prefill_tokens_allowed,
+    slack,
+)
 from services.talker.request import TalkerRequest
 
 CONFIG = PacingConfig(frame_rate=12.5, path_s=0.1, k_max=8)
