@@ -87,7 +87,8 @@ class DeviceJob:
     k: int
     done: threading.Event = field(default_factory=threading.Event)
     result: np.ndarray | None = None
-    started: float = 0.0   # perf_counter when the worker began it
+    launched: float = 0.0  # perf_counter when it was launched
+    started: float = 0.0   # perf_counter when the "device" began it: at launch, or when the one before ended
     finished: float = 0.0  # perf_counter when its result was published
 
 
@@ -109,7 +110,7 @@ class ThreadedRunner(ImmediateRunner):
     def launch(self, slots: Sequence[int], k: int) -> DeviceJob:
         self._check(slots, k)
         self.launches += 1
-        job = DeviceJob(len(slots), k)
+        job = DeviceJob(len(slots), k, launched=time.perf_counter())
         self._jobs.put(job)
         return job
 
@@ -119,15 +120,18 @@ class ThreadedRunner(ImmediateRunner):
         return handle.result
 
     def _work(self) -> None:
-        """Runs jobs in order. Sleeps (releasing the GIL, as a CUDA synchronize does) until the
-        job's fixed time has passed since it began, then publishes the result."""
+        """Runs jobs in order, as a device does: a job begins when it is launched or when the one
+        before it ends, whichever is later, however late this thread gets the GIL to notice it (a
+        GPU needs no GIL). Sleeps (releasing the GIL, as a CUDA synchronize does) until the job's
+        fixed time has passed since it began, then publishes the result."""
+        previous_end = 0.0
         while (job := self._jobs.get()) is not None:
-            job.started = time.perf_counter()
+            job.started = max(job.launched, previous_end)
             end = job.started + self.device_s
             while (left := end - time.perf_counter()) > 0:
                 time.sleep(left)
             job.result = self.out[: job.k, : job.rows]
-            job.finished = time.perf_counter()
+            job.finished = previous_end = time.perf_counter()
             self.device_times.append(job.finished - job.started)
             job.done.set()
 
