@@ -111,8 +111,8 @@ def cancel_storm(stack: FaultStack, n: int, seed: int, concurrency: int = 8, tim
     """n requests (4 s of audio each: 50 frames, 8 chunks with the test schedule), each
     cancelled by the client at a seeded random point: before its first audio (0-150 ms
     after sending, before anything is read), mid-stream (after 1-2 chunks) or after 3-5
-    chunks. Every one must end CANCELLED (or OK, should the model stop early); then no
-    slot, stream, segment or fd may be left."""
+    chunks. Every one must end CANCELLED (or OK, should the model stop early), or be refused
+    for capacity; then no slot, stream, segment or fd may be left."""
     fds_before, shm_before = baseline(stack)
     rng = random.Random(seed)
     stub = stack.gateway()
@@ -133,9 +133,15 @@ def cancel_storm(stack: FaultStack, n: int, seed: int, concurrency: int = 8, tim
     results = run_many(jobs, concurrency, timeout)
     wall = time.monotonic() - started
     outcomes = Counter((mode, r.code.name) for mode, r in zip(modes, results, strict=True))
+    # RESOURCE_EXHAUSTED is a clean end too: a talker past its real-time capacity refuses new
+    # streams at once with a retry hint (admission by slack; a 2-core CPU is past it at 8 streams)
     bad = [(f"storm-{seed}-{k}", r.code.name, r.details) for k, r in enumerate(results)
-           if r.code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.OK)]
+           if r.code not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.OK)
+           and not (r.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "capacity" in (r.details or "")
+                    and float(r.trailers.get("retry-after-s", 0)) > 0)]
     assert not bad, f"{len(bad)} requests ended otherwise: {bad[:10]}\n{stack.logs(tail=3000)}"
+    ran = sum(r.code != grpc.StatusCode.RESOURCE_EXHAUSTED for r in results)
+    assert ran >= n // 4, f"only {ran} of {n} requests were admitted: the storm cancelled too few"
     for r in results:
         if r.code == grpc.StatusCode.OK:
             check_contiguous(r)
