@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.talker.runner import smallest_bucket
+
 NUM_CODEBOOKS = 32
 CODEBOOK_SIZE = 2048  # codes are 0 .. CODEBOOK_SIZE - 1
 COLLECT_TIMEOUT_S = 30.0
@@ -52,10 +54,7 @@ class ImmediateRunner:
         self.decodes = 0  # calls of decode (today's engine) rather than launch / collect
 
     def bucket_for(self, rows: int) -> int:
-        for bucket in self.buckets:
-            if bucket >= rows:
-                return bucket
-        raise ValueError(f"{rows} rows exceed the largest bucket {self.buckets[-1]}")
+        return smallest_bucket(self.buckets, rows)
 
     def prefill(self, rows) -> None:
         pass

@@ -197,7 +197,7 @@ class TalkerEngine:
         """Writes the queued records in order: each now, unless an earlier one of its request
         still waits for ring space (then behind it, in its outbox)."""
         queued, self._to_write = self._to_write, []
-        sinks, now = {}, self.clock()
+        sinks = {}
         for request, record in queued:
             sink = sinks.get(request.consumer_id, False)
             if sink is False:
@@ -206,23 +206,21 @@ class TalkerEngine:
                 continue
             box = self.outboxes.get(request.key)
             if box is None:
-                if self._put(sink, request, record, now):
+                if self._put(sink, request, record):
                     continue
                 box = self.outboxes[request.key] = Outbox(request)
             box.records.append(record)
 
-    def _put(self, sink: RecordSink, request: TalkerRequest, record: PendingRecord, now: float) -> bool:
+    @staticmethod
+    def _put(sink: RecordSink, request: TalkerRequest, record: PendingRecord) -> bool:
         try:
-            written = sink.try_put(record.codes, handle=request.handle, seq=record.seq,
-                                   first_frame=record.first_frame, flags=record.flags,
-                                   finish_reason=record.finish_reason)
+            return sink.try_put(record.codes, handle=request.handle, seq=record.seq,
+                                first_frame=record.first_frame, flags=record.flags,
+                                finish_reason=record.finish_reason)
         except Exception:
             with request_context(request.request_id):
                 log.exception("writing a record failed")
             raise
-        if written and record.codes is not None:
-            request.frames_written += len(record.codes)
-        return written
 
     def _end_with_error(self, request: TalkerRequest) -> None:
         if request.finish is None:
@@ -245,7 +243,7 @@ class TalkerEngine:
                 del self.outboxes[key]
                 continue
             request = box.request
-            while box.records and self._put(sink, request, box.records[0], self.clock()):
+            while box.records and self._put(sink, request, box.records[0]):
                 box.records.popleft()
             if not box.records:
                 del self.outboxes[key]

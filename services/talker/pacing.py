@@ -4,13 +4,13 @@ step makes, how much prompt it may prefill, and whether one more stream fits. Pu
 
 The talker models each request's listener from its own writes: playout starts at t0 =
 when the request's first record was written + ``path_s`` (Code2Wav, transport, gateway),
-so at ``now`` the listener has buffered frames_written / frame_rate − (now − t0) seconds,
-of which the last ``path_s`` are still on their way. That leaves the row's **slack**:
-frames_written / frame_rate − (now − first_written_at) − path_s + path_s, i.e. the row's
-records must keep arriving before its **due time** ``first_written_at + frames_written /
-frame_rate`` (``path_s`` cancels: the listener hears every record ``path_s`` after it was
-written). The engine counts a step's frames as written when it collects them (``frames_done``;
-their record goes out moments later, while the next step runs). A row that has not written
+so at ``now`` the listener has buffered frames / frame_rate − (now − t0) seconds, of which
+the last ``path_s`` are still on their way. That leaves the row's **slack**: frames /
+frame_rate − (now − first_written_at) − path_s + path_s, i.e. the row's records must keep
+arriving before its **due time** ``first_written_at + frames / frame_rate`` (``path_s``
+cancels: the listener hears every record ``path_s`` after it was written). The frames counted
+are ``frames_done``, counted when the engine collects a step (their record goes out moments
+later, while the next step runs). A row that has not written
 its first record is due at its first-audio deadline less the path (``first_audio_by −
 path_s``).
 

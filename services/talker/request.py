@@ -45,7 +45,6 @@ class TalkerRequest:
     paused_since: float | None = None
     cancel_requested: bool = False
     first_written_at: float | None = None  # when its first frames were collected (their record then goes out)
-    frames_written: int = 0                # frames in records the sink has taken
     prefilled: int = 0                     # prompt positions in its slot (a long prompt takes steps)
 
     @property

@@ -41,7 +41,14 @@ log = logging.getLogger(__name__)
 _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
 
 
-@dataclass
+def smallest_bucket(buckets: Sequence[int], rows: int) -> int:
+    """The smallest of the sorted ``buckets`` that holds ``rows``."""
+    for bucket in buckets:
+        if bucket >= rows:
+            return bucket
+    raise ValueError(f"{rows} rows exceed the largest bucket {buckets[-1]}")
+
+
 @dataclass
 class _Launched:
     """A queued decode step: its results' host buffer, the event after its copy, its fault count."""
@@ -140,10 +147,7 @@ class Runner:
     # --- decode -----------------------------------------------------------------------------------
 
     def bucket_for(self, rows: int) -> int:
-        for bucket in self.buckets:
-            if bucket >= rows:
-                return bucket
-        raise ValueError(f"{rows} rows exceed the largest bucket {self.buckets[-1]}")
+        return smallest_bucket(self.buckets, rows)
 
     def decode(self, slots: Sequence[int], k: int) -> np.ndarray:
         """K frames for ``slots`` -> int32 array [K, len(slots), N + 1]: codes, then the stop flag."""

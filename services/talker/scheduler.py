@@ -2,10 +2,9 @@
 prefilled, and for how many frames. Pure Python (no torch, no grpc), so it is tested on the
 CPU in milliseconds.
 
-The engine reads ``plan = schedule(now, ahead_s)`` (``ahead_s``: device time still queued
-before this step, the step in flight) -> prefills the plan's chunks and launches K frames
-for every decode row -> applies the step's frames when it collects them (one step later
-when the device runs asynchronously). At each step boundary:
+The engine reads ``plan = schedule(now)`` (after collecting the step before, so nothing is
+in flight) -> prefills the plan's chunks and launches K frames for every decode row ->
+applies the step's frames when it collects them. At each step boundary:
 
 - requests that were cancelled, passed their deadline, or stayed paused longer than the
   stall timeout end (CANCELLED, DEADLINE, STALLED) and free their slots;
@@ -226,8 +225,9 @@ class Scheduler:
 
     # --- the step -----------------------------------------------------------------------------
 
-    def schedule(self, now: float, ahead_s: float = 0.0) -> StepPlan:
-        """The next step's plan; ``ahead_s``: device time queued before it (a step in flight)."""
+    def schedule(self, now: float) -> StepPlan:
+        """The next step's plan (the device has nothing queued before it: the engine collected
+        the last step first)."""
         if self._last_plan is not None:
             period = now - self._last_plan
             old = self.period_s
@@ -236,12 +236,12 @@ class Scheduler:
         plan.finished = self._end_at_boundary(now)
         self._admit()
         decode = [r for r in self.running if not r.prefilling and r.paused_since is None]
-        plan.prefill = self._prefill_chunks(now, ahead_s, decode)
+        plan.prefill = self._prefill_chunks(now, decode)
         decode += [c.request for c in plan.prefill if c.final]
         plan.decode = decode
         self._last_plan = now if decode else None  # idle gaps are not steps
         if decode:
-            self._choose_k(plan, now, ahead_s + self.times.prefill_s(plan.prefill_tokens))
+            self._choose_k(plan, now, self.times.prefill_s(plan.prefill_tokens))
         return plan
 
     def _end_at_boundary(self, now: float) -> list[TalkerRequest]:
@@ -279,7 +279,7 @@ class Scheduler:
                            unstarted_due=first is not None and first.first_written_at is None,
                            waiting_due=waiting_due, ahead_s=ahead_s, k_floor=min(floor, self.k_max))
 
-    def _prefill_chunks(self, now: float, ahead_s: float, decode: list[TalkerRequest]) -> list[PrefillChunk]:
+    def _prefill_chunks(self, now: float, decode: list[TalkerRequest]) -> list[PrefillChunk]:
         """Chunks of the admitted prompts, in admission order, within the step's token budget:
         ``prefill_token_budget`` and what the slack of the rows already speaking affords (at
         least ``min_chunk_tokens``, so prompts always advance). Rows still silent do not bound
@@ -290,7 +290,7 @@ class Scheduler:
             return []
         speaking_due = min((due(r, self.pacing) for r in decode if r.first_written_at is not None),
                            default=float("inf"))
-        outlook = dataclasses.replace(self._outlook(now, ahead_s, decode), row_due=speaking_due)
+        outlook = dataclasses.replace(self._outlook(now, 0.0, decode), row_due=speaking_due)
         affordable = prefill_tokens_allowed(outlook, self.pacing, self.times)
         budget = int(min(self.prefill_token_budget, max(affordable, self.min_chunk_tokens)))
         chunks = []
