@@ -22,6 +22,21 @@ if not torch.cuda.is_available():
     # imports triton (the talker model imports the kernels).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _share_the_cores() -> None:
+    """Under xdist every worker is a process of its own: torch's default of one thread per
+    core in each of them puts more threads than cores on the machine, and its OpenMP barriers
+    then wait for descheduled threads on every small op (a tiny-model step many times
+    slower). Each worker, and every process it starts, gets its share of the cores."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 1:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+_share_the_cores()
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 60.0  # bound on a stage reporting SERVING (model load on a busy 2-core CI), as e2e
 
