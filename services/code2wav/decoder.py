@@ -80,14 +80,20 @@ class CodecDecoder:
         for row, chunk in enumerate(chunks):
             padded[row, : len(chunk)] = chunk
         batch = torch.from_numpy(padded).to(self.device).transpose(1, 2)
-        lengths = torch.tensor(frames, dtype=torch.int64).to(self.device)
+        if self.graphs or min(frames) < padded.shape[1]:
+            lengths = torch.tensor(frames, dtype=torch.int64).to(self.device)
+        else:  # every row full, eagerly: no masking ops
+            lengths = None
         pcm = _pcm(self.decode(slots, batch, lengths)).cpu().numpy()
         spf = self.codec.config.samples_per_frame
         return [pcm[row, : t * spf] for row, t in enumerate(frames)]
 
     def padded_frames(self, frames: int) -> int:
         """The T a decode_many call of at most ``frames`` frames a row pads to: the smallest
-        configured chunk size that holds it (its graph's T), else ``frames`` itself."""
+        configured chunk size that holds it (its graph's T), else ``frames`` itself (always
+        when no graph was captured: padding is only worth a replay instead of eager ops)."""
+        if not self.graphs:
+            return frames
         return next((t for t in self.chunk_frames if t >= frames), frames)
 
     @torch.inference_mode()

@@ -273,11 +273,10 @@ class Scheduler:
         others = [r for r in self.running if r.prefilling] + list(self.waiting)
         waiting_due = min((due(r, config) - self.times.prefill_s(r.prompt_len - r.prefilled)
                            for r in others), default=float("inf"))
-        floor = max((r.schedule.chunk_frames(0) for r in rows if r.first_written_at is None), default=1)
         return StepOutlook(now=now, bucket=self.bucket_for(max(1, len(rows))),
                            row_due=float("inf") if first is None else due(first, config),
                            unstarted_due=first is not None and first.first_written_at is None,
-                           waiting_due=waiting_due, ahead_s=ahead_s, k_floor=min(floor, self.k_max))
+                           waiting_due=waiting_due, ahead_s=ahead_s)
 
     def _prefill_chunks(self, now: float, decode: list[TalkerRequest]) -> list[PrefillChunk]:
         """Chunks of the admitted prompts, in admission order, within the step's token budget:

@@ -1,7 +1,8 @@
 """Code2Wav's CodecDecoder on the CPU (eager; the graph path is tests/gpu/test_codec_cuda.py):
 ``decode_many`` decodes chunks of different frame counts in one call, each row's PCM equal
 to decoding that slot alone, each slot's stream advancing by its own chunk; the padded T
-is the smallest configured chunk size that fits; bad chunks are refused."""
+is the longest chunk eagerly and, with graphs, the smallest configured chunk size that fits;
+bad chunks are refused."""
 
 from __future__ import annotations
 
@@ -37,12 +38,12 @@ def test_decode_many_equals_each_slot_alone_and_advances_each_by_its_chunk(monke
                         lambda ids, codes, lengths=None: calls.append((codes.shape[-1], lengths.tolist()))
                         or step(ids, codes, lengths))
     slots = [3, 0, 2]
-    ticks = [[3, 1, 6], [8, 2, 5], [1, 7, 4]]        # padded to T = 8, 8, 8
+    ticks = [[3, 1, 6], [8, 2, 5], [1, 7, 4]]        # padded to the longest: T = 6, 8, 7
     done = np.zeros(4, np.int64)
     for seed, frames in enumerate(ticks):
         chunks = _chunks(together, frames, seed)
         pcm = together.decode_many(slots, chunks)
-        assert calls.pop() == (8, frames) and not calls                 # one padded call a tick
+        assert calls.pop() == (max(frames), frames) and not calls       # one padded call a tick
         for slot, chunk, got in zip(slots, chunks, pcm, strict=True):
             expected = alone.decode_pcm([slot], chunk[None])[0]
             assert got.dtype == np.int16 and got.shape == (len(chunk) * spf,)
@@ -66,8 +67,12 @@ def test_decode_many_of_equal_chunks_is_decode_pcm():
 @pytest.mark.parametrize(("chunk_frames", "longest", "padded"), [
     (CHUNK_FRAMES, 1, 2), (CHUNK_FRAMES, 3, 4), (CHUNK_FRAMES, 8, 8), (CHUNK_FRAMES, 9, 9), ((), 5, 5),
 ])
-def test_rows_pad_to_the_smallest_configured_chunk_that_fits(chunk_frames, longest, padded):
-    assert _decoder(1, chunk_frames).padded_frames(longest) == padded
+def test_rows_pad_to_the_smallest_configured_chunk_that_fits_where_graphs_were_captured(
+        chunk_frames, longest, padded):
+    decoder = _decoder(1, chunk_frames)
+    assert decoder.padded_frames(longest) == longest  # eager: no padding is worth its compute
+    decoder.graphs = {(1, t): None for t in chunk_frames}  # as captured on CUDA (the key is all it reads)
+    assert decoder.padded_frames(longest) == padded
 
 
 def test_bad_chunks_are_refused():
