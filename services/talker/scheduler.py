@@ -270,13 +270,14 @@ class Scheduler:
 
     def _outlook(self, now: float, ahead_s: float, rows: list[TalkerRequest]) -> StepOutlook:
         """What K is chosen for a step of ``rows``, from their due times and those of the
-        requests waiting for prefill. A row or waiting request late by more than a whole step of
-        K_max already does not bound K: a one-frame step would not bring it near its time, and
-        under load such rows are always there (waiting for prefill), whose K = 1 would cut every
-        other row's frames per second. One late by less still does (its first audio soon)."""
+        requests waiting for prefill. A row or waiting request already late whatever this step
+        does (due before a one-frame step, and the one to spare, could write its record) does not
+        bound K: a one-frame step cannot bring it in time, and under load such rows are nearly
+        always there, whose K = 1 would cut every other row's frames per second (and make every
+        chunk a frame or two, which the gateway then relays one message each)."""
         config, bucket = self.pacing, self.bucket_for(max(1, len(rows)))
-        longest = self.times.estimate(bucket, self.k_max)
-        reachable = -math.inf if longest is None else now + ahead_s - longest
+        one = self.times.estimate(bucket, 1)
+        reachable = -math.inf if one is None else now + ahead_s + 2 * one
         dues = [(due(r, config), r) for r in rows]
         first = min(((d, r) for d, r in dues if d >= reachable), key=lambda dr: dr[0], default=None)
         others = [r for r in self.running if r.prefilling] + list(self.waiting)
