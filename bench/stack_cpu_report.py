@@ -88,13 +88,16 @@ def result_table(result: dict) -> str:
     """The markdown table of one result: per tier, its worst run."""
     lines = header_lines(result)
     lines += ["| C | demand audio-s/s | delivered audio-s/s | stalls | stalled s | TTFA p50 / p90 / p99 ms "
-              "| rejected | errors | worst run | stalls, each run |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| rejected | errors | worst run | stalls, each run | other work, cores |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c, tier in result.get("worst", {}).items():
         lines.append(f"| {c} | {_num(tier['demand_audio_s_per_s'])} | {_num(tier['audio_s_per_s'], 2)} "
                      f"| {tier['stalls']} | {_num(tier['stalled_s'], 2)} | {_ttfa(tier)} "
                      f"| {tier['rejected']} | {_errors(tier)} | {tier['run']} of {tier['of_runs']} "
-                     f"| {' / '.join(map(str, tier['stalls_each_run']))} |")
+                     f"| {' / '.join(map(str, tier['stalls_each_run']))} "
+                     f"| {_num(tier['cpu_cores_busy'].get('others'), 2)} |")
+    lines += ["", "Other work: the machine's busy cores over the tier that neither the stages nor the load "
+              "generator account for (another process sharing the CPU; near 0 on a quiet machine)."]
     errors = [f"run {run['run']}: {run['error']}" for run in result.get("runs", []) if run.get("error")]
     if errors:
         lines += ["", "Runs that ended early: " + "; ".join(errors) + "."]
