@@ -183,7 +183,10 @@ def build_result(s: argparse.Namespace, machine: dict, tree: dict, script: dict 
     settings = {"tiers": list(s.tiers), "requests": s.requests, "audio_seconds": s.audio_seconds,
                 "runs": s.runs, "tier_max_s": s.tier_max_s, "start_timeout_s": s.start_timeout_s,
                 "threads": s.threads, "warmup": {"c1_requests": s.warmup_requests, "burst": 4},
-                "load": "closed", "stages": list(STAGES)}
+                "load": "closed", "stages": list(STAGES),
+                # stage config overrides in the environment: Stack.up's stages honour them, as with voxring up
+                "stage_config_env": {k: v for k, v in sorted(os.environ.items())
+                                     if k.startswith("VOXRING_") and "__" in k}}
     return {"label": s.label, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine,
             "tree": tree, "script": script, "settings": settings, "threads": threads,
             "runs": runs, "worst": worst_runs(runs)}
