@@ -41,7 +41,6 @@ def build_engine(case: Case, runner, sink):
     engine step each) and decoding. Returns (engine, requests)."""
     import numpy as np
 
-    from services.common.chunks import ChunkSchedule
     from services.talker.engine import TalkerEngine
     from services.talker.request import TalkerRequest
     from services.talker.scheduler import Scheduler
@@ -51,10 +50,14 @@ def build_engine(case: Case, runner, sink):
                           prefill_token_budget=rows * PROMPT_LEN, max_waiting=rows, stall_timeout=1e9,
                           frame_rate=12.5, path_s=0.02)
     engine = TalkerEngine(runner, scheduler, lambda consumer_id: sink if consumer_id == CONSUMER_ID else None)
-    schedule = forced_schedule(case.k_max) if case.forced else ChunkSchedule()
+    extra = {}
+    if "schedule" in TalkerRequest.__dataclass_fields__:  # a tree whose K followed chunk boundaries
+        from services.common.chunks import ChunkSchedule
+
+        extra["schedule"] = forced_schedule(case.k_max) if case.forced else ChunkSchedule()
     prompt = np.zeros((PROMPT_LEN, 33), np.int64)  # a packed prompt (the fake runner ignores it)
     requests = [TalkerRequest(request_id=f"r{h}", handle=h, consumer_id=CONSUMER_ID, prompt=prompt,
-                              prompt_len=PROMPT_LEN, max_frames=1 << 30, schedule=schedule)
+                              prompt_len=PROMPT_LEN, max_frames=1 << 30, **extra)
                 for h in range(rows)]
     groups = max(1, case.stagger_groups)
     for g in range(groups):

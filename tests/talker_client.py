@@ -93,15 +93,14 @@ class RingReader:
 
 
 def submit_request(consumer_id: str, handle: int, token_ids: list[int], *, max_frames: int,
-                   seed: int = 0, temperature: float = 0.0, top_k: int = 0, timeout_s: float = 0.0,
-                   first_frames: int = 2) -> talker_pb2.SubmitRequest:
+                   seed: int = 0, temperature: float = 0.0, top_k: int = 0,
+                   timeout_s: float = 0.0) -> talker_pb2.SubmitRequest:
     return talker_pb2.SubmitRequest(
         request_id=f"req-{handle}", handle=handle, consumer_id=consumer_id,
         segments=[talker_pb2.PromptSegment(text_token_ids=token_ids)],
         sampling=common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=1.0,
                                            repetition_penalty=1.0, seed=seed),
-        max_frames=max_frames, timeout_s=timeout_s,
-        chunk_schedule=common_pb2.ChunkSchedule(first_frames=first_frames, growth=2.0, steady_frames=8))
+        max_frames=max_frames, timeout_s=timeout_s)
 
 
 def stats(stub: talker_pb2_grpc.TalkerStub) -> talker_pb2.TalkerStats:

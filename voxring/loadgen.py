@@ -1,11 +1,12 @@
 """The load generator behind ``voxring bench``: N streaming requests through one
 ``AsyncClient``, and the numbers users judge a speech server by.
 
-Three loads (``BenchConfig.load``): **closed**, C requests at a time of one fixed text, the
-next sent when one ends; **poisson**, open loop, arrivals at the rate that keeps C streams
-in flight on average, each request sent at its time whatever the others do; **burst**, all
-N at once. Poisson and burst requests each carry their own corpus text and audio length
-(voxring/loads.py draws the schedule from ``load_seed`` before the run).
+Three loads (``BenchConfig.load``): **closed**, C requests at a time of one fixed text (each
+capped at ``max_audio_seconds``, else at the gateway's default), the next sent when one
+ends; **poisson**, open loop, arrivals at the rate that keeps C streams in flight on average,
+each request sent at its time whatever the others do; **burst**, all N at once. Poisson and
+burst requests each carry their own corpus text and audio length (voxring/loads.py draws the
+schedule from ``load_seed`` before the run).
 
 Per request it records when each audio chunk arrived and how much audio had been
 delivered once it was in. From those: time to first audio (client side, from sending
@@ -59,6 +60,8 @@ class BenchConfig:
     # poisson and burst: each request's max_audio_seconds, uniform over [min, max]
     audio_seconds: tuple[float, float] = loads.DEFAULT_AUDIO_SECONDS
     load_seed: int = 0                # draws the arrivals, texts and lengths
+    # closed: each request's max_audio_seconds (None: the gateway's default_audio_seconds)
+    max_audio_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
@@ -85,6 +88,12 @@ class BenchConfig:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite (every run is bounded), got {getattr(self, name)}")
         loads.check_audio_seconds(self.audio_seconds)
+        if self.max_audio_seconds is not None:
+            if self.load != "closed":
+                raise ValueError(f"max_audio_seconds is the closed loop's (the {self.load} load draws "
+                                 f"each request's from audio_seconds), got {self.max_audio_seconds}")
+            if not (math.isfinite(self.max_audio_seconds) and self.max_audio_seconds > 0):
+                raise ValueError(f"max_audio_seconds must be finite and > 0, got {self.max_audio_seconds}")
 
     @property
     def offered_rate_per_s(self) -> float | None:
@@ -308,7 +317,7 @@ async def run_bench(config: BenchConfig) -> BenchReport:
 
         async def worker() -> None:
             while len(traces) < config.num_requests:
-                trace = RequestTrace()
+                trace = RequestTrace(requested_audio_seconds=config.max_audio_seconds)
                 traces.append(trace)
                 await _one_request(client, config, trace, config.text, started)
 

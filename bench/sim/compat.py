@@ -1,6 +1,8 @@
-"""What lets the simulator drive an older tree's talker too, so that a serving-loop change's
+"""What lets the simulator drive an older tree's stages too, so that a serving-loop change's
 "before" tables come from the same simulator version as its "after" ones: keyword arguments an
-older signature lacks are dropped, and what an older tree lacks is imported only when used."""
+older signature lacks are dropped, what an older tree lacks is imported only when used, and a
+tree whose gateway still chooses a chunk schedule (before Code2Wav cut chunks on need) gets it
+sent to both stages as its gateway did."""
 
 from __future__ import annotations
 
@@ -28,3 +30,42 @@ def overloaded(refusal):
     from services.talker.core import overloaded as convert
 
     return convert(refusal)
+
+
+def has_field(message_class, name: str) -> bool:
+    """Whether this tree's protobuf message has the field ``name``."""
+    return name in message_class.DESCRIPTOR.fields_by_name
+
+
+def stream_pacing(c2w_config):
+    """Code2Wav's default pacing (a tree with ``pacing``) or chunk schedule (an older one)."""
+    return getattr(c2w_config, "pacing", None) or c2w_config.chunks
+
+
+def requested_pacing(request, default):
+    """What an Open asks of Code2Wav: its pacing, or in an older tree its chunk schedule."""
+    try:
+        from services.code2wav.pacing import requested_pacing as requested
+    except ImportError:
+        from services.common.chunks import requested_schedule
+
+        return requested_schedule(request) or default
+    return requested(request, default)
+
+
+def build_request(submit, facts, default_schedule, now: float, *budget):
+    """The talker servicer's build_request (an older one also takes the default chunk schedule)."""
+    from services.talker.servicer import build_request as build
+
+    if "default_schedule" in inspect.signature(build).parameters:
+        return build(submit, facts, default_schedule, now, *budget)
+    return build(submit, facts, now, *budget)
+
+
+def gateway_schedule(gateway, pair):
+    """The chunk schedule an older gateway chose for a request (None: Code2Wav cuts on need)."""
+    if not hasattr(gateway.config, "chunks"):
+        return None
+    from services.gateway.pipeline import SynthesisPipeline
+
+    return SynthesisPipeline._schedule(gateway, pair)

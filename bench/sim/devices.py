@@ -146,7 +146,9 @@ class ModeledRunner:
 
 
 class ModeledDecoder:
-    """``services.code2wav.decoder.CodecDecoder``'s interface: reset(slots), decode_pcm(slots, codes).
+    """``services.code2wav.decoder.CodecDecoder``'s interface: reset(slots), decode_pcm(slots, codes),
+    decode_many(slots, chunks) (chunks of different frame counts in one call, padded as the real
+    decoder pads them: to the smallest graph's frames that fits, eagerly to the longest).
 
     ``free``: its calls take no device time and no host time (nothing is queued on the GPU, no
     launch is charged), the device half of the "Code2Wav free" option (the other half is its
@@ -170,13 +172,24 @@ class ModeledDecoder:
         fits = [b for b in self.graph_buckets if b >= rows]
         return fits[0] if fits else None
 
+    def decode_many(self, slots: Sequence[int], chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
+        longest = max(len(chunk) for chunk in chunks)
+        graphed = sorted(t for t in self.graph_frames if t >= longest)
+        frames = graphed[0] if graphed else longest
+        self._decode(len(chunks), frames)
+        return [np.zeros(len(chunk) * SAMPLES_PER_FRAME, dtype=np.int16) for chunk in chunks]
+
     def decode_pcm(self, slots: Sequence[int], codes: np.ndarray) -> np.ndarray:
         rows, frames, _ = codes.shape
+        self._decode(rows, frames)
+        return np.zeros((rows, frames * SAMPLES_PER_FRAME), dtype=np.int16)
+
+    def _decode(self, rows: int, frames: int) -> None:
         bucket = self._graph_bucket(rows, frames)
         graph = bucket is not None
         if self.free:
             self.calls.append((rows, frames, graph))
-            return np.zeros((rows, frames * SAMPLES_PER_FRAME), dtype=np.int16)
+            return
         device_ms = (self.costs.codec_ms(bucket, frames, True) if graph
                      else self.costs.codec_ms(rows, frames, False))
         device_ms += self.costs.d2h_ms(rows * frames * SAMPLES_PER_FRAME * 2)
@@ -186,4 +199,3 @@ class ModeledDecoder:
         lane.ops(self.costs.codec_ops(graph), self.costs.codec_host_ms(rows, frames, graph) / 1e3)
         lane.wait_job(job)
         self.calls.append((rows, frames, graph))
-        return np.zeros((rows, frames * SAMPLES_PER_FRAME), dtype=np.int16)

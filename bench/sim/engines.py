@@ -4,7 +4,7 @@ their servicers' request handling on an event-loop lane each, and a ring between
 
 The engine-thread loop repeats ``EngineThread._run``'s order (commands, tick, step; block
 on the inbox for a tick interval only when idle); the servicers' handlers call the same
-functions as the real ones (``build_request``, ``requested_schedule``, ``OpenStream``).
+functions as the real ones (``build_request``, ``requested_pacing``, ``OpenStream``).
 gRPC's own work per message is host time from the probe (``HostCosts``), not run.
 """
 
@@ -16,17 +16,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.sim.compat import PACING_KEYS, overloaded, supported
+from bench.sim.compat import PACING_KEYS, build_request, overloaded, requested_pacing, supported
 from bench.sim.devices import FRAME_RATE
 from bench.sim.kernel import Lane, Mailbox, Sim
 from services.code2wav.engine import Code2WavEngine
 from services.code2wav.streams import OpenStream
-from services.common.chunks import ChunkSchedule, requested_schedule
 from services.common.errors import ServiceError
 from services.talker.core import TalkerCore
 from services.talker.engine import TalkerEngine
 from services.talker.scheduler import Scheduler
-from services.talker.servicer import ModelFacts, build_request
+from services.talker.servicer import ModelFacts
 from services.transport.layout import FrameRecord, record_bytes
 
 TICK_S = 0.05  # heartbeat_interval / 2, as both stages' __main__ set it
@@ -177,7 +176,7 @@ class Peer:
 
 class TalkerProcess:
     def __init__(self, sim: Sim, gil, runner, engine_cfg, host: HostCosts, ring: SimRing, consumer_id: str,
-                 facts: ModelFacts, default_schedule: ChunkSchedule) -> None:
+                 facts: ModelFacts, default_schedule=None) -> None:
         self.sim, self.host, self.facts, self.default_schedule = sim, host, facts, default_schedule
         self.budget_args = (getattr(engine_cfg, "first_audio_budget_s", 0.0),) if hasattr(
             engine_cfg, "first_audio_budget_s") else ()
@@ -263,8 +262,8 @@ class Code2WavCounters:
 
 class Code2WavProcess:
     def __init__(self, sim: Sim, gil, decoder, engine_cfg, host: HostCosts, ring: SimRing, talker_id: str,
-                 default_schedule: ChunkSchedule) -> None:
-        self.sim, self.host, self.talker_id, self.default_schedule = sim, host, talker_id, default_schedule
+                 default_pacing) -> None:
+        self.sim, self.host, self.talker_id, self.default_pacing = sim, host, talker_id, default_pacing
         clock = sim.clock
         self.clock = clock
         self.engine = Code2WavEngine(decoder, {talker_id: SimLink(talker_id, ring)},
@@ -298,14 +297,16 @@ class Code2WavProcess:
 
     def _open(self, lane: Lane, request, token, reply_to: Peer) -> None:
         lane.spend(self.host.served_call())
-        schedule = requested_schedule(request) or self.default_schedule
+        pacing = requested_pacing(request, self.default_pacing)
         self._handles += 1
         handle = self._handles
         queue = _StreamQueue(self, token, handle, reply_to)
 
         def make(slot: int) -> OpenStream:
-            return OpenStream(handle, request.request_id, request.talker_id, slot, schedule,
-                              request.max_frames, self.loop_handle, queue, clock=self.clock)
+            return supported(OpenStream, handle=handle, request_id=request.request_id,
+                             talker_id=request.talker_id, slot=slot, pacing=pacing, schedule=pacing,
+                             max_frames=request.max_frames, loop=self.loop_handle, queue=queue,
+                             clock=self.clock, frame_s=self.frame_seconds)
 
         def command(engine: Code2WavEngine) -> None:
             try:

@@ -1,8 +1,8 @@
 """The gateway's event loop and the load generator's, on virtual time.
 
 The gateway lane makes the real pipeline's choices for each request (admission against
-``admission.max_in_flight``, ``SynthesisPipeline._schedule``'s chunk schedule from the
-pair's load, ``max_frames`` from ``max_audio_seconds``, the Open → Submit order) and relays
+``admission.max_in_flight``, an older tree's chunk schedule from the pair's load (``compat``),
+``max_frames`` from ``max_audio_seconds``, the Open → Submit order) and relays
 chunks; the client lane sends a tier's requests (the closed loop of the committed runs, or
 a Poisson / burst schedule from ``voxring.loads``) and records what it receives in
 ``voxring.loadgen.RequestTrace``, so the report is ``loadgen.summarize``'s.
@@ -14,11 +14,12 @@ import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from bench.sim.compat import gateway_schedule
 from bench.sim.devices import FRAME_RATE, SAMPLES_PER_FRAME
 from bench.sim.engines import Code2WavProcess, HostCosts, Peer, TalkerProcess
 from bench.sim.kernel import Lane, Mailbox, Sim
 from services.gateway.config import GatewayConfig
-from services.gateway.pipeline import SynthesisPipeline, first_audio_budget
+from services.gateway.pipeline import first_audio_budget
 from voxring.loadgen import RequestTrace
 from voxring.v1 import code2wav_pb2, common_pb2, talker_pb2
 
@@ -43,7 +44,7 @@ class _Request:
     token: int
     ids: list[int]
     max_frames: int
-    schedule: common_pb2.ChunkSchedule
+    schedule: object  # an older gateway's chunk schedule (None: Code2Wav cuts on need)
     arrival: float
     handle: int = 0
 
@@ -76,12 +77,14 @@ class GatewayProcess:
             self.client.box.put(("ended", token, "rejected", 0), lane.now())
             return
         self.pair.in_flight += 1
-        schedule = SynthesisPipeline._schedule(self, self.pair)
+        schedule = gateway_schedule(self, self.pair)
         max_frames = max(1, math.ceil(seconds * FRAME_RATE - 1e-4))
         request = _Request(token, prompt_ids(text), max_frames, schedule, lane.now())
         self.requests[token] = request
         open_request = code2wav_pb2.OpenRequest(request_id=f"sim-{token}", talker_id=self.talker_id,
-                                                chunk_schedule=schedule, max_frames=max_frames)
+                                                max_frames=max_frames)
+        if schedule is not None:
+            open_request.chunk_schedule.CopyFrom(schedule)
         lane.spend(self.host.unary_client_s)
         self.code2wav.loop_box.put(("open", open_request, token, self.peer), lane.now())
 
@@ -97,9 +100,11 @@ class GatewayProcess:
             segments=[talker_pb2.PromptSegment(text_token_ids=request.ids)],
             sampling=common_pb2.SamplingParams(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.0,
                                                seed=token),
-            max_frames=request.max_frames, chunk_schedule=request.schedule,
+            max_frames=request.max_frames,
             first_audio_budget_s=first_audio_budget(self.config.admission.first_audio_budget_s,
                                                     request.arrival, lane.now()))
+        if request.schedule is not None:
+            submit.chunk_schedule.CopyFrom(request.schedule)
         lane.spend(self.host.unary_client_s)
         self.talker.loop_box.put(("submit", submit, token, self.peer), lane.now())
 

@@ -63,7 +63,6 @@ class AcceptingSink:
 
 
 def _engine(rows: int, k_max: int):
-    from services.common.chunks import ChunkSchedule
     from services.talker.engine import TalkerEngine
     from services.talker.request import TalkerRequest
     from services.talker.scheduler import Scheduler
@@ -73,12 +72,10 @@ def _engine(rows: int, k_max: int):
                           frame_rate=12.5, path_s=0.0)
     sink = AcceptingSink()
     engine = TalkerEngine(FakeRunner(rows, k_max), scheduler, lambda consumer: sink)
-    schedule = ChunkSchedule(first_frames=16, growth=1.0, steady_frames=16)
     prompt = np.zeros((PROMPT_LEN, NUM_CODEBOOKS + 1), np.int64)  # packed (the fake runner ignores it)
     for handle in range(rows):
         scheduler.add(TalkerRequest(request_id=f"r{handle}", handle=handle, consumer_id="code2wav-0",
-                                    prompt=prompt, prompt_len=PROMPT_LEN, max_frames=1 << 40,
-                                    schedule=schedule))
+                                    prompt=prompt, prompt_len=PROMPT_LEN, max_frames=1 << 40))
     engine.step()  # admits every row (prefill) and decodes the first frames
     if len(scheduler.running) != rows:
         raise RuntimeError(f"{len(scheduler.running)} of {rows} rows were admitted")

@@ -55,7 +55,7 @@ class GrpcSettings:
 # --- the server process ----------------------------------------------------------------------
 
 async def _open(request, context):
-    frames = request.chunk_schedule.steady_frames
+    frames = request.pacing.steady_frames
     pcm = bytes(frames * SAMPLES_PER_FRAME * 2)
     for i in range(request.max_frames // frames):
         yield code2wav_pb2.OpenResponse(chunk=code2wav_pb2.AudioChunk(
@@ -114,8 +114,8 @@ class _Client:
         return struct.unpack("d", await self.cpu(b"", timeout=RPC_TIMEOUT_S))[0]
 
     async def stream(self, frames: int, chunks: int) -> None:
-        schedule = common_pb2.ChunkSchedule(first_frames=frames, growth=1.0, steady_frames=frames)
-        request = code2wav_pb2.OpenRequest(request_id="probe", talker_id="t0", chunk_schedule=schedule,
+        pacing = code2wav_pb2.Pacing(decode_margin_s=0.15, steady_frames=frames, min_chunk_frames=frames)
+        request = code2wav_pb2.OpenRequest(request_id="probe", talker_id="t0", pacing=pacing,
                                            max_frames=frames * chunks)
         got = 0
         async for response in self.open(request, timeout=RPC_TIMEOUT_S):
@@ -130,9 +130,7 @@ class _Client:
                 segments=[talker_pb2.PromptSegment(text_token_ids=range(1000, 1000 + TEXT_TOKENS))],
                 sampling=common_pb2.SamplingParams(temperature=0.9, top_k=50, top_p=0.95,
                                                    repetition_penalty=1.1, repetition_window=16, seed=handle),
-                max_frames=50, chunk_schedule=common_pb2.ChunkSchedule(first_frames=2, growth=2.0,
-                                                                       steady_frames=16),
-                timeout_s=30.0)
+                max_frames=50, timeout_s=30.0)
             response = await self.submit(request, timeout=RPC_TIMEOUT_S)
             if response.admission != talker_pb2.SubmitResponse.ADMISSION_ADMITTED:
                 raise RuntimeError("Submit was not admitted")

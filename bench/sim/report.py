@@ -55,9 +55,12 @@ def refusals(traces) -> dict:
 
 
 def first_chunk_frames(config, admitted: int) -> int:
-    """The frames of the first chunk the gateway asks of the burst's last admitted request
+    """The frames of the first chunk the burst's last admitted request needs: 1 where Code2Wav
+    decodes a stream's first record at once; in an older tree the first chunk its gateway asked
     (``SynthesisPipeline._schedule``: the busy size once more than busy_threshold are in flight)."""
-    chunks = config.chunks
+    chunks = getattr(config, "chunks", None)
+    if chunks is None:
+        return 1
     busy = chunks.adaptive and admitted - 1 > chunks.busy_threshold
     return chunks.first_frames_busy if busy else chunks.first_frames
 
@@ -119,9 +122,12 @@ def tier_record(spec, concurrency: int, plan, stack, cpu_s: float) -> dict:
     invariants = check_invariants(stack, plan) if stack.client.done else {}
     window = max(wall, 1e-9)
     c2w = stack.code2wav.engine.counters
+    frames_out = stack.code2wav.counters.frames_out
     numbers = {"talker": talker_numbers(stack, window),
                "code2wav": {"chunks": c2w.chunks, "chunks_per_s": round(c2w.chunks / window, 1),
-                            "calls": len(stack.decoder.calls)},
+                            "calls": len(stack.decoder.calls),
+                            "mean_chunk_frames": round(frames_out / max(1, c2w.chunks), 2),
+                            "chunks_per_call": round(c2w.chunks / max(1, len(stack.decoder.calls)), 2)},
                "cpu_cores_busy": lanes_busy(stack, window),
                "gpu_busy": {k: round(v / window, 3) for k, v in stack.gpu.busy_s.items()},
                "invariants": invariants, "sim_cpu_s": round(cpu_s, 2)}

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from bench.server.settings import PROMPT, Settings, parse_args, stage_configs
-from bench.sim.compat import pack_prompt, supported
+from bench.sim.compat import pack_prompt, stream_pacing, supported
 from bench.sim.costs import DeviceCosts, load_costs
 from bench.sim.devices import CODEBOOK_SIZE, NUM_CODEBOOKS, ModeledDecoder, ModeledRunner
 from bench.sim.engines import Code2WavProcess, HostCosts, SimRing, TalkerProcess
@@ -131,9 +131,9 @@ def build_stack(spec: RunSpec, costs: DeviceCosts, host: HostCosts, plan: Client
                       pack_prompt=lambda segments: pack_prompt(segments, NUM_CODEBOOKS, CODEBOOK_EOS))
     host = host.scaled(spec.fit.grpc_factor, spec.fit.call_overhead_s)
     talker = TalkerProcess(sim, Gil("talker"), runner, engine, host, ring, c2w_cfg.talkers.consumer_id, facts,
-                           talker_cfg.chunks)
+                           getattr(talker_cfg, "chunks", None))
     code2wav_gil = Gil("code2wav", cpu_scale=0.0 if spec.free_code2wav else 1.0)
-    code2wav = Code2WavProcess(sim, code2wav_gil, decoder, c2w, host, ring, attach.id, c2w_cfg.chunks)
+    code2wav = Code2WavProcess(sim, code2wav_gil, decoder, c2w, host, ring, attach.id, stream_pacing(c2w_cfg))
     gateway_gil = Gil("gateway", cpu_scale=0.0 if spec.free_gateway else 1.0)
     gateway = GatewayProcess(sim, gateway_gil, gw_cfg, host, talker, code2wav, attach.id,
                              c2w_cfg.talkers.consumer_id)

@@ -12,6 +12,13 @@ fresh, as the whole-sequence decode pads with zeros). Transposed convolutions ke
 trims them at the end (``trim_right_ratio`` 1). Hence chunked decoding equals
 whole-sequence decoding up to float rounding. Module and parameter names follow Mimi's
 flat on-disk layout (``decoder.layers.{i}.conv.weight``, ``...block.{1,3}.conv...``).
+
+Per-row lengths: every ``step`` takes ``lengths`` ([B] int64, or None for all T steps
+valid): the rows are right-padded to a common T and row i is valid for its first
+``lengths[i]`` steps. Outputs past a row's valid length are garbage its caller drops; the
+state kept is what decoding that row alone with ``lengths[i]`` steps keeps, so padding
+never reaches a later chunk. A transposed convolution multiplies the valid length by its
+stride (:meth:`CausalConvTranspose1d.out_lengths`); stride-1 convolutions keep it.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.mimi.config import MimiConfig
+from models.mimi.masking import take_window, valid_mask
 
 
 @dataclass
@@ -64,11 +72,17 @@ class CausalConv1d(nn.Module):
     def reset(self, slots: torch.Tensor) -> None:
         self.state.context[slots] = 0
 
-    def step(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        # x: [B, C_in, T] -> [B, C_out, T]
+    def step(self, x: torch.Tensor, slots: torch.Tensor,
+             lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, C_in, T] -> [B, C_out, T]. Causal, so outputs at valid positions see only
+        valid inputs; the new context is the last ``padding_total`` valid inputs, positions
+        ``[lengths[i], lengths[i] + padding_total)`` of ``[context ++ x]``."""
         full = torch.cat([self.state.context[slots], x], dim=-1)
         if self.padding_total:
-            self.state.context[slots] = full[..., full.shape[-1] - self.padding_total:]
+            if lengths is None:
+                self.state.context[slots] = full[..., full.shape[-1] - self.padding_total:]
+            else:
+                self.state.context[slots] = take_window(full, lengths, self.padding_total, -1)
         return self.conv(full)
 
 
@@ -93,14 +107,26 @@ class CausalConvTranspose1d(nn.Module):
     def reset(self, slots: torch.Tensor) -> None:
         self.state.tail[slots] = 0
 
-    def step(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        # x: [B, C_in, T] -> [B, C_out, T * stride]; overlap-add without the bias, which
-        # belongs to every output sample exactly once.
+    def out_lengths(self, lengths: torch.Tensor | None) -> torch.Tensor | None:
+        """Valid output steps of a step whose inputs have ``lengths`` valid steps."""
+        return None if lengths is None else lengths * self.stride
+
+    def step(self, x: torch.Tensor, slots: torch.Tensor,
+             lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, C_in, T] -> [B, C_out, T * stride], row i valid for ``lengths[i] * stride``;
+        overlap-add without the bias, which belongs to every output sample exactly once.
+        Padded inputs are zeroed first (they would add into the valid tail), and the tail
+        kept is ``y[lengths[i] * stride :][: overlap]`` per row."""
+        if lengths is not None:
+            x = torch.where(valid_mask(lengths, x.shape[-1]), x, 0.0)
         y = F.conv_transpose1d(x, self.conv.weight, None, self.stride, groups=self.conv.groups)
         head = y[..., : self.overlap] + self.state.tail[slots]
         y = torch.cat([head, y[..., self.overlap:]], dim=-1)
         emit = x.shape[-1] * self.stride
-        self.state.tail[slots] = y[..., emit:]
+        if lengths is None:
+            self.state.tail[slots] = y[..., emit:]
+        else:
+            self.state.tail[slots] = take_window(y, self.out_lengths(lengths), self.overlap, -1)
         out = y[..., :emit]
         return out if self.conv.bias is None else out + self.conv.bias[:, None]
 
@@ -122,10 +148,12 @@ class ResnetBlock(nn.Module):
             x = layer(x)
         return residual + x
 
-    def step(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def step(self, x: torch.Tensor, slots: torch.Tensor,
+             lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Streaming; stride 1 throughout, so ``lengths`` passes unchanged to each conv."""
         residual = x
         for layer in self.block:
-            x = layer.step(x, slots) if isinstance(layer, CausalConv1d) else layer(x)
+            x = layer.step(x, slots, lengths) if isinstance(layer, CausalConv1d) else layer(x)
         return residual + x
 
 
@@ -158,9 +186,17 @@ class SeanetDecoder(nn.Module):
             x = layer(x)
         return x
 
-    def step(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def step(self, x: torch.Tensor, slots: torch.Tensor,
+             lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Streaming: x [B, hidden, T] valid for ``lengths`` steps (None: all T) -> audio
+        [B, 1, T * hop_length], row i valid for ``lengths[i] * hop_length`` samples."""
         for layer in self.layers:
-            x = layer(x) if isinstance(layer, nn.ELU) else layer.step(x, slots)
+            if isinstance(layer, nn.ELU):
+                x = layer(x)
+                continue
+            x = layer.step(x, slots, lengths)
+            if isinstance(layer, CausalConvTranspose1d):
+                lengths = layer.out_lengths(lengths)
         return x
 
 

@@ -10,6 +10,13 @@ next T frames of the given slots (gather -> compute -> scatter); it has static s
 (batch, T) and no host syncs, so it can be captured in a CUDA graph. :meth:`decode_chunk`
 is the checked entry point: it validates slots and codes first, so a bad call changes no
 slot's state. :meth:`reset` makes slots fresh.
+
+Rows of different chunk lengths share one call through ``lengths`` ([B] int64 on the
+codec's device): codes right-padded to a common T, row i valid for its first
+``lengths[i]`` frames. Each slot's state advances as if its row had been decoded alone
+with ``lengths[i]`` frames (the padded codes' values never matter), and only the first
+``lengths[i] * samples_per_frame`` samples of its audio are meaningful. ``lengths`` is a
+plain tensor input (static shapes, no host reads), so it can be a graph's input buffer.
 """
 
 from __future__ import annotations
@@ -85,12 +92,16 @@ class MimiCodec(nn.Module):
         for module in self._stateful():
             module.reset(slots)
 
-    def decode_step(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, slots: torch.Tensor, codes: torch.Tensor,
+                    lengths: torch.Tensor | None = None) -> torch.Tensor:
         """slots: [B] distinct int64; codes: [B, K, T] -> audio [B, T * samples_per_frame],
-        continuing each slot's stream. Unchecked (see decode_chunk)."""
-        x = self.upsample.step(self.quantizer.decode(codes), slots)
-        x = self.decoder_transformer.step(x.transpose(1, 2), slots).transpose(1, 2)
-        return self.decoder.step(x, slots)[:, 0]
+        continuing each slot's stream. ``lengths`` ([B] int64, 1..T; None: all T): row i's
+        valid frames; its audio is meaningful for ``lengths[i] * samples_per_frame`` samples
+        and its state advances by ``lengths[i]`` frames. Unchecked (see decode_chunk)."""
+        x = self.upsample.step(self.quantizer.decode(codes), slots, lengths)
+        steps = self.upsample.out_lengths(lengths)
+        x = self.decoder_transformer.step(x.transpose(1, 2), slots, steps).transpose(1, 2)
+        return self.decoder.step(x, slots, steps)[:, 0]
 
     def check(self, slots: Sequence[int], codes: torch.Tensor) -> None:
         """Raises CodecInputError naming what is wrong; reads values on the host."""
@@ -114,13 +125,32 @@ class MimiCodec(nn.Module):
             raise CodecInputError(f"codes must be in [0, {self.config.codebook_size}), got "
                                   f"[{int(codes.min())}, {int(codes.max())}]")
 
-    def decode_chunk(self, slots: Sequence[int], codes: torch.Tensor) -> torch.Tensor:
-        """Checked streaming decode: validates everything before any state changes."""
+    @staticmethod
+    def check_lengths(lengths: Sequence[int] | torch.Tensor, batch: int, frames: int) -> torch.Tensor:
+        """Per-row valid lengths as an int64 host tensor [batch], each in 1..frames; raises
+        CodecInputError naming what is wrong."""
+        lengths = torch.as_tensor(lengths).cpu()
+        if lengths.dim() != 1 or lengths.shape[0] != batch:
+            raise CodecInputError(f"lengths must be [batch={batch}], got {tuple(lengths.shape)}")
+        if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+            raise CodecInputError(f"lengths must be integers, got {lengths.dtype}")
+        bad = [int(n) for n in lengths if not 1 <= int(n) <= frames]
+        if bad:
+            raise CodecInputError(f"lengths must be in [1, {frames}] (the codes' frames), got {bad}")
+        return lengths.to(torch.int64)
+
+    def decode_chunk(self, slots: Sequence[int], codes: torch.Tensor,
+                     lengths: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+        """Checked streaming decode (``lengths`` as in decode_step): validates everything
+        before any state changes."""
         slots = [int(s) for s in slots]
         self.check(slots, codes)
+        if lengths is not None:
+            lengths = self.check_lengths(lengths, len(slots), codes.shape[-1])
         device = self.upsample.conv.weight.device
         slot_ids = torch.tensor(slots, dtype=torch.int64, device=device)
-        return self.decode_step(slot_ids, codes.to(device=device, dtype=torch.int64))
+        return self.decode_step(slot_ids, codes.to(device=device, dtype=torch.int64),
+                                None if lengths is None else lengths.to(device))
 
 
 def all_streaming_state(codec: MimiCodec) -> list[torch.Tensor]:

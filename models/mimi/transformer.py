@@ -6,6 +6,11 @@ keys at positions q with ``p - window < q <= p``. Streaming keeps, per slot and 
 the keys and values of the last ``window`` positions (after RoPE) and the slot's next
 position; a chunk's queries attend over ``[cached window ++ chunk]`` with the same rule,
 so older keys fall out exactly when the whole-sequence mask would drop them.
+
+Per-row lengths (rows right-padded to T, row i valid for ``lengths[i]`` positions):
+attention is causal, so valid queries never see a padded key; the window kept is the last
+``window`` keys and values of each row's valid sequence, and each position advances by
+its own length. Padded queries' outputs are garbage the caller drops.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.mimi.config import MimiConfig
+from models.mimi.masking import take_window
 
 
 @dataclass
@@ -139,8 +145,11 @@ class MimiTransformer(nn.Module):
         self.state.values[:, slots] = 0
         self.state.position[slots] = 0
 
-    def step(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, C] continuing each slot's sequence at its own position
+    def step(self, x: torch.Tensor, slots: torch.Tensor,
+             lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, T, C] continuing each slot's sequence at its own position; row i valid for
+        ``lengths[i]`` positions (None: all T). The new window is positions
+        ``[lengths[i], lengths[i] + window)`` of ``[cached window ++ chunk]``."""
         t = x.shape[1]
         start = self.state.position[slots]                                  # [B]
         q_pos = start[:, None] + torch.arange(t, device=x.device)            # [B, T]
@@ -152,8 +161,12 @@ class MimiTransformer(nn.Module):
             q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
             keys = torch.cat([self.state.keys[i, slots], k], dim=1)         # [B, W + T, Hkv, D]
             values = torch.cat([self.state.values[i, slots], v], dim=1)
-            self.state.keys[i, slots] = keys[:, t:]
-            self.state.values[i, slots] = values[:, t:]
+            if lengths is None:
+                self.state.keys[i, slots] = keys[:, t:]
+                self.state.values[i, slots] = values[:, t:]
+            else:
+                self.state.keys[i, slots] = take_window(keys, lengths, self.window, 1)
+                self.state.values[i, slots] = take_window(values, lengths, self.window, 1)
             x = layer.finish(x, layer.self_attn.attend(q, keys, values, visible))
-        self.state.position[slots] = start + t
+        self.state.position[slots] = start + (t if lengths is None else lengths)
         return x

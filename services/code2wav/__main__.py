@@ -56,7 +56,7 @@ def build(config: Code2WavConfig, config_path: Path | None):
                           keepalive_limit=config.transport.step_keepalive,
                           slow_step=config.transport.liveness_timeout)
     servicer = Code2WavServicer(thread, {t.id: t.address for t in talkers.attach}, talkers.consumer_id,
-                                config.chunks,
+                                config.pacing,
                                 1.0 / codec.config.frame_rate)
     name = code2wav_pb2.DESCRIPTOR.services_by_name["Code2Wav"].full_name
     log.info("codec %s on %s (%s), %d slots, talkers %s", folder, device, config.model.dtype,

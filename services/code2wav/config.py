@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.chunks import ChunkSchedule
+from services.code2wav.pacing import Pacing
 from services.common.config import ConfigValueError
 from services.common.metrics import MetricsSection
 from services.common.sections import (
@@ -83,6 +83,6 @@ class Code2WavConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     model: ModelSection = field(default_factory=ModelSection)
     engine: EngineSection = field(default_factory=EngineSection)
-    chunks: ChunkSchedule = field(default_factory=ChunkSchedule)
+    pacing: Pacing = field(default_factory=Pacing)
     talkers: TalkersSection = field(default_factory=TalkersSection)
     transport: TransportSection = field(default_factory=TransportSection)

@@ -7,6 +7,12 @@ that holds its rows, padded with a spare slot whose state is never read. Any oth
 shape runs eagerly through the same ``decode_step``; each such shape is logged once.
 On the CPU everything runs eagerly.
 
+Mixed chunk lengths: :meth:`CodecDecoder.decode_many` decodes rows of different frame
+counts in one call: right-padded to the smallest configured chunk size that holds the
+longest (so it can replay that size's graph), with per-row valid lengths (see
+``MimiCodec.decode_step``); every graph takes the lengths as an input buffer too, its
+padding rows on the spare slot with all T frames valid.
+
 Deterministic (the default): on CUDA, cuDNN may pick convolution algorithms whose sums
 run in a varying order (the transposed convolutions of the upsampling stack, from batch 8
 at 8 frames in bf16 on an H200), so the same codes decoded twice give waveforms a few
@@ -23,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from models.mimi.model import MimiCodec
+from models.mimi.model import CodecInputError, MimiCodec
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +45,11 @@ class CodecDecoder:
             if deterministic:
                 torch.backends.cudnn.benchmark = False
         self.pad_slot = max_slots  # spare slot for padding rows
+        self.chunk_frames = sorted(set(chunk_frames))
         codec.allocate(max_slots + 1)
+        # (bucket, T) -> (graph, slot ids, codes, lengths, audio out): the first four its inputs
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
-                                                 torch.Tensor]] = {}
+                                                 torch.Tensor, torch.Tensor]] = {}
         self._eager_logged: set[tuple[int, int]] = set()
         if self.device.type == "cuda" and max_graphs > 0:
             self._capture(sorted(buckets), sorted(chunk_frames), max_graphs, max_graph_mb)
@@ -55,12 +63,45 @@ class CodecDecoder:
         """codes: [n, T, K] int16 on the host -> int16 PCM [n, T * spf] on the host: the decode,
         the conversion on the device, and one device-to-host copy."""
         batch = torch.from_numpy(codes.astype(np.int64)).to(self.device).transpose(1, 2)
-        audio = self.decode(slots, batch)
-        return (audio.float().clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16).cpu().numpy()
+        return _pcm(self.decode(slots, batch)).cpu().numpy()
 
     @torch.inference_mode()
-    def decode(self, slots: Sequence[int], codes: torch.Tensor) -> torch.Tensor:
-        """slots: n distinct ids; codes: [n, K, T] int64 on the device -> audio [n, T * spf]."""
+    def decode_many(self, slots: Sequence[int], chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """chunks: one int16 [t_i, K] array per slot (t_i >= 1, may differ) -> one int16 PCM
+        array of t_i * spf samples per slot, from ONE decode call (rows padded to
+        :meth:`padded_frames` of the longest, with per-row lengths), the conversion on the
+        device and one device-to-host copy. Each slot's stream advances by its own t_i."""
+        if len(chunks) != len(slots):
+            raise CodecInputError(f"{len(chunks)} chunks for {len(slots)} slots")
+        if not chunks:
+            return []
+        frames = _chunk_frames(chunks)
+        padded = np.zeros((len(chunks), self.padded_frames(max(frames)), chunks[0].shape[1]), np.int64)
+        for row, chunk in enumerate(chunks):
+            padded[row, : len(chunk)] = chunk
+        batch = torch.from_numpy(padded).to(self.device).transpose(1, 2)
+        if self.graphs or min(frames) < padded.shape[1]:
+            lengths = torch.tensor(frames, dtype=torch.int64).to(self.device)
+        else:  # every row full, eagerly: no masking ops
+            lengths = None
+        pcm = _pcm(self.decode(slots, batch, lengths)).cpu().numpy()
+        spf = self.codec.config.samples_per_frame
+        return [pcm[row, : t * spf] for row, t in enumerate(frames)]
+
+    def padded_frames(self, frames: int) -> int:
+        """The T a decode_many call of at most ``frames`` frames a row pads to: the smallest
+        configured chunk size that holds it (its graph's T), else ``frames`` itself (always
+        when no graph was captured: padding is only worth a replay instead of eager ops)."""
+        if not self.graphs:
+            return frames
+        return next((t for t in self.chunk_frames if t >= frames), frames)
+
+    @torch.inference_mode()
+    def decode(self, slots: Sequence[int], codes: torch.Tensor,
+               lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """slots: n distinct ids; codes: [n, K, T] int64 on the device; lengths: None (all T
+        frames) or [n] int64 on the device, each 1..T -> audio [n, T * spf], row i valid for
+        ``lengths[i] * spf`` samples (see ``MimiCodec.decode_step``)."""
         n, _, frames = codes.shape
         key = self._graph_key(n, frames)
         if key is None:
@@ -68,12 +109,15 @@ class CodecDecoder:
                 log.info("decode shape (batch %d, %d frames) has no graph: runs eagerly", n, frames)
                 self._eager_logged.add((n, frames))
             ids = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
-            return self.codec.decode_step(ids, codes)
-        graph, slot_buf, codes_buf, out = self.graphs[key]
+            return self.codec.decode_step(ids, codes, lengths)
+        graph, slot_buf, codes_buf, lengths_buf, out = self.graphs[key]
         slot_buf.fill_(self.pad_slot)
         slot_buf[:n].copy_(torch.as_tensor(list(slots), dtype=torch.int64), non_blocking=True)
         codes_buf[n:].zero_()
         codes_buf[:n].copy_(codes)
+        lengths_buf.fill_(frames)
+        if lengths is not None:
+            lengths_buf[:n].copy_(lengths)
         graph.replay()
         return out[:n].clone()
 
@@ -103,13 +147,29 @@ class CodecDecoder:
         slot_buf = torch.full((bucket,), self.pad_slot, dtype=torch.int64, device=self.device)
         codes_buf = torch.zeros(bucket, self.codec.num_codebooks, frames, dtype=torch.int64,
                                 device=self.device)
+        lengths_buf = torch.full((bucket,), frames, dtype=torch.int64, device=self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.codec.decode_step(slot_buf, codes_buf)  # warm-up on the spare slot only
+            self.codec.decode_step(slot_buf, codes_buf, lengths_buf)  # warm-up on the spare slot only
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            out = self.codec.decode_step(slot_buf, codes_buf)
+            out = self.codec.decode_step(slot_buf, codes_buf, lengths_buf)
         self.codec.reset(torch.tensor([self.pad_slot], device=self.device))
-        return (graph, slot_buf, codes_buf, out), graph.pool()
+        return (graph, slot_buf, codes_buf, lengths_buf, out), graph.pool()
+
+
+def _pcm(audio: torch.Tensor) -> torch.Tensor:
+    """Audio in [-1, 1] (clamped) -> int16 PCM, on the audio's device."""
+    return (audio.float().clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16)
+
+
+def _chunk_frames(chunks: Sequence[np.ndarray]) -> list[int]:
+    """Each decode_many chunk's frame count; raises CodecInputError unless every chunk is
+    [frames >= 1, K] with one K."""
+    shapes = [np.shape(c) for c in chunks]
+    if any(len(s) != 2 or s[0] < 1 for s in shapes) or len({s[1] for s in shapes}) != 1:
+        raise CodecInputError(f"chunks must be [frames >= 1, codebooks] with one codebook count, "
+                              f"got shapes {shapes}")
+    return [int(s[0]) for s in shapes]

@@ -1,29 +1,35 @@
 """The Code2Wav engine: consume -> decode -> send, on its own thread.
 
-Each step takes every waiting record from every attached talker (appending frames to
-the open request they belong to, by handle; records for unknown or closed handles are
-dropped and counted; sequence gaps and duplicates are counted), then decodes every
-request that has a chunk ready in one batched call per chunk size on the codec's
-resident slot pool, and sends each chunk to its request's stream. LAST flushes what is
-pending and ends the request; CANCELLED frees it at once. A request whose client has
-more than ``max_undelivered_seconds`` of audio queued is not decoded until it drains.
-When a talker's producer goes stale its open requests end UNAVAILABLE and the engine
-attaches again. When nothing is ready the step waits briefly on the ring itself, so a
-new record is picked up within microseconds, not at the next poll.
+Each tick takes every waiting record from every attached talker (appending frames to the
+open request they belong to, by handle; records for unknown or closed handles are dropped
+and counted; sequence gaps and duplicates are counted), then cuts chunks on need
+(PROTOCOL.md, Pacing; services/code2wav/pacing.py): a stream's first record at once, then
+when its listener's buffer would fall below the decode margin, when a steady chunk is
+pending, or at its end. Every chunk cut in a tick goes into ONE decode call on the codec's
+resident slot pool, whatever their lengths (rows padded, each slot's state advanced by its
+own frames), with one device-to-host copy; each chunk is then sent to its request's stream.
+Only streams something happened to are looked at: those that received records, those whose
+need came (an index by time), those whose client drained audio. LAST flushes what is pending
+and ends the request; CANCELLED frees it at once. A request whose client has more than
+``max_undelivered_seconds`` of audio queued is not decoded until it drains. When a talker's
+producer goes stale its open requests end UNAVAILABLE and the engine attaches again. When
+nothing is ready the tick waits on the ring itself until the next need at most, so a new
+record is picked up within microseconds, not at the next poll.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from services.code2wav.decoder import CodecDecoder
+from services.code2wav.metrics import Code2WavCounters
 from services.code2wav.streams import ChunkOut, OpenStream
 from services.code2wav.talkers import TalkerLink
 from services.common.errors import ResourceExhausted
@@ -40,16 +46,6 @@ ERROR_ENDINGS = {FinishReason.DEADLINE: ("DEADLINE_EXCEEDED", "talker deadline p
                  FinishReason.CANCELLED: ("CANCELLED", "request cancelled")}
 
 
-@dataclass
-class Counters:
-    dropped_records: int = 0
-    sequence_gaps: int = 0
-    duplicate_records: int = 0
-    chunks: int = 0
-    audio_s: float = 0.0
-    window: tuple[float, int, float] = (0.0, 0, 0.0)  # (clock, chunks, audio seconds) at the last Stats
-
-
 class Code2WavEngine:
     def __init__(self, decoder: CodecDecoder, links: dict[str, TalkerLink], *, max_slots: int,
                  max_undelivered_seconds: float, max_records_per_step: int,
@@ -63,10 +59,12 @@ class Code2WavEngine:
         self.clock = clock
         self.streams: dict[int, OpenStream] = {}
         self.free_slots = deque(range(max_slots))
-        self.counters = Counters(window=(clock(), 0, 0.0))
+        self.counters = Code2WavCounters(window=(clock(), 0, 0.0))
         self.frame_seconds = 1.0 / codec.config.frame_rate
         self._turn = -1
         self._to_reset: list[int] = []  # slots opened since the last step: state zeroed then
+        self._touched: set[int] = set()  # handles to look at this tick (records, drains)
+        self._due: list[tuple[float, int]] = []  # (need time, handle): the index by time
 
     # --- commands from the servicer ------------------------------------------------------------
 
@@ -99,6 +97,9 @@ class Code2WavEngine:
         stream = self.streams.get(handle)
         if stream is not None:
             stream.undelivered_s = max(0.0, stream.undelivered_s - seconds)
+            if stream.held and stream.undelivered_s <= self.max_undelivered:
+                stream.held = False
+                self._touched.add(handle)
 
     # --- the step --------------------------------------------------------------------------------
 
@@ -113,6 +114,12 @@ class Code2WavEngine:
         if took or decoded:
             return True
         return self._wait_for_records()
+
+    def _wait_s(self) -> float:
+        """How long an idle tick may block on a ring: until the next need, IDLE_WAIT_S at most."""
+        if not self._due:
+            return IDLE_WAIT_S
+        return min(IDLE_WAIT_S, max(0.0, self._due[0][0] - self.clock()))
 
     def tick(self) -> None:
         now = self.clock()
@@ -162,7 +169,7 @@ class Code2WavEngine:
         self._turn = (self._turn + 1) % len(connected)
         link = connected[self._turn]
         try:
-            view = link.consumer.get(timeout=IDLE_WAIT_S)
+            view = link.consumer.get(timeout=self._wait_s())
         except RingError:
             self._talker_lost(link)
             return True
@@ -188,6 +195,7 @@ class Code2WavEngine:
                 self._end(stream, "error", "INTERNAL", "talker sent frames this codec cannot decode")
                 return
             stream.add_frames(codes)
+        self._touched.add(stream.handle)
         if record.cancelled:
             self._end(stream, "error", *ERROR_ENDINGS[FinishReason.CANCELLED])
         elif record.last:
@@ -196,38 +204,66 @@ class Code2WavEngine:
     # --- decoding ---------------------------------------------------------------------------------
 
     def _decode_ready(self) -> bool:
-        groups: dict[int, list[OpenStream]] = defaultdict(list)
-        for stream in list(self.streams.values()):
-            frames = stream.ready_frames()
-            if frames and stream.undelivered_s <= self.max_undelivered:
-                groups[frames].append(stream)
-            elif stream.last_reason is not None and not stream.pending_frames:
-                self._finish(stream)
-        for frames, streams in groups.items():
-            self._decode_group(frames, streams)
-        for stream in [s for group in groups.values() for s in group]:
+        """Cuts this tick's chunks and decodes them in one call; True when any was decoded."""
+        now = self.clock()
+        while self._due and self._due[0][0] <= now:  # needs that came
+            _, handle = heapq.heappop(self._due)
+            self._touched.add(handle)
+        touched, self._touched = self._touched, set()
+        cuts: list[tuple[OpenStream, int, str]] = []
+        for handle in touched:
+            stream = self.streams.get(handle)
+            if stream is not None:
+                self._look_at(stream, now, cuts)
+        if not cuts:
+            return False
+        self._decode(cuts)
+        for stream, _, _ in cuts:  # more pending (or the end) is looked at next tick
             if stream.last_reason is not None and not stream.pending_frames:
                 self._finish(stream)
-        return bool(groups)
+            elif not stream.closed:
+                self._touched.add(stream.handle)
+        return True
 
-    def _decode_group(self, frames: int, streams: list[OpenStream]) -> None:
-        codes = np.stack([s.take(frames) for s in streams])                # [B, T, K]
+    def _look_at(self, stream: OpenStream, now: float, cuts: list) -> None:
+        frames, why = stream.cut(now)
+        if frames:
+            if stream.undelivered_s > self.max_undelivered:
+                stream.held = True  # delivered() looks at it again once its client drained
+            else:
+                cuts.append((stream, frames, why))
+            return
+        if stream.last_reason is not None and not stream.pending_frames:
+            self._finish(stream)
+        elif stream.pending_frames:  # waits for its need (or for more frames: a record touches it)
+            due = stream.need_at()
+            if due != stream.due_at:
+                stream.due_at = due
+                heapq.heappush(self._due, (due, stream.handle))
+
+    def _decode(self, cuts: list[tuple[OpenStream, int, str]]) -> None:
         started = self.clock()
-        pcm = self.decoder.decode_pcm([s.slot for s in streams], codes)     # [B, T * spf] int16
+        chunks = [stream.take(frames) for stream, frames, _ in cuts]
+        taken = self.clock()
+        pcm = self.decoder.decode_many([stream.slot for stream, _, _ in cuts], chunks)
         now = self.clock()
-        elapsed = now - started
-        for row, stream in enumerate(streams):
+        decode_s = (now - taken) / len(cuts)
+        buffers = []
+        for (stream, frames, why), samples in zip(cuts, pcm, strict=True):
             with request_context(stream.request_id):
-                stream.send("chunk", ChunkOut(pcm[row].astype("<i2").tobytes(), stream.chunk_index,
+                stream.send("chunk", ChunkOut(samples.astype("<i2", copy=False).tobytes(), stream.chunk_index,
                                               stream.sample_offset, frames))
+            buffers.append(stream.listener.sent(now, frames))
             stream.first_chunk_at = stream.first_chunk_at or now
             stream.chunk_index += 1
-            stream.sample_offset += pcm.shape[1]
+            stream.sample_offset += len(samples)
             stream.frames_decoded += frames
             stream.undelivered_s += frames * self.frame_seconds
-            stream.decode_s += elapsed / len(streams)
-        self.counters.chunks += len(streams)
-        self.counters.audio_s += len(streams) * frames * self.frame_seconds
+            stream.decode_s += decode_s
+            self.counters.cut(why)
+        audio_s = sum(frames for _, frames, _ in cuts) * self.frame_seconds
+        self.counters.tick(audio_s, buffers, host_s=(taken - started) + (self.clock() - now),
+                           decode_s=now - taken)
 
     def _finish(self, stream: OpenStream) -> None:
         reason = FinishReason(stream.last_reason)
@@ -256,14 +292,8 @@ class Code2WavEngine:
 
     def metrics(self) -> dict:
         """Read at scrape time from the metrics thread (plain reads of counters)."""
-        c = self.counters
-        return {"active_streams": ("gauge", "requests open on this Code2Wav", len(self.streams)),
-                "queued_frames": ("gauge", "frames waiting to be decoded",
-                                  sum(s.pending_frames for s in list(self.streams.values()))),
-                "chunks": ("counter", "audio chunks sent", c.chunks),
-                "audio_seconds": ("counter", "seconds of audio decoded", c.audio_s),
-                "dropped_records": ("counter", "records for unknown handles", c.dropped_records),
-                "sequence_gaps": ("counter", "missing ring records", c.sequence_gaps)}
+        streams = list(self.streams.values())
+        return self.counters.snapshot(len(streams), sum(s.pending_frames for s in streams))
 
     def close_links(self) -> None:
         for link in self.links.values():

@@ -19,9 +19,9 @@ import secrets
 import grpc
 
 from services.code2wav.engine import Code2WavEngine
+from services.code2wav.pacing import Pacing, requested_pacing
 from services.code2wav.streams import OpenStream
 from services.code2wav.voice import VoiceClipError, encode_voice, pcm16_to_float
-from services.common.chunks import ChunkSchedule, requested_schedule
 from services.common.engine_thread import EngineStopped, EngineThread
 from services.common.errors import (
     Cancelled,
@@ -40,11 +40,11 @@ ERRORS = {"UNAVAILABLE": Unavailable, "INTERNAL": Internal, "DEADLINE_EXCEEDED":
 
 class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
     def __init__(self, thread: EngineThread, talkers: dict[str, str], consumer_id: str,
-                 default_schedule: ChunkSchedule, frame_seconds: float) -> None:
+                 default_pacing: Pacing, frame_seconds: float) -> None:
         self._thread = thread
         self._talkers = talkers  # talker id -> address (for Cancel)
         self._consumer_id = consumer_id
-        self._default_schedule = default_schedule
+        self._default_pacing = default_pacing
         self._frame_seconds = frame_seconds
         self._instance = secrets.randbits(32) or 1  # handle = instance << 32 | counter
         self._counter = itertools.count(1)
@@ -62,22 +62,19 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
         with contextlib.suppress(EngineStopped):  # shutting down: nothing left to update
             self._thread.post(command)
 
-    def _schedule(self, request: code2wav_pb2.OpenRequest) -> ChunkSchedule:
-        return requested_schedule(request) or self._default_schedule
-
     async def Open(self, request, context):
         if request.talker_id not in self._talkers:
             raise InvalidArgument("talker_id", f"unknown talker {request.talker_id!r} "
                                   f"(known: {', '.join(sorted(self._talkers))})")
         if request.max_frames < 1:
             raise InvalidArgument("max_frames", f"must be >= 1, got {request.max_frames}")
-        schedule = self._schedule(request)
+        pacing = requested_pacing(request, self._default_pacing)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         handle = (self._instance << 32) | (next(self._counter) & 0xFFFFFFFF)
 
         def make(slot: int) -> OpenStream:
-            return OpenStream(handle, request.request_id, request.talker_id, slot, schedule,
-                              request.max_frames, loop, queue)
+            return OpenStream(handle, request.request_id, request.talker_id, slot, pacing,
+                              request.max_frames, loop, queue, frame_s=self._frame_seconds)
 
         try:
             await self._call(lambda engine: engine.open(make))

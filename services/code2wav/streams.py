@@ -1,5 +1,6 @@
-"""One open request on Code2Wav: its frames waiting to be decoded, its chunk schedule and
-what it has sent. Pure Python + numpy; owned by the engine thread.
+"""One open request on Code2Wav: its frames waiting to be decoded, its pacing, its listener
+model (services/code2wav/pacing.py) and what it has sent. Pure Python + numpy; owned by the
+engine thread.
 
 Messages to the request's gRPC stream travel through an asyncio queue on the event loop
 (``loop.call_soon_threadsafe``): ("chunk", AudioChunkData), ("finished", Finish) or
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.common.chunks import ChunkSchedule
+from services.code2wav.pacing import Listener, Pacing, frames_to_cut
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,13 @@ class OpenStream:
     request_id: str
     talker_id: str
     slot: int
-    schedule: ChunkSchedule
+    pacing: Pacing
     max_frames: int
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     clock: Callable[[], float] = time.monotonic  # the engine's
     opened: float | None = None                  # the clock's reading at open (None: now)
+    frame_s: float = 0.08                        # seconds of audio per frame
 
     pending: list[np.ndarray] = field(default_factory=list)  # [frames, K] int16 blocks
     pending_frames: int = 0
@@ -61,10 +63,14 @@ class OpenStream:
     first_chunk_at: float | None = None
     decode_s: float = 0.0
     closed: bool = False
+    listener: Listener = field(init=False)
+    due_at: float | None = None          # the engine's index: when this stream's need comes
+    held: bool = False                   # ready but paused by max undelivered audio
 
     def __post_init__(self) -> None:
         if self.opened is None:
             self.opened = self.clock()
+        self.listener = Listener(self.frame_s)
 
     def send(self, *message) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, message)
@@ -78,19 +84,17 @@ class OpenStream:
         self.pending_frames += len(codes)
         self.frames_received += len(codes)
 
-    def chunk_frames(self) -> int:
-        """Frames the next chunk needs (its schedule size, capped at max frames)."""
-        size = self.schedule.chunk_frames(self.chunk_index)
-        return max(1, min(size, self.max_frames - self.frames_decoded))
-
-    def ready_frames(self) -> int:
-        """Frames to decode now: a full chunk, or whatever is left once LAST came."""
+    def cut(self, now: float) -> tuple[int, str]:
+        """(frames to decode now, why): see services/code2wav/pacing.py; (0, "") to wait."""
         if self.closed:
-            return 0
-        need = self.chunk_frames()
-        if self.pending_frames >= need:
-            return need
-        return self.pending_frames if self.last_reason is not None else 0
+            return 0, ""
+        return frames_to_cut(self.pacing, self.listener, now, pending=self.pending_frames,
+                             decoded=self.frames_decoded, left=self.max_frames - self.frames_decoded,
+                             ended=self.last_reason is not None)
+
+    def need_at(self) -> float:
+        """When the listener's buffer reaches this stream's decode margin."""
+        return self.listener.need_at(self.pacing.decode_margin_s)
 
     def take(self, frames: int) -> np.ndarray:
         """The next ``frames`` pending frames as [frames, K] int16."""

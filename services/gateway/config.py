@@ -169,28 +169,6 @@ class SamplingSection(SamplingDefaults):
 
 
 @dataclass(frozen=True)
-class GatewayChunksSection:
-    """The chunk schedule the gateway chooses per request: a small first chunk while the
-    pair is quiet (first audio sooner), ``first_frames_busy`` above ``busy_threshold``
-    requests in flight; ``adaptive: false`` pins ``first_frames``."""
-
-    first_frames: int = 1
-    first_frames_busy: int = 4
-    busy_threshold: int = 8
-    growth: float = 2.0
-    steady_frames: int = 16
-    adaptive: bool = True
-
-    def __post_init__(self) -> None:
-        if self.first_frames < 1 or self.first_frames_busy < 1:
-            raise ConfigValueError("first_frames", "must be >= 1")
-        if not self.growth >= 1:
-            raise ConfigValueError("growth", f"must be >= 1, got {self.growth}")
-        if self.steady_frames < max(self.first_frames, self.first_frames_busy):
-            raise ConfigValueError("steady_frames", "must be >= the first chunk sizes")
-
-
-@dataclass(frozen=True)
 class GatewayConfig:
     server: GatewayServerSection = field(default_factory=GatewayServerSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
@@ -203,4 +181,3 @@ class GatewayConfig:
     engines: EnginesSection = field(default_factory=EnginesSection)
     admission: AdmissionSection = field(default_factory=AdmissionSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
-    chunks: GatewayChunksSection = field(default_factory=GatewayChunksSection)

@@ -214,10 +214,9 @@ class SynthesisPipeline:
             field = "max_audio_seconds" if msg.HasField("max_audio_seconds") else "text"
             raise errors.InvalidArgument(field, f"the prompt ({prompt_len} positions) and {max_frames} "
                                          f"frames of audio exceed the model's length {facts.max_len}")
-        schedule = self._schedule(pair)
         call = pair.code2wav.Open(code2wav_pb2.OpenRequest(
-            request_id=request.request_id, talker_id=pair.talker_id, chunk_schedule=schedule,
-            max_frames=max_frames), timeout=_remaining(request))
+            request_id=request.request_id, talker_id=pair.talker_id, max_frames=max_frames),
+            timeout=_remaining(request))
         started = Started(pair, call, 0, seed, time.monotonic())
         try:
             opened = await call.read()
@@ -225,7 +224,7 @@ class SynthesisPipeline:
             await self._submit(pair, talker_pb2.SubmitRequest(
                 request_id=request.request_id, handle=started.handle, consumer_id=pair.consumer_id,
                 segments=segments, sampling=self._sampling(msg, seed), max_frames=max_frames,
-                chunk_schedule=schedule, timeout_s=_remaining(request) or 0.0,
+                timeout_s=_remaining(request) or 0.0,
                 first_audio_budget_s=self._first_audio_budget(started.arrival)))
         except grpc.aio.AioRpcError as exc:
             call.cancel()
@@ -265,17 +264,6 @@ class SynthesisPipeline:
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
             await started.pair.talker.Cancel(talker_pb2.CancelRequest(
                 consumer_id=started.pair.consumer_id, handle=started.handle), timeout=2.0)
-
-    def _schedule(self, pair: EnginePair) -> common_pb2.ChunkSchedule:
-        """A small first chunk when the pair is quiet (first audio sooner), a larger one
-        under load (fewer, larger decode calls); pinned when the config says so."""
-        chunks = self.config.chunks
-        first = chunks.first_frames
-        if chunks.adaptive:
-            busy = pair.in_flight > chunks.busy_threshold
-            first = chunks.first_frames_busy if busy else chunks.first_frames
-        return common_pb2.ChunkSchedule(first_frames=first, growth=chunks.growth,
-                                        steady_frames=max(chunks.steady_frames, first))
 
     def _sampling(self, msg, seed: int) -> common_pb2.SamplingParams:
         d = self.config.sampling

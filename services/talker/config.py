@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.chunks import ChunkSchedule
 from services.common.config import ConfigValueError
 from services.common.metrics import MetricsSection
 from services.common.sections import (
@@ -109,6 +108,5 @@ class TalkerConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     model: ModelSection = field(default_factory=ModelSection)
     engine: EngineSection = field(default_factory=EngineSection)
-    chunks: ChunkSchedule = field(default_factory=ChunkSchedule)
     transport: TransportSection = field(default_factory=TransportSection)
     kernels: KernelsSection = field(default_factory=KernelsSection)

@@ -113,7 +113,7 @@ class TalkerCore:
         if self.consumers.sink_for(request.consumer_id) is None:
             raise FailedPrecondition(f"consumer_id: {request.consumer_id!r} has not attached")
         try:
-            return self.engine.scheduler.add(request, checked=checked)
+            position = self.engine.scheduler.add(request, checked=checked)
         except QueueFull as exc:
             raise ResourceExhausted(f"talker queue full: {exc}") from None
         except Overloaded as exc:
@@ -121,6 +121,12 @@ class TalkerCore:
         except KeyError:
             raise AlreadyExists(f"handle {request.handle} is already in flight for consumer "
                                 f"{request.consumer_id!r}") from None
+        if self.admission.posted >= self.admission.room:
+            # its verdict is spent and the requests it let in are in the scheduler now: while
+            # Submits queue up faster than this thread steps (a starved thread takes them in one
+            # batch), the verdict is renewed here rather than only after the next step
+            self._update_admission()
+        return position
 
     def cancel(self, consumer_id: str, handle: int) -> bool:
         return self.engine.scheduler.cancel(consumer_id, handle)

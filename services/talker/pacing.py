@@ -114,7 +114,6 @@ class StepOutlook:
     unstarted_due: bool       # whether that row has not written its first record yet
     waiting_due: float        # the earliest first-audio deadline (less the path) of requests not in the step
     ahead_s: float            # device time queued before this step: this step's prefill
-    k_floor: int = 1          # the fewest frames that give a row still silent its first chunk
 
 
 def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tuple[int, str]:
@@ -122,11 +121,11 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
     is due with one K=1 step to spare, and after which a waiting request can still prefill (its
     share is already in ``ahead_s`` when it prefills this step) and write its first record in
     time. 1 when even one frame does not fit (the most urgent choice) or while no step of this
-    size was measured (its first is measured at K=1); never below ``k_floor`` (Code2Wav decodes
-    a stream's first chunk only once it holds that many frames: fewer would only delay it)."""
+    size was measured (its first is measured at K=1). Code2Wav decodes a stream's first record
+    at once, whatever its frames (PROTOCOL.md, Pacing)."""
     one = times.estimate(outlook.bucket, 1)
     if one is None:
-        return max(1, outlook.k_floor), "unmeasured"
+        return 1, "unmeasured"
     start = outlook.now + outlook.ahead_s
     best, why = 0, "k_max"
     for k in range(1, config.k_max + 1):
@@ -138,7 +137,7 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
             why = "waiting"
             break
         best = k
-    return max(best, outlook.k_floor, 1), why
+    return max(best, 1), why
 
 
 def prefill_tokens_allowed(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> float:

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.chunks import ChunkSchedule, Sampling
+from services.common.chunks import Sampling
 from services.transport.layout import FinishReason
 
 __all__ = ["FinishReason", "RequestState", "TalkerRequest"]
@@ -32,7 +32,6 @@ class TalkerRequest:
     max_frames: int
     min_frames: int = 0
     sampling: Sampling = field(default_factory=Sampling)
-    schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
     arrival: float = 0.0       # monotonic seconds
     deadline: float | None = None
     first_audio_by: float | None = None  # when its first audio is due at the listener (None: no budget)

@@ -26,6 +26,7 @@ would wait longer than ``max_queue_wait_s`` for one (at the rate slots have late
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -268,16 +269,24 @@ class Scheduler:
             self.running.append(request)
 
     def _outlook(self, now: float, ahead_s: float, rows: list[TalkerRequest]) -> StepOutlook:
-        config = self.pacing
-        first = min(rows, key=lambda r: due(r, config), default=None)
+        """What K is chosen for a step of ``rows``, from their due times and those of the
+        requests waiting for prefill. A row or waiting request already late whatever this step
+        does (due before a one-frame step, and the one to spare, could write its record) does not
+        bound K: a one-frame step cannot bring it in time, and under load such rows are nearly
+        always there, whose K = 1 would cut every other row's frames per second (and make every
+        chunk a frame or two, which the gateway then relays one message each)."""
+        config, bucket = self.pacing, self.bucket_for(max(1, len(rows)))
+        one = self.times.estimate(bucket, 1)
+        reachable = -math.inf if one is None else now + ahead_s + 2 * one
+        dues = [(due(r, config), r) for r in rows]
+        first = min(((d, r) for d, r in dues if d >= reachable), key=lambda dr: dr[0], default=None)
         others = [r for r in self.running if r.prefilling] + list(self.waiting)
-        waiting_due = min((due(r, config) - self.times.prefill_s(r.prompt_len - r.prefilled)
-                           for r in others), default=float("inf"))
-        floor = max((r.schedule.chunk_frames(0) for r in rows if r.first_written_at is None), default=1)
-        return StepOutlook(now=now, bucket=self.bucket_for(max(1, len(rows))),
-                           row_due=float("inf") if first is None else due(first, config),
-                           unstarted_due=first is not None and first.first_written_at is None,
-                           waiting_due=waiting_due, ahead_s=ahead_s, k_floor=min(floor, self.k_max))
+        waiting = (due(r, config) - self.times.prefill_s(r.prompt_len - r.prefilled) for r in others)
+        return StepOutlook(now=now, bucket=bucket,
+                           row_due=math.inf if first is None else first[0],
+                           unstarted_due=first is not None and first[1].first_written_at is None,
+                           waiting_due=min((d for d in waiting if d >= reachable), default=math.inf),
+                           ahead_s=ahead_s)
 
     def _prefill_chunks(self, now: float, decode: list[TalkerRequest]) -> list[PrefillChunk]:
         """Chunks of the admitted prompts, in admission order, within the step's token budget:
@@ -288,8 +297,9 @@ class Scheduler:
         pending = [r for r in self.running if r.prefilling]
         if not pending:
             return []
+        # a speaking row late already still bounds it: prefill would only lengthen its stall
         speaking_due = min((due(r, self.pacing) for r in decode if r.first_written_at is not None),
-                           default=float("inf"))
+                           default=math.inf)
         outlook = dataclasses.replace(self._outlook(now, 0.0, decode), row_due=speaking_due)
         affordable = prefill_tokens_allowed(outlook, self.pacing, self.times)
         budget = int(min(self.prefill_token_budget, max(affordable, self.min_chunk_tokens)))

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from models.family import PromptSegment
-from services.common.chunks import ChunkSchedule, Sampling, requested_schedule
+from services.common.chunks import Sampling
 from services.common.config import ConfigValueError
 from services.common.engine_thread import EngineStopped, EngineThread
 from services.common.errors import InvalidArgument, Unavailable
@@ -71,8 +71,8 @@ def _frames(frames: talker_pb2.Frames, facts: ModelFacts, field: str) -> torch.T
     return torch.from_numpy(codes.astype(np.int64))
 
 
-def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, default_schedule: ChunkSchedule,
-                  now: float, first_audio_budget_s: float = 0.0) -> TalkerRequest:
+def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, now: float,
+                  first_audio_budget_s: float = 0.0) -> TalkerRequest:
     """``first_audio_budget_s``: the budget of a Submit that carries none (0: none)."""
     if not req.consumer_id:
         raise InvalidArgument("consumer_id", "must not be empty")
@@ -100,12 +100,11 @@ def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, default_sche
                             repetition_window=s.repetition_window, seed=s.seed)
     except ConfigValueError as exc:
         raise InvalidArgument(f"sampling.{exc.key}", exc.reason) from None
-    schedule = requested_schedule(req) or default_schedule
     budget = req.first_audio_budget_s or first_audio_budget_s
     return TalkerRequest(
         request_id=req.request_id or f"handle-{req.handle}", handle=req.handle,
         consumer_id=req.consumer_id, prompt=prompt, prompt_len=prompt_len,
-        max_frames=req.max_frames, min_frames=req.min_frames, sampling=sampling, schedule=schedule,
+        max_frames=req.max_frames, min_frames=req.min_frames, sampling=sampling,
         arrival=now, deadline=now + req.timeout_s if req.timeout_s else None,
         first_audio_by=now + budget if budget else None)
 
@@ -117,7 +116,6 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
         self._liveness_timeout = config.transport.liveness_timeout
         self._facts = facts
         self._model_info = model_info
-        self._default_schedule = config.chunks
         self._first_audio_budget_s = config.engine.first_audio_budget_s
 
     async def _call(self, command):
@@ -143,7 +141,7 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
         return self._model_info
 
     async def Submit(self, request, context):
-        talker_request = build_request(request, self._facts, self._default_schedule, time.monotonic(),
+        talker_request = build_request(request, self._facts, time.monotonic(),
                                        self._first_audio_budget_s)
         core = self._thread.engine
         refusing = core.admission.take()  # on the engine thread's verdict after its last step

@@ -93,6 +93,7 @@ def talker_config(sock: str) -> str:
 def code2wav_config(sock: str, talker_sock: str, talker_id: str, consumer_id: str) -> str:
     return (f"server: {{listen: '{sock}', drain_timeout: {DRAIN_S}, grace: {GRACE_S}}}\n"
             f"engine: {{max_slots: 32}}\n"
+            f"pacing: {{steady_frames: 8}}\n"
             f"talkers: {{consumer_id: {consumer_id}, attach: [{{id: {talker_id}, address: '{talker_sock}'}}],"
             f" reattach_interval: 0.2}}\n"
             f"metrics: {{listen: '127.0.0.1:0'}}\n")
@@ -106,7 +107,6 @@ def gateway_config(sock: str, pairs: list[tuple[str, str, str, str]], max_in_fli
             f"engines: {{pairs: [{entries}]}}\n"
             f"admission: {{max_in_flight: {max_in_flight}, retry_after_s: 1}}\n"
             f"limits: {{default_audio_seconds: 2.0}}\n"
-            f"chunks: {{adaptive: false, first_frames: 2, growth: 2.0, steady_frames: 8}}\n"
             f"metrics: {{listen: '127.0.0.1:0'}}\n")
 
 

@@ -54,13 +54,13 @@ def stack(model_cache):
                   f" max_len: {MAX_LEN}}}\n",
         "code2wav": f"server: {{listen: 'unix:{d}/code2wav.sock', drain_timeout: 5, grace: 1}}\n"
                     f"engine: {{max_slots: 40}}\n"
+                    f"pacing: {{steady_frames: 8}}\n"
                     f"talkers: {{attach: [{{id: talker-0, address: 'unix:{d}/talker.sock'}}]}}\n",
         "gateway": f"server: {{listen: 'unix:{d}/gateway.sock', drain_timeout: 5, grace: 1}}\n"
                    f"engines: {{pairs: [{{talker: 'unix:{d}/talker.sock',"
                    f" code2wav: 'unix:{d}/code2wav.sock'}}]}}\n"
                    f"admission: {{max_in_flight: 20}}\n"
-                   f"limits: {{default_audio_seconds: 2.0}}\n"
-                   f"chunks: {{adaptive: false, first_frames: 2, growth: 2.0, steady_frames: 8}}\n",
+                   f"limits: {{default_audio_seconds: 2.0}}\n",
     }
     stages, metrics = StageGroup(d), {}
     try:
@@ -123,9 +123,17 @@ def test_stream_sample_count_and_unary_equals_stream(stack):
     check_contiguous(chunks)
     whole = stub.Synthesize(pb.SynthesizeSpeechRequest(text="Hello from the whole stack.", seed=5),
                             timeout=120)
-    assert whole.audio == pcm  # same seed, idle stack: byte-identical
-    again, _, _ = online(stub, text="Hello from the whole stack.", seed=5)
-    assert b"".join(c.audio for c in again) == pcm
+    # same seed: the same frames; the audio to one int16 step (Code2Wav cuts chunks on need,
+    # and a chunk's length changes the codec's float rounding; README, Reproducibility)
+    assert whole.usage.frames == final.usage.frames and _within_one_step(whole.audio, pcm)
+    again, again_final, _ = online(stub, text="Hello from the whole stack.", seed=5)
+    assert again_final.usage.frames == final.usage.frames
+    assert _within_one_step(b"".join(c.audio for c in again), pcm)
+
+
+def _within_one_step(a: bytes, b: bytes) -> bool:
+    x, y = np.frombuffer(a, "<i2").astype(np.int32), np.frombuffer(b, "<i2").astype(np.int32)
+    return x.shape == y.shape and int(np.abs(x - y).max(initial=0)) <= 1
 
 
 def test_audio_equals_eager_generation_and_whole_decode(stack, model_cache):

@@ -1,7 +1,9 @@
 """Code2Wav as a real process (real gRPC, a real ring fed by a scripted talker process):
-audio equals the offline whole-sequence decode for several chunk schedules and many
-concurrent requests, cancel frees the slot and cancels on the talker, a killed talker
-fails its requests UNAVAILABLE and a new one is attached, sequence faults are counted,
+audio equals the offline whole-sequence decode for several pacings (chunks cut on need, one
+decode call a tick over chunks of different lengths) and many concurrent requests, an
+Open's bad pacing is refused naming the field, cancel frees the slot and cancels on the
+talker, a killed talker fails its requests UNAVAILABLE and a new one is attached, sequence
+faults are counted,
 a client that stops reading pauses only its own request, EncodeVoice equals the
 offline encoder."""
 
@@ -115,13 +117,14 @@ def pair(start_stage, sock_dir, cache_dir):
     sweep_stale(LIVENESS)  # what a killed talker left (a new talker's start-up sweep)
 
 
-def schedule(first, growth, steady):
-    return common_pb2.ChunkSchedule(first_frames=first, growth=growth, steady_frames=steady)
+def pacing(margin_s: float, steady: int, min_chunk: int) -> code2wav_pb2.Pacing:
+    return code2wav_pb2.Pacing(decode_margin_s=margin_s, steady_frames=steady, min_chunk_frames=min_chunk)
 
 
-def open_stream(stub, request_id: str, max_frames: int, chunk_schedule, timeout: float = 60):
+def open_stream(stub, request_id: str, max_frames: int, paced: code2wav_pb2.Pacing | None = None,
+                timeout: float = 60):
     stream = stub.Open(code2wav_pb2.OpenRequest(request_id=request_id, talker_id="t0", max_frames=max_frames,
-                                                chunk_schedule=chunk_schedule), timeout=timeout)
+                                                pacing=paced), timeout=timeout)
     return stream, next(stream).opened.handle
 
 
@@ -153,26 +156,42 @@ def random_codes(seed: int, frames: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 64, size=(frames, 8), dtype=np.int16)
 
 
-@pytest.mark.parametrize(("sched", "sizes"), [
-    ((1, 2.0, 8), [3, 5, 1, 7, 4, 6, 4]),
-    ((2, 1.0, 2), [30]),
-    ((3, 1.5, 5), [1] * 30),
-    ((4, 3.0, 16), [10, 10, 10]),
+@pytest.mark.parametrize(("paced", "sizes"), [
+    ((0.15, 8, 2), [3, 5, 1, 7, 4, 6, 4]),
+    ((100.0, 2, 1), [30]),          # always in need: steady chunks of 2
+    ((1e-6, 5, 3), [1] * 30),       # a first chunk of one frame, then never below 3 but the end
+    ((0.5, 16, 4), [10, 10, 10]),
 ])
-def test_audio_equals_offline_decode_for_each_chunk_schedule(pair, codec, sched, sizes):
+def test_audio_equals_offline_decode_for_each_pacing(pair, codec, paced, sizes):
     talker, stub, _ = pair
+    _, steady, min_chunk = paced
     codes = random_codes(1, sum(sizes))
-    stream, handle = open_stream(stub, "sched", len(codes), schedule(*sched))
+    stream, handle = open_stream(stub, "paced", len(codes), pacing(*paced))
     talker.send_frames(handle, codes, sizes)
     pcm, chunks, finished = collect(stream)
     assert_audio_equal(pcm, expected_pcm(codec, codes))
     assert [c.chunk_index for c in chunks] == list(range(len(chunks)))
     offsets = np.cumsum([0] + [c.num_frames * SPF for c in chunks[:-1]])
     assert [c.sample_offset for c in chunks] == offsets.tolist()
-    first, growth, steady = sched
-    planned = [min(steady, int(np.ceil(first * growth ** i))) for i in range(len(chunks))]
-    assert [c.num_frames for c in chunks][:-1] == planned[:-1]
+    frames = [c.num_frames for c in chunks]
+    # the first record at once (whatever arrived with it, up to a steady chunk); then never
+    # more than steady, nor fewer than min_chunk_frames but at the end
+    assert 1 <= frames[0] <= steady and max(frames) <= steady
+    assert all(f >= min_chunk for f in frames[1:-1]), frames
     assert finished.finish_reason == common_pb2.FINISH_REASON_STOP and finished.frames == len(codes)
+
+
+@pytest.mark.parametrize(("field", "value"), [("decode_margin_s", 0.0), ("min_chunk_frames", 0),
+                                              ("steady_frames", 1)])
+def test_an_open_with_bad_pacing_is_refused_naming_the_field(pair, field, value):
+    _, stub, _ = pair
+    bad = pacing(0.1, 4, 2)
+    setattr(bad, field, value)
+    with pytest.raises(grpc.RpcError) as info:
+        open_stream(stub, "bad", 10, bad)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"pacing.{field}" in info.value.details()
+    assert stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).active_slots == 0
 
 
 def test_sixteen_concurrent_requests_of_different_lengths(pair, codec):
@@ -183,7 +202,8 @@ def test_sixteen_concurrent_requests_of_different_lengths(pair, codec):
         try:
             codes = random_codes(100 + i, 5 + 3 * i)
             time.sleep(0.02 * (i % 5))  # different start times
-            stream, handle = open_stream(stub, f"r{i}", len(codes), schedule(1 + i % 3, 2.0, 8))
+            stream, handle = open_stream(stub, f"r{i}", len(codes), pacing(0.05 * (i % 4), 8, 1 + i % 3)
+                                         if i % 4 else None)
             sizes = [min(4, len(codes) - s) for s in range(0, len(codes), 4)]
             talker.send_frames(handle, codes, sizes)
             results[i] = (codes, collect(stream))
@@ -205,7 +225,7 @@ def test_sixteen_concurrent_requests_of_different_lengths(pair, codec):
 
 def test_cancelling_the_stream_frees_the_slot_and_cancels_on_the_talker(pair):
     talker, stub, _ = pair
-    stream, handle = open_stream(stub, "cancel-me", 500, schedule(1, 1.0, 1))
+    stream, handle = open_stream(stub, "cancel-me", 500, pacing(100.0, 1, 1))
     talker.put(handle, 0, random_codes(3, 4))
     next(stream)  # one chunk arrived
     stream.cancel()
@@ -219,7 +239,7 @@ def test_cancelling_the_stream_frees_the_slot_and_cancels_on_the_talker(pair):
 
 def test_cancelled_record_ends_the_stream_cancelled(pair):
     talker, stub, _ = pair
-    stream, handle = open_stream(stub, "talker-cancel", 100, schedule(2, 1.0, 2))
+    stream, handle = open_stream(stub, "talker-cancel", 100, pacing(100.0, 2, 2))
     talker.put(handle, 0, random_codes(5, 2))
     talker.put(handle, 1, None, flags=int(RecordFlags.CANCELLED), finish=int(FinishReason.CANCELLED))
     with pytest.raises(grpc.RpcError) as info:
@@ -232,7 +252,7 @@ def test_cancelled_record_ends_the_stream_cancelled(pair):
                                               (FinishReason.STALLED, grpc.StatusCode.UNAVAILABLE)])
 def test_talker_endings_map_to_status_codes(pair, reason, code):
     talker, stub, _ = pair
-    stream, handle = open_stream(stub, "ending", 100, schedule(2, 1.0, 2))
+    stream, handle = open_stream(stub, "ending", 100, pacing(100.0, 2, 2))
     talker.send_frames(handle, random_codes(6, 3), [3], finish=reason)
     with pytest.raises(grpc.RpcError) as info:
         collect(stream)
@@ -241,7 +261,7 @@ def test_talker_endings_map_to_status_codes(pair, reason, code):
 
 def test_killed_talker_fails_requests_then_a_new_one_is_attached(pair, codec):
     talker, stub, _ = pair
-    stream, handle = open_stream(stub, "orphan", 100, schedule(1, 1.0, 1))
+    stream, handle = open_stream(stub, "orphan", 100, pacing(100.0, 1, 1))
     talker.put(handle, 0, random_codes(7, 2))
     next(stream)
     talker.stop(signal.SIGKILL)
@@ -252,7 +272,7 @@ def test_killed_talker_fails_requests_then_a_new_one_is_attached(pair, codec):
     try:
         fresh.expect("attached")
         codes = random_codes(8, 6)
-        stream, handle = open_stream(stub, "after", len(codes), schedule(2, 1.0, 2))
+        stream, handle = open_stream(stub, "after", len(codes), pacing(100.0, 2, 2))
         fresh.send_frames(handle, codes, [6])
         pcm, _, finished = collect(stream)
         assert_audio_equal(pcm, expected_pcm(codec, codes))
@@ -263,7 +283,7 @@ def test_killed_talker_fails_requests_then_a_new_one_is_attached(pair, codec):
 
 def test_gaps_and_duplicates_are_counted(pair):
     talker, stub, _ = pair
-    stream, handle = open_stream(stub, "faults", 100, schedule(1, 1.0, 4))
+    stream, handle = open_stream(stub, "faults", 100, pacing(100.0, 4, 1))
     codes = random_codes(9, 6)
     talker.put(handle, 0, codes[:2])
     talker.put(handle, 0, codes[:2])   # duplicate
@@ -281,10 +301,10 @@ def test_a_client_that_stops_reading_pauses_only_its_own_request(pair, codec):
     slow_channel = grpc.insecure_channel(svc.address, options=[("grpc.http2.bdp_probe", 0)])
     slow_stub = code2wav_pb2_grpc.Code2WavStub(slow_channel)
     slow_codes = random_codes(10, 400)
-    slow, slow_handle = open_stream(slow_stub, "slow", 400, schedule(8, 1.0, 8))
+    slow, slow_handle = open_stream(slow_stub, "slow", 400, pacing(100.0, 8, 8))
     talker.send_frames(slow_handle, slow_codes, [40] * 10)  # all frames arrive; nobody reads
     fast_codes = random_codes(11, 40)
-    fast, fast_handle = open_stream(stub, "fast", 40, schedule(8, 1.0, 8))
+    fast, fast_handle = open_stream(stub, "fast", 40, pacing(100.0, 8, 8))
     talker.send_frames(fast_handle, fast_codes, [8] * 5)
     pcm, _, _ = collect(fast)
     assert_audio_equal(pcm, expected_pcm(codec, fast_codes))

@@ -49,6 +49,9 @@ def _config(**changes) -> BenchConfig:
     ({"load": "poisson", "audio_seconds": (10.0, 1.0)}, "audio_seconds"),
     ({"load": "poisson", "audio_seconds": (0.0, 1.0)}, "audio_seconds"),
     ({"audio_seconds": (1.0,)}, "audio_seconds"),
+    ({"max_audio_seconds": 0.0}, "max_audio_seconds"),
+    ({"max_audio_seconds": float("nan")}, "max_audio_seconds"),
+    ({"load": "poisson", "max_audio_seconds": 1.0}, "max_audio_seconds"),
 ])
 def test_config_errors_name_the_field(changes, field):
     with pytest.raises(ValueError, match=rf"^{field}\b"):
@@ -164,6 +167,18 @@ def test_poisson_run_sends_each_request_its_own_text_and_length(fake):
     assert report.requested_audio_seconds == pytest.approx(sum(a.max_audio_seconds for a in planned))
     assert report.mean_in_flight > 0 and 1 <= report.max_in_flight <= 6
     assert not report.timed_out
+
+
+def test_closed_loop_caps_every_request_at_max_audio_seconds(fake):
+    capped = run(BenchConfig(target=fake.target, num_requests=3, concurrency=2, max_audio_seconds=0.125,
+                             request_timeout_s=WAIT_S, max_total_s=4 * WAIT_S))
+    assert [r.max_audio_seconds for r in fake.requests] == [0.125] * 3  # exact in float32
+    assert capped.completed == 3 and capped.requested_audio_seconds == pytest.approx(3 * 0.125)
+    fake.requests.clear()
+    default = run(BenchConfig(target=fake.target, num_requests=2, concurrency=1,
+                              request_timeout_s=WAIT_S, max_total_s=4 * WAIT_S))
+    assert not any(r.HasField("max_audio_seconds") for r in fake.requests)  # the server's default
+    assert default.completed == 2 and default.requested_audio_seconds is None
 
 
 def test_the_run_bound_cancels_an_open_loop_and_counts_what_it_never_sent(fake, capsys):

@@ -17,7 +17,6 @@ from models.csm.loader import load_talker
 from models.csm.model import pack_prompt
 from models.family import PromptSegment
 from models.tiny.talker import NUM_CODEBOOKS, build_tokenizer, write_tiny_checkpoint
-from services.common.chunks import ChunkSchedule
 from services.talker.engine import TalkerEngine
 from services.talker.generate import GenerationRequest, Sampling, generate
 from services.talker.request import FinishReason, TalkerRequest
@@ -76,8 +75,7 @@ def request(handle: int, text: str, *, sampling: Sampling | None = None, max_fra
     packed = pack_prompt(segments(handle, text), NUM_CODEBOOKS, 0)
     return TalkerRequest(request_id=f"r{handle}", handle=handle, consumer_id="c", prompt=packed,
                          prompt_len=len(packed), max_frames=max_frames, min_frames=min_frames,
-                         sampling=sampling or Sampling(),
-                         schedule=ChunkSchedule(first_frames=2, growth=2.0, steady_frames=8))
+                         sampling=sampling or Sampling())
 
 
 def run(engine, requests, max_steps=500):
@@ -190,7 +188,7 @@ def test_max_frames_exact_and_one_record_per_step(folder):
     # asked only for the frames it has left)
     sizes = [len(r["codes"]) for r in sink.records]
     assert sum(sizes) == 7 and len(sizes) == engine.counters.steps and all(1 <= n <= 8 for n in sizes)
-    assert sizes[0] == 2  # a bucket's first step, unmeasured: the fewest frames, the first chunk's 2
+    assert sizes[0] == 1  # a bucket's first step, unmeasured: one frame (Code2Wav decodes it at once)
 
 
 def test_cancel_frees_the_slot_and_writes_cancelled(folder):

@@ -48,7 +48,7 @@ def test_records_reach_the_consumer_in_order_with_every_frame(ring):
     assert tally["errors"] == []
     assert [s["k"] for s in samples] == [4] * STEPS  # K forced to k_max every step
     assert [s["frames"] for s in samples] == [4 * ROWS] * STEPS
-    assert {r.frames_done for r in requests} == {4 * (STEPS + 1)}  # + the admitting step (K: its first chunk)
+    assert {r.frames_done for r in requests} == {4 * STEPS + 1}  # + the admitting step (unmeasured: K = 1)
     assert tally["frames_by_handle"] == {r.handle: r.frames_done for r in requests}
     assert tally["records_by_handle"] == {r.handle: r.seq for r in requests}
     assert set(tally["last_flags"].values()) == {int(RecordFlags.CANCELLED)}

@@ -120,26 +120,24 @@ def pack_prompt(segments, num_codebooks, eos_id):
 
 
 def test_a_submits_first_audio_budget_sets_the_deadline_and_its_default_applies_otherwise():
-    from services.common.chunks import ChunkSchedule
     from services.talker.servicer import ModelFacts, build_request
     facts = ModelFacts(num_codebooks=32, codebook_size=2048, text_vocab_size=256, max_len=64,
                        max_repetition_window=8, pack_prompt=lambda segments: pack_prompt(segments, 32, 0))
-    carried = build_request(_submit(first_audio_budget_s=0.2), facts, ChunkSchedule(), 10.0, 0.5)
+    carried = build_request(_submit(first_audio_budget_s=0.2), facts, 10.0, 0.5)
     assert carried.first_audio_by == pytest.approx(10.2)
-    default = build_request(_submit(), facts, ChunkSchedule(), 10.0, 0.5)
+    default = build_request(_submit(), facts, 10.0, 0.5)
     assert default.first_audio_by == pytest.approx(10.5)
-    assert build_request(_submit(), facts, ChunkSchedule(), 10.0, 0.0).first_audio_by is None
+    assert build_request(_submit(), facts, 10.0, 0.0).first_audio_by is None
 
 
 @pytest.mark.parametrize("value", [-0.1, math.inf, math.nan])
 def test_a_bad_first_audio_budget_is_refused_naming_the_field(value):
-    from services.common.chunks import ChunkSchedule
     from services.common.errors import InvalidArgument
     from services.talker.servicer import ModelFacts, build_request
     facts = ModelFacts(num_codebooks=32, codebook_size=2048, text_vocab_size=256, max_len=64,
                        max_repetition_window=8, pack_prompt=lambda segments: pack_prompt(segments, 32, 0))
     with pytest.raises(InvalidArgument, match="first_audio_budget_s"):
-        build_request(_submit(first_audio_budget_s=value), facts, ChunkSchedule(), 0.0)
+        build_request(_submit(first_audio_budget_s=value), facts, 0.0)
 
 
 @pytest.mark.parametrize("key", ["path_s", "first_audio_budget_s"])

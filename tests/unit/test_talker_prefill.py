@@ -17,7 +17,7 @@ from models.csm.config import CsmConfig
 from models.csm.model import CsmTalker
 from models.family import PromptSegment
 from models.tiny.talker import tiny_config
-from services.common.chunks import ChunkSchedule, Sampling
+from services.common.chunks import Sampling
 from services.common.config import ConfigValueError
 from services.talker.config import EngineSection
 from services.talker.prefill_graphs import PrefillBuckets, capture_within_budget
@@ -239,7 +239,7 @@ def test_submit_stores_the_packed_prompt(model):
         talker_pb2.PromptSegment(text_token_ids=[7], frames={"num_frames": 3, "num_codebooks": 8,
                                                              "codes": codes.tobytes()})])
     facts = ModelFacts(8, 64, 260, MAX_LEN, 4, model.pack_prompt)
-    request = build_request(req, facts, ChunkSchedule(), 0.0)
+    request = build_request(req, facts, 0.0)
     frames = torch.from_numpy(codes.astype(np.int64))
     want = model.pack_prompt([PromptSegment([256, 5]), PromptSegment([7], frames)])
     np.testing.assert_array_equal(request.prompt, want)

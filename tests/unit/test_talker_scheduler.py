@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.chunks import ChunkSchedule
 from services.talker.request import FinishReason, RequestState, TalkerRequest
 from services.talker.scheduler import Overloaded, QueueFull, Scheduler
 
 
 def req(handle: int, *, prompt_len: int = 10, max_frames: int = 100, consumer: str = "c0",
-        schedule: ChunkSchedule | None = None, deadline: float | None = None) -> TalkerRequest:
+        deadline: float | None = None) -> TalkerRequest:
     return TalkerRequest(request_id=f"r{handle}", handle=handle, consumer_id=consumer, prompt=None,
-                         prompt_len=prompt_len, max_frames=max_frames, deadline=deadline,
-                         schedule=schedule or ChunkSchedule(first_frames=2, growth=2.0, steady_frames=8))
+                         prompt_len=prompt_len, max_frames=max_frames, deadline=deadline)
 
 
 def sched(**overrides) -> Scheduler:
@@ -38,19 +36,9 @@ def chunks(plan):
     return [(c.request.handle, c.start, c.count) for c in plan.prefill]
 
 
-def test_chunk_schedule_boundaries():
-    schedule = ChunkSchedule(first_frames=2, growth=2.0, steady_frames=8)
-    assert [schedule.chunk_frames(i) for i in range(5)] == [2, 4, 8, 8, 8]
-    assert [schedule.next_boundary(n) for n in (0, 1, 2, 5, 6, 13, 14)] == [2, 2, 6, 6, 14, 14, 22]
-    with pytest.raises(ValueError, match="first_frames"):
-        ChunkSchedule(first_frames=0)
-    with pytest.raises(ValueError, match="growth"):
-        ChunkSchedule(growth=0.5)
-
-
 def test_k_is_1_until_a_step_of_the_bucket_is_measured_then_k_max_with_slack():
     s = sched()
-    r = req(1, max_frames=30, schedule=ChunkSchedule(first_frames=1, growth=2.0, steady_frames=8))
+    r = req(1, max_frames=30)
     s.add(r)
     plan, _ = run_step(s, 0.0)
     assert plan.k == 1  # nothing measured yet for this bucket
@@ -65,18 +53,20 @@ def test_k_is_1_until_a_step_of_the_bucket_is_measured_then_k_max_with_slack():
     assert (plan.k, plan.k_bound) == (8, "k_max")
 
 
-def test_a_silent_row_gets_at_least_its_first_chunk_in_one_step():
+def test_a_silent_rows_first_record_is_as_small_as_its_budget_needs():
+    # Code2Wav decodes a stream's first record at once, whatever its frames: no first-chunk floor
     s = sched(bucket_for=lambda rows: 2)
     s.times.observe(2, 1, 0.010)
-    speaking = req(1, schedule=ChunkSchedule(first_frames=1, growth=2.0, steady_frames=8))
+    speaking = req(1)
     s.add(speaking)
     run_step(s, 0.0)
     speaking.first_written_at, speaking.frames_done = 0.0, 1  # due at 80 ms: K = 7 alone
-    new = req(2, schedule=ChunkSchedule(first_frames=4, growth=2.0, steady_frames=8))
-    new.first_audio_by = 0.1 + 0.015  # 15 ms: one frame would fit, but Code2Wav waits for 4
+    new = req(2)
+    new.first_audio_by = 0.1 + 0.025  # 25 ms: one frame and the spare step fit, two do not
     s.add(new)
     plan = s.schedule(0.0)
-    assert [r.handle for r in plan.decode] == [1, 2] and plan.k == 4
+    assert [r.handle for r in plan.decode] == [1, 2]
+    assert (plan.k, plan.k_bound) == (1, "first_audio")
 
 
 def test_no_row_is_held_back_by_another_rows_chunk_boundary_or_its_end():
@@ -297,3 +287,23 @@ def test_drop_ends_a_consumers_rows():
     assert sorted(r.handle for r in dropped) == [1, 3]
     assert [r.handle for r in s.running] == [2] and len(s.slots) == 3
     assert all(r.state is RequestState.FINISHED for r in dropped)
+
+
+def test_a_row_late_whatever_the_step_does_not_bound_k_but_one_still_in_time_does():
+    # under load there are nearly always rows past their due time; K = 1 would not save them
+    # and would cut every other row's frames per second
+    s = sched(bucket_for=lambda rows: 2)
+    s.times.observe(2, 1, 0.010)
+    s.times.observe(2, 8, 0.040)
+    ahead = req(1)
+    s.add(ahead)
+    run_step(s, 0.0)
+    ahead.first_written_at, ahead.frames_done = 0.0, 100  # 8 s written: far ahead of its listener
+    late = req(2)
+    late.first_audio_by = 0.1 + 0.015  # due at 15 ms: not even a one-frame step and its spare fit
+    s.add(late)
+    plan = s.schedule(0.0)
+    assert [r.handle for r in plan.decode] == [1, 2]
+    assert (plan.k, plan.k_bound) == (8, "k_max")
+    late.first_audio_by = 0.1 + 0.025  # due at 25 ms: in time for K = 2 (14.3 ms) and a spare step
+    assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (2, "first_audio")

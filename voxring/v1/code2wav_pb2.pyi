@@ -7,16 +7,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenRequest(_message.Message):
-    __slots__ = ("request_id", "talker_id", "chunk_schedule", "max_frames")
+    __slots__ = ("request_id", "talker_id", "max_frames", "pacing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TALKER_ID_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PACING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     talker_id: str
-    chunk_schedule: _common_pb2.ChunkSchedule
     max_frames: int
-    def __init__(self, request_id: _Optional[str] = ..., talker_id: _Optional[str] = ..., chunk_schedule: _Optional[_Union[_common_pb2.ChunkSchedule, _Mapping]] = ..., max_frames: _Optional[int] = ...) -> None: ...
+    pacing: Pacing
+    def __init__(self, request_id: _Optional[str] = ..., talker_id: _Optional[str] = ..., max_frames: _Optional[int] = ..., pacing: _Optional[_Union[Pacing, _Mapping]] = ...) -> None: ...
+
+class Pacing(_message.Message):
+    __slots__ = ("decode_margin_s", "steady_frames", "min_chunk_frames")
+    DECODE_MARGIN_S_FIELD_NUMBER: _ClassVar[int]
+    STEADY_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    decode_margin_s: float
+    steady_frames: int
+    min_chunk_frames: int
+    def __init__(self, decode_margin_s: _Optional[float] = ..., steady_frames: _Optional[int] = ..., min_chunk_frames: _Optional[int] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("opened", "chunk", "finished")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17voxring/v1/common.proto\x12\nvoxring.v1\"\x88\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x19\n\x11repetition_window\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"L\n\rChunkSchedule\x12\x14\n\x0c\x66irst_frames\x18\x01 \x01(\r\x12\x0e\n\x06growth\x18\x02 \x01(\x01\x12\x15\n\rsteady_frames\x18\x03 \x01(\r\"B\n\x06\x46rames\x12\x12\n\nnum_frames\x18\x01 \x01(\r\x12\x15\n\rnum_codebooks\x18\x02 \x01(\r\x12\r\n\x05\x63odes\x18\x03 \x01(\x0c*\xcc\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x12\x19\n\x15\x46INISH_REASON_STALLED\x10\x06\x42I\n\rio.voxring.v1P\x01Z6github.com/voxring/voxring/gen/go/voxring/v1;voxringv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17voxring/v1/common.proto\x12\nvoxring.v1\"\x88\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x04 \x01(\x02\x12\x19\n\x11repetition_window\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"B\n\x06\x46rames\x12\x12\n\nnum_frames\x18\x01 \x01(\r\x12\x15\n\rnum_codebooks\x18\x02 \x01(\r\x12\r\n\x05\x63odes\x18\x03 \x01(\x0c*\xcc\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x12\x19\n\x15\x46INISH_REASON_STALLED\x10\x06\x42I\n\rio.voxring.v1P\x01Z6github.com/voxring/voxring/gen/go/voxring/v1;voxringv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,12 +32,10 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'voxring.v1.common_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rio.voxring.v1P\001Z6github.com/voxring/voxring/gen/go/voxring/v1;voxringv1'
-  _globals['_FINISHREASON']._serialized_start=325
-  _globals['_FINISHREASON']._serialized_end=529
+  _globals['_FINISHREASON']._serialized_start=247
+  _globals['_FINISHREASON']._serialized_end=451
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=176
-  _globals['_CHUNKSCHEDULE']._serialized_start=178
-  _globals['_CHUNKSCHEDULE']._serialized_end=254
-  _globals['_FRAMES']._serialized_start=256
-  _globals['_FRAMES']._serialized_end=322
+  _globals['_FRAMES']._serialized_start=178
+  _globals['_FRAMES']._serialized_end=244
 # @@protoc_insertion_point(module_scope)

@@ -38,16 +38,6 @@ class SamplingParams(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_window: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
-class ChunkSchedule(_message.Message):
-    __slots__ = ("first_frames", "growth", "steady_frames")
-    FIRST_FRAMES_FIELD_NUMBER: _ClassVar[int]
-    GROWTH_FIELD_NUMBER: _ClassVar[int]
-    STEADY_FRAMES_FIELD_NUMBER: _ClassVar[int]
-    first_frames: int
-    growth: float
-    steady_frames: int
-    def __init__(self, first_frames: _Optional[int] = ..., growth: _Optional[float] = ..., steady_frames: _Optional[int] = ...) -> None: ...
-
 class Frames(_message.Message):
     __slots__ = ("num_frames", "num_codebooks", "codes")
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]

@@ -79,7 +79,7 @@ class PromptSegment(_message.Message):
     def __init__(self, text_token_ids: _Optional[_Iterable[int]] = ..., frames: _Optional[_Union[_common_pb2.Frames, _Mapping]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "handle", "consumer_id", "segments", "sampling", "min_frames", "max_frames", "chunk_schedule", "timeout_s", "first_audio_budget_s")
+    __slots__ = ("request_id", "handle", "consumer_id", "segments", "sampling", "min_frames", "max_frames", "timeout_s", "first_audio_budget_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -87,7 +87,6 @@ class SubmitRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_FRAMES_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_AUDIO_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -97,10 +96,9 @@ class SubmitRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     min_frames: int
     max_frames: int
-    chunk_schedule: _common_pb2.ChunkSchedule
     timeout_s: float
     first_audio_budget_s: float
-    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[int] = ..., consumer_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[PromptSegment, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_frames: _Optional[int] = ..., max_frames: _Optional[int] = ..., chunk_schedule: _Optional[_Union[_common_pb2.ChunkSchedule, _Mapping]] = ..., timeout_s: _Optional[float] = ..., first_audio_budget_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[int] = ..., consumer_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[PromptSegment, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_frames: _Optional[int] = ..., max_frames: _Optional[int] = ..., timeout_s: _Optional[float] = ..., first_audio_budget_s: _Optional[float] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("admission", "queue_position")

@@ -1,0 +1,77 @@
+"""Code2Wav's engine counters: what it sent, how it cut and batched its chunks, where a
+tick's time went, and what its listener model says the clients heard. Filled on the
+engine thread; read at scrape time (plain reads) and by the Stats RPC."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.code2wav.pacing import CUTS
+from services.common.histogram import EdgeHistogram
+
+# Upper edges (seconds) of the listener-buffer histogram: the audio a client still had
+# buffered when a chunk was sent (below 0: it had waited that long: a stall)
+BUFFER_EDGES = (-0.5, -0.1, 0.0, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+# Upper edges of the chunks-per-decode-call histogram
+BATCH_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclass
+class Code2WavCounters:
+    dropped_records: int = 0
+    sequence_gaps: int = 0
+    duplicate_records: int = 0
+    chunks: int = 0
+    audio_s: float = 0.0
+    window: tuple[float, int, float] = (0.0, 0, 0.0)  # (clock, chunks, audio seconds) at the last Stats
+    decode_calls: int = 0
+    decode_s: float = 0.0     # in decode calls (on CUDA: launches and the one copy back)
+    host_s: float = 0.0       # around them: taking the frames, sending the chunks
+    underruns: int = 0        # chunks the listener model says came after its buffer ran dry
+    underrun_s: float = 0.0
+    cuts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CUTS, 0))
+    buffer: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(BUFFER_EDGES))
+    batch: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(BATCH_EDGES))
+
+    def cut(self, why: str) -> None:
+        self.cuts[why] += 1
+
+    def tick(self, audio_s: float, buffers: list[float], *, host_s: float, decode_s: float) -> None:
+        """One decode call of ``len(buffers)`` chunks; ``buffers``: the listener buffer each found."""
+        self.decode_calls += 1
+        self.chunks += len(buffers)
+        self.audio_s += audio_s
+        self.host_s += host_s
+        self.decode_s += decode_s
+        self.batch.observe([len(buffers)])
+        self.buffer.observe(buffers)
+        for found in buffers:
+            if found < 0:
+                self.underruns += 1
+                self.underrun_s -= found
+
+    def snapshot(self, active: int, queued: int) -> dict:
+        """{name: (kind, help, value)} for services/common/metrics.StageCollector."""
+        out = {"active_streams": ("gauge", "requests open on this Code2Wav", active),
+               "queued_frames": ("gauge", "frames waiting to be decoded", queued),
+               "chunks": ("counter", "audio chunks sent", self.chunks),
+               "audio_seconds": ("counter", "seconds of audio decoded", self.audio_s),
+               "dropped_records": ("counter", "records for unknown handles", self.dropped_records),
+               "sequence_gaps": ("counter", "missing ring records", self.sequence_gaps),
+               "decode_calls": ("counter", "decode calls (one per tick that cut a chunk)", self.decode_calls),
+               "decode_seconds": ("counter", "engine seconds in decode calls", self.decode_s),
+               "chunk_host_seconds": ("counter", "engine seconds around decode calls (taking frames, "
+                                      "sending chunks)", self.host_s),
+               "listener_underruns": ("counter", "chunks sent after the listener's buffer ran dry "
+                                      "(this side's model of it)", self.underruns),
+               "listener_underrun_seconds": ("counter", "seconds listeners waited, as modeled",
+                                             self.underrun_s),
+               "chunks_per_call": ("histogram", "chunks in one decode call", self.batch.metric()),
+               "listener_buffer_seconds": ("histogram", "audio the listener had buffered when a chunk "
+                                           "was sent (< 0: it waited)", self.buffer.metric())}
+        for why in CUTS:
+            out[f"chunks_cut_{why}"] = ("counter", f"chunks cut for: {why}", self.cuts[why])
+        return out
+
+
+__all__ = ["BATCH_EDGES", "BUFFER_EDGES", "Code2WavCounters"]

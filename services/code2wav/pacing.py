@@ -1,0 +1,105 @@
+"""When Code2Wav cuts a request's audio chunks (PROTOCOL.md, Pacing), and its model of the
+listener those cuts follow.
+
+The listener is modeled from what this side sent: playback starts when the first chunk is
+sent and runs in real time; a chunk sent after the buffer ran dry is a stall (an underrun
+the listener heard), after which playback resumes from that chunk. A stream's first record
+is decoded at once; after that a chunk is cut when the buffer would fall below
+``decode_margin_s``, when ``steady_frames`` are pending, or when the request ended; never
+below ``min_chunk_frames`` except at the end. Pure Python: owned by the engine thread.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.common.config import ConfigValueError
+from services.common.errors import InvalidArgument
+
+# Why a chunk was cut (counted per chunk in the engine's metrics)
+CUTS = ("first", "need", "size", "end")
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """A stage's ``pacing`` section (deploy/configs/code2wav.yaml), or an Open's override."""
+
+    decode_margin_s: float = 0.15  # listener audio left when the next chunk is cut
+    steady_frames: int = 16        # the largest chunk; cut as soon as this many are pending
+    min_chunk_frames: int = 1      # the smallest chunk but a stream's first and its last
+
+    def __post_init__(self) -> None:
+        if not (self.decode_margin_s > 0 and math.isfinite(self.decode_margin_s)):
+            raise ConfigValueError("decode_margin_s",
+                                   f"must be a finite number > 0, got {self.decode_margin_s!r}")
+        if self.min_chunk_frames < 1:
+            raise ConfigValueError("min_chunk_frames", f"must be >= 1, got {self.min_chunk_frames}")
+        if self.steady_frames < self.min_chunk_frames:
+            raise ConfigValueError("steady_frames", f"must be >= min_chunk_frames ({self.min_chunk_frames}), "
+                                   f"got {self.steady_frames}")
+
+
+def requested_pacing(request, default: Pacing) -> Pacing:
+    """The pacing an Open asks for (``default`` when it carries none); InvalidArgument naming
+    ``pacing.<field>`` when a value is out of range."""
+    if not request.HasField("pacing"):
+        return default
+    p = request.pacing
+    try:
+        return Pacing(p.decode_margin_s, p.steady_frames, p.min_chunk_frames)
+    except ConfigValueError as exc:
+        raise InvalidArgument(f"pacing.{exc.key}", exc.reason) from None
+
+
+@dataclass
+class Listener:
+    """What the client has buffered, as far as this side can tell from its own sends."""
+
+    frame_s: float
+    origin: float | None = None  # when playback of audio second 0 would have started
+    sent_s: float = 0.0          # audio sent so far
+    stalls: int = 0              # chunks sent after the buffer had run dry
+    stalled_s: float = 0.0
+
+    def buffer_s(self, now: float) -> float:
+        """Audio sent and not yet played at ``now`` (0 before the first chunk)."""
+        return 0.0 if self.origin is None else self.sent_s - (now - self.origin)
+
+    def need_at(self, margin_s: float) -> float:
+        """When the buffer falls to ``margin_s`` (playback not yet started: at once)."""
+        return -math.inf if self.origin is None else self.origin + self.sent_s - margin_s
+
+    def sent(self, now: float, frames: int) -> float:
+        """Records a chunk sent at ``now``; returns the buffer it found (< 0: a stall)."""
+        if self.origin is None:
+            self.origin = now
+        found = self.buffer_s(now)
+        if found < 0:  # the player waited for this chunk; playback resumes from it
+            self.stalls += 1
+            self.stalled_s -= found
+            self.origin -= found
+        self.sent_s += frames * self.frame_s
+        return found
+
+
+def frames_to_cut(pacing: Pacing, listener: Listener, now: float, *, pending: int, decoded: int,
+                  left: int, ended: bool) -> tuple[int, str]:
+    """(frames to decode now, why) for a stream with ``pending`` frames waiting, ``decoded``
+    sent, ``left`` more allowed by its max frames, ``ended`` once its last record came;
+    (0, "") when it should wait."""
+    take = min(pending, pacing.steady_frames, max(left, 1))
+    if take <= 0:
+        return 0, ""
+    if decoded == 0:
+        return take, "first"
+    if ended or take >= left:  # the request's last frames: nothing more will come to wait for
+        return take, "end"
+    if pending >= pacing.steady_frames:
+        return take, "size"
+    if take >= pacing.min_chunk_frames and now >= listener.need_at(pacing.decode_margin_s):
+        return take, "need"
+    return 0, ""
+
+
+__all__ = ["CUTS", "Listener", "Pacing", "frames_to_cut", "requested_pacing"]

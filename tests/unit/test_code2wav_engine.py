@@ -1,0 +1,276 @@
+"""Code2Wav's engine on a scripted clock, a scripted ring and a decoder that records its calls:
+chunks cut on need (the first record at once; then the listener's margin, a steady chunk or
+the end; never below min_chunk_frames but at the end), every chunk of a tick in one decode call
+whatever their lengths, only streams something happened to looked at, the listener model's
+stalls, a client that does not drain held and resumed, a closed stream freed once even inside
+a batched tick, nothing sent after a stream's end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from services.code2wav.engine import Code2WavEngine
+from services.code2wav.pacing import Listener, Pacing, frames_to_cut
+from services.code2wav.streams import OpenStream
+from services.transport.layout import FinishReason, FrameRecord, RecordFlags
+
+FRAME_S = 0.08
+K = 8
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ScriptedConsumer:
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def get_batch(self, max_records: int, timeout: float | None = 0.0):
+        taken, self.records = self.records[:max_records], self.records[max_records:]
+        return taken
+
+    def get(self, timeout: float | None = 0.0):
+        return self.records.pop(0) if self.records else None
+
+    def release(self) -> None:
+        pass
+
+    def tick(self) -> None:
+        pass
+
+
+class Link:
+    talker_id = "t0"
+    connected = True
+
+    def __init__(self) -> None:
+        self.consumer = ScriptedConsumer()
+
+
+class Decoder:
+    """decode_many's contract: per row, t_i frames in, t_i * spf samples out (its first code)."""
+
+    spf = 4
+
+    def __init__(self) -> None:
+        self.calls: list[list[tuple[int, int]]] = []
+        self.codec = type("Codec", (), {"num_codebooks": K, "config": type(
+            "Config", (), {"frame_rate": 1 / FRAME_S, "codebook_size": 64})()})()
+
+    def reset(self, slots) -> None:
+        pass
+
+    def decode_many(self, slots, chunks):
+        self.calls.append([(slot, len(chunk)) for slot, chunk in zip(slots, chunks, strict=True)])
+        return [np.repeat(chunk[:, 0], self.spf).astype(np.int16) for chunk in chunks]
+
+
+class Sent(list):
+    """What a stream's gRPC queue would have received."""
+
+    def put_nowait(self, message) -> None:
+        self.append(message)
+
+
+class Loop:
+    def call_soon_threadsafe(self, fn, *args) -> None:
+        fn(*args)
+
+
+@pytest.fixture
+def setup():
+    clock, link, decoder = Clock(), Link(), Decoder()
+    engine = Code2WavEngine(decoder, {"t0": link}, max_slots=8, max_undelivered_seconds=100.0,
+                            max_records_per_step=64, clock=clock)
+    return engine, clock, link, decoder
+
+
+def open_stream(engine, handle: int, pacing: Pacing, max_frames: int = 1000) -> tuple[OpenStream, Sent]:
+    sent = Sent()
+
+    def make(slot: int) -> OpenStream:
+        return OpenStream(handle, f"r{handle}", "t0", slot, pacing, max_frames, Loop(), sent,
+                          clock=engine.clock, frame_s=FRAME_S)
+
+    return engine.open(make), sent
+
+
+def put(link, handle: int, seq: int, frames: int, *, last: bool = False, first: int = 0) -> None:
+    codes = (np.arange(first, first + frames, dtype=np.int16)[:, None] % 64).repeat(K, 1)
+    record = FrameRecord(handle, seq, first, frames, K, int(RecordFlags.LAST) if last else 0,
+                         int(FinishReason.STOP) if last else 0)
+    link.consumer.records.append((record, codes))
+
+
+def chunk_frames(sent: Sent) -> list[int]:
+    return [m[1].num_frames for m in sent if m[0] == "chunk"]
+
+
+def test_the_first_record_is_decoded_at_once_however_small():
+    listener = Listener(FRAME_S)
+    p = Pacing(decode_margin_s=0.1, steady_frames=8, min_chunk_frames=4)
+    assert frames_to_cut(p, listener, 0.0, pending=1, decoded=0, left=100, ended=False) == (1, "first")
+    assert frames_to_cut(p, listener, 0.0, pending=20, decoded=0, left=100, ended=False) == (8, "first")
+
+
+def test_after_the_first_a_chunk_waits_for_the_listeners_need_a_steady_chunk_or_the_end():
+    p = Pacing(decode_margin_s=0.1, steady_frames=8, min_chunk_frames=2)
+    listener = Listener(FRAME_S)
+    listener.sent(0.0, 4)  # 320 ms sent at 0: the buffer reaches the margin at 220 ms
+    cut = lambda now, pending, **kw: frames_to_cut(p, listener, now, pending=pending, decoded=4,  # noqa: E731
+                                                    left=kw.get("left", 100), ended=kw.get("ended", False))
+    assert listener.need_at(p.decode_margin_s) == pytest.approx(0.22)
+    assert cut(0.1, 3) == (0, "")
+    assert cut(0.23, 3) == (3, "need")
+    assert cut(0.23, 1) == (0, "")            # never below min_chunk_frames ...
+    assert cut(0.23, 1, ended=True) == (1, "end")  # ... but at the end
+    assert cut(0.23, 1, left=1) == (1, "end")      # its max frames reached: nothing more will come
+    assert cut(0.0, 9) == (8, "size")
+
+
+def test_the_listener_model_counts_a_stall_and_resumes_from_the_late_chunk():
+    listener = Listener(FRAME_S)
+    assert listener.sent(1.0, 2) == 0.0          # playback starts with the first chunk
+    assert listener.buffer_s(1.1) == pytest.approx(0.06)
+    assert listener.sent(1.2, 1) == pytest.approx(-0.04)  # 40 ms late: a stall
+    assert (listener.stalls, listener.stalled_s) == (1, pytest.approx(0.04))
+    assert listener.buffer_s(1.2) == pytest.approx(0.08)  # resumed from that chunk
+
+
+def test_chunks_of_different_lengths_in_one_tick_go_in_one_decode_call(setup):
+    engine, _, link, decoder = setup
+    p = Pacing(decode_margin_s=0.1, steady_frames=8, min_chunk_frames=2)
+    streams = [open_stream(engine, h, p) for h in (1, 2, 3)]
+    for h, frames in zip((1, 2, 3), (1, 5, 12), strict=True):
+        put(link, h, 0, frames)
+    engine.step()
+    assert len(decoder.calls) == 1
+    assert sorted(f for _, f in decoder.calls[0]) == [1, 5, 8]  # first records; 12 > steady
+    engine.step()  # stream 3's 4 left: not needed yet (640 ms buffered), below steady
+    assert len(decoder.calls) == 1
+    assert [chunk_frames(sent) for _, sent in streams] == [[1], [5], [8]]
+    # each chunk's PCM is its own frames (the fake decoder's samples are the frame indices)
+    pcm = np.frombuffer(streams[2][1][0][1].pcm, "<i2")
+    assert pcm.tolist() == np.repeat(np.arange(8), Decoder.spf).tolist()
+
+
+def test_a_need_that_comes_cuts_without_any_new_record_and_idle_streams_are_not_looked_at(setup):
+    engine, clock, link, decoder = setup
+    p = Pacing(decode_margin_s=0.1, steady_frames=8, min_chunk_frames=2)
+    (_, sent), (other, _) = open_stream(engine, 1, p), open_stream(engine, 2, p)
+    put(link, 1, 0, 4)
+    engine.step()                       # 320 ms sent at 0
+    put(link, 1, 1, 3, first=4)
+    clock.now = 0.05
+    engine.step()                       # 3 pending, not needed until 220 ms
+    assert chunk_frames(sent) == [4]
+    assert engine._wait_s() == pytest.approx(0.005)  # capped by the idle wait; the need is later
+    clock.now = 0.219
+    engine.step()
+    assert chunk_frames(sent) == [4]
+    clock.now = 0.221
+    engine.step()                       # the need came: the index by time cut it
+    assert chunk_frames(sent) == [4, 3]
+    assert other.chunk_index == 0 and len(decoder.calls) == 2
+
+
+def test_last_flushes_in_steady_pieces_and_nothing_is_sent_after_the_end(setup):
+    engine, _, link, _ = setup
+    p = Pacing(decode_margin_s=0.1, steady_frames=4, min_chunk_frames=2)
+    _, sent = open_stream(engine, 1, p)
+    put(link, 1, 0, 2)
+    put(link, 1, 1, 9, first=2, last=True)
+    for _ in range(5):
+        engine.step()
+    assert chunk_frames(sent) == [4, 4, 3]  # both records came in one tick: 11 frames, then LAST
+    assert [m[0] for m in sent] == ["chunk"] * 3 + ["finished"]
+    assert sent[-1][1].frames == 11 and 1 not in engine.streams
+    put(link, 1, 2, 2, first=11)        # a late record for the ended stream: dropped, counted
+    engine.step()
+    assert [m[0] for m in sent][-1] == "finished" and engine.counters.dropped_records == 1
+    assert engine.counters.cuts == {"first": 1, "need": 0, "size": 0, "end": 2}
+
+
+def test_a_stream_closed_by_its_client_inside_a_batched_tick_frees_its_slot_once(setup):
+    engine, clock, link, _ = setup
+    p = Pacing(decode_margin_s=0.1, steady_frames=8, min_chunk_frames=1)
+    (_, sent_a), (_, sent_b) = open_stream(engine, 1, p), open_stream(engine, 2, p)
+    put(link, 1, 0, 2)
+    put(link, 2, 0, 2)
+    engine.step()
+    put(link, 1, 1, 2, first=2)
+    put(link, 2, 1, 2, first=2)
+    engine.close(1)                     # the client left between two ticks
+    engine.close(1)                     # idempotent
+    clock.now = 1.0
+    engine.step()
+    assert chunk_frames(sent_a) == [2] and chunk_frames(sent_b) == [2, 2]
+    assert sorted(engine.free_slots) == sorted(set(engine.free_slots)) and len(engine.free_slots) == 7
+
+
+def test_a_client_that_does_not_drain_is_held_and_resumes_when_it_does(setup):
+    engine, _, link, _ = setup
+    engine.max_undelivered = 0.2
+    p = Pacing(decode_margin_s=0.1, steady_frames=4, min_chunk_frames=1)
+    stream, sent = open_stream(engine, 1, p)
+    put(link, 1, 0, 4)
+    put(link, 1, 1, 8, first=4, last=True)
+    engine.step()
+    engine.step()
+    assert chunk_frames(sent) == [4] and stream.held   # 320 ms undelivered > 200 ms
+    engine.step()
+    assert chunk_frames(sent) == [4]                   # not looked at again until it drains
+    engine.delivered(1, 0.32)
+    engine.step()
+    assert chunk_frames(sent) == [4, 4]
+
+
+def test_the_metrics_count_calls_batches_cuts_and_modeled_underruns(setup):
+    engine, clock, link, _ = setup
+    p = Pacing(decode_margin_s=0.1, steady_frames=8, min_chunk_frames=1)
+    open_stream(engine, 1, p), open_stream(engine, 2, p)
+    put(link, 1, 0, 1)
+    put(link, 2, 0, 1)
+    engine.step()
+    clock.now = 0.5                     # 80 ms buffered each: both listeners waited 420 ms
+    put(link, 1, 1, 1, first=1)
+    put(link, 2, 1, 1, first=1)
+    engine.step()
+    c = engine.counters
+    assert (c.decode_calls, c.chunks, c.underruns) == (2, 4, 2)
+    assert c.underrun_s == pytest.approx(0.84)
+    metrics = engine.metrics()
+    buckets, _ = metrics["chunks_per_call"][2]
+    assert buckets[1] == ("2.0", 2) and buckets[-1] == ("+Inf", 2)
+    assert metrics["chunks_cut_first"][2] == 2 and metrics["chunks_cut_need"][2] == 2
+
+
+def test_bad_pacing_is_refused_naming_the_key():
+    from services.common.config import ConfigValueError
+    for kwargs, key in [({"decode_margin_s": 0.0}, "decode_margin_s"),
+                        ({"decode_margin_s": float("nan")}, "decode_margin_s"),
+                        ({"min_chunk_frames": 0}, "min_chunk_frames"),
+                        ({"steady_frames": 1, "min_chunk_frames": 2}, "steady_frames")]:
+        with pytest.raises(ConfigValueError) as info:
+            Pacing(**kwargs)
+        assert info.value.key == key
+
+
+def test_an_open_stream_sends_through_its_loop():
+    loop = asyncio.new_event_loop()
+    try:
+        queue: asyncio.Queue = asyncio.Queue()
+        stream = OpenStream(1, "r", "t0", 0, Pacing(), 10, loop, queue, clock=lambda: 0.0)
+        stream.send("chunk", 1)
+        loop.run_until_complete(asyncio.sleep(0))
+        assert queue.get_nowait() == ("chunk", 1)
+    finally:
+        loop.close()
