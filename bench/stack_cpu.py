@@ -34,6 +34,7 @@ from pathlib import Path
 
 from bench.stack_cpu_report import compare_table, result_table, thread_summary, worst_runs
 from bench.stack_cpu_run import DOWN_TIMEOUT_S, IDLE_WAIT_S, SCRIPT_TREE, THREAD_VARS, log
+from voxring.cli import _positive  # the CLI's own check of a positive number
 from voxring.stack import STAGES, Stack, StackError
 
 DEFAULT_OUT = SCRIPT_TREE / "bench" / "results" / "stack_cpu"
@@ -211,13 +212,6 @@ def compare(before_path: Path, after_path: Path, out: Path) -> Path:
 # --- the command --------------------------------------------------------------------------------
 
 
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    return parse
 
 
 def _tiers(text: str) -> tuple[int, ...]:
