@@ -266,9 +266,11 @@ def overload_scenario(stack: FaultStack, rounds: int, warm_rounds: int, rss_mb: 
                 for n in rss[-1]))
 
 
-def soak_scenario(stack: FaultStack, n: int, slope_kb: float, seed: int, timeout: float) -> str:
-    """:func:`soak` at concurrency 6; each stage's RSS slope must stay below ``slope_kb``."""
-    result = soak(stack, n=n, seed=seed, concurrency=6, timeout=timeout)
+def soak_scenario(stack: FaultStack, n: int, slope_kb: float, seed: int, timeout: float,
+                  warm_share: float = 0.25) -> str:
+    """:func:`soak` at concurrency 6; each stage's RSS slope after the first ``warm_share``
+    of the requests must stay below ``slope_kb``."""
+    result = soak(stack, n=n, seed=seed, concurrency=6, timeout=timeout, warm_share=warm_share)
     slopes = result["slopes_kb"]
     assert all(s < slope_kb for s in slopes.values()), f"RSS slopes (KB/request): {slopes}"
     return (f"soak: {n} requests in {result['wall_s']:.1f} s ({result['frames']} frames), codes "
