@@ -1,0 +1,181 @@
+"""The load side of bench/code2wav_host.py, in the driver process: a talker that Code2Wav
+attaches to (``Talker.Attach`` on a unix socket, a real shared-memory ring it writes
+records into from its own thread) and the gateway's side (grpc.aio ``Open`` streams that
+read every chunk).
+
+Each of ``streams`` client tasks opens a request, hands its handle to the feeder and reads
+its chunks until it finishes, then opens the next: so ``streams`` requests are open at
+all times and new ones keep opening. The feeder writes each open request's frames as a
+talker does, one record per step: records of 1, 2, 3 and 4 frames first (the opening),
+then ``record_frames`` frames each, LAST on the ``request_frames``-th frame; requests take
+turns, at ``rate_frames_s`` in all (a token bucket), the ring's back-pressure included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from services.transport import TransportSection, open_producer
+from services.transport.layout import FinishReason, RecordFlags
+from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc, talker_pb2, talker_pb2_grpc
+
+OPENING = (1, 2, 3, 4)  # a request's first records (frames each)
+TALKER_ID = "t0"
+
+
+@dataclass
+class Tally:
+    """What the client received, read by the driver between windows."""
+    frames: int = 0
+    chunks: int = 0
+    opened: int = 0
+    finished: int = 0
+    failed: Counter = field(default_factory=Counter)
+    chunk_frames: Counter = field(default_factory=Counter)
+
+    def copy(self) -> Tally:
+        return Tally(self.frames, self.chunks, self.opened, self.finished, Counter(self.failed),
+                     Counter(self.chunk_frames))
+
+
+class FeederTalker(talker_pb2_grpc.TalkerServicer):
+    """Serves Attach (one ring per attach, mode 0600) and writes the open requests' records."""
+
+    def __init__(self, transport: TransportSection, num_codebooks: int, *, record_frames: int,
+                 rate_frames_s: float) -> None:
+        self.transport = transport
+        self.token = secrets.randbits(64)
+        self.codes = np.ones((max(record_frames, *OPENING), num_codebooks), np.int16)
+        self.record_frames = record_frames
+        self.rate = rate_frames_s
+        self.lock = threading.Lock()
+        self.producer = None
+        self.generation = 0
+        self.attached = threading.Event()
+        self.new: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()  # (handle, frames)
+        self.stop = threading.Event()
+        self.records = 0
+        self.ring_full = 0
+        self.thread = threading.Thread(target=self._feed, name="feeder", daemon=True)
+
+    async def Attach(self, request, context):
+        with self.lock:
+            if self.producer is not None:
+                self.producer.close()
+            self.generation += 1
+            self.producer, endpoint = open_producer(self.transport, talker_instance_token=self.token,
+                                                    consumer_id=request.consumer_id,
+                                                    generation=self.generation)
+        self.attached.set()
+        return talker_pb2.AttachResponse(
+            ring_name=endpoint.ring_name, wakeup_semaphore=endpoint.wake_name,
+            capacity_bytes=endpoint.capacity_bytes, generation=endpoint.generation,
+            talker_instance_token=self.token, liveness_timeout_s=self.transport.liveness_timeout,
+            transport=endpoint.kind)
+
+    async def Cancel(self, request, context):
+        return talker_pb2.CancelResponse(found=False)
+
+    def _size(self, written: int, total: int) -> int:
+        """The next record's frames: the opening's sizes, then ``record_frames``."""
+        done = 0
+        for size in OPENING:
+            if written < done + size:
+                return min(size, total - written)
+            done += size
+        return min(self.record_frames, total - written)
+
+    def _feed(self) -> None:
+        """Round robin over open requests (handle -> [seq, frames written, frames]) at the rate."""
+        open_requests: dict[int, list[int]] = {}
+        started = time.monotonic()
+        sent_frames = 0
+        next_tick = started
+        while not self.stop.is_set():
+            while True:
+                try:
+                    handle, frames = self.new.get_nowait()
+                    open_requests[handle] = [0, 0, frames]
+                except queue.Empty:
+                    break
+            now = time.monotonic()
+            if now >= next_tick:
+                with self.lock:
+                    self.producer.tick()
+                next_tick = now + self.transport.heartbeat_interval / 2
+            budget = int((now - started) * self.rate) - sent_frames
+            if not open_requests or budget <= 0:
+                self.stop.wait(0.001)
+                continue
+            for handle in list(open_requests):
+                if budget <= 0:
+                    break
+                state = open_requests[handle]
+                size = self._size(state[1], state[2])
+                last = state[1] + size >= state[2]
+                with self.lock:
+                    ok = self.producer.try_put(
+                        self.codes[:size], handle=handle, seq=state[0], first_frame=state[1],
+                        flags=int(RecordFlags.LAST) if last else 0,
+                        finish_reason=int(FinishReason.STOP) if last else 0)
+                if not ok:
+                    self.ring_full += 1
+                    self.stop.wait(0.0005)
+                    break
+                self.records += 1
+                state[0] += 1
+                state[1] += size
+                sent_frames += size
+                budget -= size
+                if last:
+                    del open_requests[handle]
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=5)
+        with self.lock:
+            if self.producer is not None:
+                self.producer.close()  # the owner unlinks its ring
+                self.producer = None
+
+
+async def client(stub: code2wav_pb2_grpc.Code2WavStub, feeder: FeederTalker, tally: Tally, index: int,
+                 request_frames: Callable[[], int], stop: asyncio.Event) -> None:
+    """One stream slot: opens requests (of ``request_frames()`` frames) one after another
+    until ``stop``."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+        frames = request_frames()
+        call = stub.Open(code2wav_pb2.OpenRequest(request_id=f"host-{index}-{n}", talker_id=TALKER_ID,
+                                                  max_frames=frames))
+        try:
+            async for message in call:
+                kind = message.WhichOneof("kind")
+                if kind == "opened":
+                    tally.opened += 1
+                    feeder.new.put((message.opened.handle, frames))
+                elif kind == "chunk":
+                    tally.chunks += 1
+                    tally.frames += message.chunk.num_frames
+                    tally.chunk_frames[message.chunk.num_frames] += 1
+                elif kind == "finished":
+                    tally.finished += 1
+                if stop.is_set():
+                    call.cancel()
+                    return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                tally.failed[exc.code().name] += 1
+                await asyncio.sleep(0.05)
