@@ -68,9 +68,13 @@ def configure_logging(stage: str, level: str = "info", as_json: bool = False) ->
 
 @contextlib.contextmanager
 def request_context(request_id: str) -> Iterator[None]:
-    """Tags log lines inside the block with ``request_id``."""
+    """Tags log lines inside the block with ``request_id``. Inside an async generator the
+    block may end in another context: a cancelled streaming RPC's generator is closed by
+    the loop's finalizer in a task of its own, where this context's value was never set
+    (and the context that set it has ended with its task), so nothing is reset there."""
     token = request_id_var.set(request_id or "-")
     try:
         yield
     finally:
-        request_id_var.reset(token)
+        with contextlib.suppress(ValueError):  # "created in a different Context"
+            request_id_var.reset(token)
