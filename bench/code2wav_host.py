@@ -6,13 +6,15 @@ Each case starts a real Code2Wav process (bench/code2wav_host_stage.py: the stag
 build, config, engine thread, gRPC server and metrics, its decoder replaced by one that
 returns at once) attached to a feeder talker in this process that writes records into a
 real shared-memory ring, and keeps ``streams`` requests open through real grpc.aio
-``Open`` streams that read every chunk (bench/code2wav_host_load.py). Requests last
-4-12 s of audio (seeded) and are reopened when they finish, so openings (records of
+``Open`` streams that read every chunk (bench/code2wav_host_load.py). The feeder writes
+as a talker's steps do: each step one record per open request, back to back. Requests
+last 4-12 s of audio (seeded) and are reopened when they finish, so openings (records of
 1, 2, 3, 4 frames) keep mixing with steady records of 8 frames.
 
 Cases: steady chunks of 8 and 16 frames (the Open's pacing), each fed at real time for
-every open stream (``streams`` x 12.5 frames/s) and saturated (fed faster than the
-process can take: the ring's back-pressure paces the feeder). Measured over a window
+every open stream (a step of 8 frames every 0.64 s) and saturated (steps as often as
+12,000 audio-s/s needs, more than the process can take: the ring's back-pressure holds
+each step until there is room). Measured over a window
 after a warm-up: the Code2Wav process's CPU seconds (utime + stime of every thread, from
 /proc, by thread name), audio seconds received by the clients, chunks and their sizes,
 and the engine's own counters (metrics endpoint): decode calls, chunks per call, host
@@ -52,6 +54,7 @@ from voxring.v1 import code2wav_pb2_grpc, talker_pb2_grpc
 OUT = REPO / "bench" / "results" / "code2wav_host_cpu.json"
 FRAME_RATE = 12.5
 START_TIMEOUT_S = 120.0
+STAGE_LOGS = Path(tempfile.gettempdir()) / "voxring-code2wav-host-logs"
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,11 @@ class Case:
     def rate_frames_s(self) -> float:
         audio = self.saturate_audio_s_per_s if self.saturate else float(self.streams)
         return audio * FRAME_RATE
+
+    @property
+    def step_s(self) -> float:
+        """The feeder's step period: one record of ``record_frames`` per stream a step."""
+        return self.record_frames * self.streams / self.rate_frames_s
 
 
 def _thread_cpu(pid: int) -> dict[str, float]:
@@ -170,14 +178,15 @@ def _result(case: Case, a: dict, b: dict, feeder: FeederTalker) -> dict:
             "engine_decode_ms_per_chunk": 1e3 * decode_s / max(chunks, 1),
             "opens_per_s": (tb.opened - ta.opened) / wall, "failed": dict(tb.failed),
             "driver_cpu_cores": (b["driver_cpu"] - a["driver_cpu"]) / wall,
-            "ring_full_waits": feeder.ring_full, "records": feeder.records}
+            "ring_full_waits": feeder.ring_full, "records": feeder.records, "feeder_steps": feeder.steps,
+            "feeder_step_s": case.step_s}
 
 
 async def run_case(case: Case, pin: bool, seed: int) -> dict:
     folder = Path(tempfile.mkdtemp(prefix="vr-c2w-host-"))
     transport = TransportSection(capacity_bytes=16 << 20)
     feeder = FeederTalker(transport, num_codebooks=_num_codebooks(),
-                          record_frames=case.record_frames, rate_frames_s=case.rate_frames_s)
+                          record_frames=case.record_frames, step_s=case.step_s)
     server = grpc.aio.server()
     talker_pb2_grpc.add_TalkerServicer_to_server(feeder, server)
     server.add_insecure_port(f"unix:{folder}/talker.sock")
@@ -213,15 +222,27 @@ async def run_case(case: Case, pin: bool, seed: int) -> dict:
         await asyncio.gather(*tasks, return_exceptions=True)
         if channel is not None:
             await channel.close()
-        feeder.close()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)  # before the feeder's ring goes: it would end its requests
         try:
-            proc.wait(timeout=15)
+            await asyncio.to_thread(proc.wait, 15)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
+        feeder.close()
         await server.stop(0.5)
+        _keep_log(folder, case)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _keep_log(folder: Path, case: Case) -> None:
+    """What the stage logged (warnings and up) goes next to the results: a run that logged
+    errors measured them too."""
+    log = folder / "stage.log"
+    if log.exists() and log.stat().st_size:
+        kept = STAGE_LOGS / f"steady{case.steady_frames}_{'saturated' if case.saturate else 'real_time'}.log"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, kept)
+        print(f"[code2wav_host] the stage logged {log.stat().st_size} bytes: {kept}", file=sys.stderr)
 
 
 def _num_codebooks() -> int:

@@ -6,9 +6,10 @@ read every chunk).
 Each of ``streams`` client tasks opens a request, hands its handle to the feeder and reads
 its chunks until it finishes, then opens the next: so ``streams`` requests are open at
 all times and new ones keep opening. The feeder writes each open request's frames as a
-talker does, one record per step: records of 1, 2, 3 and 4 frames first (the opening),
-then ``record_frames`` frames each, LAST on the ``request_frames``-th frame; requests take
-turns, at ``rate_frames_s`` in all (a token bucket), the ring's back-pressure included.
+talker does, one record per request per step, every request's record of a step written
+back to back: records of 1, 2, 3 and 4 frames first (the opening), then ``record_frames``
+frames each, LAST on the request's last frame; a step every ``step_s`` (the ring's
+back-pressure holds a step until there is room).
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ class FeederTalker(talker_pb2_grpc.TalkerServicer):
     """Serves Attach (one ring per attach, mode 0600) and writes the open requests' records."""
 
     def __init__(self, transport: TransportSection, num_codebooks: int, *, record_frames: int,
-                 rate_frames_s: float) -> None:
+                 step_s: float) -> None:
         self.transport = transport
         self.token = secrets.randbits(64)
         self.codes = np.ones((max(record_frames, *OPENING), num_codebooks), np.int16)
         self.record_frames = record_frames
-        self.rate = rate_frames_s
+        self.step_s = step_s
+        self.steps = 0
         self.lock = threading.Lock()
         self.producer = None
         self.generation = 0
@@ -96,49 +98,59 @@ class FeederTalker(talker_pb2_grpc.TalkerServicer):
         return min(self.record_frames, total - written)
 
     def _feed(self) -> None:
-        """Round robin over open requests (handle -> [seq, frames written, frames]) at the rate."""
+        """The talker's steps: every ``step_s``, one record for each open request (handle ->
+        [seq, frames written, frames]), written back to back as a step writes them. A full
+        ring holds the step until there is room; a step that ends late starts the next at once."""
         open_requests: dict[int, list[int]] = {}
-        started = time.monotonic()
-        sent_frames = 0
-        next_tick = started
+        next_step = time.monotonic()
         while not self.stop.is_set():
             while True:
                 try:
                     handle, frames = self.new.get_nowait()
-                    open_requests[handle] = [0, 0, frames]
                 except queue.Empty:
                     break
-            now = time.monotonic()
-            if now >= next_tick:
-                with self.lock:
-                    self.producer.tick()
-                next_tick = now + self.transport.heartbeat_interval / 2
-            budget = int((now - started) * self.rate) - sent_frames
-            if not open_requests or budget <= 0:
-                self.stop.wait(0.001)
-                continue
-            for handle in list(open_requests):
-                if budget <= 0:
-                    break
-                state = open_requests[handle]
+                open_requests[handle] = [0, 0, frames]
+            for handle, state in list(open_requests.items()):
                 size = self._size(state[1], state[2])
                 last = state[1] + size >= state[2]
-                with self.lock:
-                    ok = self.producer.try_put(
-                        self.codes[:size], handle=handle, seq=state[0], first_frame=state[1],
-                        flags=int(RecordFlags.LAST) if last else 0,
-                        finish_reason=int(FinishReason.STOP) if last else 0)
-                if not ok:
-                    self.ring_full += 1
-                    self.stop.wait(0.0005)
-                    break
-                self.records += 1
+                if not self._put(handle, state, size, last):
+                    return
                 state[0] += 1
                 state[1] += size
-                sent_frames += size
-                budget -= size
                 if last:
                     del open_requests[handle]
+            self.steps += 1
+            next_step += self.step_s
+            if not self._sleep_until(next_step):
+                next_step = time.monotonic()
+
+    def _put(self, handle: int, state: list[int], size: int, last: bool) -> bool:
+        """Writes one record, waiting while the ring is full; False when stopped meanwhile."""
+        while True:
+            with self.lock:
+                if self.producer.try_put(self.codes[:size], handle=handle, seq=state[0], first_frame=state[1],
+                                         flags=int(RecordFlags.LAST) if last else 0,
+                                         finish_reason=int(FinishReason.STOP) if last else 0):
+                    self.records += 1
+                    return True
+                self.producer.tick()
+            self.ring_full += 1
+            if self.stop.wait(0.0005):
+                return False
+
+    def _sleep_until(self, deadline: float) -> bool:
+        """Sleeps to ``deadline`` keeping the producer's heartbeat; False when already past it."""
+        now = time.monotonic()
+        if now >= deadline:
+            with self.lock:
+                self.producer.tick()
+            return False
+        while now < deadline and not self.stop.is_set():
+            with self.lock:
+                self.producer.tick()
+            self.stop.wait(min(deadline - now, self.transport.heartbeat_interval / 2))
+            now = time.monotonic()
+        return True
 
     def close(self) -> None:
         self.stop.set()
