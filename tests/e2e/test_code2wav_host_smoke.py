@@ -23,7 +23,8 @@ def test_code2wav_host_quick(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["machine"]["git_commit"] and record["pinned"] is False
-    (result,) = record["results"]
+    (result,) = record["median_runs"]
+    assert record["runs"] == [result]
     assert result["case"] == "steady 8, saturated" and result["settings"]["streams"] == 64
     assert result["failed"] == {}
     assert result["audio_s_per_s"] > 0 and result["chunks_per_s"] > 0 and result["opens_per_s"] > 0
