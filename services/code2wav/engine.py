@@ -30,7 +30,7 @@ import numpy as np
 
 from services.code2wav.decoder import CodecDecoder
 from services.code2wav.metrics import Code2WavCounters
-from services.code2wav.streams import ChunkOut, OpenStream
+from services.code2wav.streams import ChunkOut, OpenStream, Outbox
 from services.code2wav.talkers import TalkerLink
 from services.common.errors import ResourceExhausted
 from services.common.log import request_context
@@ -65,6 +65,7 @@ class Code2WavEngine:
         self._to_reset: list[int] = []  # slots opened since the last step: state zeroed then
         self._touched: set[int] = set()  # handles to look at this tick (records, drains)
         self._due: list[tuple[float, int]] = []  # (need time, handle): the index by time
+        self.outbox = Outbox()  # the streams' messages, handed to the event loop once a step
 
     # --- commands from the servicer ------------------------------------------------------------
 
@@ -83,6 +84,7 @@ class Code2WavEngine:
         # costs one reset, not a host-to-device copy and a kernel per state tensor each.
         self._to_reset.append(slot)
         stream = stream_factory(slot)
+        stream.outbox = self.outbox
         self.streams[stream.handle] = stream
         return stream
 
@@ -94,26 +96,37 @@ class Code2WavEngine:
             self.free_slots.append(stream.slot)
 
     def delivered(self, handle: int, seconds: float) -> None:
+        """``seconds`` of the stream's audio reached its client (the servicer adds to
+        ``delivered_s`` itself and calls :meth:`resume` only for a held stream)."""
         stream = self.streams.get(handle)
         if stream is not None:
-            stream.undelivered_s = max(0.0, stream.undelivered_s - seconds)
-            if stream.held and stream.undelivered_s <= self.max_undelivered:
-                stream.held = False
-                self._touched.add(handle)
+            stream.delivered_s += seconds
+            self.resume(handle)
+
+    def resume(self, handle: int) -> None:
+        """A held stream whose client drained is looked at again."""
+        stream = self.streams.get(handle)
+        if stream is not None and stream.held and stream.undelivered_s <= self.max_undelivered:
+            stream.held = False
+            self._touched.add(handle)
 
     # --- the step --------------------------------------------------------------------------------
 
     def step(self) -> bool:
         """One pass; when nothing was ready it waits up to IDLE_WAIT_S on a ring (the idle
         block), so it reports work whenever a talker is attached."""
-        if self._to_reset:
-            slots, self._to_reset = self._to_reset, []
-            self.decoder.reset(slots)
-        took = self._consume()
-        decoded = self._decode_ready()
-        if took or decoded:
-            return True
-        return self._wait_for_records()
+        self.outbox.flush()  # what tick() and the commands before this step queued
+        try:
+            if self._to_reset:
+                slots, self._to_reset = self._to_reset, []
+                self.decoder.reset(slots)
+            took = self._consume()
+            decoded = self._decode_ready()
+            if took or decoded:
+                return True
+            return self._wait_for_records()
+        finally:
+            self.outbox.flush()
 
     def _wait_s(self) -> float:
         """How long an idle tick may block on a ring: until the next need, IDLE_WAIT_S at most."""
@@ -229,9 +242,11 @@ class Code2WavEngine:
         frames, why = stream.cut(now)
         if frames:
             if stream.undelivered_s > self.max_undelivered:
-                stream.held = True  # delivered() looks at it again once its client drained
-            else:
-                cuts.append((stream, frames, why))
+                stream.held = True  # the event loop sees the flag at its next delivery: resume()
+                if stream.undelivered_s > self.max_undelivered:  # read after the flag: no delivery lost
+                    return
+                stream.held = False
+            cuts.append((stream, frames, why))
             return
         if stream.last_reason is not None and not stream.pending_frames:
             self._finish(stream)
@@ -258,7 +273,7 @@ class Code2WavEngine:
             stream.chunk_index += 1
             stream.sample_offset += len(samples)
             stream.frames_decoded += frames
-            stream.undelivered_s += frames * self.frame_seconds
+            stream.sent_s += frames * self.frame_seconds
             stream.decode_s += decode_s
             self.counters.cut(why)
         audio_s = sum(frames for _, frames, _ in cuts) * self.frame_seconds

@@ -5,7 +5,7 @@ thread and then forwards the messages the engine queues for it. When the client
 cancels the stream (or it ends any other way), the request is closed on the engine and,
 unless it finished normally, cancelled on its talker too (so a dead gateway still frees
 the talker's row). A chunk counts as delivered once gRPC flow control took it, which is
-what the engine's audio backpressure reads.
+what the engine's audio backpressure reads (``OpenStream.delivered_s``, added here).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import grpc
 
 from services.code2wav.engine import Code2WavEngine
 from services.code2wav.pacing import Pacing, requested_pacing
-from services.code2wav.streams import OpenStream
+from services.code2wav.streams import ChunkOut, OpenStream
 from services.code2wav.voice import VoiceClipError, encode_voice, pcm16_to_float
 from services.common.engine_thread import EngineStopped, EngineThread
 from services.common.errors import (
@@ -77,7 +77,7 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
                               request.max_frames, loop, queue, frame_s=self._frame_seconds)
 
         try:
-            await self._call(lambda engine: engine.open(make))
+            stream = await self._call(lambda engine: engine.open(make))
         except asyncio.CancelledError:  # the caller left while the engine was opening it
             self._post(lambda engine: engine.close(handle))  # runs after the open: frees its slot
             raise
@@ -87,12 +87,10 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
             while True:
                 kind, *payload = await queue.get()
                 if kind == "chunk":
-                    chunk = payload[0]
-                    yield code2wav_pb2.OpenResponse(chunk=code2wav_pb2.AudioChunk(
-                        pcm=chunk.pcm, chunk_index=chunk.chunk_index, sample_offset=chunk.sample_offset,
-                        num_frames=chunk.num_frames))
-                    seconds = chunk.num_frames * self._frame_seconds
-                    self._post(lambda engine, s=seconds: engine.delivered(handle, s))
+                    yield _chunk_response(payload[0])
+                    stream.delivered_s += payload[0].num_frames * self._frame_seconds
+                    if stream.held:  # the engine paused it for this client: look again
+                        self._post(lambda engine: engine.resume(handle))
                 elif kind == "finished":
                     done = payload[0]
                     finished = True
@@ -143,6 +141,17 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
 
     async def Stats(self, request, context):
         return code2wav_pb2.Code2WavStats(**await self._call(lambda engine: engine.stats()))
+
+
+def _chunk_response(chunk: ChunkOut) -> code2wav_pb2.OpenResponse:
+    """Set in place: a sub-message passed to the constructor is built, then merged (copied)."""
+    response = code2wav_pb2.OpenResponse()
+    out = response.chunk
+    out.pcm = chunk.pcm
+    out.chunk_index = chunk.chunk_index
+    out.sample_offset = chunk.sample_offset
+    out.num_frames = chunk.num_frames
+    return response
 
 
 __all__ = ["Code2WavServicer", "ServiceError"]

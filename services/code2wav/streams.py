@@ -2,9 +2,15 @@
 model (services/code2wav/pacing.py) and what it has sent. Pure Python + numpy; owned by the
 engine thread.
 
-Messages to the request's gRPC stream travel through an asyncio queue on the event loop
-(``loop.call_soon_threadsafe``): ("chunk", AudioChunkData), ("finished", Finish) or
-("error", status name, message).
+Messages to the request's gRPC stream travel through an asyncio queue on the event loop:
+("chunk", ChunkOut), ("finished", FinishOut) or ("error", status name, message). A stream
+opened by the engine queues them in the engine's :class:`Outbox`, which hands a step's
+messages to the loop in one ``loop.call_soon_threadsafe`` (one wake-up of the loop a step,
+not one a chunk); a stream without one calls the loop itself.
+
+Audio backpressure: the engine adds each chunk's seconds to ``sent_s``; the event loop adds
+to ``delivered_s`` when gRPC flow control took the chunk (plain float stores: one writer
+each), so a delivery costs the engine nothing unless the stream is ``held``.
 """
 
 from __future__ import annotations
@@ -36,6 +42,32 @@ class FinishOut:
     decode_s: float
 
 
+class Outbox:
+    """The engine's messages of one step, per event loop, handed over by :meth:`flush`."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, tuple]] = []
+
+    def put(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, message: tuple) -> None:
+        self._items.append((loop, queue, message))
+
+    def flush(self) -> None:
+        """One ``call_soon_threadsafe`` per loop for everything queued, in order."""
+        if not self._items:
+            return
+        items, self._items = self._items, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple]]] = {}
+        for loop, queue, message in items:
+            by_loop.setdefault(loop, []).append((queue, message))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for queue, message in batch:
+        queue.put_nowait(message)
+
+
 @dataclass(eq=False)
 class OpenStream:
     handle: int
@@ -58,7 +90,8 @@ class OpenStream:
     chunk_index: int = 0
     sample_offset: int = 0
     last_reason: int | None = None       # set when the LAST record arrived
-    undelivered_s: float = 0.0           # audio sent to the queue, not yet written to the client
+    sent_s: float = 0.0                  # audio sent to the queue (the engine adds)
+    delivered_s: float = 0.0             # audio gRPC flow control took (the event loop adds)
     first_frame_at: float | None = None
     first_chunk_at: float | None = None
     decode_s: float = 0.0
@@ -66,14 +99,22 @@ class OpenStream:
     listener: Listener = field(init=False)
     due_at: float | None = None          # the engine's index: when this stream's need comes
     held: bool = False                   # ready but paused by max undelivered audio
+    outbox: Outbox | None = None         # the engine's, once it opened the stream
 
     def __post_init__(self) -> None:
         if self.opened is None:
             self.opened = self.clock()
         self.listener = Listener(self.frame_s)
 
+    @property
+    def undelivered_s(self) -> float:
+        return self.sent_s - self.delivered_s
+
     def send(self, *message) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, message)
+        if self.outbox is not None:
+            self.outbox.put(self.loop, self.queue, message)
+        else:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, message)
 
     def add_frames(self, codes: np.ndarray) -> None:
         if not len(codes):

@@ -274,3 +274,60 @@ def test_an_open_stream_sends_through_its_loop():
         assert queue.get_nowait() == ("chunk", 1)
     finally:
         loop.close()
+
+
+class CountingLoop(Loop):
+    def __init__(self) -> None:
+        self.handoffs = 0
+
+    def call_soon_threadsafe(self, fn, *args) -> None:
+        self.handoffs += 1
+        fn(*args)
+
+
+def test_a_steps_messages_reach_the_loop_in_one_handoff_in_order(setup):
+    engine, _, link, _ = setup
+    loop = CountingLoop()
+    p = Pacing(decode_margin_s=0.1, steady_frames=4, min_chunk_frames=1)
+    sents = []
+    for h in (1, 2, 3):
+        sent = Sent()
+        engine.open(lambda slot, h=h, sent=sent: OpenStream(h, f"r{h}", "t0", slot, p, 1000, loop, sent,
+                                                            clock=engine.clock, frame_s=FRAME_S))
+        sents.append(sent)
+        put(link, h, 0, 2)
+    engine.step()                       # three first chunks: one hand-off, not three
+    assert loop.handoffs == 1 and [chunk_frames(s) for s in sents] == [[2], [2], [2]]
+    for h in (1, 2, 3):
+        put(link, h, 1, 2, first=2, last=True)
+    engine.step()                       # the rest and the ends: three chunks, three ends, one hand-off
+    assert loop.handoffs == 2
+    for sent in sents:
+        assert [m[0] for m in sent] == ["chunk", "chunk", "finished"]
+    engine.step()                       # nothing queued: no hand-off
+    assert loop.handoffs == 2
+
+
+def test_a_held_stream_resumes_from_the_event_loops_delivery_count(setup):
+    """The servicer's path: it adds to ``delivered_s`` itself and asks ``resume`` only while
+    the engine holds the stream."""
+    engine, _, link, _ = setup
+    engine.max_undelivered = 0.2
+    p = Pacing(decode_margin_s=0.1, steady_frames=4, min_chunk_frames=1)
+    stream, sent = open_stream(engine, 1, p)
+    put(link, 1, 0, 4)
+    put(link, 1, 1, 8, first=4, last=True)
+    engine.step()
+    engine.step()
+    assert chunk_frames(sent) == [4] and stream.held and stream.undelivered_s == pytest.approx(0.32)
+    engine.resume(1)                    # nothing delivered yet: stays held
+    engine.step()
+    assert chunk_frames(sent) == [4] and stream.held
+    stream.delivered_s += 0.32          # gRPC took the chunk (the event loop's store)
+    engine.resume(1)
+    engine.step()
+    assert chunk_frames(sent) == [4, 4] and not stream.held
+    stream.delivered_s += 0.32
+    engine.step()
+    engine.step()
+    assert chunk_frames(sent) == [4, 4, 4] and [m[0] for m in sent][-1] == "finished"
