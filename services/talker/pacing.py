@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 from services.talker.request import TalkerRequest
 
 BOUNDS = ("k_max", "slack", "first_audio", "waiting", "unmeasured")
+# A late first record holds this much more audio than the time its row's next record needs.
+FIRST_AUDIO_HEADROOM = 0.5
+FIRST_K = 2  # frames: a first chunk of 160 ms
 
 
 @dataclass
@@ -114,6 +117,7 @@ class StepOutlook:
     unstarted_due: bool       # whether that row has not written its first record yet
     waiting_due: float        # the earliest first-audio deadline (less the path) of requests not in the step
     ahead_s: float            # device time queued before this step: this step's prefill
+    late_first: bool = False  # a row without its first record is late whatever the step does
 
 
 def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tuple[int, str]:
@@ -122,10 +126,18 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
     share is already in ``ahead_s`` when it prefills this step) and write its first record in
     time. 1 when even one frame does not fit (the most urgent choice) or while no step of this
     size was measured (its first is measured at K=1). Code2Wav decodes a stream's first record
-    at once, whatever its frames (PROTOCOL.md, Pacing)."""
+    at once, whatever its frames (PROTOCOL.md, Pacing).
+
+    A row still silent and late whatever the step does (``late_first``) gets a short step
+    (:func:`first_k`): its listener waits for every frame of the step, so the fewest frames
+    that last until its next record can follow; under load, where that is K_max or the other
+    rows cannot spare it, such a row does not bound K (their throughput comes first)."""
     one = times.estimate(outlook.bucket, 1)
     if one is None:
         return 1, "unmeasured"
+    short = first_k(outlook, config, times, one) if outlook.late_first else None
+    if short is not None:
+        return short, "first_audio"  # its listener waits for every frame of the step: few
     start = outlook.now + outlook.ahead_s
     best, why = 0, "k_max"
     for k in range(1, config.k_max + 1):
@@ -138,6 +150,22 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
             break
         best = k
     return max(best, 1), why
+
+
+def first_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes, one: float) -> int | None:
+    """K for a step that writes a late first record: ``FIRST_K`` frames, when their audio lasts
+    until the row's next record could follow (a one-frame step after as much prefill, and one
+    more to spare) with ``FIRST_AUDIO_HEADROOM``, and when after the step every other row could
+    still wait out a whole K_max step (first audio does not take what speaking rows need);
+    else None."""
+    if config.k_max <= FIRST_K:
+        return None
+    if (outlook.ahead_s + 2 * one) * (1 + FIRST_AUDIO_HEADROOM) > FIRST_K / config.frame_rate:
+        return None
+    written = outlook.now + outlook.ahead_s + times.estimate(outlook.bucket, FIRST_K)
+    if outlook.row_due - written < times.estimate(outlook.bucket, config.k_max) + one:
+        return None
+    return FIRST_K
 
 
 def prefill_tokens_allowed(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> float:

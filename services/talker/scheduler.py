@@ -274,7 +274,8 @@ class Scheduler:
         does (due before a one-frame step, and the one to spare, could write its record) does not
         bound K: a one-frame step cannot bring it in time, and under load such rows are nearly
         always there, whose K = 1 would cut every other row's frames per second (and make every
-        chunk a frame or two, which the gateway then relays one message each)."""
+        chunk a frame or two, which the gateway then relays one message each). Such a row still
+        silent is flagged: while the others can spare it, it gets a short step (pacing.first_k)."""
         config, bucket = self.pacing, self.bucket_for(max(1, len(rows)))
         one = self.times.estimate(bucket, 1)
         reachable = -math.inf if one is None else now + ahead_s + 2 * one
@@ -286,7 +287,8 @@ class Scheduler:
                            row_due=math.inf if first is None else first[0],
                            unstarted_due=first is not None and first[1].first_written_at is None,
                            waiting_due=min((d for d in waiting if d >= reachable), default=math.inf),
-                           ahead_s=ahead_s)
+                           ahead_s=ahead_s,
+                           late_first=any(d < reachable and r.first_written_at is None for d, r in dues))
 
     def _prefill_chunks(self, now: float, decode: list[TalkerRequest]) -> list[PrefillChunk]:
         """Chunks of the admitted prompts, in admission order, within the step's token budget:

@@ -10,13 +10,13 @@ from services.common.log import request_context, request_id_var
 
 
 def test_sets_and_restores():
-    assert request_id_var.get() == "-"
+    before = request_id_var.get()
     with request_context("r-1"):
         assert request_id_var.get() == "r-1"
         with request_context(""):
             assert request_id_var.get() == "-"
         assert request_id_var.get() == "r-1"
-    assert request_id_var.get() == "-"
+    assert request_id_var.get() == before
 
 
 def test_async_generator_closed_from_another_task():

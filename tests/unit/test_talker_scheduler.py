@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.talker import pacing
 from services.talker.request import FinishReason, RequestState, TalkerRequest
 from services.talker.scheduler import Overloaded, QueueFull, Scheduler
 
@@ -295,6 +296,23 @@ def test_a_row_late_whatever_the_step_does_not_bound_k_but_one_still_in_time_doe
     s = sched(bucket_for=lambda rows: 2)
     s.times.observe(2, 1, 0.010)
     s.times.observe(2, 8, 0.040)
+    ahead, behind = req(1), req(2)
+    s.add(ahead)
+    s.add(behind)
+    run_step(s, 0.0)
+    ahead.first_written_at, ahead.frames_done = 0.0, 100  # 8 s written: far ahead of its listener
+    behind.first_written_at, behind.frames_done = -1.0, 10  # speaking, 200 ms past its due
+    plan = s.schedule(0.0)
+    assert [r.handle for r in plan.decode] == [1, 2]
+    assert (plan.k, plan.k_bound) == (8, "k_max")
+    behind.first_written_at = -0.8 + 0.025  # due at 25 ms: in time for K = 2 (14.3 ms) and a spare step
+    assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (2, "slack")
+
+
+def test_a_late_first_record_gets_a_short_step_while_the_others_can_spare_it():
+    s = sched(bucket_for=lambda rows: 2)
+    s.times.observe(2, 1, 0.010)
+    s.times.observe(2, 8, 0.040)
     ahead = req(1)
     s.add(ahead)
     run_step(s, 0.0)
@@ -304,6 +322,10 @@ def test_a_row_late_whatever_the_step_does_not_bound_k_but_one_still_in_time_doe
     s.add(late)
     plan = s.schedule(0.0)
     assert [r.handle for r in plan.decode] == [1, 2]
-    assert (plan.k, plan.k_bound) == (8, "k_max")
-    late.first_audio_by = 0.1 + 0.025  # due at 25 ms: in time for K = 2 (14.3 ms) and a spare step
-    assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (2, "first_audio")
+    # FIRST_K frames (160 ms) outlast its next record's wait: (2 x 10 ms) x 1.5 = 30 ms
+    assert (plan.k, plan.k_bound) == (pacing.FIRST_K, "first_audio")
+    ahead.first_written_at, ahead.frames_done = -0.04, 1  # due at 40 ms: no K_max step after a short one
+    assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (5, "slack")  # 10 + 4 x 30/7 ms + 10 <= 40
+    ahead.frames_done = 100
+    s.times.steps[(2, 1)] = 0.060  # slow steps (2 x 60 ms x 1.5 > 160 ms): no short step
+    assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (8, "k_max")
