@@ -154,13 +154,13 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
 
 def first_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes, one: float) -> int | None:
     """K for a step that writes a late first record: ``FIRST_K`` frames, when their audio lasts
-    until the row's next record could follow (a one-frame step after as much prefill, and one
-    more to spare) with ``FIRST_AUDIO_HEADROOM``, and when after the step every other row could
-    still wait out a whole K_max step (first audio does not take what speaking rows need);
-    else None."""
+    until the row's next record could reach its listener (a one-frame step after as much
+    prefill, one more to spare, and the path) with ``FIRST_AUDIO_HEADROOM``, and when after the
+    step every other row could still wait out a whole K_max step (first audio does not take
+    what speaking rows need); else None."""
     if config.k_max <= FIRST_K:
         return None
-    if (outlook.ahead_s + 2 * one) * (1 + FIRST_AUDIO_HEADROOM) > FIRST_K / config.frame_rate:
+    if (outlook.ahead_s + 2 * one + config.path_s) * (1 + FIRST_AUDIO_HEADROOM) > FIRST_K / config.frame_rate:
         return None
     written = outlook.now + outlook.ahead_s + times.estimate(outlook.bucket, FIRST_K)
     if outlook.row_due - written < times.estimate(outlook.bucket, config.k_max) + one:

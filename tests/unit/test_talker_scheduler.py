@@ -310,7 +310,7 @@ def test_a_row_late_whatever_the_step_does_not_bound_k_but_one_still_in_time_doe
 
 
 def test_a_late_first_record_gets_a_short_step_while_the_others_can_spare_it():
-    s = sched(bucket_for=lambda rows: 2)
+    s = sched(bucket_for=lambda rows: 2, path_s=0.02)
     s.times.observe(2, 1, 0.010)
     s.times.observe(2, 8, 0.040)
     ahead = req(1)
@@ -318,14 +318,14 @@ def test_a_late_first_record_gets_a_short_step_while_the_others_can_spare_it():
     run_step(s, 0.0)
     ahead.first_written_at, ahead.frames_done = 0.0, 100  # 8 s written: far ahead of its listener
     late = req(2)
-    late.first_audio_by = 0.1 + 0.015  # due at 15 ms: not even a one-frame step and its spare fit
+    late.first_audio_by = 0.02 + 0.015  # due at 15 ms: not even a one-frame step and its spare fit
     s.add(late)
     plan = s.schedule(0.0)
     assert [r.handle for r in plan.decode] == [1, 2]
-    # FIRST_K frames (160 ms) outlast its next record's wait: (2 x 10 ms) x 1.5 = 30 ms
+    # FIRST_K frames (160 ms) outlast its next record's way: (2 x 10 ms + 20 ms path) x 1.5 = 60 ms
     assert (plan.k, plan.k_bound) == (pacing.FIRST_K, "first_audio")
     ahead.first_written_at, ahead.frames_done = -0.04, 1  # due at 40 ms: no K_max step after a short one
     assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (5, "slack")  # 10 + 4 x 30/7 ms + 10 <= 40
     ahead.frames_done = 100
-    s.times.steps[(2, 1)] = 0.060  # slow steps (2 x 60 ms x 1.5 > 160 ms): no short step
+    s.times.steps[(2, 1)] = 0.060  # slow steps ((2 x 60 + 20) x 1.5 > 160 ms): no short step
     assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (8, "k_max")
