@@ -40,6 +40,19 @@ class Admission:
         self.posted += 1
         return None
 
+    def claim(self) -> tuple[Overloaded | None, bool]:
+        """The servicer's: (the refusal to answer at once, or None; whether the request is
+        admitted on this verdict). Past ``room`` the verdict is spent, and a stale count must not
+        refuse: (None, False) sends the request to the engine thread, which decides with every
+        check in order (a handle already in flight before capacity) and renews the verdict.
+        (``take`` is the simulator's servicer model: past ``room`` it refuses.)"""
+        if self.refusing is not None:
+            return self.refusing, False
+        if self.posted >= self.room:
+            return None, False
+        self.posted += 1
+        return None, True
+
 
 @dataclass(frozen=True)
 class StatsSnapshot:

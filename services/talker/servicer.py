@@ -144,11 +144,11 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
         talker_request = build_request(request, self._facts, time.monotonic(),
                                        self._first_audio_budget_s)
         core = self._thread.engine
-        refusing = core.admission.take()  # on the engine thread's verdict after its last step
+        refusing, checked = core.admission.claim()  # on the engine thread's verdict after its last step
         if refusing is not None:
             core.refused_early += 1
             raise overloaded(refusing)  # at once: the engine thread would answer only after its step
-        position = await self._call(lambda core: core.submit(talker_request, checked=True))
+        position = await self._call(lambda core: core.submit(talker_request, checked=checked))
         admission = (talker_pb2.SubmitResponse.ADMISSION_ADMITTED if position == 0
                      else talker_pb2.SubmitResponse.ADMISSION_QUEUED)
         return talker_pb2.SubmitResponse(admission=admission, queue_position=position)
