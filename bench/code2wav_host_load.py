@@ -15,6 +15,7 @@ back-pressure holds a step until there is room).
 from __future__ import annotations
 
 import asyncio
+import copy
 import queue
 import secrets
 import threading
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from services.talker.consumers import attach_response
 from services.transport import TransportSection, open_producer
 from services.transport.layout import FinishReason, RecordFlags
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc, talker_pb2, talker_pb2_grpc
@@ -45,8 +47,7 @@ class Tally:
     chunk_frames: Counter = field(default_factory=Counter)
 
     def copy(self) -> Tally:
-        return Tally(self.frames, self.chunks, self.opened, self.finished, Counter(self.failed),
-                     Counter(self.chunk_frames))
+        return copy.deepcopy(self)
 
 
 class FeederTalker(talker_pb2_grpc.TalkerServicer):
@@ -79,11 +80,7 @@ class FeederTalker(talker_pb2_grpc.TalkerServicer):
                                                     consumer_id=request.consumer_id,
                                                     generation=self.generation)
         self.attached.set()
-        return talker_pb2.AttachResponse(
-            ring_name=endpoint.ring_name, wakeup_semaphore=endpoint.wake_name,
-            capacity_bytes=endpoint.capacity_bytes, generation=endpoint.generation,
-            talker_instance_token=self.token, liveness_timeout_s=self.transport.liveness_timeout,
-            transport=endpoint.kind)
+        return attach_response(endpoint, self.transport.liveness_timeout)
 
     async def Cancel(self, request, context):
         return talker_pb2.CancelResponse(found=False)

@@ -13,8 +13,19 @@ import logging
 from dataclasses import dataclass
 
 from services.transport import Endpoint, FrameProducer, TransportSection, open_producer
+from voxring.v1 import talker_pb2
 
 log = logging.getLogger(__name__)
+
+
+def attach_response(endpoint: Endpoint, liveness_timeout_s: float) -> talker_pb2.AttachResponse:
+    """``Talker.Attach``'s answer for an edge's endpoint (also what the talkers that stand in
+    for this one in tests and benchmarks answer)."""
+    return talker_pb2.AttachResponse(
+        ring_name=endpoint.ring_name, wakeup_semaphore=endpoint.wake_name,
+        capacity_bytes=endpoint.capacity_bytes, generation=endpoint.generation,
+        talker_instance_token=endpoint.talker_instance_token, liveness_timeout_s=liveness_timeout_s,
+        transport=endpoint.kind, address=endpoint.address)
 
 
 @dataclass

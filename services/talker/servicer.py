@@ -20,6 +20,7 @@ from services.common.config import ConfigValueError
 from services.common.engine_thread import EngineStopped, EngineThread
 from services.common.errors import InvalidArgument, Unavailable
 from services.talker.config import TalkerConfig
+from services.talker.consumers import attach_response
 from services.talker.core import overloaded
 from services.talker.request import TalkerRequest
 from voxring.v1 import talker_pb2, talker_pb2_grpc
@@ -130,12 +131,7 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
             raise InvalidArgument("consumer_id", "must not be empty")
         endpoint = await self._call(lambda core: core.attach(request.consumer_id,
                                                              request.consumer_instance_token))
-        return talker_pb2.AttachResponse(
-            ring_name=endpoint.ring_name, wakeup_semaphore=endpoint.wake_name,
-            capacity_bytes=endpoint.capacity_bytes, generation=endpoint.generation,
-            talker_instance_token=endpoint.talker_instance_token,
-            liveness_timeout_s=self._liveness_timeout,
-            transport=endpoint.kind, address=endpoint.address)
+        return attach_response(endpoint, self._liveness_timeout)
 
     async def ModelInfo(self, request, context):
         return self._model_info

@@ -24,6 +24,7 @@ import threading
 import grpc
 import numpy as np
 
+from services.talker.consumers import attach_response
 from services.transport import TransportSection, open_producer
 from voxring.v1 import talker_pb2, talker_pb2_grpc
 
@@ -49,11 +50,7 @@ class FakeTalker(talker_pb2_grpc.TalkerServicer):
                                                     consumer_id=request.consumer_id,
                                                     generation=self.generation)
         say(attached=request.consumer_id, generation=self.generation)
-        return talker_pb2.AttachResponse(
-            ring_name=endpoint.ring_name, wakeup_semaphore=endpoint.wake_name,
-            capacity_bytes=endpoint.capacity_bytes, generation=endpoint.generation,
-            talker_instance_token=self.token, liveness_timeout_s=self.transport.liveness_timeout,
-            transport=endpoint.kind)
+        return attach_response(endpoint, self.transport.liveness_timeout)
 
     async def Cancel(self, request, context):
         say(cancel=request.handle)

@@ -216,7 +216,8 @@ def test_a_stream_closed_by_its_client_inside_a_batched_tick_frees_its_slot_once
     assert sorted(engine.free_slots) == sorted(set(engine.free_slots)) and len(engine.free_slots) == 7
 
 
-def test_a_client_that_does_not_drain_is_held_and_resumes_when_it_does(setup):
+def held_stream(setup) -> tuple[Code2WavEngine, OpenStream, Sent]:
+    """A stream whose first chunk (320 ms) its client has not drained, past a 200 ms bound."""
     engine, _, link, _ = setup
     engine.max_undelivered = 0.2
     p = Pacing(decode_margin_s=0.1, steady_frames=4, min_chunk_frames=1)
@@ -225,7 +226,12 @@ def test_a_client_that_does_not_drain_is_held_and_resumes_when_it_does(setup):
     put(link, 1, 1, 8, first=4, last=True)
     engine.step()
     engine.step()
-    assert chunk_frames(sent) == [4] and stream.held   # 320 ms undelivered > 200 ms
+    assert chunk_frames(sent) == [4] and stream.held and stream.undelivered_s == pytest.approx(0.32)
+    return engine, stream, sent
+
+
+def test_a_client_that_does_not_drain_is_held_and_resumes_when_it_does(setup):
+    engine, _, sent = held_stream(setup)
     engine.step()
     assert chunk_frames(sent) == [4]                   # not looked at again until it drains
     engine.delivered(1, 0.32)
@@ -311,15 +317,7 @@ def test_a_steps_messages_reach_the_loop_in_one_handoff_in_order(setup):
 def test_a_held_stream_resumes_from_the_event_loops_delivery_count(setup):
     """The servicer's path: it adds to ``delivered_s`` itself and asks ``resume`` only while
     the engine holds the stream."""
-    engine, _, link, _ = setup
-    engine.max_undelivered = 0.2
-    p = Pacing(decode_margin_s=0.1, steady_frames=4, min_chunk_frames=1)
-    stream, sent = open_stream(engine, 1, p)
-    put(link, 1, 0, 4)
-    put(link, 1, 1, 8, first=4, last=True)
-    engine.step()
-    engine.step()
-    assert chunk_frames(sent) == [4] and stream.held and stream.undelivered_s == pytest.approx(0.32)
+    engine, stream, sent = held_stream(setup)
     engine.resume(1)                    # nothing delivered yet: stays held
     engine.step()
     assert chunk_frames(sent) == [4] and stream.held
