@@ -5,8 +5,10 @@
 #
 #   tests        tests/gpu and tests/unit/test_sampler.py (its CUDA test)
 #   talker       the talker's whole decode step per (bucket, K)       -> steps_gpu_talker.json
-#   costs        prefill, Code2Wav's decode grid, the bf16 graph probe, the talker/Code2Wav overlap
-#   server-off   the whole server under the Poisson load, tiers 1 .. 1,024, without MPS
+#   costs        prefill (eager and through its graphs), Code2Wav's decode grid, the bf16 graph
+#                probe, the talker/Code2Wav overlap
+#   server-off   the whole server under each load of LOADS (default poisson) at TIERS (default
+#                1,8,64,256,1024), without MPS; the call's time left is shared between the loads
 #   server-on    the same with MPS (then the table of both)
 #   determinism  Code2Wav's bf16 decode with cuDNN deterministic (the default) and free: the GPU
 #                test, the decode grid both ways (same call), the graph/eager probe
@@ -34,12 +36,19 @@ R=/tmp/voxring-bench-results  # outside the tree: a later call on the still-warm
 triton.__version__, grpc.__version__)"
 } > "$OUT/machine.txt" 2>&1
 
-server() {  # $1: off or on
-  timeout "$(left)" python3 -m bench.server --part tiers --mps "$1" --load poisson \
-    --tiers 1,8,64,256,1024 --requests-per-stream 2 --max-wall "$(( $(left) - 10 ))" --out "$R"
-  echo "server tiers, MPS $1: exit $?"
+TIERS="${TIERS:-1,8,64,256,1024}"
+read -r -a LOADS <<< "${LOADS:-poisson}"
+
+server() {  # $1: off or on; each load gets an equal share of the time left
+  local n=${#LOADS[@]} i=0 wall
+  for load in "${LOADS[@]}"; do
+    wall=$(( ($(left) - 10) / (n - i) )); i=$((i + 1))
+    timeout "$((wall + 5))" python3 -m bench.server --part tiers --mps "$1" --load "$load" \
+      --tiers "$TIERS" --requests-per-stream 2 --max-wall "$wall" --out "$R"
+    echo "server tiers, MPS $1, $load: exit $?"
+  done
   python3 -m bench.server --part report --out "$R" > /dev/null
-  cp "$R"/server_gpu_tiers_*poisson*.json "$R"/server_gpu.md "$OUT"/ 2>/dev/null
+  cp "$R"/server_gpu_tiers_*.json "$R"/server_gpu.md "$R"/*.png "$OUT"/ 2>/dev/null
 }
 
 for part in "$@"; do
@@ -52,7 +61,7 @@ for part in "$@"; do
       timeout "$(left)" python3 bench/steps_gpu.py --parts talker --out "$OUT/steps_gpu_talker.json"
       echo "talker steps: exit $?" ;;
     costs)
-      timeout 220 python3 bench/steps_gpu.py --parts prefill,codec --out "$OUT/steps_gpu_costs.json"
+      timeout 240 python3 bench/steps_gpu.py --parts prefill,prefill_graphs,codec --out "$OUT/steps_gpu_costs.json"
       echo "prefill, codec: exit $?"
       timeout "$(left 320)" python3 bench/codec_graph_bf16.py --out "$OUT/codec_graph_bf16.json" 2>&1 | tail -8
       echo "codec graph bf16: exit ${PIPESTATUS[0]}"

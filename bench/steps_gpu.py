@@ -1,7 +1,7 @@
 """The device costs the serving simulator's H200 model needs, at the shapes the server runs.
 GPU only (``--smoke``: the same code on the CPU with voxring-tiny and a small grid).
 
-    python bench/steps_gpu.py [--parts talker,prefill,codec] [--out bench/results/steps_gpu.json]
+    python bench/steps_gpu.py [--parts talker,prefill,prefill_graphs,codec] [--out bench/results/steps_gpu.json]
 
 - ``talker``: the whole decode step as the engine calls it (``Runner.decode``: stage the
   slot ids, gather the rows' state, K graph replays, scatter, one copy to the host) per
@@ -10,6 +10,10 @@ GPU only (``--smoke``: the same code on the CPU with voxring-tiny and a small gr
   the server loads it (``pack_weights``), rows greedy.
 - ``prefill``: today's eager ``Runner.prefill`` of 1, 8 and 64 prompts of 32, 128 and 512
   tokens.
+- ``prefill_graphs``: prefill as the talker runs it, through its graphs per (rows, tokens)
+  bucket (the engine's default buckets and budgets): capture time and graph pool memory,
+  then 1, 8 and 64 prompts of 110 tokens, through the graphs and eagerly at the same shape
+  in the same run (64 rows have no bucket: in one eager call, and as 8 graph calls of 8).
 - ``codec``: Code2Wav's ``CodecDecoder.decode`` per (batch 1 .. 512, chunk 1, 2, 4, 8, 16
   frames), replayed from its CUDA graph and run eagerly (``decode_step``), real Mimi shapes,
   bf16, random weights and codebooks; and audio seconds per second at each.
@@ -40,10 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.talker_gpu import CSM_1B, random_model
 from models.family import PromptSegment
 from services.common.chunks import Sampling
-from services.talker.runner import PrefillRow, Runner
+from services.talker.runner import PrefillBuckets, PrefillRow, Runner
 
 TALKER_BUCKETS, KS = [1, 8, 64, 256, 512, 1024], [1, 4, 8]
 PROMPTS, PROMPT_TOKENS = [1, 8, 64], [32, 128, 512]
+GRAPH_PROMPTS, GRAPH_PROMPT_TOKENS = [1, 8, 64], 110
 CODEC_BATCHES, CODEC_CHUNKS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], [1, 2, 4, 8, 16]
 CONTEXT = 64  # positions a row has attended over when a talker measurement starts
 SMOKE = {"buckets": [1, 2, 4], "ks": [1, 2], "prompts": [1, 2], "tokens": [8, 16],
@@ -144,6 +149,43 @@ def part_prefill(model, device: torch.device, smoke: bool, out: dict, save: Call
             save()
 
 
+def part_prefill_graphs(model, device: torch.device, smoke: bool, out: dict,
+                        save: Callable[[], None]) -> None:
+    tokens = 16 if smoke else GRAPH_PROMPT_TOKENS
+    counts = [1, 2, 4] if smoke else GRAPH_PROMPTS
+    buckets = PrefillBuckets(rows=(1, 2), tokens=(16,)) if smoke else PrefillBuckets()
+    slots, max_len = max(counts), tokens + 16
+    started = time.perf_counter()
+    graphed = Runner(model, num_slots=slots, max_len=max_len, buckets=[1], k_max=1, max_repetition_window=16,
+                     use_graphs=device.type == "cuda", prefill_buckets=buckets)
+    stats = graphed.prefill_graph_stats
+    eager = Runner(model, num_slots=slots, max_len=max_len, buckets=[1], k_max=1, max_repetition_window=16,
+                   use_graphs=False)
+    out.update({"runner_s": round(time.perf_counter() - started, 2), "tokens": tokens,
+                "buckets": {"rows": list(buckets.rows), "tokens": list(buckets.tokens),
+                            "memory_mb": buckets.memory_mb, "startup_s": buckets.startup_s},
+                "capture_s": round(stats.capture_s, 3), "captured": [list(b) for b in stats.captured],
+                "skipped": [list(b) for b in stats.skipped],
+                "graph_pool_reserved_mib": round(stats.memory_reserved_bytes / 2**20, 1),
+                "graph_allocated_mib": round(stats.memory_allocated_bytes / 2**20, 1), "calls": {}})
+    save()
+    repeats = 2 if smoke else 10
+    for n in counts:
+        rows = prompt_rows(model, range(n), tokens)
+        entry = {"graph_bucket": list(graphed.prefiller.graphs.bucket_for(n, tokens) or []) or None,
+                 "through_runner": timed_ms(lambda rows=rows: _prefill(graphed, rows, device), device, repeats),
+                 "eager": timed_ms(lambda rows=rows: _prefill(eager, rows, device), device, repeats)}
+        if entry["graph_bucket"] is None and n > max(buckets.rows):
+            step = max(buckets.rows)
+            parts = [rows[i:i + step] for i in range(0, n, step)]
+            entry[f"as_{len(parts)}_calls_of_{step}"] = timed_ms(
+                lambda parts=parts: [_prefill(graphed, part, device) for part in parts], device, repeats)
+        out["calls"][f"prompts={n}"] = entry
+        print(f"prefill graphs, {n} x {tokens} tokens: " + ", ".join(
+            f"{k} {v['median_ms']} ms" for k, v in entry.items() if isinstance(v, dict)), flush=True)
+        save()
+
+
 def _prefill(runner: Runner, rows: list[PrefillRow], device: torch.device) -> None:
     runner.prefill(rows)
     if device.type == "cuda":
@@ -224,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="codec: let cuDNN pick any algorithm (Code2Wav's engine.deterministic: false)")
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
-    unknown = set(parts) - {"talker", "prefill", "codec"}
+    unknown = set(parts) - {"talker", "prefill", "prefill_graphs", "codec"}
     if unknown:
         parser.error(f"--parts: unknown {sorted(unknown)}")
     if not args.smoke and not torch.cuda.is_available():
@@ -233,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {**header(device), "smoke": args.smoke}
     if args.out.exists():  # another call's parts stay
         result = {**json.loads(args.out.read_text()), **result}
-    model = talker_model(args.smoke) if {"talker", "prefill"} & set(parts) else None
+    model = talker_model(args.smoke) if {"talker", "prefill", "prefill_graphs"} & set(parts) else None
 
     def save() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -246,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             part_talker(model, device, args.smoke, out, save)
         elif part == "prefill":
             part_prefill(model, device, args.smoke, out, save)
+        elif part == "prefill_graphs":
+            part_prefill_graphs(model, device, args.smoke, out, save)
         else:
             model = None  # the talker's weights go before the codec's graphs take their memory
             if device.type == "cuda":
