@@ -27,7 +27,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   .whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 started=$(date +%s)
-left() { echo $(( ${1:-$BUDGET_S} - ($(date +%s) - started) )); }  # seconds until a point of the budget
+left() {  # seconds until a point of the budget (at least 1: timeout takes no negative limit)
+  local n=$(( ${1:-$BUDGET_S} - ($(date +%s) - started) )); echo $(( n > 1 ? n : 1 ))
+}
 R=/tmp/voxring-bench-results  # outside the tree: a later call on the still-warm machine finds it
 
 {
@@ -53,8 +55,9 @@ server() {  # $1: off or on; each load gets an equal share of the time left
 
 for part in "$@"; do
   case "$part" in
-    tests)  # 6 workers: most of the suite's time is Triton compiling on the host's 16 cores
-      timeout "$(left $((BUDGET_S - 240)))" python3 -m pytest -q -rfE --timeout 300 -p no:cacheprovider -n 6 \
+    tests)  # 14 workers: most of the suite's time is Triton compiling on the host's 16 cores (with
+      # fewer, the suite outgrew this part's share of the budget: bench/NOTES.md, the H200 verification)
+      timeout "$(left $((BUDGET_S - 180)))" python3 -m pytest -q -rfE -W ignore --timeout 200 -p no:cacheprovider -n 14 \
         tests/gpu tests/unit/test_sampler.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
       echo "tests: exit ${PIPESTATUS[0]}" ;;
     talker)

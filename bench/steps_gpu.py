@@ -1,7 +1,8 @@
 """The device costs the serving simulator's H200 model needs, at the shapes the server runs.
 GPU only (``--smoke``: the same code on the CPU with voxring-tiny and a small grid).
 
-    python bench/steps_gpu.py [--parts talker,prefill,prefill_graphs,codec] [--out bench/results/steps_gpu.json]
+    python bench/steps_gpu.py [--parts talker,prefill,prefill_graphs,codec]
+                              [--out bench/results/steps_gpu.json]
 
 - ``talker``: the whole decode step as the engine calls it (``Runner.decode``: stage the
   slot ids, gather the rows' state, K graph replays, scatter, one copy to the host) per
@@ -13,7 +14,8 @@ GPU only (``--smoke``: the same code on the CPU with voxring-tiny and a small gr
 - ``prefill_graphs``: prefill as the talker runs it, through its graphs per (rows, tokens)
   bucket (the engine's default buckets and budgets): capture time and graph pool memory,
   then 1, 8 and 64 prompts of 110 tokens, through the graphs and eagerly at the same shape
-  in the same run (64 rows have no bucket: in one eager call, and as 8 graph calls of 8).
+  in the same run (64 rows have no bucket: in one eager call, and as 8 graph calls of 8), and
+  the host time each call blocks its caller (it should only queue device work).
 - ``codec``: Code2Wav's ``CodecDecoder.decode`` per (batch 1 .. 512, chunk 1, 2, 4, 8, 16
   frames), replayed from its CUDA graph and run eagerly (``decode_step``), real Mimi shapes,
   bf16, random weights and codebooks; and audio seconds per second at each.
@@ -173,8 +175,12 @@ def part_prefill_graphs(model, device: torch.device, smoke: bool, out: dict,
     for n in counts:
         rows = prompt_rows(model, range(n), tokens)
         entry = {"graph_bucket": list(graphed.prefiller.graphs.bucket_for(n, tokens) or []) or None,
-                 "through_runner": timed_ms(lambda rows=rows: _prefill(graphed, rows, device), device, repeats),
-                 "eager": timed_ms(lambda rows=rows: _prefill(eager, rows, device), device, repeats)}
+                 "through_runner": timed_ms(lambda rows=rows: _prefill(graphed, rows, device), device,
+                                            repeats),
+                 "eager": timed_ms(lambda rows=rows: _prefill(eager, rows, device), device, repeats),
+                 # the engine's thread is blocked this long by the call (it should only queue work)
+                 "host_ms_through_runner": host_ms(lambda rows=rows: graphed.prefill(rows), device, repeats),
+                 "host_ms_eager": host_ms(lambda rows=rows: eager.prefill(rows), device, repeats)}
         if entry["graph_bucket"] is None and n > max(buckets.rows):
             step = max(buckets.rows)
             parts = [rows[i:i + step] for i in range(0, n, step)]
@@ -184,6 +190,20 @@ def part_prefill_graphs(model, device: torch.device, smoke: bool, out: dict,
         print(f"prefill graphs, {n} x {tokens} tokens: " + ", ".join(
             f"{k} {v['median_ms']} ms" for k, v in entry.items() if isinstance(v, dict)), flush=True)
         save()
+
+
+def host_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> dict:
+    """Median host time of ``fn`` until it returns (the device finishes after, not timed)."""
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    times = times[1:]  # the first call warms up
+    return {"median_ms": round(statistics.median(times), 4), "max_ms": round(max(times), 4),
+            "repeats": repeats}
 
 
 def _prefill(runner: Runner, rows: list[PrefillRow], device: torch.device) -> None:

@@ -37,9 +37,10 @@ def _env(items: list[str]) -> dict:
 def parse_args(argv: list[str] | None) -> tuple[RunSpec, Path | None, Path | None]:
     parser = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--profile", choices=["tip", "ee9c553", "3d75c85"], default="tip",
-                        help="the cost profile of h200.json (tip: today's; ee9c553: the fixed-load "
-                             "runs' tree; 3d75c85: the Poisson runs')")
+    parser.add_argument("--profile", choices=["tip", "db1c4a9", "ee9c553", "3d75c85"], default="tip",
+                        help="the cost profile of h200.json (tip: the H200 verification's costs; "
+                             "db1c4a9: the tip's before it; ee9c553: the fixed-load runs' tree; "
+                             "3d75c85: the Poisson runs')")
     parser.add_argument("--load", choices=["poisson", "fixed", "burst"], default="poisson")
     parser.add_argument("--mps", choices=["off", "on"], default="off")
     parser.add_argument("--tiers", default=",".join(map(str, DEFAULT_TIERS)))

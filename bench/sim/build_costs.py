@@ -25,10 +25,17 @@ PREFILL = "bench/results/h200_baseline/steps_gpu_costs.json"
 CODEC_DET = "bench/results/h200_baseline/steps_gpu_codec_deterministic.json"
 CODEC_FREE = "bench/results/h200_baseline/steps_gpu_codec_nondeterministic.json"
 OVERLAP = "bench/results/h200_baseline/overlap_gpu.json"
+# The H200 verification of the serving loop (issue 38): measured after its predictions were committed;
+# the tip profile takes its device costs from here, the older profiles keep theirs
+VERIFY_STEPS = "bench/results/h200_verify/steps_gpu_talker.json"
+VERIFY_COSTS = "bench/results/h200_verify/steps_gpu_costs.json"
+VERIFY_OVERLAP = "bench/results/h200_verify/overlap_gpu.json"
 COMMITS = {  # each source -> the commit its "commit" field must record (a re-run elsewhere stops the build)
     TIP_STEPS: "db1c4a9", BARRIER: "204ca18", L2_PREFETCH: "4723495", PREFILL: "db1c4a9",
     CODEC_DET: "c1903d9", CODEC_FREE: "c1903d9", OVERLAP: "db1c4a9",
+    VERIFY_STEPS: "b7f9a75", VERIFY_COSTS: "b7f9a75", VERIFY_OVERLAP: "b7f9a75",
 }
+GRAPHED_BUCKET = (8, 128)   # the prefill graph bucket (rows, tokens) of 8 prompts of 110 tokens
 CROSS_CHECK_STAGE = "+ stack_step, depth calls <= 2 rows, no L2 prefetch"
 CROSS_CHECK_TOLERANCE = 0.10
 BUCKETS = tuple(2**i for i in range(11))  # 1 .. 1024 rows
@@ -60,6 +67,11 @@ RULES = {
                "(costs.py) serves the counts.",
     "launch_bound": "Prefill's launch_ms is the measured 1-prompt, 32-token call: a lone short prompt is "
                     "launch-bound, so it is the host's launch time and the least any prefill call takes.",
+    "graphed_prefill_measured": "A graphed prefill call (the talker's prefill graphs, measured through its "
+                                "runner at b7f9a75: host staging, one copy, the replay) takes the larger of "
+                                "the one-prompt call (1 x 110 tokens, bucket (1, 128)) and rows x tokens at "
+                                "the per-position time of the 8-prompt call (8 x 110 tokens, bucket "
+                                "(8, 128)).",
     "graphed_prefill": "A graphed, asynchronous prefill call (captured per (rows, prompt-length) bucket; not "
                        "measured) of R prompt chunks padded to T positions takes max(weight_floor_ms, "
                        "ms_per_token x R x T). ms_per_token is the measured eager call of 64 prompts x 512 "
@@ -162,6 +174,10 @@ def cross_check(ee: dict[int, dict[int, float]], l2: dict) -> None:
 
 def talker_tables(root: Path) -> dict[str, dict]:
     tip_doc, barrier, l2 = _read(root, TIP_STEPS), _read(root, BARRIER), _read(root, L2_PREFETCH)
+    verify = tip_measured(_read(root, VERIFY_STEPS))
+    verify_est = {b: (_rows_linear(verify, b), "rows_linear") for b in BUCKETS if b not in verify}
+    verify_src = _source(VERIFY_STEPS, 'talker.steps["B=<rows>"]["K=<k>"].median_ms: a whole decode step '
+                                       "(gather, K graph replays, scatter, one copy to host)")
     floor = floors(barrier)
     floor_src = _source(BARRIER, "floors.B=<rows>.floor_ms: max(bytes, FLOPs) floor ms per frame")
     tip, ee = tip_measured(tip_doc), ee_measured(barrier)
@@ -179,17 +195,18 @@ def talker_tables(root: Path) -> dict[str, dict]:
                              f"cross-check of (K8 - K1) / 7 within {CROSS_CHECK_TOLERANCE:.0%}"),
         {**tip_src, "what": "the ratios step(512 or 1024, K) / step(256, K) of rule tip_ratio"},
     ]
-    return {"talker_step_db1c4a9": _talker_table(tip, tip_est, floor, [tip_src, floor_src]),
+    return {"talker_step_b7f9a75": _talker_table(verify, verify_est, floor, [verify_src, floor_src]),
+            "talker_step_db1c4a9": _talker_table(tip, tip_est, floor, [tip_src, floor_src]),
             "talker_step_ee9c553": _talker_table(ee, ee_est, floor, [*ee_src, floor_src])}
 
 
-def prefill_table(root: Path) -> dict:
-    calls = _read(root, PREFILL)["prefill"]
+def prefill_table(root: Path, file: str = PREFILL) -> dict:
+    calls = _read(root, file)["prefill"]
     rows = {str(r): {"tokens": {str(t): calls[f"prompts={r},tokens={t}"]["median_ms"]
                                 for t in (32, 128, 512)}} for r in (1, 8, 64)}
     what = ('prefill["prompts=<rows>,tokens=<tokens>"].median_ms: one eager prefill call of <rows> prompts '
-            "padded to <tokens> tokens (prefill code unchanged since ee9c553)")
-    return {"source": [_source(PREFILL, what)], "rows": rows, "launch_ms": rows["1"]["tokens"]["32"]}
+            "padded to <tokens> tokens")
+    return {"source": [_source(file, what)], "rows": rows, "launch_ms": rows["1"]["tokens"]["32"]}
 
 
 def backbone_params() -> int:
@@ -213,6 +230,24 @@ def prefill_graphed_table(root: Path) -> dict:
             "weight_floor_ms": round(backbone_params() * 2 / (bandwidth * 1e12) * 1e3, 4)}
 
 
+def prefill_graphed_measured(root: Path) -> dict:
+    """Rule graphed_prefill_measured's two numbers, from the verification run's prefill graphs."""
+    doc = _read(root, VERIFY_COSTS)["prefill_graphs"]
+    one, eight = doc["calls"]["prompts=1"], doc["calls"][f"prompts={GRAPHED_BUCKET[0]}"]
+    if eight["graph_bucket"] != list(GRAPHED_BUCKET) or one["graph_bucket"] != [1, GRAPHED_BUCKET[1]]:
+        raise BuildError(f"{VERIFY_COSTS}: prefill_graphs buckets are {one['graph_bucket']} and "
+                         f"{eight['graph_bucket']}, the rule expects [1, {GRAPHED_BUCKET[1]}] and "
+                         f"{list(GRAPHED_BUCKET)}")
+    rows, tokens = GRAPHED_BUCKET
+    per_token = eight["through_runner"]["median_ms"] / (rows * tokens)
+    key = 'prefill_graphs.calls["prompts={}"].through_runner.median_ms'
+    return {"source": [_source(VERIFY_COSTS, f"{key.format(1)}: the one-prompt floor"),
+                       _source(VERIFY_COSTS, f"{key.format(rows)} / {rows * tokens} positions: the "
+                                             "per-position time")],
+            "estimated": "graphed_prefill_measured", "ms_per_token": round(per_token, 4),
+            "weight_floor_ms": one["through_runner"]["median_ms"]}
+
+
 def codec_table(root: Path, file: str) -> dict:
     calls = _read(root, file)["codec"]["calls"]
     batches: dict[str, dict] = {}
@@ -225,10 +260,10 @@ def codec_table(root: Path, file: str) -> dict:
     return {"source": [_source(file, what)], "batches": batches}
 
 
-def sharing_table(root: Path) -> dict:
-    doc = _read(root, OVERLAP)
+def sharing_table(root: Path, file: str = OVERLAP) -> dict:
+    doc = _read(root, file)
     what = "mps_off|mps_on.slowdown.talker|codec: each process's rate alone / its rate with both running"
-    return {"source": [_source(OVERLAP, what)],
+    return {"source": [_source(file, what)],
             **{mode: {p: doc[mode]["slowdown"][p] for p in ("talker", "codec")}
                for mode in ("mps_off", "mps_on")}}
 
@@ -239,11 +274,20 @@ def build(root: Path = REPO) -> dict:
     tables = {**talker_tables(root), "prefill_eager": prefill_table(root),
               "prefill_graphed": prefill_graphed_table(root), "copy": copy,
               "codec_free": codec_table(root, CODEC_FREE),
-              "codec_deterministic": codec_table(root, CODEC_DET), "sharing": sharing_table(root)}
+              "codec_deterministic": codec_table(root, CODEC_DET), "sharing": sharing_table(root),
+              "prefill_eager_b7f9a75": prefill_table(root, VERIFY_COSTS),
+              "prefill_graphed_b7f9a75": prefill_graphed_measured(root),
+              "codec_deterministic_b7f9a75": codec_table(root, VERIFY_COSTS),
+              "sharing_b7f9a75": sharing_table(root, VERIFY_OVERLAP)}
     common = {"prefill": "prefill_eager", "prefill_graphed": "prefill_graphed", "copy": "copy",
               "sharing": "sharing"}
     profiles = {"ee9c553": {"talker_step": "talker_step_ee9c553", "codec": "codec_free", **common},
-                "tip": {"talker_step": "talker_step_db1c4a9", "codec": "codec_deterministic", **common},
+                # the tip: the H200 verification's measurements (issue 38)
+                "tip": {"talker_step": "talker_step_b7f9a75", "codec": "codec_deterministic_b7f9a75",
+                        "prefill": "prefill_eager_b7f9a75", "prefill_graphed": "prefill_graphed_b7f9a75",
+                        "copy": "copy", "sharing": "sharing_b7f9a75"},
+                # the tip before issue 38 (the profile its predictions were made with)
+                "db1c4a9": {"talker_step": "talker_step_db1c4a9", "codec": "codec_deterministic", **common},
                 # the Poisson runs at 3d75c85: today's talker, Code2Wav before its deterministic default
                 "3d75c85": {"talker_step": "talker_step_db1c4a9", "codec": "codec_free", **common}}
     doc = {"format": 1, "gpu": GPU, "rules": RULES, "profiles": profiles, "tables": tables}

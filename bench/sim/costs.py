@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PATH = Path(__file__).with_name("h200.json")
-PROFILES = ("ee9c553", "3d75c85", "tip")
+PROFILES = ("ee9c553", "3d75c85", "db1c4a9", "tip")
 SLOTS = ("talker_step", "prefill", "prefill_graphed", "codec", "copy", "sharing")
 REPLAY_LAUNCH_MS = 0.05  # a graph replay's host launch (rule "replay_launch" in the file)
 EAGER_OP_MS = 0.01       # an eager op's host dispatch (rule "step_launch")

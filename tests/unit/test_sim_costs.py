@@ -18,8 +18,12 @@ from bench.sim.costs import DEFAULT_PATH, PROFILES, CostFileError, load_costs
 from tests.conftest import REPO
 
 BUCKETS = [2**i for i in range(11)]
-TALKER = {"tip": "talker_step_db1c4a9", "ee9c553": "talker_step_ee9c553", "3d75c85": "talker_step_db1c4a9"}
-CODEC = {"tip": build_costs.CODEC_DET, "ee9c553": build_costs.CODEC_FREE, "3d75c85": build_costs.CODEC_FREE}
+TALKER = {"tip": "talker_step_b7f9a75", "db1c4a9": "talker_step_db1c4a9", "ee9c553": "talker_step_ee9c553",
+          "3d75c85": "talker_step_db1c4a9"}
+CODEC = {"tip": build_costs.VERIFY_COSTS, "db1c4a9": build_costs.CODEC_DET, "ee9c553": build_costs.CODEC_FREE,
+         "3d75c85": build_costs.CODEC_FREE}
+STEPS = {"tip": build_costs.VERIFY_STEPS, "db1c4a9": build_costs.TIP_STEPS}
+PREFILLS = {"tip": build_costs.VERIFY_COSTS, "db1c4a9": build_costs.PREFILL}
 
 
 def _result(file: str) -> dict:
@@ -62,11 +66,12 @@ def test_loads_with_every_bucket(profile):
 
 
 def test_talker_measured_points_exact():
-    tip, ee = load_costs(profile="tip"), load_costs(profile="ee9c553")
-    steps = _result(build_costs.TIP_STEPS)["talker"]["steps"]
-    for b in (1, 8, 64, 256, 512, 1024):
-        for k in (1, 4, 8):
-            assert tip.talker_step_ms(b, k) == steps[f"B={b}"][f"K={k}"]["median_ms"]
+    ee = load_costs(profile="ee9c553")
+    for profile, file in STEPS.items():
+        costs, steps = load_costs(profile=profile), _result(file)["talker"]["steps"]
+        for b in (1, 8, 64, 256, 512, 1024):
+            for k in (1, 4, 8):
+                assert costs.talker_step_ms(b, k) == steps[f"B={b}"][f"K={k}"]["median_ms"]
     wall = _result(build_costs.BARRIER)["fused_step_wall_ms"]
     for b in (1, 8, 64, 256):
         for k in (1, 8):
@@ -88,7 +93,8 @@ def test_talker_between_neighbours(profile):
 
 def test_estimated_entries_name_a_rule_and_respect_the_floor(doc):
     rules = doc["rules"]
-    measured = {"talker_step_db1c4a9": {1, 8, 64, 256, 512, 1024}, "talker_step_ee9c553": {1, 8, 64, 256}}
+    measured = {"talker_step_db1c4a9": {1, 8, 64, 256, 512, 1024}, "talker_step_ee9c553": {1, 8, 64, 256},
+                "talker_step_b7f9a75": {1, 8, 64, 256, 512, 1024}}
     for name, table in ((n, doc["tables"][n]) for n in TALKER.values()):
         for b, entry in table["buckets"].items():
             assert ("estimated" in entry) == (int(b) not in measured[name]), (name, b)
@@ -98,16 +104,19 @@ def test_estimated_entries_name_a_rule_and_respect_the_floor(doc):
             for k, ms in entry["k"].items():
                 assert ms >= int(k) * floor["ms"], (name, b, k)
     assert doc["tables"]["copy"]["estimated"] in rules
-    for name in ("prefill_eager", "codec_free", "codec_deterministic", "sharing"):
+    for name in ("prefill_eager", "codec_free", "codec_deterministic", "sharing", "prefill_eager_b7f9a75",
+                 "codec_deterministic_b7f9a75", "sharing_b7f9a75"):
         assert doc["tables"][name]["source"] and "estimated" not in doc["tables"][name]
 
 
-def test_prefill_measured_points_and_between():
-    costs = load_costs()
-    calls = _result(build_costs.PREFILL)["prefill"]
+@pytest.mark.parametrize("profile", sorted(PREFILLS))
+def test_prefill_measured_points_and_between(profile):
+    costs = load_costs(profile=profile)
+    calls = _result(PREFILLS[profile])["prefill"]
+    launch = calls["prompts=1,tokens=32"]["median_ms"]  # no eager call takes less than its launch
     for r in (1, 8, 64):
         for t in (32, 128, 512):
-            assert costs.prefill_ms(r, t) == calls[f"prompts={r},tokens={t}"]["median_ms"]
+            assert costs.prefill_ms(r, t) == max(launch, calls[f"prompts={r},tokens={t}"]["median_ms"])
     launch = calls["prompts=1,tokens=32"]["median_ms"]
     corners = [calls[f"prompts={r},tokens={t}"]["median_ms"] for r in (8, 64) for t in (32, 128)]
     assert min(corners) <= costs.prefill_ms(20, 64) <= max(corners)
@@ -145,11 +154,13 @@ def test_codec_graph_outside_the_measured_shapes():
         costs.codec_ms(1024, 8, graph=True)
 
 
-def test_copy_and_sharing():
-    costs = load_costs()
+@pytest.mark.parametrize("profile, file", [("tip", build_costs.VERIFY_OVERLAP),
+                                           ("db1c4a9", build_costs.OVERLAP)])
+def test_copy_and_sharing(profile, file):
+    costs = load_costs(profile=profile)
     assert costs.d2h_ms(0) == build_costs.COPY_LATENCY_MS
     assert math.isclose(costs.d2h_ms(25_000_000) - costs.d2h_ms(0), 1.0)  # 25 MB at 25 GB/s
-    overlap = _result(build_costs.OVERLAP)
+    overlap = _result(file)
     for mps, mode in ((False, "mps_off"), (True, "mps_on")):
         measured = overlap[mode]["slowdown"]
         assert costs.slowdown(mps) == (measured["talker"], measured["codec"])
@@ -262,7 +273,7 @@ def test_builder_raises_estimates_to_the_floor():
 
 
 def test_graphed_prefill_rule_from_the_committed_files(doc):
-    costs = load_costs(profile="tip")
+    costs = load_costs(profile="db1c4a9")
     table = doc["tables"]["prefill_graphed"]
     assert table["estimated"] == "graphed_prefill" and "graphed_prefill" in doc["rules"]
     rows, tokens = build_costs.PREFILL_COMPUTE_SHAPE
@@ -277,6 +288,30 @@ def test_graphed_prefill_rule_from_the_committed_files(doc):
     assert costs.prefill_graphed_ms(1, 110) < costs.prefill_ms(1, 110)   # far below the eager launch
     with pytest.raises(ValueError, match="rows >= 1"):
         costs.prefill_graphed_ms(0, 10)
+
+
+def test_graphed_prefill_measured_on_the_h200(doc, tmp_path):
+    """The tip's graphed prefill: the verification run's one-prompt call is its floor, its 8-prompt
+    call (bucket (8, 128)) gives the time per position."""
+    costs = load_costs(profile="tip")
+    table = doc["tables"]["prefill_graphed_b7f9a75"]
+    assert table["estimated"] == "graphed_prefill_measured" and "graphed_prefill_measured" in doc["rules"]
+    calls = _result(build_costs.VERIFY_COSTS)["prefill_graphs"]["calls"]
+    one, eight = (calls[f"prompts={n}"]["through_runner"]["median_ms"] for n in (1, 8))
+    assert costs.prefill_graphed_ms(1, 110) == one
+    assert costs.prefill_graphed_ms(8, 128) == pytest.approx(eight, abs=0.05)
+    assert costs.prefill_graphed_ms(64, 512) == pytest.approx(64 * 512 * eight / 1024, rel=0.01)
+    wrong = copy.deepcopy(_result(build_costs.VERIFY_COSTS))
+    wrong["prefill_graphs"]["calls"]["prompts=8"]["graph_bucket"] = [8, 256]
+    with pytest.raises(build_costs.BuildError, match="buckets"):
+        build_costs.prefill_graphed_measured(_tree_with(tmp_path, build_costs.VERIFY_COSTS, wrong))
+
+
+def _tree_with(root, file: str, content: dict):
+    """A result tree for the builder holding only ``file``, as ``content``."""
+    (root / file).parent.mkdir(parents=True)
+    (root / file).write_text(json.dumps(content))
+    return root
 
 
 def test_a_bursts_prefill_floor_bounds_every_packing():
