@@ -25,20 +25,31 @@ from pathlib import Path
 from bench.server.settings import portable_configs, stage_configs
 from bench.sim.fit import FIT, Fit
 from bench.sim.freeze import fingerprint
-from bench.sim.run import RunSpec, run_tiers
+from bench.sim.run import ENGINE_CAP, RunSpec, run_tiers
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results" / "server_gpu_h200"
 OUT = REPO / "bench" / "results" / "sim"
 TTFA_TOLERANCE, RATE_TOLERANCE = 0.30, 0.20   # the issue's bar, at tiers 8..1024
 BASELINE = REPO / "bench" / "results" / "h200_baseline"
+VERIFY = REPO / "bench" / "results" / "h200_verify"
 RUNS = {  # name: (measured result file, the cost profile of its tree)
     "calibration": (RESULTS / "server_gpu_tiers_mps-off.json", "ee9c553"),
     "held_out_mps_on": (RESULTS / "server_gpu_tiers_mps-on.json", "ee9c553"),
     "held_out_first_chunk_4": (RESULTS / "first_chunk_4" / "server_gpu_tiers_mps-on.json", "ee9c553"),
     "held_out_poisson_mps_off": (BASELINE / "server_gpu_tiers_mps-off-poisson.json", "3d75c85"),
     "held_out_poisson_mps_on": (BASELINE / "server_gpu_tiers_mps-on-poisson.json", "3d75c85"),
+    # the H200 verification of the serving loop (c360bcc), with the tip profile's measured costs
+    **{f"verify_{load}_mps_{mps}": (VERIFY / f"server_gpu_tiers_mps-{mps}-{load}.json", "tip")
+       for load in ("poisson", "burst") for mps in ("off", "on")},
 }
+
+
+# The keys bench.server sizes for the top tier: a run past the simulator's ENGINE_CAP is compared
+# on its tiers up to the cap with these set aside (the simulated engines are sized for the cap)
+SIZED_KEYS = (("talker", "engine", "buckets"), ("talker", "engine", "max_num_seqs"),
+              ("talker", "engine", "max_waiting"), ("code2wav", "engine", "max_slots"),
+              ("gateway", "admission", "max_in_flight"))
 
 
 class CalibrationError(RuntimeError):
@@ -49,8 +60,9 @@ def spec_for(measured: dict, profile: str = "ee9c553") -> RunSpec:
     """The simulated run of a committed result file: its tiers, load, MPS and overrides."""
     load = measured.get("load", "fixed")
     audio = (measured["audio_seconds"],) * 2 if load == "fixed" else tuple(measured["audio_range"])
+    tiers = sorted(int(c) for c in measured["tiers"])
     spec = RunSpec(profile=profile, mps=bool(measured["mps"]["requested"]), load=load,
-                   tiers=tuple(sorted(int(c) for c in measured["tiers"])),
+                   tiers=tuple(c for c in tiers if c <= ENGINE_CAP),
                    requests_per_stream=measured["requests_per_stream"], audio_seconds=audio,
                    load_seed=measured.get("load_seed", 0), env=dict(measured["env_overrides"]),
                    tier_max_s=measured["tier_max_s"])
@@ -58,6 +70,10 @@ def spec_for(measured: dict, profile: str = "ee9c553") -> RunSpec:
     theirs = json.loads(json.dumps(measured["configs"]))
     for stage in ("talker", "code2wav"):
         theirs[stage]["model"]["checkpoint"] = None  # random weights: the cost model stands for them
+    if tiers[-1] > ENGINE_CAP:  # engines the simulator sizes for ENGINE_CAP: every other key must agree
+        for configs in (ours, theirs):
+            for stage, section, key in SIZED_KEYS:
+                configs[stage][section][key] = None
     if ours != theirs:
         raise CalibrationError("the simulated stage configs differ from the measured run's")
     return spec
@@ -117,9 +133,9 @@ def score(rows: list[dict]) -> float:
                    abs(r["audio_s_per_s"]["error"]) / RATE_TOLERANCE) for r in rows if r["c"] >= 8)
 
 
-def search(factors: list[float], overheads_ms: list[float]) -> list[dict]:
-    """The grid of both fitted parameters on the calibration run (no held-out run is read)."""
-    path, profile = RUNS["calibration"]
+def search(factors: list[float], overheads_ms: list[float], run: str = "calibration") -> list[dict]:
+    """The grid of both fitted parameters on one run (the calibration run: no held-out run is read)."""
+    path, profile = RUNS[run]
     measured = json.loads(path.read_text())
     base = spec_for(measured, profile)
     grid = []
@@ -172,16 +188,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit", type=_grid, metavar="FACTORS;CALL_MS", default=None,
                         help="search the fitted parameters (grpc factors; call overheads in ms), "
                              "e.g. '2,3;0,0.15'")
+    parser.add_argument("--fit-run", default="calibration", help="the run --fit searches on")
     args = parser.parse_args(argv)
     names = [n for n in args.runs.split(",") if n]
     unknown = [n for n in names if n not in RUNS]
     if unknown or not names:
         parser.error(f"--runs: unknown {', '.join(unknown) or '(none given)'} (known: {', '.join(RUNS)})")
+    if args.fit_run not in RUNS:
+        parser.error(f"--fit-run: unknown {args.fit_run} (known: {', '.join(RUNS)})")
     if args.fit:
-        grid = search(*args.fit)
+        grid = search(*args.fit, run=args.fit_run)
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "fit_search.json").write_text(json.dumps({"fingerprint": fingerprint(), "grid": grid},
-                                                             indent=1, sort_keys=True) + "\n")
+        name = "fit_search.json" if args.fit_run == "calibration" else f"fit_search_{args.fit_run}.json"
+        (args.out / name).write_text(json.dumps({"fingerprint": fingerprint(), "run": args.fit_run,
+                                                 "grid": grid}, indent=1, sort_keys=True) + "\n")
         print(json.dumps(grid[:3], indent=1))
         return 0
     calibrate(names, args.out)
