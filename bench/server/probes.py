@@ -118,7 +118,27 @@ def _talker_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -
         split = step_split(before, after, name, window, steps)
         if split:
             talker["step_split_ms"] = split
+    first = first_record_ms(before, after, name)
+    if first:
+        talker["first_record_ms"] = first
     return talker
+
+
+FIRST_RECORD_PARTS = ("wait", "prefill", "step")
+
+
+def first_record_ms(before: Snapshot, after: Snapshot, name: str) -> dict | None:
+    """The mean of each part of the tier's first records, in ms (the talker's histograms: Submit ->
+    first prefill chunk queued -> first decode step launched -> first record written), and how
+    many first records it saw; None for a talker without them or a tier with none."""
+    parts, count = {}, None
+    for part in FIRST_RECORD_PARTS:
+        total = _delta(before, after, name, f"first_record_{part}_seconds_sum")
+        count = _delta(before, after, name, f"first_record_{part}_seconds_count")
+        if total is None or not count:
+            return None
+        parts[part] = round(total * 1e3 / count, 2)
+    return {**parts, "first_records": int(count)}
 
 
 STEP_PARTS = ("schedule", "prefill", "decode", "emit")

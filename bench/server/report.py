@@ -139,7 +139,8 @@ def run_table(mode: str, data: dict) -> list[str]:
     for c, t in sorted(data.get("tiers", {}).items(), key=lambda kv: int(kv[0])):
         lines.append(_tier_row(c, t) + (_load_cells(t) if scheduled else ""))
     lines.append("")
-    return lines + step_split_table(data.get("tiers", {}))
+    tiers = data.get("tiers", {})
+    return lines + step_split_table(tiers) + first_record_table(tiers)
 
 
 def _load_cells(t: dict) -> str:
@@ -182,6 +183,27 @@ def step_split_table(tiers: dict) -> list[str]:
         talker = tiers[c]["talker"]
         lines.append(f"| {c} | {_fmt(talker.get('step_ms'), 2)} | {_fmt(talker.get('mean_k'), 2)} | "
                      + " | ".join(_fmt(split[part], 2) for part in (*STEP_PARTS, "other")) + " |")
+    return [*lines, ""]
+
+
+def first_record_table(tiers: dict) -> list[str]:
+    """Markdown: where first audio goes, per tier: the talker's parts of its first records (mean ms)
+    beside the gateway's mean time to first audio; "rest" is what the talker does not see (the
+    gateway before Submit and after the chunk, the ring, Code2Wav's first decode, the hops)."""
+    rows = [(c, t) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
+            if t.get("talker", {}).get("first_record_ms")]
+    if not rows:
+        return []
+    lines = ["First audio, mean ms: the talker's first record (Submit -> prefill queued -> first step "
+             "launched -> record written) and the rest of the gateway's time to first audio.", "",
+             "| C | gateway TTFA mean | wait | prefill | step | rest |", "|---|---|---|---|---|---|"]
+    for c, tier in rows:
+        first = tier["talker"]["first_record_ms"]
+        server = tier.get("gateway", {}).get("server_ttfa_mean_ms")
+        talker = first["wait"] + first["prefill"] + first["step"]
+        rest = None if server is None else server - talker
+        lines.append(f"| {c} | {_fmt(server, 1)} | {_fmt(first['wait'], 2)} | {_fmt(first['prefill'], 2)} | "
+                     f"{_fmt(first['step'], 2)} | {_fmt(rest, 1)} |")
     return [*lines, ""]
 
 

@@ -20,6 +20,13 @@ from services.talker.request import TalkerRequest
 from services.talker.scheduler import Overloaded, QueueFull
 from services.transport import Endpoint
 
+# The parts of a request's time to its first record (EngineCounters.observe_first_record)
+FIRST_RECORD_HELP = {
+    "wait": "a request's first record: from its Submit to its prompt's first chunk queued for prefill",
+    "prefill": "a request's first record: from its first prefill chunk to the first decode step holding it",
+    "step": "a request's first record: from that step's launch to the record written",
+}
+
 
 @dataclass
 class Admission:
@@ -188,6 +195,8 @@ class TalkerCore:
                                              scheduler.refused_overload + self.refused_early),
                 "row_slack_seconds": ("histogram", "a row's slack (audio ahead of its listener) when its "
                                       "record is written", _slack_histogram(counters)),
+                **{f"first_record_{part}_seconds": ("histogram", text, counters.first_record[part].metric())
+                   for part, text in FIRST_RECORD_HELP.items()},
                 **{f"steps_k_bound_{bound}": ("counter", f"decode steps whose K was limited by {bound}",
                                               counters.k_bounds.get(bound, 0)) for bound in BOUNDS},
                 **self._prefill_graph_metrics()}

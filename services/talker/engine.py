@@ -107,6 +107,9 @@ class TalkerEngine:
 
     def _prefill(self, plan: StepPlan) -> None:
         begun = self.clock()
+        for chunk in plan.prefill:
+            if chunk.request.prefill_queued_at is None:
+                chunk.request.prefill_queued_at = begun
         rows = [PrefillRow(slot=c.request.slot, tokens=c.request.prompt[c.start:c.start + c.count],
                            start=c.start, final=c.final, sampling=c.request.sampling,
                            min_frames=c.request.min_frames) for c in plan.prefill]
@@ -127,6 +130,9 @@ class TalkerEngine:
 
     def _launch(self, plan: StepPlan) -> InFlight | None:
         begun = self.clock()
+        for request in plan.decode:
+            if request.first_launched_at is None:
+                request.first_launched_at = begun
         try:
             handle = self.runner.launch([r.slot for r in plan.decode], plan.k)
         except Exception:
@@ -178,9 +184,12 @@ class TalkerEngine:
                 continue  # ended while the step ran (cancelled, its consumer gone)
             count = counts[row]
             first = request.frames_done
-            if request.first_written_at is not None:
+            silent = request.first_written_at is None
+            if not silent:
                 slacks.append(due(request) - now)
             reason = apply(request, count, stopped[row], now)
+            if silent and request.first_written_at is not None:
+                self.counters.observe_first_record(request)
             if count or reason is not None:
                 queue((request, PendingRecord(codes[row, :count] if count else None, request.seq, first,
                                               _LAST if reason is not None else 0,

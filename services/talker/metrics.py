@@ -7,10 +7,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.common.histogram import EdgeHistogram
 from services.talker.pacing import BOUNDS
 
 # Upper edges (seconds) of the slack histogram: a row's slack when its record is written
 SLACK_EDGES = (0.0, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+# Upper edges (seconds) of the first record's parts: arrival -> its prompt's first chunk queued ("wait"),
+# -> the first decode step holding it launched ("prefill"), -> its first record written ("step")
+FIRST_RECORD_EDGES = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+FIRST_RECORD_PARTS = ("wait", "prefill", "step")
 
 
 @dataclass
@@ -37,6 +42,8 @@ class EngineCounters:
     slack_counts: np.ndarray = field(default_factory=lambda: np.zeros(len(SLACK_EDGES) + 1, np.int64))
     slack_sum: float = 0.0
     slack_n: int = 0
+    first_record: dict[str, EdgeHistogram] = field(
+        default_factory=lambda: {part: EdgeHistogram(FIRST_RECORD_EDGES) for part in FIRST_RECORD_PARTS})
 
     @property
     def host_s(self) -> float:
@@ -47,6 +54,16 @@ class EngineCounters:
         self.steps += 1
         self.step_frames += k
         self.k_bounds[bound] = self.k_bounds.get(bound, 0) + 1
+
+    def observe_first_record(self, request) -> None:
+        """Where a request's time to its first record went (at that record's write): the three
+        parts add up to ``first_written_at - arrival``."""
+        marks = (request.arrival, request.prefill_queued_at, request.first_launched_at,
+                 request.first_written_at)
+        if any(m is None for m in marks):
+            return
+        for part, begun, ended in zip(FIRST_RECORD_PARTS, marks, marks[1:], strict=False):
+            self.first_record[part].observe([max(0.0, ended - begun)])
 
     def observe_slack(self, slacks: list[float]) -> None:
         if not slacks:

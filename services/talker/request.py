@@ -44,6 +44,8 @@ class TalkerRequest:
     paused_since: float | None = None
     cancel_requested: bool = False
     first_written_at: float | None = None  # when its first frames were collected (their record then goes out)
+    prefill_queued_at: float | None = None   # when its prompt's first chunk was queued for prefill
+    first_launched_at: float | None = None   # when the first decode step that holds it was launched
     prefilled: int = 0                     # prompt positions in its slot (a long prompt takes steps)
 
     @property

@@ -67,6 +67,9 @@ def test_smoke_tiers(tmp_path):
         split = tier["talker"]["step_split_ms"]  # the talker's own seconds counters, per decode step
         assert split["decode"] > 0 and split["prefill"] > 0 and split["schedule"] >= 0 and split["emit"] >= 0
         assert split["other"] > -1.0  # the rest of the window: what the engine counted fits in it
+        first = tier["talker"]["first_record_ms"]  # each request's first record, in its three parts
+        assert first["first_records"] == 2 and min(first["wait"], first["prefill"], first["step"]) >= 0
+        assert tier["gateway"]["server_ttfa_mean_ms"] >= first["wait"] + first["prefill"] + first["step"]
     run = result["runs"][-1]
     assert "error" not in run, run
     assert run["exit_codes"] == {"gateway": 0, "code2wav": 0, "talker": 0}  # SIGTERM, graceful
@@ -75,6 +78,7 @@ def test_smoke_tiers(tmp_path):
     assert result["configs"]["talker"]["model"] == {"checkpoint": None, "dtype": "float32", "device": "cpu"}
     table = (tmp_path / "server_gpu.md").read_text()
     assert "| 2 | 2 / 0 |" in table and table in done.stdout
+    assert "First audio, mean ms" in table
     assert "Talker step, ms per decode step: schedule | prefill | decode | emit | other." in table
 
     again = _run("--part", "tiers", out=tmp_path)  # same configuration: nothing left to measure
