@@ -11,6 +11,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from bench.server.procs import Server
+from services.talker.metrics import FIRST_RECORD_PARTS
 
 
 def scrape(address: str | None) -> dict[str, float]:
@@ -122,9 +123,6 @@ def _talker_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -
     if first:
         talker["first_record_ms"] = first
     return talker
-
-
-FIRST_RECORD_PARTS = ("wait", "prefill", "step")
 
 
 def first_record_ms(before: Snapshot, after: Snapshot, name: str) -> dict | None:

@@ -14,18 +14,11 @@ import numpy as np
 from services.common.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
 from services.talker.consumers import Consumers
 from services.talker.engine import TalkerEngine
-from services.talker.metrics import SLACK_EDGES
+from services.talker.metrics import FIRST_RECORD_PARTS, SLACK_EDGES
 from services.talker.pacing import BOUNDS
 from services.talker.request import TalkerRequest
 from services.talker.scheduler import Overloaded, QueueFull
 from services.transport import Endpoint
-
-# The parts of a request's time to its first record (EngineCounters.observe_first_record)
-FIRST_RECORD_HELP = {
-    "wait": "a request's first record: from its Submit to its prompt's first chunk queued for prefill",
-    "prefill": "a request's first record: from its first prefill chunk to the first decode step holding it",
-    "step": "a request's first record: from that step's launch to the record written",
-}
 
 
 @dataclass
@@ -196,7 +189,7 @@ class TalkerCore:
                 "row_slack_seconds": ("histogram", "a row's slack (audio ahead of its listener) when its "
                                       "record is written", _slack_histogram(counters)),
                 **{f"first_record_{part}_seconds": ("histogram", text, counters.first_record[part].metric())
-                   for part, text in FIRST_RECORD_HELP.items()},
+                   for part, text in FIRST_RECORD_PARTS.items()},
                 **{f"steps_k_bound_{bound}": ("counter", f"decode steps whose K was limited by {bound}",
                                               counters.k_bounds.get(bound, 0)) for bound in BOUNDS},
                 **self._prefill_graph_metrics()}

@@ -15,7 +15,11 @@ SLACK_EDGES = (0.0, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 # Upper edges (seconds) of the first record's parts: arrival -> its prompt's first chunk queued ("wait"),
 # -> the first decode step holding it launched ("prefill"), -> its first record written ("step")
 FIRST_RECORD_EDGES = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-FIRST_RECORD_PARTS = ("wait", "prefill", "step")
+FIRST_RECORD_PARTS = {  # part -> its metric's help
+    "wait": "a request's first record: from its Submit to its prompt's first chunk queued for prefill",
+    "prefill": "a request's first record: from its first prefill chunk to the first decode step holding it",
+    "step": "a request's first record: from that step's launch to the record written",
+}
 
 
 @dataclass

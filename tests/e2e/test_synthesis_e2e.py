@@ -319,3 +319,6 @@ def test_prometheus_metrics_on_every_stage(stack):
             assert re.search(rf"^voxring_{name} ", text, re.M), name
     frames = float(re.search(r"^voxring_frames_total (\S+)$", talker, re.M).group(1))
     assert frames > 0
+    for part in ("wait", "prefill", "step"):  # each synthesized request's first record, split
+        count = re.search(rf"^voxring_first_record_{part}_seconds_count (\S+)$", talker, re.M)
+        assert count and float(count.group(1)) >= 1, part
