@@ -45,14 +45,19 @@ def _errors(tier: dict) -> str:
 
 
 def thread_summary(run: dict) -> dict[str, str]:
-    """Per stage, in words, the torch threads a run's stage got: torch's own default in the
-    stages' environment (a probe process's), unless the tree's code sets them."""
+    """Per stage, in words, the torch threads a run's stage got: what the stage said at start-up,
+    else torch's own default in the stages' environment (a probe process's), unless the tree's
+    code sets them."""
     default, hits = run.get("torch_default_threads") or {}, run.get("code_sets_threads") or []
+    started = run.get("started_threads") or {}
     out = {}
     for stage, seen in (run.get("threads") or {}).items():
         env = f"OMP_NUM_THREADS={seen.get('OMP_NUM_THREADS') or 'unset'}"
         if not seen.get("torch_loaded"):
             out[stage] = f"no torch loaded ({seen.get('os_threads')} OS threads)"
+        elif stage in started:
+            out[stage] = (f"{started[stage]} intra-op, as the stage says ({env}; "
+                          f"{seen.get('os_threads')} OS threads)")
         elif hits:
             out[stage] = f"set by the tree's code ({hits[0]}; {len(hits)} place(s)), {env}"
         else:

@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from voxring.stack import STAGES, Stack, StackError
+from voxring.stack import STAGES, TORCH_STAGES, Stack, StackError
 
 SCRIPT_TREE = Path(__file__).resolve().parent.parent
 IDLE_WAIT_S = 15.0      # after a tier: until no request runs (bounded)
@@ -117,6 +118,17 @@ def code_sets_threads(root: Path) -> list[str]:
                 if "set_num_threads" in line or "set_num_interop_threads" in line:
                     hits.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
     return hits
+
+
+def started_threads(stack: Stack) -> dict[str, int]:
+    """The torch CPU threads each torch stage says at start-up it runs with (its log's model line;
+    absent for a tree whose stages do not say)."""
+    found = {}
+    for stage in TORCH_STAGES:
+        hits = re.findall(r"\((?:float32|bfloat16|float16), (\d+) CPU threads\)", stack.log_tail(stage, 400))
+        if hits:
+            found[stage] = int(hits[-1])
+    return found
 
 
 def stage_threads(pid: int | None) -> dict:
@@ -300,6 +312,7 @@ def measure(spec: dict, stack: Stack, pids: dict, record: dict, write) -> None:
     record["warmup"] = warm_up(spec, stack.address("gateway"))
     record["warmup_idle_after"] = wait_idle(stack)
     record["threads"] = {stage: stage_threads(pid) for stage, pid in pids.items()}
+    record["started_threads"] = started_threads(stack)
     for concurrency in spec["tiers"]:
         record["tiers"][str(concurrency)] = measure_tier(spec, stack, pids, concurrency)
         write()

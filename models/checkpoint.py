@@ -44,6 +44,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def set_threads(threads: int) -> int:
+    """Sets torch's intra-op CPU threads for this process (0: leaves torch's choice, which follows
+    OMP_NUM_THREADS); returns the count in use, for the stage's start-up log."""
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 def read_config_json(folder: str | Path) -> tuple[Path, dict]:
     """(path, parsed) of a checkpoint folder's config.json; CheckpointError naming the cause."""
     path = Path(folder) / "config.json"

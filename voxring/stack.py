@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STAGES = ("talker", "code2wav", "gateway")  # start order; stop order is the reverse
+TORCH_STAGES = ("talker", "code2wav")       # the stages that run torch (the gateway is torch-free)
 CHECKOUT = Path(__file__).resolve().parent.parent  # where ``python -m services.<stage>`` runs
 
 
@@ -47,7 +48,8 @@ class StageProcess:
     run's log as ``<log>.run<N>.log``, or with ``append_log`` appends to one log.
     ``new_session``: the process outlives this one's terminal (``voxring up``); without
     it, it stays in this process group, so a kill of the whole command takes it too.
-    ``env``: the whole environment (None: this process's), PYTHONUNBUFFERED set on top.
+    ``env``: the whole environment (None: this process's), PYTHONUNBUFFERED set on top, and
+    for a torch stage OMP_NUM_THREADS when that environment has none (:func:`torch_threads`).
     """
 
     def __init__(self, stage: str, *, ready_file: Path, log_file: Path, config: Path | None = None,
@@ -87,11 +89,18 @@ class StageProcess:
         args = [sys.executable, "-m", f"services.{self.stage}", "--ready-file", str(self.ready_file)]
         if self.config is not None:
             args += ["--config", str(self.config)]
-        env = dict(os.environ if self.env is None else self.env, PYTHONUNBUFFERED="1")
+        env = self.environment()
         with open(self.log_file, "ab" if self.append_log else "wb") as log:
             self.proc = subprocess.Popen(args, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=self.new_session)
         self.runs += 1
+
+    def environment(self) -> dict[str, str]:
+        """What the stage process is started with (see the class's ``env``)."""
+        env = dict(os.environ if self.env is None else self.env, PYTHONUNBUFFERED="1")
+        if self.stage in TORCH_STAGES and "OMP_NUM_THREADS" not in env:
+            env["OMP_NUM_THREADS"] = str(torch_threads())
+        return env
 
     @property
     def pid(self) -> int:
@@ -170,6 +179,15 @@ class StageProcess:
 
     def log_tail(self, lines: int = 25) -> str:
         return _tail(self.log_file, lines)
+
+
+def torch_threads() -> int:
+    """CPU threads for each torch stage this launcher starts on this host: the cores this process
+    may use, split between talker and Code2Wav. With torch's default (every core each), the two
+    thread pools contend for the same cores and spin in each other's way: on a 2-core host the
+    stack made half the audio and stalled where one thread each did not (bench/NOTES.md). A stage's
+    ``model.threads``, or OMP_NUM_THREADS in the launcher's environment, decides instead."""
+    return max(1, len(os.sched_getaffinity(0)) // len(TORCH_STAGES))
 
 
 def wait_all(stages: list[StageProcess], timeout: float, *, serving: bool = True) -> None:

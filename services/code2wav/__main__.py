@@ -11,7 +11,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from models.checkpoint import CheckpointError, resolve_device
+from models.checkpoint import CheckpointError, resolve_device, set_threads
 from models.mimi.loader import load_codec
 from models.tiny.talker import checkpoint_folder
 from services.code2wav.config import Code2WavConfig
@@ -30,6 +30,7 @@ log = logging.getLogger("code2wav")
 
 
 def build(config: Code2WavConfig, config_path: Path | None):
+    threads = set_threads(config.model.threads)
     try:
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
@@ -59,8 +60,9 @@ def build(config: Code2WavConfig, config_path: Path | None):
                                 config.pacing,
                                 1.0 / codec.config.frame_rate)
     name = code2wav_pb2.DESCRIPTOR.services_by_name["Code2Wav"].full_name
-    log.info("codec %s on %s (%s), %d slots, talkers %s", folder, device, config.model.dtype,
-             config.engine.max_slots, ", ".join(f"{t.id}={t.address}" for t in talkers.attach))
+    log.info("codec %s on %s (%s, %d CPU threads), %d slots, talkers %s", folder, device,
+             config.model.dtype, threads, config.engine.max_slots,
+             ", ".join(f"{t.id}={t.address}" for t in talkers.attach))
     return ([ServiceBinding(name, code2wav_pb2_grpc.add_Code2WavServicer_to_server, servicer)],
             [EngineComponent(thread, close=engine.close_links),
              LinkHealth(links, config.transport.heartbeat_interval)],

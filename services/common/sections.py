@@ -179,8 +179,11 @@ class ModelSection:
     dtype: str = "float32"          # float32, bfloat16, float16
     device: str = "auto"            # auto (cuda when present), cpu, cuda, cuda:N
     tiny_seed: int = 0              # which voxring-tiny, when checkpoint is null
+    threads: int = 0                # torch's CPU threads in this stage; 0: torch's default (OMP_NUM_THREADS)
 
     def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ConfigValueError("threads", f"must be >= 0 (0: torch's default), got {self.threads}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigValueError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import kernels
-from models.checkpoint import CheckpointError, resolve_device
+from models.checkpoint import CheckpointError, resolve_device, set_threads
 from models.csm.loader import load_talker
 from models.tiny.talker import checkpoint_folder
 from services.common import metrics
@@ -74,6 +74,7 @@ def build(config: TalkerConfig, config_path: Path | None):
             raise ConfigError(f"transport: {exc}") from None
     kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention,
                       fused_layers=config.kernels.fused_layers)
+    threads = set_threads(config.model.threads)
     try:
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
@@ -121,8 +122,8 @@ def build(config: TalkerConfig, config_path: Path | None):
     if frame_servicer is not None:
         bindings.append(ServiceBinding(frames_pb2.DESCRIPTOR.services_by_name["FrameStream"].full_name,
                                        frames_pb2_grpc.add_FrameStreamServicer_to_server, frame_servicer))
-    log.info("model %s on %s (%s), max_len %d, buckets %s", folder, device, config.model.dtype, max_len,
-             list(engine_cfg.buckets))
+    log.info("model %s on %s (%s, %d CPU threads), max_len %d, buckets %s", folder, device,
+             config.model.dtype, threads, max_len, list(engine_cfg.buckets))
     return bindings, [EngineComponent(thread, close=core.close, idle=core.idle)], {
         "drain_exempt": ["/voxring.v1.Talker/Cancel", "/voxring.v1.Talker/Stats"],
         "on_bound": (lambda address: setattr(frame_servicer, "address", address)) if frame_servicer else None,

@@ -7,6 +7,7 @@ on this CPU, and every other time, is the full run's business: nothing here is a
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from bench.stack_cpu_report import worst_key, worst_runs
 from tests.conftest import REPO, stage_env
+from voxring.stack import torch_threads
 
 COMMAND = [sys.executable, "-m", "bench.stack_cpu"]  # from the repository root, as documented
 RUN_TIMEOUT_S = 300  # a bound, not an expectation: ~10 s alone on 2 cores
@@ -64,6 +66,8 @@ def _check_result(result: dict, out: Path) -> None:
     [run] = result["runs"]
     assert "error" not in run, run
     assert run["stopped"] == ["gateway", "code2wav", "talker"] and run["shm_left"] == []
+    share = int(os.environ.get("OMP_NUM_THREADS") or torch_threads())  # the launcher's split
+    assert run["started_threads"] == {"talker": share, "code2wav": share}
     assert not Path(run["configs_changed"]["talker"]["server.listen"].removeprefix("unix:")).parent.exists()
     assert sorted(run["tiers"], key=int) == list(TIERS)
     for c, tier in run["tiers"].items():
