@@ -43,7 +43,9 @@ _LAST, _CANCELLED = int(RecordFlags.LAST), int(RecordFlags.CANCELLED)
 
 @dataclass
 class InFlight:
-    """A launched step: its plan, the runner's handle, and when it was launched."""
+    """A launched step: its plan, the runner's handle, and when its device work began (its
+    prefill's, when it has one: on a synchronous device, or a launch-bound one, the prefill runs
+    on the host before the frames are launched, and the step's time must hold it)."""
 
     plan: StepPlan
     handle: Any
@@ -90,10 +92,11 @@ class TalkerEngine:
         counters.schedule_s += self.clock() - now
         for request in plan.finished:
             self._final_record(request)
+        work_begun = self.clock()
         if plan.prefill:
             self._prefill(plan)
         if plan.decode:
-            launched = self._launch(plan)
+            launched = self._launch(plan, work_begun)
             if launched is not None and self.pipelined:
                 self.inflight = launched  # the device runs it while the records below are written
             elif launched is not None:
@@ -128,7 +131,7 @@ class TalkerEngine:
             self.counters.prefill_steps += 1
             self.counters.prefill_tokens += plan.prefill_tokens
 
-    def _launch(self, plan: StepPlan) -> InFlight | None:
+    def _launch(self, plan: StepPlan, work_begun: float) -> InFlight | None:
         begun = self.clock()
         for request in plan.decode:
             if request.first_launched_at is None:
@@ -142,7 +145,7 @@ class TalkerEngine:
             return None
         finally:
             self.counters.decode_s += self.clock() - begun
-        return InFlight(plan, handle, begun)
+        return InFlight(plan, handle, work_begun)
 
     def _complete(self, step: InFlight) -> None:
         """Collects a launched step, applies its frames and queues its records."""

@@ -36,45 +36,68 @@ FIRST_K = 2  # frames: a first chunk of 160 ms
 
 
 @dataclass
+class StepLine:
+    """T(K) = overhead + per_frame x K for one bucket, learnt online: the first step sets the
+    time per frame; every later step moves both terms by ``rate`` of its error, shared by their
+    part in it (normalised least mean squares). Every step moves the whole line, so a K seen
+    rarely is not judged by a stale time of its own while this machine's speed drifts."""
+
+    rate: float
+    overhead: float = 0.0
+    per_frame: float | None = None
+
+    def add(self, k: int, seconds: float) -> None:
+        if self.per_frame is None:
+            self.per_frame = seconds / k
+            return
+        error = self.rate * (seconds - self.at(k)) / (1 + k * k)
+        self.overhead = max(0.0, self.overhead + error)
+        self.per_frame = max(0.0, self.per_frame + error * k)
+
+    def at(self, k: int) -> float:
+        return max(self.overhead + self.per_frame * k, 1e-6)
+
+
+@dataclass
 class StepTimes:
-    """Seconds a step of K frames takes per bucket (exponentially weighted, from steps without
-    prefill, but for a size's first step), and the seconds of prefill per prompt position (from
-    the steps with it: what they took beyond the measured step of the same size without)."""
+    """Seconds a step of K frames takes per bucket (a line per bucket, learnt from its steps
+    without prefill), and the seconds of prefill per prompt position (from the steps with it:
+    what they took beyond the line's step of the same size). The steps with prefill of a bucket
+    that has none without are kept apart (``provisional``): they stand for it while nothing cleaner
+    is known (pessimistic), but are never the base a prefill's cost is measured against, else a
+    size always seen with prefill inside (a first-audio step) would read as prefill for free."""
 
     alpha: float = 0.25
-    steps: dict[tuple[int, int], float] = field(default_factory=dict)
+    steps: dict[int, StepLine] = field(default_factory=dict)
+    provisional: dict[int, StepLine] = field(default_factory=dict)
     per_token_s: float = 0.0
 
     def observe(self, bucket: int, k: int, seconds: float, prefill_tokens: int = 0) -> None:
-        base = self.steps.get((bucket, k))
-        if prefill_tokens and base is not None:
-            sample = max(0.0, seconds - base) / prefill_tokens
+        if prefill_tokens:
+            line = self.steps.get(bucket)
+            if line is None:
+                self.provisional.setdefault(bucket, StepLine(self.alpha)).add(k, seconds)
+                return
+            sample = max(0.0, seconds - line.at(k)) / prefill_tokens
             self.per_token_s += self.alpha * (sample - self.per_token_s) if self.per_token_s else sample
             return
-        # a first step of this size stands for it even with prefill inside (pessimistic, soon replaced)
-        self.steps[(bucket, k)] = seconds if base is None else base + self.alpha * (seconds - base)
+        self.steps.setdefault(bucket, StepLine(self.alpha)).add(k, seconds)
+        self.provisional.pop(bucket, None)
 
     def estimate(self, bucket: int, k: int, *, across_buckets: bool = True) -> float | None:
-        """T(bucket, K): measured, or a line through the bucket's measured K (one point: per
-        frame), or (``across_buckets``) a smaller bucket's scaled by rows when this one has none;
-        None when no bucket has a step yet."""
-        if (bucket, k) in self.steps:
-            return self.steps[(bucket, k)]
-        seen = sorted((kk, t) for (b, kk), t in self.steps.items() if b == bucket)
-        if not seen:
-            if not across_buckets:
-                return None
-            smaller = [b for b, _ in self.steps if b < bucket]
-            if not smaller:
-                return None
-            nearest = max(smaller)
-            return self.estimate(nearest, k) * bucket / nearest  # pessimistic: time grows with rows
-        if len(seen) == 1:
-            k0, t0 = seen[0]
-            return t0 * k / k0
-        (k0, t0), (k1, t1) = seen[0], seen[-1]
-        slope = max(0.0, (t1 - t0) / (k1 - k0))
-        return max(t0 + slope * (k - k0), slope * k, 1e-6)
+        """T(bucket, K) from the bucket's line (else its steps with prefill inside), or
+        (``across_buckets``) a smaller bucket's scaled by rows when it has none; None when no
+        bucket has a step yet."""
+        line = self.steps.get(bucket) or self.provisional.get(bucket)
+        if line is not None:
+            return line.at(k)
+        if not across_buckets:
+            return None
+        smaller = [b for b in [*self.steps, *self.provisional] if b < bucket]
+        if not smaller:
+            return None
+        nearest = max(smaller)
+        return self.estimate(nearest, k) * bucket / nearest  # pessimistic: time grows with rows
 
     def prefill_s(self, tokens: int) -> float:
         return self.per_token_s * tokens
@@ -85,6 +108,12 @@ class PacingConfig:
     frame_rate: float            # frames per second of audio
     path_s: float                # a record's way to the listener (Code2Wav, transport, gateway)
     k_max: int
+
+    @property
+    def margin_s(self) -> float:
+        """What a speaking row keeps to spare beyond its due time: a record after the first may
+        take longer to reach the listener than the first did, by as much as the path itself."""
+        return self.path_s
 
     def __post_init__(self) -> None:
         if not self.frame_rate > 0 or not math.isfinite(self.frame_rate):

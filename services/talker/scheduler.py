@@ -280,7 +280,10 @@ class Scheduler:
         one = self.times.estimate(bucket, 1)
         reachable = -math.inf if one is None else now + ahead_s + 2 * one
         dues = [(due(r, config), r) for r in rows]
-        first = min(((d, r) for d, r in dues if d >= reachable), key=lambda dr: dr[0], default=None)
+        # a speaking row keeps the path's own length to spare: its later records may take longer to
+        # reach the listener than its first did (a busy tick, a slow relay)
+        first = min(((d - config.margin_s if r.first_written_at is not None else d, r)
+                     for d, r in dues if d >= reachable), key=lambda dr: dr[0], default=None)
         others = [r for r in self.running if r.prefilling] + list(self.waiting)
         waiting = (due(r, config) - self.times.prefill_s(r.prompt_len - r.prefilled) for r in others)
         return StepOutlook(now=now, bucket=bucket,
@@ -301,7 +304,7 @@ class Scheduler:
             return []
         # a speaking row late already still bounds it: prefill would only lengthen its stall
         speaking_due = min((due(r, self.pacing) for r in decode if r.first_written_at is not None),
-                           default=math.inf)
+                           default=math.inf) - self.pacing.margin_s
         outlook = dataclasses.replace(self._outlook(now, 0.0, decode), row_due=speaking_due)
         affordable = prefill_tokens_allowed(outlook, self.pacing, self.times)
         budget = int(min(self.prefill_token_budget, max(affordable, self.min_chunk_tokens)))

@@ -40,20 +40,38 @@ def test_slack_of_an_unstarted_row_is_its_first_audio_deadline_less_the_path():
     assert slack(row(), 0.2, CONFIG) == math.inf  # no budget
 
 
-def test_step_times_average_extrapolate_and_learn_prefill_per_position():
-    times = StepTimes(alpha=0.5)
+def test_step_times_learn_a_line_per_bucket_and_prefill_per_position():
+    times = StepTimes()
     assert times.estimate(8, 1) is None
-    times.observe(8, 1, 0.010)
-    assert times.estimate(8, 4) == pytest.approx(0.040)  # one point: per frame
-    times.observe(8, 8, 0.050)
-    assert times.estimate(8, 4) == pytest.approx(0.010 + 3 * (0.040 / 7))  # the line through both
-    times.observe(8, 1, 0.020)
-    assert times.estimate(8, 1) == pytest.approx(0.015)  # weighted average
-    assert times.estimate(16, 1) == pytest.approx(0.030)  # a larger bucket: the nearest, scaled by rows
+    times.observe(8, 2, 0.020)
+    assert times.estimate(8, 4) == pytest.approx(0.040)  # one step: per frame
+    for _ in range(60):  # steps of 5 ms and 10 ms a frame, at K = 1 and 8
+        times.observe(8, 1, 0.015)
+        times.observe(8, 8, 0.085)
+    assert times.estimate(8, 4) == pytest.approx(0.045, rel=0.05)
+    assert times.estimate(16, 1) == pytest.approx(2 * times.estimate(8, 1))  # a larger bucket: scaled
     assert times.estimate(4, 1) is None  # nothing smaller measured
-    times.observe(8, 1, 0.035, prefill_tokens=100)  # 20 ms beyond the step: 0.2 ms a position
-    assert times.estimate(8, 1) == pytest.approx(0.015)  # steps with prefill do not move the step time
+    before = times.estimate(8, 1)
+    for _ in range(20):  # the machine slows down; only K = 8 is seen
+        times.observe(8, 8, 0.170)
+    assert times.estimate(8, 8) == pytest.approx(0.170, rel=0.05)
+    assert times.estimate(8, 1) > 1.5 * before  # the rarely seen K follows the line, not a stale time
+    step = times.estimate(8, 8)
+    times.observe(8, 8, step + 0.020, prefill_tokens=100)  # 20 ms beyond the step: 0.2 ms a position
+    assert times.estimate(8, 8) == pytest.approx(step)  # steps with prefill do not move the line
     assert times.prefill_s(50) == pytest.approx(0.010)
+
+
+def test_a_bucket_seen_only_with_prefill_stands_in_but_is_never_the_base_of_prefill():
+    times = StepTimes()
+    times.observe(1, 2, 0.060, prefill_tokens=80)  # a first-audio step: 20 ms of frames, 40 of prefill
+    assert times.estimate(1, 2) == pytest.approx(0.060)  # stands for the size meanwhile (pessimistic)
+    assert times.per_token_s == 0  # no step without prefill to measure it against yet
+    times.observe(1, 8, 0.080)
+    assert times.estimate(1, 2) == pytest.approx(0.020)  # the clean step replaces it
+    times.observe(1, 2, 0.060, prefill_tokens=80)
+    assert times.prefill_s(80) == pytest.approx(0.040)  # the prefill is seen, not read as free
+    assert times.estimate(1, 2) == pytest.approx(0.020)
 
 
 def outlook(**fields) -> StepOutlook:

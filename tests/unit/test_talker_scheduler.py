@@ -33,6 +33,15 @@ def run_step(s: Scheduler, now: float, stop: set[int] = frozenset()):
     return plan, ended
 
 
+def learn(times, bucket, steps):
+    """Steps of these (K: seconds) over and over, until the bucket's line goes through them."""
+    for _ in range(400):
+        for k, seconds in steps.items():
+            times.observe(bucket, k, seconds)
+    for k, seconds in steps.items():
+        assert times.estimate(bucket, k) == pytest.approx(seconds, rel=1e-3)
+
+
 def chunks(plan):
     return [(c.request.handle, c.start, c.count) for c in plan.prefill]
 
@@ -44,11 +53,12 @@ def test_k_is_1_until_a_step_of_the_bucket_is_measured_then_k_max_with_slack():
     plan, _ = run_step(s, 0.0)
     assert plan.k == 1  # nothing measured yet for this bucket
     s.times.observe(1, 1, 0.010)  # 10 ms a frame
-    r.first_written_at, r.frames_done = 0.0, 1
+    r.first_written_at, r.frames_done = 0.005, 2
     plan = s.schedule(0.0)
-    # 80 ms of audio written at 0 s: the listener hears it from path_s on, so the next record is
-    # due 80 ms after the first; a step of K takes 10 K ms, and one step is kept to spare: K = 7
-    assert (plan.k, plan.k_bound) == (7, "slack")
+    # 160 ms of audio written at 5 ms: the listener hears it from path_s on, so the next record is
+    # due 160 ms after the first; the path's own 100 ms are kept to spare (a later record's way may
+    # be slower), and one step: a step of K takes 10 K ms, 10 K + 10 <= 65: K = 5
+    assert (plan.k, plan.k_bound) == (5, "slack")
     r.frames_done = 40  # 3.2 s written: no step of 8 frames runs it dry
     plan = s.schedule(0.0)
     assert (plan.k, plan.k_bound) == (8, "k_max")
@@ -61,7 +71,7 @@ def test_a_silent_rows_first_record_is_as_small_as_its_budget_needs():
     speaking = req(1)
     s.add(speaking)
     run_step(s, 0.0)
-    speaking.first_written_at, speaking.frames_done = 0.0, 1  # due at 80 ms: K = 7 alone
+    speaking.first_written_at, speaking.frames_done = 0.0, 3  # due at 240 ms, 100 of them spare: K = 7
     new = req(2)
     new.first_audio_by = 0.1 + 0.025  # 25 ms: one frame and the spare step fit, two do not
     s.add(new)
@@ -118,7 +128,7 @@ def test_admission_respects_slots_and_max_num_seqs_and_prompts_are_chunked_by_th
 
 
 def test_prefill_is_bounded_by_the_decoding_rows_slack_but_always_advances():
-    s = sched(prefill_token_budget=512, min_chunk_tokens=16)
+    s = sched(prefill_token_budget=512, min_chunk_tokens=16, path_s=0.0)
     speaking = req(1)
     s.add(speaking)
     run_step(s, 0.0)
@@ -137,7 +147,7 @@ def test_prefill_is_bounded_by_the_decoding_rows_slack_but_always_advances():
 
 
 def test_rows_are_asked_only_for_the_frames_they_have_left():
-    s = sched(bucket_for=lambda rows: 2)
+    s = sched(bucket_for=lambda rows: 2, path_s=0.0)
     a, b = req(1, max_frames=3), req(2, max_frames=200)
     s.add(a)
     s.add(b)
@@ -290,12 +300,28 @@ def test_drop_ends_a_consumers_rows():
     assert all(r.state is RequestState.FINISHED for r in dropped)
 
 
+def test_a_speaking_row_keeps_the_path_to_spare_a_silent_one_only_its_budget():
+    s = sched(bucket_for=lambda rows: 2, path_s=0.05)
+    s.times.observe(2, 1, 0.010)  # 10 ms a frame
+    speaking = req(1)
+    s.add(speaking)
+    run_step(s, 0.0)
+    speaking.first_written_at, speaking.frames_done = 0.005, 1  # due at 85 ms
+    plan = s.schedule(0.0)
+    assert (plan.k, plan.k_bound) == (2, "slack")  # 10 K + 10 (a spare step) + 50 <= 85 (K = 7 without)
+    speaking.frames_done = 100  # far ahead: the silent row binds
+    silent = req(2)
+    silent.first_audio_by = 0.05 + 0.065  # due at 65 ms, the path already taken off its budget
+    s.add(silent)
+    plan = s.schedule(0.0)
+    assert (plan.k, plan.k_bound) == (5, "first_audio")  # 10 K + 10 <= 65: no second margin
+
+
 def test_a_row_late_whatever_the_step_does_not_bound_k_but_one_still_in_time_does():
     # under load there are nearly always rows past their due time; K = 1 would not save them
     # and would cut every other row's frames per second
-    s = sched(bucket_for=lambda rows: 2)
-    s.times.observe(2, 1, 0.010)
-    s.times.observe(2, 8, 0.040)
+    s = sched(bucket_for=lambda rows: 2, path_s=0.0)
+    learn(s.times, 2, {1: 0.010, 8: 0.040})
     ahead, behind = req(1), req(2)
     s.add(ahead)
     s.add(behind)
@@ -311,8 +337,7 @@ def test_a_row_late_whatever_the_step_does_not_bound_k_but_one_still_in_time_doe
 
 def test_a_late_first_record_gets_a_short_step_while_the_others_can_spare_it():
     s = sched(bucket_for=lambda rows: 2, path_s=0.02)
-    s.times.observe(2, 1, 0.010)
-    s.times.observe(2, 8, 0.040)
+    learn(s.times, 2, {1: 0.010, 8: 0.040})
     ahead = req(1)
     s.add(ahead)
     run_step(s, 0.0)
@@ -324,8 +349,10 @@ def test_a_late_first_record_gets_a_short_step_while_the_others_can_spare_it():
     assert [r.handle for r in plan.decode] == [1, 2]
     # FIRST_K frames (160 ms) outlast its next record's way: (2 x 10 ms + 20 ms path) x 1.5 = 60 ms
     assert (plan.k, plan.k_bound) == (pacing.FIRST_K, "first_audio")
-    ahead.first_written_at, ahead.frames_done = -0.04, 1  # due at 40 ms: no K_max step after a short one
-    assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (5, "slack")  # 10 + 4 x 30/7 ms + 10 <= 40
+    ahead.first_written_at, ahead.frames_done = -0.02, 1  # due at 60 ms: no K_max step after a short one
+    # 20 ms of it kept for the path: 10 + 4 x 30/7 ms + 10 <= 40
+    assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (5, "slack")
     ahead.frames_done = 100
-    s.times.steps[(2, 1)] = 0.060  # slow steps ((2 x 60 + 20) x 1.5 > 160 ms): no short step
+    s.times = pacing.StepTimes()
+    s.times.observe(2, 1, 0.060)  # slow steps ((2 x 60 + 20) x 1.5 > 160 ms): no short step
     assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (8, "k_max")
