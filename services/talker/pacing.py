@@ -153,9 +153,10 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
     """(K, what bound it: one of BOUNDS). The most frames whose records arrive before every row
     is due with one K=1 step to spare, and after which a waiting request can still prefill (its
     share is already in ``ahead_s`` when it prefills this step) and write its first record in
-    time. 1 when even one frame does not fit (the most urgent choice) or while no step of this
-    size was measured (its first is measured at K=1). Code2Wav decodes a stream's first record
-    at once, whatever its frames (PROTOCOL.md, Pacing).
+    time. 1 when even one frame does not fit a speaking row (the most urgent choice) or while no
+    step of this size was measured (its first is measured at K=1); never below ``FIRST_K`` for a
+    first record (a one-frame first chunk runs dry before the next record can follow). Code2Wav
+    decodes a stream's first record at once, whatever its frames (PROTOCOL.md, Pacing).
 
     A row still silent and late whatever the step does (``late_first``) gets a short step
     (:func:`first_k`): its listener waits for every frame of the step, so the fewest frames
@@ -178,6 +179,8 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
             why = "waiting"
             break
         best = k
+    if why == "first_audio" and best < FIRST_K <= config.k_max:
+        best = FIRST_K  # fewer frames would not last while the next record is made (see first_k)
     return max(best, 1), why
 
 

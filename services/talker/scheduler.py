@@ -305,7 +305,10 @@ class Scheduler:
         # a speaking row late already still bounds it: prefill would only lengthen its stall
         speaking_due = min((due(r, self.pacing) for r in decode if r.first_written_at is not None),
                            default=math.inf) - self.pacing.margin_s
-        outlook = dataclasses.replace(self._outlook(now, 0.0, decode), row_due=speaking_due)
+        # the step's frames are timed at the bucket it may grow to: the prompts that finish join it
+        joined = min(len(decode) + len(pending), self.max_num_seqs)
+        outlook = dataclasses.replace(self._outlook(now, 0.0, decode), row_due=speaking_due,
+                                      bucket=self.bucket_for(max(1, joined)))
         affordable = prefill_tokens_allowed(outlook, self.pacing, self.times)
         budget = int(min(self.prefill_token_budget, max(affordable, self.min_chunk_tokens)))
         chunks = []

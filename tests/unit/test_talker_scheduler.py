@@ -64,8 +64,9 @@ def test_k_is_1_until_a_step_of_the_bucket_is_measured_then_k_max_with_slack():
     assert (plan.k, plan.k_bound) == (8, "k_max")
 
 
-def test_a_silent_rows_first_record_is_as_small_as_its_budget_needs():
-    # Code2Wav decodes a stream's first record at once, whatever its frames: no first-chunk floor
+def test_a_silent_rows_first_record_is_as_small_as_its_budget_needs_but_two_frames():
+    # Code2Wav decodes a stream's first record at once, whatever its frames; but a one-frame first
+    # chunk (80 ms) runs dry before a next record can follow under load, so FIRST_K is the floor
     s = sched(bucket_for=lambda rows: 2)
     s.times.observe(2, 1, 0.010)
     speaking = req(1)
@@ -73,11 +74,13 @@ def test_a_silent_rows_first_record_is_as_small_as_its_budget_needs():
     run_step(s, 0.0)
     speaking.first_written_at, speaking.frames_done = 0.0, 3  # due at 240 ms, 100 of them spare: K = 7
     new = req(2)
-    new.first_audio_by = 0.1 + 0.025  # 25 ms: one frame and the spare step fit, two do not
+    new.first_audio_by = 0.1 + 0.045  # 45 ms: three frames and the spare step fit, four do not
     s.add(new)
     plan = s.schedule(0.0)
     assert [r.handle for r in plan.decode] == [1, 2]
-    assert (plan.k, plan.k_bound) == (1, "first_audio")
+    assert (plan.k, plan.k_bound) == (3, "first_audio")
+    new.first_audio_by = 0.1 + 0.025  # 25 ms: one frame fits, two do not; two it gets
+    assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (pacing.FIRST_K, "first_audio")
 
 
 def test_no_row_is_held_back_by_another_rows_chunk_boundary_or_its_end():
@@ -137,13 +140,18 @@ def test_prefill_is_bounded_by_the_decoding_rows_slack_but_always_advances():
     assert s.times.prefill_s(100) == pytest.approx(0.020)
     speaking.first_written_at, speaking.frames_done = 0.0, 1  # due at 80 ms
     s.add(req(2, prompt_len=400))
+    # the prompt's row would join the step: its frames are timed at 2 rows (the 1-row step scaled,
+    # 20 ms); 80 ms - two such steps to spare = 40 ms of prefill: 200 positions
+    assert chunks(s.schedule(0.0)) == [(2, 0, 200)]
+    s.times.observe(2, 1, 0.010)  # 2 rows measured at 10 ms a step
     # 80 ms - two steps of 10 ms to spare = 60 ms of prefill: 300 positions
-    assert chunks(s.schedule(0.0)) == [(2, 0, 300)]
+    assert chunks(s.schedule(0.0)) == [(2, 200, 200)]
     speaking.frames_done = 0  # due now: no slack left, yet the prompt advances
-    assert chunks(s.schedule(0.0)) == [(2, 300, 16)]
+    s.add(req(3, prompt_len=400))
+    assert chunks(s.schedule(0.0)) == [(3, 0, 16)]
     speaking.first_written_at = None  # a row still silent does not bound prefill: the rest goes in
     speaking.first_audio_by = 0.0
-    assert chunks(s.schedule(0.0)) == [(2, 316, 84)]
+    assert chunks(s.schedule(0.0)) == [(3, 16, 384)]
 
 
 def test_rows_are_asked_only_for_the_frames_they_have_left():
