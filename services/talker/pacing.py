@@ -86,18 +86,32 @@ class StepTimes:
 
     def estimate(self, bucket: int, k: int, *, across_buckets: bool = True) -> float | None:
         """T(bucket, K) from the bucket's line (else its steps with prefill inside), or
-        (``across_buckets``) a smaller bucket's scaled by rows when it has none; None when no
+        (``across_buckets``) from the measured buckets around it when it has none: between the
+        nearest smaller and larger, linear in rows; past the largest, the line through the two
+        largest in rows, at most the largest scaled by rows (pessimistic: one bucket alone is
+        scaled so); below the smallest, the smallest's (time grows with rows). None when no
         bucket has a step yet."""
         line = self.steps.get(bucket) or self.provisional.get(bucket)
         if line is not None:
             return line.at(k)
         if not across_buckets:
             return None
-        smaller = [b for b in [*self.steps, *self.provisional] if b < bucket]
-        if not smaller:
-            return None
-        nearest = max(smaller)
-        return self.estimate(nearest, k) * bucket / nearest  # pessimistic: time grows with rows
+        measured = sorted({*self.steps, *self.provisional})
+        below = [b for b in measured if b < bucket]
+        above = [b for b in measured if b > bucket]
+        if not below:
+            return self.estimate(above[0], k) if above else None
+        b0 = below[-1]
+        t0 = self.estimate(b0, k)
+        if above:
+            b1 = above[0]
+            return t0 + (self.estimate(b1, k) - t0) * (bucket - b0) / (b1 - b0)
+        scaled = t0 * bucket / b0
+        if len(below) < 2:
+            return scaled
+        bp = below[-2]
+        per_row = max(0.0, (t0 - self.estimate(bp, k)) / (b0 - bp))
+        return min(scaled, t0 + per_row * (bucket - b0))
 
     def prefill_s(self, tokens: int) -> float:
         return self.per_token_s * tokens

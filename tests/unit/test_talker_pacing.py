@@ -49,8 +49,8 @@ def test_step_times_learn_a_line_per_bucket_and_prefill_per_position():
         times.observe(8, 1, 0.015)
         times.observe(8, 8, 0.085)
     assert times.estimate(8, 4) == pytest.approx(0.045, rel=0.05)
-    assert times.estimate(16, 1) == pytest.approx(2 * times.estimate(8, 1))  # a larger bucket: scaled
-    assert times.estimate(4, 1) is None  # nothing smaller measured
+    assert times.estimate(16, 1) == pytest.approx(2 * times.estimate(8, 1))  # one bucket: scaled by rows
+    assert times.estimate(4, 1) == times.estimate(8, 1)  # below the smallest: its time (pessimistic)
     before = times.estimate(8, 1)
     for _ in range(20):  # the machine slows down; only K = 8 is seen
         times.observe(8, 8, 0.170)
@@ -60,6 +60,20 @@ def test_step_times_learn_a_line_per_bucket_and_prefill_per_position():
     times.observe(8, 8, step + 0.020, prefill_tokens=100)  # 20 ms beyond the step: 0.2 ms a position
     assert times.estimate(8, 8) == pytest.approx(step)  # steps with prefill do not move the line
     assert times.prefill_s(50) == pytest.approx(0.010)
+
+
+def test_an_unmeasured_bucket_is_drawn_from_the_buckets_around_it_in_rows():
+    times = StepTimes()
+    times.observe(1, 8, 0.100)
+    times.observe(4, 8, 0.130)  # 10 ms more a row
+    assert times.estimate(2, 8) == pytest.approx(0.110)  # between: linear in rows
+    assert times.estimate(8, 8) == pytest.approx(0.170)  # past the largest: the line through the two
+    times.observe(16, 8, 0.140)
+    assert times.estimate(8, 8) == pytest.approx(0.130 + 0.010 * 4 / 12)
+    flat = StepTimes()
+    flat.observe(1, 8, 0.100)
+    flat.observe(2, 8, 0.300)  # steep: the line would pass the row-scaled time, which caps it
+    assert flat.estimate(8, 8) == pytest.approx(0.300 * 4)
 
 
 def test_a_bucket_seen_only_with_prefill_stands_in_but_is_never_the_base_of_prefill():
