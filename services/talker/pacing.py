@@ -168,7 +168,7 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
     is due with one K=1 step to spare, and after which a waiting request can still prefill (its
     share is already in ``ahead_s`` when it prefills this step) and write its first record in
     time. 1 when even one frame does not fit a speaking row (the most urgent choice) or while no
-    step of this size was measured (its first is measured at K=1); never below ``FIRST_K`` for a
+    step of any size was measured (the first is measured at K=1); never below ``FIRST_K`` for a
     first record (a one-frame first chunk runs dry before the next record can follow). Code2Wav
     decodes a stream's first record at once, whatever its frames (PROTOCOL.md, Pacing).
 

@@ -179,6 +179,34 @@ def test_the_engine_counts_where_its_steps_spend_their_time(folder):
     assert c.decode_s > c.schedule_s  # the model's work, not the plan, is most of a CPU step
 
 
+def test_a_steps_time_holds_its_prefill_so_the_step_model_learns_both(folder):
+    # on a synchronous device the prefill runs before the frames are launched: the step's time
+    # must start with it, else prefill reads as free (the CPU stack's burst stalls, NOTES)
+    now = [0.0]
+    engine, _ = make_engine(folder, k_max=4, clock=lambda: now[0])
+    runner = engine.runner
+    prefill, launch = runner.prefill, runner.launch
+
+    def slow_prefill(rows):
+        now[0] += 0.001 * sum(len(row.tokens) for row in rows)  # 1 ms a position
+        return prefill(rows)
+
+    def slow_launch(slots, k):
+        now[0] += 0.010 * k  # 10 ms a frame
+        return launch(slots, k)
+
+    runner.prefill, runner.launch = slow_prefill, slow_launch
+    first, second = request(1, TEXTS[0], max_frames=40), request(2, TEXTS[1], max_frames=40)
+    engine.scheduler.add(first)
+    for _ in range(6):
+        engine.step()  # the first request alone: steps without prefill follow its first
+    run(engine, [second])
+    times = engine.scheduler.times
+    bucket = runner.bucket_for(1)
+    assert times.estimate(bucket, 4) == pytest.approx(0.040, rel=0.05)  # the frames alone
+    assert times.per_token_s == pytest.approx(0.001, rel=0.05)  # the second's prefill, seen
+
+
 def test_max_frames_exact_and_one_record_per_step(folder):
     engine, sink = make_engine(folder, k_max=8)
     run(engine, [request(1, "Seven frames.", max_frames=7)])
