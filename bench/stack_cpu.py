@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 
 from bench.stack_cpu_report import compare_table, result_table, thread_summary, worst_runs
-from bench.stack_cpu_run import DOWN_TIMEOUT_S, IDLE_WAIT_S, SCRIPT_TREE, THREAD_VARS, log
+from bench.stack_cpu_run import DOWN_TIMEOUT_S, IDLE_WAIT_S, SCRIPT_TREE, log
+from bench.stack_cpu_threads import THREAD_VARS
 from voxring.cli import _positive  # the CLI's own check of a positive number
 from voxring.stack import STAGES, Stack, StackError
 
