@@ -29,6 +29,7 @@ from services.talker.engine import TalkerEngine
 from services.talker.runner import PrefillBuckets, Runner
 from services.talker.scheduler import Scheduler
 from services.talker.servicer import ModelFacts, TalkerServicer
+from services.talker.steplog import StepLog
 from services.transport.grpc_producer import FrameStreamServicer
 from services.transport.layout import shm_prefix
 from services.transport.shm_sweep import sweep_stale
@@ -72,6 +73,10 @@ def build(config: TalkerConfig, config_path: Path | None):
             shm_prefix()  # the ring names' prefix ($VOXRING_SHM_PREFIX): fail before loading a model
         except ValueError as exc:
             raise ConfigError(f"transport: {exc}") from None
+    try:  # before loading a model: a path that cannot be written fails at once
+        step_log = StepLog(config.engine.step_log) if config.engine.step_log else None
+    except OSError as exc:
+        raise ConfigError(f"engine.step_log: cannot open {config.engine.step_log!r}: {exc}") from None
     kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention,
                       fused_layers=config.kernels.fused_layers)
     threads = set_threads(config.model.threads)
@@ -108,7 +113,7 @@ def build(config: TalkerConfig, config_path: Path | None):
     frame_servicer = FrameStreamServicer() if config.transport.kind == "grpc" else None
     consumers = Consumers(config.transport, secrets.randbits(64), frame_servicer)
     engine = TalkerEngine(runner, scheduler, consumers.sink_for,
-                          max_pending_frames=engine_cfg.max_pending_frames)
+                          max_pending_frames=engine_cfg.max_pending_frames, step_log=step_log)
     core = TalkerCore(engine, consumers)
     metrics.register(core.metrics)
     thread = EngineThread("talker-engine", core, tick_interval=config.transport.heartbeat_interval / 2,

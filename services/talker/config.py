@@ -49,6 +49,9 @@ class EngineSection:
     prefill_graph_tokens: tuple[int, ...] = (32, 64, 128, 256)
     prefill_graph_memory_mb: float = 1024.0
     prefill_graph_startup_s: float = 30.0
+    # A file to append one JSON line per step to (services/talker/steplog.py), for tuning the
+    # pacing; empty: none
+    step_log: str = ""
 
     def __post_init__(self) -> None:
         positive = {"k_max": self.k_max, "max_num_seqs": self.max_num_seqs,

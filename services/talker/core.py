@@ -209,6 +209,8 @@ class TalkerCore:
     def close(self) -> None:
         self.engine.drain()
         self.consumers.close()
+        if self.engine.step_log is not None:
+            self.engine.step_log.close()
 
 
 def overloaded(exc: Overloaded) -> ResourceExhausted:

@@ -35,6 +35,7 @@ from services.talker.outbox import Outbox, PendingRecord, RecordSink
 from services.talker.request import FinishReason, TalkerRequest
 from services.talker.runner import PrefillRow, Runner
 from services.talker.scheduler import Scheduler, StepPlan
+from services.talker.steplog import StepLog
 from services.transport.layout import RecordFlags
 
 log = logging.getLogger(__name__)
@@ -54,12 +55,14 @@ class InFlight:
 
 class TalkerEngine:
     def __init__(self, runner: Runner, scheduler: Scheduler, sink_for: Callable[[str], RecordSink | None],
-                 *, max_pending_frames: int = 64, clock: Callable[[], float] = time.monotonic) -> None:
+                 *, max_pending_frames: int = 64, clock: Callable[[], float] = time.monotonic,
+                 step_log: StepLog | None = None) -> None:
         self.runner = runner
         self.scheduler = scheduler
         self.sink_for = sink_for
         self.max_pending_frames = max_pending_frames
         self.clock = clock
+        self.step_log = step_log
         self.outboxes: dict[tuple[str, int], Outbox] = {}
         self.counters = EngineCounters(started=clock())
         self.num_codebooks = runner.num_codebooks
@@ -95,6 +98,9 @@ class TalkerEngine:
         work_begun = self.clock()
         if plan.prefill:
             self._prefill(plan)
+            if not plan.decode and self.step_log is not None:  # a step of prefill alone
+                ended = self.clock()
+                self._log_step(plan, work_begun, ended, ended - work_begun, 0)
         if plan.decode:
             launched = self._launch(plan, work_begun)
             if launched is not None and self.pipelined:
@@ -166,12 +172,31 @@ class TalkerEngine:
         self.scheduler.times.observe(plan.bucket, plan.k, took, plan.prefill_tokens)
         self._last_collected = collected
         counters.count_step(plan.k, plan.k_bound)
-        self._apply_step(plan, out, collected)
+        first_records = self._apply_step(plan, out, collected)
         counters.emit_s += self.clock() - collected
+        if self.step_log is not None:
+            self._log_step(plan, step.launched, collected, took, first_records)
 
-    def _apply_step(self, plan: StepPlan, out: np.ndarray, now: float) -> None:
+    def _log_step(self, plan: StepPlan, launched: float, collected: float, took: float,
+                  first_records: int) -> None:
+        """One line of the step log: seconds on the engine's clock, the plan's estimate beside
+        the step's measured time, and the earliest row's slack when the step was planned."""
+        ms = 1e3
+        self.step_log.write({
+            "t": round(collected, 6), "launched": round(launched, 6), "rows": len(plan.decode),
+            "bucket": plan.bucket, "k": plan.k, "bound": plan.k_bound,
+            "prefill_rows": len(plan.prefill), "prefill_tokens": plan.prefill_tokens,
+            "estimate_ms": None if plan.estimate_s is None else round(plan.estimate_s * ms, 3),
+            "took_ms": round(took * ms, 3), "first_records": first_records,
+            "row_slack_ms": None if plan.row_slack_s == float("inf") else round(plan.row_slack_s * ms, 3),
+        })
+
+    def _apply_step(self, plan: StepPlan, out: np.ndarray, now: float) -> int:
         """The step's frames to its rows and its records to the write queue, by array operations
-        over ``out`` [K, B, N + 1]: one stop search, one conversion, a slice per row."""
+        over ``out`` [K, B, N + 1]: one stop search, one conversion, a slice per row. A row whose
+        first record would hold fewer than ``plan.first_frames`` frames keeps them (``held``) and
+        writes them with its next step's, unless it ends. Returns how many rows wrote their first
+        record."""
         n = self.num_codebooks
         k = out.shape[0]
         stops = out[:, :, n] != 0
@@ -180,26 +205,38 @@ class TalkerEngine:
         counts = np.minimum(first_stop, limits).tolist()
         stopped = (first_stop < limits).tolist()
         codes = np.ascontiguousarray(out[:, :, :n].transpose(1, 0, 2), dtype=np.int16)  # [B, K, N]
-        apply, queue, slacks = self.scheduler.apply, self._to_write.append, []
-        due = self.scheduler.due
+        apply, queue, slacks, first_records = self.scheduler.apply, self._to_write.append, [], 0
+        due, first_frames = self.scheduler.due, plan.first_frames
         for row, request in enumerate(plan.decode):
             if request.finish is not None:
                 continue  # ended while the step ran (cancelled, its consumer gone)
             count = counts[row]
             first = request.frames_done
             silent = request.first_written_at is None
+            frames = codes[row, :count]
+            if silent and request.held is not None:  # the first record's frames of earlier steps
+                frames = np.concatenate([request.held, frames])
+                first -= len(request.held)
+            hold = (silent and len(frames) < first_frames and not stopped[row]
+                    and request.frames_done + count < request.max_frames)
             if not silent:
                 slacks.append(due(request) - now)
-            reason = apply(request, count, stopped[row], now)
+            reason = apply(request, count, stopped[row], now, written=not hold)
+            if hold:
+                request.held = frames if count else request.held
+                continue
+            request.held = None
             if silent and request.first_written_at is not None:
                 self.counters.observe_first_record(request)
-            if count or reason is not None:
-                queue((request, PendingRecord(codes[row, :count] if count else None, request.seq, first,
+                first_records += 1
+            if len(frames) or reason is not None:
+                queue((request, PendingRecord(frames if len(frames) else None, request.seq, first,
                                               _LAST if reason is not None else 0,
                                               int(reason or FinishReason.UNSPECIFIED))))
                 request.seq += 1
         self.counters.frames += sum(counts)
         self.counters.observe_slack(slacks)
+        return first_records
 
     def _queue(self, request: TalkerRequest, codes, first_frame: int, flags: int, finish: int) -> None:
         self._to_write.append((request, PendingRecord(codes, request.seq, first_frame, flags, finish)))
@@ -243,7 +280,11 @@ class TalkerEngine:
         """The record of a request that ended at a step boundary (no frames): queued after its
         last step's, written with them."""
         flags = _CANCELLED if request.finish is FinishReason.CANCELLED else _LAST
-        self._queue(request, None, request.frames_done, flags, int(request.finish))
+        held, request.held = request.held, None  # a first record still too short: its frames go out
+        if held is None or flags == _CANCELLED:
+            self._queue(request, None, request.frames_done, flags, int(request.finish))
+        else:
+            self._queue(request, held, request.frames_done - len(held), flags, int(request.finish))
 
     # --- records that waited -----------------------------------------------------------------
 

@@ -161,6 +161,7 @@ class StepOutlook:
     waiting_due: float        # the earliest first-audio deadline (less the path) of requests not in the step
     ahead_s: float            # device time queued before this step: this step's prefill
     late_first: bool = False  # a row without its first record is late whatever the step does
+    next_ahead_s: float = 0.0  # prefill still queued behind this step (the next step's, at most)
 
 
 def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tuple[int, str]:
@@ -168,9 +169,11 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
     is due with one K=1 step to spare, and after which a waiting request can still prefill (its
     share is already in ``ahead_s`` when it prefills this step) and write its first record in
     time. 1 when even one frame does not fit a speaking row (the most urgent choice) or while no
-    step of any size was measured (the first is measured at K=1); never below ``FIRST_K`` for a
-    first record (a one-frame first chunk runs dry before the next record can follow). Code2Wav
-    decodes a stream's first record at once, whatever its frames (PROTOCOL.md, Pacing).
+    step of any size was measured (the first is measured at K=1); never below
+    :func:`first_frames` when a first record bounds it (a shorter first chunk runs dry before the
+    next record can follow; where a speaking row bounds K lower, the engine holds such a row's
+    frames until its first record is that long). Code2Wav decodes a stream's first record at
+    once, whatever its frames (PROTOCOL.md, Pacing).
 
     A row still silent and late whatever the step does (``late_first``) gets a short step
     (:func:`first_k`): its listener waits for every frame of the step, so the fewest frames
@@ -193,9 +196,23 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
             why = "waiting"
             break
         best = k
-    if why == "first_audio" and best < FIRST_K <= config.k_max:
-        best = FIRST_K  # fewer frames would not last while the next record is made (see first_k)
+    if why == "first_audio":  # fewer frames would not last while the next record is made
+        best = max(best, min(first_frames(one, config, outlook.next_ahead_s), config.k_max))
     return max(best, 1), why
+
+
+def first_frames(one: float | None, config: PacingConfig, next_ahead_s: float = 0.0) -> int:
+    """The fewest frames a first record holds (at least ``FIRST_K``): its audio must last while
+    the row's next record is made (the next step's prefill ``next_ahead_s``, a one-frame step of
+    ``one`` seconds and one more to spare) and reaches the listener (the path), with
+    ``FIRST_AUDIO_HEADROOM``; Code2Wav decodes the first record at once, and a shorter one only
+    runs dry before the next can follow. May exceed ``k_max`` (the record then waits for a
+    second step's frames). 1 while no step was measured: nothing is known to wait for (a bucket's
+    first step, of one frame, is its measurement)."""
+    if one is None:
+        return 1
+    need = (next_ahead_s + 2 * one + config.path_s) * (1 + FIRST_AUDIO_HEADROOM) * config.frame_rate
+    return max(FIRST_K, math.ceil(need - 1e-9))
 
 
 def first_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes, one: float) -> int | None:

@@ -47,6 +47,7 @@ class TalkerRequest:
     prefill_queued_at: float | None = None   # when its prompt's first chunk was queued for prefill
     first_launched_at: float | None = None   # when the first decode step that holds it was launched
     prefilled: int = 0                     # prompt positions in its slot (a long prompt takes steps)
+    held: Any = None  # frames made but not yet written: a first record too short to last ([F, N] int16)
 
     @property
     def key(self) -> tuple[str, int]:

@@ -37,6 +37,7 @@ from services.talker.pacing import (
     StepTimes,
     choose_k,
     due,
+    first_frames,
     fits,
     prefill_tokens_allowed,
 )
@@ -77,6 +78,9 @@ class StepPlan:
     k_bound: str = ""      # what limited K (pacing.BOUNDS)
     limits: list[int] = field(default_factory=list)              # frames asked of each decode row
     bucket: int = 0
+    estimate_s: float | None = None  # the step's time as planned: its prefill and its K frames
+    first_frames: int = 1            # the fewest frames a first record holds (pacing.first_frames)
+    row_slack_s: float = math.inf    # the earliest row's due time less the plan's time
 
     @property
     def prefill_tokens(self) -> int:
@@ -322,16 +326,25 @@ class Scheduler:
         return chunks
 
     def _choose_k(self, plan: StepPlan, now: float, ahead_s: float) -> None:
-        outlook = self._outlook(now, ahead_s, plan.decode)
+        # the next step prefills at least a chunk of what is still queued (the rows speaking by then
+        # bound the rest: _prefill_chunks)
+        next_ahead = self.times.prefill_s(min(self._backlog_tokens(), self.min_chunk_tokens))
+        outlook = dataclasses.replace(self._outlook(now, ahead_s, plan.decode), next_ahead_s=next_ahead)
         plan.bucket = outlook.bucket
+        plan.first_frames = first_frames(self.times.estimate(plan.bucket, 1), self.pacing, next_ahead)
         plan.k, plan.k_bound = choose_k(outlook, self.pacing, self.times)
+        frames = self.times.estimate(plan.bucket, plan.k)
+        plan.estimate_s = None if frames is None else ahead_s + frames
+        plan.row_slack_s = outlook.row_due - now
         plan.limits = [min(plan.k, r.max_frames - r.frames_done) for r in plan.decode]
 
-    def apply(self, request: TalkerRequest, count: int, stopped: bool, now: float) -> FinishReason | None:
+    def apply(self, request: TalkerRequest, count: int, stopped: bool, now: float,
+              written: bool = True) -> FinishReason | None:
         """A decode row's outcome in a step: ``count`` frames kept, and whether a stop frame
         came right after them; returns the reason it ended (STOP, LENGTH) or None. ``now``: when
-        its record goes out (its first starts the listener's clock)."""
-        if count and request.first_written_at is None:
+        its record goes out (its first starts the listener's clock); ``written`` False: the
+        frames are held for a longer first record (the listener's clock has not started)."""
+        if count and written and request.first_written_at is None:
             request.first_written_at = now
         request.frames_done += count
         if stopped:

@@ -1,0 +1,61 @@
+"""The talker's step log (``engine.step_log``): one JSON line per step, written as the engine
+collects it, the plan beside what the step took; a file only its owner reads; a path that
+cannot be opened is refused by name before a model loads."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import stat
+
+import pytest
+
+from services.common.config import ConfigError
+from services.talker.__main__ import build
+from services.talker.config import EngineSection, TalkerConfig
+from services.talker.steplog import StepLog
+from tests.unit.test_talker_engine import _batch, make_engine, run
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from models.tiny.talker import write_tiny_checkpoint
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "t", seed=0)
+
+
+def test_each_step_is_one_line_with_its_plan_and_its_time(folder, tmp_path):
+    ticks = itertools.count()
+    clock = lambda: next(ticks) * 1e-3  # noqa: E731  (every reading 1 ms later)
+    engine, _ = make_engine(folder, k_max=4, clock=clock, prefill_token_budget=6, min_chunk_tokens=2)
+    path = tmp_path / "steps.jsonl"
+    engine.step_log = StepLog(str(path))
+    requests = _batch(False)
+    run(engine, requests)
+    engine.step_log.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    decoding = [line for line in lines if line["k"]]
+    assert len(decoding) == engine.counters.steps > 1
+    assert all(line["rows"] == 0 and line["prefill_tokens"] for line in lines if not line["k"])
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert sum(line["first_records"] for line in lines) == len(requests)
+    assert sum(line["prefill_tokens"] for line in lines) == sum(r.prompt_len for r in requests)
+    assert all(0 <= line["k"] <= 4 for line in lines)
+    assert decoding[0]["bound"] == "unmeasured" and decoding[0]["estimate_ms"] is None
+    assert all(line["estimate_ms"] is not None for line in decoding[1:])
+    assert all(line["took_ms"] > 0 and line["t"] >= line["launched"] for line in lines)
+    assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
+
+
+def test_a_closed_log_takes_no_more_lines(tmp_path):
+    log = StepLog(str(tmp_path / "steps.jsonl"))
+    log.write({"k": 1})
+    log.close()
+    log.write({"k": 2})
+    log.close()
+    assert (tmp_path / "steps.jsonl").read_text() == '{"k":1}\n'
+
+
+def test_a_path_that_cannot_be_opened_is_refused_by_name(tmp_path):
+    config = TalkerConfig(engine=EngineSection(step_log=str(tmp_path / "missing" / "steps.jsonl")))
+    with pytest.raises(ConfigError, match=r"engine\.step_log: cannot open"):
+        build(config, None)
