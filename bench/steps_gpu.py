@@ -123,10 +123,34 @@ def part_talker(model, device: torch.device, smoke: bool, out: dict, save: Calla
             at_context(runner)
             entry[f"K={k}"] = timed_ms(lambda k=k, slots=slots: runner.decode(slots, k), device,
                                        repeats=10 if not smoke else 2)
+            if k in (1, max(ks)):
+                at_context(runner)
+                entry[f"K={k} launch host"] = launch_host_ms(runner, slots, k, device, 5 if not smoke else 2)
         out["steps"][f"B={bucket}"] = entry
         save()
         print(f"talker B={bucket}: " + ", ".join(f"{key} {v['median_ms']} ms" for key, v in entry.items()),
               flush=True)
+
+
+def launch_host_ms(runner: Runner, slots: list[int], k: int, device: torch.device, repeats: int) -> dict:
+    """How long ``Runner.launch`` holds its caller on the host, the device idle before each call
+    (it should only queue work: the engine writes the last step's records after it returns), and
+    the part of it spent in the K frame replays' calls."""
+    replay_s = [0.0]
+    frame = runner._frame
+
+    def timed_frame(bucket: int) -> None:
+        t0 = time.perf_counter()
+        frame(bucket)
+        replay_s[0] += time.perf_counter() - t0
+
+    runner._frame = timed_frame
+    try:
+        result = host_ms(lambda: runner.launch(slots, k), device, repeats)
+    finally:
+        runner._frame = frame
+    result["replay_calls_ms_per_launch"] = round(replay_s[0] * 1e3 / (repeats + 1), 4)
+    return result
 
 
 def at_context(runner: Runner) -> None:

@@ -112,10 +112,13 @@ class Runner:
                         for b in self.buckets}
         pin = self.device.type == "cuda"
         self.asynchronous = pin  # launch returns before the device is done: the engine overlaps
-        self.out = torch.zeros(k_max, self.buckets[-1], self.num_codebooks + 1, dtype=torch.int32,
-                               device=self.device)
-        # two of each host buffer: a step is collected while the next one is queued
-        self.out_host = [torch.zeros(self.out.shape, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        # a step's frames, and two host copies of them per bucket (a step is collected while the next
+        # is queued): whole tensors, since a copy into a strided slice of pinned memory is staged
+        # and waits for the device, which would hold the engine's thread for the whole step
+        self.out = {b: torch.zeros(k_max, b, self.num_codebooks + 1, dtype=torch.int32, device=self.device)
+                    for b in self.buckets}
+        self.out_host = [{b: torch.zeros(k_max, b, self.num_codebooks + 1, dtype=torch.int32, pin_memory=pin)
+                          for b in self.buckets} for _ in range(2)]
         self.slots_host = [torch.zeros(self.buckets[-1], dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -170,13 +173,14 @@ class Runner:
         ids.copy_(staged, non_blocking=True)
         for dst, src in zip(buf.tensors(), self.pool.tensors(), strict=True):
             dst.copy_(src[ids])
+        out = self.out[bucket]
         for i in range(k):
             self._frame(bucket)
-            self.out[i, :bucket].copy_(self.results[bucket])
+            out[i].copy_(self.results[bucket])
         for dst, src in zip(self.pool.tensors(), buf.tensors(), strict=True):
             dst[ids] = src  # padding rows all land on the spare slot
-        host = self.out_host[turn][:k, :bucket]
-        host.copy_(self.out[:k, :bucket], non_blocking=True)
+        host = self.out_host[turn][bucket][:k]  # contiguous: the copy only queues
+        host.copy_(out[:k], non_blocking=True)
         faults = None
         if self.fault_counter is not None:
             faults = self._faults_host[turn]

@@ -63,3 +63,17 @@ def test_the_pipelined_loop_equals_collecting_each_step_and_k_1(model):
         for handle, (codes, reason) in reference.items():
             np.testing.assert_array_equal(result[handle][0], codes)
             assert result[handle][1] == reason
+
+
+def test_a_launch_only_queues_its_step(model):
+    # the engine writes step N's records after launching step N+1: a launch that waited for the
+    # device (a copy into a strided slice of pinned memory does) would hold them a whole step
+    runner = Runner(model, num_slots=4, max_len=MAX_LEN, buckets=[1, 4], k_max=8, max_repetition_window=8,
+                    use_graphs=True)
+    for rows in (1, 3):  # the smaller bucket's rows are a slice of the largest's
+        runner.decode(list(range(rows)), 1)  # warm
+        torch.cuda.synchronize()
+        step = runner.launch(list(range(rows)), 8)
+        assert not step.event.query(), "launch returned after the device finished its step"
+        frames = runner.collect(step)
+        assert frames.shape == (8, rows, model.num_codebooks + 1)
