@@ -314,7 +314,9 @@ class Stack:
             pid = self.running_pid(stage)
             if pid is not None:
                 stopped.append(stage)
-                alive = functools.partial(_is_live_stage, pid, stage)
+                # Identity by start time from here: an exiting process's cmdline reads empty
+                # before it is a zombie, so the cmdline check would call it stopped too soon.
+                alive = functools.partial(_is_same_live_process, pid, _start_time(pid))
                 if not _terminate(pid, timeout, alive):
                     killed.append(f"{stage} (pid {pid})")
             for path in (self.pid_file(stage), self.ready_file(stage)):
@@ -355,8 +357,18 @@ def _is_stage_process(pid: int, stage: str) -> bool:
     return f"services.{stage}".encode() in cmdline
 
 
-def _is_live_stage(pid: int, stage: str) -> bool:
-    return _is_stage_process(pid, stage) and not _is_zombie(pid)
+def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22): with the pid,
+    it names one process, whatever the pid is given to later; None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return stat.rpartition(")")[2].split()[19]
+
+
+def _is_same_live_process(pid: int, started: str | None) -> bool:
+    return started is not None and _start_time(pid) == started and not _is_zombie(pid)
 
 
 def _terminate(pid: int, timeout: float, alive: Callable[[], bool]) -> bool:
