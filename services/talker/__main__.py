@@ -108,8 +108,9 @@ def build(config: TalkerConfig, config_path: Path | None):
                           max_waiting=engine_cfg.max_waiting, stall_timeout=engine_cfg.stall_timeout,
                           frame_rate=model.frame_rate, path_s=engine_cfg.path_s, bucket_for=runner.bucket_for,
                           min_chunk_tokens=engine_cfg.min_chunk_tokens,
-                          admission_headroom=engine_cfg.admission_headroom,
-                              max_queue_wait_s=engine_cfg.max_queue_wait_s)
+                          admission_headroom=(engine_cfg.admission_headroom
+                                              if engine_cfg.admission_by_slack else None),
+                          max_queue_wait_s=engine_cfg.max_queue_wait_s)
     frame_servicer = FrameStreamServicer() if config.transport.kind == "grpc" else None
     consumers = Consumers(config.transport, secrets.randbits(64), frame_servicer)
     engine = TalkerEngine(runner, scheduler, consumers.sink_for,

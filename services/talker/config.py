@@ -40,6 +40,7 @@ class EngineSection:
     # beat the audio it makes by this fraction
     min_chunk_tokens: int = 32
     admission_headroom: float = 0.2
+    admission_by_slack: bool = True         # false: only the counts and max_queue_wait_s refuse
     max_queue_wait_s: float = 1.0           # refuse a request expected to wait longer for a slot
     # Prefill graphs per (rows, tokens) bucket on CUDA: a call of R chunks of up to T tokens runs
     # in the smallest captured bucket that holds it (padded), else eagerly. Captured smallest

@@ -105,7 +105,7 @@ class Scheduler:
     def __init__(self, *, num_slots: int, max_num_seqs: int, k_max: int, prefill_token_budget: int,
                  max_waiting: int, stall_timeout: float, frame_rate: float, path_s: float,
                  bucket_for: Callable[[int], int] = lambda rows: rows, min_chunk_tokens: int = 32,
-                 admission_headroom: float = 0.2, max_queue_wait_s: float = 1.0) -> None:
+                 admission_headroom: float | None = 0.2, max_queue_wait_s: float = 1.0) -> None:
         self.slots = SlotAllocator(num_slots)
         self.max_num_seqs = max_num_seqs
         self.k_max = k_max
@@ -151,12 +151,14 @@ class Scheduler:
         when every slot is taken (it starts as running rows end, at the rate they have lately
         been ending; unknown before a few have, then the queue's count bound alone applies), or
         for the prompts queued before it to be prefilled (``prefill_token_budget`` positions a
-        step, a step as long as the busy steps lately were)."""
+        step, a step as long as the busy steps lately were). ``admission_headroom`` None: no
+        admission by slack."""
         streams = len(self.running) + len(self.waiting) + 1
         if streams == 1:
             return None  # alone it is served as fast as this device can: refusing helps nobody
-        if not fits(min(streams, self.max_num_seqs), self.bucket_for, self.pacing, self.times,
-                    self.admission_headroom):
+        headroom = self.admission_headroom
+        if headroom is not None and not fits(min(streams, self.max_num_seqs), self.bucket_for, self.pacing,
+                                             self.times, headroom):
             left = min((r.max_frames - r.frames_done for r in self.running), default=0)
             return Overloaded(f"{streams - 1} streams already use the talker's real-time capacity (a step "
                               f"of {self.k_max} frames for {streams} would outlast their audio)",

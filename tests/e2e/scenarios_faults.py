@@ -36,16 +36,29 @@ def start_across_pairs(stack: FaultStack, seconds: tuple[float, ...], per_pair: 
     streams, pairs = Streams(), {}
     for k in range(per_pair * stack.num_pairs):
         pair = k % stack.num_pairs
-        first = threading.Event()
+        first, failed = threading.Event(), []
         req = request(f"Stream {k} on pair {pair} keeps talking.", seconds=seconds[pair], seed=k,
                       request_id=f"p{pair}-s{k}-{time.monotonic_ns()}")
-        streams.start(req.request_id, lambda req=req, first=first: run_stream(
-            stub, req, timeout=120, on_chunk=lambda _r, first=first: first.set()))
+        streams.start(req.request_id, lambda req=req, first=first, failed=failed: _until_first_audio_or_end(
+            first, failed, lambda: run_stream(stub, req, timeout=120, on_chunk=lambda _r: first.set())))
         pairs[req.request_id] = pair
         assert first.wait(timeout=30), f"no audio for {req.request_id}"
+        assert not failed, f"{req.request_id} ended before its audio: {failed[0]!r}"
     running = [stack.talker_stats(i).running for i in range(stack.num_pairs)]
     assert running == [per_pair] * stack.num_pairs, f"talker rows per pair {running}: not as routed"
     return streams, pairs
+
+
+def _until_first_audio_or_end(first: threading.Event, failed: list, run):
+    """Runs the stream; ``first`` is set by its first chunk, or by its end at once, a failure
+    (a refusal) recorded in ``failed`` before."""
+    try:
+        return run()
+    except BaseException as exc:
+        failed.append(exc)
+        raise
+    finally:
+        first.set()
 
 
 def check_survivors(results: dict[str, StreamResult], pairs: dict[str, int], victim: int,

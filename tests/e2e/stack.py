@@ -86,7 +86,8 @@ class Stage(StageProcess):
 
 def talker_config(sock: str) -> str:
     return (f"server: {{listen: '{sock}', drain_timeout: {DRAIN_S}, grace: {GRACE_S}}}\n"
-            f"engine: {{k_max: 4, buckets: [1, 2, 4, 8, 16], max_num_seqs: {TALKER_SLOTS}, max_len: 512}}\n"
+            f"engine: {{k_max: 4, buckets: [1, 2, 4, 8, 16], max_num_seqs: {TALKER_SLOTS}, max_len: 512,"
+            f" admission_by_slack: false}}\n"
             f"metrics: {{listen: '127.0.0.1:0'}}\n")
 
 

@@ -24,7 +24,7 @@ MAX_LEN = 256
 CONFIG = """\
 server: {{listen: 'unix:{dir}/talker.sock', drain_timeout: 10, grace: 1}}
 engine: {{k_max: 4, buckets: [1, 2, 4], max_num_seqs: 4, max_len: {max_len}, max_waiting: 6,
-          max_pending_frames: 8, stall_timeout: 30}}
+          max_pending_frames: 8, stall_timeout: 30, admission_by_slack: false}}
 transport: {{liveness_timeout: {liveness}, heartbeat_interval: 0.05, capacity_bytes: 4096}}
 """
 LIVENESS_S = TransportSection().liveness_timeout  # the default: a loaded CPU trips sub-second ones

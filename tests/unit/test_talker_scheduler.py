@@ -186,6 +186,15 @@ def test_admission_by_slack_refuses_a_stream_the_step_times_cannot_feed():
     s.add(req(5))
 
 
+def test_without_admission_by_slack_a_slow_step_refuses_nobody():
+    s = sched(num_slots=8, max_num_seqs=8, admission_headroom=None)
+    for h in range(4):
+        s.add(req(h))
+    s.times.observe(5, 8, 5.0)  # far slower than the audio it makes
+    s.add(req(5))  # only the counts and the queue's wait refuse
+    assert len(s.waiting) == 5 and s.refused_overload == 0
+
+
 def test_a_request_behind_too_much_prompt_to_prefill_is_refused():
     s = sched(num_slots=16, max_num_seqs=16, prefill_token_budget=20, max_queue_wait_s=0.05, max_waiting=64)
     s.add(req(99, prompt_len=1))
