@@ -6,6 +6,7 @@ module may run, cannot compile).
 
     python -m tests.unit.stack_step_hopper ['{"BK": 128}' [table|gather|backbone|backbone_mlp [bf16|fp32
         ['{"one_row": false, "row_dots": false, "mlp_down": false}']]]]
+    python -m tests.unit.stack_step_hopper --each '[[TUNING, WAY, DTYPE, PATHS], ...]'  # a line each
 
 The first argument changes the tuning (by field name), the last the code paths the call would take
 (``Paths``, by field name: the kernel a test compares with). csm-1b's depth decoder in bf16, one row,
@@ -48,7 +49,7 @@ def meta(*size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     return torch.empty(*size, dtype=dtype or WEIGHTS, device="meta")
 
 
-WEIGHTS = torch.bfloat16  # the weights' (and caches', inputs') dtype; main's third argument may change it
+WEIGHTS = torch.bfloat16  # the weights' (and caches', inputs') dtype; report's dtype sets it
 
 
 def compile_kernel(tuning: dict | None = None, way: str = "table", paths: dict | None = None):
@@ -129,21 +130,31 @@ def registers(ptx: str, ptxas: Path) -> tuple[int | None, int | None]:
     return int(re.search(r"Used (\d+) registers", report).group(1)), int(spills.group(1)) if spills else 0
 
 
-def main() -> None:
+def report(tuning: dict | None = None, way: str = "table", dtype: str = "bf16",
+           paths: dict | None = None) -> dict:
+    """What one compile gives: shared memory, registers and the instructions the barrier relies on."""
     global WEIGHTS
-    if len(sys.argv) > 3:
-        WEIGHTS = {"bf16": torch.bfloat16, "fp32": torch.float32}[sys.argv[3]]
-    kernel = compile_kernel(json.loads(sys.argv[1]) if len(sys.argv) > 1 else None,
-                            sys.argv[2] if len(sys.argv) > 2 else "table",
-                            json.loads(sys.argv[4]) if len(sys.argv) > 4 else None)
+    WEIGHTS = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    kernel = compile_kernel(tuning, way, paths)
     ptx = kernel.asm["ptx"]
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     regs, spills = registers(ptx, ptxas)
-    print(json.dumps({"shared_bytes": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
-                      "registers": regs, "spill_store_bytes": spills, "ptxas": str(ptxas),
-                      "barrier_atomics": "atom.global" in ptx, "pipelined_loads": "cp.async" in ptx,
-                      "acquire_waits": ptx.count("ld.acquire.gpu.global"),
-                      "tma_copies": ptx.count("cp.async.bulk.tensor")}))
+    return {"shared_bytes": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
+            "registers": regs, "spill_store_bytes": spills, "ptxas": str(ptxas),
+            "barrier_atomics": "atom.global" in ptx, "pipelined_loads": "cp.async" in ptx,
+            "acquire_waits": ptx.count("ld.acquire.gpu.global"),
+            "tma_copies": ptx.count("cp.async.bulk.tensor")}
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--each"]:  # a JSON list of [tuning, way, dtype, paths]: one line each, in order
+        for spec in json.loads(sys.argv[2]):
+            print(json.dumps(report(*spec)))
+        return
+    argv = sys.argv[1:]
+    tuning, paths = (json.loads(argv[i]) if len(argv) > i else None for i in (0, 3))
+    way, dtype = argv[1] if len(argv) > 1 else "table", argv[2] if len(argv) > 2 else "bf16"
+    print(json.dumps(report(tuning, way, dtype, paths)))
 
 
 if __name__ == "__main__":

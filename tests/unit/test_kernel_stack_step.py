@@ -104,28 +104,37 @@ def test_x_is_scratch_and_the_other_inputs_are_kept(way: str):
 # ---------------------------------------------------------------- the GPU's kernel, compiled here
 
 
-@pytest.mark.parametrize(
-    ("paths", "way", "dtype"),
-    [({}, "table", "bf16"), ({"tma": False}, "table", "bf16"), (ALL_ROWS, "table", "bf16"),
-     ({}, "gather", "bf16"), (ALL_ROWS, "gather", "fp32"),
-     ({}, "backbone", "bf16")],  # stack_layers' launch for the backbone (at ss.BACKBONE)
-    ids=["default", "pointer_loads", "all_rows", "projection", "fp32_all_rows", "backbone"],
-)
-def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(
-    paths: dict, way: str, dtype: str
-):
-    # The barrier path never runs on a CPU machine; compiling it for sm_90 here catches what only the
-    # GPU would, and checks what the barrier relies on: one program fits on an SM (registers, shared
-    # memory), so the whole grid is resident. The products' loads are pipelined (cp.async). In a
-    # process of its own: this one may be running Triton's interpreter, which cannot compile.
+H200_COMPILES = {  # the paths, the weights' rows and their dtype of each compile
+    "default": ({}, "table", "bf16"), "pointer_loads": ({"tma": False}, "table", "bf16"),
+    "all_rows": (ALL_ROWS, "table", "bf16"), "projection": ({}, "gather", "bf16"),
+    "fp32_all_rows": (ALL_ROWS, "gather", "fp32"),
+    "backbone": ({}, "backbone", "bf16"),  # stack_layers' launch for the backbone (at ss.BACKBONE)
+}
+
+
+@pytest.fixture(scope="module")
+def h200_reports() -> dict[str, dict]:
+    """Every compile of H200_COMPILES, in one process of its own: this one may be running Triton's
+    interpreter, which cannot compile (and one process imports torch and Triton once)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # fp32: csm-1b's depth decoder in fp32 (the exactness reference) needed 330 KB of shared memory at
-    # the 16-bit pipeline depth, and the kernel failed at its first launch
-    command = [sys.executable, "-m", "tests.unit.stack_step_hopper", "{}", way, dtype, json.dumps(paths)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
+    specs = [[{}, way, dtype, paths] for paths, way, dtype in H200_COMPILES.values()]
+    command = [sys.executable, "-m", "tests.unit.stack_step_hopper", "--each", json.dumps(specs)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    lines = done.stdout.strip().splitlines()[-len(specs):]
+    return {name: json.loads(line) for name, line in zip(H200_COMPILES, lines, strict=True)}
+
+
+@pytest.mark.parametrize("name", list(H200_COMPILES))
+def test_the_one_launch_compiles_for_the_h200_with_room_for_one_program_per_sm(h200_reports, name: str):
+    # The barrier path never runs on a CPU machine; compiling it for sm_90 here catches what only the
+    # GPU would, and checks what the barrier relies on: one program fits on an SM (registers, shared
+    # memory), so the whole grid is resident. The products' loads are pipelined (cp.async).
+    # fp32: csm-1b's depth decoder in fp32 (the exactness reference) needed 330 KB of shared memory at
+    # the 16-bit pipeline depth, and the kernel failed at its first launch
+    paths = H200_COMPILES[name][0]
+    report = h200_reports[name]
     assert report["barrier_atomics"] and report["pipelined_loads"]
     # TMA: the dual products' weight tiles arrive as bulk tensor copies (QKV's and gate/up's, pipelined)
     assert (report["tma_copies"] > 0) == paths.get("tma", True), report

@@ -31,6 +31,11 @@ from tests.unit.stack_step_cases import (
     with_mlp,
 )
 
+# The paths against each other at the depth decoder's width in one layer (its second layer, and the
+# layer after layer the kernel runs, are test_kernel_stack_step.py's and the fused frame's), and at the
+# odd widths whose blocks end past a row: under the interpreter a layer costs seconds.
+PATH_SHAPES = {"tiny_depth_layer": replace(SHAPES["tiny_depth"], layers=1), "odd": SHAPES["odd"]}
+
 
 @pytest.mark.parametrize(
     ("tuning", "paths", "way"),
@@ -44,7 +49,7 @@ from tests.unit.stack_step_cases import (
     ],
     ids=["split_reductions", "no_splits", "other_tiles", "pointer_loads", "tma_other_tiles"],
 )
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", list(PATH_SHAPES))
 def test_tunings_equal_the_reference(shape: str, tuning: dict, paths: dict, way: str):
     # Split reductions (partial sums added in a fixed order by a reduce phase), none, other tiles
     # (items of several reduction blocks, a flat loop's item boundaries inside a block row), the
@@ -52,19 +57,19 @@ def test_tunings_equal_the_reference(shape: str, tuning: dict, paths: dict, way:
     # products' weights through tensor descriptors), and descriptors with other tiles (tiles that reach
     # past an item's last output or, at hidden 100, past the row's end). The split reduction's call reads
     # the first layer's residual from the table's rows.
-    case = make_case(SHAPES[shape], 11, ROWS["three"], way=way)
+    case = make_case(PATH_SHAPES[shape], 11, ROWS["three"], way=way)
     got = run(case, launched(case, tuning=tuned(tuning), paths=paths))
     ref = reference(case)
     assert relative_error(got.out, ref.out) <= TOLERANCE[torch.float32]
     assert_caches(got, ref, case, TOLERANCE[torch.float32])
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", list(PATH_SHAPES))
 def test_tma_loads_equal_the_pointer_loads(shape: str):
     # TMA changes only how the dual products' weight tiles arrive (whole tiles, their columns past an
     # item's last output discarded; a program without an item loads a tile it does not use), so the
     # result is the pointer loads' bit for bit. (Hidden 100 in fp32 is 400-byte rows, as TMA needs.)
-    case = make_case(SHAPES[shape], 13, ROWS["three"], way="gather")
+    case = make_case(PATH_SHAPES[shape], 13, ROWS["three"], way="gather")
     assert ss.launch_plan(*case.args, **case.inputs, compiled=False)[1]["TMA"]
     got = run(case, ss.stack_step_triton)
     want = run(case, launched(case, paths={"tma": False}))
@@ -78,13 +83,13 @@ PLACED = {"KQ_QKV": 1, "KQ_O": 1, "KQ_HEAD": 1}
 
 
 @pytest.mark.parametrize("way", WAYS)
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", list(PATH_SHAPES))
 def test_one_row_norms_equal_the_all_rows_norms(shape: str, way: str):
     # A call of one row loads (and norms) only its row inside QKV's, gate/up's and the head's loops and
     # places it in row 0 of zeros: the same operand, so the same bits as loading (and norming) every
     # padded row, as the kernel of calls of more rows does. Without a head, the final norm's own phase.
     # (The row dots, which sum in another order, are off on both sides.)
-    case = make_case(SHAPES[shape], 19, ROWS["one"], way=way)
+    case = make_case(PATH_SHAPES[shape], 19, ROWS["one"], way=way)
     for head in (True, False):
         if not head:
             case = replace(case, inputs={**case.inputs, "head": None})
@@ -98,7 +103,7 @@ def test_one_row_norms_equal_the_all_rows_norms(shape: str, way: str):
 
 
 @pytest.mark.parametrize("way", WAYS)
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", list(PATH_SHAPES))
 def test_row_dots_equal_the_reference(shape: str, way: str):
     # The row dots: a call of one row multiplies the projection's, output's and down weights as the left
     # operand with the row (no padded rows): another summation order, so within tolerance of the
@@ -106,7 +111,7 @@ def test_row_dots_equal_the_reference(shape: str, way: str):
     # is the projection's, the output product's and the down product's). (KQ_O > 1 would take the output
     # product in parts instead)
     tuning = {"KQ_O": 1}
-    case = make_case(SHAPES[shape], 20, ROWS["one"], way=way, head=way != "x")
+    case = make_case(PATH_SHAPES[shape], 20, ROWS["one"], way=way, head=way != "x")
     plan = ss.launch_plan(*case.args, **case.inputs, tuning=tuned(tuning), compiled=False)[1]
     assert (plan["ONE"], plan["ONE_PLAIN"]) == (1, 2)
     got = run(case, lambda *a, **k: ss.stack_step_triton(*a, **k, tuning=tuned(tuning)))
@@ -123,14 +128,14 @@ def test_one_row_is_for_calls_of_one_row():
 
 
 @pytest.mark.parametrize("way", WAYS)
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", list(PATH_SHAPES))
 def test_mlp_down_equals_the_twin_and_reference(shape: str, way: str):
     # MLP_DOWN (the default for one-row calls whose weights carry the mlp rows): gate/up and the down
     # product in one loop a program, the items' parts of the down product added after the barrier.
     # Another summation order, so within tolerance of the twin and the reference.
-    case = with_mlp(make_case(SHAPES[shape], 28, ROWS["one"], way=way, head=way != "x"))
+    case = with_mlp(make_case(PATH_SHAPES[shape], 28, ROWS["one"], way=way, head=way != "x"))
     plan = ss.launch_plan(*case.args, **case.inputs, compiled=False)[1]
-    assert plan["MLP_DOWN"] and plan["GU_ROWS"] == 3 * SHAPES[shape].inter
+    assert plan["MLP_DOWN"] and plan["GU_ROWS"] == 3 * PATH_SHAPES[shape].inter
     got = run(case, ss.stack_step_triton)
     twin, ref = run(case, ss.stack_step_eager), reference(case)
     assert relative_error(got.out, twin.out) <= TWIN_FP32
@@ -148,11 +153,11 @@ def test_mlp_down_counts_nothing_past_the_last_intermediate():
     assert relative_error(got.out, twin.out) <= TWIN_FP32
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", list(PATH_SHAPES))
 def test_mlp_down_descriptors_equal_its_pointer_loads_and_the_mlp_rows_keep_the_rest(shape: str):
     # The descriptors change only how MLP_DOWN's tiles arrive: bit for bit the pointer loads. And the
     # mlp rows alone (MLP_DOWN off) change only where gate/up's rows are read: the same bits as without.
-    case = make_case(SHAPES[shape], 29, ROWS["one"], way="table")
+    case = make_case(PATH_SHAPES[shape], 29, ROWS["one"], way="table")
     packed = with_mlp(case)
     got = run(packed, ss.stack_step_triton)
     want = run(packed, launched(packed, paths={"tma": False}))
@@ -176,16 +181,16 @@ def test_mlp_down_is_for_one_row_calls_whose_weights_carry_the_mlp_rows():
     assert ss.DOWN not in phases and ss.DOWN_REDUCE in phases
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", list(PATH_SHAPES))
 def test_one_row_blocks_apply_to_calls_of_one_row_and_equal_the_reference(shape: str):
     # BK_QKV sets a one-row call's reduction block for QKV (another than BK, so its loop runs another step
     # count than the other products'); calls of more rows take BK.
     tuning = {"BK": 32, "BK_QKV": 128}
-    one = with_mlp(make_case(SHAPES[shape], 30, ROWS["one"], way="table"))
-    three = make_case(SHAPES[shape], 30, ROWS["three"], way="gather")
+    one = with_mlp(make_case(PATH_SHAPES[shape], 30, ROWS["one"], way="table"))
+    three = make_case(PATH_SHAPES[shape], 30, ROWS["three"], way="gather")
     blocks = ("BK", "BK_QKV")
     plan = ss.launch_plan(*one.args, **one.inputs, tuning=tuned(tuning), compiled=False)[1]
-    cap = 1 << (SHAPES[shape].hidden - 1).bit_length()  # a block never passes the row's width
+    cap = 1 << (PATH_SHAPES[shape].hidden - 1).bit_length()  # a block never passes the row's width
     assert [plan[b] for b in blocks] == [min(tuning[b], cap) for b in blocks]
     plan = ss.launch_plan(*three.args, **three.inputs, tuning=tuned(tuning), compiled=False)[1]
     assert [plan[b] for b in blocks] == [32] * 2
@@ -206,7 +211,7 @@ PARTS_CASES = {  # each product in parts; KQ_* the parts of a one-row block (a k
 
 
 @pytest.mark.parametrize(("tuning", "paths"), list(PARTS_CASES.values()), ids=list(PARTS_CASES))
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", list(PATH_SHAPES))
 def test_one_row_products_in_parts_equal_the_twin_and_reference(shape: str, tuning: dict, paths: dict):
     # KQ_*: a one-row call's product multiplies each block's row as KQ operand rows by weight tiles cut
     # into KQ parts a row, and adds the parts in the epilogue (another summation order: within tolerance,
@@ -216,7 +221,7 @@ def test_one_row_products_in_parts_equal_the_twin_and_reference(shape: str, tuni
     whole = tuned({**tuning, **{k: 1 for k in TUNING_KEYS if k.startswith("KQ_")}})
     parts = tuned(tuning)
     way = "gather" if "KQ_PJ" in knobs else "table"  # the projection phase, or the projected table's rows
-    one = make_case(SHAPES[shape], 31, ROWS["one"], way=way)
+    one = make_case(PATH_SHAPES[shape], 31, ROWS["one"], way=way)
     forced = paths_of(one, **paths)
     plan = ss.launch_plan(*one.args, **one.inputs, tuning=parts, paths=forced, compiled=False)[1]
     assert {k: plan[k] for k in knobs} == knobs and plan["TMA"] == paths.get("tma", True)
@@ -227,7 +232,7 @@ def test_one_row_products_in_parts_equal_the_twin_and_reference(shape: str, tuni
     assert_caches(got, ref, one, TOLERANCE[torch.float32])
     # the parts change the bits (the test would pass on the one-block products otherwise)
     assert not torch.equal(got.out, run(one, launched(one, tuning=whole, paths=paths)).out)
-    three = make_case(SHAPES[shape], 31, ROWS["three"], way=way)
+    three = make_case(PATH_SHAPES[shape], 31, ROWS["three"], way=way)
     plan = ss.launch_plan(*three.args, **three.inputs, tuning=parts, compiled=False)[1]
     assert all(plan[k] == 1 for k in knobs)
     got = run(three, launched(three, tuning=parts, paths=paths))
