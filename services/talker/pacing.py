@@ -33,8 +33,6 @@ BOUNDS = ("k_max", "slack", "first_audio", "waiting", "unmeasured")
 # A late first record holds this much more audio than the time its row's next record needs.
 FIRST_AUDIO_HEADROOM = 0.5
 FIRST_K = 2  # frames: a first chunk of 160 ms
-# Steps after which a bucket's time, unrefreshed since, no longer refuses admission.
-STALE_STEPS = 256
 
 
 @dataclass
@@ -47,7 +45,6 @@ class StepLine:
     rate: float
     overhead: float = 0.0
     per_frame: float | None = None
-    seen: int = 0                # StepTimes.count at this line's latest step
 
     def add(self, k: int, seconds: float) -> None:
         if self.per_frame is None:
@@ -74,30 +71,18 @@ class StepTimes:
     steps: dict[int, StepLine] = field(default_factory=dict)
     provisional: dict[int, StepLine] = field(default_factory=dict)
     per_token_s: float = 0.0
-    count: int = 0               # steps observed
 
     def observe(self, bucket: int, k: int, seconds: float, prefill_tokens: int = 0) -> None:
-        self.count += 1
         if prefill_tokens:
             line = self.steps.get(bucket)
             if line is None:
-                line = self.provisional.setdefault(bucket, StepLine(self.alpha))
-                line.add(k, seconds)
-                line.seen = self.count
+                self.provisional.setdefault(bucket, StepLine(self.alpha)).add(k, seconds)
                 return
             sample = max(0.0, seconds - line.at(k)) / prefill_tokens
             self.per_token_s += self.alpha * (sample - self.per_token_s) if self.per_token_s else sample
             return
-        line = self.steps.setdefault(bucket, StepLine(self.alpha))
-        line.add(k, seconds)
-        line.seen = self.count
+        self.steps.setdefault(bucket, StepLine(self.alpha)).add(k, seconds)
         self.provisional.pop(bucket, None)
-
-    def is_stale(self, bucket: int) -> bool:
-        """Whether the bucket's line (if any) has seen none of the last ``STALE_STEPS`` steps: a
-        time measured in a slow moment is not refreshed while admission keeps its size away."""
-        line = self.steps.get(bucket) or self.provisional.get(bucket)
-        return line is not None and self.count - line.seen > STALE_STEPS
 
     def estimate(self, bucket: int, k: int, *, across_buckets: bool = True) -> float | None:
         """T(bucket, K) from the bucket's line (else its steps with prefill inside), or
@@ -259,14 +244,11 @@ def prefill_tokens_allowed(outlook: StepOutlook, config: PacingConfig, times: St
 def fits(rows: int, bucket_for, config: PacingConfig, times: StepTimes, headroom: float) -> bool:
     """Whether ``rows`` streams can be fed faster than real time: a step of K_max frames at their
     bucket takes less than the audio it makes, with ``headroom`` (0.2: 20% to spare). Unknown
-    sizes (no step of their bucket measured yet, or none of the last ``STALE_STEPS``) fit:
-    admission then rests on the counts alone, since a larger bucket's step grows far less than
-    its rows, and a stale size is measured again by the stream it lets in."""
+    sizes (no step of their bucket measured yet) fit: admission then rests on the counts alone,
+    since a larger bucket's step grows far less than its rows."""
     try:
         bucket = bucket_for(rows)
     except ValueError:
         return False
-    if times.is_stale(bucket):
-        return True
     step = times.estimate(bucket, config.k_max, across_buckets=False)
     return step is None or step * (1 + headroom) < config.k_max / config.frame_rate

@@ -7,7 +7,6 @@ import math
 import pytest
 
 from services.talker.pacing import (
-    STALE_STEPS,
     PacingConfig,
     StepOutlook,
     StepTimes,
@@ -130,20 +129,6 @@ def test_fits_compares_a_k_max_step_with_the_audio_it_makes():
     assert fits(4, lambda rows: 4, CONFIG, times, 0.2)  # 640 ms of audio in 500 ms (+20%: 600)
     assert not fits(4, lambda rows: 4, CONFIG, times, 0.3)
     assert not fits(4, lambda rows: (_ for _ in ()).throw(ValueError("too many")), CONFIG, times, 0.2)
-
-
-def test_a_size_measured_slow_fits_again_once_its_time_is_stale():
-    times = StepTimes()
-    times.observe(4, 8, 0.9)  # a slow moment: 900 ms for 640 ms of audio
-    assert not fits(4, lambda rows: 4, CONFIG, times, 0.2)
-    for _ in range(STALE_STEPS):
-        times.observe(2, 8, 0.1)  # the smaller size runs on, the slow one is never re-measured
-    assert not fits(4, lambda rows: 4, CONFIG, times, 0.2)
-    times.observe(2, 8, 0.1)
-    assert times.is_stale(4) and not times.is_stale(2) and not times.is_stale(8)
-    assert fits(4, lambda rows: 4, CONFIG, times, 0.2)  # let in, so measured again
-    times.observe(4, 8, 0.9)
-    assert not fits(4, lambda rows: 4, CONFIG, times, 0.2)
 
 
 def test_bad_pacing_settings_are_refused_by_name():
