@@ -21,9 +21,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from voxring.processes import is_same_live_process, is_stage_process, start_time, terminate
 
 STAGES = ("talker", "code2wav", "gateway")  # start order; stop order is the reverse
 TORCH_STAGES = ("talker", "code2wav")       # the stages that run torch (the gateway is torch-free)
@@ -169,7 +170,7 @@ class StageProcess:
         proc = self.proc
         if proc.poll() is not None:  # exited and reaped: its pid may be another's by now
             return proc.returncode
-        graceful = _terminate(proc.pid, timeout, lambda: proc.poll() is None)
+        graceful = terminate(proc.pid, timeout, lambda: proc.poll() is None)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
         return proc.returncode if graceful else None
@@ -246,7 +247,7 @@ class Stack:
             pid = int(self.pid_file(stage).read_text().strip())
         except (FileNotFoundError, ValueError):
             return None
-        return pid if _is_stage_process(pid, stage) else None
+        return pid if is_stage_process(pid, stage) else None
 
     def address(self, stage: str) -> str | None:
         try:
@@ -316,8 +317,8 @@ class Stack:
                 stopped.append(stage)
                 # Identity by start time from here: an exiting process's cmdline reads empty
                 # before it is a zombie, so the cmdline check would call it stopped too soon.
-                alive = functools.partial(_is_same_live_process, pid, _start_time(pid))
-                if not _terminate(pid, timeout, alive):
+                alive = functools.partial(is_same_live_process, pid, start_time(pid))
+                if not terminate(pid, timeout, alive):
                     killed.append(f"{stage} (pid {pid})")
             for path in (self.pid_file(stage), self.ready_file(stage)):
                 with contextlib.suppress(FileNotFoundError):
@@ -347,50 +348,6 @@ def wait_serving(address: str, timeout: float, stage: str = "service") -> None:
                 last = exc.code().name
             time.sleep(0.05)
     raise StackError(f"{stage} at {address} is not SERVING ({last})")
-
-
-def _is_stage_process(pid: int, stage: str) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return False
-    return f"services.{stage}".encode() in cmdline
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22): with the pid,
-    it names one process, whatever the pid is given to later; None when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return stat.rpartition(")")[2].split()[19]
-
-
-def _is_same_live_process(pid: int, started: str | None) -> bool:
-    return started is not None and _start_time(pid) == started and not _is_zombie(pid)
-
-
-def _terminate(pid: int, timeout: float, alive: Callable[[], bool]) -> bool:
-    """SIGTERM, then SIGKILL after ``timeout``; True when it stopped gracefully."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not alive():
-            return True
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    return False
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rpartition(")")[2].split()[0] == "Z"
 
 
 def _tail(path: Path, lines: int = 15) -> str:

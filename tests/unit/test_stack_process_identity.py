@@ -7,30 +7,30 @@ import os
 import subprocess
 import sys
 
-from voxring.stack import _is_same_live_process, _start_time
+from voxring.processes import is_same_live_process, start_time
 
 
 def test_a_process_is_live_until_it_exits_and_only_under_its_own_start_time():
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        started = _start_time(proc.pid)
+        started = start_time(proc.pid)
         assert started is not None and started.isdigit()
-        assert _is_same_live_process(proc.pid, started)
-        assert not _is_same_live_process(proc.pid, str(int(started) + 1))  # another process, same pid
-        assert not _is_same_live_process(proc.pid, None)
+        assert is_same_live_process(proc.pid, started)
+        assert not is_same_live_process(proc.pid, str(int(started) + 1))  # another process, same pid
+        assert not is_same_live_process(proc.pid, None)
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
-    assert not _is_same_live_process(proc.pid, started)  # reaped: gone
-    assert _start_time(proc.pid) is None or _start_time(proc.pid) != started
+    assert not is_same_live_process(proc.pid, started)  # reaped: gone
+    assert start_time(proc.pid) is None or start_time(proc.pid) != started
 
 
 def test_a_zombie_is_not_live():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    started = _start_time(proc.pid)
+    started = start_time(proc.pid)
     try:
         os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, left unreaped: a zombie
-        assert _start_time(proc.pid) == started
-        assert not _is_same_live_process(proc.pid, started)
+        assert start_time(proc.pid) == started
+        assert not is_same_live_process(proc.pid, started)
     finally:
         proc.wait(timeout=30)
