@@ -50,7 +50,7 @@ from services.talker.runner import PrefillBuckets, PrefillRow, Runner
 
 TALKER_BUCKETS, KS = [1, 8, 64, 256, 512, 1024], [1, 4, 8]
 PROMPTS, PROMPT_TOKENS = [1, 8, 64], [32, 128, 512]
-GRAPH_PROMPTS, GRAPH_PROMPT_TOKENS = [1, 8, 64], 110
+GRAPH_PROMPTS, GRAPH_PROMPT_TOKENS = [1, 8, 16, 32, 64], 110
 CODEC_BATCHES, CODEC_CHUNKS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], [1, 2, 4, 8, 16]
 CONTEXT = 64  # positions a row has attended over when a talker measurement starts
 SMOKE = {"buckets": [1, 2, 4], "ks": [1, 2], "prompts": [1, 2], "tokens": [8, 16],

@@ -133,7 +133,8 @@ class TalkerEngine:
             plan.decode = [plan.decode[i] for i in keep]
             plan.limits = [plan.limits[i] for i in keep]
         finally:
-            self.counters.prefill_s += self.clock() - begun
+            plan.prefill_host_s = self.clock() - begun
+            self.counters.prefill_s += plan.prefill_host_s
             self.counters.prefill_steps += 1
             self.counters.prefill_tokens += plan.prefill_tokens
 
@@ -150,7 +151,8 @@ class TalkerEngine:
                 self._end_with_error(request)
             return None
         finally:
-            self.counters.decode_s += self.clock() - begun
+            plan.launch_host_s = self.clock() - begun
+            self.counters.decode_s += plan.launch_host_s
         return InFlight(plan, handle, work_begun)
 
     def _complete(self, step: InFlight) -> None:
@@ -186,6 +188,7 @@ class TalkerEngine:
             "t": round(collected, 6), "launched": round(launched, 6), "rows": len(plan.decode),
             "bucket": plan.bucket, "k": plan.k, "bound": plan.k_bound,
             "prefill_rows": len(plan.prefill), "prefill_tokens": plan.prefill_tokens,
+            "prefill_host_ms": round(plan.prefill_host_s * ms, 3), "launch_host_ms": round(plan.launch_host_s * ms, 3),
             "estimate_ms": None if plan.estimate_s is None else round(plan.estimate_s * ms, 3),
             "took_ms": round(took * ms, 3), "first_records": first_records,
             "row_slack_ms": None if plan.row_slack_s == float("inf") else round(plan.row_slack_s * ms, 3),

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.sampler_twin import SamplingParams
 from models.family import TalkerModel
@@ -44,6 +45,10 @@ from services.talker.staging import Staging
 
 __all__ = ["PrefillBuckets", "PrefillRow", "Prefiller"]
 _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
+# Prefill's attention without cuDNN's: cuDNN builds a plan for every new shape (tens of ms of host
+# time), and an eager prefill batch changes shape nearly every step (bench/NOTES.md,
+# "Prefill's first call of a shape").
+_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -85,7 +90,8 @@ class Prefiller:
         """The one prefill function, eager or captured: tokens [R, T, N + 1]; slots, starts,
         lengths [R] -> each row's hidden state at its last true position [R, H]."""
         embeds = self.model.embed_packed(tokens)
-        return self.model.prefill(embeds, lengths, slots, self.caches, starts)
+        with sdpa_kernel(_ATTENTION):
+            return self.model.prefill(embeds, lengths, slots, self.caches, starts)
 
     @torch.inference_mode()
     def prefill(self, rows: Sequence[PrefillRow]) -> None:

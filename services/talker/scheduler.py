@@ -81,6 +81,8 @@ class StepPlan:
     estimate_s: float | None = None  # the step's time as planned: its prefill and its K frames
     first_frames: int = 1            # the fewest frames a first record holds (pacing.first_frames)
     row_slack_s: float = math.inf    # the earliest row's due time less the plan's time
+    prefill_host_s: float = 0.0      # what the engine's thread spent in the prefill call (the step log)
+    launch_host_s: float = 0.0       # ... and in the frames' launch
 
     @property
     def prefill_tokens(self) -> int:
