@@ -124,6 +124,8 @@ def stage_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a stage process: no stage config overrides leak in from the
     caller (VOXRING_<STAGE>__...), the test session's model cache is kept."""
     env = {k: v for k, v in os.environ.items() if not (k.startswith("VOXRING_") and "__" in k)}
+    # a gateway's HTTP server defaults to 127.0.0.1:8000: tests take a free port (or none)
+    env["VOXRING_GATEWAY__HTTP__LISTEN"] = "127.0.0.1:0"
     env.update(extra or {})
     return env
 

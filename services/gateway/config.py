@@ -63,6 +63,34 @@ class VoicesSection:
     # The voices file (name -> speaker id, optional reference clip); a relative path is
     # taken from the config file's folder. null: one voice, "default", speaker 0.
     file: str | None = None
+    # The folder that keeps voices added through the API (CreateVoice, POST /v1/audio/voices)
+    # across restarts; relative to the config file's folder. null: adding voices is refused.
+    store: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.store is not None and not self.store.strip():
+            raise ConfigValueError("store", "must be a folder path, got an empty string "
+                                            "(null turns adding voices off)")
+
+
+@dataclass(frozen=True)
+class HttpSection:
+    # The OpenAI-compatible HTTP API and the playground page, in the gRPC server's event loop,
+    # with its TLS files (server.tls_cert / tls_key) and bearer token (auth.token_file).
+    # HOST:PORT (0 = any free port); null: no HTTP server.
+    listen: str | None = "127.0.0.1:8000"
+    max_body_mb: float = 16.0  # a larger request body is refused (413) before it is read whole
+
+    def __post_init__(self) -> None:
+        if self.listen is not None:
+            try:
+                parse_listen(self.listen)
+            except ValueError as exc:
+                raise ConfigValueError("listen", str(exc)) from None
+            if self.listen.startswith("unix:"):
+                raise ConfigValueError("listen", "takes HOST:PORT (the HTTP server has no unix socket)")
+        if not 0 < self.max_body_mb <= 1024:
+            raise ConfigValueError("max_body_mb", f"must be in (0, 1024], got {self.max_body_mb}")
 
 
 @dataclass(frozen=True)
@@ -178,6 +206,7 @@ class GatewayConfig:
     audio: AudioSection = field(default_factory=AudioSection)
     voices: VoicesSection = field(default_factory=VoicesSection)
     auth: AuthSection = field(default_factory=AuthSection)
+    http: HttpSection = field(default_factory=HttpSection)
     engines: EnginesSection = field(default_factory=EnginesSection)
     admission: AdmissionSection = field(default_factory=AdmissionSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)

@@ -14,13 +14,19 @@ class AudioEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LINEAR_PCM: _ClassVar[AudioEncoding]
     WAV: _ClassVar[AudioEncoding]
     OGG_OPUS: _ClassVar[AudioEncoding]
+    MP3: _ClassVar[AudioEncoding]
+    FLAC: _ClassVar[AudioEncoding]
+    AAC: _ClassVar[AudioEncoding]
 ENCODING_UNSPECIFIED: AudioEncoding
 LINEAR_PCM: AudioEncoding
 WAV: AudioEncoding
 OGG_OPUS: AudioEncoding
+MP3: AudioEncoding
+FLAC: AudioEncoding
+AAC: AudioEncoding
 
 class SynthesizeSpeechRequest(_message.Message):
-    __slots__ = ("text", "language_code", "encoding", "sample_rate_hz", "voice_name", "temperature", "top_k", "top_p", "repetition_penalty", "repetition_window", "seed", "max_audio_seconds", "request_id")
+    __slots__ = ("text", "language_code", "encoding", "sample_rate_hz", "voice_name", "temperature", "top_k", "top_p", "repetition_penalty", "repetition_window", "seed", "max_audio_seconds", "request_id", "speed")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_CODE_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +40,7 @@ class SynthesizeSpeechRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEED_FIELD_NUMBER: _ClassVar[int]
     text: str
     language_code: str
     encoding: AudioEncoding
@@ -47,7 +54,8 @@ class SynthesizeSpeechRequest(_message.Message):
     seed: int
     max_audio_seconds: float
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., language_code: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., voice_name: _Optional[str] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_window: _Optional[int] = ..., seed: _Optional[int] = ..., max_audio_seconds: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+    speed: float
+    def __init__(self, text: _Optional[str] = ..., language_code: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., voice_name: _Optional[str] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_window: _Optional[int] = ..., seed: _Optional[int] = ..., max_audio_seconds: _Optional[float] = ..., request_id: _Optional[str] = ..., speed: _Optional[float] = ...) -> None: ...
 
 class SynthesizeSpeechResponse(_message.Message):
     __slots__ = ("audio", "chunk_index", "sample_offset", "sample_rate_hz", "encoding", "request_id", "finish_reason", "usage")
@@ -88,18 +96,20 @@ class ListVoicesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Voice(_message.Message):
-    __slots__ = ("name", "speaker_id", "language_code", "has_reference", "description")
+    __slots__ = ("name", "speaker_id", "language_code", "has_reference", "description", "removable")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SPEAKER_ID_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_CODE_FIELD_NUMBER: _ClassVar[int]
     HAS_REFERENCE_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    REMOVABLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     speaker_id: int
     language_code: str
     has_reference: bool
     description: str
-    def __init__(self, name: _Optional[str] = ..., speaker_id: _Optional[int] = ..., language_code: _Optional[str] = ..., has_reference: _Optional[bool] = ..., description: _Optional[str] = ...) -> None: ...
+    removable: bool
+    def __init__(self, name: _Optional[str] = ..., speaker_id: _Optional[int] = ..., language_code: _Optional[str] = ..., has_reference: _Optional[bool] = ..., description: _Optional[str] = ..., removable: _Optional[bool] = ...) -> None: ...
 
 class ListVoicesResponse(_message.Message):
     __slots__ = ("voices", "default_voice")
@@ -108,3 +118,29 @@ class ListVoicesResponse(_message.Message):
     voices: _containers.RepeatedCompositeFieldContainer[Voice]
     default_voice: str
     def __init__(self, voices: _Optional[_Iterable[_Union[Voice, _Mapping]]] = ..., default_voice: _Optional[str] = ...) -> None: ...
+
+class CreateVoiceRequest(_message.Message):
+    __slots__ = ("name", "audio", "transcript", "speaker_id", "language_code", "description")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    SPEAKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_CODE_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    audio: bytes
+    transcript: str
+    speaker_id: int
+    language_code: str
+    description: str
+    def __init__(self, name: _Optional[str] = ..., audio: _Optional[bytes] = ..., transcript: _Optional[str] = ..., speaker_id: _Optional[int] = ..., language_code: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
+
+class DeleteVoiceRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteVoiceResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -49,6 +49,16 @@ class SynthesizerStub:
                 request_serializer=voxring_dot_v1_dot_synthesizer__pb2.ListVoicesRequest.SerializeToString,
                 response_deserializer=voxring_dot_v1_dot_synthesizer__pb2.ListVoicesResponse.FromString,
                 _registered_method=True)
+        self.CreateVoice = channel.unary_unary(
+                '/voxring.v1.Synthesizer/CreateVoice',
+                request_serializer=voxring_dot_v1_dot_synthesizer__pb2.CreateVoiceRequest.SerializeToString,
+                response_deserializer=voxring_dot_v1_dot_synthesizer__pb2.Voice.FromString,
+                _registered_method=True)
+        self.DeleteVoice = channel.unary_unary(
+                '/voxring.v1.Synthesizer/DeleteVoice',
+                request_serializer=voxring_dot_v1_dot_synthesizer__pb2.DeleteVoiceRequest.SerializeToString,
+                response_deserializer=voxring_dot_v1_dot_synthesizer__pb2.DeleteVoiceResponse.FromString,
+                _registered_method=True)
 
 
 class SynthesizerServicer:
@@ -75,6 +85,23 @@ class SynthesizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateVoice(self, request, context):
+        """Adds a voice from a reference clip and its transcript; the clip is encoded once and the
+        voice is usable as soon as this returns. ALREADY_EXISTS for a name taken,
+        FAILED_PRECONDITION when the server keeps no voice folder (voices.store).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteVoice(self, request, context):
+        """Removes a voice added by CreateVoice. NOT_FOUND for an unknown name,
+        FAILED_PRECONDITION for a voice of the voices file.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SynthesizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +119,16 @@ def add_SynthesizerServicer_to_server(servicer, server):
                     servicer.ListVoices,
                     request_deserializer=voxring_dot_v1_dot_synthesizer__pb2.ListVoicesRequest.FromString,
                     response_serializer=voxring_dot_v1_dot_synthesizer__pb2.ListVoicesResponse.SerializeToString,
+            ),
+            'CreateVoice': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateVoice,
+                    request_deserializer=voxring_dot_v1_dot_synthesizer__pb2.CreateVoiceRequest.FromString,
+                    response_serializer=voxring_dot_v1_dot_synthesizer__pb2.Voice.SerializeToString,
+            ),
+            'DeleteVoice': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteVoice,
+                    request_deserializer=voxring_dot_v1_dot_synthesizer__pb2.DeleteVoiceRequest.FromString,
+                    response_serializer=voxring_dot_v1_dot_synthesizer__pb2.DeleteVoiceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +212,60 @@ class Synthesizer:
             '/voxring.v1.Synthesizer/ListVoices',
             voxring_dot_v1_dot_synthesizer__pb2.ListVoicesRequest.SerializeToString,
             voxring_dot_v1_dot_synthesizer__pb2.ListVoicesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateVoice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/voxring.v1.Synthesizer/CreateVoice',
+            voxring_dot_v1_dot_synthesizer__pb2.CreateVoiceRequest.SerializeToString,
+            voxring_dot_v1_dot_synthesizer__pb2.Voice.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteVoice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/voxring.v1.Synthesizer/DeleteVoice',
+            voxring_dot_v1_dot_synthesizer__pb2.DeleteVoiceRequest.SerializeToString,
+            voxring_dot_v1_dot_synthesizer__pb2.DeleteVoiceResponse.FromString,
             options,
             channel_credentials,
             insecure,
