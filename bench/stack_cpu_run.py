@@ -71,6 +71,8 @@ def private_configs(root: Path, folder: Path) -> dict[str, dict[str, str]]:
     for stage in STAGES:
         configs[stage].setdefault("server", {})["listen"] = listen[stage]
         changed[stage] = {"server.listen": listen[stage]}
+    if (configs["gateway"].get("http") or {}).get("listen") is not None:  # a user's stack may hold :8000
+        configs["gateway"]["http"]["listen"] = changed["gateway"]["http.listen"] = "127.0.0.1:0"
     for i, talker in enumerate(configs["code2wav"].get("talkers", {}).get("attach") or []):
         key = f"talkers.attach[{i}].address"
         talker["address"] = changed["code2wav"][key] = _moved(talker["address"], moved, f"code2wav {key}")

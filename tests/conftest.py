@@ -64,6 +64,11 @@ def pytest_collection_modifyitems(config, items):
 # "<prefix>-ring-..." / "sem.<prefix>-wake-...", and every sweep and check here or in the
 # stages sees only these: another run's (or worker's) live rings are never touched.
 os.environ[SHM_PREFIX_ENV] = f"vxtest_{os.getpid()}_{secrets.token_hex(3)}"
+# A gateway's HTTP server listens on 127.0.0.1:8000 unless told otherwise: every gateway a test
+# starts, directly or through a launcher or benchmark that hands on this environment, takes a
+# free port instead, so parallel workers never compete for one.
+GATEWAY_HTTP_ENV = "VOXRING_GATEWAY__HTTP__LISTEN"
+os.environ[GATEWAY_HTTP_ENV] = "127.0.0.1:0"
 
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIXES = shm_file_prefixes()  # this process's ring segments and wake-up semaphores
@@ -124,8 +129,7 @@ def stage_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a stage process: no stage config overrides leak in from the
     caller (VOXRING_<STAGE>__...), the test session's model cache is kept."""
     env = {k: v for k, v in os.environ.items() if not (k.startswith("VOXRING_") and "__" in k)}
-    # a gateway's HTTP server defaults to 127.0.0.1:8000: tests take a free port (or none)
-    env["VOXRING_GATEWAY__HTTP__LISTEN"] = "127.0.0.1:0"
+    env[GATEWAY_HTTP_ENV] = "127.0.0.1:0"  # see GATEWAY_HTTP_ENV above
     env.update(extra or {})
     return env
 
