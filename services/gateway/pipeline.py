@@ -3,8 +3,8 @@
 admission -> route to a pair -> build the prompt (the voice's speaker, its reference
 clip as an audio-context turn) -> choose the chunk schedule from load -> Code2Wav.Open
 (its first message is the handle) -> Talker.Submit with that handle -> relay the PCM
-chunks, encoded (PCM, WAV, Ogg/Opus) at the client's rate, ending with the finish
-reason and usage. A client cancel or deadline cancels the Open stream and the talker's
+chunks, encoded (PCM, WAV, Ogg/Opus, MP3, AAC, FLAC) at the client's rate and speed, ending
+with the finish reason and usage. A client cancel or deadline cancels the Open stream and the talker's
 row; a stage's error status reaches the client as PROTOCOL.md's endings table says.
 """
 
@@ -25,7 +25,7 @@ import grpc
 from services.common import errors
 from services.common.metrics import TIME_TO_FIRST_AUDIO
 from services.common.server import RETRY_AFTER_METADATA
-from services.gateway.audio import make_encoder, wav_bytes
+from services.gateway.audio import make_encoder, whole_file
 from services.gateway.config import GatewayConfig
 from services.gateway.routing import REQUEST_DOWN_S, EnginePair, Router
 from services.gateway.validation import ValidRequest
@@ -109,7 +109,7 @@ class SynthesisPipeline:
         async with self._running(request) as started:
             facts = started.pair.facts
             out_rate = request.sample_rate_hz or facts.sample_rate
-            encoder = make_encoder(request.encoding, facts.sample_rate, out_rate)
+            encoder = make_encoder(request.encoding, facts.sample_rate, out_rate, request.speed)
             first_audio = None
             async for message in self._chunks(started):
                 if message.HasField("chunk"):
@@ -117,17 +117,21 @@ class SynthesisPipeline:
                         first_audio = time.monotonic()
                         TIME_TO_FIRST_AUDIO.observe(first_audio - started.arrival)
                     chunk = message.chunk
+                    # Output samples before this chunk's (after speed and resampling), so that
+                    # offset + this chunk's samples is the next offset at any speed and rate.
+                    sample_offset = encoder.samples_out
                     yield pb.SynthesizeSpeechResponse(
                         audio=encoder.encode(chunk.pcm), chunk_index=chunk.chunk_index,
-                        sample_offset=chunk.sample_offset * out_rate // facts.sample_rate,
+                        sample_offset=sample_offset,
                         sample_rate_hz=out_rate, encoding=request.encoding, request_id=request.request_id)
                 else:
                     yield self._final(request, started, message.finished, encoder.finish(), out_rate,
                                       first_audio)
 
     async def whole(self, request: ValidRequest) -> pb.SynthesizeSpeechResponse:
-        """The whole clip in one message: a complete WAV (correct sizes) or the stream's bytes."""
-        as_pcm = request.encoding == pb.WAV
+        """The whole clip in one message: a complete file (WAV's sizes, FLAC's length and MD5,
+        MP3's gapless header) or, for the other encodings, the stream's bytes."""
+        as_pcm = request.encoding in (pb.WAV, pb.FLAC, pb.MP3)  # files with headers a stream leaves open
         inner = dataclasses.replace(request, encoding=pb.LINEAR_PCM) if as_pcm else request
         audio, final = [], None
         async for message in self.stream(inner):
@@ -135,7 +139,7 @@ class SynthesisPipeline:
             final = message
         data = b"".join(audio)
         if as_pcm:
-            data = wav_bytes(data, final.sample_rate_hz)
+            data = whole_file(request.encoding, data, final.sample_rate_hz)
         return pb.SynthesizeSpeechResponse(audio=data, sample_rate_hz=final.sample_rate_hz,
                                            encoding=request.encoding, request_id=request.request_id,
                                            finish_reason=final.finish_reason, usage=final.usage)

@@ -12,12 +12,14 @@ import uuid
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument
-from services.gateway.config import OPUS_SAMPLE_RATES, GatewayConfig
+from services.gateway.audio import AudioParamError, check_format_rate, check_speed
+from services.gateway.config import GatewayConfig
 from services.gateway.voices import VoiceCatalog, VoiceEntry
 from voxring.v1 import synthesizer_pb2 as pb
 
 _ENCODINGS = {pb.ENCODING_UNSPECIFIED: pb.LINEAR_PCM, pb.LINEAR_PCM: pb.LINEAR_PCM,
-              pb.WAV: pb.WAV, pb.OGG_OPUS: pb.OGG_OPUS}
+              pb.WAV: pb.WAV, pb.OGG_OPUS: pb.OGG_OPUS, pb.MP3: pb.MP3, pb.FLAC: pb.FLAC, pb.AAC: pb.AAC}
+_ENCODING_NAMES = ", ".join(pb.AudioEncoding.Name(e) for e in dict.fromkeys(_ENCODINGS.values()))
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class ValidRequest:
     sample_rate_hz: int    # 0: the model's rate
     message: pb.SynthesizeSpeechRequest
     deadline: float | None = None  # monotonic seconds when the client's deadline passes; None: none
+    speed: float = 1.0     # the pace (FFmpeg's atempo); 1.0 when unset: no filter at all
 
 
 def _finite(value: float) -> bool:
@@ -62,16 +65,29 @@ def _check_sampling(req: pb.SynthesizeSpeechRequest, config: GatewayConfig) -> N
 def _check_audio(req: pb.SynthesizeSpeechRequest, config: GatewayConfig) -> int:
     encoding = _ENCODINGS.get(req.encoding)
     if encoding is None:
-        raise InvalidArgument("encoding", f"unsupported encoding {req.encoding} "
-                              "(LINEAR_PCM, WAV or OGG_OPUS)")
+        raise InvalidArgument("encoding", f"unsupported encoding {req.encoding} ({_ENCODING_NAMES})")
     rate = req.sample_rate_hz
     if rate < 0 or (rate and rate not in config.audio.sample_rates):
         raise InvalidArgument("sample_rate_hz", f"unsupported rate {rate} Hz (0 for the model's "
                               f"rate, or one of {', '.join(map(str, config.audio.sample_rates))})")
-    if encoding == pb.OGG_OPUS and rate and rate not in OPUS_SAMPLE_RATES:
-        raise InvalidArgument("sample_rate_hz", f"OGG_OPUS cannot carry {rate} Hz "
-                              f"(one of {', '.join(map(str, OPUS_SAMPLE_RATES))})")
+    if rate:
+        # The encoders' own check, so validation and encoding never disagree. Rate 0 (the
+        # model's) is the deployment's choice, checked when the encoder is made.
+        try:
+            check_format_rate(encoding, rate)
+        except AudioParamError as exc:
+            raise InvalidArgument(exc.field, exc.reason) from None
     return encoding
+
+
+def _check_speed(req: pb.SynthesizeSpeechRequest) -> float:
+    """The request's speed, 1.0 when unset; finite and in [0.25, 4] (OpenAI's range)."""
+    if not req.HasField("speed"):
+        return 1.0
+    try:
+        return check_speed(req.speed)
+    except AudioParamError as exc:
+        raise InvalidArgument(exc.field, exc.reason) from None
 
 
 def _check_request_id(req: pb.SynthesizeSpeechRequest, config: GatewayConfig) -> str:
@@ -104,8 +120,9 @@ def validate(req: pb.SynthesizeSpeechRequest, config: GatewayConfig, voices: Voi
         raise InvalidArgument("voice_name", f"unknown voice {req.voice_name!r} "
                               f"(known: {', '.join(sorted(voices.voices))})")
     encoding = _check_audio(req, config)
+    speed = _check_speed(req)
     _check_sampling(req, config)
     request_id = _check_request_id(req, config)
     return ValidRequest(request_id=request_id, text=req.text, voice=voice,
                         language_code=language, encoding=encoding,
-                        sample_rate_hz=req.sample_rate_hz, message=req, deadline=deadline)
+                        sample_rate_hz=req.sample_rate_hz, message=req, deadline=deadline, speed=speed)

@@ -20,7 +20,7 @@ CONFIG = """\
 server: {listen: 'unix:%(dir)s/gw.sock', drain_timeout: 2, grace: 1}
 text: {max_chars: 50, language_codes: [en-US, en-GB]}
 limits: {max_audio_seconds: 30, max_request_id_chars: 64}
-audio: {sample_rates: [16000, 22050, 24000, 44100, 48000]}
+audio: {sample_rates: [16000, 22050, 24000, 37800, 44100, 48000, 96000]}
 voices: {file: voices.yaml}
 engines: {pairs: [{talker: 'unix:%(dir)s/no-talker.sock', code2wav: 'unix:%(dir)s/no-c2w.sock'}]}
 """
@@ -68,6 +68,17 @@ BAD = [
     ("sample_rate_hz", dict(sample_rate_hz=-1)),
     ("sample_rate_hz", dict(sample_rate_hz=12345)),
     ("sample_rate_hz", dict(encoding=pb.OGG_OPUS, sample_rate_hz=44100)),
+    ("sample_rate_hz", dict(encoding=pb.MP3, sample_rate_hz=96000)),
+    ("sample_rate_hz", dict(encoding=pb.MP3, sample_rate_hz=37800)),
+    ("sample_rate_hz", dict(encoding=pb.AAC, sample_rate_hz=37800)),
+    ("sample_rate_hz", dict(encoding=pb.FLAC, sample_rate_hz=12345)),
+    ("speed", dict(speed=0.2)),
+    ("speed", dict(speed=4.5)),
+    ("speed", dict(speed=0.0)),
+    ("speed", dict(speed=-1.0)),
+    ("speed", dict(speed=math.nan)),
+    ("speed", dict(speed=math.inf)),
+    ("speed", dict(encoding=pb.MP3, speed=5.0)),
     ("temperature", dict(temperature=-0.1)),
     ("temperature", dict(temperature=math.nan)),
     ("temperature", dict(temperature=math.inf)),
@@ -105,6 +116,11 @@ GOOD = [
     dict(voice_name="alt", language_code="en-GB", encoding=pb.WAV, sample_rate_hz=22050),
     dict(encoding=pb.OGG_OPUS, sample_rate_hz=48000),
     dict(encoding=pb.LINEAR_PCM, sample_rate_hz=0),
+    dict(encoding=pb.MP3, sample_rate_hz=44100, speed=0.25),
+    dict(encoding=pb.AAC, sample_rate_hz=96000, speed=4.0),
+    dict(encoding=pb.FLAC, sample_rate_hz=37800, speed=1.0),
+    dict(encoding=pb.MP3, speed=1.5),
+    dict(encoding=pb.OGG_OPUS, sample_rate_hz=16000, speed=0.5),
     dict(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0, repetition_window=0,
          seed=0, max_audio_seconds=30.0),
     dict(temperature=1.3, top_k=50, top_p=0.01, repetition_penalty=0.5, repetition_window=16,

@@ -112,12 +112,13 @@ class OggOpusEncoder:
     the padding so a decoder returns exactly the input's length (zero for no input).
     """
 
-    def __init__(self, model_rate: int, out_rate: int, bit_rate: int = OPUS_BIT_RATE) -> None:
+    def __init__(self, model_rate: int, out_rate: int, bit_rate: int = OPUS_BIT_RATE,
+                 speed: float = 1.0) -> None:
         if out_rate not in OPUS_SAMPLE_RATES:
             raise AudioParamError("sample_rate_hz", f"OGG_OPUS cannot carry {out_rate} Hz "
                                   f"(one of {', '.join(map(str, OPUS_SAMPLE_RATES))})")
         self.out_rate = out_rate
-        self._pcm = PcmEncoder(model_rate, out_rate)
+        self._pcm = PcmEncoder(model_rate, out_rate, speed)
         codec = av.CodecContext.create("libopus", "w")
         codec.sample_rate = out_rate
         codec.layout = "mono"
@@ -136,6 +137,11 @@ class OggOpusEncoder:
         self._headers = self._ogg.pages([(head, 0)], bos=True) + self._ogg.pages([(_opus_tags(), 0)])
         self._num_samples = 0   # at out_rate, fed to libopus
         self._granule = 0       # 48 kHz samples a decoder gets from the packets so far
+
+    @property
+    def samples_out(self) -> int:
+        """Samples at out_rate handed to libopus so far (after speed and resampling)."""
+        return self._pcm.samples_out
 
     def _take_headers(self) -> bytes:
         headers, self._headers = self._headers, b""

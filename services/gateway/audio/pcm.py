@@ -1,9 +1,10 @@
-"""PCM at the client's rate: int16 parsing, the per-request streaming resampler, raw PCM out.
+"""PCM at the client's rate and pace: int16 parsing, the per-request streaming resampler, raw PCM out.
 
 Code2Wav sends int16 little-endian mono chunks at the model's rate. Everything the gateway
-encodes starts here: :class:`PcmEncoder` turns those chunks into int16 bytes at the rate the
-client asked for, carrying the resampler's state from chunk to chunk so that the chunked
-output is the same signal as resampling the whole clip at once (no click, no drift).
+encodes starts here: :class:`PcmEncoder` turns those chunks into int16 bytes at the speed and
+rate the client asked for (tempo first, at the model's rate, then the resampler), carrying
+both stages' state from chunk to chunk so that the chunked output is the same signal as
+processing the whole clip at once (no click, no drift).
 """
 
 from __future__ import annotations
@@ -11,20 +12,14 @@ from __future__ import annotations
 import numpy as np
 import soxr
 
+from services.gateway.audio.errors import AudioParamError
+from services.gateway.audio.tempo import TempoFilter
+
 # Rates this module converts between; the gateway's config narrows what clients may ask.
 MIN_SAMPLE_RATE = 1000
 MAX_SAMPLE_RATE = 192000
 
 _INT16_SCALE = 32768.0
-
-
-class AudioParamError(ValueError):
-    """A client-chosen audio parameter is unusable; ``field`` names the request field."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
 
 def check_sample_rate(rate: int) -> int:
@@ -90,28 +85,48 @@ class StreamResampler:
 
 
 class PcmEncoder:
-    """LINEAR_PCM: int16 little-endian mono bytes at ``out_rate``.
+    """LINEAR_PCM: int16 little-endian mono bytes at ``out_rate`` and ``speed``.
 
-    At the model's rate the bytes pass through untouched (byte-identical); otherwise a
-    :class:`StreamResampler` converts them and :meth:`finish` returns its tail.
+    At the model's rate and speed 1 the bytes pass through untouched (byte-identical, no
+    filter built); otherwise a :class:`TempoFilter` (speed != 1, at the model's rate, so it
+    works on the fewest samples when the client asks for more) and a :class:`StreamResampler`
+    convert them, and :meth:`finish` returns both stages' tails.
+
+    ``samples_out`` counts the samples at ``out_rate`` returned so far: every other encoder
+    feeds its codec from one of these, so it is the position of the next chunk's audio in the
+    output stream (a response's ``sample_offset``), whatever speed and resampling did.
     """
 
-    def __init__(self, model_rate: int, out_rate: int) -> None:
+    def __init__(self, model_rate: int, out_rate: int, speed: float = 1.0) -> None:
         self.model_rate = model_rate
         self.out_rate = out_rate
+        self._tempo = TempoFilter(model_rate, speed) if speed != 1.0 else None
         self._resampler = StreamResampler(model_rate, out_rate) if out_rate != model_rate else None
         self._finished = False
+        self.samples_out = 0
+
+    def _out(self, samples: np.ndarray) -> bytes:
+        self.samples_out += len(samples)
+        return samples.tobytes()
 
     def encode(self, pcm: bytes) -> bytes:
         if self._finished:
             raise RuntimeError("encode() after finish()")
         samples = pcm_samples(pcm)
-        if self._resampler is None:
+        if self._tempo is None and self._resampler is None:
+            self.samples_out += len(samples)
             return bytes(pcm)
-        return self._resampler.process(samples).tobytes()
+        if self._tempo is not None:
+            samples = self._tempo.process(samples)
+        if self._resampler is not None:
+            samples = self._resampler.process(samples)
+        return self._out(samples)
 
     def finish(self) -> bytes:
         if self._finished:
             raise RuntimeError("finish() called twice")
         self._finished = True
-        return b"" if self._resampler is None else self._resampler.flush().tobytes()
+        tail = self._tempo.flush() if self._tempo is not None else np.zeros(0, "<i2")
+        if self._resampler is not None:
+            tail = np.concatenate([self._resampler.process(tail), self._resampler.flush()])
+        return self._out(tail)

@@ -83,9 +83,14 @@ class WavStreamEncoder:
     still gets its header from :meth:`finish`.
     """
 
-    def __init__(self, model_rate: int, out_rate: int) -> None:
-        self._pcm = PcmEncoder(model_rate, out_rate)
+    def __init__(self, model_rate: int, out_rate: int, speed: float = 1.0) -> None:
+        self._pcm = PcmEncoder(model_rate, out_rate, speed)
         self._header = wav_header(out_rate)
+
+    @property
+    def samples_out(self) -> int:
+        """Samples at out_rate in the data so far (after speed and resampling)."""
+        return self._pcm.samples_out
 
     def _take_header(self) -> bytes:
         header, self._header = self._header, b""
