@@ -2,9 +2,9 @@
 
 ``up``, ``down``, ``status`` and ``demo`` run the local stack (``up`` starts what is not
 running, a stage that died included; ``status`` says which died and shows its log);
-``say``, ``voices`` and ``bench`` use a server's public API (with ``--token-file`` and
-``--tls-ca`` for a gateway that wants them); ``health`` asks a service's gRPC health (for
-container probes).
+``say``, ``voices`` (``voices add``, ``voices rm``) and ``bench`` use a server's public API
+(with ``--token-file`` and ``--tls-ca`` for a gateway that wants them); ``health`` asks a
+service's gRPC health (for container probes).
 
 Imports neither torch nor the engines. grpc is imported only by the commands that talk
 to a server (``voxring.client`` is loaded inside them): ``up`` spawns processes, and a
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import struct
 import sys
 import time
@@ -23,11 +22,18 @@ from pathlib import Path
 
 from voxring.bench_cli import DESCRIPTION as BENCH_DESCRIPTION
 from voxring.bench_cli import add_bench_arguments
+from voxring.cli_connection import (
+    UsageError,
+    add_connection_options,
+    add_tls_options,
+    client_arguments,
+    tls_options,
+)
 from voxring.errors import VoxringError
 from voxring.stack import STAGES, Stack, StackError, find_root
+from voxring.voices_cli import DESCRIPTION as VOICES_DESCRIPTION
+from voxring.voices_cli import add_voices_arguments
 
-DEFAULT_TARGET = "127.0.0.1:50051"
-TOKEN_FILE_ENV = "VOXRING_TOKEN_FILE"  # the default of --token-file
 _FORMATS = {"wav": "wav", "pcm": "pcm", "ogg": "ogg_opus"}  # --format -> SDK encoding
 _UNKNOWN_SIZE = 0xFFFFFFFF  # a streaming WAV header's RIFF and data sizes
 
@@ -144,52 +150,6 @@ def fix_wav_sizes(path: Path) -> bool:
         return changed
 
 
-class _UsageError(Exception):
-    """A bad option value (an unreadable file); the command exits 2 with the message."""
-
-
-def _tls_options(args: argparse.Namespace) -> dict:
-    """The TLS arguments of a client from --tls, --tls-ca and --tls-server-name."""
-    roots = None
-    if args.tls_ca is not None:
-        try:
-            roots = args.tls_ca.read_bytes()
-        except OSError as exc:
-            raise _UsageError(f"--tls-ca {args.tls_ca}: cannot read: {exc.strerror or exc}") from None
-        if b"-----BEGIN CERTIFICATE-----" not in roots:
-            raise _UsageError(f"--tls-ca {args.tls_ca}: holds no PEM certificate")
-    tls = bool(args.tls or roots is not None)
-    if args.tls_server_name is not None and not tls:
-        raise _UsageError("--tls-server-name: needs --tls or --tls-ca")
-    return {"tls": tls, "root_certificates": roots, "tls_server_name": args.tls_server_name}
-
-
-def _read_token(args: argparse.Namespace) -> str | None:
-    """The bearer token from --token-file, else from the file $VOXRING_TOKEN_FILE names.
-    Messages name the option or the variable, never the token."""
-    path, source = args.token_file, "--token-file"
-    if path is None and os.environ.get(TOKEN_FILE_ENV):
-        path, source = Path(os.environ[TOKEN_FILE_ENV]), f"${TOKEN_FILE_ENV}"
-    if path is None:
-        return None
-    try:
-        token = path.read_bytes().decode("ascii").strip()
-    except OSError as exc:
-        raise _UsageError(f"{source} {path}: cannot read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise _UsageError(f"{source} {path}: the token must be printable ASCII") from None
-    if not token:
-        raise _UsageError(f"{source} {path}: the file is empty; it must hold the bearer token")
-    if not all("!" <= ch <= "~" for ch in token):
-        raise _UsageError(f"{source} {path}: the token must be one word of printable ASCII")
-    return token
-
-
-def _connection(args: argparse.Namespace) -> dict:
-    """The Client keyword arguments for the gateway: token and TLS."""
-    return {"token": _read_token(args), **_tls_options(args)}
-
-
 def _say_streaming(client, args: argparse.Namespace, options: dict):
     """Writes the chunks as they arrive; a request refused before its first chunk leaves
     no file, and a stream that fails later removes what it wrote."""
@@ -214,8 +174,8 @@ def cmd_say(args: argparse.Namespace) -> int:
     options = {"voice": args.voice, "seed": args.seed, "encoding": _FORMATS[args.format],
                "sample_rate_hz": args.rate, "language_code": args.language}
     try:
-        connection = _connection(args)
-    except _UsageError as exc:
+        connection = client_arguments(args)
+    except UsageError as exc:
         print(f"voxring say: {exc}", file=sys.stderr)
         return 2
     try:
@@ -258,35 +218,23 @@ def _print_say_summary(args: argparse.Namespace, result, first_audio_s: float | 
 
 
 def cmd_voices(args: argparse.Namespace) -> int:
-    from voxring.client import Client
+    """``voices`` (list), ``voices add`` and ``voices rm`` (voxring/voices_cli.py)."""
+    from voxring.voices_cli import run_voices_command
 
     try:
-        connection = _connection(args)
-    except _UsageError as exc:
+        connection = client_arguments(args)
+    except UsageError as exc:
         print(f"voxring voices: {exc}", file=sys.stderr)
         return 2
-    try:
-        with Client(args.target, timeout=args.timeout, **connection) as client:
-            voices = client.voices()
-    except VoxringError as exc:
-        print(f"voxring voices: {exc.describe()}", file=sys.stderr)
-        return 1
-    rows = [("", "NAME", "SPEAKER", "LANGUAGE", "REFERENCE", "DESCRIPTION")]
-    rows += [("*" if v.is_default else "", v.name, str(v.speaker_id), v.language_code,
-              "yes" if v.has_reference else "no", v.description) for v in voices]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
-    print(f"(* default voice: {voices.default_voice or 'none'})")
-    return 0
+    return run_voices_command(args, connection)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from voxring.bench_cli import run_bench_command
 
     try:
-        connection = _connection(args)
-    except _UsageError as exc:
+        connection = client_arguments(args)
+    except UsageError as exc:
         print(f"voxring bench: {exc}", file=sys.stderr)
         return 2
     return run_bench_command(args, connection)
@@ -296,8 +244,8 @@ def cmd_health(args: argparse.Namespace) -> int:
     """Asks ADDRESS's standard gRPC health service (no token needed): prints the status
     and exits 0 for SERVING, else prints the status or the error and exits 1."""
     try:
-        tls = _tls_options(args)
-    except _UsageError as exc:
+        tls = tls_options(args)
+    except UsageError as exc:
         print(f"voxring health: {exc}", file=sys.stderr)
         return 2
     import grpc
@@ -319,16 +267,6 @@ def cmd_health(args: argparse.Namespace) -> int:
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(status)
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
-
-
-def _add_tls_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tls", action="store_true",
-                        help="connect with TLS, trusting the system's root certificates")
-    parser.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
-                        help="connect with TLS, trusting the CA certificates in this PEM file")
-    parser.add_argument("--tls-server-name", default=None, metavar="NAME",
-                        help="the name the server's certificate must carry, when it is not "
-                             "the address's host")
 
 
 def _positive(kind):
@@ -357,22 +295,17 @@ def _add_client_commands(sub) -> None:
                           "the whole clip at once")
     say.add_argument("--timeout", type=_positive(float), default=120.0, help="deadline, seconds")
 
-    voices = sub.add_parser("voices", help="list the server's voices",
-                            description="List the server's voices; * marks the default.")
+    voices = sub.add_parser("voices", help="list, add (voices add) or remove (voices rm) voices",
+                            description=VOICES_DESCRIPTION)
     voices.set_defaults(fn=cmd_voices)
-    voices.add_argument("--timeout", type=_positive(float), default=10.0, help="deadline, seconds")
+    add_voices_arguments(voices, _positive, add_connection_options)
 
     bench = sub.add_parser("bench", help="load a server with streaming requests",
                            description=BENCH_DESCRIPTION)
     bench.set_defaults(fn=cmd_bench)
     add_bench_arguments(bench, _positive)
-    for parser in (say, voices, bench):
-        parser.add_argument("--target", default=DEFAULT_TARGET,
-                            help=f"the gateway, HOST:PORT or unix:PATH (default {DEFAULT_TARGET})")
-        parser.add_argument("--token-file", type=Path, default=None, metavar="PATH",
-                            help=f"a file holding the gateway's bearer token (default: the "
-                                 f"file ${TOKEN_FILE_ENV} names, if set)")
-        _add_tls_options(parser)
+    for parser in (say, bench):
+        add_connection_options(parser)
 
     health = sub.add_parser("health", help="check a service's gRPC health (container probes)",
                             description="Ask ADDRESS's standard gRPC health service. Prints the "
@@ -384,7 +317,7 @@ def _add_client_commands(sub) -> None:
                         help="a service name, e.g. voxring.v1.Synthesizer (default: the server "
                              "as a whole)")
     health.add_argument("--timeout", type=_positive(float), default=2.0, help="deadline, seconds")
-    _add_tls_options(health)
+    add_tls_options(health)
 
 
 def main(argv: list[str] | None = None) -> int:

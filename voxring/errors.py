@@ -77,6 +77,19 @@ class AlreadyExists(_Coded):
     CODE = "ALREADY_EXISTS"
 
 
+class NotFound(_Coded):
+    """The named thing (a voice) does not exist."""
+
+    CODE = "NOT_FOUND"
+
+
+class FailedPrecondition(_Coded):
+    """The server cannot do this in its state or configuration (a voice of its voices file
+    cannot be removed; no folder for added voices)."""
+
+    CODE = "FAILED_PRECONDITION"
+
+
 class ResourceExhausted(_Coded):
     """The server has no capacity now; ``retry_after`` may say when to try again."""
 
@@ -115,8 +128,8 @@ class InternalError(_Coded):
 
 
 _BY_CODE: dict[str, type[_Coded]] = {cls.CODE: cls for cls in (
-    InvalidArgument, AlreadyExists, ResourceExhausted, Cancelled, DeadlineExceeded,
-    Unavailable, Unauthenticated, InternalError)}
+    InvalidArgument, AlreadyExists, NotFound, FailedPrecondition, ResourceExhausted, Cancelled,
+    DeadlineExceeded, Unavailable, Unauthenticated, InternalError)}
 
 
 def _metadata_value(metadata: Iterable[Any] | None, key: str) -> str | None:

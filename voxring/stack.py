@@ -258,6 +258,23 @@ class Stack:
     def status(self) -> dict[str, tuple[int | None, str | None]]:
         return {stage: (self.running_pid(stage), self.address(stage)) for stage in STAGES}
 
+    def stage_env(self, stage: str) -> dict[str, str] | None:
+        """The gateway keeps voices added through the API in ``<state_dir>/voices`` when its
+        config (file or environment) names no folder (voices.store null), so a new user can
+        add one; None: the launcher's own environment."""
+        if stage != "gateway":
+            return None
+        from services.common.config import ConfigError, load_config  # grpc-free
+        from services.gateway.config import GatewayConfig
+
+        try:
+            store = load_config(GatewayConfig, self.config_file(stage), "gateway").voices.store
+        except ConfigError:
+            return None  # the gateway reports its config error itself
+        if store is not None:
+            return None
+        return {**os.environ, "VOXRING_GATEWAY__VOICES__STORE": str(self.state_dir / "voices")}
+
     # --- up and down --------------------------------------------------------------------
 
     def up(self, timeout: float = 60.0) -> dict[str, str]:
@@ -276,7 +293,8 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         procs = [StageProcess(stage, ready_file=self.ready_file(stage), log_file=self.log_file(stage),
                               config=self.config_file(stage), cwd=self.root, new_session=True,
-                              append_log=True)  # survives the launcher and its terminal's Ctrl-C
+                              append_log=True,  # survives the launcher and its terminal's Ctrl-C
+                              env=self.stage_env(stage))
                  for stage in missing]
         deadline = time.monotonic() + timeout
         try:

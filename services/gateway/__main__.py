@@ -16,6 +16,7 @@ from services.gateway.pipeline import SynthesisPipeline
 from services.gateway.readiness import PairReadiness
 from services.gateway.routing import EnginePair, Router
 from services.gateway.servicer import SynthesizerServicer
+from services.gateway.voice_manager import VoiceManager
 from services.gateway.voices import VoiceCatalog
 from voxring.v1 import synthesizer_pb2, synthesizer_pb2_grpc
 
@@ -44,7 +45,8 @@ def build(config: GatewayConfig, config_path: Path | None):
         components = [PairDiscovery(discovery, router)]
     pipeline = SynthesisPipeline(config, router, voices)
     metrics.register(pipeline.metrics)
-    servicer = SynthesizerServicer(config, voices, pipeline)
+    voice_manager = VoiceManager.from_config(config, base, voices, router)  # loads voices.store
+    servicer = SynthesizerServicer(config, voices, pipeline, voice_manager)
     name = synthesizer_pb2.DESCRIPTOR.services_by_name["Synthesizer"].full_name
     readiness = PairReadiness(router, config.engines, [name])
     metrics.register_collector(readiness)

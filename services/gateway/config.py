@@ -66,11 +66,34 @@ class VoicesSection:
     # The folder that keeps voices added through the API (CreateVoice, POST /v1/audio/voices)
     # across restarts; relative to the config file's folder. null: adding voices is refused.
     store: str | None = None
+    # What an added voice's clip must be. Its frames go into every prompt with that voice
+    # (12.5 frames a second for the models here), next to the request's text and audio
+    # within the model's length (512 positions for voxring-tiny): 10 s is 126 positions.
+    min_clip_seconds: float = 1.0   # shorter: too little of the voice to condition on
+    max_clip_seconds: float = 10.0  # at most 60 (Code2Wav's limit)
+    max_clip_mb: float = 8.0        # the clip file as uploaded; within server.max_message_mb
+    silence_dbfs: float = -50.0     # a clip whose RMS level is below this is refused as silent
+    max_transcript_chars: int = 500
+    max_description_chars: int = 256
+    max_stored: int = 1000          # voices the folder may keep; more: RESOURCE_EXHAUSTED
 
     def __post_init__(self) -> None:
         if self.store is not None and not self.store.strip():
             raise ConfigValueError("store", "must be a folder path, got an empty string "
                                             "(null turns adding voices off)")
+        if not 0 < self.min_clip_seconds <= self.max_clip_seconds:
+            raise ConfigValueError("min_clip_seconds", f"must be in (0, max_clip_seconds], got "
+                                                       f"{self.min_clip_seconds}")
+        if not self.max_clip_seconds <= 60:
+            raise ConfigValueError("max_clip_seconds", f"must be <= 60 (Code2Wav encodes at most "
+                                                       f"60 s), got {self.max_clip_seconds}")
+        if not 0 < self.max_clip_mb <= 1024:
+            raise ConfigValueError("max_clip_mb", f"must be in (0, 1024], got {self.max_clip_mb}")
+        if not -120 <= self.silence_dbfs < 0:
+            raise ConfigValueError("silence_dbfs", f"must be in [-120, 0) dBFS, got {self.silence_dbfs}")
+        for key in ("max_transcript_chars", "max_description_chars", "max_stored"):
+            if getattr(self, key) < 1:
+                raise ConfigValueError(key, f"must be >= 1, got {getattr(self, key)}")
 
 
 @dataclass(frozen=True)

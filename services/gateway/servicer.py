@@ -1,8 +1,9 @@
 """``voxring.v1.Synthesizer``: protobuf in, validated domain request out, and back.
 
 The servicer only translates and relays (PROTOCOL.md's threading rule): validation,
-the in-flight id check, then the backend that drives the engine pair. Errors are
-domain errors; the server interceptor turns them into status codes.
+the in-flight id check, then the backend that drives the engine pair; voices are added
+and removed by the voice manager (which the HTTP API calls too). Errors are domain
+errors; the server interceptor turns them into status codes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from services.common.log import request_id_var
 from services.gateway.config import GatewayConfig
 from services.gateway.inflight import InFlightRequests
 from services.gateway.validation import ValidRequest, validate
-from services.gateway.voices import VoiceCatalog
+from services.gateway.voice_manager import VoiceManager
+from services.gateway.voices import VoiceCatalog, VoiceEntry
 from voxring.v1 import synthesizer_pb2 as pb
 from voxring.v1 import synthesizer_pb2_grpc
 
@@ -28,18 +30,28 @@ class SynthesisBackend(Protocol):
     async def whole(self, request: ValidRequest) -> pb.SynthesizeSpeechResponse: ...
 
 
+def voice_message(voice: VoiceEntry) -> pb.Voice:
+    return pb.Voice(name=voice.name, speaker_id=voice.speaker_id, language_code=voice.language_code,
+                    has_reference=voice.reference_audio is not None, description=voice.description,
+                    removable=voice.removable)
+
+
 class SynthesizerServicer(synthesizer_pb2_grpc.SynthesizerServicer):
+    """``voices``: the catalog validation reads; ``voice_manager``: adds and removes voices
+    in it (None: a manager that refuses to add, for a server without a voice folder)."""
+
     def __init__(self, config: GatewayConfig, voices: VoiceCatalog,
-                 backend: SynthesisBackend) -> None:
+                 backend: SynthesisBackend, voice_manager: VoiceManager | None = None) -> None:
         self._config = config
-        self._voices = voices
+        self.voices = voices
         self._backend = backend
+        self.voice_manager = voice_manager or VoiceManager(config, voices, None, None)
         self.in_flight = InFlightRequests()
 
     def _accept(self, request: pb.SynthesizeSpeechRequest, context) -> ValidRequest:
         remaining = context.time_remaining()  # None: the client set no deadline
         deadline = None if remaining is None else time.monotonic() + remaining
-        valid = validate(request, self._config, self._voices, deadline)  # it reaches both stages
+        valid = validate(request, self._config, self.voices, deadline)  # it reaches both stages
         request_id_var.set(valid.request_id)  # this RPC's task: tags its log lines
         return valid
 
@@ -55,9 +67,15 @@ class SynthesizerServicer(synthesizer_pb2_grpc.SynthesizerServicer):
                 yield message
 
     async def ListVoices(self, request, context):
-        voices = [
-            pb.Voice(name=v.name, speaker_id=v.speaker_id, language_code=v.language_code,
-                     has_reference=v.reference_audio is not None, description=v.description)
-            for v in self._voices.voices.values()
-        ]
-        return pb.ListVoicesResponse(voices=voices, default_voice=self._voices.default)
+        voices = [voice_message(v) for v in self.voice_manager.list()]
+        return pb.ListVoicesResponse(voices=voices, default_voice=self.voice_manager.default)
+
+    async def CreateVoice(self, request, context):
+        voice = await self.voice_manager.create(
+            request.name, request.audio, request.transcript, speaker_id=request.speaker_id,
+            language_code=request.language_code, description=request.description)
+        return voice_message(voice)
+
+    async def DeleteVoice(self, request, context):
+        self.voice_manager.delete(request.name)
+        return pb.DeleteVoiceResponse()

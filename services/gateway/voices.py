@@ -1,14 +1,16 @@
-"""The voices a gateway offers, read strictly from the voices file its config names.
+"""The voices a gateway offers: those of the voices file its config names (read strictly),
+and those added through the API (services.gateway.voice_manager), which may be removed.
 
 A voice maps a name to the model's speaker id and may carry a reference clip with its
-transcript (an audio-context turn that conditions the voice; the gateway-and-SDK issue
+transcript (an audio-context turn that conditions the voice; services.gateway.voice_cache
 encodes it through Code2Wav.EncodeVoice).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 from services.common.config import ConfigError, ConfigValueError, parse_section, parse_yaml_text
 
@@ -21,6 +23,7 @@ class VoiceEntry:
     description: str = ""
     reference_audio: str | None = None  # WAV file, relative to the voices file
     reference_text: str | None = None   # its transcript
+    removable: ClassVar[bool] = False    # a voices-file voice: DeleteVoice refuses it
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.strip():
@@ -30,6 +33,26 @@ class VoiceEntry:
         if (self.reference_audio is None) != (self.reference_text is None):
             raise ConfigValueError("reference_text",
                                    "reference_audio and reference_text go together")
+
+
+class ClipFrames:
+    """The one place an added voice's encoded frames live, shared by every reference to its
+    entry: a request that validated with the voice keeps them (or, for a voice loaded at
+    start-up and not used yet, the clip itself) even when the voice is deleted meanwhile."""
+
+    def __init__(self, frames: Any = None) -> None:
+        self.frames = frames        # common_pb2.Frames once encoded; None: not yet
+        self.wav: bytes | None = None  # the clip's WAV, kept here when its file is deleted first
+
+
+@dataclass(frozen=True)
+class UploadedVoice(VoiceEntry):
+    """A voice added through the API: ``reference_audio`` is the absolute path of its WAV in
+    the voice folder, ``clip_sha256`` that file's content hash."""
+
+    clip_sha256: str = ""
+    clip: ClipFrames = field(default_factory=ClipFrames, compare=False, repr=False)
+    removable: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -81,3 +104,16 @@ class VoiceCatalog:
 
     def get(self, name: str) -> VoiceEntry | None:
         return self.voices.get(name or self.default)
+
+    def add(self, voice: VoiceEntry) -> None:
+        """Makes ``voice`` known by its name at once (validation reads this catalog)."""
+        if voice.name in self.voices:
+            raise ValueError(f"voice {voice.name!r} is already in the catalog")
+        self.voices[voice.name] = voice
+
+    def remove(self, name: str) -> VoiceEntry:
+        """Forgets an added voice; a request holding its entry keeps using it."""
+        voice = self.voices[name]
+        if not voice.removable:
+            raise ValueError(f"voice {name!r} comes from the voices file")
+        return self.voices.pop(name)

@@ -335,6 +335,7 @@ def test_resource_exhausted_carries_the_retry_hint(fake):
     ("ALREADY_EXISTS", errors.AlreadyExists), ("CANCELLED", errors.Cancelled),
     ("DEADLINE_EXCEEDED", errors.DeadlineExceeded), ("UNAVAILABLE", errors.Unavailable),
     ("INTERNAL", errors.InternalError), ("UNIMPLEMENTED", errors.VoxringError),
+    ("NOT_FOUND", errors.NotFound), ("FAILED_PRECONDITION", errors.FailedPrecondition),
 ])
 def test_status_codes_map_to_typed_errors(fake, code, cls):
     with Client(fake.target, timeout=WAIT_S) as client:
