@@ -13,7 +13,7 @@ GENERATED := $(foreach p,$(PROTOS),$(patsubst protos/%.proto,%_pb2.py,$(p)) \
 	$(patsubst protos/%.proto,%_pb2.pyi,$(p)) $(patsubst protos/%.proto,%_pb2_grpc.py,$(p)))
 PYTEST_ARGS ?=
 
-.PHONY: help setup proto test lint demo up down bench sim soak clean
+.PHONY: help setup proto tools test lint demo up down bench sim soak clean
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-6s %s\n", $$1, $$2}'
@@ -36,7 +36,24 @@ $(GENERATED) &: $(PROTOS) | $(STAMP)
 	@echo "==> generating protobuf code into voxring/v1"
 	@$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 
-test: setup  ## run the whole suite (CPU; GPU tests skip with a reason)
+# Tools the tests drive as users would: Debian's Chromium for the playground test (never
+# playwright's own downloads) and curl for the HTTP API's SSE test. Only on CI (CI=true, as
+# root) is a missing one installed; elsewhere the test that needs it skips and says why.
+# The paths are the ones tests/integration/test_playground.py and test_http_api.py run.
+TOOLS := /usr/bin/chromium:chromium /usr/bin/curl:curl
+
+tools:  ## CI: install the tests' tools (chromium, curl) from Debian when they are missing
+	@missing=""; for t in $(TOOLS); do [ -x "$${t%%:*}" ] || missing="$$missing $${t##*:}"; done; \
+	if [ -z "$$missing" ]; then \
+	  echo "==> tools: chromium and curl are there, nothing to install"; \
+	elif [ "$$CI" = "true" ]; then \
+	  echo "==> tools: missing$$missing and CI=true: apt-get install$$missing"; \
+	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; \
+	else \
+	  echo "==> tools: missing$$missing, not installing (not CI); the tests that need them skip"; \
+	fi
+
+test: setup tools  ## run the whole suite (CPU; GPU tests skip with a reason)
 	@echo "==> running tests"
 	@$(PY) -m pytest $(PYTEST_ARGS)
 

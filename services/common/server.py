@@ -57,7 +57,10 @@ class Component(Protocol):
     """A long-running part of a stage (an engine thread) that the host starts before
     serving and stops after the drain. During the drain the host also waits (within
     ``drain_timeout``) until every component that has an ``idle()`` method says True:
-    work accepted by a unary call (a submitted request) finishes too."""
+    work accepted by a unary call (a submitted request) finishes too. A component with a
+    ``begin_drain()`` method is told when the drain starts (a server of its own, such as the
+    gateway's HTTP API, then refuses new requests), and one with ``ready_info() -> dict``
+    adds those keys to the ready file (the address it serves on)."""
 
     def start(self) -> None: ...
 
@@ -352,6 +355,9 @@ class ServiceHost:
         started = time.monotonic()
         await health_servicer.enter_graceful_shutdown()
         tracker.accepting = False
+        for component in self.components:
+            if hasattr(component, "begin_drain"):
+                component.begin_drain()
         deadline = time.monotonic() + self.config.drain_timeout
         drained = await self._wait_drained(tracker)
         if drained:
@@ -393,8 +399,12 @@ class ServiceHost:
         if self.ready_file is None:
             return
         tmp = self.ready_file.with_suffix(self.ready_file.suffix + ".tmp")
-        tmp.write_text(json.dumps({"stage": self.stage, "address": self.address,
-                                   "metrics": self.metrics_address, "pid": os.getpid()}))
+        info = {"stage": self.stage, "address": self.address, "metrics": self.metrics_address,
+                "pid": os.getpid()}
+        for component in self.components:
+            if hasattr(component, "ready_info"):
+                info.update(component.ready_info())
+        tmp.write_text(json.dumps(info))
         tmp.replace(self.ready_file)  # readers never see a half-written file
 
     def _remove_ready_file(self) -> None:

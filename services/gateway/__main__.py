@@ -12,6 +12,7 @@ from services.common.server import ServiceBinding
 from services.common.stage import run_stage
 from services.gateway.config import GatewayConfig
 from services.gateway.discovery import PairDiscovery
+from services.gateway.http import http_components
 from services.gateway.pipeline import SynthesisPipeline
 from services.gateway.readiness import PairReadiness
 from services.gateway.routing import EnginePair, Router
@@ -53,6 +54,7 @@ def build(config: GatewayConfig, config_path: Path | None):
     components.append(readiness)
     binding = ServiceBinding(name, synthesizer_pb2_grpc.add_SynthesizerServicer_to_server,
                              servicer)
+    components += http_components(config, base, servicer, pipeline)  # OpenAI's API: http.listen
     return [binding], components, options
 
 

@@ -1,0 +1,120 @@
+"""Errors of the HTTP API in OpenAI's shape, and which HTTP status each domain error gets.
+
+Every error body is ``{"error": {"message", "type", "param", "code"}}`` as OpenAI's API
+sends it, so the official clients raise their usual exceptions (BadRequestError, ...).
+Domain errors (services.common.errors) name fields the way the gRPC API spells them; here
+``param`` names the field of the HTTP request instead (``text`` is ``input``, ...).
+
+The statuses follow Google's canonical mapping of gRPC codes to HTTP, except where
+OpenAI's API defines another: FAILED_PRECONDITION is 400 (the request cannot be served in
+the server's current state, e.g. uploads are off), ALREADY_EXISTS is 409.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from services.common.errors import InvalidArgument, ResourceExhausted, ServiceError
+
+log = logging.getLogger(__name__)
+
+# gRPC field names of SynthesizeSpeechRequest -> the JSON body's names
+HTTP_FIELDS = {"text": "input", "voice_name": "voice", "sample_rate_hz": "sample_rate",
+               "encoding": "response_format"}
+
+STATUS_OF_CODE = {
+    "INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400,
+    "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403, "NOT_FOUND": 404, "ALREADY_EXISTS": 409,
+    "ABORTED": 409, "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499, "INTERNAL": 500,
+    "UNIMPLEMENTED": 501, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504,
+}
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error ``type`` for a status."""
+    if status == 429:
+        return "rate_limit_error"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def http_param(field: str | None) -> str | None:
+    return None if field is None else HTTP_FIELDS.get(field, field)
+
+
+def retry_after_header(seconds: float | None) -> dict[str, str]:
+    """Retry-After takes whole seconds (RFC 9110): a fraction rounds up, never to 0."""
+    if seconds is None or not math.isfinite(seconds):
+        return {}
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def service_error_parts(exc: ServiceError) -> tuple[int, str, str | None, dict[str, str]]:
+    """(status, message, param, headers) of a domain error, its field in HTTP's words."""
+    status = STATUS_OF_CODE.get(exc.code, 500)
+    param = http_param(exc.field) if isinstance(exc, InvalidArgument) else None
+    message = exc.message
+    if isinstance(exc, InvalidArgument) and param != exc.field:
+        message = f"{param}: {exc.reason}"
+    headers = retry_after_header(exc.retry_after) if isinstance(exc, ResourceExhausted) else {}
+    return status, message, param, headers
+
+
+def service_error_response(exc: ServiceError) -> JSONResponse:
+    status, message, param, headers = service_error_parts(exc)
+    level = logging.ERROR if status >= 500 and status != 503 else logging.INFO
+    log.log(level, "HTTP -> %d %s: %s", status, exc.code, message)
+    return error_response(status, message, param, exc.code.lower(), headers)
+
+
+def validation_error_parts(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) of the first problem pydantic/FastAPI found in a request: the
+    param is the top-level field it is about (a body field, a form field or a path part)."""
+    problems = exc.errors()
+    if not problems:
+        return "invalid request", None
+    first = problems[0]
+    loc = [str(part) for part in first.get("loc", ())]
+    param = loc[1] if len(loc) > 1 and loc[0] in ("body", "path", "query", "header") else None
+    if first.get("type") in ("json_invalid", "model_attributes_type") or (
+            param is not None and param.isdigit()):  # the body itself is not a JSON object
+        param = None
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "extra_forbidden":
+        message = "unknown field (not part of this API)"
+    elif first.get("type") == "missing" and param is None:
+        message = "the request needs a JSON body"
+    return (f"{param}: {message}" if param else message), param
+
+
+async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = validation_error_parts(exc)
+    return error_response(400, message, param, "invalid_value")
+
+
+async def on_service_error(request: Request, exc: ServiceError) -> JSONResponse:
+    return service_error_response(exc)
+
+
+async def on_http_exception(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (no such route: 404, wrong method: 405) in OpenAI's shape."""
+    return error_response(exc.status_code, str(exc.detail), None, None, dict(exc.headers or {}))
+
+
+async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("%s %s failed with an unexpected error", request.method, request.url.path)
+    return error_response(500, f"internal error: {type(exc).__name__}", None, "internal")

@@ -1,0 +1,78 @@
+"""The HTTP API's error mapping: domain errors to statuses in OpenAI's shape, field names
+back to the HTTP body's, pydantic's complaints to the field they are about."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from services.common import errors
+from services.gateway.http.errors import (
+    error_body,
+    retry_after_header,
+    service_error_parts,
+    validation_error_parts,
+)
+from services.gateway.http.speech import SpeechBody
+
+
+@pytest.mark.parametrize(("exc", "status"), [
+    (errors.InvalidArgument("top_p", "bad"), 400), (errors.FailedPrecondition("off"), 400),
+    (errors.NotFound("no"), 404), (errors.AlreadyExists("dup"), 409),
+    (errors.ResourceExhausted("busy", retry_after=0.2), 429), (errors.Unavailable("down"), 503),
+    (errors.DeadlineExceeded("late"), 504), (errors.Internal("bug"), 500),
+])
+def test_domain_errors_get_their_status(exc, status):
+    assert service_error_parts(exc)[0] == status
+
+
+@pytest.mark.parametrize(("grpc_field", "http_field"), [
+    ("text", "input"), ("voice_name", "voice"), ("sample_rate_hz", "sample_rate"),
+    ("encoding", "response_format"), ("top_k", "top_k"), ("speed", "speed")])
+def test_invalid_argument_names_the_http_field(grpc_field, http_field):
+    status, message, param, _ = service_error_parts(errors.InvalidArgument(grpc_field, "is wrong"))
+    assert (status, param, message) == (400, http_field, f"{http_field}: is wrong")
+
+
+def test_retry_after_is_whole_seconds_never_zero():
+    assert retry_after_header(0.2) == {"Retry-After": "1"}
+    assert retry_after_header(2.5) == {"Retry-After": "3"}
+    assert retry_after_header(None) == {}
+    assert service_error_parts(errors.ResourceExhausted("busy", retry_after=4))[3] == {"Retry-After": "4"}
+
+
+def test_error_body_is_openais_shape():
+    assert error_body(429, "busy", None, "resource_exhausted") == {"error": {
+        "message": "busy", "type": "rate_limit_error", "param": None, "code": "resource_exhausted"}}
+    assert error_body(503, "down")["error"]["type"] == "server_error"
+    assert error_body(404, "no")["error"]["type"] == "invalid_request_error"
+
+
+def _problem(body: dict) -> tuple[str, str | None]:
+    with pytest.raises(ValidationError) as caught:
+        SpeechBody.model_validate(body)
+    errs = [{**e, "loc": ("body", *e["loc"])} for e in caught.value.errors()]
+    return validation_error_parts(RequestValidationError(errs))
+
+
+BASE = {"model": "tts-1", "input": "hi", "voice": "default"}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("speed", "fast"), ("speed", "1.5"), ("seed", -1), ("seed", 2**64), ("top_k", 2**31), ("top_k", 1.5),
+    ("voice", 3), ("voice", {"id": 3}), ("voice", {"name": "x"}), ("response_format", "ogg"),
+    ("stream_format", "chunks"), ("model", ""), ("request_id", 5), ("colour", "blue")])
+def test_pydantic_problems_name_the_top_level_field(field, value):
+    message, param = _problem({**BASE, field: value})
+    assert param == field and message.startswith(f"{field}: ")
+
+
+def test_unknown_fields_are_called_unknown():
+    assert _problem({**BASE, "colour": "blue"}) == ("colour: unknown field (not part of this API)", "colour")
+
+
+def test_a_missing_body_names_no_field():
+    message, param = validation_error_parts(RequestValidationError(
+        [{"type": "missing", "loc": ("body",), "msg": "Field required"}]))
+    assert param is None and "JSON body" in message
