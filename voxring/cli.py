@@ -34,7 +34,8 @@ from voxring.stack import STAGES, Stack, StackError, find_root
 from voxring.voices_cli import DESCRIPTION as VOICES_DESCRIPTION
 from voxring.voices_cli import add_voices_arguments
 
-_FORMATS = {"wav": "wav", "pcm": "pcm", "ogg": "ogg_opus"}  # --format -> SDK encoding
+_FORMATS = {"wav": "wav", "pcm": "pcm", "ogg": "ogg_opus", "opus": "ogg_opus", "mp3": "mp3",
+            "flac": "flac", "aac": "aac"}  # --format -> SDK encoding
 _UNKNOWN_SIZE = 0xFFFFFFFF  # a streaming WAV header's RIFF and data sizes
 
 
@@ -172,7 +173,7 @@ def cmd_say(args: argparse.Namespace) -> int:
     from voxring.client import Client
 
     options = {"voice": args.voice, "seed": args.seed, "encoding": _FORMATS[args.format],
-               "sample_rate_hz": args.rate, "language_code": args.language}
+               "sample_rate_hz": args.rate, "language_code": args.language, "speed": args.speed}
     try:
         connection = client_arguments(args)
     except UsageError as exc:
@@ -287,7 +288,12 @@ def _add_client_commands(sub) -> None:
     say.add_argument("-o", "--output", type=Path, required=True, help="the audio file to write")
     say.add_argument("--voice", default=None, help="voice name (default: the server's)")
     say.add_argument("--seed", type=int, default=None, help="sampling seed (default: the server picks)")
-    say.add_argument("--format", choices=sorted(_FORMATS), default="wav")
+    say.add_argument("--format", choices=sorted(_FORMATS), default="wav",
+                     help="wav (default), pcm (raw int16), ogg/opus, mp3, flac or aac. A streamed "
+                          "flac file leaves its length unset (FFmpeg plays it); --no-stream "
+                          "writes a complete one")
+    say.add_argument("--speed", type=float, default=None,
+                     help="0.25 to 4 times the model's pace, the pitch kept (default 1)")
     say.add_argument("--rate", type=int, default=0, help="sample rate in Hz (default: the model's)")
     say.add_argument("--language", default=None, help="language code (default: the server's)")
     say.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,

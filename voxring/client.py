@@ -55,7 +55,8 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
 
 ENCODINGS = {"pcm": pb.LINEAR_PCM, "linear_pcm": pb.LINEAR_PCM, "wav": pb.WAV,
-             "ogg_opus": pb.OGG_OPUS, "ogg": pb.OGG_OPUS}
+             "ogg_opus": pb.OGG_OPUS, "ogg": pb.OGG_OPUS, "opus": pb.OGG_OPUS, "mp3": pb.MP3,
+             "flac": pb.FLAC, "aac": pb.AAC}
 
 Metadata = Sequence[tuple[str, str]]
 AUTHORIZATION_METADATA = "authorization"
@@ -109,6 +110,7 @@ class SynthesisOptions(TypedDict, total=False):
     repetition_window: int | None
     seed: int | None
     max_audio_seconds: float | None
+    speed: float | None
     request_id: str | None
 
 
@@ -117,23 +119,25 @@ def build_request(text: str, *, voice: str | None = None, language_code: str | N
                   temperature: float | None = None, top_k: int | None = None,
                   top_p: float | None = None, repetition_penalty: float | None = None,
                   repetition_window: int | None = None, seed: int | None = None,
-                  max_audio_seconds: float | None = None,
+                  max_audio_seconds: float | None = None, speed: float | None = None,
                   request_id: str | None = None) -> pb.SynthesizeSpeechRequest:
     """The wire request. ``voice``, ``language_code``, ``request_id``: None or "" takes
-    the server's default; ``encoding``: "pcm" (int16 little-endian mono), "wav" or
-    "ogg_opus"; ``sample_rate_hz``: 0 is the model's rate. The sampling fields and
-    ``max_audio_seconds`` are set only when not None, so an unset one takes the server's
-    default (0 is a value: ``temperature=0`` asks for greedy decoding)."""
+    the server's default; ``encoding``: "pcm" (int16 little-endian mono), "wav",
+    "ogg_opus", "mp3", "flac" or "aac"; ``sample_rate_hz``: 0 is the model's rate;
+    ``speed``: 0.25 to 4 times the model's pace (the pitch kept). The sampling fields,
+    ``max_audio_seconds`` and ``speed`` are set only when not None, so an unset one takes
+    the server's default (0 is a value: ``temperature=0`` asks for greedy decoding)."""
     wire_encoding = ENCODINGS.get(encoding.lower())
     if wire_encoding is None:
-        raise InvalidArgument(f"encoding: unknown encoding {encoding!r} (pcm, wav or ogg_opus)",
+        raise InvalidArgument(f"encoding: unknown encoding {encoding!r} (pcm, wav, ogg_opus, "
+                              "mp3, flac or aac)",
                               field="encoding")
     request = pb.SynthesizeSpeechRequest(
         text=text, voice_name=voice or "", language_code=language_code or "",
         encoding=wire_encoding, sample_rate_hz=sample_rate_hz, request_id=request_id or "")
     optional = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
                 "repetition_penalty": repetition_penalty, "repetition_window": repetition_window,
-                "seed": seed, "max_audio_seconds": max_audio_seconds}
+                "seed": seed, "max_audio_seconds": max_audio_seconds, "speed": speed}
     for name, value in optional.items():
         if value is not None:
             setattr(request, name, value)

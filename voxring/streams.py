@@ -15,7 +15,7 @@ from voxring.v1 import common_pb2
 from voxring.v1 import synthesizer_pb2 as pb
 
 ENCODING_NAMES = {pb.ENCODING_UNSPECIFIED: "pcm", pb.LINEAR_PCM: "pcm", pb.WAV: "wav",
-                  pb.OGG_OPUS: "ogg_opus"}
+                  pb.OGG_OPUS: "ogg_opus", pb.MP3: "mp3", pb.FLAC: "flac", pb.AAC: "aac"}
 
 @dataclass(frozen=True)
 class Usage:
@@ -34,7 +34,7 @@ class AudioChunk:
     chunk_index: int     # 0, 1, 2, ... within the request
     sample_offset: int   # samples (at sample_rate_hz) before this chunk
     sample_rate_hz: int
-    encoding: str        # "pcm", "wav" or "ogg_opus"
+    encoding: str        # "pcm", "wav", "ogg_opus", "mp3", "flac" or "aac"
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class SynthesisResult:
 
     audio: bytes
     sample_rate_hz: int
-    encoding: str         # "pcm", "wav" or "ogg_opus"
+    encoding: str         # "pcm", "wav", "ogg_opus", "mp3", "flac" or "aac"
     finish_reason: str    # "stop", "length", ...: FinishReason without its prefix, lower case
     usage: Usage
     request_id: str

@@ -74,6 +74,22 @@ def test_say_raw_pcm_at_a_rate(fake, tmp_path):
     assert (fake.requests[-1].encoding, fake.requests[-1].sample_rate_hz) == (pb.LINEAR_PCM, 16000)
 
 
+@pytest.mark.parametrize(("fmt", "wire"), [("mp3", pb.MP3), ("flac", pb.FLAC), ("aac", pb.AAC),
+                                           ("opus", pb.OGG_OPUS)])
+def test_say_asks_for_the_format_and_speed(fake, tmp_path, fmt, wire):
+    out = tmp_path / f"out.{fmt}"
+    assert main(["say", "hello", "-o", str(out), "--target", fake.target, "--format", fmt,
+                 "--speed", "1.5"]) == 0
+    request = fake.requests[-1]
+    assert (request.encoding, request.speed) == (wire, 1.5)
+    assert out.read_bytes()  # the fake's chunks, written as they came
+
+
+def test_say_leaves_speed_unset_by_default(fake, tmp_path):
+    assert main(["say", "hello", "-o", str(tmp_path / "a.wav"), "--target", fake.target]) == 0
+    assert not fake.requests[-1].HasField("speed")
+
+
 def test_say_invalid_argument_names_the_field_and_writes_nothing(fake, tmp_path, capsys):
     out = tmp_path / "out.wav"
     assert main(["say", "error:INVALID_ARGUMENT", "-o", str(out), "--target", fake.target]) != 0

@@ -29,7 +29,7 @@ from voxring.v1 import synthesizer_pb2 as pb
 RATE = 24000
 WAIT_S = 5.0  # every wait on the fake server's side is bounded by this
 OPTIONAL_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "repetition_window",
-                   "seed", "max_audio_seconds")
+                   "seed", "max_audio_seconds", "speed")
 
 
 def pcm(offset: int, num_samples: int) -> bytes:
@@ -211,12 +211,19 @@ def test_unset_optional_fields_stay_unset_on_the_server(fake):
 
 def test_every_optional_field_is_sent_when_passed():
     values = {"temperature": 0.5, "top_k": 7, "top_p": 0.75, "repetition_penalty": 1.25,
-              "repetition_window": 16, "seed": 2**40, "max_audio_seconds": 3.5}
+              "repetition_window": 16, "seed": 2**40, "max_audio_seconds": 3.5, "speed": 1.5}
     request = build_request("hi", **values)
     assert {name: getattr(request, name) for name in OPTIONAL_FIELDS} == values
     with pytest.raises(errors.InvalidArgument) as info:
-        build_request("hi", encoding="mp3")
+        build_request("hi", encoding="m4a")
     assert info.value.field == "encoding"
+
+
+@pytest.mark.parametrize(("name", "wire"), [
+    ("pcm", pb.LINEAR_PCM), ("wav", pb.WAV), ("ogg_opus", pb.OGG_OPUS), ("opus", pb.OGG_OPUS),
+    ("mp3", pb.MP3), ("FLAC", pb.FLAC), ("aac", pb.AAC)])
+def test_every_encoding_has_a_name(name, wire):
+    assert build_request("hi", encoding=name).encoding == wire
 
 
 def test_client_metadata_is_sent(fake):
