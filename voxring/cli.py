@@ -46,9 +46,12 @@ def _stack(args: argparse.Namespace) -> Stack:
     return Stack(root=root, config_dir=config_dir, state_dir=state_dir)
 
 
-def _print_endpoints(addresses: dict[str, str]) -> None:
+def _print_endpoints(addresses: dict[str, str], stack: Stack) -> None:
     for stage in STAGES:
         print(f"  {stage:<9} {addresses.get(stage, '?')}")
+    http = stack.address("gateway", "http")
+    if http is not None:
+        print(f"  {'http':<9} {http} (OpenAI's /v1/audio/speech; the playground at /, docs at /docs)")
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -60,7 +63,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"starting {', '.join(missing)} (logs in {stack.log_dir})")
     addresses = stack.up(timeout=args.timeout)
     print("voxring stack is SERVING:")
-    _print_endpoints(addresses)
+    _print_endpoints(addresses, stack)
     return 0
 
 
@@ -96,6 +99,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         if stage == "gateway" and address:
             for name, target in gateway_pairs(stack.config_file("gateway")):
                 print(f"      pair {name} ({target}): {check_health(address, f'pair/{name}')}")
+            if (http := stack.address("gateway", "http")) is not None:
+                print(f"      HTTP API on {http}")
     return 0 if stopped == len(STAGES) or healthy == len(STAGES) else 1
 
 
@@ -107,7 +112,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     addresses = stack.up(timeout=args.timeout)
     try:
         print("voxring stack is SERVING:")
-        _print_endpoints(addresses)
+        _print_endpoints(addresses, stack)
         from voxring.demo import check_public_api
 
         return check_public_api(addresses["gateway"])

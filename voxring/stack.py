@@ -249,10 +249,12 @@ class Stack:
             return None
         return pid if is_stage_process(pid, stage) else None
 
-    def address(self, stage: str) -> str | None:
+    def address(self, stage: str, key: str = "address") -> str | None:
+        """``stage``'s gRPC address from its ready file; ``key="http"``: the gateway's HTTP
+        API (absent when http.listen is null)."""
         try:
-            return json.loads(self.ready_file(stage).read_text())["address"]
-        except (FileNotFoundError, ValueError, KeyError):
+            return json.loads(self.ready_file(stage).read_text())[key]
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
             return None
 
     def status(self) -> dict[str, tuple[int | None, str | None]]:

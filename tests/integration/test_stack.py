@@ -5,11 +5,14 @@ makes the gateway unready (not unlive), `voxring status` names it with its log, 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import wave
 from pathlib import Path
 
@@ -64,11 +67,15 @@ def test_up_status_up_again_down(voxring, sock_dir):
     assert "SERVING" in out
     for stage in ("gateway", "talker", "code2wav"):
         assert f"unix:{sock_dir}/{stage}.sock" in out
+    http = re.search(r"^  http +(127\.0\.0\.1:[1-9]\d*) ", out, re.MULTILINE)  # the free port taken
+    assert http, out
+    with urllib.request.urlopen(f"http://{http[1]}/v1/models", timeout=30) as reply:
+        assert json.load(reply)["data"][0]["id"] == "voxring-tiny"
     pids = _pids(sock_dir)
     assert set(pids) == {"gateway", "talker", "code2wav"} and all(map(_alive, pids.values()))
 
     status = voxring("status", check_rc=0).stdout
-    assert status.count("running, pid") == 3
+    assert status.count("running, pid") == 3 and f"HTTP API on {http[1]}" in status
 
     again = voxring("up", check_rc=0).stdout
     assert "already running" in again
