@@ -140,11 +140,13 @@ def test_pcm_is_raw_int16_at_the_models_rate(stack, frames):
     assert len(_speech(_client(stack), "pcm")) == frames * SPF * 2
 
 
-@pytest.mark.parametrize(("fmt", "codec", "frame_samples"), [("mp3", "mp3", 1152), ("aac", "aac", 1024),
-                                                               ("opus", "opus", 960)])
-def test_lossy_formats_decode_to_the_length_within_a_codec_frame(stack, frames, fmt, codec, frame_samples):
+@pytest.mark.parametrize(("fmt", "codec", "frame_samples", "decoded_rate"), [
+    ("mp3", "mp3", 1152, RATE), ("aac", "aac", 1024, RATE), ("opus", "opus", 960, 48000)])
+def test_lossy_formats_decode_to_the_length_within_a_codec_frame(stack, frames, fmt, codec, frame_samples,
+                                                                 decoded_rate):
     samples, rate, name = decode_av(_speech(_client(stack), fmt))
     assert name.startswith(codec)  # FFmpeg's mp3 decoder is mp3float
+    assert rate == decoded_rate  # Opus always decodes at 48 kHz
     expected = frames * SPF * rate / RATE  # FFmpeg decodes Opus at 48 kHz
     # encoder delay and the last frame's padding: at most two codec frames of the decoder's rate
     assert abs(samples - expected) <= 2 * frame_samples, (samples, expected)
@@ -346,6 +348,10 @@ def test_voices_list_create_delete(stack):
         "has_reference": True, "removable": True, "default": False}
     assert httpx.post(base, data=form, files=files, timeout=WAIT_S).status_code == 409
     assert "http-voice" in [v["name"] for v in httpx.get(base, timeout=WAIT_S).json()["data"]]
+    spoken = _client(stack).audio.speech.create(model="tts-1", voice="http-voice", input=TEXT,
+                                                response_format="wav", extra_body=SHORT)
+    audio, rate = read_to_end(spoken.content)  # the voice is usable at once
+    assert rate == RATE and len(audio) > 0
     bad = httpx.post(base, data={**form, "speaker_id": "one"}, files=files, timeout=WAIT_S)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "speaker_id"
     assert httpx.delete(f"{base}/http-voice", timeout=WAIT_S).status_code == 204
