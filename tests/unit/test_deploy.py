@@ -8,10 +8,14 @@
 - every voxring config the two set-ups run with (deploy/configs plus the compose
   services' VOXRING_* variables; the ConfigMap's files) through voxring's own strict
   loader, so a misspelt key fails here rather than at start-up;
-- the properties the stages rely on: only the gateway publishes a port, the talker and
-  its Code2Wav share /dev/shm, every stage has a health check through ``voxring health``
-  or gRPC health, stop budgets cover drain_timeout + grace, GPUs are asked for, and the
-  gateway's discovery name is the headless Service's.
+- the properties the stages rely on: only the gateway publishes ports (gRPC and the HTTP
+  API, on one host IP), the talker and its Code2Wav share /dev/shm, every stage has a
+  health check through ``voxring health`` or gRPC health, stop budgets cover
+  drain_timeout + grace, GPUs are asked for, the gateway's discovery name is the headless
+  Service's, the HTTP API is served and let in wherever gRPC is, and a voice folder
+  (voices.store) belongs to one gateway and is writable by the image's user;
+- what the gateway image is built from: a wheel carrying the playground page (package
+  data), from a context the .dockerignore does not strip it from.
 
 Both validators come with the test extra. Where one is missing the test skips with the
 reason, except under CI=true, where it fails.
@@ -24,6 +28,8 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +53,9 @@ STAGES = {"gateway": GatewayConfig, "talker": TalkerConfig, "code2wav": Code2Wav
 ENGINE_STAGES = ("talker", "code2wav")
 PROFILES = ("gpu", "cpu")
 GPU = "nvidia.com/gpu"
+GRPC_PORT, HTTP_PORT = 50051, 8000  # the gateway's documented ports
+PUBLISH_IP = "${VOXRING_PUBLISH_IP:-127.0.0.1}"  # compose: every published port's host IP
+PLAYGROUND = "services/gateway/http/static/playground.html"
 
 
 def _require(module: str, package: str) -> Any:
@@ -121,7 +130,7 @@ def _environment(service: dict) -> dict[str, str]:
 
 
 def _mounts(service: dict) -> list[dict]:
-    """Each volume entry as {type, source, target, read_only}, variables at defaults."""
+    """Each volume entry as {type, source, target, read_only, nocopy}, variables at defaults."""
     mounts = []
     for entry in service.get("volumes") or []:
         if isinstance(entry, str):
@@ -130,10 +139,11 @@ def _mounts(service: dict) -> list[dict]:
             mode = parts[2] if len(parts) > 2 else ""
             kind = "bind" if source.startswith((".", "/", "~")) else "volume"
             mounts.append({"type": kind, "source": source, "target": target,
-                           "read_only": "ro" in mode.split(",")})
+                           "read_only": "ro" in mode.split(","), "nocopy": "nocopy" in mode.split(",")})
         else:
             mounts.append({"type": entry["type"], "source": _interpolate(entry.get("source")),
-                           "target": entry["target"], "read_only": bool(entry.get("read_only"))})
+                           "target": entry["target"], "read_only": bool(entry.get("read_only")),
+                           "nocopy": bool((entry.get("volume") or {}).get("nocopy"))})
     return mounts
 
 
@@ -202,6 +212,14 @@ def test_compose_configs_load_through_the_strict_loader(compose):
     assert {stage for stage, _ in loaded.values()} == set(STAGES)
 
 
+def _published(service: dict) -> list[dict]:
+    """The service's ports in the long syntax (the short one hides the host IP variable's
+    own colons)."""
+    ports = service.get("ports") or []
+    assert all(isinstance(port, dict) for port in ports), f"long port syntax expected: {ports}"
+    return ports
+
+
 def test_compose_only_the_gateway_publishes_a_port(compose):
     loaded = _compose_configs(compose)
     for name, service in _services(compose).items():
@@ -210,10 +228,63 @@ def test_compose_only_the_gateway_publishes_a_port(compose):
         if stage != "gateway":
             assert not service.get("ports"), f"{name} publishes {service.get('ports')}"
             continue
-        ports = service["ports"]
-        assert len(ports) == 1, ports
-        target = ports[0]["target"] if isinstance(ports[0], dict) else int(str(ports[0]).split(":")[-1])
-        assert target == _port(config.server.listen) == 50051
+        # gRPC and the HTTP API, each published on its own port number, on one host IP
+        assert config.http.listen is not None, f"{name}: the HTTP API is off"
+        listens = {config.server.listen, config.http.listen}
+        assert {_host(listen) for listen in listens} == {"0.0.0.0"}, f"{name}: {listens}"
+        ports = _published(service)
+        assert sorted(port["target"] for port in ports) == sorted(_port(x) for x in listens) \
+            == [HTTP_PORT, GRPC_PORT], f"{name}: {ports}"
+        for port in ports:
+            assert str(port["published"]) == str(port["target"]), f"{name}: {port}"
+            assert port["host_ip"] == PUBLISH_IP, f"{name}: {port}"
+            assert port.get("protocol", "tcp") == "tcp", f"{name}: {port}"
+
+
+def test_compose_both_profiles_gateways_publish_the_same_ports(compose):
+    """What keeps the two profiles from running at once: the second gateway cannot bind."""
+    services = _services(compose)
+    published = {profile: sorted((p["host_ip"], str(p["published"])) for p in
+                                 _published(services[stages["gateway"]]))
+                 for profile, stages in _by_profile(compose).items()}
+    assert published["gpu"] == published["cpu"], published
+
+
+def _image_folders(dockerfile: str) -> dict[str, tuple[int, int]]:
+    """{folder: (uid, gid)} of the folders a Dockerfile makes with ``install -d -o -g``."""
+    made = re.findall(r"install -d -o (\d+) -g (\d+)(?: -m \d+)? (\S+)", dockerfile)
+    return {folder: (int(uid), int(gid)) for uid, gid, folder in made}
+
+
+def test_compose_gateway_voice_store_is_a_writable_volume_of_one_gateway(compose):
+    loaded = _compose_configs(compose)
+    services = _services(compose)
+    dockerfile = (COMPOSE_DIR / "Dockerfile.gateway").read_text()
+    (user,) = re.findall(r"^USER (\S+)$", dockerfile, re.MULTILINE)
+    uid = int(user.split(":")[0])
+    folders = _image_folders(dockerfile)
+    owners: dict[str, list[str]] = {}
+    for name, service in services.items():
+        stage, config = loaded[name]
+        if stage != "gateway":
+            continue
+        store = config.voices.store
+        assert store is not None and store.startswith("/"), f"{name}: voices.store {store!r}"
+        (mount,) = [m for m in _mounts(service) if m["target"] == store]
+        # the root is read-only: the folder is a named volume, mounted writable
+        assert service.get("read_only") is True and mount["type"] == "volume", f"{name}: {mount}"
+        assert not mount["read_only"], f"{name}: {store} is mounted read-only"
+        assert mount["source"] in compose["volumes"], f"{name}: volume {mount['source']} not declared"
+        assert not mount["nocopy"], f"{name}: nocopy leaves the volume without the folder's owner"
+        # a new named volume takes the owner of the image's folder at its mount point
+        assert folders.get(store, (None,))[0] == uid, f"{name}: the image makes no {store} owned by {uid}"
+        owners.setdefault(mount["source"], []).append(name)
+    for volume, gateways in owners.items():  # one gateway per folder: sharers never run together
+        assert all(_published(services[g]) == _published(services[gateways[0]]) for g in gateways), \
+            f"volume {volume} is shared by gateways that could run at once: {gateways}"
+        for name, service in services.items():
+            if name not in gateways:
+                assert volume not in {m["source"] for m in _mounts(service)}, f"{name} mounts {volume}"
 
 
 def test_compose_pairs_route_and_attach_within_their_profile(compose):
@@ -297,6 +368,55 @@ def test_dockerfiles_pin_their_bases_and_run_as_non_root():
         assert users and users[-1].split(":")[0] not in ("0", "root"), f"{name}: USER {users}"
     gateway = (COMPOSE_DIR / "Dockerfile.gateway").read_text()
     assert "[gateway]" in gateway and "[server]" not in gateway and "TORCH" not in gateway
+
+
+def test_dockerfile_gateway_exposes_what_compose_publishes(compose):
+    text = (COMPOSE_DIR / "Dockerfile.gateway").read_text()
+    exposed = {int(port) for line in re.findall(r"^EXPOSE (.+)$", text, re.MULTILINE)
+               for port in line.split()}
+    assert exposed == {GRPC_PORT, HTTP_PORT}
+    for name, service in _services(compose).items():
+        if _stage_of(service["command"]) == "gateway":
+            assert {port["target"] for port in _published(service)} == exposed, name
+
+
+def _dockerignore_sends(patterns: list[str], path: str) -> bool:
+    """Whether a build context with these .dockerignore patterns holds ``path``: the last
+    pattern matching the path or a folder above it decides (``!`` sends it again)."""
+    def regex(pattern: str) -> re.Pattern:
+        parts = re.split(r"(\*\*/|\*\*|\*|\?)", pattern.strip("/"))
+        wild = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
+        return re.compile("".join(wild.get(part, re.escape(part)) for part in parts))
+
+    parents = ["/".join(path.split("/")[:i]) for i in range(1, path.count("/") + 2)]
+    sent = True
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        if any(regex(pattern.removeprefix("!")).fullmatch(p) for p in parents):
+            sent = negated
+    return sent
+
+
+def test_gateway_image_installs_the_playground_page():
+    # declared as package data, so the wheel (not an editable install) carries it
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    package, _, rel = PLAYGROUND.rpartition("/static/")
+    globs = pyproject["tool"]["setuptools"]["package-data"][package.replace("/", ".")]
+    assert any(fnmatchcase(f"static/{rel}", glob) for glob in globs), globs
+    assert (REPO / PLAYGROUND).is_file()
+    text = (COMPOSE_DIR / "Dockerfile.gateway").read_text()
+    assert re.search(r"pip wheel .*--wheel-dir /wheels \.$", text, re.MULTILINE)
+    assert "/wheels/voxring-*.whl" in text and not re.search(r"pip install[^\n]*(-e|--editable)\b", text)
+    # and the build context holds it (the Dockerfile's COPY services/ takes it from there)
+    ignore = (COMPOSE_DIR / "Dockerfile.gateway.dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in ignore if line.strip() and not line.startswith("#")]
+    assert all(" #" not in p for p in patterns), "a .dockerignore has no end-of-line comments"
+    for path in (PLAYGROUND, "pyproject.toml", "services/gateway/http/app.py"):
+        assert _dockerignore_sends(patterns, path), f"{path} is left out of the build context"
+    for path in (".venv/bin/python", ".git/HEAD", "services/gateway/__pycache__/config.cpython-311.pyc"):
+        assert not _dockerignore_sends(patterns, path), f"{path} is sent to the build context"
+    # the matcher has teeth
+    assert not _dockerignore_sends([*patterns, "services/**/static"], PLAYGROUND)
 
 
 # --- Kubernetes ----------------------------------------------------------------------
@@ -513,7 +633,7 @@ def test_k8s_gateway_tls_token_probes_and_replicas(manifests, k8s_configs):
     assert all(kind == "secret" for kind, _, _ in secrets.values()), secrets
     service = _one(manifests, "Service", "voxring-gateway")
     port = _port(config.server.listen)
-    assert {p["port"] for p in service["spec"]["ports"]} == {port}
+    assert {p["port"] for p in service["spec"]["ports"]} == {port, _port(config.http.listen)}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         command = container[probe]["exec"]["command"]
         assert command[:3] == ["voxring", "health", f"127.0.0.1:{port}"], command
@@ -550,3 +670,63 @@ def test_k8s_pods_run_non_root_on_a_read_only_root(manifests):
             assert context["readOnlyRootFilesystem"] is True, container["name"]
             assert context["allowPrivilegeEscalation"] is False, container["name"]
             assert context["capabilities"]["drop"] == ["ALL"], container["name"]
+
+
+def _named_ports(pod: dict) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"]}
+
+
+def test_k8s_gateway_serves_http_beside_grpc(manifests, k8s_configs):
+    config = k8s_configs["gateway"]
+    assert config.server.listen == f"0.0.0.0:{GRPC_PORT}"
+    assert config.http.listen == f"0.0.0.0:{HTTP_PORT}"  # reachable at the Pod's address
+    pod = _pod(manifests, "voxring-gateway")
+    named = _named_ports(pod)
+    assert named.get("grpc") == GRPC_PORT and named.get("http") == HTTP_PORT, named
+    service = _one(manifests, "Service", "voxring-gateway")
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    for name, number in (("grpc", GRPC_PORT), ("http", HTTP_PORT)):
+        assert ports[name]["port"] == number, ports
+        assert named.get(ports[name]["targetPort"], ports[name]["targetPort"]) == number, ports
+        assert ports[name].get("protocol", "TCP") == "TCP", ports
+
+
+def _ingress_sources(docs: list[dict], pod: dict, port: int) -> list | None:
+    """Who the NetworkPolicies let reach ``port`` of the Pod: None when none selects it for
+    ingress (everyone), else each admitting rule's ``from`` list ([] = from anywhere)."""
+    labels, named = pod["metadata"]["labels"], _named_ports(pod)
+    sources, selected = [], False
+    for policy in docs:
+        if policy["kind"] != "NetworkPolicy" or "Ingress" not in policy["spec"].get("policyTypes", []):
+            continue
+        selector = policy["spec"]["podSelector"]
+        assert set(selector) <= {"matchLabels"}, f"{policy['metadata']['name']}: only matchLabels is read"
+        if not selector.get("matchLabels", {}).items() <= labels.items():
+            continue
+        selected = True
+        for rule in policy["spec"].get("ingress") or []:
+            numbers = [named.get(p.get("port"), p.get("port")) for p in rule.get("ports") or []]
+            if not numbers or port in numbers:
+                sources.append(rule.get("from") or [])
+    return sources if selected else None
+
+
+def test_k8s_network_policy_admits_http_wherever_grpc(manifests):
+    pod = _pod(manifests, "voxring-gateway")
+    grpc = _ingress_sources(manifests, pod, GRPC_PORT)
+    assert grpc is None or grpc, "no one may reach the gateway's gRPC port"
+    assert _ingress_sources(manifests, pod, HTTP_PORT) == grpc
+    # the check has teeth: a policy letting in gRPC only is told apart
+    grpc_only = {"kind": "NetworkPolicy", "metadata": {"name": "grpc-only"},
+                 "spec": {"podSelector": {"matchLabels": pod["metadata"]["labels"]},
+                          "policyTypes": ["Ingress"], "ingress": [{"ports": [{"port": "grpc"}]}]}}
+    docs = [*manifests, grpc_only]
+    assert _ingress_sources(docs, pod, HTTP_PORT) != _ingress_sources(docs, pod, GRPC_PORT)
+
+
+def test_k8s_gateway_replicas_keep_no_voice_folder(manifests, k8s_configs):
+    """A voice folder serves one gateway (services/gateway/voice_store.py): replicas with
+    folders of their own would offer different voices, so adding voices stays off."""
+    replicas = _one(manifests, "Deployment", "voxring-gateway")["spec"]["replicas"]
+    assert k8s_configs["gateway"].voices.store is None or replicas == 1
