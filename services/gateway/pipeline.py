@@ -125,8 +125,9 @@ class SynthesisPipeline:
                         sample_offset=sample_offset,
                         sample_rate_hz=out_rate, encoding=request.encoding, request_id=request.request_id)
                 else:
-                    yield self._final(request, started, message.finished, encoder.finish(), out_rate,
-                                      first_audio)
+                    tail = encoder.finish()  # counted in samples_out: the audio sent, after speed
+                    yield self._final(request, started, message.finished, tail, out_rate,
+                                      first_audio, encoder.samples_out / out_rate)
 
     async def whole(self, request: ValidRequest) -> pb.SynthesizeSpeechResponse:
         """The whole clip in one message: a complete file (WAV's sizes, FLAC's length and MD5,
@@ -281,9 +282,8 @@ class SynthesisPipeline:
             seed=seed)
 
     def _final(self, request: ValidRequest, started: Started, finished, tail: bytes, out_rate: int,
-               first_audio: float | None) -> pb.SynthesizeSpeechResponse:
-        facts = started.pair.facts
-        audio_s = finished.frames / facts.frame_rate
+               first_audio: float | None, audio_s: float) -> pb.SynthesizeSpeechResponse:
+        """``audio_s``: the seconds of audio sent, which ``speed`` makes differ from the frames'."""
         self.completed += 1
         self.frames += finished.frames
         self.audio_seconds += audio_s

@@ -152,6 +152,15 @@ def test_lossy_formats_decode_to_the_length_within_a_codec_frame(stack, frames, 
     assert abs(samples - expected) <= 2 * frame_samples, (samples, expected)
 
 
+def test_usage_counts_the_audio_sent_at_a_speed(stack, frames):
+    messages = list(stack["grpc"].SynthesizeOnline(
+        pb.SynthesizeSpeechRequest(text=TEXT, encoding=pb.LINEAR_PCM, speed=2.0, **SHORT), timeout=WAIT_S))
+    usage, samples = messages[-1].usage, sum(len(m.audio) for m in messages) // 2
+    assert usage.frames == frames  # the same frames, played twice as fast
+    assert usage.audio_seconds == pytest.approx(samples / RATE)
+    assert usage.audio_seconds < 0.6 * frames * SPF / RATE
+
+
 def test_streaming_response_arrives_in_several_chunks(stack, frames):
     client = _client(stack)
     with client.audio.speech.with_streaming_response.create(
@@ -189,6 +198,9 @@ def test_sse_deltas_are_the_audio_and_done_has_usage(stack, frames, curl):
     usage = events[-1]["usage"]
     assert usage["output_tokens"] == frames and usage["input_tokens"] > 0
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    ours = events[-1]["voxring"]  # the gRPC API's usage: SHORT's cap ends the audio
+    assert ours["finish_reason"] == "length" and ours["frames"] == frames and ours["seed"] == SHORT["seed"]
+    assert ours["audio_seconds"] == pytest.approx(frames * SPF / RATE) and ours["time_to_first_audio_s"] > 0
 
 
 BAD_FIELDS = [  # (field, value) -> 400 naming the field

@@ -15,6 +15,7 @@ from services.gateway.http.speech import FORMATS, SpeechBody, SpeechStream
 from services.gateway.inflight import InFlightRequests
 from services.gateway.validation import validate
 from services.gateway.voices import VoiceCatalog
+from voxring.v1 import common_pb2
 from voxring.v1 import synthesizer_pb2 as pb
 
 BASE = {"model": "tts-1", "input": "Hello.", "voice": "default"}
@@ -81,7 +82,10 @@ def _chunk(audio: bytes) -> pb.SynthesizeSpeechResponse:
 
 
 def _final(audio: bytes, frames: int) -> pb.SynthesizeSpeechResponse:
-    return pb.SynthesizeSpeechResponse(audio=audio, sample_rate_hz=24000, usage=pb.Usage(frames=frames))
+    usage = pb.Usage(frames=frames, audio_seconds=frames / 12.5, time_to_first_audio_s=0.05,
+                     real_time_factor=0.5, seed=9)
+    return pb.SynthesizeSpeechResponse(audio=audio, sample_rate_hz=24000, usage=usage, request_id="r-9",
+                                       finish_reason=common_pb2.FINISH_REASON_LENGTH)
 
 
 class Client:
@@ -141,7 +145,10 @@ def test_sse_sends_deltas_and_done_with_usage():
         events = [json.loads(line[6:]) for line in client.body.decode().splitlines() if line]
         assert events == [{"type": "speech.audio.delta", "audio": "YWI="},
                           {"type": "speech.audio.done",
-                           "usage": {"input_tokens": 2, "output_tokens": 4, "total_tokens": 6}}]
+                           "usage": {"input_tokens": 2, "output_tokens": 4, "total_tokens": 6},
+                           "voxring": {"finish_reason": "length", "frames": 4, "audio_seconds": 0.32,
+                                       "time_to_first_audio_s": 0.05, "real_time_factor": 0.5,
+                                       "seed": 9, "request_id": "r-9"}}]
     asyncio.run(main())
 
 

@@ -31,6 +31,7 @@ from services.common.errors import ServiceError
 from services.common.log import request_context
 from services.gateway.http.errors import error_body, service_error_parts
 from services.gateway.validation import ValidRequest
+from voxring.v1 import common_pb2
 from voxring.v1 import synthesizer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,17 @@ class SpeechBody(BaseModel):
     @property
     def media_type(self) -> str:
         return "text/event-stream" if self.stream_format == "sse" else FORMATS[self.response_format][1]
+
+
+def voxring_usage(final: pb.SynthesizeSpeechResponse) -> dict:
+    """What the gRPC API's last message says beyond OpenAI's token counts: why the audio
+    ended, its length as sent, the server's time to first audio and real-time factor."""
+    u = final.usage
+    reason = common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
+    return {"finish_reason": reason, "frames": u.frames, "audio_seconds": round(u.audio_seconds, 6),
+            "time_to_first_audio_s": round(u.time_to_first_audio_s, 6),
+            "real_time_factor": round(u.real_time_factor, 6), "seed": u.seed,
+            "request_id": final.request_id}
 
 
 def sse_event(payload: dict) -> bytes:
@@ -180,7 +192,8 @@ class SpeechStream(Response):
                                               "audio": base64.b64encode(message.audio).decode()}))
         if final:
             await self._body(send, sse_event({"type": "speech.audio.done",
-                                              "usage": self.usage_tokens(self.valid, message.usage.frames)}))
+                                              "usage": self.usage_tokens(self.valid, message.usage.frames),
+                                              "voxring": voxring_usage(message)}))
 
     async def _fail(self, send, exc: BaseException, status: int, message: str, param: str | None,
                     headers: dict[str, str]) -> None:
