@@ -366,6 +366,9 @@ def test_voices_list_create_delete(stack):
     assert rate == RATE and len(audio) > 0
     bad = httpx.post(base, data={**form, "speaker_id": "one"}, files=files, timeout=WAIT_S)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "speaker_id"
+    short = httpx.post(base, data={**form, "name": "short"}, files={"file": ("c.wav", clip_wav(0.2))},
+                       timeout=WAIT_S)  # the clip's checks name the multipart part
+    assert short.status_code == 400 and short.json()["error"]["param"] == "file", short.text
     assert httpx.delete(f"{base}/http-voice", timeout=WAIT_S).status_code == 204
     assert httpx.delete(f"{base}/http-voice", timeout=WAIT_S).status_code == 404
     assert httpx.delete(f"{base}/default", timeout=WAIT_S).status_code == 400  # from the voices file

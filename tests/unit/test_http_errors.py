@@ -29,7 +29,7 @@ def test_domain_errors_get_their_status(exc, status):
 
 @pytest.mark.parametrize(("grpc_field", "http_field"), [
     ("text", "input"), ("voice_name", "voice"), ("sample_rate_hz", "sample_rate"),
-    ("encoding", "response_format"), ("top_k", "top_k"), ("speed", "speed")])
+    ("encoding", "response_format"), ("top_k", "top_k"), ("speed", "speed"), ("audio", "file")])
 def test_invalid_argument_names_the_http_field(grpc_field, http_field):
     status, message, param, _ = service_error_parts(errors.InvalidArgument(grpc_field, "is wrong"))
     assert (status, param, message) == (400, http_field, f"{http_field}: is wrong")

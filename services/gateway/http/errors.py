@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 # gRPC field names of SynthesizeSpeechRequest -> the JSON body's names
 HTTP_FIELDS = {"text": "input", "voice_name": "voice", "sample_rate_hz": "sample_rate",
-               "encoding": "response_format"}
+               "encoding": "response_format",
+               "audio": "file"}  # CreateVoice's clip: the multipart part of POST /v1/audio/voices
 
 STATUS_OF_CODE = {
     "INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400,
