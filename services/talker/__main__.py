@@ -110,7 +110,7 @@ def build(config: TalkerConfig, config_path: Path | None):
                           min_chunk_tokens=engine_cfg.min_chunk_tokens,
                           admission_headroom=(engine_cfg.admission_headroom
                                               if engine_cfg.admission_by_slack else None),
-                          max_queue_wait_s=engine_cfg.max_queue_wait_s)
+                          max_queue_wait_s=engine_cfg.max_queue_wait_s, split_steps=engine_cfg.split_steps)
     frame_servicer = FrameStreamServicer() if config.transport.kind == "grpc" else None
     consumers = Consumers(config.transport, secrets.randbits(64), frame_servicer)
     engine = TalkerEngine(runner, scheduler, consumers.sink_for,

@@ -16,7 +16,9 @@ applies the step's frames when it collects them. At each step boundary:
 - a row decodes once its whole prompt is in its slot; K comes from the rows' playout slack
   (pacing.py): the most frames, 1..k_max, that every row's listener outlasts, a waiting
   request included. A row needing fewer frames than K to reach its max frames is asked
-  for only those (``StepPlan.limits``).
+  for only those (``StepPlan.limits``). A step with rows still silent is split where it can
+  be (``StepPlan.early``, pacing.choose_split): their first records leave after its first
+  frames, so their first-audio deadlines no longer cut the speaking rows' K.
 
 New work is refused (``Overloaded``) when one more stream would not be fed faster than real
 time by a step of the measured size (admission by slack), or when every slot is taken and it
@@ -36,10 +38,12 @@ from services.talker.pacing import (
     StepOutlook,
     StepTimes,
     choose_k,
+    choose_split,
     due,
     first_frames,
     fits,
     prefill_tokens_allowed,
+    split_time,
 )
 from services.talker.request import FinishReason, RequestState, TalkerRequest
 
@@ -76,6 +80,7 @@ class StepPlan:
     decode: list[TalkerRequest] = field(default_factory=list)    # rows of this step, in order
     k: int = 0
     k_bound: str = ""      # what limited K (pacing.BOUNDS)
+    early: int = 0         # > 0: a split step, launched as its first ``early`` frames, then the rest
     limits: list[int] = field(default_factory=list)              # frames asked of each decode row
     bucket: int = 0
     estimate_s: float | None = None  # the step's time as planned: its prefill and its K frames
@@ -107,7 +112,8 @@ class Scheduler:
     def __init__(self, *, num_slots: int, max_num_seqs: int, k_max: int, prefill_token_budget: int,
                  max_waiting: int, stall_timeout: float, frame_rate: float, path_s: float,
                  bucket_for: Callable[[int], int] = lambda rows: rows, min_chunk_tokens: int = 32,
-                 admission_headroom: float | None = 0.2, max_queue_wait_s: float = 1.0) -> None:
+                 admission_headroom: float | None = 0.2, max_queue_wait_s: float = 1.0,
+                 split_steps: bool = True) -> None:
         self.slots = SlotAllocator(num_slots)
         self.max_num_seqs = max_num_seqs
         self.k_max = k_max
@@ -118,6 +124,7 @@ class Scheduler:
         self.min_chunk_tokens = min_chunk_tokens
         self.admission_headroom = admission_headroom
         self.max_queue_wait_s = max_queue_wait_s
+        self.split_steps = split_steps  # a step with silent rows may run as two launches (choose_split)
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
         self.waiting: deque[TalkerRequest] = deque()
@@ -292,6 +299,8 @@ class Scheduler:
         # reach the listener than its first did (a busy tick, a slow relay)
         first = min(((d - config.margin_s if r.first_written_at is not None else d, r)
                      for d, r in dues if d >= reachable), key=lambda dr: dr[0], default=None)
+        speaking = min((d - config.margin_s for d, r in dues
+                        if d >= reachable and r.first_written_at is not None), default=math.inf)
         others = [r for r in self.running if r.prefilling] + list(self.waiting)
         waiting = (due(r, config) - self.times.prefill_s(r.prompt_len - r.prefilled) for r in others)
         return StepOutlook(now=now, bucket=bucket,
@@ -299,7 +308,8 @@ class Scheduler:
                            unstarted_due=first is not None and first[1].first_written_at is None,
                            waiting_due=min((d for d in waiting if d >= reachable), default=math.inf),
                            ahead_s=ahead_s,
-                           late_first=any(d < reachable and r.first_written_at is None for d, r in dues))
+                           late_first=any(d < reachable and r.first_written_at is None for d, r in dues),
+                           speaking_due=speaking)
 
     def _prefill_chunks(self, now: float, decode: list[TalkerRequest]) -> list[PrefillChunk]:
         """Chunks of the admitted prompts, in admission order, within the step's token budget:
@@ -335,9 +345,16 @@ class Scheduler:
         next_ahead = self.times.prefill_s(min(self._backlog_tokens(), self.min_chunk_tokens))
         outlook = dataclasses.replace(self._outlook(now, ahead_s, plan.decode), next_ahead_s=next_ahead)
         plan.bucket = outlook.bucket
-        plan.first_frames = first_frames(self.times.estimate(plan.bucket, 1), self.pacing, next_ahead)
-        plan.k, plan.k_bound = choose_k(outlook, self.pacing, self.times)
-        frames = self.times.estimate(plan.bucket, plan.k)
+        split = None
+        if self.split_steps and any(r.first_written_at is None for r in plan.decode):
+            split = choose_split(outlook, self.pacing, self.times)
+        if split is not None:  # the silent rows' first records leave after the first part
+            plan.k, plan.early, plan.k_bound = split
+            frames = split_time(self.times, plan.bucket, plan.k, plan.early)
+        else:
+            plan.first_frames = first_frames(self.times.estimate(plan.bucket, 1), self.pacing, next_ahead)
+            plan.k, plan.k_bound = choose_k(outlook, self.pacing, self.times)
+            frames = self.times.estimate(plan.bucket, plan.k)
         plan.estimate_s = None if frames is None else ahead_s + frames
         plan.row_slack_s = outlook.row_due - now
         plan.limits = [min(plan.k, r.max_frames - r.frames_done) for r in plan.decode]

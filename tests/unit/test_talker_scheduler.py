@@ -355,7 +355,7 @@ def test_a_row_late_whatever_the_step_does_not_bound_k_but_one_still_in_time_doe
 
 
 def test_a_late_first_record_gets_a_short_step_while_the_others_can_spare_it():
-    s = sched(bucket_for=lambda rows: 2, path_s=0.02)
+    s = sched(bucket_for=lambda rows: 2, path_s=0.02, split_steps=False)  # the rule a split step replaces
     learn(s.times, 2, {1: 0.010, 8: 0.040})
     ahead = req(1)
     s.add(ahead)
@@ -375,3 +375,28 @@ def test_a_late_first_record_gets_a_short_step_while_the_others_can_spare_it():
     s.times = pacing.StepTimes()
     s.times.observe(2, 1, 0.060)  # slow steps ((2 x 60 + 20) x 1.5 > 160 ms): no short step
     assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (8, "k_max")
+
+
+def test_a_step_with_a_silent_row_is_split_so_its_first_record_leaves_early():
+    s = sched(bucket_for=lambda rows: 2, path_s=0.02)
+    learn(s.times, 2, {1: 0.010, 8: 0.080})  # 10 ms a frame
+    ahead = req(1)
+    s.add(ahead)
+    run_step(s, 0.0)
+    ahead.first_written_at, ahead.frames_done = 0.0, 50  # 4 s written: far ahead of its listener
+    plan = s.schedule(0.0)
+    assert plan.early == 0 and (plan.k, plan.k_bound) == (8, "k_max")  # nobody silent: one launch
+    new = req(2)
+    new.first_audio_by = 0.02 + 0.5
+    s.add(new)
+    plan = s.schedule(0.0)
+    assert [r.handle for r in plan.decode] == [1, 2]
+    # 4 frames, 2 of them first: (20 ms + 10 + 20 path) x 1.5 = 75 ms within their 160 ms of audio
+    assert (plan.k, plan.early, plan.k_bound) == (4, 2, "first_audio")
+    assert plan.limits == [4, 4] and plan.estimate_s == pytest.approx(0.040 + s.times.prefill_s(10))
+    whole = sched(bucket_for=lambda rows: 2, path_s=0.02, split_steps=False)
+    whole.times = s.times
+    late = req(3)
+    late.first_audio_by = 0.02 + 0.5
+    whole.add(late)
+    assert whole.schedule(0.0).early == 0  # split steps off: the first record at the step's end
