@@ -20,6 +20,12 @@
 #                                    and the two grpcio packages need it; the image's version is
 #                                    not on record, so a 7.x wheel travels (shadows the image's one
 #                                    only for processes with /tmp/site on PYTHONPATH)
+#   fastapi, starlette, pydantic, pydantic_core, annotated-types, typing-inspection, uvicorn,
+#   python-multipart                 the gateway's HTTP API (imported whenever the gateway starts);
+#                                    typing_extensions travels too: pydantic needs a newer one than
+#                                    the image may hold, anyio (starlette needs >= 4) and
+#                                    opentelemetry-api (fastapi imports it) (click, h11,
+#                                    annotated-doc: in the image)
 # Usage: bench/fetch_wheels.sh [DEST]   (default: .whl at the repository root)
 set -euo pipefail
 
@@ -34,6 +40,17 @@ PACKAGES=(
   "grpcio-health-checking==1.84.0"
   "grpcio-reflection==1.84.0"
   "protobuf==7.36.2"
+  "fastapi==0.165.0"
+  "starlette==1.10.0"
+  "pydantic==2.14.4"
+  "pydantic_core==2.50.5"
+  "annotated-types==0.8.0"
+  "typing-inspection==0.4.5"
+  "typing_extensions==4.16.0"
+  "uvicorn==0.55.0"
+  "python-multipart==0.0.34"
+  "anyio==4.16.0"
+  "opentelemetry-api==1.45.2"
 )
 
 mkdir -p "$DEST"
