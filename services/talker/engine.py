@@ -232,14 +232,16 @@ class TalkerEngine:
                   first_records: int, step: InFlight | None = None) -> None:
         """One line of the step log (a line per launch of a split step): seconds on the engine's
         clock, the plan's estimate beside the step's measured time, and the earliest row's slack
-        when the step was planned."""
+        when the step was planned; the prefill on the line of the launch it went before."""
         ms = 1e3
+        part = WHOLE if step is None else step.part
+        prefilled = part != REST
         self.step_log.write({
             "t": round(collected, 6), "launched": round(launched, 6), "rows": len(plan.decode),
-            "bucket": plan.bucket, "k": plan.k, "bound": plan.k_bound, "early": plan.early,
-            "part": WHOLE if step is None else step.part,
-            "prefill_rows": len(plan.prefill), "prefill_tokens": plan.prefill_tokens,
-            "prefill_host_ms": round(plan.prefill_host_s * ms, 3),
+            "bucket": plan.bucket, "k": plan.k, "bound": plan.k_bound, "early": plan.early, "part": part,
+            "prefill_rows": len(plan.prefill) if prefilled else 0,
+            "prefill_tokens": plan.prefill_tokens if prefilled else 0,
+            "prefill_host_ms": round(plan.prefill_host_s * ms, 3) if prefilled else 0.0,
             "launch_host_ms": round(plan.launch_host_s * ms, 3),
             "estimate_ms": None if plan.estimate_s is None else round(plan.estimate_s * ms, 3),
             "took_ms": round(took * ms, 3), "first_records": first_records,

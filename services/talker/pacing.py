@@ -42,6 +42,13 @@ FIRST_K = 2  # frames: a first chunk of 160 ms
 # A split step makes at least this many frames where it can: each part is a launch (its gathers,
 # scatters and copy), so a split of fewer frames than this spends throughput on first audio.
 MIN_SPLIT_K = 4
+# Steps are split only while a K_max step of their size takes at most this share of the audio it
+# makes: nearer capacity the way from Code2Wav to the listener varies by more than a thin first
+# chunk lasts, and throughput comes first (bench/NOTES.md, the split step on the H200: at 512
+# streams, where a K_max step took a quarter of its audio, split steps stalled 18 and 19 of 1,024
+# streams in two runs; at 256, an eighth to a sixth, they removed the stalls and cut TTFA p99 by
+# 27-41%).
+SPLIT_LOAD_MAX = 0.2
 
 
 @dataclass
@@ -242,19 +249,20 @@ def choose_split(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -
     waiting requests' (as in :func:`choose_k`), and by the first part's audio having to outlast the
     rest (:func:`early_frames`: more frames need a longer first part). Of the K that fit, the split
     takes the fewest early frames any K of at least ``MIN_SPLIT_K`` allows (the first records' wait),
-    then the most frames with them."""
+    then the most frames with them. No split near capacity: where a K_max step of the bucket (as
+    measured, GPU sharing included) takes more than ``SPLIT_LOAD_MAX`` of its audio."""
     bucket = outlook.bucket
     one = times.estimate(bucket, 1)
-    if one is None or config.k_max < 2:
+    longest = times.estimate(bucket, config.k_max)
+    if one is None or config.k_max < 2 or longest > SPLIT_LOAD_MAX * config.k_max / config.frame_rate:
         return None
     start = outlook.now + outlook.ahead_s
-    fitting: list[tuple[int, int]] = []
+    fitting: dict[int, int] = {}  # K -> its early frames; the K with some lasting first part
     why = "k_max"
     for k in range(2, config.k_max + 1):
         early = early_frames(times, bucket, k, config)
         if early is None:
-            why = "first_audio"
-            break
+            continue  # a larger K may have one: k frames lasting with the same rest (j + 1 of k + 1)
         written = start + split_time(times, bucket, k, early)
         if written + one > outlook.speaking_due:
             why = "slack"
@@ -262,11 +270,12 @@ def choose_split(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -
         if written + 2 * one > outlook.waiting_due:
             why = "waiting"
             break
-        fitting.append((k, early))
+        fitting[k] = early
     if not fitting:
         return None
-    k, early = fitting[min(MIN_SPLIT_K, fitting[-1][0]) - 2]  # fitting[i] holds K = i + 2
-    return k, early, why if k == fitting[-1][0] else "first_audio"
+    most = max(fitting)
+    k = max(min(fitting), min(MIN_SPLIT_K, most))
+    return k, fitting[k], why if k == most else "first_audio"
 
 
 def first_frames(one: float | None, config: PacingConfig, next_ahead_s: float = 0.0) -> int:

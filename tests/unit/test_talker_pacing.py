@@ -154,6 +154,12 @@ def test_a_split_takes_min_split_k_frames_with_the_fewest_early_frames_for_them(
     slow = StepTimes()
     slow.observe(4, 1, 0.100)
     assert choose_split(outlook(), PacingConfig(frame_rate=12.5, path_s=0.02, k_max=4), slow) is None
+    near_capacity = StepTimes()
+    near_capacity.observe(4, 1, 0.017)  # a K_max step: 136 ms, over a fifth of its 640 ms of audio
+    assert choose_split(outlook(), SPLIT, near_capacity) is None
+    within = StepTimes()
+    within.observe(4, 1, 0.015)  # 120 ms: within it
+    assert choose_split(outlook(), SPLIT, within) is not None
 
 
 def test_prefill_allowed_is_what_the_slack_leaves_after_two_steps():

@@ -68,7 +68,7 @@ def test_a_silent_rows_first_record_is_as_small_as_its_budget_needs_but_lasts_it
     # Code2Wav decodes a stream's first record at once, whatever its frames; but a first chunk
     # shorter than its next record's way runs dry first: (2 x 10 ms + 100 ms path) x 1.5 = 180 ms,
     # 3 frames, is the floor (pacing.first_frames)
-    s = sched(bucket_for=lambda rows: 2)
+    s = sched(split_steps=False, bucket_for=lambda rows: 2)
     s.times.observe(2, 1, 0.010)
     speaking = req(1)
     s.add(speaking)
@@ -320,7 +320,7 @@ def test_drop_ends_a_consumers_rows():
 
 
 def test_a_speaking_row_keeps_the_path_to_spare_a_silent_one_only_its_budget():
-    s = sched(bucket_for=lambda rows: 2, path_s=0.05)
+    s = sched(bucket_for=lambda rows: 2, path_s=0.05, split_steps=False)  # K when a step is not split
     s.times.observe(2, 1, 0.010)  # 10 ms a frame
     speaking = req(1)
     s.add(speaking)
