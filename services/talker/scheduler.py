@@ -113,7 +113,7 @@ class Scheduler:
                  max_waiting: int, stall_timeout: float, frame_rate: float, path_s: float,
                  bucket_for: Callable[[int], int] = lambda rows: rows, min_chunk_tokens: int = 32,
                  admission_headroom: float | None = 0.2, max_queue_wait_s: float = 1.0,
-                 split_steps: bool = True) -> None:
+                 split_steps: bool = False) -> None:
         self.slots = SlotAllocator(num_slots)
         self.max_num_seqs = max_num_seqs
         self.k_max = k_max

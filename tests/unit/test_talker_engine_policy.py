@@ -98,7 +98,7 @@ def test_codes_are_identical_through_split_steps(folder, reference, plain, pipel
     splits = itertools.cycle([(3, 1), (8, 5), (2, 1), (7, 2)])
     monkeypatch.setattr(scheduler_module, "choose_split",
                         lambda outlook, config, times: (*next(splits), "slack"))
-    engine, sink = outputs(folder, stops=stops)
+    engine, sink = outputs(folder, stops=stops, split_steps=True)
     engine.pipelined = pipelined
     pending = list(_batch(stops))
     for _ in range(500):

@@ -378,7 +378,7 @@ def test_a_late_first_record_gets_a_short_step_while_the_others_can_spare_it():
 
 
 def test_a_step_with_a_silent_row_is_split_so_its_first_record_leaves_early():
-    s = sched(bucket_for=lambda rows: 2, path_s=0.02)
+    s = sched(bucket_for=lambda rows: 2, path_s=0.02, split_steps=True)
     learn(s.times, 2, {1: 0.010, 8: 0.080})  # 10 ms a frame
     ahead = req(1)
     s.add(ahead)
@@ -394,9 +394,9 @@ def test_a_step_with_a_silent_row_is_split_so_its_first_record_leaves_early():
     # 4 frames, 2 of them first: (20 ms + 10 + 20 path) x 1.5 = 75 ms within their 160 ms of audio
     assert (plan.k, plan.early, plan.k_bound) == (4, 2, "first_audio")
     assert plan.limits == [4, 4] and plan.estimate_s == pytest.approx(0.040 + s.times.prefill_s(10))
-    whole = sched(bucket_for=lambda rows: 2, path_s=0.02, split_steps=False)
+    whole = sched(bucket_for=lambda rows: 2, path_s=0.02)  # the default
     whole.times = s.times
     late = req(3)
     late.first_audio_by = 0.02 + 0.5
     whole.add(late)
-    assert whole.schedule(0.0).early == 0  # split steps off: the first record at the step's end
+    assert whole.schedule(0.0).early == 0  # split steps off (the default): the first record at the step's end
