@@ -95,9 +95,10 @@ class RecordType(enum.IntEnum):
 class RecordFlags(enum.IntFlag):
     LAST = 1
     CANCELLED = 2
+    SEGMENT_END = 4  # a session's segment ended (finish reason: STOP, LENGTH, CANCELLED); the request goes on
 
 
-KNOWN_FLAGS = int(RecordFlags.LAST | RecordFlags.CANCELLED)
+KNOWN_FLAGS = int(RecordFlags.LAST | RecordFlags.CANCELLED | RecordFlags.SEGMENT_END)
 
 
 class FinishReason(enum.IntEnum):
@@ -175,6 +176,10 @@ class FrameRecord(NamedTuple):
     def cancelled(self) -> bool:
         return bool(self.flags & RecordFlags.CANCELLED)
 
+    @property
+    def segment_end(self) -> bool:
+        return bool(self.flags & RecordFlags.SEGMENT_END)
+
 
 class RecordView(NamedTuple):
     """A received record. ``codes``: int16 [num_frames, num_codebooks]; for the ring it
@@ -222,7 +227,7 @@ def check_header_fields(handle: int, seq: int, first_frame: int, flags: int, fin
     if not 0 <= seq < 1 << 32 or not 0 <= first_frame < 1 << 32:
         raise ValueError(f"seq and first_frame must be u32, got {seq}, {first_frame}")
     if flags & ~KNOWN_FLAGS or flags < 0:
-        raise ValueError(f"unknown flags {flags:#x} (known: LAST=1, CANCELLED=2)")
+        raise ValueError(f"unknown flags {flags:#x} (known: LAST=1, CANCELLED=2, SEGMENT_END=4)")
     if not 0 <= finish_reason <= MAX_FINISH_REASON:
         raise ValueError(f"finish_reason {finish_reason} is not a FinishReason")
 

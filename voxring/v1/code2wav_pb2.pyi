@@ -29,14 +29,28 @@ class Pacing(_message.Message):
     def __init__(self, decode_margin_s: _Optional[float] = ..., steady_frames: _Optional[int] = ..., min_chunk_frames: _Optional[int] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
-    __slots__ = ("opened", "chunk", "finished")
+    __slots__ = ("opened", "chunk", "finished", "segment_end")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_END_FIELD_NUMBER: _ClassVar[int]
     opened: Opened
     chunk: AudioChunk
     finished: Finished
-    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., chunk: _Optional[_Union[AudioChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    segment_end: SegmentEnd
+    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., chunk: _Optional[_Union[AudioChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., segment_end: _Optional[_Union[SegmentEnd, _Mapping]] = ...) -> None: ...
+
+class SegmentEnd(_message.Message):
+    __slots__ = ("segment_index", "finish_reason", "frames", "sample_offset")
+    SEGMENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    segment_index: int
+    finish_reason: _common_pb2.FinishReason
+    frames: int
+    sample_offset: int
+    def __init__(self, segment_index: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., frames: _Optional[int] = ..., sample_offset: _Optional[int] = ...) -> None: ...
 
 class Opened(_message.Message):
     __slots__ = ("handle",)

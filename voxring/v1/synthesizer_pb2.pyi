@@ -91,6 +91,110 @@ class Usage(_message.Message):
     seed: int
     def __init__(self, frames: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., time_to_first_audio_s: _Optional[float] = ..., real_time_factor: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class StreamingSynthesizeRequest(_message.Message):
+    __slots__ = ("config", "text", "flush", "clear")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FLUSH_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_FIELD_NUMBER: _ClassVar[int]
+    config: StreamingConfig
+    text: str
+    flush: Flush
+    clear: Clear
+    def __init__(self, config: _Optional[_Union[StreamingConfig, _Mapping]] = ..., text: _Optional[str] = ..., flush: _Optional[_Union[Flush, _Mapping]] = ..., clear: _Optional[_Union[Clear, _Mapping]] = ...) -> None: ...
+
+class StreamingConfig(_message.Message):
+    __slots__ = ("voice_name", "language_code", "encoding", "sample_rate_hz", "temperature", "top_k", "top_p", "repetition_penalty", "repetition_window", "seed", "max_audio_seconds", "request_id", "min_segment_chars", "max_wait_s")
+    VOICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_CODE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_SEGMENT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    voice_name: str
+    language_code: str
+    encoding: AudioEncoding
+    sample_rate_hz: int
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    repetition_window: int
+    seed: int
+    max_audio_seconds: float
+    request_id: str
+    min_segment_chars: int
+    max_wait_s: float
+    def __init__(self, voice_name: _Optional[str] = ..., language_code: _Optional[str] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., sample_rate_hz: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., repetition_window: _Optional[int] = ..., seed: _Optional[int] = ..., max_audio_seconds: _Optional[float] = ..., request_id: _Optional[str] = ..., min_segment_chars: _Optional[int] = ..., max_wait_s: _Optional[float] = ...) -> None: ...
+
+class Flush(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Clear(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StreamingSynthesizeResponse(_message.Message):
+    __slots__ = ("audio", "segment_done", "done", "request_id")
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_DONE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    audio: StreamingAudio
+    segment_done: SegmentDone
+    done: SessionDone
+    request_id: str
+    def __init__(self, audio: _Optional[_Union[StreamingAudio, _Mapping]] = ..., segment_done: _Optional[_Union[SegmentDone, _Mapping]] = ..., done: _Optional[_Union[SessionDone, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class StreamingAudio(_message.Message):
+    __slots__ = ("audio", "chunk_index", "sample_offset", "sample_rate_hz", "encoding", "segment_index", "segment_text")
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_HZ_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    audio: bytes
+    chunk_index: int
+    sample_offset: int
+    sample_rate_hz: int
+    encoding: AudioEncoding
+    segment_index: int
+    segment_text: str
+    def __init__(self, audio: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., sample_offset: _Optional[int] = ..., sample_rate_hz: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., segment_index: _Optional[int] = ..., segment_text: _Optional[str] = ...) -> None: ...
+
+class SegmentDone(_message.Message):
+    __slots__ = ("segment_index", "text", "finish_reason", "usage")
+    SEGMENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    segment_index: int
+    text: str
+    finish_reason: _common_pb2.FinishReason
+    usage: Usage
+    def __init__(self, segment_index: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class SessionDone(_message.Message):
+    __slots__ = ("finish_reason", "usage", "segments")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: _common_pb2.FinishReason
+    usage: Usage
+    segments: int
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., segments: _Optional[int] = ...) -> None: ...
+
 class ListVoicesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -59,6 +59,11 @@ class SynthesizerStub:
                 request_serializer=voxring_dot_v1_dot_synthesizer__pb2.DeleteVoiceRequest.SerializeToString,
                 response_deserializer=voxring_dot_v1_dot_synthesizer__pb2.DeleteVoiceResponse.FromString,
                 _registered_method=True)
+        self.StreamingSynthesize = channel.stream_stream(
+                '/voxring.v1.Synthesizer/StreamingSynthesize',
+                request_serializer=voxring_dot_v1_dot_synthesizer__pb2.StreamingSynthesizeRequest.SerializeToString,
+                response_deserializer=voxring_dot_v1_dot_synthesizer__pb2.StreamingSynthesizeResponse.FromString,
+                _registered_method=True)
 
 
 class SynthesizerServicer:
@@ -102,6 +107,17 @@ class SynthesizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamingSynthesize(self, request_iterator, context):
+        """Incremental text (a voice agent's reply as its language model writes it): the first message
+        configures the session, then text pieces of any size; each sentence is spoken as soon as it is
+        complete, with the sentences before it as context, into one continuous audio stream. `flush`
+        speaks what is buffered now; `clear` drops it and stops the audio in flight (barge-in), keeping
+        the session; closing the send side speaks the rest and ends after the last audio.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SynthesizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +145,11 @@ def add_SynthesizerServicer_to_server(servicer, server):
                     servicer.DeleteVoice,
                     request_deserializer=voxring_dot_v1_dot_synthesizer__pb2.DeleteVoiceRequest.FromString,
                     response_serializer=voxring_dot_v1_dot_synthesizer__pb2.DeleteVoiceResponse.SerializeToString,
+            ),
+            'StreamingSynthesize': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamingSynthesize,
+                    request_deserializer=voxring_dot_v1_dot_synthesizer__pb2.StreamingSynthesizeRequest.FromString,
+                    response_serializer=voxring_dot_v1_dot_synthesizer__pb2.StreamingSynthesizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +287,33 @@ class Synthesizer:
             '/voxring.v1.Synthesizer/DeleteVoice',
             voxring_dot_v1_dot_synthesizer__pb2.DeleteVoiceRequest.SerializeToString,
             voxring_dot_v1_dot_synthesizer__pb2.DeleteVoiceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamingSynthesize(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/voxring.v1.Synthesizer/StreamingSynthesize',
+            voxring_dot_v1_dot_synthesizer__pb2.StreamingSynthesizeRequest.SerializeToString,
+            voxring_dot_v1_dot_synthesizer__pb2.StreamingSynthesizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

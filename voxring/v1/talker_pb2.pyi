@@ -79,7 +79,7 @@ class PromptSegment(_message.Message):
     def __init__(self, text_token_ids: _Optional[_Iterable[int]] = ..., frames: _Optional[_Union[_common_pb2.Frames, _Mapping]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "handle", "consumer_id", "segments", "sampling", "min_frames", "max_frames", "timeout_s", "first_audio_budget_s")
+    __slots__ = ("request_id", "handle", "consumer_id", "segments", "sampling", "min_frames", "max_frames", "timeout_s", "first_audio_budget_s", "session")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class SubmitRequest(_message.Message):
     MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_AUDIO_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     handle: int
     consumer_id: str
@@ -98,7 +99,48 @@ class SubmitRequest(_message.Message):
     max_frames: int
     timeout_s: float
     first_audio_budget_s: float
-    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[int] = ..., consumer_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[PromptSegment, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_frames: _Optional[int] = ..., max_frames: _Optional[int] = ..., timeout_s: _Optional[float] = ..., first_audio_budget_s: _Optional[float] = ...) -> None: ...
+    session: bool
+    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[int] = ..., consumer_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[PromptSegment, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_frames: _Optional[int] = ..., max_frames: _Optional[int] = ..., timeout_s: _Optional[float] = ..., first_audio_budget_s: _Optional[float] = ..., session: _Optional[bool] = ...) -> None: ...
+
+class AppendRequest(_message.Message):
+    __slots__ = ("consumer_id", "handle", "text_token_ids", "max_frames", "min_frames", "last", "first_audio_budget_s")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    FIRST_AUDIO_BUDGET_S_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: str
+    handle: int
+    text_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_frames: int
+    min_frames: int
+    last: bool
+    first_audio_budget_s: float
+    def __init__(self, consumer_id: _Optional[str] = ..., handle: _Optional[int] = ..., text_token_ids: _Optional[_Iterable[int]] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ..., last: _Optional[bool] = ..., first_audio_budget_s: _Optional[float] = ...) -> None: ...
+
+class AppendResponse(_message.Message):
+    __slots__ = ("queued",)
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    queued: int
+    def __init__(self, queued: _Optional[int] = ...) -> None: ...
+
+class ClearRequest(_message.Message):
+    __slots__ = ("consumer_id", "handle")
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: str
+    handle: int
+    def __init__(self, consumer_id: _Optional[str] = ..., handle: _Optional[int] = ...) -> None: ...
+
+class ClearResponse(_message.Message):
+    __slots__ = ("found", "dropped")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    dropped: int
+    def __init__(self, found: _Optional[bool] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("admission", "queue_position")

@@ -54,6 +54,16 @@ class TalkerStub:
                 request_serializer=voxring_dot_v1_dot_talker__pb2.CancelRequest.SerializeToString,
                 response_deserializer=voxring_dot_v1_dot_talker__pb2.CancelResponse.FromString,
                 _registered_method=True)
+        self.Append = channel.unary_unary(
+                '/voxring.v1.Talker/Append',
+                request_serializer=voxring_dot_v1_dot_talker__pb2.AppendRequest.SerializeToString,
+                response_deserializer=voxring_dot_v1_dot_talker__pb2.AppendResponse.FromString,
+                _registered_method=True)
+        self.Clear = channel.unary_unary(
+                '/voxring.v1.Talker/Clear',
+                request_serializer=voxring_dot_v1_dot_talker__pb2.ClearRequest.SerializeToString,
+                response_deserializer=voxring_dot_v1_dot_talker__pb2.ClearResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/voxring.v1.Talker/Stats',
                 request_serializer=voxring_dot_v1_dot_talker__pb2.TalkerStatsRequest.SerializeToString,
@@ -88,7 +98,27 @@ class TalkerServicer:
 
     def Cancel(self, request, context):
         """Idempotent; the row is dropped at the next step boundary and one CANCELLED
-        record is written to its ring.
+        record is written to its ring. Ends a session too.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Append(self, request, context):
+        """A session's next segment (a request submitted with session = true): its text is spoken
+        after the session's earlier segments, with them as context (the session keeps its KV slot;
+        only the new turn is prefilled, at the positions after the last frame emitted). Queued behind
+        a segment still running. NOT_FOUND: no such session in flight; FAILED_PRECONDITION: the
+        request is not a session, or its last segment was already given; INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Clear(self, request, context):
+        """Barge-in: the session's running segment ends at the next step boundary (its SEGMENT_END
+        record carries finish CANCELLED) and the segments queued behind it are dropped; the session
+        goes on. found = false when no such session is in flight.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,6 +152,16 @@ def add_TalkerServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=voxring_dot_v1_dot_talker__pb2.CancelRequest.FromString,
                     response_serializer=voxring_dot_v1_dot_talker__pb2.CancelResponse.SerializeToString,
+            ),
+            'Append': grpc.unary_unary_rpc_method_handler(
+                    servicer.Append,
+                    request_deserializer=voxring_dot_v1_dot_talker__pb2.AppendRequest.FromString,
+                    response_serializer=voxring_dot_v1_dot_talker__pb2.AppendResponse.SerializeToString,
+            ),
+            'Clear': grpc.unary_unary_rpc_method_handler(
+                    servicer.Clear,
+                    request_deserializer=voxring_dot_v1_dot_talker__pb2.ClearRequest.FromString,
+                    response_serializer=voxring_dot_v1_dot_talker__pb2.ClearResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -237,6 +277,60 @@ class Talker:
             '/voxring.v1.Talker/Cancel',
             voxring_dot_v1_dot_talker__pb2.CancelRequest.SerializeToString,
             voxring_dot_v1_dot_talker__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Append(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/voxring.v1.Talker/Append',
+            voxring_dot_v1_dot_talker__pb2.AppendRequest.SerializeToString,
+            voxring_dot_v1_dot_talker__pb2.AppendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Clear(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/voxring.v1.Talker/Clear',
+            voxring_dot_v1_dot_talker__pb2.ClearRequest.SerializeToString,
+            voxring_dot_v1_dot_talker__pb2.ClearResponse.FromString,
             options,
             channel_credentials,
             insecure,
