@@ -10,11 +10,15 @@ resident slot pool, whatever their lengths (rows padded, each slot's state advan
 own frames), with one device-to-host copy; each chunk is then sent to its request's stream.
 Only streams something happened to are looked at: those that received records, those whose
 need came (an index by time), those whose client drained audio. LAST flushes what is pending
-and ends the request; CANCELLED frees it at once. A request whose client has more than
-``max_undelivered_seconds`` of audio queued is not decoded until it drains. When a talker's
-producer goes stale its open requests end UNAVAILABLE and the engine attaches again. When
-nothing is ready the tick waits on the ring itself until the next need at most, so a new
-record is picked up within microseconds, not at the next poll.
+and ends the request; CANCELLED frees it at once. SEGMENT_END (a talker session's segment
+ended) flushes that segment's frames (in the tick's one decode call like any cut), then
+sends its segment end; the stream and its codec state go on into the next segment. A
+segment cleared (SEGMENT_END with CANCELLED) has its frames not yet decoded dropped. A
+request whose client has more than ``max_undelivered_seconds`` of audio queued is not
+decoded until it drains. When a talker's producer goes stale its open requests end
+UNAVAILABLE and the engine attaches again. When nothing is ready the tick waits on the ring
+itself until the next need at most, so a new record is picked up within microseconds, not
+at the next poll.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import numpy as np
 
 from services.code2wav.decoder import CodecDecoder
 from services.code2wav.metrics import Code2WavCounters
-from services.code2wav.streams import ChunkOut, OpenStream, Outbox
+from services.code2wav.streams import SEGMENT_REASONS, ChunkOut, OpenStream, Outbox
 from services.code2wav.talkers import TalkerLink
 from services.common.errors import ResourceExhausted
 from services.common.log import request_context
@@ -211,7 +215,16 @@ class Code2WavEngine:
         self._touched.add(stream.handle)
         if record.cancelled:
             self._end(stream, "error", *ERROR_ENDINGS[FinishReason.CANCELLED])
-        elif record.last:
+            return
+        if record.segment_end:
+            if record.finish_reason not in SEGMENT_REASONS:
+                self._end(stream, "error", "INTERNAL",
+                          f"talker ended a segment with finish reason {record.finish_reason}")
+                return
+            dropped = stream.end_segment(record.finish_reason)
+            if record.finish_reason == FinishReason.CANCELLED:
+                self.counters.cleared(dropped)
+        if record.last:
             stream.last_reason = record.finish_reason
 
     # --- decoding ---------------------------------------------------------------------------------
@@ -232,6 +245,8 @@ class Code2WavEngine:
             return False
         self._decode(cuts)
         for stream, _, _ in cuts:  # more pending (or the end) is looked at next tick
+            if stream.segment_ends:
+                self._send_segment_ends(stream)
             if stream.last_reason is not None and not stream.pending_frames:
                 self._finish(stream)
             elif not stream.closed:
@@ -239,6 +254,8 @@ class Code2WavEngine:
         return True
 
     def _look_at(self, stream: OpenStream, now: float, cuts: list) -> None:
+        if stream.segment_ends:  # a segment ended with nothing left to decode (empty, or cleared)
+            self._send_segment_ends(stream)
         frames, why = stream.cut(now)
         if frames:
             if stream.undelivered_s > self.max_undelivered:
@@ -273,12 +290,19 @@ class Code2WavEngine:
             stream.chunk_index += 1
             stream.sample_offset += len(samples)
             stream.frames_decoded += frames
+            stream.segment_frames += frames
             stream.sent_s += frames * self.frame_seconds
             stream.decode_s += decode_s
             self.counters.cut(why)
         audio_s = sum(frames for _, frames, _ in cuts) * self.frame_seconds
         self.counters.tick(audio_s, buffers, host_s=(taken - started) + (self.clock() - now),
                            decode_s=now - taken)
+
+    def _send_segment_ends(self, stream: OpenStream) -> None:
+        """After a segment's last chunk: its end (the stream's codec state is kept)."""
+        for out in stream.reached_segment_ends():
+            stream.send("segment_end", out)
+            self.counters.segment_ends += 1
 
     def _finish(self, stream: OpenStream) -> None:
         reason = FinishReason(stream.last_reason)

@@ -29,12 +29,20 @@ class Code2WavCounters:
     host_s: float = 0.0       # around them: taking the frames, sending the chunks
     underruns: int = 0        # chunks the listener model says came after its buffer ran dry
     underrun_s: float = 0.0
+    segment_ends: int = 0     # segment ends sent (talker sessions), cleared ones included
+    segments_cleared: int = 0  # segments ended CANCELLED (a client's clear)
+    cleared_frames: int = 0   # frames those dropped undecoded
     cuts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CUTS, 0))
     buffer: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(BUFFER_EDGES))
     batch: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(BATCH_EDGES))
 
     def cut(self, why: str) -> None:
         self.cuts[why] += 1
+
+    def cleared(self, frames: int) -> None:
+        """A segment was cleared, ``frames`` of it dropped before they were decoded."""
+        self.segments_cleared += 1
+        self.cleared_frames += frames
 
     def tick(self, audio_s: float, buffers: list[float], *, host_s: float, decode_s: float) -> None:
         """One decode call of ``len(buffers)`` chunks; ``buffers``: the listener buffer each found."""
@@ -66,6 +74,11 @@ class Code2WavCounters:
                                       "(this side's model of it)", self.underruns),
                "listener_underrun_seconds": ("counter", "seconds listeners waited, as modeled",
                                              self.underrun_s),
+               "segment_ends": ("counter", "segment ends sent (talker sessions)", self.segment_ends),
+               "segments_cleared": ("counter", "segments cleared by their client (ended CANCELLED)",
+                                    self.segments_cleared),
+               "cleared_frames": ("counter", "frames of cleared segments dropped undecoded",
+                                  self.cleared_frames),
                "chunks_per_call": ("histogram", "chunks in one decode call", self.batch.metric()),
                "listener_buffer_seconds": ("histogram", "audio the listener had buffered when a chunk "
                                            "was sent (< 0: it waited)", self.buffer.metric())}

@@ -5,8 +5,14 @@ The listener is modeled from what this side sent: playback starts when the first
 sent and runs in real time; a chunk sent after the buffer ran dry is a stall (an underrun
 the listener heard), after which playback resumes from that chunk. A stream's first record
 is decoded at once; after that a chunk is cut when the buffer would fall below
-``decode_margin_s``, when ``steady_frames`` are pending, or when the request ended; never
-below ``min_chunk_frames`` except at the end. Pure Python: owned by the engine thread.
+``decode_margin_s``, when ``steady_frames`` are pending, or when the request or a segment
+ended; never below ``min_chunk_frames`` except at an end.
+
+Segments (PROTOCOL.md, Segments): the pause between two segments of a session is silence,
+not a stall. A segment whose first frames find the buffer dry is treated like a stream's
+first record (decoded at once) and the listener's clock restarts with its first chunk
+(:meth:`Listener.restart`); a segment whose first frames find audio still buffered simply
+continues the stream. Pure Python: owned by the engine thread.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from services.common.config import ConfigValueError
 from services.common.errors import InvalidArgument
 
 # Why a chunk was cut (counted per chunk in the engine's metrics)
-CUTS = ("first", "need", "size", "end")
+CUTS = ("first", "need", "size", "end", "segment")
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,12 @@ class Listener:
         """When the buffer falls to ``margin_s`` (playback not yet started: at once)."""
         return -math.inf if self.origin is None else self.origin + self.sent_s - margin_s
 
+    def restart(self) -> None:
+        """Playback restarts with the next chunk sent (a segment after a pause, or a clear:
+        nothing buffered is left to play); what was sent before is played out."""
+        self.origin = None
+        self.sent_s = 0.0
+
     def sent(self, now: float, frames: int) -> float:
         """Records a chunk sent at ``now``; returns the buffer it found (< 0: a stall)."""
         if self.origin is None:
@@ -84,15 +96,20 @@ class Listener:
 
 
 def frames_to_cut(pacing: Pacing, listener: Listener, now: float, *, pending: int, decoded: int,
-                  left: int, ended: bool) -> tuple[int, str]:
+                  left: int, ended: bool, segment_end: bool = False,
+                  restart: bool = False) -> tuple[int, str]:
     """(frames to decode now, why) for a stream with ``pending`` frames waiting, ``decoded``
     sent, ``left`` more allowed by its max frames, ``ended`` once its last record came;
-    (0, "") when it should wait."""
+    ``segment_end`` when ``pending`` are the rest of a segment that ended (flushed at once),
+    ``restart`` when they start a segment after the listener's buffer ran dry (decoded at
+    once, like a first record); (0, "") when it should wait."""
     take = min(pending, pacing.steady_frames, max(left, 1))
     if take <= 0:
         return 0, ""
-    if decoded == 0:
+    if decoded == 0 or restart:
         return take, "first"
+    if segment_end:
+        return take, "segment"
     if ended or take >= left:  # the request's last frames: nothing more will come to wait for
         return take, "end"
     if pending >= pacing.steady_frames:

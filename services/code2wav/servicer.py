@@ -20,7 +20,7 @@ import grpc
 
 from services.code2wav.engine import Code2WavEngine
 from services.code2wav.pacing import Pacing, requested_pacing
-from services.code2wav.streams import ChunkOut, OpenStream
+from services.code2wav.streams import ChunkOut, OpenStream, SegmentEndOut
 from services.code2wav.voice import VoiceClipError, encode_voice, pcm16_to_float
 from services.common.engine_thread import EngineStopped, EngineThread
 from services.common.errors import (
@@ -91,6 +91,8 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
                     stream.delivered_s += payload[0].num_frames * self._frame_seconds
                     if stream.held:  # the engine paused it for this client: look again
                         self._post(lambda engine: engine.resume(handle))
+                elif kind == "segment_end":
+                    yield _segment_end_response(payload[0])
                 elif kind == "finished":
                     done = payload[0]
                     finished = True
@@ -151,6 +153,16 @@ def _chunk_response(chunk: ChunkOut) -> code2wav_pb2.OpenResponse:
     out.chunk_index = chunk.chunk_index
     out.sample_offset = chunk.sample_offset
     out.num_frames = chunk.num_frames
+    return response
+
+
+def _segment_end_response(end: SegmentEndOut) -> code2wav_pb2.OpenResponse:
+    response = code2wav_pb2.OpenResponse()
+    out = response.segment_end
+    out.segment_index = end.segment_index
+    out.finish_reason = end.finish_reason
+    out.frames = end.frames
+    out.sample_offset = end.sample_offset
     return response
 
 

@@ -3,26 +3,38 @@ model (services/code2wav/pacing.py) and what it has sent. Pure Python + numpy; o
 engine thread.
 
 Messages to the request's gRPC stream travel through an asyncio queue on the event loop:
-("chunk", ChunkOut), ("finished", FinishOut) or ("error", status name, message). A stream
-opened by the engine queues them in the engine's :class:`Outbox`, which hands a step's
-messages to the loop in one ``loop.call_soon_threadsafe`` (one wake-up of the loop a step,
-not one a chunk); a stream without one calls the loop itself.
+("chunk", ChunkOut), ("segment_end", SegmentEndOut), ("finished", FinishOut) or ("error",
+status name, message). A stream opened by the engine queues them in the engine's
+:class:`Outbox`, which hands a step's messages to the loop in one
+``loop.call_soon_threadsafe`` (one wake-up of the loop a step, not one a chunk); a stream
+without one calls the loop itself.
 
 Audio backpressure: the engine adds each chunk's seconds to ``sent_s``; the event loop adds
 to ``delivered_s`` when gRPC flow control took the chunk (plain float stores: one writer
 each), so a delivery costs the engine nothing unless the stream is ``held``.
+
+Segments (a talker session: PROTOCOL.md, Segments): a SEGMENT_END record marks where a
+segment ends in the stream's frames (``segment_ends``: positions counted in frames decoded +
+pending). Chunks never cross such a position; once the decoding reaches it the segment's
+end is sent and the next segment starts, on the same codec state (one waveform). A cleared
+segment (finish CANCELLED) drops its frames still pending.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from services.code2wav.pacing import Listener, Pacing, frames_to_cut
+from services.transport.layout import FinishReason
+
+# The finish reasons a SEGMENT_END record may carry
+SEGMENT_REASONS = frozenset((FinishReason.STOP, FinishReason.LENGTH, FinishReason.CANCELLED))
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,14 @@ class ChunkOut:
     chunk_index: int
     sample_offset: int
     num_frames: int
+
+
+@dataclass(frozen=True)
+class SegmentEndOut:
+    segment_index: int   # 0, 1, 2, ... within the request
+    finish_reason: int   # STOP, LENGTH, or CANCELLED (cleared: its frames not yet decoded dropped)
+    frames: int          # frames of this segment decoded and sent
+    sample_offset: int   # samples of the stream sent up to here
 
 
 @dataclass(frozen=True)
@@ -100,6 +120,11 @@ class OpenStream:
     due_at: float | None = None          # the engine's index: when this stream's need comes
     held: bool = False                   # ready but paused by max undelivered audio
     outbox: Outbox | None = None         # the engine's, once it opened the stream
+    segment_index: int = 0               # the segment being decoded (its end not yet sent)
+    segment_frames: int = 0              # frames of that segment decoded and sent
+    # (position, finish reason) of each segment end not yet sent, oldest first; a position
+    # counts frames decoded + pending (frames_decoded reaches it when the segment is done)
+    segment_ends: deque[tuple[int, int]] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         if self.opened is None:
@@ -126,12 +151,47 @@ class OpenStream:
         self.frames_received += len(codes)
 
     def cut(self, now: float) -> tuple[int, str]:
-        """(frames to decode now, why): see services/code2wav/pacing.py; (0, "") to wait."""
+        """(frames to decode now, why): see services/code2wav/pacing.py; (0, "") to wait. A
+        cut never crosses a segment's end; a segment's first chunk that finds the listener's
+        buffer dry restarts the listener's clock."""
         if self.closed:
             return 0, ""
-        return frames_to_cut(self.pacing, self.listener, now, pending=self.pending_frames,
-                             decoded=self.frames_decoded, left=self.max_frames - self.frames_decoded,
-                             ended=self.last_reason is not None)
+        pending = self.pending_frames
+        if self.segment_ends:
+            pending = self.segment_ends[0][0] - self.frames_decoded
+        restart = bool(self.segment_index and not self.segment_frames and self.listener.buffer_s(now) <= 0)
+        frames, why = frames_to_cut(self.pacing, self.listener, now, pending=pending,
+                                    decoded=self.frames_decoded, left=self.max_frames - self.frames_decoded,
+                                    ended=self.last_reason is not None, segment_end=bool(self.segment_ends),
+                                    restart=restart)
+        if frames and restart:  # the pause between segments is silence: playback restarts here
+            self.listener.restart()
+        return frames, why
+
+    def end_segment(self, reason: int) -> int:
+        """A SEGMENT_END record came (its frames already added): the segment ends after the
+        frames queued so far. A clear (``reason`` CANCELLED) drops the segment's frames not
+        yet decoded and empties the listener's buffer (the client stopped the audio in
+        flight); returns the frames dropped."""
+        start = self.segment_ends[-1][0] if self.segment_ends else self.frames_decoded
+        dropped = 0
+        if reason == FinishReason.CANCELLED:
+            dropped = self.frames_decoded + self.pending_frames - start
+            self._drop_last(dropped)
+            self.listener.restart()
+        self.segment_ends.append((self.frames_decoded + self.pending_frames, reason))
+        return dropped
+
+    def reached_segment_ends(self) -> list[SegmentEndOut]:
+        """The segment ends the decoding reached (each segment's frames all decoded or
+        dropped), oldest first, as their messages; the next segment starts after each."""
+        out = []
+        while self.segment_ends and self.segment_ends[0][0] <= self.frames_decoded:
+            _, reason = self.segment_ends.popleft()
+            out.append(SegmentEndOut(self.segment_index, reason, self.segment_frames, self.sample_offset))
+            self.segment_index += 1
+            self.segment_frames = 0
+        return out
 
     def need_at(self) -> float:
         """When the listener's buffer reaches this stream's decode margin."""
@@ -144,6 +204,15 @@ class OpenStream:
         self.pending = [rest] if len(rest) else []
         self.pending_frames -= frames
         return taken
+
+    def _drop_last(self, frames: int) -> None:
+        """Drops the last ``frames`` pending frames."""
+        if frames <= 0:
+            return
+        block = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
+        kept = block[: len(block) - frames]
+        self.pending = [kept] if len(kept) else []
+        self.pending_frames -= frames
 
     def finish_out(self) -> FinishOut:
         now = self.clock()

@@ -3,9 +3,10 @@ audio equals the offline whole-sequence decode for several pacings (chunks cut o
 decode call a tick over chunks of different lengths) and many concurrent requests, an
 Open's bad pacing is refused naming the field, cancel frees the slot and cancels on the
 talker, a killed talker fails its requests UNAVAILABLE and a new one is attached, sequence
-faults are counted,
-a client that stops reading pauses only its own request, EncodeVoice equals the
-offline encoder."""
+faults are counted, a client that stops reading pauses only its own request, EncodeVoice
+equals the offline encoder; a talker session's segments (SEGMENT_END records) give a segment
+end per segment over the one Open stream, its audio one waveform, a cleared segment's pending
+frames dropped."""
 
 from __future__ import annotations
 
@@ -325,6 +326,65 @@ def test_a_client_that_stops_reading_pauses_only_its_own_request(pair, codec):
     assert_audio_equal(pcm, expected_pcm(codec, slow_codes))
     assert finished.finish_reason == common_pb2.FINISH_REASON_STOP
     slow_channel.close()
+
+
+def collect_session(stream) -> tuple[list, object]:
+    """The stream's chunks and segment ends in order, and its finished message."""
+    messages = [getattr(m, m.WhichOneof("kind")) for m in stream]
+    return messages[:-1], messages[-1]
+
+
+def test_a_sessions_segments_end_over_one_open_stream(pair, codec):
+    talker, stub, _ = pair
+    segments = [([3, 4], FinishReason.STOP), ([5], FinishReason.LENGTH), ([2, 2], None)]  # None: LAST
+    codes = random_codes(13, 16)
+    stream, handle = open_stream(stub, "session", len(codes), pacing(0.15, 4, 2))
+    seq = start = 0
+    for sizes, reason in segments:
+        for i, size in enumerate(sizes):
+            end = i == len(sizes) - 1
+            flags = (int(RecordFlags.LAST) if reason is None else int(RecordFlags.SEGMENT_END)) if end else 0
+            talker.put(handle, seq, codes[start:start + size], start, flags,
+                       int(reason or FinishReason.STOP) if end else 0)
+            seq, start = seq + 1, start + size
+        time.sleep(0.3)  # the client's next sentence comes later: a pause, not a stall
+    messages, finished = collect_session(stream)
+    chunks = [m for m in messages if isinstance(m, code2wav_pb2.AudioChunk)]
+    assert_audio_equal(np.concatenate([np.frombuffer(c.pcm, "<i2") for c in chunks]),
+                       expected_pcm(codec, codes))  # one waveform across the segments
+    assert [c.chunk_index for c in chunks] == list(range(len(chunks)))
+    # each end right after its segment's last chunk: its frames, and the samples sent so far
+    frames, samples, ends = 0, 0, []
+    for message in messages:
+        if isinstance(message, code2wav_pb2.AudioChunk):
+            assert message.sample_offset == samples
+            frames, samples = frames + message.num_frames, samples + len(message.pcm) // 2
+        else:
+            ends.append((message.segment_index, message.finish_reason, message.frames, message.sample_offset))
+            frames = 0
+    assert ends == [(0, common_pb2.FINISH_REASON_STOP, 7, 7 * SPF),
+                    (1, common_pb2.FINISH_REASON_LENGTH, 5, 12 * SPF)] and frames == 4
+    assert finished.finish_reason == common_pb2.FINISH_REASON_STOP and finished.frames == len(codes)
+    stats = stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5)
+    assert stats.sequence_gaps == 0 and stats.duplicate_records == 0
+
+
+def test_a_cleared_segment_drops_its_pending_frames_and_the_session_goes_on(pair, codec):
+    talker, stub, _ = pair
+    codes = random_codes(14, 10)
+    # steady and min chunk 16: after a segment's first chunk, frames wait for its end
+    stream, handle = open_stream(stub, "cleared", 100, pacing(0.01, 16, 16))
+    talker.put(handle, 0, codes[:2])
+    assert next(stream).chunk.num_frames == 2          # the first record at once
+    talker.put(handle, 1, codes[2:7], 2)               # 5 frames wait ...
+    talker.put(handle, 2, None, 7, int(RecordFlags.SEGMENT_END), int(FinishReason.CANCELLED))  # ... cleared
+    talker.put(handle, 3, codes[7:], 7, int(RecordFlags.LAST), int(FinishReason.STOP))
+    (end, *chunks), finished = collect_session(stream)
+    assert (end.segment_index, end.finish_reason, end.frames) == (0, common_pb2.FINISH_REASON_CANCELLED, 2)
+    kept = np.concatenate([codes[:2], codes[7:]])      # the cleared frames never reached the codec
+    assert_audio_equal(np.concatenate([np.frombuffer(c.pcm, "<i2") for c in chunks]),
+                       expected_pcm(codec, kept)[2 * SPF:])
+    assert finished.frames == 5
 
 
 def test_encode_voice_equals_the_offline_encoder(pair, codec):

@@ -196,7 +196,7 @@ def test_last_flushes_in_steady_pieces_and_nothing_is_sent_after_the_end(setup):
     put(link, 1, 2, 2, first=11)        # a late record for the ended stream: dropped, counted
     engine.step()
     assert [m[0] for m in sent][-1] == "finished" and engine.counters.dropped_records == 1
-    assert engine.counters.cuts == {"first": 1, "need": 0, "size": 0, "end": 2}
+    assert engine.counters.cuts == {"first": 1, "need": 0, "size": 0, "end": 2, "segment": 0}
 
 
 def test_a_stream_closed_by_its_client_inside_a_batched_tick_frees_its_slot_once(setup):
