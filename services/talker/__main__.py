@@ -100,17 +100,20 @@ def build(config: TalkerConfig, config_path: Path | None):
         if swept:
             log.info("removed %d stale ring segment(s) of dead talkers", len(swept))
     use_graphs = engine_cfg.cuda_graphs and device.type == "cuda"
-    runner = Runner(model, num_slots=engine_cfg.max_num_seqs, max_len=max_len, buckets=engine_cfg.buckets,
+    num_slots = engine_cfg.max_num_seqs + engine_cfg.max_sessions  # idle sessions keep theirs
+    runner = Runner(model, num_slots=num_slots, max_len=max_len, buckets=engine_cfg.buckets,
                     k_max=engine_cfg.k_max, max_repetition_window=engine_cfg.max_repetition_window,
                     use_graphs=use_graphs, prefill_buckets=prefill_buckets(engine_cfg, max_len, use_graphs))
-    scheduler = Scheduler(num_slots=engine_cfg.max_num_seqs, max_num_seqs=engine_cfg.max_num_seqs,
+    scheduler = Scheduler(num_slots=num_slots, max_num_seqs=engine_cfg.max_num_seqs,
                           k_max=engine_cfg.k_max, prefill_token_budget=engine_cfg.prefill_token_budget,
                           max_waiting=engine_cfg.max_waiting, stall_timeout=engine_cfg.stall_timeout,
                           frame_rate=model.frame_rate, path_s=engine_cfg.path_s, bucket_for=runner.bucket_for,
                           min_chunk_tokens=engine_cfg.min_chunk_tokens,
                           admission_headroom=(engine_cfg.admission_headroom
                                               if engine_cfg.admission_by_slack else None),
-                          max_queue_wait_s=engine_cfg.max_queue_wait_s, split_steps=engine_cfg.split_steps)
+                          max_queue_wait_s=engine_cfg.max_queue_wait_s, split_steps=engine_cfg.split_steps,
+                          max_len=max_len, max_sessions=engine_cfg.max_sessions,
+                          session_idle_s=engine_cfg.session_idle_s)
     frame_servicer = FrameStreamServicer() if config.transport.kind == "grpc" else None
     consumers = Consumers(config.transport, secrets.randbits(64), frame_servicer)
     engine = TalkerEngine(runner, scheduler, consumers.sink_for,

@@ -24,6 +24,10 @@ class EngineSection:
     k_max: int = 8                          # frames per step at most
     buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # batch sizes with a captured graph
     max_num_seqs: int = 64                  # rows running at once (KV slots)
+    # Sessions (incremental text): in flight at most, each holding a KV slot while idle between
+    # segments (slots = max_num_seqs + max_sessions); an idle session ends after session_idle_s
+    max_sessions: int = 16
+    session_idle_s: float = 30.0
     max_len: int = 0                        # KV positions per slot; 0: the model's maximum
     prefill_token_budget: int = 4096        # prompt tokens prefilled per step
     max_waiting: int = 256                  # queued requests beyond this: RESOURCE_EXHAUSTED
@@ -73,6 +77,11 @@ class EngineSection:
                                    f"max_num_seqs ({self.max_num_seqs})")
         if self.max_len < 0 or self.max_repetition_window < 0:
             raise ConfigValueError("max_len" if self.max_len < 0 else "max_repetition_window", "must be >= 0")
+        if self.max_sessions < 0:
+            raise ConfigValueError("max_sessions", f"must be >= 0, got {self.max_sessions}")
+        if not 0 < self.session_idle_s < 86400:
+            raise ConfigValueError("session_idle_s",
+                                   f"must be in (0, 86400) seconds, got {self.session_idle_s}")
         if not self.stall_timeout > 0:
             raise ConfigValueError("stall_timeout", f"must be > 0 seconds, got {self.stall_timeout}")
         if self.min_chunk_tokens < 1:

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.common.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
+from services.common.errors import AlreadyExists, FailedPrecondition, NotFound, ResourceExhausted
 from services.talker.consumers import Consumers
 from services.talker.engine import TalkerEngine
 from services.talker.metrics import FIRST_RECORD_PARTS, SLACK_EDGES
 from services.talker.pacing import BOUNDS
 from services.talker.request import TalkerRequest
 from services.talker.scheduler import Overloaded, QueueFull
+from services.talker.sessions import Segment, SessionError
 from services.transport import Endpoint
 
 
@@ -144,13 +145,28 @@ class TalkerCore:
     def cancel(self, consumer_id: str, handle: int) -> bool:
         return self.engine.scheduler.cancel(consumer_id, handle)
 
+    def append(self, consumer_id: str, handle: int, segment: Segment) -> int:
+        """A session's next segment (queued); how many are to be spoken before it."""
+        try:
+            return self.engine.scheduler.append(consumer_id, handle, segment)
+        except KeyError as exc:
+            raise NotFound(str(exc.args[0])) from None
+        except SessionError as exc:
+            raise FailedPrecondition(str(exc)) from None
+
+    def clear(self, consumer_id: str, handle: int) -> tuple[bool, int]:
+        """Barge-in on a session: (found, queued segments dropped)."""
+        return self.engine.scheduler.clear(consumer_id, handle)
+
     def stats(self) -> StatsSnapshot:
         scheduler, counters = self.engine.scheduler, self.engine.counters
         start, steps, frames = self._window
         now = self.engine.clock()
         elapsed = max(now - start, 1e-9)
         snapshot = StatsSnapshot(
-            running=len(scheduler.running), waiting=len(scheduler.waiting), free_slots=len(scheduler.slots),
+            running=len(scheduler.running), waiting=len(scheduler.waiting),
+            # rows that could start now: a free slot and a batch row (idle sessions keep their slots)
+            free_slots=min(len(scheduler.slots), scheduler.max_num_seqs - len(scheduler.running)),
             paused_rows=scheduler.paused, steps_per_s=(counters.steps - steps) / elapsed,
             frames_per_s=(counters.frames - frames) / elapsed,
             mean_frames_per_step=counters.step_frames / counters.steps if counters.steps else 0.0)
@@ -162,6 +178,19 @@ class TalkerCore:
         scheduler, counters = self.engine.scheduler, self.engine.counters
         return {"running": ("gauge", "rows running", len(scheduler.running)),
                 "queue_depth": ("gauge", "requests waiting for a slot", len(scheduler.waiting)),
+                "sessions": ("gauge", "sessions in flight (running, waiting or idle)", scheduler.sessions),
+                "sessions_idle": ("gauge", "sessions between segments (a slot each, no batch row)",
+                                  len(scheduler.idle)),
+                "session_segments": ("counter", "sessions' segments after their first",
+                                     scheduler.session_counts["segments"]),
+                "session_positions_reused": ("counter", "KV positions a session's segment found in its slot "
+                                             "(earlier turns not prefilled again)",
+                                             scheduler.session_counts["positions_reused"]),
+                "session_positions_prefilled": ("counter", "KV positions sessions' later segments prefilled",
+                                                scheduler.session_counts["positions_prefilled"]),
+                "session_context_rebuilt": ("counter", "later segments that prefilled the whole context "
+                                            "(past max_len: oldest turns dropped)",
+                                            scheduler.session_counts["context_rebuilt"]),
                 "paused_rows": ("gauge", "rows paused on a full ring", scheduler.paused),
                 "frames": ("counter", "frames generated", counters.frames),
                 "steps": ("counter", "engine steps", counters.steps),

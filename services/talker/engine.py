@@ -39,7 +39,7 @@ import numpy as np
 from services.common.log import request_context
 from services.talker.metrics import EngineCounters
 from services.talker.outbox import Outbox, PendingRecord, RecordSink
-from services.talker.request import FinishReason, TalkerRequest
+from services.talker.request import FinishReason, RequestState, TalkerRequest
 from services.talker.runner import PrefillRow, Runner
 from services.talker.scheduler import Scheduler, StepPlan
 from services.talker.steplog import StepLog
@@ -47,6 +47,7 @@ from services.transport.layout import RecordFlags
 
 log = logging.getLogger(__name__)
 _LAST, _CANCELLED = int(RecordFlags.LAST), int(RecordFlags.CANCELLED)
+_SEGMENT_END = int(RecordFlags.SEGMENT_END)
 
 
 # The launches of a step: the whole step, or a split step's two parts (StepPlan.early)
@@ -124,6 +125,8 @@ class TalkerEngine:
         counters.schedule_s += self.clock() - now
         for request in plan.finished:
             self._final_record(request)
+        for request in plan.segment_ends:  # a session's segment cleared at this boundary
+            self._queue(request, None, request.frames_done, _SEGMENT_END, int(FinishReason.CANCELLED))
         work_begun = self.clock()
         if plan.prefill:
             self._prefill(plan)
@@ -165,7 +168,7 @@ class TalkerEngine:
             if chunk.request.prefill_queued_at is None:
                 chunk.request.prefill_queued_at = begun
         rows = [PrefillRow(slot=c.request.slot, tokens=c.request.prompt[c.start:c.start + c.count],
-                           start=c.start, final=c.final, sampling=c.request.sampling,
+                           start=c.request.prompt_base + c.start, final=c.final, sampling=c.request.sampling,
                            min_frames=c.request.min_frames) for c in plan.prefill]
         try:
             self.runner.prefill(rows)
@@ -270,8 +273,9 @@ class TalkerEngine:
         apply, queue, slacks, first_records = self.scheduler.apply, self._to_write.append, [], 0
         due, first_frames = self.scheduler.due, plan.first_frames
         for row, request in enumerate(plan.decode):
-            if request.finish is not None:
-                continue  # ended while the step ran (cancelled, its consumer gone), or in its first part
+            if request.finish is not None or request.state is not RequestState.RUNNING or request.prefilling:
+                continue  # ended while the step ran (cancelled, its consumer gone) or in its first part;
+                # or a session whose segment ended there (idle, or its next segment's prompt going in)
             count = counts[row]
             first = request.frames_done
             silent = request.first_written_at is None
@@ -286,6 +290,8 @@ class TalkerEngine:
                 hold = silent and len(frames) < first_frames and not ends
             if not silent and not hold:
                 slacks.append(due(request) - now)
+            if request.session is not None:
+                request.session.spoken(codes[row, :count])
             reason = apply(request, count, stopped[row], now, written=not hold)
             if hold:
                 request.held = frames if count else request.held
@@ -295,8 +301,8 @@ class TalkerEngine:
                 self.counters.observe_first_record(request)
                 first_records += 1
             if len(frames) or reason is not None:
-                queue((request, PendingRecord(frames if len(frames) else None, request.seq, first,
-                                              _LAST if reason is not None else 0,
+                ended = 0 if reason is None else _LAST if request.finish is not None else _SEGMENT_END
+                queue((request, PendingRecord(frames if len(frames) else None, request.seq, first, ended,
                                               int(reason or FinishReason.UNSPECIFIED))))
                 request.seq += 1
         self.counters.frames += sum(counts)

@@ -158,7 +158,7 @@ def due(request: TalkerRequest, config: PacingConfig) -> float:
     """When the row's next records must be written (see the module's docstring)."""
     if request.first_written_at is None:
         return math.inf if request.first_audio_by is None else request.first_audio_by - config.path_s
-    return request.first_written_at + request.frames_done / config.frame_rate
+    return request.first_written_at + (request.frames_done - request.pace_base) / config.frame_rate
 
 
 def slack(request: TalkerRequest, now: float, config: PacingConfig) -> float:

@@ -19,6 +19,7 @@ __all__ = ["FinishReason", "RequestState", "TalkerRequest"]
 class RequestState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    IDLE = "idle"            # a session between segments: it keeps its slot, no batch row
     FINISHED = "finished"
 
 
@@ -48,6 +49,19 @@ class TalkerRequest:
     first_launched_at: float | None = None   # when the first decode step that holds it was launched
     prefilled: int = 0                     # prompt positions in its slot (a long prompt takes steps)
     held: Any = None  # frames made but not yet written: a first record too short to last ([F, N] int16)
+    # A session (services/talker/sessions.py): its segments' prompts are prefilled at prompt_base,
+    # the slot's positions before them (the earlier turns' prompts and frames); max_frames then
+    # caps frames_done, counted over the whole session; segment_start: frames_done as it began.
+    session: Any = None
+    prompt_base: int = 0
+    segment_start: int = 0
+    pace_base: int = 0     # frames_done when the listener's clock (first_written_at) last started
+    kv_end: int = 0        # positions in its slot when its last segment ended (the next one's start)
+
+    @property
+    def kv_len(self) -> int:
+        """Positions in its slot once its prompt is in: the prompt's and the frames emitted since."""
+        return self.prompt_base + self.prompt_len + self.frames_done - self.segment_start
 
     @property
     def key(self) -> tuple[str, int]:

@@ -41,23 +41,18 @@ from services.talker.pacing import (
     choose_split,
     due,
     first_frames,
-    fits,
     prefill_tokens_allowed,
     split_time,
 )
 from services.talker.request import FinishReason, RequestState, TalkerRequest
+from services.talker.scheduler_admission import AdmissionRules, Overloaded
+from services.talker.scheduler_sessions import SessionRules
+
+__all__ = ["Overloaded", "PrefillChunk", "QueueFull", "Scheduler", "SlotAllocator", "StepPlan"]
 
 
 class QueueFull(Exception):
     """The waiting queue is at its bound."""
-
-
-class Overloaded(Exception):
-    """One more stream would push the running ones behind real time."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -76,6 +71,7 @@ class PrefillChunk:
 @dataclass
 class StepPlan:
     finished: list[TalkerRequest] = field(default_factory=list)  # ended at this boundary
+    segment_ends: list[TalkerRequest] = field(default_factory=list)  # sessions' segments cleared at it
     prefill: list[PrefillChunk] = field(default_factory=list)    # prompt chunks before the frames
     decode: list[TalkerRequest] = field(default_factory=list)    # rows of this step, in order
     k: int = 0
@@ -108,13 +104,23 @@ class SlotAllocator:
         return len(self._free)
 
 
-class Scheduler:
+class Scheduler(AdmissionRules, SessionRules):
     def __init__(self, *, num_slots: int, max_num_seqs: int, k_max: int, prefill_token_budget: int,
                  max_waiting: int, stall_timeout: float, frame_rate: float, path_s: float,
                  bucket_for: Callable[[int], int] = lambda rows: rows, min_chunk_tokens: int = 32,
                  admission_headroom: float | None = 0.2, max_queue_wait_s: float = 1.0,
-                 split_steps: bool = False) -> None:
+                 split_steps: bool = False, max_len: int = 1 << 30, max_sessions: int = 0,
+                 session_idle_s: float = 30.0) -> None:
         self.slots = SlotAllocator(num_slots)
+        self.max_len = max_len              # KV positions of a slot (a session's turns must fit)
+        self.max_sessions = max_sessions    # sessions in flight at most (their idle slots beside the rows)
+        self.session_idle_s = session_idle_s
+        self.idle: dict[tuple[str, int], TalkerRequest] = {}  # sessions between segments
+        self.resuming: deque[TalkerRequest] = deque()         # idle sessions whose next segment came
+        # sessions' later segments: how many, the positions they found in their slot and the ones
+        # they prefilled, and how often the whole context went in again (past max_len, or nothing spoken)
+        self.session_counts = dict.fromkeys(("segments", "positions_reused", "positions_prefilled",
+                                             "context_rebuilt"), 0)
         self.max_num_seqs = max_num_seqs
         self.k_max = k_max
         self.pacing = PacingConfig(frame_rate=frame_rate, path_s=path_s, k_max=k_max)
@@ -145,6 +151,8 @@ class Scheduler:
             raise KeyError(f"handle {request.handle} of consumer {request.consumer_id!r} is in flight")
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests wait already (max_waiting)")
+        if request.session is not None and self.sessions >= self.max_sessions:
+            raise QueueFull(f"{self.sessions} sessions are in flight already (max_sessions)")
         refusal = None if checked else self.refusal(request.arrival, request.prompt_len)
         if refusal is not None:
             self.refused_overload += 1
@@ -152,66 +160,6 @@ class Scheduler:
         self.waiting.append(request)
         self.by_key[request.key] = request
         return self._position(request)
-
-    def refusal(self, now: float, prompt_len: int) -> Overloaded | None:
-        """Why a request of ``prompt_len`` positions arriving at ``now`` would be refused, or None:
-        one more stream would not be fed in real time at the measured step times (admission by
-        slack), or it would wait longer than ``max_queue_wait_s`` before it speaks: for a slot,
-        when every slot is taken (it starts as running rows end, at the rate they have lately
-        been ending; unknown before a few have, then the queue's count bound alone applies), or
-        for the prompts queued before it to be prefilled (``prefill_token_budget`` positions a
-        step, a step as long as the busy steps lately were). ``admission_headroom`` None: no
-        admission by slack."""
-        streams = len(self.running) + len(self.waiting) + 1
-        if streams == 1:
-            return None  # alone it is served as fast as this device can: refusing helps nobody
-        headroom = self.admission_headroom
-        if headroom is not None and not fits(min(streams, self.max_num_seqs), self.bucket_for, self.pacing,
-                                             self.times, headroom):
-            left = min((r.max_frames - r.frames_done for r in self.running), default=0)
-            return Overloaded(f"{streams - 1} streams already use the talker's real-time capacity (a step "
-                              f"of {self.k_max} frames for {streams} would outlast their audio)",
-                              max(0.1, left / self.pacing.frame_rate))
-        wait = max(self._slot_wait(now), self._prefill_wait(prompt_len))
-        if wait <= self.max_queue_wait_s:
-            return None
-        return Overloaded(f"about {wait:.2f} s before it could start ({len(self.waiting)} request(s) "
-                          f"wait for a slot, {self._backlog_tokens()} prompt positions for prefill; "
-                          f"max_queue_wait_s {self.max_queue_wait_s:g})", min(wait, 60.0))
-
-    def admissible(self, now: float, prompt_len: int) -> int:
-        """About how many more requests of ``prompt_len`` positions could be taken now before the
-        waits ``refusal`` checks pass ``max_queue_wait_s`` (0 when one would be refused)."""
-        if self.refusal(now, prompt_len) is not None:
-            return 0
-        room = self.max_num_seqs  # at most a full batch more between two looks
-        released = self._released
-        if len(released) >= 2 and now > released[0]:
-            rate = (len(released) - 1) / (now - released[0])
-            free = min(len(self.slots), self.max_num_seqs - len(self.running))
-            room = min(room, int(free + rate * self.max_queue_wait_s) - len(self.waiting))
-        if self.period_s:
-            steps = self.max_queue_wait_s / self.period_s
-            tokens = steps * self.prefill_token_budget - self._backlog_tokens()
-            room = min(room, int(tokens / max(1, prompt_len)))
-        return max(1, room)
-
-    def _slot_wait(self, now: float) -> float:
-        ahead = len(self.waiting) - min(len(self.slots), self.max_num_seqs - len(self.running))
-        released = self._released
-        if ahead < 0 or len(released) < 2 or now <= released[0]:
-            return 0.0
-        return (ahead + 1) * (now - released[0]) / (len(released) - 1)
-
-    def _backlog_tokens(self) -> int:
-        return (sum(r.prompt_len - r.prefilled for r in self.running if r.prefilling)
-                + sum(r.prompt_len for r in self.waiting))
-
-    def _prefill_wait(self, prompt_len: int) -> float:
-        if self.period_s is None:
-            return 0.0
-        steps = (self._backlog_tokens() + prompt_len) // self.prefill_token_budget
-        return steps * self.period_s
 
     def _position(self, request: TalkerRequest) -> int:
         ahead = len(self.waiting) - 1
@@ -228,7 +176,7 @@ class Scheduler:
 
     def drop(self, predicate: Callable[[TalkerRequest], bool], reason: FinishReason) -> list[TalkerRequest]:
         """Ends every request matching ``predicate`` now (a dead consumer's rows)."""
-        ended = [r for r in [*self.running, *self.waiting] if predicate(r)]
+        ended = [r for r in [*self.running, *self.waiting, *self.idle.values()] if predicate(r)]
         for request in ended:
             self.finish(request, reason)
         return ended
@@ -250,6 +198,8 @@ class Scheduler:
             self.period_s = period if old is None else old + 0.25 * (period - old)
         plan = StepPlan()
         plan.finished = self._end_at_boundary(now)
+        self._session_endings(now, plan.finished, plan.segment_ends)
+        self._resume_sessions(now)
         self._admit()
         decode = [r for r in self.running if not r.prefilling and r.paused_since is None]
         plan.prefill = self._prefill_chunks(now, decode)
@@ -262,7 +212,7 @@ class Scheduler:
 
     def _end_at_boundary(self, now: float) -> list[TalkerRequest]:
         ended = []
-        for request in [*self.running, *self.waiting]:
+        for request in [*self.running, *self.waiting, *self.idle.values()]:
             if request.cancel_requested:
                 reason = FinishReason.CANCELLED
             elif request.deadline is not None and now >= request.deadline:
@@ -374,7 +324,10 @@ class Scheduler:
             reason = FinishReason.LENGTH
         else:
             return None
-        self.finish(request, reason, now)
+        if request.session is not None and not request.session.last:
+            self.end_segment(request, reason, now)  # the session goes on (its record: SEGMENT_END)
+        else:
+            self.finish(request, reason, now)
         return reason
 
     def due(self, request: TalkerRequest) -> float:
@@ -388,6 +341,11 @@ class Scheduler:
             self.slots.free(request.slot)
             if now is not None:
                 self._released.append(now)
+        elif request.state is RequestState.IDLE:
+            del self.idle[request.key]
+            if request in self.resuming:
+                self.resuming.remove(request)
+            self.slots.free(request.slot)
         elif request.state is RequestState.WAITING:
             self.waiting.remove(request)
         request.state = RequestState.FINISHED
@@ -396,6 +354,11 @@ class Scheduler:
         self.by_key.pop(request.key, None)
 
     # --- numbers for Stats ----------------------------------------------------------------------
+
+    @property
+    def sessions(self) -> int:
+        """Sessions in flight: running, waiting or idle."""
+        return sum(r.session is not None for r in self.by_key.values())
 
     @property
     def paused(self) -> int:

@@ -23,6 +23,7 @@ from services.talker.config import TalkerConfig
 from services.talker.consumers import attach_response
 from services.talker.core import overloaded
 from services.talker.request import TalkerRequest
+from services.talker.sessions import Segment, Session
 from voxring.v1 import talker_pb2, talker_pb2_grpc
 
 
@@ -39,20 +40,30 @@ class ModelFacts:
     pack_prompt: Callable[[Sequence[PromptSegment]], np.ndarray]
 
 
-def _segments(req: talker_pb2.SubmitRequest, facts: ModelFacts) -> np.ndarray:
-    """The prompt packed by the family (``pack_prompt``: [L, N + 1] int64, one row per KV
-    position; CSM: text tokens, then an audio turn's frames + 1 end frame)."""
+def _segments(req: talker_pb2.SubmitRequest, facts: ModelFacts) -> list[PromptSegment]:
+    """The prompt's turns, checked (CSM: text tokens, then an audio turn's frames)."""
     if not req.segments:
         raise InvalidArgument("segments", "the prompt needs at least one segment")
     segments = []
     for i, seg in enumerate(req.segments):
-        ids = list(seg.text_token_ids)
-        if any(t >= facts.text_vocab_size for t in ids):
-            raise InvalidArgument(f"segments[{i}].text_token_ids", f"ids must be < {facts.text_vocab_size}")
+        ids = _text_ids(seg.text_token_ids, facts, f"segments[{i}].text_token_ids")
         frames = None
         if seg.HasField("frames") and seg.frames.num_frames:
             frames = _frames(seg.frames, facts, f"segments[{i}].frames")
         segments.append(PromptSegment(ids, frames))
+    return segments
+
+
+def _text_ids(ids, facts: ModelFacts, field: str) -> list[int]:
+    ids = list(ids)
+    if any(t >= facts.text_vocab_size for t in ids):
+        raise InvalidArgument(field, f"ids must be < {facts.text_vocab_size}")
+    return ids
+
+
+def _pack(segments: list[PromptSegment], facts: ModelFacts) -> np.ndarray:
+    """The prompt packed by the family (``pack_prompt``: [L, N + 1] int64, one row per KV
+    position; CSM: text tokens, then an audio turn's frames + 1 end frame)."""
     packed = facts.pack_prompt(segments)
     if len(packed) == 0:
         raise InvalidArgument("segments", "the prompt is empty")
@@ -86,7 +97,8 @@ def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, now: float,
     if not 0 <= req.first_audio_budget_s < 3600:
         raise InvalidArgument("first_audio_budget_s",
                               f"must be in [0, 3600) seconds, got {req.first_audio_budget_s}")
-    prompt = _segments(req, facts)
+    segments = _segments(req, facts)
+    prompt = _pack(segments, facts)
     prompt_len = len(prompt)
     if prompt_len + req.max_frames > facts.max_len:
         raise InvalidArgument("max_frames", f"prompt ({prompt_len}) + max_frames ({req.max_frames}) "
@@ -102,12 +114,39 @@ def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, now: float,
     except ConfigValueError as exc:
         raise InvalidArgument(f"sampling.{exc.key}", exc.reason) from None
     budget = req.first_audio_budget_s or first_audio_budget_s
+    session = None
+    if req.session:
+        session = Session(facts.pack_prompt, facts.num_codebooks, voice=segments[:-1],
+                          text_ids=np.asarray(segments[-1].text_token_ids, dtype=np.int64),
+                          prefill_positions=prompt_len)
     return TalkerRequest(
         request_id=req.request_id or f"handle-{req.handle}", handle=req.handle,
         consumer_id=req.consumer_id, prompt=prompt, prompt_len=prompt_len,
         max_frames=req.max_frames, min_frames=req.min_frames, sampling=sampling,
         arrival=now, deadline=now + req.timeout_s if req.timeout_s else None,
-        first_audio_by=now + budget if budget else None)
+        first_audio_by=now + budget if budget else None, session=session)
+
+
+def build_segment(req: talker_pb2.AppendRequest, facts: ModelFacts, now: float,
+                  first_audio_budget_s: float = 0.0) -> Segment:
+    """A session's next segment from an Append (checked as a Submit's last segment is)."""
+    if not req.consumer_id:
+        raise InvalidArgument("consumer_id", "must not be empty")
+    ids = _text_ids(req.text_token_ids, facts, "text_token_ids")
+    if not ids:
+        raise InvalidArgument("text_token_ids", "the segment's text is empty")
+    if req.max_frames < 1:
+        raise InvalidArgument("max_frames", f"must be >= 1, got {req.max_frames}")
+    if req.min_frames > req.max_frames:
+        raise InvalidArgument("min_frames", "must not exceed max_frames")
+    if 1 + len(ids) + req.max_frames > facts.max_len:  # its end frame, its text, its frames
+        raise InvalidArgument("max_frames", f"the text ({len(ids)} tokens) + max_frames ({req.max_frames}) "
+                              f"exceeds the model's max length {facts.max_len}")
+    if not 0 <= req.first_audio_budget_s < 3600:
+        raise InvalidArgument("first_audio_budget_s",
+                              f"must be in [0, 3600) seconds, got {req.first_audio_budget_s}")
+    return Segment(np.asarray(ids, dtype=np.int64), req.max_frames, req.min_frames, req.last,
+                   req.first_audio_budget_s or first_audio_budget_s, now)
 
 
 class TalkerServicer(talker_pb2_grpc.TalkerServicer):
@@ -152,6 +191,15 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
     async def Cancel(self, request, context):
         found = await self._call(lambda core: core.cancel(request.consumer_id, request.handle))
         return talker_pb2.CancelResponse(found=found)
+
+    async def Append(self, request, context):
+        segment = build_segment(request, self._facts, time.monotonic(), self._first_audio_budget_s)
+        queued = await self._call(lambda core: core.append(request.consumer_id, request.handle, segment))
+        return talker_pb2.AppendResponse(queued=queued)
+
+    async def Clear(self, request, context):
+        found, dropped = await self._call(lambda core: core.clear(request.consumer_id, request.handle))
+        return talker_pb2.ClearResponse(found=found, dropped=dropped)
 
     async def Stats(self, request, context):
         snap = await self._call(lambda core: core.stats())

@@ -1,6 +1,7 @@
 """The talker as a real process (real gRPC, real rings, tiny model): codes equal the
 eager generation API, max frames exact, cancel, queueing, backpressure per ring, a dead
-consumer dropped by heartbeat, Submit's errors, and a clean drain on SIGTERM."""
+consumer dropped by heartbeat, Submit's errors, a session's Append and Clear, and a clean
+drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -189,3 +190,51 @@ def test_sigterm_drains_running_requests_then_unlinks_rings(talker):
     assert svc.proc.wait(timeout=20) == 0
     ring = reader.endpoint.ring_name.lstrip("/")
     assert not os.path.exists(f"/dev/shm/{ring}")
+
+
+def test_a_session_over_grpc_appends_clears_and_ends(talker):
+    """Submit(session) -> SEGMENT_END and the slot kept; Append speaks the next segment in the same
+    request (seq and frames go on); Clear ends a running segment CANCELLED; a last segment ends
+    LAST. Append's errors: NOT_FOUND, FAILED_PRECONDITION, INVALID_ARGUMENT naming the field."""
+    _, stub, readers = talker
+    reader = RingReader(stub, "c2w-s")
+    readers.append(reader)
+    session = submit_request("c2w-s", 31, ids("[0]First sentence."), max_frames=6)
+    session.session = True
+    stub.Submit(session, timeout=10)
+
+    def ends():
+        return [r for r, _ in reader.records.get(31, []) if r.segment_end or r.last or r.cancelled]
+
+    wait_for(lambda: len(ends()) == 1, what="the first segment's end")
+    assert ends()[0].segment_end and not ends()[0].last and stats(stub).free_slots == 4
+    append = talker_pb2.AppendRequest(consumer_id="c2w-s", handle=31,
+                                      text_token_ids=ids("[0]A long second one."), max_frames=200)
+    assert stub.Append(append, timeout=10).queued == 0
+    wait_for(lambda: len(reader.records.get(31, [])) > len(ends()) + 1, what="the second segment's frames")
+    cleared = stub.Clear(talker_pb2.ClearRequest(consumer_id="c2w-s", handle=31), timeout=10)
+    assert cleared.found and cleared.dropped == 0
+    wait_for(lambda: len(ends()) == 2, what="the cleared segment's end")
+    assert ends()[1].segment_end and ends()[1].finish_reason == FinishReason.CANCELLED
+    last = talker_pb2.AppendRequest(consumer_id="c2w-s", handle=31, text_token_ids=ids("[0]Bye."),
+                                    max_frames=4, last=True)
+    stub.Append(last, timeout=10)
+    reader.wait([31])
+    codes, finish, records = reader.result(31)  # seq and first_frame continue across the segments
+    assert records[-1].last and finish in (FinishReason.LENGTH, FinishReason.STOP) and len(codes) >= 6
+    wait_for(lambda: stats(stub).free_slots == 4, what="the session's slot freed")
+    with pytest.raises(grpc.RpcError) as gone:
+        stub.Append(last, timeout=10)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    stub.Submit(submit_request("c2w-s", 32, ids("[0]Not a session."), max_frames=200), timeout=10)
+    with pytest.raises(grpc.RpcError) as plain:
+        stub.Append(talker_pb2.AppendRequest(consumer_id="c2w-s", handle=32, text_token_ids=ids("[0]x"),
+                                             max_frames=4), timeout=10)
+    assert plain.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    no_text = talker_pb2.AppendRequest(consumer_id="c2w-s", handle=32, max_frames=4)
+    no_frames = talker_pb2.AppendRequest(consumer_id="c2w-s", handle=32, text_token_ids=[1])
+    for bad, field in ((no_text, "text_token_ids"), (no_frames, "max_frames")):
+        with pytest.raises(grpc.RpcError) as invalid:
+            stub.Append(bad, timeout=10)
+        assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in invalid.value.details()
+    stub.Cancel(talker_pb2.CancelRequest(consumer_id="c2w-s", handle=32), timeout=10)

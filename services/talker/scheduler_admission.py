@@ -1,0 +1,84 @@
+"""The talker scheduler's admission rules (a mixin of :class:`services.talker.scheduler.Scheduler`):
+whether one more request would be refused, and how many more could be taken now. Pure Python.
+
+New work is refused (``Overloaded``) when one more stream would not be fed faster than real
+time by a step of the measured size (admission by slack), or when it would wait longer than
+``max_queue_wait_s`` for a slot (at the rate slots have lately freed) or for the prompts before
+it to be prefilled. An idle session counts as a stream: it comes back with its next segment.
+"""
+
+from __future__ import annotations
+
+from services.talker.pacing import fits
+
+
+class Overloaded(Exception):
+    """One more stream would push the running ones behind real time."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class AdmissionRules:
+    """Reads the scheduler's state (running, waiting, idle, slots, times); changes nothing."""
+
+    def refusal(self, now: float, prompt_len: int) -> Overloaded | None:
+        """Why a request of ``prompt_len`` positions arriving at ``now`` would be refused, or None:
+        one more stream would not be fed in real time at the measured step times (admission by
+        slack), or it would wait longer than ``max_queue_wait_s`` before it speaks: for a slot,
+        when every slot is taken (it starts as running rows end, at the rate they have lately
+        been ending; unknown before a few have, then the queue's count bound alone applies), or
+        for the prompts queued before it to be prefilled (``prefill_token_budget`` positions a
+        step, a step as long as the busy steps lately were). ``admission_headroom`` None: no
+        admission by slack."""
+        streams = len(self.running) + len(self.waiting) + len(self.idle) + 1
+        if streams == 1:
+            return None  # alone it is served as fast as this device can: refusing helps nobody
+        headroom = self.admission_headroom
+        if headroom is not None and not fits(min(streams, self.max_num_seqs), self.bucket_for, self.pacing,
+                                             self.times, headroom):
+            left = min((r.max_frames - r.frames_done for r in self.running), default=0)
+            return Overloaded(f"{streams - 1} streams already use the talker's real-time capacity (a step "
+                              f"of {self.k_max} frames for {streams} would outlast their audio)",
+                              max(0.1, left / self.pacing.frame_rate))
+        wait = max(self._slot_wait(now), self._prefill_wait(prompt_len))
+        if wait <= self.max_queue_wait_s:
+            return None
+        return Overloaded(f"about {wait:.2f} s before it could start ({len(self.waiting)} request(s) "
+                          f"wait for a slot, {self._backlog_tokens()} prompt positions for prefill; "
+                          f"max_queue_wait_s {self.max_queue_wait_s:g})", min(wait, 60.0))
+
+    def admissible(self, now: float, prompt_len: int) -> int:
+        """About how many more requests of ``prompt_len`` positions could be taken now before the
+        waits ``refusal`` checks pass ``max_queue_wait_s`` (0 when one would be refused)."""
+        if self.refusal(now, prompt_len) is not None:
+            return 0
+        room = self.max_num_seqs  # at most a full batch more between two looks
+        released = self._released
+        if len(released) >= 2 and now > released[0]:
+            rate = (len(released) - 1) / (now - released[0])
+            free = min(len(self.slots), self.max_num_seqs - len(self.running))
+            room = min(room, int(free + rate * self.max_queue_wait_s) - len(self.waiting))
+        if self.period_s:
+            steps = self.max_queue_wait_s / self.period_s
+            tokens = steps * self.prefill_token_budget - self._backlog_tokens()
+            room = min(room, int(tokens / max(1, prompt_len)))
+        return max(1, room)
+
+    def _slot_wait(self, now: float) -> float:
+        ahead = len(self.waiting) - min(len(self.slots), self.max_num_seqs - len(self.running))
+        released = self._released
+        if ahead < 0 or len(released) < 2 or now <= released[0]:
+            return 0.0
+        return (ahead + 1) * (now - released[0]) / (len(released) - 1)
+
+    def _backlog_tokens(self) -> int:
+        return (sum(r.prompt_len - r.prefilled for r in self.running if r.prefilling)
+                + sum(r.prompt_len for r in self.waiting))
+
+    def _prefill_wait(self, prompt_len: int) -> float:
+        if self.period_s is None:
+            return 0.0
+        steps = (self._backlog_tokens() + prompt_len) // self.prefill_token_budget
+        return steps * self.period_s
