@@ -199,7 +199,7 @@ class Scheduler(AdmissionRules, SessionRules):
         plan = StepPlan()
         plan.finished = self._end_at_boundary(now)
         self._session_endings(now, plan.finished, plan.segment_ends)
-        self._resume_sessions(now)
+        self._resume_sessions(now, plan.finished)
         self._admit()
         decode = [r for r in self.running if not r.prefilling and r.paused_since is None]
         plan.prefill = self._prefill_chunks(now, decode)

@@ -60,11 +60,16 @@ class SessionRules:
                 self.end_segment(request, FinishReason.CANCELLED, now)
                 segment_ends.append(request)
 
-    def _resume_sessions(self, now: float) -> None:
-        """Idle sessions whose next segment came, back to running while a batch row is free."""
+    def _resume_sessions(self, now: float, ended: list) -> None:
+        """Idle sessions whose next segment came, back to running while a batch row is free; one
+        told to end (an empty last segment) ends now (STOP: its last segment ended well)."""
         while self.resuming and len(self.running) < self.max_num_seqs:
             request = self.resuming.popleft()
             if request.state is not RequestState.IDLE or not request.session.queued:
+                continue
+            if request.session.queued[0].ends_session:
+                self.finish(request, FinishReason.STOP, now)
+                ended.append(request)
                 continue
             del self.idle[request.key]
             request.state = RequestState.RUNNING
@@ -86,6 +91,9 @@ class SessionRules:
         if reason is FinishReason.CANCELLED:  # its audio was dropped downstream: the listener has none left
             request.first_written_at = None
             request.held = None
+        if session.queued and session.queued[0].ends_session:
+            self.finish(request, reason, now)  # the session ends with this segment: its record is LAST
+            return
         if session.queued:
             self._start_segment(request, session.queued.popleft(), now)
             return

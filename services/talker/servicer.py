@@ -134,7 +134,10 @@ def build_segment(req: talker_pb2.AppendRequest, facts: ModelFacts, now: float,
         raise InvalidArgument("consumer_id", "must not be empty")
     ids = _text_ids(req.text_token_ids, facts, "text_token_ids")
     if not ids:
-        raise InvalidArgument("text_token_ids", "the segment's text is empty")
+        if req.last:  # the session ends after the segments queued before this
+            return Segment(np.zeros(0, dtype=np.int64), 0, 0, True, 0.0, now)
+        raise InvalidArgument("text_token_ids", "the segment's text is empty (only a last one may be: "
+                              "it ends the session)")
     if req.max_frames < 1:
         raise InvalidArgument("max_frames", f"must be >= 1, got {req.max_frames}")
     if req.min_frames > req.max_frames:

@@ -45,6 +45,11 @@ class Segment:
     budget_s: float = 0.0      # first-audio budget when nothing is left to play as it starts (0: none)
     appended_at: float = 0.0
 
+    @property
+    def ends_session(self) -> bool:
+        """An empty last segment: the session ends once the segments before it are spoken."""
+        return self.last and not len(self.text_ids)
+
 
 @dataclass
 class Turn:

@@ -181,3 +181,23 @@ def test_a_context_past_max_len_drops_the_oldest_turns_and_prefills_the_slot_aga
     fresh_engine.scheduler.add(fresh)
     run_until(fresh_engine, lambda: fresh.finish is not None)
     np.testing.assert_array_equal(segments_of(fresh_sink, 9)[0][0], turns[2][0])
+
+
+@pytest.mark.parametrize("while_idle", [True, False])
+def test_an_empty_last_segment_ends_the_session_after_the_queued_ones(model, while_idle):
+    engine, sink = make_session_engine(model)
+    first = session_request(1, text_ids("Say this."), max_frames=5)
+    engine.scheduler.add(first)
+    if while_idle:
+        run_until(engine, lambda: idle(engine, 1) is not None)
+    else:
+        engine.scheduler.append("c", 1, segment(text_ids("And this."), max_frames=4))
+    engine.scheduler.append("c", 1, segment([], max_frames=0, last=True))
+    run_until(engine, lambda: first.finish is not None)
+    ends = segments_of(sink, 1)
+    assert [e[1] for e in ends] == [SEGMENT_END, LAST]
+    if while_idle:  # nothing left to speak: the LAST record has no frames and ends it as STOP
+        assert len(ends[1][0]) == 0 and ends[1][2] == FinishReason.STOP
+    else:  # the second segment's record carries LAST
+        assert len(ends[1][0]) > 0
+    assert len(engine.scheduler.slots) == 6
