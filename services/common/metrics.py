@@ -24,6 +24,10 @@ RPC_ERRORS = Counter("voxring_rpc_errors", "RPCs that ended with an error status
 TIME_TO_FIRST_AUDIO = Histogram(
     "voxring_time_to_first_audio_seconds", "From request arrival to its first audio chunk",
     buckets=(0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0), registry=REGISTRY)
+SEGMENT_FIRST_AUDIO = Histogram(
+    "voxring_segment_first_audio_seconds",
+    "A streaming session's segment: from its text's completion (its last piece) to its first audio",
+    buckets=(0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0), registry=REGISTRY)
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,31 @@ class AdmissionSection:
 
 
 @dataclass(frozen=True)
+class StreamingSection:
+    """StreamingSynthesize (incremental text): how the text is cut into spoken segments
+    (services/gateway/segmenter.py; a session may set the first and the third) and its bounds."""
+
+    min_segment_chars: int = 20      # a shorter sentence waits to be joined to the next
+    max_segment_chars: int = 400     # a longer run with no sentence end is cut at a clause or a space
+    max_wait_s: float = 1.0          # text with no sentence end is spoken this long after its last piece
+    max_piece_chars: int = 4096      # a longer text message is INVALID_ARGUMENT
+    max_audio_seconds: float = 600.0  # a session's audio, all segments (a session may ask for less)
+    segment_audio_seconds: float = 30.0  # one segment's audio at most (ends LENGTH)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_segment_chars <= self.max_segment_chars:
+            raise ConfigValueError("min_segment_chars", f"must be in [0, max_segment_chars], got "
+                                   f"{self.min_segment_chars}")
+        if self.max_segment_chars < 1 or self.max_piece_chars < 1:
+            raise ConfigValueError("max_segment_chars" if self.max_segment_chars < 1 else "max_piece_chars",
+                                   "must be >= 1")
+        for key in ("max_wait_s", "max_audio_seconds", "segment_audio_seconds"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigValueError(key, f"must be a finite number > 0, got {value}")
+
+
+@dataclass(frozen=True)
 class SamplingSection(SamplingDefaults):
     """Defaults for the sampling fields a request leaves unset (checked as every
     request's are: services/common/chunks.py)."""
@@ -233,3 +258,4 @@ class GatewayConfig:
     engines: EnginesSection = field(default_factory=EnginesSection)
     admission: AdmissionSection = field(default_factory=AdmissionSection)
     sampling: SamplingSection = field(default_factory=SamplingSection)
+    streaming: StreamingSection = field(default_factory=StreamingSection)

@@ -60,7 +60,8 @@ def _remaining(request: ValidRequest) -> float | None:
     return None if request.deadline is None else max(request.deadline - time.monotonic(), 0.001)
 
 
-def _stage_error(exc: grpc.aio.AioRpcError, stage: str) -> errors.ServiceError:
+def stage_error(exc: grpc.aio.AioRpcError, stage: str) -> errors.ServiceError:
+    """A stage's status as the domain error the client gets (a field named, a retry hint kept)."""
     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
         field, _, reason = exc.details().partition(": ")
         return errors.InvalidArgument(field, reason)
@@ -147,12 +148,33 @@ class SynthesisPipeline:
 
     # --- the steps -------------------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def _running(self, request: ValidRequest):
+    def _check_in_flight(self) -> None:
         limit = self.config.admission.max_in_flight
         if self.router.in_flight + self._admitting >= limit:
             raise errors.ResourceExhausted(f"{limit} requests in flight; retry shortly",
                                            retry_after=self.config.admission.retry_after_s)
+
+    @contextlib.asynccontextmanager
+    async def admitted(self):
+        """A pair for a streaming session (admission as a request's; released on the way out)."""
+        self._check_in_flight()
+        self._admitting += 1
+        try:
+            pair = await self.router.acquire()
+        finally:
+            self._admitting -= 1
+        try:
+            yield pair
+        finally:
+            self.router.release(pair)
+
+    async def cancel_on_talker(self, pair: EnginePair, handle: int) -> None:
+        """Ends a request (or session) on the talker; idempotent, errors ignored (it is cleanup)."""
+        await self._cancel_on_talker(Started(pair, None, handle, 0, 0.0))
+
+    @contextlib.asynccontextmanager
+    async def _running(self, request: ValidRequest):
+        self._check_in_flight()
         pair, started = await self._start_on_some_pair(request)
         try:
             yield started
@@ -226,14 +248,14 @@ class SynthesisPipeline:
         try:
             opened = await call.read()
             started.handle = opened.opened.handle
-            await self._submit(pair, talker_pb2.SubmitRequest(
+            await self.submit(pair, talker_pb2.SubmitRequest(
                 request_id=request.request_id, handle=started.handle, consumer_id=pair.consumer_id,
-                segments=segments, sampling=self._sampling(msg, seed), max_frames=max_frames,
+                segments=segments, sampling=self.sampling(msg, seed), max_frames=max_frames,
                 timeout_s=_remaining(request) or 0.0,
                 first_audio_budget_s=self._first_audio_budget(started.arrival)))
         except grpc.aio.AioRpcError as exc:
             call.cancel()
-            raise _stage_error(exc, "engine") from None
+            raise stage_error(exc, "engine") from None
         except BaseException:  # the client left while the request was starting
             call.cancel()  # Code2Wav then cancels it on the talker too
             raise
@@ -243,7 +265,7 @@ class SynthesisPipeline:
         return first_audio_budget(self.config.admission.first_audio_budget_s, arrival, time.monotonic())
 
     @staticmethod
-    async def _submit(pair: EnginePair, submit: talker_pb2.SubmitRequest) -> None:
+    async def submit(pair: EnginePair, submit: talker_pb2.SubmitRequest) -> None:
         """Submit, waiting briefly while the pair's Code2Wav (re-)attaches to its talker
         (a pair that just started, or whose Code2Wav restarted)."""
         for _ in range(ATTACH_WAIT_STEPS):
@@ -263,14 +285,14 @@ class SynthesisPipeline:
             while (message := await started.call.read()) is not grpc.aio.EOF:
                 yield message
         except grpc.aio.AioRpcError as exc:
-            raise _stage_error(exc, "code2wav") from None
+            raise stage_error(exc, "code2wav") from None
 
     async def _cancel_on_talker(self, started: Started) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
             await started.pair.talker.Cancel(talker_pb2.CancelRequest(
                 consumer_id=started.pair.consumer_id, handle=started.handle), timeout=2.0)
 
-    def _sampling(self, msg, seed: int) -> common_pb2.SamplingParams:
+    def sampling(self, msg, seed: int) -> common_pb2.SamplingParams:
         d = self.config.sampling
 
         def pick(name):

@@ -1,8 +1,9 @@
 """``voxring.v1.Synthesizer``: protobuf in, validated domain request out, and back.
 
 The servicer only translates and relays (PROTOCOL.md's threading rule): validation,
-the in-flight id check, then the backend that drives the engine pair; voices are added
-and removed by the voice manager (which the HTTP API calls too). Errors are domain
+the in-flight id check, then the backend that drives the engine pair (a streaming session:
+services/gateway/streaming.py, on the same backend); voices are added and removed by the
+voice manager (which the HTTP API calls too). Errors are domain
 errors; the server interceptor turns them into status codes.
 """
 
@@ -15,6 +16,8 @@ from typing import Protocol
 from services.common.log import request_id_var
 from services.gateway.config import GatewayConfig
 from services.gateway.inflight import InFlightRequests
+from services.gateway.streaming import StreamingSession
+from services.gateway.streaming_config import first_message, session_settings
 from services.gateway.validation import ValidRequest, validate
 from services.gateway.voice_manager import VoiceManager
 from services.gateway.voices import VoiceCatalog, VoiceEntry
@@ -64,6 +67,17 @@ class SynthesizerServicer(synthesizer_pb2_grpc.SynthesizerServicer):
         valid = self._accept(request, context)
         with self.in_flight.reserve(valid.request_id):
             async for message in self._backend.stream(valid):
+                yield message
+
+    async def StreamingSynthesize(self, request_iterator, context):
+        requests = aiter(request_iterator)
+        config = first_message(await anext(requests, None))
+        remaining = context.time_remaining()
+        settings = session_settings(config, self._config, self.voices,
+                                    None if remaining is None else time.monotonic() + remaining)
+        request_id_var.set(settings.valid.request_id)
+        with self.in_flight.reserve(settings.valid.request_id):
+            async for message in StreamingSession(self._backend, settings).run(requests):
                 yield message
 
     async def ListVoices(self, request, context):

@@ -46,6 +46,11 @@ SPF = 1920
 
 @pytest.fixture(scope="module")
 def stack(model_cache):
+    yield from stack_of(model_cache)
+
+
+def stack_of(model_cache, gateway_extra: str = ""):
+    """The three stages on unix sockets (``gateway_extra``: more of the gateway's config)."""
     ensure_tiny_checkpoint(root=model_cache / "models")
     d = Path(tempfile.mkdtemp(prefix="vx-e2e-", dir="/tmp"))  # short: unix socket paths
     configs = {
@@ -60,7 +65,7 @@ def stack(model_cache):
                    f"engines: {{pairs: [{{talker: 'unix:{d}/talker.sock',"
                    f" code2wav: 'unix:{d}/code2wav.sock'}}]}}\n"
                    f"admission: {{max_in_flight: 20}}\n"
-                   f"limits: {{default_audio_seconds: 2.0}}\n",
+                   f"limits: {{default_audio_seconds: 2.0}}\n{gateway_extra}",
     }
     stages, metrics = StageGroup(d), {}
     try:
