@@ -21,7 +21,7 @@ class GatewayServerSection(ServerSection):
 
 @dataclass(frozen=True)
 class TextSection:
-    max_chars: int = 2000                       # longer text is INVALID_ARGUMENT
+    max_chars: int = 4096                       # longer text is INVALID_ARGUMENT (OpenAI's limit)
     language_codes: tuple[str, ...] = ("en-US",)  # the first is the default
 
     def __post_init__(self) -> None:

@@ -1,4 +1,5 @@
-"""One synthesis request through an engine pair (PROTOCOL.md, One request):
+"""One synthesis request through an engine pair (PROTOCOL.md, One request; a text of several
+sentences is spoken as a session instead: services/gateway/long_text.py):
 
 admission -> route to a pair -> build the prompt (the voice's speaker, its reference
 clip as an audio-context turn) -> choose the chunk schedule from load -> Code2Wav.Open
@@ -107,6 +108,14 @@ class SynthesisPipeline:
     # --- the public shapes -----------------------------------------------------------------------
 
     async def stream(self, request: ValidRequest) -> AsyncIterator[pb.SynthesizeSpeechResponse]:
+        from services.gateway import long_text  # its session runs on this pipeline: imported here, not above
+
+        if long_text.segment_count(request.text, self.config) > 1:  # several sentences: a session
+            msg = request.message
+            seed = msg.seed if msg.HasField("seed") else secrets.randbits(63)
+            async for message in long_text.stream_segmented(self, request, seed):
+                yield message
+            return
         async with self._running(request) as started:
             facts = started.pair.facts
             out_rate = request.sample_rate_hz or facts.sample_rate

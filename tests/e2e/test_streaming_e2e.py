@@ -5,6 +5,7 @@ bad inputs, each ending the call with the field named."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import grpc
@@ -156,3 +157,22 @@ def test_a_client_gone_mid_segment_frees_both_stages_once_and_other_sessions_go_
     wait_for(lambda: idle_engines(stack), what="both stages idle")
     talker = stack["talker"].Stats(talker_pb2.TalkerStatsRequest(), timeout=10)
     assert talker.free_slots == 32  # every row's slot back
+
+
+def test_a_request_of_several_sentences_is_spoken_as_a_session(stack):
+    """SynthesizeOnline with three sentences: one continuous answer (chunks numbered across the text,
+    the audio every frame's), spoken as three segments of one talker session (two Appends)."""
+    from tests.e2e.test_synthesis_e2e import online, scrape
+
+    def appended() -> float:
+        found = re.search(r"^voxring_session_segments_total (\S+)$", scrape(stack["metrics"]["talker"]), re.M)
+        return float(found.group(1)) if found else 0.0
+
+    before = appended()
+    chunks, final, _ = online(stack["gateway"], text=" ".join(SENTENCES[:3]), seed=6, max_audio_seconds=30)
+    pcm = b"".join(c.audio for c in chunks)
+    assert final.finish_reason in OK and len(pcm) // 2 == final.usage.frames * SPF
+    audio = [c for c in chunks if c.audio and c is not final]
+    assert [c.chunk_index for c in audio] == list(range(len(audio)))
+    assert appended() - before == 2
+    assert final.usage.frames > 24  # three sentences of up to a second each, not one
