@@ -24,6 +24,11 @@ RPC_ERRORS = Counter("voxring_rpc_errors", "RPCs that ended with an error status
 TIME_TO_FIRST_AUDIO = Histogram(
     "voxring_time_to_first_audio_seconds", "From request arrival to its first audio chunk",
     buckets=(0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0), registry=REGISTRY)
+CLEAR_TO_SILENCE = Histogram(
+    "voxring_clear_to_silence_seconds",
+    "A streaming session's clear (barge-in): from the client's clear to the cleared segment's end "
+    "(its audio muted at once; its frames dropped on Code2Wav)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0), registry=REGISTRY)
 SEGMENT_FIRST_AUDIO = Histogram(
     "voxring_segment_first_audio_seconds",
     "A streaming session's segment: from its text's completion (its last piece) to its first audio",

@@ -95,6 +95,8 @@ class SynthesisPipeline:
         self.completed = 0          # requests that ended with their final message
         self.frames = 0
         self.audio_seconds = 0.0
+        self.sessions = 0           # streaming sessions (and long texts) that ended with their SessionDone
+        self.session_segments = 0   # ... and the segments they spoke
         self._admitting = 0         # admitted, still waiting in router.acquire()
         self._cancels: set[asyncio.Task] = set()  # Talker.Cancel calls in flight
 
@@ -103,7 +105,10 @@ class SynthesisPipeline:
                 "engine_pairs": ("gauge", "engine pairs taking new requests", len(self.router.pairs)),
                 "requests_completed": ("counter", "requests that ended normally", self.completed),
                 "frames": ("counter", "codec frames delivered", self.frames),
-                "audio_seconds": ("counter", "seconds of audio delivered", self.audio_seconds)}
+                "audio_seconds": ("counter", "seconds of audio delivered", self.audio_seconds),
+                "streaming_sessions": ("counter", "streaming sessions ended (segments a session: "
+                                       "streaming_segments / streaming_sessions)", self.sessions),
+                "streaming_segments": ("counter", "segments the ended sessions spoke", self.session_segments)}
 
     # --- the public shapes -----------------------------------------------------------------------
 

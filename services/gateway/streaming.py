@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import errors
-from services.common.metrics import SEGMENT_FIRST_AUDIO, TIME_TO_FIRST_AUDIO
+from services.common.metrics import CLEAR_TO_SILENCE, SEGMENT_FIRST_AUDIO, TIME_TO_FIRST_AUDIO
 from services.gateway.audio import make_encoder
 from services.gateway.pipeline import SynthesisPipeline, first_audio_budget, stage_error
 from services.gateway.routing import EnginePair
@@ -69,6 +69,7 @@ class StreamingSession:
         self.call = None
         self.handle = 0
         self.submitted = False
+        self.cleared_at: float | None = None  # a clear waiting for its segment's end (the metric)
 
     # --- the call ---------------------------------------------------------------------------------
 
@@ -160,6 +161,8 @@ class StreamingSession:
             consumer_id=self.pair.consumer_id, handle=self.handle), timeout=5.0))
         if reply.dropped:  # queued segments the talker dropped: they will never be spoken
             del self.spoken[len(self.spoken) - reply.dropped:]
+        if self.c2w_index < len(self.spoken):  # a segment was being spoken: its end closes the clear
+            self.cleared_at = time.monotonic()
         self.mute_below = len(self.spoken)
 
     # --- segments to the talker -------------------------------------------------------------------
@@ -266,6 +269,9 @@ class StreamingSession:
         index = self.c2w_index
         self.c2w_index += 1
         self.frames_done += end.frames
+        if self.cleared_at is not None and end.finish_reason == common_pb2.FINISH_REASON_CANCELLED:
+            CLEAR_TO_SILENCE.observe(time.monotonic() - self.cleared_at)
+            self.cleared_at = None
         segment = self.spoken[index] if index < len(self.spoken) else SpokenSegment("", time.monotonic(), 0)
         now = time.monotonic()
         audio_s = (self.encoder.samples_out - segment.samples_at_start) / self.out_rate \
@@ -305,6 +311,8 @@ class StreamingSession:
         self.pipeline.completed += 1
         self.pipeline.frames += finished.frames
         self.pipeline.audio_seconds += audio_s
+        self.pipeline.sessions += 1
+        self.pipeline.session_segments += self.c2w_index
         done = pb.SessionDone(finish_reason=reason, usage=usage, segments=self.c2w_index)
         responses.append(pb.StreamingSynthesizeResponse(done=done, request_id=rid))
         return responses

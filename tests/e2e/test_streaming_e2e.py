@@ -176,3 +176,16 @@ def test_a_request_of_several_sentences_is_spoken_as_a_session(stack):
     assert [c.chunk_index for c in audio] == list(range(len(audio)))
     assert appended() - before == 2
     assert final.usage.frames > 24  # three sentences of up to a second each, not one
+
+
+def test_the_gateway_counts_sessions_segments_first_audio_and_clears(stack):
+    from tests.e2e.test_synthesis_e2e import scrape
+
+    run(stack["gateway"], [config(seed=7, min_segment_chars=0), text("One. "), text("Two.")])
+    gateway = scrape(stack["metrics"]["gateway"])
+    sessions = float(re.search(r"^voxring_streaming_sessions_total (\S+)$", gateway, re.M).group(1))
+    segments = float(re.search(r"^voxring_streaming_segments_total (\S+)$", gateway, re.M).group(1))
+    assert sessions >= 1 and segments >= 2 * 1
+    firsts = re.search(r"^voxring_segment_first_audio_seconds_count (\S+)$", gateway, re.M)
+    assert firsts and float(firsts.group(1)) >= 2
+    assert re.search(r"^voxring_clear_to_silence_seconds_count ", gateway, re.M)
