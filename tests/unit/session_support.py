@@ -22,10 +22,11 @@ def text_ids(text: str, speaker: int = 0) -> list[int]:
 
 
 def make_session_engine(model, *, max_len: int = 256, rows: int = 4, sessions: int = 2, k_max: int = 4,
-                        idle_s: float = 30.0, clock=frozen_clock):
+                        idle_s: float = 30.0, clock=frozen_clock, **runner_args):
+    """``runner_args``: more of the Runner's (CUDA graphs, prefill buckets)."""
     slots = rows + sessions
     runner = Runner(model, num_slots=slots, max_len=max_len, buckets=[rows], k_max=k_max,
-                    max_repetition_window=8)
+                    max_repetition_window=8, **runner_args)
     scheduler = Scheduler(num_slots=slots, max_num_seqs=rows, k_max=k_max, prefill_token_budget=4096,
                           max_waiting=16, stall_timeout=5.0, frame_rate=12.5, path_s=0.1,
                           bucket_for=runner.bucket_for, max_len=max_len, max_sessions=sessions,
