@@ -1,5 +1,6 @@
-"""Helpers of tests/integration/test_http_api.py: certificates, decoders independent of the
-gateway's encoders, raw HTTP on a socket, metrics and a reference clip."""
+"""Helpers of the HTTP API's integration tests (test_http_api.py, test_http_websocket.py):
+the engine pair's configs, certificates, decoders independent of the gateway's encoders, raw
+HTTP on a socket, metrics and a reference clip."""
 
 from __future__ import annotations
 
@@ -16,6 +17,27 @@ import trustme
 
 RATE = 24000   # voxring-tiny's sample rate
 WAIT_S = 30.0  # bound on every call to the stack
+
+
+def pair_configs(d: Path) -> dict[str, str]:
+    """The engine pair of a test stack: a talker and a Code2Wav attached to it, on unix sockets in
+    ``d`` (the folder's name short: socket paths are bounded), where the gateways route to them
+    (test_http_api._gateway_config)."""
+    return {
+        "talker": f"server: {{listen: 'unix:{d}/talker.sock', drain_timeout: 5, grace: 1}}\n"
+                  f"engine: {{k_max: 4, buckets: [1, 2, 4, 8], max_num_seqs: 8, max_len: 512}}\n",
+        "code2wav": f"server: {{listen: 'unix:{d}/code2wav.sock', drain_timeout: 5, grace: 1}}\n"
+                    f"engine: {{max_slots: 8}}\n"
+                    f"talkers: {{attach: [{{id: talker-0, address: 'unix:{d}/talker.sock'}}]}}\n",
+    }
+
+
+def start_stages(stages, configs: dict[str, str]) -> dict[str, dict]:
+    """Starts each config of ``configs`` in a StageGroup (tests/conftest.py), in order, each ready
+    before the next; a name's part before '-' is its stage ("gateway-tls": a gateway). Returns
+    each one's ready file (its addresses: "http", "metrics", ...)."""
+    return {name: stages.start(name.partition("-")[0], config, name=name, timeout=60).ready()
+            for name, config in configs.items()}
 
 
 def write_pki(folder: Path) -> dict[str, Path]:

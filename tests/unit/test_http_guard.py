@@ -1,6 +1,6 @@
 """The HTTP API's outer layer on plain ASGI messages: the token before anything else, the
 body limit before the body is read whole, the drain's refusals, the in-flight count and
-the per-route metric."""
+the per-route metric; the same for WebSocket handshakes (the token also as a subprotocol)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import json
 
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 
 from services.common.metrics import REGISTRY
 from services.gateway.http.guard import Guard
@@ -29,6 +29,13 @@ def _app(seen: list):
     @app.get("/")
     async def page():
         return {"page": True}
+
+    @app.websocket("/v1/socket/{name}")
+    async def socket(websocket: WebSocket, name: str):
+        seen.append(name)
+        await websocket.accept()
+        await websocket.send_text(name)
+        await websocket.close()
 
     return app
 
@@ -162,3 +169,89 @@ def test_metrics_count_by_route_template_and_status():
     before = _count("unmatched", "404")
     _call(guard, "/nothing/here", method="GET", headers=AUTH)
     assert _count("unmatched", "404") == before + 1
+
+
+class SocketWire:
+    """One WebSocket's ASGI channel: the handshake's connect, then a client that stays."""
+
+    def __init__(self) -> None:
+        self.connected = False
+        self.sent: list[dict] = []
+
+    async def receive(self):
+        if not self.connected:
+            self.connected = True
+            return {"type": "websocket.connect"}
+        await asyncio.Event().wait()
+
+    async def send(self, message):
+        self.sent.append(message)
+
+    @property
+    def types(self) -> list[str]:
+        return [m["type"] for m in self.sent]
+
+
+def _socket(guard: Guard, headers=(), subprotocols=(), denial=True) -> SocketWire:
+    """A handshake on /v1/socket/x; ``denial``: the server can answer it with HTTP (uvicorn can)."""
+    path = "/v1/socket/x"
+    scope = {"type": "websocket", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "scheme": "ws", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "subprotocols": list(subprotocols),
+             "extensions": {"websocket.http.response": {}} if denial else {}}
+    wire = SocketWire()
+    asyncio.run(asyncio.wait_for(guard(scope, wire.receive, wire.send), 5))
+    return wire
+
+
+@pytest.mark.parametrize(("headers", "subprotocols"), [
+    ((), ()), ((), ("bearer.nope",)), ((("authorization", "Bearer nope"),), ()), ((), ("chat",)),
+    (AUTH, (f"bearer.{TOKEN}",)), ((), (f"bearer.{TOKEN}", f"bearer.{TOKEN}"))])
+def test_a_websocket_without_one_right_token_is_401_before_the_app(headers, subprotocols):
+    guard, seen = _guard()
+    before = _count("/v1/socket/{name}", "401")
+    wire = _socket(guard, headers, subprotocols)
+    assert wire.types == ["websocket.http.response.start", "websocket.http.response.body"] and not seen
+    start, body = wire.sent
+    assert start["status"] == 401 and dict(start["headers"])[b"www-authenticate"] == b"Bearer"
+    assert json.loads(body["body"])["error"]["code"] == "invalid_api_key"
+    assert TOKEN not in body["body"].decode()
+    assert _count("/v1/socket/{name}", "401") == before + 1 and guard.in_flight == 0
+
+
+def test_a_websocket_token_as_header_or_subprotocol_and_the_subprotocol_echoed():
+    guard, seen = _guard()
+    by_header = _socket(guard, AUTH, ("chat",))
+    assert by_header.types[0] == "websocket.accept" and by_header.sent[0].get("subprotocol") is None
+    before = _count("/v1/socket/{name}", "101")
+    by_subprotocol = _socket(guard, (), ("chat", f"bearer.{TOKEN}"))
+    assert by_subprotocol.sent[0] == {"type": "websocket.accept", "subprotocol": f"bearer.{TOKEN}",
+                                      "headers": []}
+    assert by_subprotocol.sent[1] == {"type": "websocket.send", "text": "x"} and seen == ["x", "x"]
+    assert _count("/v1/socket/{name}", "101") == before + 1
+
+
+def test_a_websocket_is_closed_before_the_accept_where_http_denial_is_not_supported():
+    guard, seen = _guard()
+    assert _socket(guard, denial=False).sent == [{"type": "websocket.close", "code": 1008}] and not seen
+    guard.draining = True
+    assert _socket(guard, AUTH, denial=False).sent == [{"type": "websocket.close", "code": 1013}]
+
+
+def test_draining_refuses_a_websocket_with_503_and_counts_it_in_flight_while_open():
+    guard, seen = _guard(token=None)
+    guard.draining = True
+    wire = _socket(guard)
+    assert wire.sent[0]["type"] == "websocket.http.response.start" and wire.sent[0]["status"] == 503
+    assert not seen
+    guard.draining = False
+    counts = []
+
+    async def app(scope, receive, send):
+        counts.append(guard.in_flight)
+        await send({"type": "websocket.accept"})
+
+    guard.app = app
+    _socket(guard)
+    assert counts == [1] and guard.in_flight == 0

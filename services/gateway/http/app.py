@@ -2,8 +2,9 @@
 serves it in the gateway's event loop, behind services.gateway.http.guard).
 
 Every route goes through what the gRPC API uses: speech builds a ``SynthesizeSpeechRequest``
-and runs validation, the servicer's in-flight table and the pipeline; voices go through the
-servicer's VoiceManager. Domain errors become OpenAI's error shape (errors.py).
+and runs validation, the servicer's in-flight table and the pipeline; the WebSocket at
+``/v1/audio/speech/stream`` runs StreamingSynthesize's session (speech_stream.py); voices go
+through the servicer's VoiceManager. Domain errors become OpenAI's error shape (errors.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import FastAPI, File, Form, UploadFile
+from fastapi import FastAPI, File, Form, UploadFile, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
@@ -22,6 +23,7 @@ from services.common.errors import NotFound, ServiceError
 from services.gateway.config import GatewayConfig
 from services.gateway.http import errors
 from services.gateway.http.speech import SpeechBody, SpeechStream
+from services.gateway.http.speech_stream import SpeechSocket
 from services.gateway.pipeline import SynthesisPipeline
 from services.gateway.servicer import SynthesizerServicer
 from services.gateway.validation import ValidRequest, validate
@@ -103,6 +105,12 @@ def _speech_routes(app: FastAPI, parts: ApiParts) -> None:
         valid = validate(body.to_request(), parts.config, parts.servicer.voices)
         return SpeechStream(valid, body, in_flight=parts.servicer.in_flight, pipeline=parts.pipeline,
                             usage_tokens=parts.usage_tokens, model_name=parts.model_name)
+
+    @app.websocket("/v1/audio/speech/stream")
+    async def speech_stream(websocket: WebSocket):
+        """Incremental text over a WebSocket: one StreamingSynthesize session per connection."""
+        await SpeechSocket(websocket, config=parts.config, voices=parts.servicer.voices,
+                           in_flight=parts.servicer.in_flight, pipeline=parts.pipeline).serve()
 
     @app.get("/v1/models", summary="The served model (OpenAI's list shape)")
     async def models():

@@ -3,7 +3,8 @@
 Every error body is ``{"error": {"message", "type", "param", "code"}}`` as OpenAI's API
 sends it, so the official clients raise their usual exceptions (BadRequestError, ...).
 Domain errors (services.common.errors) name fields the way the gRPC API spells them; here
-``param`` names the field of the HTTP request instead (``text`` is ``input``, ...).
+``param`` names the field of the HTTP request instead (``text`` is ``input``, ...), or of the
+WebSocket's JSON messages (``config.voice_name`` is ``voice``, ...).
 
 The statuses follow Google's canonical mapping of gRPC codes to HTTP, except where
 OpenAI's API defines another: FAILED_PRECONDITION is 400 (the request cannot be served in
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
@@ -28,6 +30,11 @@ log = logging.getLogger(__name__)
 HTTP_FIELDS = {"text": "input", "voice_name": "voice", "sample_rate_hz": "sample_rate",
                "encoding": "response_format",
                "audio": "file"}  # CreateVoice's clip: the multipart part of POST /v1/audio/voices
+
+# StreamingSynthesize's names (StreamingConfig's as ``config.<field>``, the message's oneof ``kind``)
+# -> the JSON names of /v1/audio/speech/stream's messages (speech_stream.py)
+WS_FIELDS = {"voice_name": "voice", "sample_rate_hz": "sample_rate", "encoding": "response_format",
+             "language_code": "language", "kind": "type"}
 
 STATUS_OF_CODE = {
     "INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400,
@@ -57,6 +64,15 @@ def http_param(field: str | None) -> str | None:
     return None if field is None else HTTP_FIELDS.get(field, field)
 
 
+def ws_param(field: str | None) -> str | None:
+    """A session's field as the WebSocket's messages name it: ``config.voice_name`` -> ``voice``,
+    ``config.seed`` -> ``seed``, ``config`` (the first message) and ``text`` as they are."""
+    if field is None:
+        return None
+    name = field.removeprefix("config.")
+    return WS_FIELDS.get(name, name)
+
+
 def retry_after_header(seconds: float | None) -> dict[str, str]:
     """Retry-After takes whole seconds (RFC 9110): a fraction rounds up, never to 0."""
     if seconds is None or not math.isfinite(seconds):
@@ -64,10 +80,12 @@ def retry_after_header(seconds: float | None) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
-def service_error_parts(exc: ServiceError) -> tuple[int, str, str | None, dict[str, str]]:
-    """(status, message, param, headers) of a domain error, its field in HTTP's words."""
+def service_error_parts(exc: ServiceError, param_of: Callable[[str | None], str | None] = http_param
+                        ) -> tuple[int, str, str | None, dict[str, str]]:
+    """(status, message, param, headers) of a domain error, its field in HTTP's words
+    (``param_of``: http_param for the HTTP bodies, ws_param for the WebSocket's messages)."""
     status = STATUS_OF_CODE.get(exc.code, 500)
-    param = http_param(exc.field) if isinstance(exc, InvalidArgument) else None
+    param = param_of(exc.field) if isinstance(exc, InvalidArgument) else None
     message = exc.message
     if isinstance(exc, InvalidArgument) and param != exc.field:
         message = f"{param}: {exc.reason}"

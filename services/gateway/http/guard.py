@@ -6,6 +6,15 @@ bearer token is checked (401 with ``WWW-Authenticate: Bearer``, before anything 
 looked at); the body's size is bounded (413 from the Content-Length header before the body
 is read, or while a chunked body arrives, never after reading it whole).
 
+A WebSocket handshake passes the same checks: it is counted like a request (status 101 once
+accepted) and stays in flight while the connection lasts; during the drain it is refused
+(503); the token comes in the Authorization header or, since browsers cannot set headers on
+a WebSocket, as the subprotocol ``bearer.<token>`` (then echoed as the accepted subprotocol,
+which a browser requires); a refused handshake gets the HTTP error response (the ASGI
+WebSocket Denial Response), or a close before the accept (1008; 1013 in the drain) where
+the server lacks it. A message's size is uvicorn's limit (server.py); a text piece's is the
+session's (StreamingSession).
+
 It wraps the FastAPI app as a plain ASGI callable rather than a FastAPI middleware so that
 its refusals never reach FastAPI's body parsing, which turns any error raised while reading
 into a 400.
@@ -31,6 +40,7 @@ HTTP_REQUESTS = Counter("voxring_http_requests", "HTTP API requests by route and
 # playground asks for the token and sends it with its API calls).
 AUTH_EXEMPT = frozenset({"/", "/docs", "/docs/oauth2-redirect", "/openapi.json"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+BEARER_SUBPROTOCOL = "bearer."  # + the token: a WebSocket's credentials from a browser
 
 
 class BodyLimit:
@@ -74,20 +84,31 @@ class Guard:
         return f"{type(self).__name__}(auth={'on' if self._token else 'off'})"
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)  # websockets: the app refuses them
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)  # lifespan (off in server.py)
             return
         status = 0
+        subprotocol = _bearer_subprotocol(scope)
 
         async def recording_send(message: dict) -> None:
             nonlocal status
-            if message["type"] == "http.response.start":
+            kind = message["type"]
+            if kind in ("http.response.start", "websocket.http.response.start"):
                 status = message["status"]
+            elif kind == "websocket.accept":
+                status = 101
+                if subprotocol is not None and not message.get("subprotocol"):
+                    message = {**message, "subprotocol": subprotocol}  # the client's credentials
+            elif kind == "websocket.close" and not status:
+                status = 403  # closed before the accept: uvicorn answers the handshake 403
             await send(message)
 
         self.in_flight += 1
         try:
-            await self._handle(scope, receive, recording_send)
+            if scope["type"] == "websocket":
+                await self._handle_websocket(scope, receive, recording_send)
+            else:
+                await self._handle(scope, receive, recording_send)
         finally:
             self.in_flight -= 1
             HTTP_REQUESTS.labels(self.route_of(scope), str(status) if status else "none").inc()
@@ -116,6 +137,15 @@ class Guard:
             receive = body.receive
         await self.app(scope, receive, send)
 
+    async def _handle_websocket(self, scope, receive, send) -> None:
+        refusal = self._refusal(scope)
+        if refusal is None:
+            await self.app(scope, receive, send)
+        elif "websocket.http.response" in scope.get("extensions", {}):
+            await refusal(scope, receive, send)  # Starlette sends it as websocket.http.response.*
+        else:
+            await send({"type": "websocket.close", "code": 1013 if self.draining else 1008})
+
     def _refusal(self, scope):
         """The error response for a request refused up front, or None."""
         if self.draining:
@@ -124,9 +154,11 @@ class Guard:
         if self._token is not None and scope["path"] not in AUTH_EXEMPT:
             problem = self._auth_problem(scope)
             if problem is not None:
-                log.info("%s %s -> 401: %s", scope["method"], scope["path"], problem)
+                log.info("%s %s -> 401: %s", scope.get("method", "WebSocket"), scope["path"], problem)
                 return error_response(401, problem, None, "invalid_api_key",
                                       {"WWW-Authenticate": "Bearer"})
+        if scope["type"] == "websocket":
+            return None
         length = _header(scope, b"content-length")
         if length is not None:
             if not length.isdigit():
@@ -142,14 +174,21 @@ class Guard:
 
     def _auth_problem(self, scope) -> str | None:
         values = [v for k, v in scope["headers"] if k == b"authorization"]
-        if not values:
+        offered = _bearer_subprotocols(scope)
+        if not values and not offered:
+            if scope["type"] == "websocket":
+                return ("missing credentials: send the header 'Authorization: Bearer <token>' or the "
+                        f"subprotocol '{BEARER_SUBPROTOCOL}<token>'")
             return "missing credentials: send the header 'Authorization: Bearer <token>'"
-        if len(values) > 1:
-            return "more than one Authorization header"
-        scheme, _, presented = values[0].decode("latin-1").strip().partition(" ")
-        if scheme.lower() != "bearer" or not presented.strip():
-            return "the Authorization header must be 'Bearer <token>'"
-        if not hmac.compare_digest(presented.strip().encode("latin-1"), self._token):
+        if len(values) + len(offered) > 1:
+            return "more than one Authorization header" if not offered else "more than one credential"
+        if offered:
+            presented = offered[0].removeprefix(BEARER_SUBPROTOCOL)
+        else:
+            scheme, _, presented = values[0].decode("latin-1").strip().partition(" ")
+            if scheme.lower() != "bearer" or not presented.strip():
+                return "the Authorization header must be 'Bearer <token>'"
+        if not hmac.compare_digest(presented.strip().encode("latin-1", "replace"), self._token):
             return "invalid bearer token"
         return None
 
@@ -159,3 +198,14 @@ def _header(scope, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1").strip()
     return None
+
+
+def _bearer_subprotocols(scope) -> list[str]:
+    """The ``bearer.<token>`` subprotocols a WebSocket handshake offers (none for HTTP)."""
+    return [p for p in scope.get("subprotocols", ()) if p.startswith(BEARER_SUBPROTOCOL)]
+
+
+def _bearer_subprotocol(scope) -> str | None:
+    """The subprotocol to accept: the one ``bearer.<token>`` offered, if exactly one was."""
+    offered = _bearer_subprotocols(scope)
+    return offered[0] if len(offered) == 1 else None

@@ -82,8 +82,14 @@ class HttpServer(LoopTask):
         host = listen.rpartition(":")[0]
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         server = self.config.server
+        # WebSockets (/v1/audio/speech/stream) through the websockets package's sans-I/O
+        # protocol, which sends the guard's HTTP refusals of a handshake (401, 503); a message
+        # is bounded as a body is (http.max_body_mb); no per-message deflate: audio gains
+        # little from it, and compressing would cost the event loop's time
         uv = uvicorn.Config(self.guard, lifespan="off", log_config=None, access_log=False,
-                            server_header=False, ws="none", proxy_headers=False,
+                            server_header=False, ws="websockets-sansio",
+                            ws_max_size=self.guard.max_body_bytes, ws_per_message_deflate=False,
+                            proxy_headers=False,
                             ssl_certfile=server.tls_cert, ssl_keyfile=server.tls_key,
                             timeout_graceful_shutdown=max(server.grace, 0.1))
         uv.load()  # the TLS context now, not inside the task: a failure stops the start-up
