@@ -14,10 +14,7 @@ process must not fork after importing grpc.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import struct
 import sys
-import time
 from pathlib import Path
 
 from voxring.bench_cli import DESCRIPTION as BENCH_DESCRIPTION
@@ -29,14 +26,12 @@ from voxring.cli_connection import (
     client_arguments,
     tls_options,
 )
-from voxring.errors import VoxringError
+from voxring.cli_say import add_say_arguments, cmd_say, fix_wav_sizes
 from voxring.stack import STAGES, Stack, StackError, find_root
 from voxring.voices_cli import DESCRIPTION as VOICES_DESCRIPTION
 from voxring.voices_cli import add_voices_arguments
 
-_FORMATS = {"wav": "wav", "pcm": "pcm", "ogg": "ogg_opus", "opus": "ogg_opus", "mp3": "mp3",
-            "flac": "flac", "aac": "aac"}  # --format -> SDK encoding
-_UNKNOWN_SIZE = 0xFFFFFFFF  # a streaming WAV header's RIFF and data sizes
+__all__ = ["cmd_say", "fix_wav_sizes", "main"]  # say lives in voxring/cli_say.py
 
 
 def _stack(args: argparse.Namespace) -> Stack:
@@ -122,107 +117,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print("stack stopped")
 
 
-def fix_wav_sizes(path: Path) -> bool:
-    """Writes the real RIFF and data sizes into a WAV file whose header a streaming server
-    wrote before the length was known (sizes 0xFFFFFFFF, or past the end of the file).
-    The data chunk is taken to run to the end of the file. True when it changed the file."""
-    with open(path, "r+b") as f:
-        size = f.seek(0, 2)
-        f.seek(0)
-        riff, riff_size, wave = struct.unpack("<4sI4s", f.read(12).ljust(12, b"\0"))
-        if riff != b"RIFF" or wave != b"WAVE":
-            raise ValueError(f"{path} is not a RIFF/WAVE file")
-        position = 12
-        while position + 8 <= size:  # walk the chunks to "data"
-            f.seek(position)
-            chunk_id, chunk_size = struct.unpack("<4sI", f.read(8))
-            if chunk_id == b"data":
-                break
-            position += 8 + chunk_size + (chunk_size & 1)
-        else:
-            raise ValueError(f"{path} has no data chunk")
-        data_size = size - position - 8
-        if size - 8 >= _UNKNOWN_SIZE:
-            raise ValueError(f"{path} is too large for a WAV file ({size} bytes)")
-        changed = False
-        if chunk_size == _UNKNOWN_SIZE or chunk_size > data_size:
-            f.seek(position + 4)
-            f.write(struct.pack("<I", data_size))
-            changed = True
-        if riff_size == _UNKNOWN_SIZE or riff_size > size - 8 or changed:
-            f.seek(4)
-            f.write(struct.pack("<I", size - 8))
-            changed = True
-        return changed
-
-
-def _say_streaming(client, args: argparse.Namespace, options: dict):
-    """Writes the chunks as they arrive; a request refused before its first chunk leaves
-    no file, and a stream that fails later removes what it wrote."""
-    out = None
-    try:
-        with client.stream(args.text, timeout=args.timeout, **options) as stream, \
-                contextlib.ExitStack() as files:
-            for chunk in stream:
-                if out is None:
-                    out = files.enter_context(open(args.output, "wb"))
-                out.write(chunk.audio)
-    except BaseException:
-        if out is not None:
-            args.output.unlink(missing_ok=True)
-        raise
-    return stream.result, stream.time_to_first_audio_s, out is not None
-
-
-def cmd_say(args: argparse.Namespace) -> int:
-    from voxring.client import Client
-
-    options = {"voice": args.voice, "seed": args.seed, "encoding": _FORMATS[args.format],
-               "sample_rate_hz": args.rate, "language_code": args.language, "speed": args.speed}
-    try:
-        connection = client_arguments(args)
-    except UsageError as exc:
-        print(f"voxring say: {exc}", file=sys.stderr)
-        return 2
-    try:
-        with Client(args.target, **connection) as client:
-            if args.stream:
-                result, first_audio_s, wrote = _say_streaming(client, args, options)
-            else:
-                started = time.perf_counter()
-                result = client.synthesize(args.text, timeout=args.timeout, **options)
-                first_audio_s = time.perf_counter() - started
-                wrote = bool(result.audio)
-                if wrote:
-                    args.output.write_bytes(result.audio)
-        if not wrote:
-            print("voxring say: the server sent no audio; nothing written", file=sys.stderr)
-            return 1
-        if args.format == "wav":
-            fix_wav_sizes(args.output)
-    except VoxringError as exc:
-        print(f"voxring say: {exc.describe()}", file=sys.stderr)
-        return 1
-    except ValueError as exc:  # the WAV the server sent cannot be repaired
-        print(f"voxring say: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("voxring say: interrupted; the request was cancelled", file=sys.stderr)
-        return 130
-    _print_say_summary(args, result, first_audio_s)
-    return 0
-
-
-def _print_say_summary(args: argparse.Namespace, result, first_audio_s: float | None) -> None:
-    usage = result.usage
-    print(f"wrote {args.output}: {args.output.stat().st_size} bytes, {args.format} at "
-          f"{result.sample_rate_hz} Hz (finish: {result.finish_reason}, seed {usage.seed})")
-    here = f", {first_audio_s:.3f} s here" if first_audio_s is not None else ""
-    print(f"time to first audio: {usage.time_to_first_audio_s:.3f} s at the server{here}")
-    print(f"audio duration: {usage.audio_seconds:.3f} s")
-    print(f"real-time factor: {usage.real_time_factor:.3f}")
-
-
 def cmd_voices(args: argparse.Namespace) -> int:
     """``voices`` (list), ``voices add`` and ``voices rm`` (voxring/voices_cli.py)."""
     from voxring.voices_cli import run_voices_command
@@ -286,25 +180,10 @@ def _positive(kind):
 
 def _add_client_commands(sub) -> None:
     say = sub.add_parser("say", help="synthesize text into an audio file",
-                         description="Synthesize TEXT into an audio file and report time to "
+                         description="Synthesize TEXT, or standard input as it is written "
+                                     "(--stream-stdin), into an audio file and report time to "
                                      "first audio, duration and real-time factor.")
-    say.set_defaults(fn=cmd_say)
-    say.add_argument("text")
-    say.add_argument("-o", "--output", type=Path, required=True, help="the audio file to write")
-    say.add_argument("--voice", default=None, help="voice name (default: the server's)")
-    say.add_argument("--seed", type=int, default=None, help="sampling seed (default: the server picks)")
-    say.add_argument("--format", choices=sorted(_FORMATS), default="wav",
-                     help="wav (default), pcm (raw int16), ogg/opus, mp3, flac or aac. A streamed "
-                          "flac file leaves its length unset (FFmpeg plays it); --no-stream "
-                          "writes a complete one")
-    say.add_argument("--speed", type=float, default=None,
-                     help="0.25 to 4 times the model's pace, the pitch kept (default 1)")
-    say.add_argument("--rate", type=int, default=0, help="sample rate in Hz (default: the model's)")
-    say.add_argument("--language", default=None, help="language code (default: the server's)")
-    say.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True,
-                     help="stream the audio and write it as it arrives (default) or ask for "
-                          "the whole clip at once")
-    say.add_argument("--timeout", type=_positive(float), default=120.0, help="deadline, seconds")
+    add_say_arguments(say, _positive)
 
     voices = sub.add_parser("voices", help="list, add (voices add) or remove (voices rm) voices",
                             description=VOICES_DESCRIPTION)

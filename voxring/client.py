@@ -23,40 +23,53 @@ ends quietly (no error).
 Voices: ``voices()`` lists them; ``create_voice(name, clip, transcript)`` adds one from a
 reference clip (bytes or a file path, any common audio format) that is usable at once,
 ``delete_voice(name)`` removes one added so (a server keeping a voice folder only).
+
+Text as it is written (a language model's tokens): ``stream_text(pieces)`` sends each piece
+of an iterable (``str``, or the markers ``voxring.FLUSH`` / ``voxring.CLEAR``) as the
+iterable gives it and yields the session's events (:mod:`voxring.sessions`):
+``SegmentAudio`` chunks, a ``SegmentDone`` per sentence spoken, ``SessionDone`` last.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, Iterable, Sequence
 from typing import TypedDict, Unpack
 
 import grpc
 
-from voxring.errors import InvalidArgument, error_from_rpc
+from voxring.errors import error_from_rpc
+from voxring.sessions import (
+    AsyncTextStream,
+    Piece,
+    SessionOptions,
+    SessionRequests,
+    TextStream,
+    build_config,
+    check_pieces,
+)
 from voxring.streams import (
+    ENCODINGS,
     AsyncSynthesisStream,
     AudioChunk,
     SynthesisResult,
     SynthesisStream,
     Usage,
     result_of,
+    wire_encoding,
 )
 from voxring.v1 import synthesizer_pb2 as pb
 from voxring.v1 import synthesizer_pb2_grpc
 from voxring.voices import Voice, Voices, create_voice_request, voice_of, voices_of
 
-__all__ = ["AsyncClient", "AsyncSynthesisStream", "AudioChunk", "Client", "SynthesisOptions",
-           "SynthesisResult", "SynthesisStream", "Usage", "Voice", "Voices", "bearer_metadata",
-           "build_request", "channel_security"]
+__all__ = ["ENCODINGS", "AsyncClient", "AsyncSynthesisStream", "AsyncTextStream", "AudioChunk",
+           "Client", "SessionOptions", "SynthesisOptions", "SynthesisResult", "SynthesisStream",
+           "TextStream", "Usage", "Voice", "Voices", "bearer_metadata", "build_request",
+           "channel_security"]
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 # A whole clip arrives in one Synthesize response: accept whatever size the server sends.
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
-
-ENCODINGS = {"pcm": pb.LINEAR_PCM, "linear_pcm": pb.LINEAR_PCM, "wav": pb.WAV,
-             "ogg_opus": pb.OGG_OPUS, "ogg": pb.OGG_OPUS, "opus": pb.OGG_OPUS, "mp3": pb.MP3,
-             "flac": pb.FLAC, "aac": pb.AAC}
 
 Metadata = Sequence[tuple[str, str]]
 AUTHORIZATION_METADATA = "authorization"
@@ -127,14 +140,10 @@ def build_request(text: str, *, voice: str | None = None, language_code: str | N
     ``speed``: 0.25 to 4 times the model's pace (the pitch kept). The sampling fields,
     ``max_audio_seconds`` and ``speed`` are set only when not None, so an unset one takes
     the server's default (0 is a value: ``temperature=0`` asks for greedy decoding)."""
-    wire_encoding = ENCODINGS.get(encoding.lower())
-    if wire_encoding is None:
-        raise InvalidArgument(f"encoding: unknown encoding {encoding!r} (pcm, wav, ogg_opus, "
-                              "mp3, flac or aac)",
-                              field="encoding")
     request = pb.SynthesizeSpeechRequest(
         text=text, voice_name=voice or "", language_code=language_code or "",
-        encoding=wire_encoding, sample_rate_hz=sample_rate_hz, request_id=request_id or "")
+        encoding=wire_encoding(encoding), sample_rate_hz=sample_rate_hz,
+        request_id=request_id or "")
     optional = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
                 "repetition_penalty": repetition_penalty, "repetition_window": repetition_window,
                 "seed": seed, "max_audio_seconds": max_audio_seconds, "speed": speed}
@@ -203,6 +212,18 @@ class Client(_ClientBase):
         """Audio chunks as they are decoded; ``timeout`` bounds the whole stream."""
         request = build_request(text, **options)
         return SynthesisStream(self._stub.SynthesizeOnline(request, **self._call_args(timeout)))
+
+    def stream_text(self, pieces: Iterable[Piece], *, timeout: float | None = None,
+                    **options: Unpack[SessionOptions]) -> TextStream:
+        """Speaks text as it is written: ``pieces`` (str, ``FLUSH`` or ``CLEAR``) are read
+        on gRPC's request thread as the iterable gives them (a generator may block between
+        pieces); their end ends the text. Returns the session's events as they arrive
+        (:class:`~voxring.sessions.TextStream`); ``timeout`` bounds the whole session.
+        Options: see :func:`~voxring.sessions.build_config`."""
+        check_pieces(pieces, allow_async=False)
+        requests = SessionRequests(build_config(**options), pieces)
+        call = self._stub.StreamingSynthesize(requests.messages(), **self._call_args(timeout))
+        return TextStream(call, requests)
 
     def voices(self, *, timeout: float | None = None) -> Voices:
         try:
@@ -277,6 +298,20 @@ class AsyncClient(_ClientBase):
         """Audio chunks as they are decoded; ``timeout`` bounds the whole stream."""
         request = build_request(text, **options)
         return AsyncSynthesisStream(self._stub.SynthesizeOnline(request, **self._call_args(timeout)))
+
+    def stream_text(self, pieces: AsyncIterable[Piece] | Iterable[Piece], *,
+                    timeout: float | None = None,
+                    **options: Unpack[SessionOptions]) -> AsyncTextStream:
+        """See :meth:`Client.stream_text`; ``pieces`` may be an async iterable (a plain
+        iterable other than a list or tuple is read on a worker thread). grpc.aio may report
+        an error the server ends the session with while a piece is being sent as INTERNAL
+        ("Internal error from Core") instead of the server's code (grpc/grpc#36066); the
+        blocking client reports the server's."""
+        check_pieces(pieces, allow_async=True)
+        requests = SessionRequests(build_config(**options), pieces)
+        call = self._stub.StreamingSynthesize(requests.messages_async(),
+                                              **self._call_args(timeout))
+        return AsyncTextStream(call, requests)
 
     async def voices(self, *, timeout: float | None = None) -> Voices:
         try:

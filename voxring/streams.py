@@ -1,5 +1,6 @@
 """What a synthesis returns: the result and usage of a request, and the streams of its
-audio chunks (sync and ``grpc.aio``), shared by :mod:`voxring.client`'s two clients."""
+audio chunks (sync and ``grpc.aio``), shared by :mod:`voxring.client`'s two clients; the
+SDK's names of the encodings."""
 
 from __future__ import annotations
 
@@ -10,12 +11,26 @@ from dataclasses import dataclass
 
 import grpc
 
-from voxring.errors import InternalError, error_from_rpc
+from voxring.errors import InternalError, InvalidArgument, error_from_rpc
 from voxring.v1 import common_pb2
 from voxring.v1 import synthesizer_pb2 as pb
 
 ENCODING_NAMES = {pb.ENCODING_UNSPECIFIED: "pcm", pb.LINEAR_PCM: "pcm", pb.WAV: "wav",
                   pb.OGG_OPUS: "ogg_opus", pb.MP3: "mp3", pb.FLAC: "flac", pb.AAC: "aac"}
+ENCODINGS = {"pcm": pb.LINEAR_PCM, "linear_pcm": pb.LINEAR_PCM, "wav": pb.WAV,
+             "ogg_opus": pb.OGG_OPUS, "ogg": pb.OGG_OPUS, "opus": pb.OGG_OPUS, "mp3": pb.MP3,
+             "flac": pb.FLAC, "aac": pb.AAC}
+
+
+def wire_encoding(name: str) -> int:
+    """The AudioEncoding of an SDK encoding name (any case); InvalidArgument naming
+    ``encoding`` for an unknown one."""
+    wire = ENCODINGS.get(name.lower())
+    if wire is None:
+        raise InvalidArgument(f"encoding: unknown encoding {name!r} (pcm, wav, ogg_opus, "
+                              "mp3, flac or aac)", field="encoding")
+    return wire
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -50,21 +65,24 @@ class SynthesisResult:
     request_id: str
 
 
-def _finish_reason_name(value: int) -> str:
+def finish_reason_name(value: int) -> str:
+    """A FinishReason as the SDK names it: without its prefix, lower case ("stop")."""
     if value not in common_pb2.FinishReason.values():
         return f"unknown_{value}"
     return common_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
 
 
+def usage_of(u: pb.Usage) -> Usage:
+    return Usage(frames=u.frames, audio_seconds=u.audio_seconds,
+                 time_to_first_audio_s=u.time_to_first_audio_s,
+                 real_time_factor=u.real_time_factor, seed=u.seed)
+
+
 def result_of(message: pb.SynthesizeSpeechResponse, audio: bytes) -> SynthesisResult:
-    u = message.usage
-    usage = Usage(frames=u.frames, audio_seconds=u.audio_seconds,
-                  time_to_first_audio_s=u.time_to_first_audio_s,
-                  real_time_factor=u.real_time_factor, seed=u.seed)
     return SynthesisResult(audio=audio, sample_rate_hz=message.sample_rate_hz,
                            encoding=ENCODING_NAMES.get(message.encoding, "pcm"),
-                           finish_reason=_finish_reason_name(message.finish_reason),
-                           usage=usage, request_id=message.request_id)
+                           finish_reason=finish_reason_name(message.finish_reason),
+                           usage=usage_of(message.usage), request_id=message.request_id)
 
 
 class _Stream:
