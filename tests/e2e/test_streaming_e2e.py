@@ -1,20 +1,31 @@
 """StreamingSynthesize end to end (gateway, talker and Code2Wav as processes, real rings, the
 tiny model): text fed a word at a time is spoken a sentence at a time in one session, sentence 1
-heard before sentence 2 is written; flush, clear (barge-in), the session's audio cap; and the
-bad inputs, each ending the call with the field named."""
+heard before sentence 2 is written; flush, clear (barge-in), the session's audio cap; the bad
+inputs, each ending the call with the field named; a request of several sentences; and the SDK's
+``stream_text`` and ``voxring say --stream-stdin`` (words written with pauses come back as one
+segment per sentence; the command's WAV holds exactly the session's frames)."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
+import time
+import wave
+from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 
+from tests.conftest import REPO
 from tests.e2e.streaming_client import Session, Step, clear, config, flush, run, text, words
 from tests.e2e.test_synthesis_e2e import SPF, stack_of
 from tests.talker_client import wait_for
+from voxring.client import Client
+from voxring.sessions import SegmentAudio, SegmentDone, SessionDone
 from voxring.v1 import code2wav_pb2, common_pb2, talker_pb2
 from voxring.v1 import synthesizer_pb2 as pb
 
@@ -29,12 +40,6 @@ OK = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
 def stack(model_cache):
     """A segment's audio at most 1 s: the tiny model seldom stops on its own."""
     yield from stack_of(model_cache, "streaming: {segment_audio_seconds: 1.0}\n")
-
-
-@pytest.fixture(scope="module")
-def long_stack(model_cache):
-    """Segments of up to 30 s (the default): long enough to be cleared while being spoken."""
-    yield from stack_of(model_cache)
 
 
 def idle_engines(stack) -> bool:
@@ -72,7 +77,10 @@ def test_flush_speaks_unfinished_text_and_an_empty_flush_does_nothing(stack):
     assert session.done().finish_reason in OK and session.done().segments == 2
 
 
-def test_clear_stops_the_audio_in_flight_and_the_session_goes_on(long_stack):
+def test_clear_stops_the_audio_in_flight_and_the_session_goes_on(stack):
+    """Five sentences at once, then a clear once the first audio is heard: the one being spoken
+    ends CANCELLED, the ones queued behind it are dropped, none of their audio comes after the
+    clear's segment end, and the text after the clear is spoken."""
     heard = threading.Event()
     session = Session()
 
@@ -82,24 +90,26 @@ def test_clear_stops_the_audio_in_flight_and_the_session_goes_on(long_stack):
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    run(long_stack["gateway"], [config(seed=2, min_segment_chars=0),
-                                text("A long sentence that will be interrupted soon. "), clear(heard),
-                                text("After the barge-in, this is said."), flush()], session=session)
+    five = " ".join(f"Sentence number {n} is queued." for n in ("one", "two", "three", "four", "five"))
+    run(stack["gateway"], [config(seed=2, min_segment_chars=0), text(five + " "), clear(heard),
+                           text("After the barge-in, this is said."), flush()], session=session)
     watcher.join(10)
     segments = session.segments_done()
-    assert segments[0].finish_reason == common_pb2.FINISH_REASON_CANCELLED
-    assert 0 < segments[0].usage.frames < 375  # cut short of its 30 s
+    cancelled = [s for s in segments if s.finish_reason == common_pb2.FINISH_REASON_CANCELLED]
+    assert len(cancelled) == 1 and len(segments) < 6  # one cut, the queued ones never spoken
     assert segments[-1].text == "After the barge-in, this is said." and segments[-1].finish_reason in OK
-    kinds = [(r.WhichOneof("kind"), r.audio.segment_index if r.HasField("audio") else None)
-             for r in session.responses]
-    cancelled_at = kinds.index(("segment_done", None))
-    assert ("audio", 0) not in kinds[cancelled_at:]  # nothing of the cleared sentence after its end
+    index = cancelled[0].segment_index
+    cut = next(i for i, r in enumerate(session.responses)  # the cleared segment's end
+               if r.WhichOneof("kind") == "segment_done" and r.segment_done.segment_index == index)
+    assert not [r for r in session.responses[cut:] if r.WhichOneof("kind") == "audio"
+                and r.audio.segment_index <= index]  # nothing of it (or before it) after its end
     cleared_at = session.sent_at[2]
-    last_cleared_audio = max(t for t, a in session.audio_times() if a.segment_index == 0)
+    last_cleared_audio = max((t for t, a in session.audio_times() if a.segment_index <= index),
+                             default=cleared_at)
     silence_ms = 1e3 * max(0.0, last_cleared_audio - cleared_at)
     print(f"clear -> silence: {silence_ms:.1f} ms")  # reported, not judged (no timing asserted on the CPU)
     assert session.done().finish_reason in OK
-    wait_for(lambda: idle_engines(long_stack), what="both stages idle")
+    wait_for(lambda: idle_engines(stack), what="both stages idle")
 
 
 def test_a_session_closed_before_any_text_ends_empty(stack):
@@ -189,3 +199,68 @@ def test_the_gateway_counts_sessions_segments_first_audio_and_clears(stack):
     firsts = re.search(r"^voxring_segment_first_audio_seconds_count (\S+)$", gateway, re.M)
     assert firsts and float(firsts.group(1)) >= 2
     assert re.search(r"^voxring_clear_to_silence_seconds_count ", gateway, re.M)
+
+
+# --- the SDK's stream_text and `voxring say --stream-stdin` on the same stack ---------------------
+
+SDK_SENTENCES = ["The first sentence is said here.", "Then a second sentence follows it.",
+                 "And a third one ends the reply."]  # each over the server's 20-character minimum
+SDK_OK = ("stop", "length")
+
+
+def gateway_target(stack) -> str:
+    return f"unix:{stack['dir']}/gateway.sock"
+
+
+def sdk_words(every_s: float) -> Iterator[str]:
+    """The sentences a word at a time, each with its following space, ``every_s`` apart."""
+    for word in " ".join(SDK_SENTENCES).split(" "):
+        time.sleep(every_s)
+        yield word + " "
+
+
+def test_stream_text_gets_a_segment_end_per_sentence_and_a_done(stack):
+    with Client(gateway_target(stack), timeout=120) as client:
+        stream = client.stream_text(sdk_words(0.02), seed=3, min_segment_chars=0, max_audio_seconds=60)
+        events = list(stream)
+    done = events[-1]
+    assert isinstance(done, SessionDone) and stream.result == done
+    assert done.finish_reason in SDK_OK and done.num_segments == len(SDK_SENTENCES)
+    ends = [e for e in events if isinstance(e, SegmentDone)]
+    assert [(e.segment_index, e.text) for e in ends] == list(enumerate(SDK_SENTENCES))
+    assert all(e.finish_reason in SDK_OK and e.usage.frames > 0 for e in ends)
+    assert done.usage.frames == sum(e.usage.frames for e in ends)
+    audio = [e for e in events if isinstance(e, SegmentAudio)]
+    assert [a.chunk_index for a in audio] == list(range(len(audio)))
+    assert sum(len(a.audio) for a in audio) // 2 == done.usage.frames * SPF  # pcm: 2 bytes a sample
+    assert {(a.segment_index, a.segment_text) for a in audio} == set(enumerate(SDK_SENTENCES))
+    for end in ends:  # each segment's audio comes before its end
+        assert max(events.index(a) for a in audio if a.segment_index == end.segment_index) < events.index(end)
+
+
+def test_say_stream_stdin_writes_a_wav_of_the_session(stack, tmp_path):
+    out = tmp_path / "reply.wav"
+    command = [str(Path(sys.executable).parent / "voxring"), "say", "--stream-stdin", "-o", str(out),
+               "--target", gateway_target(stack), "--seed", "4", "--timeout", "120"]
+    proc = subprocess.Popen(command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        for piece in sdk_words(0.02):  # as a program's output: a piece at a time, unbuffered
+            proc.stdin.write(piece.encode())
+            proc.stdin.flush()
+        stdout, stderr = proc.communicate(timeout=120)  # closes standard input: the text's end
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr.decode()
+    lines = stderr.decode().splitlines()
+    segments = [line for line in lines if line.startswith("segment ")]
+    assert [re.match(r"segment (\d+) \((\w+)\): '(.*)', first audio", line).group(1, 3)
+            for line in segments] == [(str(i), text) for i, text in enumerate(SDK_SENTENCES)]
+    done = re.fullmatch(r"session done \((\w+)\): (\d+) segments, (\d+) frames", lines[-1])
+    assert done is not None and done.group(1) in SDK_OK and int(done.group(2)) == len(SDK_SENTENCES)
+    with wave.open(str(out), "rb") as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
+        assert w.getnframes() == int(done.group(3)) * SPF > 0
+    assert f"wrote {out}" in stdout.decode()

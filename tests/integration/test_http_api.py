@@ -35,9 +35,11 @@ from tests.integration.http_helpers import (
     clip_wav,
     decode_av,
     metric,
+    pair_configs,
     read_response_head,
     read_to_end,
     refused_or_closed,
+    start_stages,
     write_pki,
 )
 from tests.talker_client import wait_for
@@ -73,11 +75,7 @@ def stack(model_cache):
     pki = write_pki(d)
     (d / "token").write_text(TOKEN + "\n")
     configs = {
-        "talker": f"server: {{listen: 'unix:{d}/talker.sock', drain_timeout: 5, grace: 1}}\n"
-                  f"engine: {{k_max: 4, buckets: [1, 2, 4, 8], max_num_seqs: 8, max_len: 512}}\n",
-        "code2wav": f"server: {{listen: 'unix:{d}/code2wav.sock', drain_timeout: 5, grace: 1}}\n"
-                    f"engine: {{max_slots: 8}}\n"
-                    f"talkers: {{attach: [{{id: talker-0, address: 'unix:{d}/talker.sock'}}]}}\n",
+        **pair_configs(d),
         "gateway": _gateway_config(d, "gateway", "") +
         f"http: {{listen: '127.0.0.1:0', max_body_mb: {MAX_BODY_MB}}}\n"
         f"text: {{max_chars: {MAX_CHARS}}}\nvoices: {{store: voices}}\n",
@@ -89,10 +87,7 @@ def stack(model_cache):
     }
     stages = StageGroup(d)
     try:
-        info = {}
-        for name, config in configs.items():
-            stage = name.partition("-")[0]
-            info[name] = stages.start(stage, config, name=name, timeout=60).ready()
+        info = start_stages(stages, configs)
         channels = {s: grpc.insecure_channel(f"unix:{d}/{s}.sock") for s in ("gateway", "talker", "code2wav")}
         yield {"http": info["gateway"]["http"], "tls": info["gateway-tls"]["http"],
                "dead": info["gateway-dead"]["http"], "metrics": info["gateway"]["metrics"],
