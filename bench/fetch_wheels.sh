@@ -26,6 +26,8 @@
 #                                    the image may hold, anyio (starlette needs >= 4) and
 #                                    opentelemetry-api (fastapi imports it) (click, h11,
 #                                    annotated-doc: in the image)
+#   websockets                       uvicorn's WebSocket protocol (the gateway's incremental-text
+#                                    WebSocket; uvicorn imports it when the gateway starts)
 # Usage: bench/fetch_wheels.sh [DEST]   (default: .whl at the repository root)
 set -euo pipefail
 
@@ -51,6 +53,7 @@ PACKAGES=(
   "python-multipart==0.0.34"
   "anyio==4.16.0"
   "opentelemetry-api==1.45.2"
+  "websockets==17.4"
 )
 
 mkdir -p "$DEST"
