@@ -201,3 +201,28 @@ def test_an_empty_last_segment_ends_the_session_after_the_queued_ones(model, whi
     else:  # the second segment's record carries LAST
         assert len(ends[1][0]) > 0
     assert len(engine.scheduler.slots) == 6
+
+
+def test_the_next_segments_first_frame_is_due_when_the_listeners_audio_runs_out(model):
+    """A segment appended while the listener still plays the session's audio keeps the session's
+    playout clock (due when that audio runs out); one appended after it ran dry is a first record
+    again, due within its own first-audio budget (less the path)."""
+    from services.talker.sessions import Segment
+    now = [0.0]
+    engine, _ = make_session_engine(model, clock=lambda: now[0])
+    first = session_request(1, text_ids("Ten frames of audio."), max_frames=10)
+    engine.scheduler.add(first)
+    run_until(engine, lambda: idle(engine, 1) is not None)
+    assert first.first_written_at == 0.0 and engine.scheduler.due(first) == pytest.approx(10 / 12.5)
+    now[0] = 0.5  # 0.3 s of it still to play
+    more = np.asarray(text_ids("More."), dtype=np.int64)
+    engine.scheduler.append("c", 1, Segment(more, 4, 0, False, 0.2, 0.5))
+    engine.step()  # its frames go on the session's clock: due when the audio before them runs out
+    assert first.first_written_at == 0.0 and first.pace_base == 0 and first.first_audio_by != 0.7
+    run_until(engine, lambda: idle(engine, 1) is not None)
+    now[0] = 5.0  # the listener ran dry long ago
+    later = np.asarray(text_ids("Later."), dtype=np.int64)
+    engine.scheduler.append("c", 1, Segment(later, 4, 0, True, 0.2, 5.0))
+    engine.step()
+    assert first.pace_base == 14 and first.first_audio_by == pytest.approx(5.2)  # a first record again
+    assert first.first_written_at is None or first.first_written_at >= 5.0
