@@ -124,7 +124,7 @@ def measure(target: str, args) -> list[dict]:
     return [summary("sentence complete -> its first audio (session, every sentence)",
                     [d for s in sessions for d in s]),
             summary("... the first sentence", [s[0] for s in sessions if s]),
-            summary("... sentences 2-5 (released as the listener needs them: earlier ones still play)",
+            summary("... sentences 2-5 (the sentences before them still playing)",
                     [d for s in sessions for d in s[1:]]),
             summary("time to first audio (fresh request, one sentence)", firsts),
             summary("clear -> last audio of the cleared sentence", [c[0] for c in clears]),
