@@ -44,8 +44,8 @@ FORMATS = {  # response_format -> (AudioEncoding, Content-Type)
     "flac": (pb.FLAC, "audio/flac"), "wav": (pb.WAV, "audio/wav"), "pcm": (pb.LINEAR_PCM, "audio/pcm"),
 }
 # voxring's own sampling and limit fields: the same name in the JSON body and the protobuf
-PASSTHROUGH = ("seed", "temperature", "top_k", "top_p", "repetition_penalty", "repetition_window",
-               "max_audio_seconds", "speed")
+SAMPLING = ("seed", "temperature", "top_k", "top_p", "repetition_penalty", "repetition_window",
+            "max_audio_seconds")
 
 
 class VoiceId(BaseModel):
@@ -58,7 +58,30 @@ class VoiceId(BaseModel):
 Int32 = Annotated[int, Field(ge=-INT32 - 1, le=INT32)]
 
 
-class SpeechBody(BaseModel):
+class SamplingFields(BaseModel):
+    """The sampling and length options both HTTP surfaces take, named as the gRPC API names
+    them; unset ones keep the server's defaults."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    seed: Annotated[int, Field(ge=0, le=UINT64)] | None = None
+    temperature: float | None = None
+    top_k: Int32 | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    repetition_window: Int32 | None = None
+    max_audio_seconds: float | None = None
+
+    def copy_set(self, message, extra: tuple[str, ...] = ()):
+        """Copy the options that are set (these and ``extra``) onto the proto ``message``."""
+        for name in SAMPLING + extra:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(message, name, value)
+        return message
+
+
+class SpeechBody(SamplingFields):
     """OpenAI's speech request plus voxring's options. ``model`` is any non-empty name
     (clients send "tts-1" or "gpt-4o-mini-tts"): one model is served, reported in the
     response's X-Model header. ``instructions`` is accepted and ignored (the served model
@@ -73,13 +96,6 @@ class SpeechBody(BaseModel):
     speed: float | None = None
     instructions: str | None = None
     stream_format: Literal["audio", "sse"] = "audio"
-    seed: Annotated[int, Field(ge=0, le=UINT64)] | None = None
-    temperature: float | None = None
-    top_k: Int32 | None = None
-    top_p: float | None = None
-    repetition_penalty: float | None = None
-    repetition_window: Int32 | None = None
-    max_audio_seconds: float | None = None
     sample_rate: Int32 | None = None
     request_id: str | None = None
 
@@ -88,11 +104,7 @@ class SpeechBody(BaseModel):
         message = pb.SynthesizeSpeechRequest(
             text=self.input, voice_name=voice, encoding=FORMATS[self.response_format][0],
             sample_rate_hz=self.sample_rate or 0, request_id=self.request_id or "")
-        for name in PASSTHROUGH:
-            value = getattr(self, name)
-            if value is not None:
-                setattr(message, name, value)
-        return message
+        return self.copy_set(message, ("speed",))
 
     @property
     def media_type(self) -> str:

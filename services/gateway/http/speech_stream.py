@@ -26,17 +26,17 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Annotated, Literal
+from typing import Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from services.common.errors import Internal, InvalidArgument, ServiceError
 from services.common.log import request_context
 from services.gateway.config import GatewayConfig
 from services.gateway.http.errors import error_body, service_error_parts, validation_error_parts, ws_param
-from services.gateway.http.speech import FORMATS, UINT64, Int32, VoiceId
+from services.gateway.http.speech import FORMATS, Int32, SamplingFields, VoiceId
 from services.gateway.inflight import InFlightRequests
 from services.gateway.pipeline import SynthesisPipeline
 from services.gateway.streaming import StreamingSession
@@ -47,18 +47,13 @@ from voxring.v1 import synthesizer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# the config's fields with the same name here and in pb.StreamingConfig (proto3 optional there)
-_SAME_NAME = ("seed", "temperature", "top_k", "top_p", "repetition_penalty", "repetition_window",
-              "max_audio_seconds", "min_segment_chars", "max_wait_s")
-
-
 class _Message(BaseModel):
     """Strict JSON types ("1.5" is not a number) and no unknown fields, as the speech body."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class ConfigMessage(_Message):
+class ConfigMessage(SamplingFields):
     """The session's settings: StreamingConfig's, named as POST /v1/audio/speech names them."""
 
     type: Literal["config"]
@@ -66,13 +61,6 @@ class ConfigMessage(_Message):
     response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "pcm"
     sample_rate: Int32 | None = None
     language: str | None = None
-    seed: Annotated[int, Field(ge=0, le=UINT64)] | None = None
-    temperature: float | None = None
-    top_k: Int32 | None = None
-    top_p: float | None = None
-    repetition_penalty: float | None = None
-    repetition_window: Int32 | None = None
-    max_audio_seconds: float | None = None
     min_segment_chars: Int32 | None = None
     max_wait_s: float | None = None
     request_id: str | None = None
@@ -83,10 +71,7 @@ class ConfigMessage(_Message):
         config = pb.StreamingConfig(voice_name=voice or "", language_code=self.language or "",
                                     encoding=FORMATS[self.response_format][0],
                                     sample_rate_hz=self.sample_rate or 0, request_id=self.request_id or "")
-        for name in _SAME_NAME:
-            value = getattr(self, name)
-            if value is not None:
-                setattr(config, name, value)
+        config = self.copy_set(config, ("min_segment_chars", "max_wait_s"))
         return pb.StreamingSynthesizeRequest(config=config)
 
 
