@@ -67,6 +67,19 @@ def prefill_buckets(engine_cfg, max_len: int, use_graphs: bool) -> PrefillBucket
                           startup_s=engine_cfg.prefill_graph_startup_s)
 
 
+def make_scheduler(engine_cfg, num_slots: int, max_len: int, frame_rate: float, bucket_for) -> Scheduler:
+    headroom = engine_cfg.admission_headroom if engine_cfg.admission_by_slack else None
+    return Scheduler(num_slots=num_slots, max_num_seqs=engine_cfg.max_num_seqs,
+                     k_max=engine_cfg.k_max, prefill_token_budget=engine_cfg.prefill_token_budget,
+                     max_waiting=engine_cfg.max_waiting, stall_timeout=engine_cfg.stall_timeout,
+                     frame_rate=frame_rate, path_s=engine_cfg.path_s, bucket_for=bucket_for,
+                     min_chunk_tokens=engine_cfg.min_chunk_tokens,
+                     admission_headroom=headroom,
+                     max_queue_wait_s=engine_cfg.max_queue_wait_s, split_steps=engine_cfg.split_steps,
+                     max_len=max_len, max_sessions=engine_cfg.max_sessions,
+                     session_idle_s=engine_cfg.session_idle_s)
+
+
 def build(config: TalkerConfig, config_path: Path | None):
     if config.transport.kind == "shm":
         try:
@@ -104,16 +117,7 @@ def build(config: TalkerConfig, config_path: Path | None):
     runner = Runner(model, num_slots=num_slots, max_len=max_len, buckets=engine_cfg.buckets,
                     k_max=engine_cfg.k_max, max_repetition_window=engine_cfg.max_repetition_window,
                     use_graphs=use_graphs, prefill_buckets=prefill_buckets(engine_cfg, max_len, use_graphs))
-    scheduler = Scheduler(num_slots=num_slots, max_num_seqs=engine_cfg.max_num_seqs,
-                          k_max=engine_cfg.k_max, prefill_token_budget=engine_cfg.prefill_token_budget,
-                          max_waiting=engine_cfg.max_waiting, stall_timeout=engine_cfg.stall_timeout,
-                          frame_rate=model.frame_rate, path_s=engine_cfg.path_s, bucket_for=runner.bucket_for,
-                          min_chunk_tokens=engine_cfg.min_chunk_tokens,
-                          admission_headroom=(engine_cfg.admission_headroom
-                                              if engine_cfg.admission_by_slack else None),
-                          max_queue_wait_s=engine_cfg.max_queue_wait_s, split_steps=engine_cfg.split_steps,
-                          max_len=max_len, max_sessions=engine_cfg.max_sessions,
-                          session_idle_s=engine_cfg.session_idle_s)
+    scheduler = make_scheduler(engine_cfg, num_slots, max_len, model.frame_rate, runner.bucket_for)
     frame_servicer = FrameStreamServicer() if config.transport.kind == "grpc" else None
     consumers = Consumers(config.transport, secrets.randbits(64), frame_servicer)
     engine = TalkerEngine(runner, scheduler, consumers.sink_for,
