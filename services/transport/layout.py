@@ -67,18 +67,21 @@ OFF_CONSUMER_HB = 136    # consumer heartbeat, CLOCK_MONOTONIC ns (0 until attac
 OFF_WAITING = 144        # 0 when awake; else the epoch of the consumer's current wait
 CONTROL_FORMAT = "<8Q"   # magic .. closed, for one-shot reads of the fixed fields
 
-# Record header, little-endian, 32 bytes:
-#   0 u32 length         header + payload bytes (the record occupies align16(length))
-#   4 u16 record_type    RecordType
-#   6 u16 flags          LAST=1, CANCELLED=2
-#   8 u16 finish_reason  FinishReason (set with LAST)
-#  10 u16 num_codebooks
-#  12 u32 num_frames
-#  16 u64 handle
-#  24 u32 seq            per request, from 0
-#  28 u32 first_frame    index of the record's first frame in its request
-#  32 ...  payload       codes: int16 little-endian, row-major [num_frames, num_codebooks]
-RECORD = struct.Struct("<IHHHHIQII")
+# Record header, little-endian, 32 bytes, then the payload: codes, int16 little-endian,
+# row-major [num_frames, num_codebooks]. (field, struct code) in order; docs/protocol.md's
+# record table is checked against this.
+RECORD_FIELDS = (
+    ("length", "I"),         # header + payload bytes (the record occupies align16(length))
+    ("record_type", "H"),    # RecordType
+    ("flags", "H"),          # RecordFlags
+    ("finish_reason", "H"),  # FinishReason (set with LAST or SEGMENT_END)
+    ("num_codebooks", "H"),
+    ("num_frames", "I"),
+    ("handle", "Q"),
+    ("seq", "I"),            # per request, from 0
+    ("first_frame", "I"),    # index of the record's first frame in its request
+)
+RECORD = struct.Struct("<" + "".join(code for _, code in RECORD_FIELDS))
 RECORD_PREFIX = struct.Struct("<IH")  # length, record_type: all a WRAP marker carries
 RECORD_HEADER_BYTES = RECORD.size
 assert RECORD_HEADER_BYTES == 32
