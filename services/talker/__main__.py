@@ -75,7 +75,7 @@ def make_scheduler(engine_cfg, num_slots: int, max_len: int, frame_rate: float, 
                      frame_rate=frame_rate, path_s=engine_cfg.path_s, bucket_for=bucket_for,
                      min_chunk_tokens=engine_cfg.min_chunk_tokens,
                      admission_headroom=headroom,
-                     max_queue_wait_s=engine_cfg.max_queue_wait_s, split_steps=engine_cfg.split_steps,
+                     max_queue_wait_s=engine_cfg.max_queue_wait_s,
                      max_len=max_len, max_sessions=engine_cfg.max_sessions,
                      session_idle_s=engine_cfg.session_idle_s)
 

@@ -210,8 +210,6 @@ class TalkerCore:
                                      counters.overlapped_steps),
                 "step_frames": ("counter", "frames asked per row, summed over steps (mean K: / steps)",
                                 counters.step_frames),
-                "steps_split": ("counter", "steps launched in two parts so that their silent rows' first "
-                                "records left after the first part", counters.split_steps),
                 "prefill_steps": ("counter", "steps that prefilled prompt chunks", counters.prefill_steps),
                 "prefill_tokens": ("counter", "prompt positions prefilled", counters.prefill_tokens),
                 "admissions_refused_slack": ("counter", "requests refused: one more stream would not be fed "
