@@ -68,7 +68,7 @@ class TalkerEngine:
         self.counters = EngineCounters(started=clock())
         self.num_codebooks = runner.num_codebooks
         # one step in flight while the next is planned, when the device runs on its own
-        self.pipelined = bool(getattr(runner, "asynchronous", False))
+        self.pipelined = runner.asynchronous
         self.inflight: InFlight | None = None
         self._last_collected = float("-inf")
         self._to_write: list[tuple[TalkerRequest, PendingRecord]] = []  # this iteration's records, in order

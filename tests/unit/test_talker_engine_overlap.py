@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from services.talker.engine import TalkerEngine
+from services.talker.prefill_graphs import PrefillGraphStats
 from services.talker.request import FinishReason, TalkerRequest
 from services.talker.scheduler import Scheduler
 from services.transport.layout import RecordFlags
@@ -38,6 +39,7 @@ class FakeRunner:
     fail_next_collect: bool = False
     calls: list[tuple] = field(default_factory=list)
     frame: dict[int, int] = field(default_factory=dict)
+    prefill_graph_stats: PrefillGraphStats = field(default_factory=PrefillGraphStats)  # none captured
 
     def bucket_for(self, rows: int) -> int:
         return 8
