@@ -168,7 +168,7 @@ def launch_plan(
     to take instead of those ``derive_paths`` gives the call."""
     device = weights.qkv.device
     rows, hidden, d = slots.shape[0], weights.hidden, weights.head_dim
-    hq, hkv, inter, dtype = weights.num_q_heads, weights.num_kv_heads, weights.intermediate, weights.qkv.dtype
+    hq, inter, dtype = weights.num_q_heads, weights.intermediate, weights.qkv.dtype
     # the residual stream: x itself, or scratch (the projection's output, or the first layer's sum)
     residual = x if x is not None else torch.empty(rows, hidden, dtype=dtype, device=device)
     outside = q is not None
@@ -205,6 +205,25 @@ def launch_plan(
         trace if trace is not None else _sync_buffer(device), *descriptors,
         rows, k_cache.shape[2], weights.eps, d**-0.5,
     )
+    static = _static_parameters(
+        weights, k_cache, gate_up, tune, blocks, paths, proj=proj, codes=codes, head=head, items=items,
+        num_out=num_out, trace=trace, trace_slots=trace_slots, outside=outside, programs=grid[0],
+        compiled=compiled,
+    )
+    return args, static, grid, out, tune
+
+
+def _static_parameters(
+    weights: StackWeights, k_cache: torch.Tensor, gate_up: torch.Tensor, tune: Tuning, blocks: dict[str, int],
+    paths: Paths, *, proj: torch.Tensor | None, codes: torch.Tensor | None, head: torch.Tensor | None,
+    items: int, num_out: int, trace: torch.Tensor | None, trace_slots: int, outside: bool, programs: int,
+    compiled: bool,
+) -> dict:
+    """What the kernel is compiled for (``launch_plan``'s static parameters): the stack's sizes, the
+    tiles in force, the code paths, which inputs the call has, and the launch options. ``items``: the
+    fused gate/up product's items (MLP_DOWN's parts); ``num_out``: the output's width."""
+    hidden, d, inter, dtype = weights.hidden, weights.head_dim, weights.intermediate, weights.qkv.dtype
+    hq, hkv, one = weights.num_q_heads, weights.num_kv_heads, paths.one_row
     static = dict(
         H=hidden, HIN=proj.shape[1] if proj is not None else hidden, INTER=inter, NUM_Q=hq, NUM_KV=hkv, D=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)), GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)),
@@ -212,14 +231,14 @@ def launch_plan(
         BM=MAX_ROWS, BN=tune.BN, BN_QKV=tune.BN_QKV, BN_WIDE=tune.BN_WIDE, BN_DOWN=tune.BN_DOWN,
         BN_HEAD=tune.BN_HEAD, **blocks, **_parts(tune, blocks, one),
         TRACE=trace is not None, TRACE_IN=trace_slots == 128, TRACE_SLOTS=trace_slots, TMA=paths.tma,
-        ONE=int(one), ONE_PLAIN=2 if paths.row_dots else 0, MLP_DOWN=mlp_down, OUTSIDE_ATT=outside,
+        ONE=int(one), ONE_PLAIN=2 if paths.row_dots else 0, MLP_DOWN=paths.mlp_down, OUTSIDE_ATT=outside,
         GU_ROWS=gate_up.shape[1], PARTS_PAD=triton.next_power_of_2(items), KS_DOWN=tune.KS_DOWN,
-        NUM_OUT=num_out, NPROG=grid[0], PROJECT=proj is not None, GATHER=codes is not None,
-        HEAD=head is not None, OPAQUE=compiled, UPCAST=not compiled and dtype == torch.bfloat16,
-        LIBDEVICE=compiled, **_launch_options(tune, dtype),
+        NUM_OUT=num_out, NPROG=programs,
+        PROJECT=proj is not None, GATHER=codes is not None, HEAD=head is not None, OPAQUE=compiled,
+        UPCAST=not compiled and dtype == torch.bfloat16, LIBDEVICE=compiled, **_launch_options(tune, dtype),
     )
     static["STAGES"] = static["num_stages"]  # MLP_DOWN's loop asks for them by name (tl.range)
-    return args, static, grid, out, tune
+    return static
 
 
 def _blocks(tune: Tuning, hidden: int, one: bool) -> dict[str, int]:

@@ -99,16 +99,9 @@ class Code2WavEngine:
             stream.closed = True
             self.free_slots.append(stream.slot)
 
-    def delivered(self, handle: int, seconds: float) -> None:
-        """``seconds`` of the stream's audio reached its client (the servicer adds to
-        ``delivered_s`` itself and calls :meth:`resume` only for a held stream)."""
-        stream = self.streams.get(handle)
-        if stream is not None:
-            stream.delivered_s += seconds
-            self.resume(handle)
-
     def resume(self, handle: int) -> None:
-        """A held stream whose client drained is looked at again."""
+        """A held stream whose client drained is looked at again (the servicer adds what reached
+        the client to ``delivered_s`` itself, and calls this for a held stream only)."""
         stream = self.streams.get(handle)
         if stream is not None and stream.held and stream.undelivered_s <= self.max_undelivered:
             stream.held = False

@@ -8,7 +8,7 @@ A stage builds its servicers and hands them to :class:`ServiceHost`, which
 - runs the stage's own interceptors (the gateway's bearer-token check) outermost;
 - maps :class:`~services.common.errors.ServiceError` to status codes in one
   interceptor, tags each RPC's log lines with its request id, and counts calls in
-  flight;
+  flight (:mod:`services.common.server_calls`);
 - on SIGTERM or SIGINT: health NOT_SERVING, new calls UNAVAILABLE, in-flight calls
   finish for up to ``drain_timeout``, the rest end UNAVAILABLE, background components
   stop, ``server.stop(grace)``, and ``run()`` returns (the process exits 0).
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import logging
 import os
@@ -36,21 +35,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import ServiceError
 from services.common.health import LIVENESS, NOT_SERVING, SERVING
-from services.common.log import request_context, request_id_var
-from services.common.metrics import RPC_ERRORS
+from services.common.log import request_id_var
 from services.common.sections import ServerSection, is_loopback, read_tls_files
+from services.common.server_calls import (
+    FIELD_METADATA,
+    REQUEST_ID_METADATA,
+    RETRY_AFTER_METADATA,
+    CallInterceptor,
+    CallTracker,
+)
 
 log = logging.getLogger(__name__)
 
-# Infrastructure services are never refused while draining and are not counted as
-# in-flight work.
-_INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
-REQUEST_ID_METADATA = "x-request-id"
 _SETTLE_S = 0.1  # after the drain: time for calls already sent to be refused cleanly
-FIELD_METADATA = "voxring-field"
-RETRY_AFTER_METADATA = "retry-after-s"
 
 
 class Component(Protocol):
@@ -75,150 +73,6 @@ class ServiceBinding:
     name: str
     add_to_server: Callable[[Any, grpc.aio.Server], None]
     servicer: Any
-
-
-class _CallTracker:
-    """Counts calls in flight and lets the drain wait for them or end them."""
-
-    def __init__(self) -> None:
-        self.accepting = True
-        self.abandoning = False
-        self._tasks: set[asyncio.Task] = set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    @contextlib.contextmanager
-    def track(self):
-        task = asyncio.current_task()
-        self._tasks.add(task)
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._tasks.discard(task)
-            if not self._tasks:
-                self._idle.set()
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._tasks)
-
-    async def wait_idle(self, timeout: float) -> bool:
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
-
-    def abandon(self) -> None:
-        """Ends every call still in flight; each answers UNAVAILABLE."""
-        self.abandoning = True
-        for task in list(self._tasks):
-            task.cancel()
-
-
-def _request_id_of(request: Any, context: grpc.aio.ServicerContext) -> str:
-    rid = getattr(request, "request_id", "") if request is not None else ""
-    if rid:
-        return rid
-    for key, value in context.invocation_metadata() or ():
-        if key == REQUEST_ID_METADATA:
-            return value
-    return "-"
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
-    trailers = []
-    if getattr(exc, "field", None):
-        trailers.append((FIELD_METADATA, exc.field))
-    if getattr(exc, "retry_after", None) is not None:
-        trailers.append((RETRY_AFTER_METADATA, f"{exc.retry_after:g}"))
-    if trailers:
-        context.set_trailing_metadata(tuple(trailers))
-    await context.abort(grpc.StatusCode[exc.code], exc.message)
-
-
-class _Interceptor(grpc.aio.ServerInterceptor):
-    """The one place domain errors become status codes; also tracks calls in flight,
-    refuses new calls while draining, and sets the request id for logging."""
-
-    def __init__(self, tracker: _CallTracker, drain_exempt: frozenset[str] = frozenset()) -> None:
-        self._tracker = tracker
-        self._drain_exempt = drain_exempt
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method.startswith(_INFRA_PREFIXES) or method in self._drain_exempt:
-            return handler
-        if handler.unary_unary:
-            wrapped = self._wrap_unary(handler.unary_unary, method)
-            factory = grpc.unary_unary_rpc_method_handler
-        elif handler.unary_stream:
-            wrapped = self._wrap_stream(handler.unary_stream, method)
-            factory = grpc.unary_stream_rpc_method_handler
-        elif handler.stream_unary:
-            wrapped = self._wrap_unary(handler.stream_unary, method, streaming_request=True)
-            factory = grpc.stream_unary_rpc_method_handler
-        else:
-            wrapped = self._wrap_stream(handler.stream_stream, method, streaming_request=True)
-            factory = grpc.stream_stream_rpc_method_handler
-        return factory(wrapped, request_deserializer=handler.request_deserializer,
-                       response_serializer=handler.response_serializer)
-
-    async def _on_error(self, exc: BaseException, context, method: str) -> None:
-        code = (exc.code if isinstance(exc, ServiceError) else "UNAVAILABLE"
-                if isinstance(exc, asyncio.CancelledError) else "INTERNAL")
-        if not (isinstance(exc, asyncio.CancelledError) and not self._tracker.abandoning):
-            RPC_ERRORS.labels(method, code).inc()
-        if isinstance(exc, ServiceError):
-            level = logging.ERROR if exc.code == "INTERNAL" else logging.INFO
-            log.log(level, "%s -> %s: %s", method, exc.code, exc.message)
-            await _abort(context, exc)
-        elif isinstance(exc, asyncio.CancelledError) and self._tracker.abandoning:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "server shut down before this request finished")
-        elif isinstance(exc, asyncio.CancelledError):
-            raise exc
-        else:
-            log.exception("%s failed with an unexpected error", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
-
-    async def _refuse_if_draining(self, context) -> None:
-        if not self._tracker.accepting:
-            RPC_ERRORS.labels("draining", "UNAVAILABLE").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "server is shutting down; retry on another instance")
-
-    def _wrap_unary(self, fn, method: str, streaming_request: bool = False):
-        async def wrapper(request, context):
-            rid = "-" if streaming_request else _request_id_of(request, context)
-            with self._tracker.track(), request_context(rid):
-                await self._refuse_if_draining(context)
-                try:
-                    return await fn(request, context)
-                except (ServiceError, asyncio.CancelledError, Exception) as exc:
-                    if isinstance(exc, grpc.aio.AbortError):
-                        raise
-                    await self._on_error(exc, context, method)
-        return wrapper
-
-    def _wrap_stream(self, fn, method: str, streaming_request: bool = False):
-        async def wrapper(request, context):
-            rid = "-" if streaming_request else _request_id_of(request, context)
-            with self._tracker.track(), request_context(rid):
-                await self._refuse_if_draining(context)
-                try:
-                    if inspect.isasyncgenfunction(fn):
-                        async for response in fn(request, context):
-                            yield response
-                    else:
-                        await fn(request, context)
-                except (ServiceError, asyncio.CancelledError, Exception) as exc:
-                    if isinstance(exc, grpc.aio.AbortError):
-                        raise
-                    await self._on_error(exc, context, method)
-        return wrapper
 
 
 class ServiceHost:
@@ -259,10 +113,10 @@ class ServiceHost:
         self._signals = 0
 
     async def run(self) -> None:
-        tracker = _CallTracker()
+        tracker = CallTracker()
         limit = self.config.max_message_mb * 1024 * 1024
         server = grpc.aio.server(
-            interceptors=[*self.interceptors, _Interceptor(tracker, self.drain_exempt)],
+            interceptors=[*self.interceptors, CallInterceptor(tracker, self.drain_exempt)],
             options=[("grpc.max_receive_message_length", limit),
                      ("grpc.max_send_message_length", limit),
                      ("grpc.so_reuseport", 0)],
@@ -351,7 +205,7 @@ class ServiceHost:
             log.warning("%s received again: ending in-flight calls now", sig.name)
             self._force.set()
 
-    async def _shutdown(self, server, health_servicer, tracker: _CallTracker) -> None:
+    async def _shutdown(self, server, health_servicer, tracker: CallTracker) -> None:
         started = time.monotonic()
         await health_servicer.enter_graceful_shutdown()
         tracker.accepting = False
@@ -377,7 +231,7 @@ class ServiceHost:
         await server.stop(self.config.grace)
         log.info("stopped after %.2f s of shutdown", time.monotonic() - started)
 
-    async def _wait_drained(self, tracker: _CallTracker) -> bool:
+    async def _wait_drained(self, tracker: CallTracker) -> bool:
         idle = asyncio.ensure_future(tracker.wait_idle(self.config.drain_timeout))
         force = asyncio.ensure_future(self._force.wait())
         try:
@@ -413,5 +267,5 @@ class ServiceHost:
                 self.ready_file.unlink()
 
 
-__all__ = ["FIELD_METADATA", "REQUEST_ID_METADATA", "Component", "ServiceBinding",
+__all__ = ["FIELD_METADATA", "REQUEST_ID_METADATA", "RETRY_AFTER_METADATA", "Component", "ServiceBinding",
            "ServiceHost", "request_id_var"]

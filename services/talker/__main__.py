@@ -75,21 +75,13 @@ def make_scheduler(engine_cfg, num_slots: int, max_len: int, frame_rate: float, 
                      frame_rate=frame_rate, path_s=engine_cfg.path_s, bucket_for=bucket_for,
                      min_chunk_tokens=engine_cfg.min_chunk_tokens,
                      admission_headroom=headroom,
-                     max_queue_wait_s=engine_cfg.max_queue_wait_s, split_steps=engine_cfg.split_steps,
+                     max_queue_wait_s=engine_cfg.max_queue_wait_s,
                      max_len=max_len, max_sessions=engine_cfg.max_sessions,
                      session_idle_s=engine_cfg.session_idle_s)
 
 
-def build(config: TalkerConfig, config_path: Path | None):
-    if config.transport.kind == "shm":
-        try:
-            shm_prefix()  # the ring names' prefix ($VOXRING_SHM_PREFIX): fail before loading a model
-        except ValueError as exc:
-            raise ConfigError(f"transport: {exc}") from None
-    try:  # before loading a model: a path that cannot be written fails at once
-        step_log = StepLog(config.engine.step_log) if config.engine.step_log else None
-    except OSError as exc:
-        raise ConfigError(f"engine.step_log: cannot open {config.engine.step_log!r}: {exc}") from None
+def load_model(config: TalkerConfig):
+    """The kernels configured, then the model on its device: (folder, model, device, CPU threads)."""
     kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention,
                       fused_layers=config.kernels.fused_layers)
     threads = set_threads(config.model.threads)
@@ -104,6 +96,31 @@ def build(config: TalkerConfig, config_path: Path | None):
         raise ConfigError(f"model.checkpoint: {exc}") from None
     if config.kernels.fused_layers and device.type == "cuda":
         model.pack_weights()  # frames take the fused path; the CPU keeps the plain layers
+    return folder, model, device, threads
+
+
+def service_bindings(servicer: TalkerServicer,
+                     frame_servicer: FrameStreamServicer | None) -> list[ServiceBinding]:
+    """``voxring.v1.Talker``, and ``voxring.v1.FrameStream`` for the grpc transport."""
+    bindings = [ServiceBinding(talker_pb2.DESCRIPTOR.services_by_name["Talker"].full_name,
+                               talker_pb2_grpc.add_TalkerServicer_to_server, servicer)]
+    if frame_servicer is not None:
+        bindings.append(ServiceBinding(frames_pb2.DESCRIPTOR.services_by_name["FrameStream"].full_name,
+                                       frames_pb2_grpc.add_FrameStreamServicer_to_server, frame_servicer))
+    return bindings
+
+
+def build(config: TalkerConfig, config_path: Path | None):
+    if config.transport.kind == "shm":
+        try:
+            shm_prefix()  # the ring names' prefix ($VOXRING_SHM_PREFIX): fail before loading a model
+        except ValueError as exc:
+            raise ConfigError(f"transport: {exc}") from None
+    try:  # before loading a model: a path that cannot be written fails at once
+        step_log = StepLog(config.engine.step_log) if config.engine.step_log else None
+    except OSError as exc:
+        raise ConfigError(f"engine.step_log: cannot open {config.engine.step_log!r}: {exc}") from None
+    folder, model, device, threads = load_model(config)
     engine_cfg = config.engine
     max_len = engine_cfg.max_len or model.max_len
     if max_len > model.max_len:
@@ -130,11 +147,7 @@ def build(config: TalkerConfig, config_path: Path | None):
     facts = ModelFacts(model.num_codebooks, model.codebook_size, model.config.text_vocab_size, max_len,
                        engine_cfg.max_repetition_window, model.pack_prompt)
     servicer = TalkerServicer(thread, config, facts, model_info(folder, model, max_len))
-    bindings = [ServiceBinding(talker_pb2.DESCRIPTOR.services_by_name["Talker"].full_name,
-                               talker_pb2_grpc.add_TalkerServicer_to_server, servicer)]
-    if frame_servicer is not None:
-        bindings.append(ServiceBinding(frames_pb2.DESCRIPTOR.services_by_name["FrameStream"].full_name,
-                                       frames_pb2_grpc.add_FrameStreamServicer_to_server, frame_servicer))
+    bindings = service_bindings(servicer, frame_servicer)
     log.info("model %s on %s (%s, %d CPU threads), max_len %d, buckets %s", folder, device,
              config.model.dtype, threads, max_len, list(engine_cfg.buckets))
     return bindings, [EngineComponent(thread, close=core.close, idle=core.idle)], {

@@ -46,10 +46,6 @@ class EngineSection:
     admission_headroom: float = 0.2
     admission_by_slack: bool = True         # false: only the counts and max_queue_wait_s refuse
     max_queue_wait_s: float = 1.0           # refuse a request expected to wait longer for a slot
-    # a step with rows still silent runs as two launches, so their first records leave after its
-    # first part (services/talker/pacing.py, choose_split); off by default: on the H200 it cut first
-    # audio at 256-512 streams but stalled streams from 512 on (bench/NOTES.md, the split step)
-    split_steps: bool = False
     # Prefill graphs per (rows, tokens) bucket on CUDA: a call of R chunks of up to T tokens runs
     # in the smallest captured bucket that holds it (padded), else eagerly. Captured smallest
     # first until the graph pool passes prefill_graph_memory_mb or capture prefill_graph_startup_s;

@@ -31,22 +31,11 @@ class Admission:
     room: int
     posted: int = 0
 
-    def take(self) -> Overloaded | None:
-        """None: post the request (counted); else the refusal to answer at once."""
-        if self.refusing is not None:
-            return self.refusing
-        if self.posted >= self.room:
-            return Overloaded(f"{self.posted} requests came since the talker's last step, the most it "
-                              "expects to start in time", 0.1)
-        self.posted += 1
-        return None
-
     def claim(self) -> tuple[Overloaded | None, bool]:
         """The servicer's: (the refusal to answer at once, or None; whether the request is
         admitted on this verdict). Past ``room`` the verdict is spent, and a stale count must not
         refuse: (None, False) sends the request to the engine thread, which decides with every
-        check in order (a handle already in flight before capacity) and renews the verdict.
-        (``take`` is the simulator's servicer model: past ``room`` it refuses.)"""
+        check in order (a handle already in flight before capacity) and renews the verdict."""
         if self.refusing is not None:
             return self.refusing, False
         if self.posted >= self.room:
@@ -210,8 +199,6 @@ class TalkerCore:
                                      counters.overlapped_steps),
                 "step_frames": ("counter", "frames asked per row, summed over steps (mean K: / steps)",
                                 counters.step_frames),
-                "steps_split": ("counter", "steps launched in two parts so that their silent rows' first "
-                                "records left after the first part", counters.split_steps),
                 "prefill_steps": ("counter", "steps that prefilled prompt chunks", counters.prefill_steps),
                 "prefill_tokens": ("counter", "prompt positions prefilled", counters.prefill_tokens),
                 "admissions_refused_slack": ("counter", "requests refused: one more stream would not be fed "
@@ -226,10 +213,8 @@ class TalkerCore:
                 **self._prefill_graph_metrics()}
 
     def _prefill_graph_metrics(self) -> dict:
-        """What capturing the prefill graphs cost (absent for a runner without them, e.g. the simulator's)."""
-        stats = getattr(self.engine.runner, "prefill_graph_stats", None)
-        if stats is None:
-            return {}
+        """What capturing the prefill graphs cost (zeros where none were captured: the CPU, graphs off)."""
+        stats = self.engine.runner.prefill_graph_stats
         return {"prefill_graph_capture_seconds": ("gauge", "start-up time capturing prefill graphs",
                                                   stats.capture_s),
                 "prefill_graph_reserved_bytes": ("gauge", "GPU memory the prefill graph pool reserved",

@@ -11,19 +11,12 @@ the largest part of the host's work, thus overlaps the device's, and a request t
 while step N ran is planned into step N+1. A synchronous runner (the CPU) runs each step in
 ``launch`` and its records are written at once.
 
-A step with rows still silent may be **split** (``StepPlan.early``, pacing.choose_split): two
-launches over the same rows, its first frames and the rest, queued back to back; the first part
-is collected while the rest runs and the silent rows' first records are written at once (on a
-synchronous runner: before the rest is run). The codes are those of one launch of K (the same
-bucket at every frame).
-
 Every row's frames of a step become **one** ring record (LAST with the finish reason when
-it ended; CANCELLED on cancel), but for a split step's first records, queued in order with the
-records of requests that ended at the boundary; only the write per row is a Python call.
-Records wait in a small per-request outbox when the consumer's ring is full; past
-``max_pending_frames`` the row is paused (not scheduled) until space returns, and a row paused
-longer than the stall timeout ends STALLED, its LAST record written when space returns
-(PROTOCOL.md, Backpressure).
+it ended; CANCELLED on cancel), queued in order with the records of requests that ended at
+the boundary; only the write per row is a Python call. Records wait in a small per-request
+outbox when the consumer's ring is full; past ``max_pending_frames`` the row is paused (not
+scheduled) until space returns, and a row paused longer than the stall timeout ends STALLED,
+its LAST record written when space returns (PROTOCOL.md, Backpressure).
 """
 
 from __future__ import annotations
@@ -50,28 +43,15 @@ _LAST, _CANCELLED = int(RecordFlags.LAST), int(RecordFlags.CANCELLED)
 _SEGMENT_END = int(RecordFlags.SEGMENT_END)
 
 
-# The launches of a step: the whole step, or a split step's two parts (StepPlan.early)
-WHOLE, FIRST, REST = "whole", "first", "rest"
-
-
 @dataclass
 class InFlight:
-    """A launch of a step: its plan, which part of it, the runner's handle, and when its device
-    work began (its prefill's, when it has one: on a synchronous device, or a launch-bound one,
-    the prefill runs on the host before the frames are launched, and the step's time must hold
-    it)."""
+    """A launched step: its plan, the runner's handle, and when its device work began (its
+    prefill's, when it has one: on a synchronous device, or a launch-bound one, the prefill runs
+    on the host before the frames are launched, and the step's time must hold it)."""
 
     plan: StepPlan
     handle: Any
     launched: float
-    part: str = WHOLE
-
-    @property
-    def k(self) -> int:
-        """Frames this launch makes per row."""
-        if self.part == WHOLE:
-            return self.plan.k
-        return self.plan.early if self.part == FIRST else self.plan.k - self.plan.early
 
 
 class TalkerEngine:
@@ -88,9 +68,8 @@ class TalkerEngine:
         self.counters = EngineCounters(started=clock())
         self.num_codebooks = runner.num_codebooks
         # one step in flight while the next is planned, when the device runs on its own
-        self.pipelined = bool(getattr(runner, "asynchronous", False))
+        self.pipelined = runner.asynchronous
         self.inflight: InFlight | None = None
-        self.early: InFlight | None = None  # a split step's first part, collected before the rest
         self._last_collected = float("-inf")
         self._to_write: list[tuple[TalkerRequest, PendingRecord]] = []  # this iteration's records, in order
         self._collected = False  # a step was collected since the last iteration
@@ -100,20 +79,12 @@ class TalkerEngine:
     def collect(self) -> bool:
         """Waits for the step in flight, if any, and applies it (its records are queued, written
         while the next step runs). The engine thread calls it before taking new commands."""
-        self._collect_early()
         previous, self.inflight = self.inflight, None
         if previous is None:
             return False
         self._complete(previous)
         self._collected = True
         return True
-
-    def _collect_early(self) -> None:
-        """A split step's first part: applied, and the first records it holds written at once."""
-        early, self.early = self.early, None
-        if early is not None:
-            self._complete(early)
-            self._write()
 
     def step(self) -> bool:
         """Runs one iteration; False when there was nothing to do."""
@@ -134,33 +105,17 @@ class TalkerEngine:
                 ended = self.clock()
                 self._log_step(plan, work_begun, ended, ended - work_begun, 0)
         if plan.decode:
-            self._launch_step(plan, work_begun)
+            launched = self._launch(plan, work_begun)
+            if launched is not None and self.pipelined:
+                self.inflight = launched  # the device runs it while the records below are written
+            elif launched is not None:
+                self._complete(launched)
         begun = self.clock()
         counters.overlapped_steps += previous and self.inflight is not None
         self._write()
         self._flush(now)
         counters.emit_s += self.clock() - begun
-        self._collect_early()  # a split step's first records leave while its rest runs
         return bool(plan.decode or plan.prefill or plan.finished or previous or self.inflight)
-
-    def _launch_step(self, plan: StepPlan, work_begun: float) -> None:
-        """Launches the step (a split step as its two parts, back to back). Pipelined, they run
-        while the records are written; else each part runs here and the first part's records are
-        written before the rest is launched."""
-        parts = (FIRST, REST) if plan.early else (WHOLE,)
-        for part in parts:
-            launched = self._launch(plan, part, work_begun)
-            if launched is None:
-                return
-            if not self.pipelined:
-                self._complete(launched)
-                if part == FIRST:
-                    self._write()
-                work_begun = self.clock()
-            elif part == FIRST:
-                self.early = launched
-            else:
-                self.inflight = launched  # the device runs it while the records are written
 
     def _prefill(self, plan: StepPlan) -> None:
         begun = self.clock()
@@ -186,14 +141,13 @@ class TalkerEngine:
             self.counters.prefill_steps += 1
             self.counters.prefill_tokens += plan.prefill_tokens
 
-    def _launch(self, plan: StepPlan, part: str, work_begun: float) -> InFlight | None:
+    def _launch(self, plan: StepPlan, work_begun: float) -> InFlight | None:
         begun = self.clock()
         for request in plan.decode:
             if request.first_launched_at is None:
                 request.first_launched_at = begun
-        step = InFlight(plan, None, work_begun, part)
         try:
-            step.handle = self.runner.launch([r.slot for r in plan.decode], step.k)
+            handle = self.runner.launch([r.slot for r in plan.decode], plan.k)
         except Exception:
             log.exception("decode step failed to launch; ending %d request(s) with ERROR", len(plan.decode))
             for request in plan.decode:
@@ -202,7 +156,7 @@ class TalkerEngine:
         finally:
             plan.launch_host_s = self.clock() - begun
             self.counters.decode_s += plan.launch_host_s
-        return step
+        return InFlight(plan, handle, work_begun)
 
     def _complete(self, step: InFlight) -> None:
         """Collects a launched step, applies its frames and queues its records."""
@@ -220,53 +174,41 @@ class TalkerEngine:
             collected = self.clock()
             counters.wait_s += collected - begun
         took = collected - max(step.launched, self._last_collected)
-        prefill_tokens = 0 if step.part == REST else plan.prefill_tokens  # it ran before the first launch
-        self.scheduler.times.observe(plan.bucket, step.k, took, prefill_tokens)
+        self.scheduler.times.observe(plan.bucket, plan.k, took, plan.prefill_tokens)
         self._last_collected = collected
-        if step.part != FIRST:  # a step counts once, with its K, when its last part is in
-            counters.count_step(plan.k, plan.k_bound)
-            counters.split_steps += step.part == REST
-        first_records = self._apply_step(plan, out, collected, step.part)
+        counters.count_step(plan.k, plan.k_bound)
+        first_records = self._apply_step(plan, out, collected)
         counters.emit_s += self.clock() - collected
         if self.step_log is not None:
-            self._log_step(plan, step.launched, collected, took, first_records, step)
+            self._log_step(plan, step.launched, collected, took, first_records)
 
     def _log_step(self, plan: StepPlan, launched: float, collected: float, took: float,
-                  first_records: int, step: InFlight | None = None) -> None:
-        """One line of the step log (a line per launch of a split step): seconds on the engine's
-        clock, the plan's estimate beside the step's measured time, and the earliest row's slack
-        when the step was planned; the prefill on the line of the launch it went before."""
+                  first_records: int) -> None:
+        """One line of the step log: seconds on the engine's clock, the plan's estimate beside
+        the step's measured time, and the earliest row's slack when the step was planned."""
         ms = 1e3
-        part = WHOLE if step is None else step.part
-        prefilled = part != REST
         self.step_log.write({
             "t": round(collected, 6), "launched": round(launched, 6), "rows": len(plan.decode),
-            "bucket": plan.bucket, "k": plan.k, "bound": plan.k_bound, "early": plan.early, "part": part,
-            "prefill_rows": len(plan.prefill) if prefilled else 0,
-            "prefill_tokens": plan.prefill_tokens if prefilled else 0,
-            "prefill_host_ms": round(plan.prefill_host_s * ms, 3) if prefilled else 0.0,
+            "bucket": plan.bucket, "k": plan.k, "bound": plan.k_bound,
+            "prefill_rows": len(plan.prefill), "prefill_tokens": plan.prefill_tokens,
+            "prefill_host_ms": round(plan.prefill_host_s * ms, 3),
             "launch_host_ms": round(plan.launch_host_s * ms, 3),
             "estimate_ms": None if plan.estimate_s is None else round(plan.estimate_s * ms, 3),
             "took_ms": round(took * ms, 3), "first_records": first_records,
             "row_slack_ms": None if plan.row_slack_s == float("inf") else round(plan.row_slack_s * ms, 3),
         })
 
-    def _apply_step(self, plan: StepPlan, out: np.ndarray, now: float, part: str = WHOLE) -> int:
+    def _apply_step(self, plan: StepPlan, out: np.ndarray, now: float) -> int:
         """The step's frames to its rows and its records to the write queue, by array operations
         over ``out`` [K, B, N + 1]: one stop search, one conversion, a slice per row. A row whose
         first record would hold fewer than ``plan.first_frames`` frames keeps them (``held``) and
-        writes them with its next step's, unless it ends. Of a split step's first part only the
-        first records (and the rows that end) are written; the other rows keep its frames for the
-        one record of the rest. Returns how many rows wrote their first record."""
+        writes them with its next step's, unless it ends. Returns how many rows wrote their first
+        record."""
         n = self.num_codebooks
         k = out.shape[0]
         stops = out[:, :, n] != 0
         first_stop = np.where(stops.any(axis=0), stops.argmax(axis=0), k)
         limits = np.asarray(plan.limits)
-        if part == FIRST:
-            limits = np.minimum(limits, plan.early)
-        elif part == REST:  # a row that got fewer than ``early`` frames of its limit ended in the first part
-            limits = np.maximum(limits - plan.early, 0)
         counts = np.minimum(first_stop, limits).tolist()
         stopped = (first_stop < limits).tolist()
         codes = np.ascontiguousarray(out[:, :, :n].transpose(1, 0, 2), dtype=np.int16)  # [B, K, N]
@@ -274,21 +216,18 @@ class TalkerEngine:
         due, first_frames = self.scheduler.due, plan.first_frames
         for row, request in enumerate(plan.decode):
             if request.finish is not None or request.state is not RequestState.RUNNING or request.prefilling:
-                continue  # ended while the step ran (cancelled, its consumer gone) or in its first part;
-                # or a session whose segment ended there (idle, or its next segment's prompt going in)
+                continue  # ended while the step ran (cancelled, its consumer gone), or a session
+                # whose segment ended there (idle, or its next segment's prompt going in)
             count = counts[row]
             first = request.frames_done
             silent = request.first_written_at is None
             frames = codes[row, :count]
-            if request.held is not None:  # frames of earlier steps or parts, not yet written
+            if request.held is not None:  # the first record's frames of earlier steps
                 frames = np.concatenate([request.held, frames])
                 first -= len(request.held)
             ends = stopped[row] or request.frames_done + count >= request.max_frames
-            if part == FIRST:
-                hold = not silent and not ends
-            else:
-                hold = silent and len(frames) < first_frames and not ends
-            if not silent and not hold:
+            hold = silent and len(frames) < first_frames and not ends
+            if not silent:
                 slacks.append(due(request) - now)
             if request.session is not None:
                 request.session.spoken(codes[row, :count])

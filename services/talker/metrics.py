@@ -41,7 +41,6 @@ class EngineCounters:
     prefill_steps: int = 0
     prefill_tokens: int = 0
     overlapped_steps: int = 0  # steps whose records were written while the next one ran
-    split_steps: int = 0  # steps launched in two parts so their first records left early
     k_bounds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BOUNDS, 0))
     # rows' slack at their records' writes: counts per bucket of SLACK_EDGES (the last: beyond)
     slack_counts: np.ndarray = field(default_factory=lambda: np.zeros(len(SLACK_EDGES) + 1, np.int64))

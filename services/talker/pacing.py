@@ -20,12 +20,6 @@ row's next records arrive before the row is due, with one more step's time to sp
 estimate's error); a request still waiting for its slot or its prefill must also be able
 to write its first record in time after it. No row is held back by another row's chunk
 boundary.
-
-A step whose rows include silent ones (no first record yet) is **split** when it can be
-(:func:`choose_split`): it runs as two launches over the same rows, the first ``early`` frames and
-then the rest, and the silent rows' first records are written as soon as the first part is
-collected. Their first audio then waits for ``early`` frames, not for the whole step, so it no
-longer cuts every row's K; the first part's audio must outlast the rest of the step and the path.
 """
 
 from __future__ import annotations
@@ -39,16 +33,6 @@ BOUNDS = ("k_max", "slack", "first_audio", "waiting", "unmeasured")
 # A late first record holds this much more audio than the time its row's next record needs.
 FIRST_AUDIO_HEADROOM = 0.5
 FIRST_K = 2  # frames: a first chunk of 160 ms
-# A split step makes at least this many frames where it can: each part is a launch (its gathers,
-# scatters and copy), so a split of fewer frames than this spends throughput on first audio.
-MIN_SPLIT_K = 4
-# Steps are split only while a K_max step of their size takes at most this share of the audio it
-# makes: nearer capacity the way from Code2Wav to the listener varies by more than a thin first
-# chunk lasts, and throughput comes first (bench/NOTES.md, the split step on the H200: at 512
-# streams, where a K_max step took a quarter of its audio, split steps stalled 18 and 19 of 1,024
-# streams in two runs; at 256, an eighth to a sixth, they removed the stalls and cut TTFA p99 by
-# 27-41%).
-SPLIT_LOAD_MAX = 0.2
 
 
 @dataclass
@@ -178,7 +162,6 @@ class StepOutlook:
     ahead_s: float            # device time queued before this step: this step's prefill
     late_first: bool = False  # a row without its first record is late whatever the step does
     next_ahead_s: float = 0.0  # prefill still queued behind this step (the next step's, at most)
-    speaking_due: float = math.inf  # the earliest due time of the rows that wrote a first record
 
 
 def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tuple[int, str]:
@@ -216,66 +199,6 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
     if why == "first_audio":  # fewer frames would not last while the next record is made
         best = max(best, min(first_frames(one, config, outlook.next_ahead_s), config.k_max))
     return max(best, 1), why
-
-
-def early_frames(times: StepTimes, bucket: int, k: int, config: PacingConfig) -> int | None:
-    """The fewest frames j (1 .. k-1) a split step of ``k`` frames runs before its first records
-    leave: their audio outlasts the rest of the step (``T(k - j)``), a one-frame step to spare and
-    the path, with ``FIRST_AUDIO_HEADROOM`` (the second chunk's way to the listener may take
-    longer than the first's: a decode behind the next step on a shared device, a busy relay); None
-    when no j does (or nothing is measured)."""
-    one = times.estimate(bucket, 1)
-    if one is None:
-        return None
-    for j in range(1, k):
-        rest = times.estimate(bucket, k - j)
-        if (rest + one + config.path_s) * (1 + FIRST_AUDIO_HEADROOM) <= j / config.frame_rate:
-            return j
-    return None
-
-
-def split_time(times: StepTimes, bucket: int, k: int, early: int) -> float | None:
-    """A step of ``k`` frames as two launches, ``early`` frames then the rest (None: unmeasured)."""
-    first, rest = times.estimate(bucket, early), times.estimate(bucket, k - early)
-    return None if first is None or rest is None else first + rest
-
-
-def choose_split(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tuple[int, int, str] | None:
-    """(K, early, what bound K) for a step with silent rows, run as two launches so their first
-    records leave after ``early`` frames; None when no split of 2 frames or more fits (then
-    :func:`choose_k`'s rule applies, with the first records at the step's end).
-
-    K is bound by the speaking rows' due times (``speaking_due``, a K=1 step to spare) and by the
-    waiting requests' (as in :func:`choose_k`), and by the first part's audio having to outlast the
-    rest (:func:`early_frames`: more frames need a longer first part). Of the K that fit, the split
-    takes the fewest early frames any K of at least ``MIN_SPLIT_K`` allows (the first records' wait),
-    then the most frames with them. No split near capacity: where a K_max step of the bucket (as
-    measured, GPU sharing included) takes more than ``SPLIT_LOAD_MAX`` of its audio."""
-    bucket = outlook.bucket
-    one = times.estimate(bucket, 1)
-    longest = times.estimate(bucket, config.k_max)
-    if one is None or config.k_max < 2 or longest > SPLIT_LOAD_MAX * config.k_max / config.frame_rate:
-        return None
-    start = outlook.now + outlook.ahead_s
-    fitting: dict[int, int] = {}  # K -> its early frames; the K with some lasting first part
-    why = "k_max"
-    for k in range(2, config.k_max + 1):
-        early = early_frames(times, bucket, k, config)
-        if early is None:
-            continue  # a larger K may have one: k frames lasting with the same rest (j + 1 of k + 1)
-        written = start + split_time(times, bucket, k, early)
-        if written + one > outlook.speaking_due:
-            why = "slack"
-            break
-        if written + 2 * one > outlook.waiting_due:
-            why = "waiting"
-            break
-        fitting[k] = early
-    if not fitting:
-        return None
-    most = max(fitting)
-    k = max(min(fitting), min(MIN_SPLIT_K, most))
-    return k, fitting[k], why if k == most else "first_audio"
 
 
 def first_frames(one: float | None, config: PacingConfig, next_ahead_s: float = 0.0) -> int:

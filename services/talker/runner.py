@@ -35,6 +35,7 @@ from kernels import stack_step as stack_kernel
 from kernels.sampler_twin import SamplingParams
 from models.family import FrameInputs, TalkerModel
 from services.talker.prefill import PrefillBuckets, Prefiller, PrefillRow
+from services.talker.prefill_graphs import PrefillGraphStats
 
 __all__ = ["PrefillBuckets", "PrefillRow", "Runner"]
 log = logging.getLogger(__name__)
@@ -88,6 +89,12 @@ def _empty_state(rows: int, hidden: int, num_codebooks: int, window: int, dtype,
 
 
 class Runner:
+    """What the engine and its core read of a runner (a fake one in tests has the same):
+    ``num_codebooks``, ``asynchronous`` (whether ``launch`` returns before the device is done:
+    then the engine pipelines, writing a step's records while the next runs), ``bucket_for``,
+    ``prefill``, ``launch`` / ``collect`` and ``prefill_graph_stats`` (the capture's cost: the
+    empty stats where none were captured)."""
+
     def __init__(self, model: TalkerModel, *, num_slots: int, max_len: int, buckets: Sequence[int],
                  k_max: int, max_repetition_window: int, use_graphs: bool | None = None,
                  prefill_buckets: PrefillBuckets | None = None) -> None:
@@ -143,8 +150,9 @@ class Runner:
         self.prefiller.prefill(rows)
 
     @property
-    def prefill_graph_stats(self):
-        """Capture time, graph pool memory and the captured buckets (``PrefillGraphStats``)."""
+    def prefill_graph_stats(self) -> PrefillGraphStats:
+        """Capture time, graph pool memory and the captured buckets (none on the CPU or with
+        graphs off)."""
         return self.prefiller.stats
 
     # --- decode -----------------------------------------------------------------------------------

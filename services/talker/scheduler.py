@@ -16,9 +16,7 @@ applies the step's frames when it collects them. At each step boundary:
 - a row decodes once its whole prompt is in its slot; K comes from the rows' playout slack
   (pacing.py): the most frames, 1..k_max, that every row's listener outlasts, a waiting
   request included. A row needing fewer frames than K to reach its max frames is asked
-  for only those (``StepPlan.limits``). A step with rows still silent is split where it can
-  be (``StepPlan.early``, pacing.choose_split): their first records leave after its first
-  frames, so their first-audio deadlines no longer cut the speaking rows' K.
+  for only those (``StepPlan.limits``).
 
 New work is refused (``Overloaded``) when one more stream would not be fed faster than real
 time by a step of the measured size (admission by slack), or when every slot is taken and it
@@ -38,11 +36,9 @@ from services.talker.pacing import (
     StepOutlook,
     StepTimes,
     choose_k,
-    choose_split,
     due,
     first_frames,
     prefill_tokens_allowed,
-    split_time,
 )
 from services.talker.request import FinishReason, RequestState, TalkerRequest
 from services.talker.scheduler_admission import AdmissionRules, Overloaded
@@ -76,7 +72,6 @@ class StepPlan:
     decode: list[TalkerRequest] = field(default_factory=list)    # rows of this step, in order
     k: int = 0
     k_bound: str = ""      # what limited K (pacing.BOUNDS)
-    early: int = 0         # > 0: a split step, launched as its first ``early`` frames, then the rest
     limits: list[int] = field(default_factory=list)              # frames asked of each decode row
     bucket: int = 0
     estimate_s: float | None = None  # the step's time as planned: its prefill and its K frames
@@ -109,7 +104,7 @@ class Scheduler(AdmissionRules, SessionRules):
                  max_waiting: int, stall_timeout: float, frame_rate: float, path_s: float,
                  bucket_for: Callable[[int], int] = lambda rows: rows, min_chunk_tokens: int = 32,
                  admission_headroom: float | None = 0.2, max_queue_wait_s: float = 1.0,
-                 split_steps: bool = False, max_len: int = 1 << 30, max_sessions: int = 0,
+                 max_len: int = 1 << 30, max_sessions: int = 0,
                  session_idle_s: float = 30.0) -> None:
         self.slots = SlotAllocator(num_slots)
         self.max_len = max_len              # KV positions of a slot (a session's turns must fit)
@@ -130,7 +125,6 @@ class Scheduler(AdmissionRules, SessionRules):
         self.min_chunk_tokens = min_chunk_tokens
         self.admission_headroom = admission_headroom
         self.max_queue_wait_s = max_queue_wait_s
-        self.split_steps = split_steps  # a step with silent rows may run as two launches (choose_split)
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
         self.waiting: deque[TalkerRequest] = deque()
@@ -249,8 +243,6 @@ class Scheduler(AdmissionRules, SessionRules):
         # reach the listener than its first did (a busy tick, a slow relay)
         first = min(((d - config.margin_s if r.first_written_at is not None else d, r)
                      for d, r in dues if d >= reachable), key=lambda dr: dr[0], default=None)
-        speaking = min((d - config.margin_s for d, r in dues
-                        if d >= reachable and r.first_written_at is not None), default=math.inf)
         others = [r for r in self.running if r.prefilling] + list(self.waiting)
         waiting = (due(r, config) - self.times.prefill_s(r.prompt_len - r.prefilled) for r in others)
         return StepOutlook(now=now, bucket=bucket,
@@ -258,8 +250,7 @@ class Scheduler(AdmissionRules, SessionRules):
                            unstarted_due=first is not None and first[1].first_written_at is None,
                            waiting_due=min((d for d in waiting if d >= reachable), default=math.inf),
                            ahead_s=ahead_s,
-                           late_first=any(d < reachable and r.first_written_at is None for d, r in dues),
-                           speaking_due=speaking)
+                           late_first=any(d < reachable and r.first_written_at is None for d, r in dues))
 
     def _prefill_chunks(self, now: float, decode: list[TalkerRequest]) -> list[PrefillChunk]:
         """Chunks of the admitted prompts, in admission order, within the step's token budget:
@@ -295,16 +286,9 @@ class Scheduler(AdmissionRules, SessionRules):
         next_ahead = self.times.prefill_s(min(self._backlog_tokens(), self.min_chunk_tokens))
         outlook = dataclasses.replace(self._outlook(now, ahead_s, plan.decode), next_ahead_s=next_ahead)
         plan.bucket = outlook.bucket
-        split = None
-        if self.split_steps and any(r.first_written_at is None for r in plan.decode):
-            split = choose_split(outlook, self.pacing, self.times)
-        if split is not None:  # the silent rows' first records leave after the first part
-            plan.k, plan.early, plan.k_bound = split
-            frames = split_time(self.times, plan.bucket, plan.k, plan.early)
-        else:
-            plan.first_frames = first_frames(self.times.estimate(plan.bucket, 1), self.pacing, next_ahead)
-            plan.k, plan.k_bound = choose_k(outlook, self.pacing, self.times)
-            frames = self.times.estimate(plan.bucket, plan.k)
+        plan.first_frames = first_frames(self.times.estimate(plan.bucket, 1), self.pacing, next_ahead)
+        plan.k, plan.k_bound = choose_k(outlook, self.pacing, self.times)
+        frames = self.times.estimate(plan.bucket, plan.k)
         plan.estimate_s = None if frames is None else ahead_s + frames
         plan.row_slack_s = outlook.row_due - now
         plan.limits = [min(plan.k, r.max_frames - r.frames_done) for r in plan.decode]

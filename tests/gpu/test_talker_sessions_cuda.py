@@ -1,8 +1,7 @@
-"""Talker sessions and split steps on a CUDA GPU with the tiny model (fp32): the runner is
-asynchronous, frames and prefill run through captured graphs, the engine is pipelined. A session's
-second segment, prefilled at its slot's next position through the prefill graphs, equals a fresh
-request with the first turn as context; split steps (two launches, the first part collected while
-the rest runs) give the codes of whole steps. Skipped without CUDA."""
+"""Talker sessions on a CUDA GPU with the tiny model (fp32): the runner is asynchronous, frames and
+prefill run through captured graphs, the engine is pipelined. A session's second segment, prefilled
+at its slot's next position through the prefill graphs, equals a fresh request with the first turn
+as context. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -36,11 +35,9 @@ def model(tmp_path_factory):
     return load_talker(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "t", seed=0), device="cuda")
 
 
-def engine(model, **scheduler):
+def engine(model):
     built, sink = make_session_engine(model, use_graphs=True, prefill_buckets=BUCKETS)
     assert built.runner.asynchronous and built.runner.graphs and built.pipelined
-    for key, value in scheduler.items():
-        setattr(built.scheduler, key, value)
     return built, sink
 
 
@@ -62,22 +59,3 @@ def test_a_sessions_second_segment_equals_a_fresh_request_through_the_graphs(mod
     run_until(fresh_engine, lambda: fresh.finish is not None and not fresh_engine.busy)
     assert len(frames2)
     np.testing.assert_array_equal(segments_of(fresh_sink, 9)[0][0], frames2)
-
-
-def test_split_steps_equal_whole_steps_on_the_pipelined_gpu_loop(model):
-    def codes(split: bool):
-        live, sink = engine(model, split_steps=split)
-        requests = [plain_request(h, [PromptSegment(text_ids(f"Request number {h} speaks now."))],
-                                  max_frames=20) for h in range(3)]
-        for i, request in enumerate(requests):  # one every few steps: silent rows beside speaking ones
-            live.scheduler.add(request)
-            for _ in range(3 + i):
-                live.step()
-        run_until(live, lambda: not live.busy)
-        return [segments_of(sink, h)[0][0] for h in range(3)], live
-
-    whole, _ = codes(False)
-    split, live = codes(True)
-    assert live.counters.split_steps > 0
-    for a, b in zip(whole, split, strict=True):
-        np.testing.assert_array_equal(a, b)

@@ -19,9 +19,3 @@ def test_a_verdict_admits_its_room_then_defers_to_the_engine_thread():
     admission = Admission(None, 2)
     assert [admission.claim() for _ in range(4)] == [(None, True), (None, True), (None, False), (None, False)]
     assert admission.posted == 2  # what was posted on this verdict, no more
-
-
-def test_take_the_simulators_model_still_refuses_past_its_room():
-    admission = Admission(None, 1)
-    assert admission.take() is None
-    assert isinstance(admission.take(), Overloaded)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from services.talker.engine import TalkerEngine
+from services.talker.prefill_graphs import PrefillGraphStats
 from services.talker.request import FinishReason, TalkerRequest
 from services.talker.scheduler import Scheduler
 from services.transport.layout import RecordFlags
@@ -38,6 +39,7 @@ class FakeRunner:
     fail_next_collect: bool = False
     calls: list[tuple] = field(default_factory=list)
     frame: dict[int, int] = field(default_factory=dict)
+    prefill_graph_stats: PrefillGraphStats = field(default_factory=PrefillGraphStats)  # none captured
 
     def bucket_for(self, rows: int) -> int:
         return 8
@@ -89,11 +91,11 @@ class Clock:
         return self.t
 
 
-def make(runner: FakeRunner, slots: int = 4, split_steps: bool = True):
+def make(runner: FakeRunner, slots: int = 4):
     clock = Clock()
     scheduler = Scheduler(num_slots=slots, max_num_seqs=slots, k_max=runner.k_max, prefill_token_budget=64,
                           max_waiting=16, stall_timeout=5.0, frame_rate=12.5, path_s=0.05,
-                          bucket_for=runner.bucket_for, split_steps=split_steps)
+                          bucket_for=runner.bucket_for)
     sink = ListSink(runner.calls)
     return TalkerEngine(runner, scheduler, lambda consumer: sink, clock=clock), sink, clock
 
@@ -128,7 +130,7 @@ def measured(engine, runner) -> None:
 
 def test_a_steps_records_are_written_after_the_next_step_is_launched():
     runner = FakeRunner()
-    engine, sink, _ = make(runner, split_steps=False)  # the first step whole (a split one: below)
+    engine, sink, _ = make(runner)
     measured(engine, runner)
     engine.scheduler.add(req(1, max_frames=12))
     run(engine)
@@ -247,76 +249,3 @@ def test_every_record_of_a_step_is_one_per_request(asynchronous):
     for h in range(4):
         frames, last = frames_of(sink, h)
         assert len(frames) == 7 and last["finish"] == FinishReason.LENGTH
-
-
-def split_records(sink, handle):
-    return [len(r["codes"]) if r["codes"] is not None else 0 for r in sink.records if r["handle"] == handle]
-
-
-@pytest.mark.parametrize("asynchronous", [True, False])
-def test_a_split_steps_first_record_leaves_when_its_first_part_is_in(asynchronous):
-    runner = FakeRunner(asynchronous=asynchronous)
-    engine, sink, _ = make(runner)
-    measured(engine, runner)  # 1 ms a frame, path 50 ms: 4 frames a step, 2 of them early
-    engine.scheduler.add(req(1, max_frames=12))
-    engine.step()
-    calls = [c for c in runner.calls if c[0] in ("launch", "collect", "write")]
-    if asynchronous:  # both parts queued back to back; the first is collected and its record written
-        assert calls == [("launch", (0,), 2), ("launch", (0,), 2), ("collect", (0,)), ("write", 1)]
-        assert engine.inflight is not None and engine.inflight.part == "rest"
-    else:  # the first part runs, its record goes out, then the rest runs
-        assert calls == [("launch", (0,), 2), ("collect", (0,)), ("write", 1), ("launch", (0,), 2),
-                         ("collect", (0,)), ("write", 1)]
-    run(engine)
-    frames, last = frames_of(sink, 1)
-    assert frames[:, 1].tolist() == list(range(12)) and last["finish"] == FinishReason.LENGTH
-    assert split_records(sink, 1)[:2] == [2, 2] and engine.counters.split_steps >= 1
-    launches = sum(1 for c in runner.calls if c[0] == "launch")
-    assert engine.counters.steps == launches - engine.counters.split_steps
-
-
-@pytest.mark.parametrize("asynchronous", [True, False])
-def test_a_speaking_row_writes_one_record_for_both_parts_of_a_split_step(asynchronous):
-    runner = FakeRunner(asynchronous=asynchronous)
-    engine, sink, _ = make(runner)
-    measured(engine, runner)
-    engine.scheduler.add(req(1, max_frames=40))
-    for _ in range(4):
-        engine.step()  # request 1 speaks, far ahead of its listener
-    engine.scheduler.add(req(2, max_frames=10))
-    run(engine)
-    first, second = split_records(sink, 1), split_records(sink, 2)
-    assert second[:2] == [2, 2]  # its first step split: the first record after 2 frames
-    assert first[0:2] == [2, 2] and all(n == 4 for n in first[2:-1])  # one record a step once speaking
-    assert frames_of(sink, 1)[0][:, 1].tolist() == list(range(40))
-    assert frames_of(sink, 2)[0][:, 1].tolist() == list(range(10))
-
-
-@pytest.mark.parametrize("asynchronous", [True, False])
-def test_a_row_that_stops_in_a_split_steps_first_part_ends_there(asynchronous):
-    runner = FakeRunner(asynchronous=asynchronous, stop_after={0: 1})
-    engine, sink, _ = make(runner)
-    measured(engine, runner)
-    engine.scheduler.add(req(1, max_frames=12))
-    run(engine)
-    records = [r for r in sink.records if r["handle"] == 1]
-    assert len(records) == 1 and records[0]["finish"] == FinishReason.STOP
-    assert records[0]["codes"][:, 1].tolist() == [0] and records[0]["flags"] & RecordFlags.LAST
-    assert sorted(engine.scheduler.slots._free) == [0, 1, 2, 3]
-
-
-@pytest.mark.parametrize("failing", ["first", "rest"])
-def test_a_failed_part_of_a_split_step_ends_its_rows_with_error(failing):
-    runner = FakeRunner()
-    engine, sink, _ = make(runner)
-    measured(engine, runner)
-    engine.scheduler.add(req(1, max_frames=12))
-    runner.fail_next_collect = failing == "first"
-    engine.step()  # both parts launched; the first collected (or failed) and written
-    runner.fail_next_collect = failing == "rest"
-    run(engine)
-    records = [r for r in sink.records if r["handle"] == 1]
-    assert records[-1]["finish"] == FinishReason.ERROR and records[-1]["flags"] & RecordFlags.LAST
-    # a first part that came in was written before the error; nothing follows the LAST record
-    assert split_records(sink, 1) == ([0] if failing == "first" else [2, 0])
-    assert sorted(engine.scheduler.slots._free) == [0, 1, 2, 3]

@@ -1,8 +1,7 @@
 """Codes stay identical whatever the serving loop decides, on the tiny model (CPU): K changing
 from step to step (the pacing's choice replaced by an irregular sequence), the pipelined loop
-(step N's records written after step N+1 is launched), prompts prefilled in chunks over
-several steps and steps split in two launches (a silent row's first record early), each against
-the plain run at K=1 with whole prompts."""
+(step N's records written after step N+1 is launched) and prompts prefilled in chunks over
+several steps, each against the plain run at K=1 with whole prompts."""
 
 from __future__ import annotations
 
@@ -81,31 +80,3 @@ def test_codes_are_identical_when_prompts_are_prefilled_in_chunks(folder, refere
     run(engine, _batch(True))
     assert engine.counters.prefill_steps > len(TEXTS)  # some prompt took several steps
     assert_same(collect(sink.records), reference)
-
-
-@pytest.fixture(scope="module")
-def plain(folder):
-    engine, sink = outputs(folder, k_max=1, stops=False)
-    run(engine, _batch(False))
-    return collect(sink.records)
-
-
-@pytest.mark.parametrize(("pipelined", "stops"), [(False, False), (True, False), (True, True)])
-def test_codes_are_identical_through_split_steps(folder, reference, plain, pipelined, stops, monkeypatch):
-    """A split step is two launches (its first frames, then the rest) over the same rows and
-    bucket: the codes equal one launch of K, and K=1. A request comes every step, so steps hold a
-    silent row beside speaking ones; their splits are forced, of changing sizes."""
-    splits = itertools.cycle([(3, 1), (8, 5), (2, 1), (7, 2)])
-    monkeypatch.setattr(scheduler_module, "choose_split",
-                        lambda outlook, config, times: (*next(splits), "slack"))
-    engine, sink = outputs(folder, stops=stops, split_steps=True)
-    engine.pipelined = pipelined
-    pending = list(_batch(stops))
-    for _ in range(500):
-        if pending:
-            engine.scheduler.add(pending.pop(0))
-        elif not engine.busy:
-            break
-        engine.step()
-    assert engine.counters.split_steps >= 3
-    assert_same(collect(sink.records), reference if stops else plain)

@@ -11,13 +11,10 @@ from services.talker.pacing import (
     StepOutlook,
     StepTimes,
     choose_k,
-    choose_split,
     due,
-    early_frames,
     fits,
     prefill_tokens_allowed,
     slack,
-    split_time,
 )
 from services.talker.request import TalkerRequest
 
@@ -114,52 +111,6 @@ def test_an_unstarted_row_is_bound_by_its_first_audio_budget_and_the_queued_work
     assert choose_k(new, CONFIG, times) == (5, "first_audio")
     ahead = outlook(bucket=1, row_due=0.065, unstarted_due=True, ahead_s=0.020)  # a step in flight, prefill
     assert choose_k(ahead, CONFIG, times) == (3, "first_audio")
-
-
-SPLIT = PacingConfig(frame_rate=12.5, path_s=0.02, k_max=8)
-
-
-def ten_ms_a_frame() -> StepTimes:
-    times = StepTimes()
-    times.observe(4, 1, 0.010)  # one step: 10 ms a frame, nothing else
-    return times
-
-
-def test_a_split_steps_first_part_outlasts_the_rest_of_the_step_and_the_path():
-    times = ten_ms_a_frame()
-    # (the rest + a one-frame step + 20 ms of path) x 1.5 against the first part's audio (80 ms a frame)
-    assert early_frames(times, 4, 2, SPLIT) == 1   # (10 + 10 + 20) x 1.5 = 60 <= 80
-    assert early_frames(times, 4, 3, SPLIT) == 1   # (20 + 10 + 20) x 1.5 = 75 <= 80
-    assert early_frames(times, 4, 4, SPLIT) == 2   # (30 + 30) x 1.5 = 90 > 80; (20 + 30) x 1.5 <= 160
-    assert early_frames(StepTimes(), 4, 4, SPLIT) is None  # nothing measured
-    slow = StepTimes()
-    slow.observe(4, 1, 0.100)
-    assert early_frames(slow, 4, 4, SPLIT) is None  # no first part of 4 lasts while 100 ms frames follow
-    assert split_time(times, 4, 4, 2) == pytest.approx(0.040)
-
-
-def test_a_split_takes_min_split_k_frames_with_the_fewest_early_frames_for_them():
-    times = ten_ms_a_frame()
-    # every K up to 8 fits; a split step makes MIN_SPLIT_K (4) frames, 2 of them early
-    assert choose_split(outlook(), SPLIT, times) == (4, 2, "first_audio")
-    short = PacingConfig(frame_rate=12.5, path_s=0.02, k_max=3)
-    assert choose_split(outlook(), short, times) == (3, 1, "k_max")  # fewer frames allowed: all of them
-    # a speaking row due at 35 ms (with a K=1 step to spare): 2 frames as 1 + 1 (20 ms) fit, 3 (30 ms) not
-    assert choose_split(outlook(speaking_due=0.035), SPLIT, times) == (2, 1, "slack")
-    # a request waiting for prefill, due at 55 ms (two K=1 steps to spare): the same
-    assert choose_split(outlook(waiting_due=0.055), SPLIT, times) == (3, 1, "waiting")
-    assert choose_split(outlook(speaking_due=0.025), SPLIT, times) is None  # not even 2 frames fit
-    assert choose_split(outlook(), PacingConfig(frame_rate=12.5, path_s=0.02, k_max=1), times) is None
-    assert choose_split(outlook(), SPLIT, StepTimes()) is None  # nothing measured: the first step is K=1
-    slow = StepTimes()
-    slow.observe(4, 1, 0.100)
-    assert choose_split(outlook(), PacingConfig(frame_rate=12.5, path_s=0.02, k_max=4), slow) is None
-    near_capacity = StepTimes()
-    near_capacity.observe(4, 1, 0.017)  # a K_max step: 136 ms, over a fifth of its 640 ms of audio
-    assert choose_split(outlook(), SPLIT, near_capacity) is None
-    within = StepTimes()
-    within.observe(4, 1, 0.015)  # 120 ms: within it
-    assert choose_split(outlook(), SPLIT, within) is not None
 
 
 def test_prefill_allowed_is_what_the_slack_leaves_after_two_steps():

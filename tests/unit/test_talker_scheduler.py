@@ -68,7 +68,7 @@ def test_a_silent_rows_first_record_is_as_small_as_its_budget_needs_but_lasts_it
     # Code2Wav decodes a stream's first record at once, whatever its frames; but a first chunk
     # shorter than its next record's way runs dry first: (2 x 10 ms + 100 ms path) x 1.5 = 180 ms,
     # 3 frames, is the floor (pacing.first_frames)
-    s = sched(split_steps=False, bucket_for=lambda rows: 2)
+    s = sched(bucket_for=lambda rows: 2)
     s.times.observe(2, 1, 0.010)
     speaking = req(1)
     s.add(speaking)
@@ -320,7 +320,7 @@ def test_drop_ends_a_consumers_rows():
 
 
 def test_a_speaking_row_keeps_the_path_to_spare_a_silent_one_only_its_budget():
-    s = sched(bucket_for=lambda rows: 2, path_s=0.05, split_steps=False)  # K when a step is not split
+    s = sched(bucket_for=lambda rows: 2, path_s=0.05)
     s.times.observe(2, 1, 0.010)  # 10 ms a frame
     speaking = req(1)
     s.add(speaking)
@@ -355,7 +355,7 @@ def test_a_row_late_whatever_the_step_does_not_bound_k_but_one_still_in_time_doe
 
 
 def test_a_late_first_record_gets_a_short_step_while_the_others_can_spare_it():
-    s = sched(bucket_for=lambda rows: 2, path_s=0.02, split_steps=False)  # the rule a split step replaces
+    s = sched(bucket_for=lambda rows: 2, path_s=0.02)
     learn(s.times, 2, {1: 0.010, 8: 0.040})
     ahead = req(1)
     s.add(ahead)
@@ -375,28 +375,3 @@ def test_a_late_first_record_gets_a_short_step_while_the_others_can_spare_it():
     s.times = pacing.StepTimes()
     s.times.observe(2, 1, 0.060)  # slow steps ((2 x 60 + 20) x 1.5 > 160 ms): no short step
     assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (8, "k_max")
-
-
-def test_a_step_with_a_silent_row_is_split_so_its_first_record_leaves_early():
-    s = sched(bucket_for=lambda rows: 2, path_s=0.02, split_steps=True)
-    learn(s.times, 2, {1: 0.010, 8: 0.080})  # 10 ms a frame
-    ahead = req(1)
-    s.add(ahead)
-    run_step(s, 0.0)
-    ahead.first_written_at, ahead.frames_done = 0.0, 50  # 4 s written: far ahead of its listener
-    plan = s.schedule(0.0)
-    assert plan.early == 0 and (plan.k, plan.k_bound) == (8, "k_max")  # nobody silent: one launch
-    new = req(2)
-    new.first_audio_by = 0.02 + 0.5
-    s.add(new)
-    plan = s.schedule(0.0)
-    assert [r.handle for r in plan.decode] == [1, 2]
-    # 4 frames, 2 of them first: (20 ms + 10 + 20 path) x 1.5 = 75 ms within their 160 ms of audio
-    assert (plan.k, plan.early, plan.k_bound) == (4, 2, "first_audio")
-    assert plan.limits == [4, 4] and plan.estimate_s == pytest.approx(0.040 + s.times.prefill_s(10))
-    whole = sched(bucket_for=lambda rows: 2, path_s=0.02)  # the default
-    whole.times = s.times
-    late = req(3)
-    late.first_audio_by = 0.02 + 0.5
-    whole.add(late)
-    assert whole.schedule(0.0).early == 0  # split steps off (the default): the first record at the step's end

@@ -1,0 +1,27 @@
+"""The talker core's metrics read the runner's interface as it is: the CPU runner, which captures
+no prefill graphs, reports them as none (zero buckets, no capture time, no pool), and the engine
+does not pipeline on it (its launch runs the step)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.talker.core import TalkerCore
+from tests.unit.test_talker_engine import _batch, make_engine, run
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from models.tiny.talker import write_tiny_checkpoint
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "t", seed=0)
+
+
+def test_the_cpu_runner_reports_no_prefill_graphs_and_runs_each_step_in_launch(folder):
+    engine, _ = make_engine(folder, k_max=4)
+    assert engine.runner.asynchronous is False and engine.pipelined is False
+    run(engine, _batch(False))
+    metrics = TalkerCore(engine, consumers=None).metrics()
+    assert metrics["prefill_graph_buckets"][2] == 0
+    assert metrics["prefill_graph_capture_seconds"][2] == 0.0
+    assert metrics["prefill_graph_reserved_bytes"][2] == 0
+    assert metrics["steps"][2] == engine.counters.steps > 0 and metrics["steps_overlapped"][2] == 0
