@@ -1,5 +1,6 @@
-"""The device costs the serving simulator's H200 model needs, at the shapes the server runs.
-GPU only (``--smoke``: the same code on the CPU with voxring-tiny and a small grid).
+"""The serving stages' device costs at the shapes the server runs: the talker's step and prefill,
+Code2Wav's decode. GPU only (``--smoke``: the same code on the CPU with voxring-tiny and a small
+grid).
 
     python bench/steps_gpu.py [--parts talker,prefill,prefill_graphs,codec]
                               [--out bench/results/steps_gpu.json]
