@@ -47,7 +47,7 @@ from pathlib import Path
 import grpc
 
 from bench.code2wav_host_load import TALKER_ID, FeederTalker, Tally, client
-from bench.talker_host_report import REPO, loadavg, machine_info
+from bench.talker.host_report import REPO, loadavg, machine_info
 from services.transport import TransportSection
 from voxring.v1 import code2wav_pb2_grpc, talker_pb2_grpc
 

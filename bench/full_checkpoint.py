@@ -11,7 +11,7 @@ The shapes set the cost; the values are random: its audio is noise and its codes
 practically never form the stop frame (codebooks 0..30 all zero), so a request always
 runs to its length cap.
 
-- Talker: the csm-1b shapes of bench/talker_gpu.py (``CSM_1B``), with the text vocabulary
+- Talker: the csm-1b shapes of bench/talker/gpu.py (``CSM_1B``), with the text vocabulary
   of 128256 ids. Its tensors are stored in ``--dtype`` (bf16: 3.3 GB).
 - Codec: Mimi's real configuration (hidden 512, 64 filters, 32 quantizers of 2048 codes,
   dim 256, an 8-layer decoder transformer; /work/shared/REFERENCE.md, the defaults of
@@ -62,9 +62,9 @@ MIMI_CONFIG = {
 
 
 def full_config(dtype: str = "bfloat16") -> dict:
-    """config.json: csm-1b's shapes (bench/talker_gpu.py's CSM_1B) completed with the fields
+    """config.json: csm-1b's shapes (bench/talker/gpu.py's CSM_1B) completed with the fields
     a loadable checkpoint needs, the byte-level tokenizer's special ids and real Mimi."""
-    from bench.talker_gpu import CSM_1B
+    from bench.talker.gpu import CSM_1B
     from models.tiny.talker import tiny_config
 
     tiny = tiny_config()

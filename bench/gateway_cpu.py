@@ -54,7 +54,7 @@ from bench.stack_cpu_run import (
     shm_left,
     stage_environment,
 )
-from bench.talker_host_report import REPO, machine_info
+from bench.talker.host_report import REPO, machine_info
 from voxring.stack import STAGES, Stack, StackError
 
 OUT = REPO / "bench" / "results" / "gateway_cpu.json"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.talker_host_report import REPO, machine_info
+from bench.talker.host_report import REPO, machine_info
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc
 
 OUT = REPO / "bench" / "results" / "grpc_stream_cost.json"

@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.talker_gpu import CSM_1B, random_model
+from bench.talker.gpu import CSM_1B, random_model
 from models.family import PromptSegment
 from services.common.chunks import Sampling
 from services.talker.runner import PrefillBuckets, PrefillRow, Runner

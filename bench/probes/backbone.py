@@ -1,7 +1,7 @@
 """csm-1b's backbone step (16 layers) through ``stack_layers`` against ``Transformer.forward_rows``, timed
 inside CUDA graphs, and where a ``stack_layers`` launch's time goes. GPU only (about 3 minutes on one H200).
 
-    python bench/probes/backbone.py [--rows 1,8] [--tunings JSON] [--out FILE.json]
+    python -m bench.probes.backbone [--rows 1,8] [--tunings JSON] [--out FILE.json]
 
 One backbone step of the frame: the frame embedding's rows in, 16 layers of 2048 (32 / 8 heads of 64, an
 8192 wide MLP), the final norm out, bf16, random weights, caches of 2048 positions filled at random, each
@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.probes.stack_step import graph_us_per_call
-from bench.talker_fusion import random_model
-from bench.talker_gpu import CSM_1B
+from bench.talker.fusion import random_model
+from bench.talker.gpu import CSM_1B
 from kernels import stack_step as stack_kernel
 
 ROWS = [1, 8]

@@ -1,7 +1,7 @@
 """Probe for the next talker step: can a pipelined Triton weight-streaming product beat the library's
 at the frame's small batches? GPU only (about 2 minutes on one H200):
 
-    python bench/probes/gemv.py [--out bench/results/probe_gemv.json]
+    python -m bench.probes.gemv [--out bench/results/probe_gemv.json]
 
 The reverted ``small_linear`` looped over K with a runtime bound, which Triton does not pipeline, and
 launched only N / BLOCK_N programs. This probe makes K a compile-time constant (a pipelined

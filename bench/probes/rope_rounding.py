@@ -1,7 +1,7 @@
 """Probe: rope_kv's bf16 q against its twin and against fp32 math rounded once, and the conversions
 the compiled kernel contains (PTX cvt and fma counts). GPU only:
 
-    python bench/probes/rope_rounding.py
+    python -m bench.probes.rope_rounding
 
 Before the products were rounded through opaque PTX conversions, the kernel matched neither the
 twin (4929 of 32768 outputs an ulp off) nor one-rounding math (4155), and its PTX held an fma per

@@ -2,7 +2,7 @@
 on any machine (CPU is enough): a product loop runs one warp per scheduler, so its time per block
 follows the instructions each thread issues, and a change to a loop can be counted before it is timed.
 
-    python bench/probes/sass_loops.py ['{"KQ_QKV": 1}' ...]   # tunings (JSON) over the default; one row
+    python -m bench.probes.sass_loops ['{"KQ_QKV": 1}' ...]   # tunings (JSON) over the default; one row
 
 Prints one JSON line per tuning: for each loop of at least 40 instructions (its back edge found in
 nvdisasm's output), the instruction count, the main opcodes, and the kernel functions its source lines

@@ -1,7 +1,7 @@
 """``stack_step`` on csm-1b's depth decoder against the path it replaces, per depth call, timed
 inside CUDA graphs. GPU only (about 5 minutes at one row with the sweep, on one H200).
 
-    python bench/probes/stack_step.py [--rows 1,8,16] [--sweep JSON | --skip-sweep] [--way table|gather]
+    python -m bench.probes.stack_step [--rows 1,8,16] [--sweep JSON | --skip-sweep] [--way table|gather]
         [--out FILE.json]
 
 One depth call: its input rows from the projected embedding table (``--way table``, the model's
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.talker_fusion import random_model
-from bench.talker_gpu import CSM_1B, copy_bandwidth
+from bench.talker.fusion import random_model
+from bench.talker.gpu import CSM_1B, copy_bandwidth
 from kernels import stack_step as stack_kernel
 
 ROWS = [1, 8, 16]

@@ -52,7 +52,7 @@ completed with zero underruns (no errors, not cut by the time cap).
 checkpoint (bf16, greedy for both the backbone and the depth decoder, fixed
 ``max_new_tokens``) in frames per second at batch 1 and 8; and voxring's talker frame at
 B=1 and 8 (the runner's CUDA graph, CUDA events) next to its weight-read floor
-(bench/talker_gpu.py: backbone bytes + 31 depth steps x (depth layers + projector + one head
+(bench/talker/gpu.py: backbone bytes + 31 depth steps x (depth layers + projector + one head
 slice), over the measured copy bandwidth).
 
 Every part writes its JSON after each measurement (a killed run keeps what it measured),

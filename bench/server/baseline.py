@@ -63,7 +63,7 @@ def voxring_frame(folder: Path, device, dtype, s: Settings) -> dict:
     import torch
 
     import kernels
-    from bench.talker_gpu import (
+    from bench.talker.gpu import (
         copy_bandwidth,
         device_ms_per_frame,
         frame_floor_bytes,

@@ -1,14 +1,14 @@
 """The stack_step benchmarks' tunings and frame settings, built as values on the CPU (the benchmarks run
 on a GPU only): their JSON keys are ``Tuning``'s fields, a deleted switch is refused by name, and a
-bench/talker_fusion.py stage becomes the fused frame's ``FusedSettings``."""
+bench/talker/fusion.py stage becomes the fused frame's ``FusedSettings``."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import talker_fusion
 from bench.probes import backbone as backbone_probe
 from bench.probes import stack_step as stack_probe
+from bench.talker import fusion as talker_fusion
 from kernels.stack_step import BACKBONE, DEPTH
 from models.csm.frame_fused import DEFAULT_SETTINGS
 

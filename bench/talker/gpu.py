@@ -1,7 +1,7 @@
 """Talker on the GPU: graph replay vs eager codes, per-frame device time, host gaps per
 frame at K=1 vs K=8, capture time and graph memory. GPU only.
 
-    python bench/talker_gpu.py [--out bench/results/talker_gpu.json]
+    python -m bench.talker.gpu [--out bench/results/talker/talker_gpu.json]
 
 1. Exactness: for every bucket, K frames by graph replay equal K frames run eagerly from
    the same state (tiny model fp32, and csm-1b shapes bf16 with random weights), greedy
@@ -164,12 +164,12 @@ def step_wall_ms(runner: Runner, bucket: int, k: int, steps: int = 10) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("bench/results/talker_gpu.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/talker/talker_gpu.json"))
     parser.add_argument("--no-kernels", action="store_true",
                         help="eager twins instead of the Triton sampler and decode attention")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("talker_gpu.py needs a CUDA GPU")
+        sys.exit("bench.talker.gpu needs a CUDA GPU")
     import kernels
 
     kernels.configure(sampler=not args.no_kernels, decode_attention=not args.no_kernels)

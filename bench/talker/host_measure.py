@@ -1,4 +1,4 @@
-"""One case of bench/talker_host.py: build the engine, step it, time it, check the consumer.
+"""One case of bench/talker/host.py: build the engine, step it, time it, check the consumer.
 
 Engine and scheduler are imported inside functions: this module is imported again by the
 spawned consumer process (as part of the main module), which needs neither.
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.talker_host_ring import CONSUMER_ID, RingConsumerProcess, bench_section
-from bench.talker_host_runners import ImmediateRunner, ThreadedRunner
+from bench.talker.host_ring import CONSUMER_ID, RingConsumerProcess, bench_section
+from bench.talker.host_runners import ImmediateRunner, ThreadedRunner
 
 PROMPT_LEN = 110
 STEADY_FRAMES = 16  # the production chunk schedule's steady chunk (services/common/chunks.py)

@@ -2,7 +2,8 @@
 stage by stage from the plain layers to the fused path, beside the bytes and FLOPs floors.
 GPU only (about 4 minutes on one H200).
 
-    python bench/talker_fusion.py [--out bench/results/talker_fusion.json] [--last-stages N] [--tunings JSON]
+    python -m bench.talker.fusion [--out bench/results/talker/talker_fusion.json] [--last-stages N]
+        [--tunings JSON]
 
 1. Floors (METHOD.md): bytes one frame must move (weights: the backbone once, the depth
    decoder and one head slice per depth step, its projector once (the first depth call; the
@@ -18,7 +19,7 @@ GPU only (about 4 minutes on one H200).
    persistent launch per depth call, for calls of <= 2 rows, and for calls of <= 16 rows (B <= 8);
    then depth calls 2 .. 31 reading rows of the projected embedding tables (the default). (A
    stage with nested product loops, an item loop around each pipelined reduction, ran at
-   2530d3e: `results/talker_fusion_stack_step.json`; it was as fast and was removed.)
+   2530d3e: `results/talker/talker_fusion_stack_step.json`; it was as fast and was removed.)
    ``--tunings '[{"BN_QKV": 16}, ...]'``: the default stage again with each stack_step tuning
    (``candidates`` in the JSON), then the default once more; the sampled and whole-step timings
    below stay the default's. A candidate may also set "backbone_rows" (backbone steps of up to that
@@ -54,10 +55,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import kernels
-from bench.talker_gpu import (
+from bench.talker.gpu import (
     CSM_1B,
     copy_bandwidth,
     device_ms_per_frame,
@@ -354,7 +353,7 @@ _BACKBONE_CHANGES = {k: v for k, v in dataclasses.asdict(BACKBONE).items() if v 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("bench/results/talker_fusion.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/talker/talker_fusion.json"))
     parser.add_argument("--skip-exactness", action="store_true")
     parser.add_argument("--last-stages", type=int, default=len(STAGES),
                         help="time only the last N stages (the earlier ones are in an earlier run's JSON); "
@@ -424,7 +423,7 @@ def time_stage(runner: Runner, saved: list[torch.Tensor], floors: dict, name: st
 def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
-        sys.exit("talker_fusion.py needs a CUDA GPU")
+        sys.exit("bench.talker.fusion needs a CUDA GPU")
     result = run_header()
     bandwidth, rate = copy_bandwidth(), matmul_rate()
     result["copy_bandwidth_TBps"] = round(bandwidth / 1e12, 3)

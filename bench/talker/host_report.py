@@ -1,4 +1,4 @@
-"""bench/talker_host.py's JSON header (machine, versions, commit) and its markdown tables."""
+"""bench/talker/host.py's JSON header (machine, versions, commit) and its markdown tables."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cpu_model() -> str:

@@ -1,4 +1,4 @@
-"""Fake talker runners for bench/talker_host.py: the real runner's interface with no model.
+"""Fake talker runners for bench/talker/host.py: the real runner's interface with no model.
 
 ``ImmediateRunner`` returns at once, so a step's time is the engine's own host work.
 ``ThreadedRunner`` stands in for a device: ``launch`` hands a job to one worker thread (a

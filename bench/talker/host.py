@@ -1,11 +1,11 @@
 """The talker engine's host time per step, on the CPU, through a real shared-memory ring.
 
-    /work/main/.venv/bin/python -m bench.talker_host [--quick] [--host] [--overlap] [--out PATH]
+    /work/main/.venv/bin/python -m bench.talker.host [--quick] [--host] [--overlap] [--out PATH]
 
 (``--host`` / ``--overlap`` pick the parts; neither: both.) The real ``TalkerEngine`` and
-``Scheduler`` run with a fake runner (bench/talker_host_runners.py) and write their records
+``Scheduler`` run with a fake runner (bench/talker/host_runners.py) and write their records
 into a ring made by the transport's ``open_producer``, which a spawned consumer process
-drains and checks (bench/talker_host_ring.py).
+drains and checks (bench/talker/host_ring.py).
 
 - **host**: an ``ImmediateRunner`` (decode returns at once): the engine thread's
   ``time.thread_time()`` per ``engine.step()`` after a warm-up, median and p90, per step and
@@ -35,10 +35,10 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from bench.talker_host_measure import Case, run_case
-from bench.talker_host_report import loadavg, machine_info, tables
+from bench.talker.host_measure import Case, run_case
+from bench.talker.host_report import REPO, loadavg, machine_info, tables
 
-OUT = Path(__file__).resolve().parent / "results" / "talker_host_cpu.json"
+OUT = REPO / "bench" / "results" / "talker" / "talker_host_cpu.json"
 ROWS = (64, 256, 1024)
 KS = (1, 8)
 BUSY_SPIN_US = 10_000  # the most TransportSection allows: the consumer polls through a step
