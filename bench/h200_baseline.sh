@@ -66,7 +66,7 @@ for part in "$@"; do
     costs)
       timeout 240 python3 bench/steps_gpu.py --parts prefill,prefill_graphs,codec --out "$OUT/steps_gpu_costs.json"
       echo "prefill, codec: exit $?"
-      timeout "$(left 320)" python3 bench/codec_graph_bf16.py --out "$OUT/codec_graph_bf16.json" 2>&1 | tail -8
+      timeout "$(left 320)" python3 -m bench.code2wav.codec_graph_bf16 --out "$OUT/codec_graph_bf16.json" 2>&1 | tail -8
       echo "codec graph bf16: exit ${PIPESTATUS[0]}"
       timeout "$(left)" python3 bench/overlap_gpu.py --seconds 5 --out "$OUT/overlap_gpu.json"
       echo "overlap: exit $?" ;;
@@ -79,7 +79,7 @@ for part in "$@"; do
           | tail -5
         echo "codec grid, $mode: exit ${PIPESTATUS[0]}"
       done
-      timeout "$(left)" python3 bench/codec_graph_bf16.py --out "$OUT/codec_graph_bf16.json" 2>&1 | tail -8
+      timeout "$(left)" python3 -m bench.code2wav.codec_graph_bf16 --out "$OUT/codec_graph_bf16.json" 2>&1 | tail -8
       echo "codec graph bf16: exit ${PIPESTATUS[0]}" ;;
     server-off) server off ;;
     server-on) server on ;;

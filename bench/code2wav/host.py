@@ -1,12 +1,12 @@
 """Code2Wav's host capacity on the CPU: the whole process with a decoder that returns at once.
 
-    /work/main/.venv/bin/python -m bench.code2wav_host [--quick] [--out PATH]
+    /work/main/.venv/bin/python -m bench.code2wav.host [--quick] [--out PATH]
 
-Each case starts a real Code2Wav process (bench/code2wav_host_stage.py: the stage's own
+Each case starts a real Code2Wav process (bench/code2wav/host_stage.py: the stage's own
 build, config, engine thread, gRPC server and metrics, its decoder replaced by one that
 returns at once) attached to a feeder talker in this process that writes records into a
 real shared-memory ring, and keeps ``streams`` requests open through real grpc.aio
-``Open`` streams that read every chunk (bench/code2wav_host_load.py). The feeder writes
+``Open`` streams that read every chunk (bench/code2wav/host_load.py). The feeder writes
 as a talker's steps do: each step one record per open request, back to back. Requests
 last 4-12 s of audio (seeded) and are reopened when they finish, so openings (records of
 1, 2, 3, 4 frames) keep mixing with steady records of 8 frames.
@@ -46,12 +46,12 @@ from pathlib import Path
 
 import grpc
 
-from bench.code2wav_host_load import TALKER_ID, FeederTalker, Tally, client
+from bench.code2wav.host_load import TALKER_ID, FeederTalker, Tally, client
 from bench.talker.host_report import REPO, loadavg, machine_info
 from services.transport import TransportSection
 from voxring.v1 import code2wav_pb2_grpc, talker_pb2_grpc
 
-OUT = REPO / "bench" / "results" / "code2wav_host_cpu.json"
+OUT = REPO / "bench" / "results" / "code2wav" / "code2wav_host_cpu.json"
 FRAME_RATE = 12.5
 START_TIMEOUT_S = 120.0
 STAGE_LOGS = Path(tempfile.gettempdir()) / "voxring-code2wav-host-logs"
@@ -132,7 +132,7 @@ def _config(folder: Path, case: Case) -> Path:
 
 
 def _spawn(folder: Path, config: Path, pin: bool) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "bench.code2wav_host_stage", "--config", str(config),
+    cmd = [sys.executable, "-m", "bench.code2wav.host_stage", "--config", str(config),
            "--ready-file", str(folder / "ready.json")]
     if pin and shutil.which("taskset"):
         cmd = ["taskset", "-c", "0", *cmd]

@@ -3,7 +3,7 @@ latency and steady throughput for B = 1, 8, 32, 128 with the real Mimi shapes (r
 weights, random codebooks), bf16 and fp32, next to transformers' whole-sequence Mimi
 decode in the same run. GPU only.
 
-    python bench/codec_gpu.py [--out bench/results/codec_gpu.json]
+    python -m bench.code2wav.codec_gpu [--out bench/results/code2wav/codec_gpu.json]
 
 First-chunk latency: decoding a fresh slot's first chunk of 2 frames (graph replay),
 device time. Steady throughput: audio seconds produced per second while every one of B
@@ -112,10 +112,10 @@ def git_commit() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("bench/results/codec_gpu.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/code2wav/codec_gpu.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("codec_gpu.py needs a CUDA GPU")
+        sys.exit("bench.code2wav.codec_gpu needs a CUDA GPU")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(),
               "commit": git_commit(),

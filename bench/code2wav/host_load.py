@@ -1,4 +1,4 @@
-"""The load side of bench/code2wav_host.py, in the driver process: a talker that Code2Wav
+"""The load side of bench/code2wav/host.py, in the driver process: a talker that Code2Wav
 attaches to (``Talker.Attach`` on a unix socket, a real shared-memory ring it writes
 records into from its own thread) and the gateway's side (grpc.aio ``Open`` streams that
 read every chunk).

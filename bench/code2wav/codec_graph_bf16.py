@@ -2,7 +2,7 @@
 fp32 equal), and how far. GPU only (``--smoke``: the same code on the CPU, tiny Mimi, no
 graphs).
 
-    python bench/codec_graph_bf16.py [--out bench/results/codec_graph_bf16.json]
+    python -m bench.code2wav.codec_graph_bf16 [--out bench/results/code2wav/codec_graph_bf16.json]
 
 For each shape (batch B, chunk T) of codec_gpu.json, from fresh slots and the same codes:
 
@@ -29,8 +29,6 @@ import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.steps_gpu import codec_model, header
 from services.code2wav.decoder import CodecDecoder
@@ -198,11 +196,11 @@ def run(smoke: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/codec_graph_bf16.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/code2wav/codec_graph_bf16.json"))
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
-        print("codec_graph_bf16.py needs a CUDA GPU (--smoke runs on the CPU)", file=sys.stderr)
+        print("bench.code2wav.codec_graph_bf16 needs a CUDA GPU (--smoke runs on the CPU)", file=sys.stderr)
         return 2
     result = run(args.smoke)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Code2Wav's whole process (config, rings, engine thread, gRPC server) with a decoder that
-returns at once, for bench/code2wav_host.py:
+returns at once, for bench/code2wav/host.py:
 
-    python -m bench.code2wav_host_stage --config PATH --ready-file PATH
+    python -m bench.code2wav.host_stage --config PATH --ready-file PATH
 
 :class:`InstantDecoder` keeps the host's share of a real decode call: the chunk checks,
 the padded int64 batch and its tensor, and one copy of the call's PCM into host memory

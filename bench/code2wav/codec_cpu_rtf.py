@@ -1,15 +1,15 @@
 """CPU real-time factor of the streaming Mimi decoder: the tiny default codec and the
 full-size Mimi (random weights; the shapes set the cost), 1 and 8 slots decoded together.
 
-    .venv/bin/python bench/codec_cpu_rtf.py
+    .venv/bin/python -m bench.code2wav.codec_cpu_rtf [--out bench/results/code2wav/codec_cpu_rtf.json]
 
 RTF = wall seconds / audio seconds (below 1 is faster than real time). Also records the
-largest streaming-vs-whole-sequence error over chunkings. Writes
-bench/results/codec_cpu_rtf.json.
+largest streaming-vs-whole-sequence error over chunkings. Writes ``--out``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import subprocess
@@ -66,6 +66,9 @@ def max_stream_error(codec: MimiCodec) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description="the streaming Mimi decoder's real-time factor on the CPU")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/code2wav/codec_cpu_rtf.json"))
+    args = parser.parse_args()
     torch.manual_seed(0)
     tiny = load_codec(ensure_tiny_checkpoint())
     full = full_size_codec()
@@ -78,8 +81,8 @@ def main() -> None:
                 for name, codec in (("tiny", tiny), ("full-size Mimi", full)) for slots in (1, 8)},
         "max_rel_l2_stream_vs_whole": {"tiny": max_stream_error(tiny)},
     }
-    out = Path("bench/results/codec_cpu_rtf.json")
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 
