@@ -1,7 +1,7 @@
 """Cross-process latency and throughput of the frame transports: the shared-memory ring
 vs the gRPC fallback on loopback, in one run, for 64 B and 4 KiB records.
 
-    .venv/bin/python bench/ring_latency.py [--quick]
+    .venv/bin/python -m bench.transport.ring_latency [--quick]
 
 Producer and consumer are separate processes started with subprocess; the producer
 stamps CLOCK_MONOTONIC ns into the first 8 bytes of each record just before ``put``,
@@ -25,7 +25,7 @@ Every case but idle pins the producer to CPU 0 and the consumer to CPU 1.
 Reference rows measure a bare posix_ipc semaphore wake-up (same 50 us spin before
 sleeping, no ring), placed and pinned: the floor under the ring's idle cases here.
 
-Writes bench/results/ring_latency.json and prints a table. Targets (issue 5): idle p50
+Writes bench/results/transport/ring_latency.json and prints a table. Targets (issue 5): idle p50
 <= 25 us, busy p50 <= 5 us, ring busy p50 >= 10x lower than gRPC busy p50.
 """
 
@@ -42,8 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
+MODULE = "bench.transport.ring_latency"  # the producer and consumer processes run this module too
 
 SIZES = (64, 4096)  # bytes of codes per record
 NUM_CODEBOOKS = 32  # 64 B = one CSM frame of 32 codebooks
@@ -192,7 +192,7 @@ def run_bare_semaphore(count: int, pattern: str) -> list[int]:
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=4096)
     sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
     try:
-        command = [sys.executable, str(Path(__file__).resolve()), "--role", "sem-consumer", "--ready", name,
+        command = [sys.executable, "-m", MODULE, "--role", "sem-consumer", "--ready", name,
                    "--count", str(count), "--pattern", pattern]
         consumer = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE)
         pin("producer", pattern)
@@ -247,7 +247,7 @@ def run_case(kind: str, size: int, pattern: str, count: int, workdir: Path) -> d
     ready, result = workdir / f"{kind}-{size}-{pattern}.ready", workdir / f"{kind}-{size}-{pattern}.json"
     common = ["--kind", kind, "--size", str(size), "--pattern", pattern, "--count", str(count),
               "--ready", str(ready), "--result", str(result)]
-    script = [sys.executable, str(Path(__file__).resolve())]
+    script = [sys.executable, "-m", MODULE]
     producer = subprocess.Popen([*script, "--role", "producer", *common], cwd=REPO)
     consumer = None
     try:
@@ -333,7 +333,7 @@ def main() -> None:
     parser.add_argument("--ready")
     parser.add_argument("--result")
     parser.add_argument("--quick", action="store_true", help="a tenth of the records (a smoke run)")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "ring_latency.json"))
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "transport" / "ring_latency.json"))
     args = parser.parse_args()
     if args.role == "producer":
         return run_producer(args)

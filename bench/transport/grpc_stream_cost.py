@@ -1,7 +1,7 @@
 """The bare grpc.aio server-streaming cost on this CPU: the floor under Code2Wav's (and the
 gateway's) CPU per audio chunk.
 
-    /work/main/.venv/bin/python -m bench.grpc_stream_cost [--out PATH]
+    /work/main/.venv/bin/python -m bench.transport.grpc_stream_cost [--out PATH]
 
 A server process (pinned to CPU 0 when there are two) serves ``Code2Wav.Open`` as nothing
 but a loop that yields ``messages`` chunk responses of ``size`` bytes of PCM, set in place as
@@ -31,7 +31,7 @@ import grpc
 from bench.talker.host_report import REPO, machine_info
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc
 
-OUT = REPO / "bench" / "results" / "grpc_stream_cost.json"
+OUT = REPO / "bench" / "results" / "transport" / "grpc_stream_cost.json"
 SIZES = (1024, 15_360, 30_720, 61_440)
 
 
@@ -83,7 +83,7 @@ def _cpu_s(pid: int) -> float:
 def measure(size: int, streams: int, messages: int, pin: bool) -> dict:
     folder = Path(tempfile.mkdtemp(prefix="vr-grpc-cost-"))
     address = f"unix:{folder}/s.sock"
-    cmd = [sys.executable, "-m", "bench.grpc_stream_cost", "--serve", address, "--size", str(size),
+    cmd = [sys.executable, "-m", "bench.transport.grpc_stream_cost", "--serve", address, "--size", str(size),
            "--messages", str(messages)]
     if pin and shutil.which("taskset"):
         cmd = ["taskset", "-c", "0", *cmd]
