@@ -5,7 +5,7 @@ and over each public API: gRPC ``SynthesizeOnline`` through the SDK, HTTP ``POST
     .venv/bin/python -m bench.gateway_cpu [--repeats 3] [--requests 6] [--out PATH]
         [--formats pcm wav opus mp3 aac flac] [--apis grpc http sse]
 
-The stack comes up as bench/stack_cpu_run.py brings it up (``Stack.up`` on a private copy of
+The stack comes up as bench/stack_cpu/run.py brings it up (``Stack.up`` on a private copy of
 deploy/configs: unix sockets for the engines, free loopback ports for the gateway's gRPC and
 HTTP, a private /dev/shm prefix) and goes down on every way out (an error, Ctrl-C, SIGTERM).
 Requests run one at a time: a fixed text, seed and ``max_audio_seconds`` (the text is long
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client the installed openai package is built on (as the tests)
 
-from bench.stack_cpu_run import (
+from bench.stack_cpu.run import (
     DOWN_TIMEOUT_S,
     cpu_over,
     cpu_snapshot,

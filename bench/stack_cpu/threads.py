@@ -1,4 +1,4 @@
-"""What torch threads the stages of a ``bench/stack_cpu.py`` run got: what each torch stage says
+"""What torch threads the stages of a ``bench/stack_cpu/tiers.py`` run got: what each torch stage says
 at start-up, what /proc shows of each stage process, torch's own default in the stages'
 environment, and whether the measured tree's code sets them."""
 

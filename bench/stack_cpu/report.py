@@ -1,4 +1,4 @@
-"""The tables of ``bench/stack_cpu.py``: which run is a tier's worst, the markdown table of
+"""The tables of ``bench/stack_cpu/tiers.py``: which run is a tier's worst, the markdown table of
 one result (the worst run of each tier) and the before/after table of two results."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Incremental text on the real stack (CPU, voxring-tiny): ``python -m bench.streaming_cpu``.
+"""Incremental text on the real stack (CPU, voxring-tiny): ``python -m bench.stack_cpu.streaming``.
 
-The stack comes up as ``voxring up`` starts it (bench/stack_cpu_run.py's private configs and
+The stack comes up as ``voxring up`` starts it (bench/stack_cpu/run.py's private configs and
 environment), is warmed up, then, one after another:
 
 - ``--sessions`` StreamingSynthesize sessions, each a five-sentence paragraph sent one word every
@@ -32,12 +32,12 @@ import threading
 import time
 from pathlib import Path
 
-from bench.stack_cpu_run import private_configs, stage_environment
+from bench.stack_cpu.run import private_configs, stage_environment
 from voxring.stack import Stack
 
 PARAGRAPH = ("The first sentence is short. Here comes the second one, a little longer. "
              "A third follows it. Then a fourth sentence arrives. And the fifth one ends it.")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -139,14 +139,15 @@ def machine() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.streaming_cpu",
+    parser = argparse.ArgumentParser(prog="python -m bench.stack_cpu.streaming",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=10)
     parser.add_argument("--fresh", type=int, default=20)
     parser.add_argument("--clears", type=int, default=10)
     parser.add_argument("--word-s", type=float, default=0.03)
     parser.add_argument("--segment-s", type=float, default=2.0)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "streaming_cpu.json")
+    parser.add_argument("--out", type=Path,
+                        default=REPO / "bench" / "results" / "stack_cpu" / "streaming_cpu.json")
     args = parser.parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="vx-stream-", dir="/tmp"))
     private_configs(REPO, folder)

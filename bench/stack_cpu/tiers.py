@@ -2,11 +2,12 @@
 shipped configs, the tiny default model (voxring-tiny), closed-loop tiers of C streams
 through the public API with the SDK's load generator.
 
-    python -m bench.stack_cpu --label before          # on the tree before a change
-    python -m bench.stack_cpu --label after           # ... and after it
-    python -m bench.stack_cpu --compare bench/results/stack_cpu/before.json bench/results/stack_cpu/after.json
+    python -m bench.stack_cpu.tiers --label before          # on the tree before a change
+    python -m bench.stack_cpu.tiers --label after           # ... and after it
+    python -m bench.stack_cpu.tiers --compare bench/results/stack_cpu/before.json \
+        bench/results/stack_cpu/after.json
 
-Each of ``--runs`` runs (its own process, bench/stack_cpu_run.py) brings the stack up in a
+Each of ``--runs`` runs (its own process, bench/stack_cpu/run.py) brings the stack up in a
 private temporary folder (unix sockets, a free gateway port, its own /dev/shm prefix: a
 user's stack is never touched), warms it up, plays the tiers (``--requests`` of
 ``--audio-seconds`` each, C at a time) and brings it down on every way out. The report
@@ -32,9 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.stack_cpu_report import compare_table, result_table, thread_summary, worst_runs
-from bench.stack_cpu_run import DOWN_TIMEOUT_S, IDLE_WAIT_S, SCRIPT_TREE, log
-from bench.stack_cpu_threads import THREAD_VARS
+from bench.stack_cpu.report import compare_table, result_table, thread_summary, worst_runs
+from bench.stack_cpu.run import DOWN_TIMEOUT_S, IDLE_WAIT_S, SCRIPT_TREE, log
+from bench.stack_cpu.threads import THREAD_VARS
 from voxring.cli import _positive  # the CLI's own check of a positive number
 from voxring.stack import STAGES, Stack, StackError
 
@@ -120,7 +121,7 @@ def _spec(s: argparse.Namespace, index: int, folder: Path) -> dict:
 
 
 def one_run(s: argparse.Namespace, index: int) -> dict:
-    """Runs ``bench.stack_cpu_run`` for run ``index`` and returns its record; whatever way it
+    """Runs ``bench.stack_cpu.run`` for run ``index`` and returns its record; whatever way it
     ends, no stage of it is left running and its folder is removed."""
     folder = Path(tempfile.mkdtemp(prefix="vxcpu-", dir="/tmp"))  # short: unix socket paths
     spec_path, result_path = folder / "spec.json", folder / "result.json"
@@ -128,7 +129,7 @@ def one_run(s: argparse.Namespace, index: int) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(SCRIPT_TREE), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]))
     timeout, problem = run_timeout(s), None
-    child = subprocess.Popen([sys.executable, "-m", "bench.stack_cpu_run", "--spec", str(spec_path),
+    child = subprocess.Popen([sys.executable, "-m", "bench.stack_cpu.run", "--spec", str(spec_path),
                               "--result", str(result_path)], cwd=SCRIPT_TREE, env=env)
     try:
         child.wait(timeout=timeout)
@@ -232,7 +233,7 @@ def _label(text: str) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.stack_cpu", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m bench.stack_cpu.tiers", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--label", type=_label, default="after", help="names <out>/<label>.json and .md")

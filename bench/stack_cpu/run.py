@@ -1,5 +1,5 @@
-"""One run of ``bench/stack_cpu.py`` in a process of its own: ``python -m bench.stack_cpu_run
---spec FILE --result FILE`` (the spec is JSON that bench/stack_cpu.py writes).
+"""One run of ``bench/stack_cpu/tiers.py`` in a process of its own: ``python -m bench.stack_cpu.run
+--spec FILE --result FILE`` (the spec is JSON that bench/stack_cpu/tiers.py writes).
 
 The stack comes up as ``voxring up`` starts it: voxring.stack's ``Stack.up`` (the stages in
 their own session, pid and ready files in a state folder) on the measured tree's own
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.stack_cpu_threads import (
+from bench.stack_cpu.threads import (
     code_sets_threads,
     stage_threads,
     started_threads,
@@ -34,7 +34,7 @@ from bench.stack_cpu_threads import (
 )
 from voxring.stack import STAGES, Stack, StackError
 
-SCRIPT_TREE = Path(__file__).resolve().parent.parent
+SCRIPT_TREE = Path(__file__).resolve().parents[2]
 IDLE_WAIT_S = 15.0      # after a tier: until no request runs (bounded)
 DOWN_TIMEOUT_S = 45.0   # Stack.down's SIGTERM wait per stage (as `voxring down`)
 
