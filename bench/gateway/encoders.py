@@ -1,6 +1,6 @@
 """CPU the gateway's encoder path spends per second of audio, for each encoding and speed.
 
-    .venv/bin/python bench/gateway_encoders.py
+    .venv/bin/python -m bench.gateway.encoders [--out bench/results/gateway/gateway_encoders.json]
 
 One request's path exactly as the pipeline runs it: ``make_encoder(encoding, 24000, 24000,
 speed)``, then ``encode()`` per Code2Wav chunk and ``finish()``. Chunks follow Code2Wav's
@@ -9,11 +9,12 @@ and speech-like (a gliding harmonic voice with syllable-rate amplitude and a lit
 codec cost depends somewhat on content). CPU is ``time.process_time()`` (every thread of
 the process: FFmpeg's encoders run on the caller's thread here), median of 5 runs, divided
 by the model's audio seconds (the input: at speed 2 there is half as much output).
-Writes bench/results/gateway_encoders.json and prints a markdown table.
+Writes ``--out`` and prints a markdown table.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -35,7 +36,8 @@ CLIP_SECONDS = 20.0
 RUNS = 5
 ENCODINGS = (pb.LINEAR_PCM, pb.WAV, pb.OGG_OPUS, pb.MP3, pb.AAC, pb.FLAC)
 SPEEDS = (1.0, 1.5)
-OUT = Path(__file__).resolve().parent / "results" / "gateway_encoders.json"
+REPO = Path(__file__).resolve().parents[2]
+OUT = REPO / "bench" / "results" / "gateway" / "gateway_encoders.json"
 
 
 def speech_like(seconds: float, seed: int = 0) -> np.ndarray:
@@ -75,6 +77,9 @@ def machine() -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description="the gateway's encoder path: CPU per audio second")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
     samples = speech_like(CLIP_SECONDS)
     pcm_chunks = chunks(samples)
     cpu_seconds(pb.MP3, 1.5, pcm_chunks[:4])  # warm: first-use library setup
@@ -93,11 +98,11 @@ def main() -> None:
         "chunk_frames": list(SCHEDULE), "frame_samples": FRAME, "runs": RUNS, "statistic": "median",
         "machine": machine(),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                 cwd=Path(__file__).resolve().parent).stdout.strip(),
+                                 cwd=REPO).stdout.strip(),
         "rows": rows,
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print("| encoding | speed | CPU ms per audio s | streams per core (real time) | kB per audio s |")
     print("|---|---|---|---|---|")
     for row in rows:

@@ -2,7 +2,7 @@
 and over each public API: gRPC ``SynthesizeOnline`` through the SDK, HTTP ``POST
 /v1/audio/speech`` streamed as audio, and the same as SSE events.
 
-    .venv/bin/python -m bench.gateway_cpu [--repeats 3] [--requests 6] [--out PATH]
+    .venv/bin/python -m bench.gateway.cpu [--repeats 3] [--requests 6] [--out PATH]
         [--formats pcm wav opus mp3 aac flac] [--apis grpc http sse]
 
 The stack comes up as bench/stack_cpu/run.py brings it up (``Stack.up`` on a private copy of
@@ -57,7 +57,7 @@ from bench.stack_cpu.run import (
 from bench.talker.host_report import REPO, machine_info
 from voxring.stack import STAGES, Stack, StackError
 
-OUT = REPO / "bench" / "results" / "gateway_cpu.json"
+OUT = REPO / "bench" / "results" / "gateway" / "gateway_cpu.json"
 FORMATS = ("pcm", "wav", "opus", "mp3", "aac", "flac")
 APIS = ("grpc", "http", "sse")
 SDK_ENCODING = {"pcm": "pcm", "wav": "wav", "opus": "ogg_opus", "mp3": "mp3", "aac": "aac", "flac": "flac"}
