@@ -15,7 +15,7 @@ captured in one CUDA graph, as the talker runs them, time per call). Attention r
 enough layers of cache that no timed call finds its keys in L2. A device-to-device copy gives the
 bandwidth ceiling the attention kernel is compared with (METHOD.md).
 
-    .venv/bin/python bench/kernels_gpu.py [--out bench/results/kernels_gpu.json]
+    .venv/bin/python -m bench.kernels.gpu [--out bench/results/kernels/kernels_gpu.json]
 
 Exits non-zero with a message when there is no CUDA device.
 """
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BATCHES = (1, 8, 64, 256)
 LENGTHS = (128, 512, 1024, 2048)
 MAX_LEN = 2048
@@ -216,10 +216,11 @@ def bench_attention(bandwidth: float) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kernels_gpu.json")
+    parser.add_argument("--out", type=Path,
+                        default=REPO / "bench" / "results" / "kernels" / "kernels_gpu.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/kernels_gpu.py needs a CUDA GPU and found none: run it on the GPU machine",
+        print("bench.kernels.gpu needs a CUDA GPU and found none: run it on the GPU machine",
               file=sys.stderr)
         return 2
     started = time.perf_counter()
