@@ -74,7 +74,7 @@ down:  ## stop the local stack gracefully
 # bench/README.md). Each part has its own wall-clock cap; a tiers part cut by its cap
 # (exit 3) is run once more and measures only the tiers it is missing.
 BENCH_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
-BENCH_OUT ?= bench/results
+BENCH_OUT ?= bench/results/server
 BENCH_PART_S ?= 600
 BENCH_WALL_S ?= 540
 BENCH_ARGS ?=

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.steps_gpu import codec_model, header
+from bench.server.steps import codec_model, header
 from services.code2wav.decoder import CodecDecoder
 
 SHAPES = [(1, 2), (1, 8), (8, 2), (8, 8), (32, 2), (32, 8), (128, 2), (128, 8)]

@@ -1,7 +1,7 @@
 """A random-weight checkpoint with the real csm-1b + Mimi shapes, written by voxring's own
 generator (models/tiny/talker.py), for benchmarks on a machine with no internet.
 
-    python bench/full_checkpoint.py DIR [--seed 0] [--dtype bfloat16] [--device auto]
+    python -m bench.server.checkpoint DIR [--seed 0] [--dtype bfloat16] [--device auto]
 
 The folder has the layout of a real CSM checkpoint (``config.json`` with a full Mimi
 ``codec_config``, one ``model.safetensors`` holding the talker's and the codec's
@@ -37,10 +37,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 NAME = "voxring-bench-csm-1b-random"
 FORMAT_VERSION = 2  # bump when the written files change: cached folders are then rewritten

@@ -28,10 +28,10 @@
 #                                    annotated-doc: in the image)
 #   websockets                       uvicorn's WebSocket protocol (the gateway's incremental-text
 #                                    WebSocket; uvicorn imports it when the gateway starts)
-# Usage: bench/fetch_wheels.sh [DEST]   (default: .whl at the repository root)
+# Usage: bench/server/fetch_wheels.sh [DEST]   (default: .whl at the repository root)
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 DEST="${1:-$ROOT/.whl}"
 PYTHON="${PYTHON:-python3}"
 MAX_MB=50

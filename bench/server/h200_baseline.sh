@@ -13,13 +13,13 @@
 #   determinism  Code2Wav's bf16 decode with cuDNN deterministic (the default) and free: the GPU
 #                test, the decode grid both ways (same call), the graph/eager probe
 #
-#   bench/h200_baseline.sh tests talker      # e.g.
+#   bench/server/h200_baseline.sh tests talker      # e.g.
 #
 # Run from the repository root with `carry: [".whl"]`; set VOXRING_COMMIT (the device's copy of the
 # tree has no .git).
 set -uo pipefail
 
-[ $# -gt 0 ] || { echo "usage: bench/h200_baseline.sh PART..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bench/server/h200_baseline.sh PART..." >&2; exit 2; }
 : "${OUT:?OUT must name the folder whose files come back}"
 : "${VOXRING_COMMIT:?VOXRING_COMMIT must name the commit under test}"
 BUDGET_S="${BUDGET_S:-570}"
@@ -61,21 +61,21 @@ for part in "$@"; do
         tests/gpu tests/unit/test_sampler.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
       echo "tests: exit ${PIPESTATUS[0]}" ;;
     talker)
-      timeout "$(left)" python3 bench/steps_gpu.py --parts talker --out "$OUT/steps_gpu_talker.json"
+      timeout "$(left)" python3 -m bench.server.steps --parts talker --out "$OUT/steps_gpu_talker.json"
       echo "talker steps: exit $?" ;;
     costs)
-      timeout 240 python3 bench/steps_gpu.py --parts prefill,prefill_graphs,codec --out "$OUT/steps_gpu_costs.json"
+      timeout 240 python3 -m bench.server.steps --parts prefill,prefill_graphs,codec --out "$OUT/steps_gpu_costs.json"
       echo "prefill, codec: exit $?"
       timeout "$(left 320)" python3 -m bench.code2wav.codec_graph_bf16 --out "$OUT/codec_graph_bf16.json" 2>&1 | tail -8
       echo "codec graph bf16: exit ${PIPESTATUS[0]}"
-      timeout "$(left)" python3 bench/overlap_gpu.py --seconds 5 --out "$OUT/overlap_gpu.json"
+      timeout "$(left)" python3 -m bench.server.overlap --seconds 5 --out "$OUT/overlap_gpu.json"
       echo "overlap: exit $?" ;;
     determinism)
       timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_codec_cuda.py 2>&1 \
         | tee "$OUT/gpu_tests_codec.log" | tail -5
       for mode in deterministic nondeterministic; do
         flag=$([ "$mode" = nondeterministic ] && echo --codec-nondeterministic)
-        timeout 120 python3 bench/steps_gpu.py --parts codec $flag --out "$OUT/steps_gpu_codec_$mode.json" \
+        timeout 120 python3 -m bench.server.steps --parts codec $flag --out "$OUT/steps_gpu_codec_$mode.json" \
           | tail -5
         echo "codec grid, $mode: exit ${PIPESTATUS[0]}"
       done

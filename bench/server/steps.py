@@ -2,8 +2,8 @@
 Code2Wav's decode. GPU only (``--smoke``: the same code on the CPU with voxring-tiny and a small
 grid).
 
-    python bench/steps_gpu.py [--parts talker,prefill,prefill_graphs,codec]
-                              [--out bench/results/steps_gpu.json]
+    python -m bench.server.steps [--parts talker,prefill,prefill_graphs,codec]
+                                [--out bench/results/server/steps_gpu.json]
 
 - ``talker``: the whole decode step as the engine calls it (``Runner.decode``: stage the
   slot ids, gather the rows' state, K graph replays, scatter, one copy to the host) per
@@ -41,8 +41,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.talker.gpu import CSM_1B, random_model
 from models.family import PromptSegment
@@ -305,7 +303,7 @@ def _version(name: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="talker,prefill,codec")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/steps_gpu.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/server/steps_gpu.json"))
     parser.add_argument("--smoke", action="store_true", help="CPU: voxring-tiny, a small grid")
     parser.add_argument("--codec-nondeterministic", action="store_true",
                         help="codec: let cuDNN pick any algorithm (Code2Wav's engine.deterministic: false)")
@@ -315,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--parts: unknown {sorted(unknown)}")
     if not args.smoke and not torch.cuda.is_available():
-        return print("steps_gpu.py needs a CUDA GPU (--smoke runs on the CPU)", file=sys.stderr) or 2
+        return print("bench.server.steps needs a CUDA GPU (--smoke runs on the CPU)", file=sys.stderr) or 2
     device = torch.device("cpu" if args.smoke else "cuda")
     result = {**header(device), "smoke": args.smoke}
     if args.out.exists():  # another call's parts stay

@@ -1,7 +1,7 @@
 """How much the talker and Code2Wav slow each other on one GPU, without and with MPS. GPU only
 (``--smoke``: the same orchestration on the CPU with voxring-tiny).
 
-    python bench/overlap_gpu.py [--seconds 6] [--out bench/results/overlap_gpu.json]
+    python -m bench.server.overlap [--seconds 6] [--out bench/results/server/overlap_gpu.json]
 
 Two worker processes, as the two stages are: a talker (csm-1b shapes, bf16, random weights,
 the fused frame, ``Runner.decode`` of 64 rows, K = 4, back to back) and a Code2Wav decoder
@@ -26,9 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.steps_gpu import CONTEXT, codec_model, header, prompt_rows, talker_model
+from bench.server.steps import CONTEXT, codec_model, header, prompt_rows, talker_model
 
 ROWS, K, STREAMS, CHUNK = 64, 4, 64, 8
 SMOKE_ROWS, SMOKE_STREAMS = 2, 2
@@ -112,7 +110,8 @@ class Workers:
     def __init__(self, smoke: bool, env: dict[str, str], timeout: float) -> None:
         self.procs = {}
         for kind in ("talker", "codec"):
-            args = [sys.executable, __file__, "--worker", kind, *(["--smoke"] if smoke else [])]
+            args = [sys.executable, "-m", "bench.server.overlap", "--worker", kind,
+                    *(["--smoke"] if smoke else [])]
             self.procs[kind] = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                 text=True, env={**os.environ, **env, "PYTHONUNBUFFERED": "1"})
         for kind, proc in self.procs.items():
@@ -176,14 +175,14 @@ def mode(smoke: bool, mps: bool, seconds: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=6.0, help="each measurement's length")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/overlap_gpu.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/server/overlap_gpu.json"))
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--worker", choices=["talker", "codec"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.smoke)
     if not args.smoke and not torch.cuda.is_available():
-        print("overlap_gpu.py needs a CUDA GPU (--smoke runs on the CPU)", file=sys.stderr)
+        print("bench.server.overlap needs a CUDA GPU (--smoke runs on the CPU)", file=sys.stderr)
         return 2
     result = {**header(torch.device("cpu" if args.smoke else "cuda")), "smoke": args.smoke,
               "talker": {"rows": ROWS, "k": K}, "codec": {"streams": STREAMS, "chunk_frames": CHUNK},
