@@ -35,8 +35,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from bench.probes.stack_step import graph_us_per_call
 from bench.talker.fusion import random_model
 from bench.talker.gpu import CSM_1B
@@ -125,10 +123,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=ROWS)
     parser.add_argument("--tunings", type=json.loads, default=TUNINGS)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/probe_backbone.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/probes/probe_backbone.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench/probes/backbone.py needs a CUDA GPU")
+        sys.exit("bench.probes.backbone needs a CUDA GPU")
     import triton
 
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

@@ -43,8 +43,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from bench.talker.gpu import CSM_1B
 from kernels import decode_attention, rms_norm, rope_kv, sampler, silu_mul
 from kernels import stack_step as ss
@@ -254,7 +252,7 @@ def ptx(fn, args: tuple, kwargs: dict, compiled: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("bench/results/stack_step_ptx.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/probes/stack_step_ptx.json"))
     parser.add_argument("--only", default="", help="the keys containing this text")
     args = parser.parse_args()
     digests, compiled = {}, {}

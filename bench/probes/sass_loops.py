@@ -12,18 +12,16 @@ kernels/stack_step/ and kernels/tl_common.py."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import collections
 import json
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import triton
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.unit import stack_step_hopper
 
@@ -79,8 +77,11 @@ def loops(tuning: dict | None) -> list[dict]:
 
 
 def main() -> None:
-    for arg in sys.argv[1:] or ["{}"]:
-        print(json.dumps({"tuning": json.loads(arg), "loops": loops(json.loads(arg))}))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tunings", nargs="*", type=json.loads, default=[{}],
+                        help="tunings over the default, as JSON (default: the default alone)")
+    for tuning in parser.parse_args().tunings:
+        print(json.dumps({"tuning": tuning, "loops": loops(tuning)}))
 
 
 if __name__ == "__main__":

@@ -35,8 +35,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from bench.talker.fusion import random_model
 from bench.talker.gpu import CSM_1B, copy_bandwidth
 from kernels import stack_step as stack_kernel
@@ -262,7 +260,7 @@ def barrier_overhead(stack) -> float:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("bench/results/probe_stack_step.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/probes/probe_stack_step.json"))
     parser.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=ROWS,
                         help=f"rows per call to measure (default {','.join(map(str, ROWS))})")
     parser.add_argument("--trace-tunings", type=lambda v: json.loads(v), default=[SWEEP[0]],
@@ -361,7 +359,7 @@ def run_header() -> dict:
 def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench/probes/stack_step.py needs a CUDA GPU")
+        sys.exit("bench.probes.stack_step needs a CUDA GPU")
     result = run_header()
     bandwidth = copy_bandwidth()
     result["copy_bandwidth_TBps"] = round(bandwidth / 1e12, 3)
