@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from bench.probes.stack_step import graph_us_per_call
-from bench.talker.fusion import random_model
+from bench.talker.frame import random_model
 from bench.talker.gpu import CSM_1B
 from kernels import stack_step as stack_kernel
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.probes.stack_step_phases import one_row_traces, sweep_entry
-from bench.talker.fusion import random_model
+from bench.talker.frame import random_model
 from bench.talker.gpu import CSM_1B, copy_bandwidth
 from kernels import stack_step as stack_kernel
 

@@ -37,259 +37,49 @@ GPU only (about 4 minutes on one H200).
    of all codebooks and next hidden state against fp32 plain (relative error) and its argmax
    mismatch, for fp32 fused, bf16 plain and bf16 fused; free-running code mismatch over 8
    frames; graph replay equals eager for the fused path (bf16, every bucket, sampled rows).
+
+The tools that measure one frame (the random model, kernel switches, profile, floors) are
+bench/talker/frame.py's; the exactness checks are bench/talker/fusion_exactness.py's.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-import kernels
+from bench.talker.frame import (
+    BUCKETS,
+    PROMPT,
+    frame_floors,
+    matmul_rate,
+    profile_replay,
+    random_model,
+    recapture,
+    set_kernels,
+)
+from bench.talker.fusion_exactness import exactness
 from bench.talker.gpu import (
     CSM_1B,
     copy_bandwidth,
     device_ms_per_frame,
-    frame_floor_bytes,
     graph_equals_eager,
     prefill_all,
     step_wall_ms,
 )
 from kernels.stack_step import BACKBONE, DEPTH, with_mlp_rows
-from models.csm.config import CsmConfig
 from models.csm.frame_fused import DEFAULT_SETTINGS, FusedSettings
 from models.csm.model import CsmTalker
-from models.csm.modules import RotaryTable
-from models.family import FrameInputs
 from services.talker.runner import Runner
 
-BUCKETS = [1, 8, 64, 256]
 MAX_LEN = 512
-PROMPT = 12  # prefill_all's prompt length: the backbone's keys per row when frames start
-
-
-def random_model(config: dict, dtype: torch.dtype, seed: int = 0) -> CsmTalker:
-    """Random weights with unit-variance activations; rotary tables in fp32 as the loader keeps them."""
-    torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = CsmTalker(CsmConfig.from_dict(config))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5 if "embed" not in name else 1.0)
-    model = model.to(dtype).eval().requires_grad_(False)
-    for module in model.modules():
-        if isinstance(module, RotaryTable):
-            module.materialize("cuda")
-    return model
-
-
-def set_kernels(*, plain_kernels: bool, rms_norm: bool, rope_kv: bool, silu_mul: bool,
-                stack_step: bool) -> None:
-    kernels.configure(sampler=plain_kernels, decode_attention=plain_kernels, fused_layers=True)
-    for name, enabled in (("rms_norm", rms_norm), ("rope_kv", rope_kv), ("silu_mul", silu_mul),
-                          ("stack_step", stack_step)):
-        importlib.import_module(f"kernels.{name}").LATCH.configure(enabled)
-
-
-def recapture(runner: Runner) -> float:
-    runner.graphs = {}
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    start = time.perf_counter()
-    runner._capture_all()
-    return time.perf_counter() - start
-
-
-def profile_replay(runner: Runner, bucket: int, top: int = 0) -> dict:
-    """Kernels of one graph replay from a torch.profiler trace: count, busy time, idle gaps."""
-    from torch.profiler import ProfilerActivity, profile
-
-    graph = runner.graphs[bucket]
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-              and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    if not events:
-        return {"kernels": None, "note": "the profiler recorded no kernels inside the graph replay"}
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
-    busy, cursor = 0.0, spans[0][0]
-    for start, end in spans:
-        start = max(start, cursor)
-        if end > start:
-            busy += end - start
-            cursor = end
-    wall = spans[-1][1] - spans[0][0]
-    result = {"kernels": len(events), "span_ms": round(wall / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
-              "idle_ms": round((wall - busy) / 1e3, 3),
-              "mean_kernel_us": round(busy / len(events), 2)}
-    if top:
-        by_name: dict[str, list[float]] = {}
-        for e in events:
-            by_name.setdefault(e.name[:90], []).append(e.time_range.end - e.time_range.start)
-        ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
-        result["top"] = [{"kernel": name, "count": len(t), "total_ms": round(sum(t) / 1e3, 3),
-                          "mean_us": round(statistics.mean(t), 2)} for name, t in ranked]
-    return result
-
-
-def matmul_rate() -> float:
-    """bf16 dense matrix-product rate (FLOP/s), median of event-timed 8192^3 products."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-        start.record()
-        a @ b
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * 8192**3 / statistics.median(times)
-
-
-def frame_flops(model: CsmTalker, rows: int, keys: int) -> float:
-    """2 x rows x weights used per frame, plus the backbone's and depth decoder's attention."""
-    cfg = model.config
-    size = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
-    depth = model.depth_decoder.model
-    # the projector once: the first depth call projects its rows, the later ones read projected rows
-    per_step = sum(size(layer) for layer in depth.layers) + cfg.depth.hidden_size * cfg.audio_vocab_size
-    weights = sum(size(layer) for layer in model.backbone_model.layers) + size(model.lm_head) \
-        + (cfg.num_codebooks - 1) * per_step + size(depth.inputs_embeds_projector)
-    bb, dd = cfg.backbone, cfg.depth
-    attention = 4 * bb.num_layers * bb.num_heads * bb.head_dim * keys \
-        + 4 * dd.num_layers * dd.num_heads * dd.head_dim * cfg.num_codebooks * cfg.num_codebooks / 2
-    return rows * (2 * weights + attention)
-
-
-def kv_bytes(model: CsmTalker, rows: int, keys: int) -> int:
-    bb = model.config.backbone
-    per_key = bb.num_layers * bb.num_kv_heads * bb.head_dim * 2 * model.lm_head.weight.element_size()
-    return rows * keys * per_key
-
-
-def first_frame(runner: Runner, forced: torch.Tensor | None = None):
-    """One frame for the runner's largest bucket from its pooled state, which is left untouched:
-    (logits [B, N, V] fp64, codes [B, N], next hidden [B, H] fp64). With ``forced`` codes
-    [B, N], each codebook's logits are recorded and the forced code is fed on (teacher
-    forcing), so every variant's depth logits are compared on the same inputs."""
-    bucket = runner.buckets[-1]
-    ids = torch.arange(bucket, device="cuda")
-    buf = runner.pool
-    sampling = type(buf.sampling)(**{k: v[ids].clone() for k, v in vars(buf.sampling).items()})
-    inputs = FrameInputs(hidden=buf.hidden[ids].clone(), slots=ids, positions=buf.positions[ids].clone(),
-                         frame_index=buf.frame_index[ids].clone(), min_frames=buf.min_frames[ids].clone(),
-                         sampling=sampling, history=buf.history[ids].clone())
-    k, v = runner.caches.backbone.k.clone(), runner.caches.backbone.v.clone()
-    model, recorded = runner.model, []
-
-    def record(inputs, logits, codebook, logits_out):  # the model's pick, recording (and forcing) codes
-        recorded.append(logits.double())
-        picked = CsmTalker.pick(model, inputs, logits, codebook, logits_out)
-        return picked if forced is None else forced[:, codebook]
-
-    model.pick = record  # this model's frames pick through it, until it is deleted
-    try:
-        with torch.inference_mode():
-            out = model.decode_frame(inputs, runner.caches)
-    finally:
-        del model.pick
-    runner.caches.backbone.k.copy_(k)
-    runner.caches.backbone.v.copy_(v)
-    return torch.stack(recorded, dim=1), out.codes, out.hidden.double()
-
-
-def relative(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((a.double() - ref).norm() / ref.norm())
-
-
-def exactness(result: dict, save) -> None:
-    """The exactness checks (3. above) into ``result``, which ``save`` writes after the tiny model's."""
-    from models.tiny.talker import tiny_config
-
-    tiny_buckets = [1, 2, 4, 8, 16]
-    for sampled in (False, True):
-        codes = {}
-        for fused in (False, True):
-            model = random_model(tiny_config(), torch.float32)
-            if fused:
-                model.pack_weights()
-            runner = Runner(model, num_slots=16, max_len=256, buckets=tiny_buckets, k_max=8,
-                            max_repetition_window=8, use_graphs=True)
-            codes[fused] = {}
-            for b in tiny_buckets:  # every bucket from freshly prefilled rows
-                prefill_all(runner, 16, sampled)
-                codes[fused][b] = runner.decode(list(range(b)), 8)
-        key = f"tiny_fp32_fused_equals_plain_{'seeded' if sampled else 'greedy'}"
-        result[key] = {f"B={b}": bool((codes[True][b] == codes[False][b]).all()) for b in tiny_buckets}
-        print(json.dumps({key: result[key]}), flush=True)
-    save()
-
-    csm1b_exactness(result, 8, "csm1b_")
-    save()
-    # one row: the depth calls after the first take the one-row kernel (MLP_DOWN, BK_QKV), which 8 rows
-    # never reach
-    csm1b_exactness(result, 1, "csm1b_one_row_")
-
-
-def csm1b_exactness(result: dict, rows: int, prefix: str) -> None:
-    """csm-1b's checks (3. above) at ``rows`` rows, into ``result`` under keys starting ``prefix``."""
-    import kernels.stack_step as stack_kernel
-
-    forced = None
-    logits, hidden, codes, fell_back = {}, {}, {}, {}
-    for dtype in (torch.float32, torch.bfloat16):
-        for fused in (False, True):
-            model = random_model(CSM_1B, dtype)
-            if fused:
-                model.pack_weights()
-            runner = Runner(model, num_slots=rows, max_len=64, buckets=[rows], k_max=8,
-                            max_repetition_window=16, use_graphs=False)
-            prefill_all(runner, rows, False)
-            if forced is None:  # the fp32 plain reference runs free; the rest follow its codes
-                _, forced, _ = first_frame(runner)
-            logits[dtype, fused], _, hidden[dtype, fused] = first_frame(runner, forced)
-            codes[dtype, fused] = runner.decode(list(range(rows)), 8)[:, :, :-1]
-            if fused:  # whether stack_step ran these calls or its latch handed them to the twin
-                failure = stack_kernel.LATCH.failure
-                fell_back[str(dtype).removeprefix("torch.")] = None if failure is None else repr(failure)
-                stack_kernel.LATCH.reset()
-            del model, runner
-            torch.cuda.empty_cache()
-    ref = (torch.float32, False)
-    size = CsmConfig.from_dict(CSM_1B).codebook_size
-    variants = {"fp32_fused": (torch.float32, True), "bf16_plain": (torch.bfloat16, False),
-                "bf16_fused": (torch.bfloat16, True)}
-    result[f"{prefix}first_frame_teacher_forced_vs_fp32_plain"] = {
-        name: {"logits_rel_error": relative(logits[key], logits[ref]),
-               "next_hidden_rel_error": relative(hidden[key], hidden[ref]),
-               "argmax_mismatch": float((logits[key][..., :size].argmax(-1) != forced).double().mean())}
-        for name, key in variants.items()}
-    result[f"{prefix}stack_step_latch_failure"] = fell_back  # None: the kernel ran every fused call
-    mismatch = lambda a, b: float((codes[a] != codes[b]).mean())  # noqa: E731
-    result[f"{prefix}free_running_code_mismatch_8_frames_{rows}_rows"] = {
-        "fp32_fused_vs_fp32_plain": mismatch((torch.float32, True), ref),
-        "bf16_fused_vs_bf16_plain": mismatch((torch.bfloat16, True), (torch.bfloat16, False)),
-        "bf16_plain_vs_fp32_plain": mismatch((torch.bfloat16, False), ref)}
-    print(json.dumps({k: v for k, v in result.items() if k.startswith(prefix)}), flush=True)
 
 
 def _switches(plain: bool, norm: bool, rope: bool, silu: bool, stack: bool = False) -> dict:
@@ -375,20 +165,6 @@ def run_header() -> dict:
             "max_len": MAX_LEN, "keys_per_row_at_start": PROMPT}
 
 
-def frame_floors(model: CsmTalker, bandwidth: float, rate: float) -> dict:
-    """Each bucket's bytes and FLOPs floors (1. above) at the measured copy bandwidth and product rate."""
-    weight_bytes = frame_floor_bytes(model)
-    floors = {}
-    for b in BUCKETS:
-        moved = weight_bytes + kv_bytes(model, b, PROMPT + 8)
-        flops = frame_flops(model, b, PROMPT + 8)
-        floors[f"B={b}"] = {"bytes_MB": round(moved / 1e6, 1), "GFLOP": round(flops / 1e9, 1),
-                            "bytes_floor_ms": round(moved / bandwidth * 1e3, 3),
-                            "flops_floor_ms": round(flops / rate * 1e3, 3),
-                            "floor_ms": round(max(moved / bandwidth, flops / rate) * 1e3, 3)}
-    return floors
-
-
 def time_stage(runner: Runner, saved: list[torch.Tensor], floors: dict, name: str, switches: dict,
                settings: dict | None, detail: bool) -> dict:
     """Captures the graphs with these kernels and stack_step settings from the ``saved`` state and times
@@ -418,6 +194,42 @@ def time_stage(runner: Runner, saved: list[torch.Tensor], floors: dict, name: st
                      f"({entry['per_bucket'][f'B={b}'].get('kernels')} k)" for b in BUCKETS)
     print(f"{name:36s} {line}", flush=True)
     return entry
+
+
+def time_stages(runner: Runner, saved: list[torch.Tensor], floors: dict, args: argparse.Namespace,
+                result: dict) -> list[dict]:
+    """The last ``--last-stages`` stages in order (2. above), then each ``--tunings`` candidate on the
+    default stage (into ``result``) and the default once more; every stage's entry."""
+    stages = []
+    for name, pack, switches, settings in STAGES[-args.last_stages:]:
+        if pack:
+            runner.model.pack_weights()
+        detail = name.startswith("plain +") or name.endswith("(default)") or name == "+ silu_mul kernel"
+        stages.append(time_stage(runner, saved, floors, name, switches, settings, detail))
+    if args.tunings:
+        name, _, switches, settings = STAGES[-1]  # the default stage
+        result["candidates"] = [
+            {"tuning": tuning,
+             **time_stage(runner, saved, floors, f"default, tuning {json.dumps(tuning)}", switches,
+                          {**settings, **tuning}, False)}
+            for tuning in args.tunings
+        ]
+        # the default's graphs again for what follows (and its time once more, for the run's drift)
+        stages.append(time_stage(runner, saved, floors, name + ", again", switches, settings, False))
+    return stages
+
+
+def last_stage_more(runner: Runner, result: dict, floors: dict, stages: list[dict]) -> None:
+    """The last stage timed (the default's graphs) further: its share of the bytes floor at B=1, the whole
+    step's wall time at K=1 and 8, frames of sampled rows, and graph replay against eager."""
+    b1 = stages[-1]["per_bucket"]["B=1"]["device_ms_per_frame"]
+    result["fused_B1_bandwidth_fraction"] = round(floors["B=1"]["bytes_floor_ms"] / b1, 3)
+    result["fused_step_wall_ms"] = {f"B={b}": {"K1": round(step_wall_ms(runner, b, 1), 3),
+                                               "K8": round(step_wall_ms(runner, b, 8), 3)} for b in BUCKETS}
+    prefill_all(runner, 256, True)  # T 0.9, top-k 50, top-p 0.95: every sampler step runs
+    result["fused_sampled_device_ms_per_frame"] = {f"B={b}": round(device_ms_per_frame(runner, b), 3)
+                                                   for b in BUCKETS}
+    result["fused_bf16_graph_equals_eager_seeded"] = graph_equals_eager(runner, 4)
 
 
 def main() -> None:
@@ -452,32 +264,8 @@ def main() -> None:
                     max_repetition_window=16, use_graphs=False)
     prefill_all(runner, 256, False)
     saved = [t.clone() for t in (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)]
-
-    stages = []
-    for name, pack, switches, settings in STAGES[-args.last_stages:]:
-        if pack:
-            model.pack_weights()
-        detail = name.startswith("plain +") or name.endswith("(default)") or name == "+ silu_mul kernel"
-        stages.append(time_stage(runner, saved, floors, name, switches, settings, detail))
-    if args.tunings:
-        name, _, switches, settings = STAGES[-1]  # the default stage
-        result["candidates"] = [
-            {"tuning": tuning,
-             **time_stage(runner, saved, floors, f"default, tuning {json.dumps(tuning)}", switches,
-                          {**settings, **tuning}, False)}
-            for tuning in args.tunings
-        ]
-        # the default's graphs again for what follows (and its time once more, for the run's drift)
-        stages.append(time_stage(runner, saved, floors, name + ", again", switches, settings, False))
-    result["stages"] = stages
-    b1 = stages[-1]["per_bucket"]["B=1"]["device_ms_per_frame"]
-    result["fused_B1_bandwidth_fraction"] = round(floors["B=1"]["bytes_floor_ms"] / b1, 3)
-    result["fused_step_wall_ms"] = {f"B={b}": {"K1": round(step_wall_ms(runner, b, 1), 3),
-                                               "K8": round(step_wall_ms(runner, b, 8), 3)} for b in BUCKETS}
-    prefill_all(runner, 256, True)  # T 0.9, top-k 50, top-p 0.95: every sampler step runs
-    result["fused_sampled_device_ms_per_frame"] = {f"B={b}": round(device_ms_per_frame(runner, b), 3)
-                                                   for b in BUCKETS}
-    result["fused_bf16_graph_equals_eager_seeded"] = graph_equals_eager(runner, 4)
+    result["stages"] = stages = time_stages(runner, saved, floors, args, result)
+    last_stage_more(runner, result, floors, stages)
     del runner, model
     torch.cuda.empty_cache()
     if not args.skip_exactness:
