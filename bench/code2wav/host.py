@@ -1,6 +1,6 @@
 """Code2Wav's host capacity on the CPU: the whole process with a decoder that returns at once.
 
-    /work/main/.venv/bin/python -m bench.code2wav.host [--quick] [--out PATH]
+    .venv/bin/python -m bench.code2wav.host [--quick] [--out PATH]
 
 Each case starts a real Code2Wav process (bench/code2wav/host_stage.py: the stage's own
 build, config, engine thread, gRPC server and metrics, its decoder replaced by one that

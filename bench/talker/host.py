@@ -1,6 +1,6 @@
 """The talker engine's host time per step, on the CPU, through a real shared-memory ring.
 
-    /work/main/.venv/bin/python -m bench.talker.host [--quick] [--host] [--overlap] [--out PATH]
+    .venv/bin/python -m bench.talker.host [--quick] [--host] [--overlap] [--out PATH]
 
 (``--host`` / ``--overlap`` pick the parts; neither: both.) The real ``TalkerEngine`` and
 ``Scheduler`` run with a fake runner (bench/talker/host_runners.py) and write their records

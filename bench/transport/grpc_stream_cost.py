@@ -1,7 +1,7 @@
 """The bare grpc.aio server-streaming cost on this CPU: the floor under Code2Wav's (and the
 gateway's) CPU per audio chunk.
 
-    /work/main/.venv/bin/python -m bench.transport.grpc_stream_cost [--out PATH]
+    .venv/bin/python -m bench.transport.grpc_stream_cost [--out PATH]
 
 A server process (pinned to CPU 0 when there are two) serves ``Code2Wav.Open`` as nothing
 but a loop that yields ``messages`` chunk responses of ``size`` bytes of PCM, set in place as
