@@ -81,7 +81,7 @@ BENCH_ARGS ?=
 BENCH_RUN = timeout -s TERM -k 30 $(BENCH_PART_S) $(BENCH_PY) -m bench.server --out $(BENCH_OUT) \
 	--max-wall $(BENCH_WALL_S) $(BENCH_ARGS)
 
-# BENCH_LAYOUTS="one two-pairs split" adds the two-GPU layouts (bench/NOTES.md, scale-out).
+# BENCH_LAYOUTS="one two-pairs split" adds the two-GPU layouts (bench/notes/README.md, scale-out).
 BENCH_LAYOUTS ?= one
 
 bench:  ## GPU only: the whole server under load (without, with MPS) and the transformers baseline

@@ -45,7 +45,7 @@ STEPS = 8
 MAX_LEN = 2048
 POSITION = 300
 TRACE_LAUNCHES = 20
-TUNINGS = [  # candidates for the backbone's launches, changes to BACKBONE (bench/NOTES.md)
+TUNINGS = [  # candidates for the backbone's launches, changes to BACKBONE (bench/notes/README.md)
     {"KQ_QKV": 1, "KQ_O": 1},  # whole blocks, before the parts (932.7 us a step against 855.0, 73dacff)
     {"KQ_QKV": 8},
 ]

@@ -43,7 +43,7 @@ from kernels import stack_step as stack_kernel
 
 ROWS = [1, 8, 16]
 CALLS = 31
-SWEEP = [  # changes to the default tuning, by field name, and "mlp_rows" (earlier sweeps: bench/NOTES.md)
+SWEEP = [  # changes to the default tuning by field name, and "mlp_rows" (earlier sweeps: bench/notes/)
     # the stack without its mlp rows: gate/up and down in two phases again, MLP_DOWN's predecessor, as the
     # reference (what {"MLP_DOWN": 0} was)
     {"mlp_rows": 0},

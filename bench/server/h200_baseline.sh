@@ -56,7 +56,7 @@ server() {  # $1: off or on; each load gets an equal share of the time left
 for part in "$@"; do
   case "$part" in
     tests)  # 14 workers: most of the suite's time is Triton compiling on the host's 16 cores (with
-      # fewer, the suite outgrew this part's share of the budget: bench/NOTES.md, the H200 verification)
+      # fewer, the suite outgrew this part's share of the budget: bench/notes/README.md, the H200 verification)
       timeout "$(left $((BUDGET_S - 180)))" python3 -m pytest -q -rfE -W ignore --timeout 200 -p no:cacheprovider -n 14 \
         tests/gpu tests/unit/test_sampler.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
       echo "tests: exit ${PIPESTATUS[0]}" ;;
