@@ -13,7 +13,7 @@ GENERATED := $(foreach p,$(PROTOS),$(patsubst protos/%.proto,%_pb2.py,$(p)) \
 	$(patsubst protos/%.proto,%_pb2.pyi,$(p)) $(patsubst protos/%.proto,%_pb2_grpc.py,$(p)))
 PYTEST_ARGS ?=
 
-.PHONY: help setup proto tools test lint demo up down bench sim soak clean
+.PHONY: help setup proto tools test lint demo up down bench soak clean
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-6s %s\n", $$1, $$2}'
@@ -69,24 +69,19 @@ up: setup  ## start gateway, talker and Code2Wav in the background
 down:  ## stop the local stack gracefully
 	@if [ -x $(VENV)/bin/voxring ]; then $(VENV)/bin/voxring down; else echo "no stack (no $(VENV))"; fi
 
-SIM_ARGS ?=
-
-sim: setup  ## CPU: the serving stack on a modeled H200 (bench/sim), the tier table (SIM_ARGS="--load fixed --mps on")
-	@$(PY) -m bench.sim $(SIM_ARGS)
-
 # make bench runs where torch sees a GPU: with .venv's python when there is one, else the
 # image's python3 (the GPU machine has no internet, so no `setup` there; carry .whl, see
 # bench/README.md). Each part has its own wall-clock cap; a tiers part cut by its cap
 # (exit 3) is run once more and measures only the tiers it is missing.
 BENCH_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
-BENCH_OUT ?= bench/results
+BENCH_OUT ?= bench/results/server
 BENCH_PART_S ?= 600
 BENCH_WALL_S ?= 540
 BENCH_ARGS ?=
 BENCH_RUN = timeout -s TERM -k 30 $(BENCH_PART_S) $(BENCH_PY) -m bench.server --out $(BENCH_OUT) \
 	--max-wall $(BENCH_WALL_S) $(BENCH_ARGS)
 
-# BENCH_LAYOUTS="one two-pairs split" adds the two-GPU layouts (bench/NOTES.md, scale-out).
+# BENCH_LAYOUTS="one two-pairs split" adds the two-GPU layouts (bench/notes/README.md, scale-out).
 BENCH_LAYOUTS ?= one
 
 bench:  ## GPU only: the whole server under load (without, with MPS) and the transformers baseline

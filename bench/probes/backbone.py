@@ -1,7 +1,7 @@
 """csm-1b's backbone step (16 layers) through ``stack_layers`` against ``Transformer.forward_rows``, timed
 inside CUDA graphs, and where a ``stack_layers`` launch's time goes. GPU only (about 3 minutes on one H200).
 
-    python bench/probes/backbone.py [--rows 1,8] [--tunings JSON] [--out FILE.json]
+    python -m bench.probes.backbone [--rows 1,8] [--tunings JSON] [--out FILE.json]
 
 One backbone step of the frame: the frame embedding's rows in, 16 layers of 2048 (32 / 8 heads of 64, an
 8192 wide MLP), the final norm out, bf16, random weights, caches of 2048 positions filled at random, each
@@ -35,11 +35,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from bench.probes.stack_step import graph_us_per_call
-from bench.talker_fusion import random_model
-from bench.talker_gpu import CSM_1B
+from bench.talker.frame import random_model
+from bench.talker.gpu import CSM_1B
 from kernels import stack_step as stack_kernel
 
 ROWS = [1, 8]
@@ -47,7 +45,7 @@ STEPS = 8
 MAX_LEN = 2048
 POSITION = 300
 TRACE_LAUNCHES = 20
-TUNINGS = [  # candidates for the backbone's launches, changes to BACKBONE (bench/NOTES.md)
+TUNINGS = [  # candidates for the backbone's launches, changes to BACKBONE (bench/notes/README.md)
     {"KQ_QKV": 1, "KQ_O": 1},  # whole blocks, before the parts (932.7 us a step against 855.0, 73dacff)
     {"KQ_QKV": 8},
 ]
@@ -121,73 +119,101 @@ def launch_trace(stack, cache, rows, x, tuning: stack_kernel.Tuning) -> dict:
     return out
 
 
+@dataclasses.dataclass
+class Backbone:
+    """csm-1b's backbone (bf16, random weights, its weights packed), its stack with and without the mlp
+    rows, and a cache of MAX_LEN positions filled at random (the generator goes on to draw the rows)."""
+
+    model: object
+    plain_stack: stack_kernel.StackWeights
+    mlp_stack: stack_kernel.StackWeights
+    cache: object
+    generator: torch.Generator
+
+    @classmethod
+    def build(cls, max_rows: int) -> Backbone:
+        model = random_model(CSM_1B, torch.bfloat16)
+        backbone = model.backbone_model
+        del model.depth_decoder
+        backbone.pack_weights()
+        cache = backbone.new_cache(max_rows, MAX_LEN)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for t in (cache.k, cache.v):
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
+        return cls(backbone, backbone.stack, stack_kernel.with_mlp_rows(backbone.stack), cache, g)
+
+    def weight_bytes(self) -> int:
+        s = self.plain_stack
+        return sum(t.numel() * t.element_size() for t in (s.qkv, s.o, s.gate_up, s.down))
+
+
+def header() -> dict:
+    import triton
+
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(),
+            "commit": os.environ.get("VOXRING_COMMIT") or subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+            "shapes": "csm-1b backbone (16 x 2048, 32 / 8 heads of 64, MLP 8192), bf16, random weights",
+            "backbone_tuning": dataclasses.asdict(stack_kernel.BACKBONE), "max_len": MAX_LEN,
+            "position": POSITION, "steps_per_graph": STEPS, "per_rows": {}}
+
+
+def measure_rows(b: Backbone, n: int, tunings: list[dict], weight_bytes: int) -> dict:
+    """Steps of ``n`` rows: each path's time and kernels, the candidates, at one row the traces."""
+    cache, plain_stack, mlp_stack = b.cache, b.plain_stack, b.mlp_stack
+    slots = torch.arange(n, device="cuda")
+    positions = torch.full((n,), POSITION, device="cuda")
+    rows = (slots, positions, positions + 1)
+    x = torch.randn(n, b.model.cfg.hidden_size, generator=b.generator, device="cuda").to(torch.bfloat16)
+    work = x.clone()
+
+    def replaced():
+        return b.model.forward_rows(x, cache, *rows)
+
+    def layers(tuning=None, stack=plain_stack):
+        work.copy_(x)
+        tuning = stack_kernel.BACKBONE.with_keys(tuning or {})
+        return stack_kernel.stack_layers_triton(stack, cache.k, cache.v, *rows, x=work, tuning=tuning)
+
+    want = replaced()
+    entry = {"forward_rows_us": round(graph_us(replaced), 2)}
+    entry["stack_layers_us"] = round(graph_us(layers), 2)
+    got = layers()
+    entry["stack_layers_vs_forward_rows"] = round(float((got.float() - want.float()).norm()
+                                                        / want.float().norm()), 5)
+    if n == 1:  # MLP_DOWN runs at one row only
+        entry["stack_layers_mlp_rows_us"] = round(graph_us(lambda: layers(stack=mlp_stack)), 2)
+    entry["candidates"] = {json.dumps(t): round(graph_us(lambda t=t: layers(t)), 2) for t in tunings}
+    entry["stack_layers_again_us"] = round(graph_us(layers), 2)
+    entry["profile"] = {"forward_rows": kernel_profile(replaced), "stack_layers": kernel_profile(layers)}
+    if n == 1:
+        default = stack_kernel.BACKBONE
+        entry["trace"] = {"default": launch_trace(plain_stack, cache, rows, x, default),
+                          "mlp_rows": launch_trace(mlp_stack, cache, rows, x, default)}
+        for t in tunings:
+            entry["trace"][json.dumps(t)] = launch_trace(plain_stack, cache, rows, x, default.with_keys(t))
+    entry["achieved_TBps"] = {
+        "forward_rows": round(weight_bytes / entry["forward_rows_us"] / 1e6, 2),
+        "stack_layers": round(weight_bytes / entry["stack_layers_us"] / 1e6, 2),
+    }
+    return entry
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=ROWS)
     parser.add_argument("--tunings", type=json.loads, default=TUNINGS)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/probe_backbone.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/probes/probe_backbone.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench/probes/backbone.py needs a CUDA GPU")
-    import triton
-
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(),
-              "commit": os.environ.get("VOXRING_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-              "shapes": "csm-1b backbone (16 x 2048, 32 / 8 heads of 64, MLP 8192), bf16, random weights",
-              "backbone_tuning": dataclasses.asdict(stack_kernel.BACKBONE), "max_len": MAX_LEN,
-              "position": POSITION, "steps_per_graph": STEPS, "per_rows": {}}
-    model = random_model(CSM_1B, torch.bfloat16)
-    backbone = model.backbone_model
-    del model.depth_decoder
-    backbone.pack_weights()
-    plain_stack = backbone.stack
-    mlp_stack = stack_kernel.with_mlp_rows(plain_stack)
-    cache = backbone.new_cache(max(args.rows), MAX_LEN)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    for t in (cache.k, cache.v):
-        t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
-    weight_bytes = sum(t.numel() * t.element_size() for t in (plain_stack.qkv, plain_stack.o,
-                                                               plain_stack.gate_up, plain_stack.down))
+        sys.exit("bench.probes.backbone needs a CUDA GPU")
+    result = header()
+    b = Backbone.build(max(args.rows))
+    weight_bytes = b.weight_bytes()
     result["weight_MB"] = round(weight_bytes / 1e6, 1)
     for n in args.rows:
-        slots = torch.arange(n, device="cuda")
-        positions = torch.full((n,), POSITION, device="cuda")
-        rows = (slots, positions, positions + 1)
-        x = torch.randn(n, backbone.cfg.hidden_size, generator=g, device="cuda").to(torch.bfloat16)
-        work = x.clone()
-
-        def replaced(x=x, rows=rows):
-            return backbone.forward_rows(x, cache, *rows)
-
-        def layers(tuning=None, stack=plain_stack, x=x, rows=rows, work=work):
-            work.copy_(x)
-            tuning = stack_kernel.BACKBONE.with_keys(tuning or {})
-            return stack_kernel.stack_layers_triton(stack, cache.k, cache.v, *rows, x=work, tuning=tuning)
-
-        want = replaced()
-        entry = {"forward_rows_us": round(graph_us(replaced), 2)}
-        entry["stack_layers_us"] = round(graph_us(layers), 2)
-        got = layers()
-        entry["stack_layers_vs_forward_rows"] = round(float((got.float() - want.float()).norm()
-                                                            / want.float().norm()), 5)
-        if n == 1:  # MLP_DOWN runs at one row only
-            entry["stack_layers_mlp_rows_us"] = round(graph_us(lambda: layers(stack=mlp_stack)), 2)
-        entry["candidates"] = {json.dumps(t): round(graph_us(lambda t=t: layers(t)), 2) for t in args.tunings}
-        entry["stack_layers_again_us"] = round(graph_us(layers), 2)
-        entry["profile"] = {"forward_rows": kernel_profile(replaced), "stack_layers": kernel_profile(layers)}
-        if n == 1:
-            default = stack_kernel.BACKBONE
-            entry["trace"] = {"default": launch_trace(plain_stack, cache, rows, x, default),
-                              "mlp_rows": launch_trace(mlp_stack, cache, rows, x, default)}
-            for t in args.tunings:
-                tuned = default.with_keys(t)
-                entry["trace"][json.dumps(t)] = launch_trace(plain_stack, cache, rows, x, tuned)
-        entry["achieved_TBps"] = {
-            "forward_rows": round(weight_bytes / entry["forward_rows_us"] / 1e6, 2),
-            "stack_layers": round(weight_bytes / entry["stack_layers_us"] / 1e6, 2),
-        }
+        entry = measure_rows(b, n, args.tunings, weight_bytes)
         result["per_rows"][f"rows={n}"] = entry
         shown = {k: v for k, v in entry.items() if k != "profile"}
         print(json.dumps({f"rows={n}": shown}, indent=1), flush=True)

@@ -1,7 +1,7 @@
 """Probe for the next talker step: can a pipelined Triton weight-streaming product beat the library's
 at the frame's small batches? GPU only (about 2 minutes on one H200):
 
-    python bench/probes/gemv.py [--out bench/results/probe_gemv.json]
+    python -m bench.probes.gemv [--out bench/results/probes/probe_gemv.json]
 
 The reverted ``small_linear`` looped over K with a runtime bound, which Triton does not pipeline, and
 launched only N / BLOCK_N programs. This probe makes K a compile-time constant (a pipelined
@@ -117,7 +117,7 @@ def rotating_us(call, weights: list[torch.Tensor], calls: int = 64) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("bench/results/probe_gemv.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/probes/probe_gemv.json"))
     args = parser.parse_args()
     buffer = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     copy_ms = do_bench(buffer.clone, return_mode="median")

@@ -20,7 +20,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.steps_gpu import _prefill, host_ms, prompt_rows, talker_model, timed_ms
+from bench.server.steps import _prefill, host_ms, prompt_rows, talker_model, timed_ms
 from services.talker.runner import Runner
 
 TOKENS = 110

@@ -4,7 +4,7 @@ runner launches, on any machine (CPU is enough): meta tensors go through the JIT
 the program the GPU would run. A change that keeps every digest keeps the device code. Which calls take
 the kernels, and at which tunings, is the model's (``models.csm.frame_fused.DEFAULT_SETTINGS``).
 
-    TRITON_DISABLE_LINE_INFO=1 python bench/probes/ptx_digest.py [--out FILE.json] [--only TEXT]
+    TRITON_DISABLE_LINE_INFO=1 python -m bench.probes.ptx_digest [--out FILE.json] [--only TEXT]
 
 Line info is off because Triton embeds source paths and line numbers in the PTX. The specialisations:
 for csm-1b and voxring-tiny in fp32, bf16 and fp16,
@@ -43,9 +43,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench.talker_gpu import CSM_1B
+from bench.talker.gpu import CSM_1B
 from kernels import decode_attention, rms_norm, rope_kv, sampler, silu_mul
 from kernels import stack_step as ss
 from models.csm.config import CsmConfig
@@ -254,7 +252,7 @@ def ptx(fn, args: tuple, kwargs: dict, compiled: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("bench/results/stack_step_ptx.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/probes/stack_step_ptx.json"))
     parser.add_argument("--only", default="", help="the keys containing this text")
     args = parser.parse_args()
     digests, compiled = {}, {}

@@ -1,7 +1,7 @@
 """Probe: rope_kv's bf16 q against its twin and against fp32 math rounded once, and the conversions
 the compiled kernel contains (PTX cvt and fma counts). GPU only:
 
-    python bench/probes/rope_rounding.py
+    python -m bench.probes.rope_rounding
 
 Before the products were rounded through opaque PTX conversions, the kernel matched neither the
 twin (4929 of 32768 outputs an ulp off) nor one-rounding math (4155), and its PTX held an fma per
@@ -10,12 +10,10 @@ output: the compiler had folded one product's bf16 round trip into the sum.
 
 from __future__ import annotations
 
+import argparse
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kernels import rope_kv
 from models.csm.config import RopeConfig
@@ -23,6 +21,9 @@ from models.csm.modules import RotaryTable
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench.probes.rope_rounding needs a CUDA GPU")
     torch.manual_seed(0)
     rows, num_q, num_kv, dim = 16, 32, 8, 64
     table = RotaryTable(RopeConfig(rope_type="default", theta=500000.0), dim, 256)

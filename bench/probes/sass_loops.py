@@ -2,7 +2,7 @@
 on any machine (CPU is enough): a product loop runs one warp per scheduler, so its time per block
 follows the instructions each thread issues, and a change to a loop can be counted before it is timed.
 
-    python bench/probes/sass_loops.py ['{"KQ_QKV": 1}' ...]   # tunings (JSON) over the default; one row
+    python -m bench.probes.sass_loops ['{"KQ_QKV": 1}' ...]   # tunings (JSON) over the default; one row
 
 Prints one JSON line per tuning: for each loop of at least 40 instructions (its back edge found in
 nvdisasm's output), the instruction count, the main opcodes, and the kernel functions its source lines
@@ -12,18 +12,16 @@ kernels/stack_step/ and kernels/tl_common.py."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import collections
 import json
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import triton
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.unit import stack_step_hopper
 
@@ -79,8 +77,11 @@ def loops(tuning: dict | None) -> list[dict]:
 
 
 def main() -> None:
-    for arg in sys.argv[1:] or ["{}"]:
-        print(json.dumps({"tuning": json.loads(arg), "loops": loops(json.loads(arg))}))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tunings", nargs="*", type=json.loads, default=[{}],
+                        help="tunings over the default, as JSON (default: the default alone)")
+    for tuning in parser.parse_args().tunings:
+        print(json.dumps({"tuning": tuning, "loops": loops(tuning)}))
 
 
 if __name__ == "__main__":

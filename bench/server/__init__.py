@@ -1,6 +1,6 @@
 """The whole server under load on one GPU (or two), beside transformers. GPU only (``--smoke``: CPU).
 
-    python -m bench.server --part tiers --mps off [--max-wall 540] [--out bench/results]
+    python -m bench.server --part tiers --mps off [--max-wall 540] [--out bench/results/server]
     python -m bench.server --part tiers --mps on  [--max-wall 540]
     python -m bench.server --part tiers --layout two-pairs|split [--mps off|on]   # 2 GPUs
     python -m bench.server --part baseline        [--max-wall 540]
@@ -9,7 +9,7 @@
     python -m bench.server --smoke [--out DIR]    # CPU: the orchestration, tiny model
 
 ``--part tiers`` writes a random-weight checkpoint with the real csm-1b + Mimi shapes in
-bf16 (bench/full_checkpoint.py; reused from the temporary folder by later parts on the same
+bf16 (bench/server/checkpoint.py; reused from the temporary folder by later parts on the same
 machine), starts the real gateway, talker and Code2Wav as three processes on the GPU
 (unix sockets in a private folder, metrics on free ports), waits until each is ready
 (model load and CUDA graph capture, bounded by ``--start-timeout``) and drives the
@@ -52,7 +52,7 @@ completed with zero underruns (no errors, not cut by the time cap).
 checkpoint (bf16, greedy for both the backbone and the depth decoder, fixed
 ``max_new_tokens``) in frames per second at batch 1 and 8; and voxring's talker frame at
 B=1 and 8 (the runner's CUDA graph, CUDA events) next to its weight-read floor
-(bench/talker_gpu.py: backbone bytes + 31 depth steps x (depth layers + projector + one head
+(bench/talker/gpu.py: backbone bytes + 31 depth steps x (depth layers + projector + one head
 slice), over the measured copy bandwidth).
 
 Every part writes its JSON after each measurement (a killed run keeps what it measured),
@@ -71,6 +71,12 @@ it), so a part cut by ``--max-wall`` is finished by running it again.
 #   tiers     the load, one record per tier, ``--part tiers``
 #   baseline  ``--part baseline``: voxring's talker frame, transformers' generate
 #   __main__  ``python -m bench.server``: parses, runs one part, prints the report
+# Beside the harness, each run on its own:
+#   checkpoint  the random-weight csm-1b + Mimi checkpoint the tiers part serves
+#   steps       each stage's device cost at the server's shapes (talker step, prefill, Code2Wav)
+#   overlap     the talker and Code2Wav in two processes on one GPU, MPS off and on
+#   h200_baseline.sh  those and the GPU tests at one commit, in one device call
+#   fetch_wheels.sh   the wheels the stages need that the GPU machine's image lacks
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def part_baseline(s: Settings) -> int:
         folder = s.checkpoint or ensure_tiny_checkpoint()
         device, dtype = torch.device("cpu"), torch.float32
     else:
-        from bench.full_checkpoint import ensure_full_checkpoint
+        from bench.server.checkpoint import ensure_full_checkpoint
 
         folder = s.checkpoint or ensure_full_checkpoint(s.checkpoint_root)[0]
         device, dtype = torch.device("cuda"), torch.bfloat16
@@ -63,7 +63,7 @@ def voxring_frame(folder: Path, device, dtype, s: Settings) -> dict:
     import torch
 
     import kernels
-    from bench.talker_gpu import (
+    from bench.talker.gpu import (
         copy_bandwidth,
         device_ms_per_frame,
         frame_floor_bytes,

@@ -251,7 +251,7 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--smoke", action="store_true",
                         help="CPU: voxring-tiny, tiers 1 and 2 (fixed: 2 requests each), no MPS/nvidia-smi")
     parser.add_argument("--out", type=Path, default=None,
-                        help="results folder (default bench/results; smoke: a folder under /tmp)")
+                        help="results folder (default bench/results/server; smoke: a folder under /tmp)")
     parser.add_argument("--tiers", type=_tiers, default=None, help=f"default {','.join(map(str, TIERS))}")
     parser.add_argument("--requests-per-stream", type=int, default=3, help="requests per tier = this x C")
     parser.add_argument("--load", choices=list(LOADS), default="fixed",
@@ -277,10 +277,10 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--fresh", action="store_true", help="measure tiers already in the JSON again")
     parser.add_argument("--keep-run-dir", action="store_true", help="keep the stage configs and logs")
     args = parser.parse_args(argv)
-    from bench.full_checkpoint import default_root
+    from bench.server.checkpoint import default_root
 
     default_out = (Path(tempfile.gettempdir()) / "voxring-bench-smoke" if args.smoke
-                   else REPO / "bench" / "results")
+                   else REPO / "bench" / "results" / "server")
     if args.smoke and args.mps == "on":
         parser.error("--smoke runs without MPS")
     if args.requests_per_stream < 1 or args.tier_max_s <= 0 or args.max_wall <= 0:

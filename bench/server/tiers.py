@@ -314,14 +314,14 @@ def grpc_error() -> type[Exception]:
 
 
 def write_checkpoint(s: Settings) -> Path:
-    """Runs bench/full_checkpoint.py in its own process (this one never touches CUDA, so it
+    """Runs bench.server.checkpoint in its own process (this one never touches CUDA, so it
     is no MPS client and holds no GPU memory); reuses a finished folder."""
     timeout = max(30.0, min(600.0, s.left() - STOP_MARGIN_S))
     log(f"checkpoint: csm-1b shapes, random bf16 weights, under {s.checkpoint_root} (within {timeout:.0f} s)")
     try:
-        done = subprocess.run([sys.executable, str(REPO / "bench" / "full_checkpoint.py"),
-                               str(s.checkpoint_root)],
-                              capture_output=True, text=True, timeout=timeout, env=child_env({}, s.smoke))
+        done = subprocess.run([sys.executable, "-m", "bench.server.checkpoint", str(s.checkpoint_root)],
+                              cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                              env=child_env({}, s.smoke))
     except subprocess.TimeoutExpired:
         raise SystemExit(f"server_gpu: writing the checkpoint took over {timeout:.0f} s") from None
     lines = done.stdout.strip().splitlines()

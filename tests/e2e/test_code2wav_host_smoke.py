@@ -1,4 +1,4 @@
-"""bench/code2wav_host.py and bench/grpc_stream_cost.py end to end with tiny settings: a real
+"""bench/code2wav/host.py and bench/transport/grpc_stream_cost.py end to end with tiny settings: a real
 Code2Wav process (its decoder returning at once) attached to the driver's feeder ring, 64
 streams through real gRPC, one saturated case; a bare streaming server and its client. Checks
 the accounting and that every part took part; the numbers (CPU per audio second, capacity,
@@ -17,7 +17,7 @@ RUN_TIMEOUT_S = 240  # a bound, not an expectation: ~10 s alone on 2 cores
 
 def test_code2wav_host_quick(tmp_path):
     out = tmp_path / "host.json"
-    command = [sys.executable, "-m", "bench.code2wav_host", "--quick", "--no-pin", "--steady", "8",
+    command = [sys.executable, "-m", "bench.code2wav.host", "--quick", "--no-pin", "--steady", "8",
                "--load", "saturated", "--out", str(out)]
     done = subprocess.run(command, cwd=REPO, env=stage_env(), capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)
@@ -38,11 +38,11 @@ def test_code2wav_host_quick(tmp_path):
 
 
 def test_grpc_stream_cost_quick(tmp_path):
-    """bench/grpc_stream_cost.py: a server process streaming to this one's calls; the count of
+    """bench/transport/grpc_stream_cost.py: a server process streaming to this one's calls; the count of
     messages read is every message sent, and each size has its runs."""
     out = tmp_path / "cost.json"
-    command = [sys.executable, "-m", "bench.grpc_stream_cost", "--no-pin", "--sizes", "1024", "3840",
-               "--streams", "4", "--messages", "5", "--repeats", "2", "--out", str(out)]
+    command = [sys.executable, "-m", "bench.transport.grpc_stream_cost", "--no-pin", "--sizes", "1024",
+               "3840", "--streams", "4", "--messages", "5", "--repeats", "2", "--out", str(out)]
     done = subprocess.run(command, cwd=REPO, env=stage_env(), capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]

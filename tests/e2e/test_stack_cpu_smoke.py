@@ -1,4 +1,4 @@
-"""bench/stack_cpu.py end to end with tiny settings: the stack started as `voxring up` starts
+"""bench/stack_cpu/tiers.py end to end with tiny settings: the stack started as `voxring up` starts
 it in a private folder, two closed-loop tiers through the SDK's load generator, the stack
 brought down (nothing left in /dev/shm, no folder left), the JSON's accounting, the worst-run
 rule, the markdown table, and the before/after compare. Whether a tier is clean (real time)
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.stack_cpu_report import worst_key, worst_runs
+from bench.stack_cpu.report import worst_key, worst_runs
 from tests.conftest import REPO, stage_env
 from voxring.stack import torch_threads
 
-COMMAND = [sys.executable, "-m", "bench.stack_cpu"]  # from the repository root, as documented
+COMMAND = [sys.executable, "-m", "bench.stack_cpu.tiers"]  # from the repository root, as documented
 RUN_TIMEOUT_S = 300  # a bound, not an expectation: ~10 s alone on 2 cores
 STOP_S = 240         # a run told to stop (SIGTERM) brings its stack down within this
 TIERS = ("1", "2")

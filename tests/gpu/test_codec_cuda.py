@@ -1,7 +1,7 @@
 """Code2Wav's decoder on a CUDA GPU at csm-1b's Mimi shapes in bf16 (random weights): with the engine's
 default (``deterministic``), the same codes from fresh slots decode to the same waveform bit for bit,
 eagerly and from a captured graph, at the batch and chunk sizes where cuDNN's free choice of
-algorithms made both vary (bench/results/h200_baseline/codec_graph_bf16.json). Skipped without
+algorithms made both vary (bench/results/server/h200_baseline/codec_graph_bf16.json). Skipped without
 CUDA (tests/conftest.py)."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ after a crash, and the start-up sweep (dead segments removed, live ones kept).
 
 The peers run with the transport's default liveness timeout and heartbeat interval, the
 configuration this checks; how soon a death is noticed on a loaded CPU is the
-benchmarks' business (bench/ring_latency.py), so only its order is checked here."""
+benchmarks' business (bench/transport/ring_latency.py), so only its order is checked here."""
 
 from __future__ import annotations
 

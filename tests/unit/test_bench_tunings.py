@@ -1,14 +1,15 @@
 """The stack_step benchmarks' tunings and frame settings, built as values on the CPU (the benchmarks run
 on a GPU only): their JSON keys are ``Tuning``'s fields, a deleted switch is refused by name, and a
-bench/talker_fusion.py stage becomes the fused frame's ``FusedSettings``."""
+bench/talker/fusion.py stage becomes the fused frame's ``FusedSettings``."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import talker_fusion
 from bench.probes import backbone as backbone_probe
 from bench.probes import stack_step as stack_probe
+from bench.probes.stack_step_phases import phase_names, sweep_entry
+from bench.talker import fusion as talker_fusion
 from kernels.stack_step import BACKBONE, DEPTH
 from models.csm.frame_fused import DEFAULT_SETTINGS
 
@@ -29,12 +30,11 @@ def test_talker_fusion_stages_are_frame_settings():
 
 
 def test_probe_sweeps_are_tunings():
-    assert stack_probe.sweep_entry(stack_probe.SWEEP[0]) == (DEPTH, False)  # the stack without mlp rows
-    tuning, mlp_rows = stack_probe.sweep_entry({"KQ_O": 1})
+    assert sweep_entry(stack_probe.SWEEP[0]) == (DEPTH, False)  # the stack without mlp rows
+    tuning, mlp_rows = sweep_entry({"KQ_O": 1})
     assert tuning.KQ_O == 1 and mlp_rows
-    assert stack_probe.phase_names(DEPTH, 1, False, True) == ["QKV", "ATT", "OUT_PROJ", "MLP", "DOWN_REDUCE",
-                                                             "OUT"]
-    assert stack_probe.phase_names(DEPTH, 2, True, False).count("DOWN") == 2
+    assert phase_names(DEPTH, 1, False, True) == ["QKV", "ATT", "OUT_PROJ", "MLP", "DOWN_REDUCE", "OUT"]
+    assert phase_names(DEPTH, 2, True, False).count("DOWN") == 2
     assert [BACKBONE.with_keys(t).KQ_QKV for t in backbone_probe.TUNINGS] == [1, 8]
     with pytest.raises(ValueError, match="unknown tuning key 'MLP_DOWN'"):
-        stack_probe.sweep_entry({"MLP_DOWN": 0})
+        sweep_entry({"MLP_DOWN": 0})

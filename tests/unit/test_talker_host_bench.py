@@ -1,4 +1,4 @@
-"""bench/talker_host.py's code paths on tiny sizes: the records the real engine writes reach
+"""bench/talker/host.py's code paths on tiny sizes: the records the real engine writes reach
 the spawned consumer in order with every frame, the fake device's jobs complete and collect
 returns their arrays, and the whole case runner (both runners) checks out. Mechanisms only:
 no timing is asserted (the benchmark measures; this checks it measures the right thing)."""
@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.talker_host_measure import Case, build_engine, end_requests, measure, run_case
-from bench.talker_host_ring import RingConsumerProcess, Tally
-from bench.talker_host_runners import ImmediateRunner, ThreadedRunner, valid_codes
+from bench.talker.host_measure import Case, build_engine, end_requests, measure, run_case
+from bench.talker.host_ring import RingConsumerProcess, Tally
+from bench.talker.host_runners import ImmediateRunner, ThreadedRunner, valid_codes
 from services.transport.layout import RecordFlags
 
 ROWS, STEPS = 8, 3
