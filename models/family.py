@@ -4,7 +4,7 @@ The engine (scheduler, runner, rings) talks to a talker model only through this
 interface, so other families (a single-codebook talker with an EOS code, a backbone
 with a local transformer and a continue/stop head, a Qwen3 backbone with CFG pairs)
 can be added without touching the engine. Every method works on batches of rows whose
-state lives in static KV slots, and ``decode_frame`` is one whole frame as DESIGN.md's
+state lives in static KV slots, and ``decode_frame`` is one whole frame as docs/architecture.md's
 "one captured frame": no host sync, no Python branches on tensor values, static shapes,
 so the runner can capture it in a CUDA graph.
 """

@@ -44,7 +44,7 @@ import torch
 
 from bench.talker.gpu import CSM_1B, random_model
 from models.family import PromptSegment
-from services.common.chunks import Sampling
+from services.common.sampling import Sampling
 from services.talker.runner import PrefillBuckets, PrefillRow, Runner
 
 TALKER_BUCKETS, KS = [1, 8, 64, 256, 512, 1024], [1, 4, 8]

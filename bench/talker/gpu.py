@@ -30,7 +30,7 @@ import torch
 from models.csm.config import CsmConfig
 from models.csm.model import CsmTalker
 from models.family import PromptSegment
-from services.common.chunks import Sampling
+from services.common.sampling import Sampling
 from services.talker.runner import PrefillRow, Runner
 
 CSM_1B = {

@@ -3,7 +3,7 @@
 Each tick takes every waiting record from every attached talker (appending frames to the
 open request they belong to, by handle; records for unknown or closed handles are dropped
 and counted; sequence gaps and duplicates are counted), then cuts chunks on need
-(PROTOCOL.md, Pacing; services/code2wav/pacing.py): a stream's first record at once, then
+(docs/protocol.md, Pacing; services/code2wav/pacing.py): a stream's first record at once, then
 when its listener's buffer would fall below the decode margin, when a steady chunk is
 pending, or at its end. Every chunk cut in a tick goes into ONE decode call on the codec's
 resident slot pool, whatever their lengths (rows padded, each slot's state advanced by its
@@ -43,7 +43,7 @@ from services.transport.layout import FinishReason, RingError
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.005  # how long an idle step waits on a ring for the next record
 
-# How a talker-side ending reaches the client (PROTOCOL.md, How a request ends).
+# How a talker-side ending reaches the client (docs/protocol.md, How a request ends).
 ERROR_ENDINGS = {FinishReason.DEADLINE: ("DEADLINE_EXCEEDED", "talker deadline passed"),
                  FinishReason.ERROR: ("INTERNAL", "talker failed on this request"),
                  FinishReason.STALLED: ("UNAVAILABLE", "request stalled: audio was not drained"),
@@ -143,7 +143,7 @@ class Code2WavEngine:
 
     def keepalive(self) -> None:
         """The engine thread's keeper, during a long step (a large decode, a first-use
-        compile): this side's heartbeats only (PROTOCOL.md, Rings 2)."""
+        compile): this side's heartbeats only (docs/protocol.md, Rings)."""
         for link in list(self.links.values()):
             link.keepalive()
 

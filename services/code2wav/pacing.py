@@ -1,4 +1,4 @@
-"""When Code2Wav cuts a request's audio chunks (PROTOCOL.md, Pacing), and its model of the
+"""When Code2Wav cuts a request's audio chunks (docs/protocol.md, Pacing), and its model of the
 listener those cuts follow.
 
 The listener is modeled from what this side sent: playback starts when the first chunk is
@@ -8,7 +8,7 @@ is decoded at once; after that a chunk is cut when the buffer would fall below
 ``decode_margin_s``, when ``steady_frames`` are pending, or when the request or a segment
 ended; never below ``min_chunk_frames`` except at an end.
 
-Segments (PROTOCOL.md, Segments): the pause between two segments of a session is silence,
+Segments (docs/protocol.md, Sessions and segments): the pause between two segments of a session is silence,
 not a stall. A segment whose first frames find the buffer dry is treated like a stream's
 first record (decoded at once) and the listener's clock restarts with its first chunk
 (:meth:`Listener.restart`); a segment whose first frames find audio still buffered simply

@@ -13,7 +13,7 @@ Audio backpressure: the engine adds each chunk's seconds to ``sent_s``; the even
 to ``delivered_s`` when gRPC flow control took the chunk (plain float stores: one writer
 each), so a delivery costs the engine nothing unless the stream is ``held``.
 
-Segments (a talker session: PROTOCOL.md, Segments): a SEGMENT_END record marks where a
+Segments (a talker session: docs/protocol.md, Sessions and segments): a SEGMENT_END record marks where a
 segment ends in the stream's frames (``segment_ends``: positions counted in frames decoded +
 pending). Chunks never cross such a position; once the decoding reaches it the segment's
 end is sent and the next segment starts, on the same codec state (one waveform). A cleared

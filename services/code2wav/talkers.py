@@ -1,4 +1,4 @@
-"""Code2Wav's links to its talkers: attach (PROTOCOL.md, Rings rule 1), read, re-attach.
+"""Code2Wav's links to its talkers: attach (docs/protocol.md, Rings), read, re-attach.
 
 Each configured talker gets one link. The engine thread calls :meth:`TalkerLink.ensure`
 every tick: while disconnected it calls ``Talker.Attach`` (a short blocking call on the
@@ -85,7 +85,7 @@ class TalkerLink:
         return self.consumer is not None and self.consumer.producer_alive()
 
     def keepalive(self) -> None:
-        """Stores this side's heartbeat and nothing else (PROTOCOL.md, Rings 2): the engine
+        """Stores this side's heartbeat and nothing else (docs/protocol.md, Rings): the engine
         thread's keeper calls it, from its own thread, while a long step runs. A consumer
         the engine thread closes meanwhile ignores it (its tick() does nothing once closed)."""
         consumer = self.consumer

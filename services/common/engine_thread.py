@@ -1,6 +1,6 @@
 """The engine thread: where a stage's device work, ring I/O and blocking waits run.
 
-PROTOCOL.md's threading rule: the grpc.aio event loop only validates, enqueues and
+The threading rule (docs/protocol.md, Threads): the grpc.aio event loop only validates, enqueues and
 relays. An :class:`EngineThread` owns one thread that runs an :class:`Engine`:
 
 - the loop ``post``s commands (a new request, a cancel) into a thread-safe inbox;
@@ -15,7 +15,7 @@ relays. An :class:`EngineThread` owns one thread that runs an :class:`Engine`:
   the thread works, a keeper thread calls the engine's ``keepalive()`` (store this side's
   own heartbeats, nothing else) every ``tick_interval``, for at most ``keepalive_limit``
   seconds of that step. A step stuck longer stops its heartbeats, so the peers still find
-  a hung engine dead (PROTOCOL.md, Rings 2).
+  a hung engine dead (docs/protocol.md, Rings).
 
 An engine that raises stops the thread; the error is kept and logged, and ``post``
 then fails, so the stage stops accepting work instead of hanging.

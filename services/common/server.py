@@ -13,7 +13,7 @@ A stage builds its servicers and hands them to :class:`ServiceHost`, which
   finish for up to ``drain_timeout``, the rest end UNAVAILABLE, background components
   stop, ``server.stop(grace)``, and ``run()`` returns (the process exits 0).
 
-Threading rule (PROTOCOL.md): the event loop only validates, enqueues and relays.
+Threading rule (docs/protocol.md): the event loop only validates, enqueues and relays.
 Engine work runs in components' own threads (see :mod:`services.common.engine_thread`).
 """
 

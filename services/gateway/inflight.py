@@ -1,5 +1,5 @@
 """Request ids in flight at this gateway: a second request with the same id while the
-first runs is refused with ALREADY_EXISTS (PROTOCOL.md: ids are unique in flight)."""
+first runs is refused with ALREADY_EXISTS (docs/protocol.md: ids are unique in flight)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The engine pairs a gateway routes to, and what it knows of their model.
 
 A pair is one talker and one Code2Wav on the same host; a request is served by exactly
-one pair (PROTOCOL.md, Units). The gateway has no model folder: it reads
+one pair (docs/protocol.md, Units and identities). The gateway has no model folder: it reads
 ``Talker.ModelInfo`` from each pair (the tokenizer, prompt format, limits, rates) the
 first time it needs the pair, and refuses pairs whose model differs from the first one
 it learned. Routing picks the pair with the fewest requests in flight from this gateway;

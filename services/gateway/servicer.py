@@ -1,6 +1,6 @@
 """``voxring.v1.Synthesizer``: protobuf in, validated domain request out, and back.
 
-The servicer only translates and relays (PROTOCOL.md's threading rule): validation,
+The servicer only translates and relays (docs/protocol.md, Threads): validation,
 the in-flight id check, then the backend that drives the engine pair (a streaming session:
 services/gateway/streaming.py, on the same backend); voices are added and removed by the
 voice manager (which the HTTP API calls too). Errors are domain

@@ -1,6 +1,6 @@
 """The talker's edges: one frame producer per consumer (a Code2Wav instance).
 
-PROTOCOL.md, Rings: the talker owns its rings. ``attach`` creates a ring (mode 0600,
+docs/protocol.md, Rings: the talker owns its rings. ``attach`` creates a ring (mode 0600,
 named with this talker's instance token) for a consumer instance; the same instance
 attaching again gets the same ring; a new instance of the same consumer retires the old
 ring (its rows are dropped by the engine) and gets a new generation. Heartbeats are
@@ -71,7 +71,7 @@ class Consumers:
         return dead
 
     def keepalive(self) -> None:
-        """Stores this side's heartbeats and nothing else (PROTOCOL.md, Rings 2): called by
+        """Stores this side's heartbeats and nothing else (docs/protocol.md, Rings): called by
         the engine thread's keeper while a long step runs, so from another thread. A ring
         the engine thread closes meanwhile ignores it."""
         for edge in list(self.edges.values()):

@@ -16,7 +16,7 @@ it ended; CANCELLED on cancel), queued in order with the records of requests tha
 the boundary; only the write per row is a Python call. Records wait in a small per-request
 outbox when the consumer's ring is full; past ``max_pending_frames`` the row is paused (not
 scheduled) until space returns, and a row paused longer than the stall timeout ends STALLED,
-its LAST record written when space returns (PROTOCOL.md, Backpressure).
+its LAST record written when space returns (docs/protocol.md, Backpressure).
 """
 
 from __future__ import annotations

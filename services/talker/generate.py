@@ -16,7 +16,7 @@ import torch
 
 from kernels.sampler_twin import SamplingParams
 from models.family import FrameInputs, PromptSegment, TalkerModel
-from services.common.chunks import Sampling
+from services.common.sampling import Sampling
 
 __all__ = ["GenerationRequest", "GenerationResult", "Sampling", "generate", "sampling_params"]
 

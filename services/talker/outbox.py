@@ -1,4 +1,4 @@
-"""Records waiting for a consumer's ring (PROTOCOL.md, Backpressure)."""
+"""Records waiting for a consumer's ring (docs/protocol.md, Backpressure)."""
 
 from __future__ import annotations
 

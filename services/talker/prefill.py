@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.sampler_twin import SamplingParams
 from models.family import TalkerModel
-from services.common.chunks import Sampling
+from services.common.sampling import Sampling
 from services.talker.prefill_graphs import (
     PrefillBuckets,
     PrefillGraphs,

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.chunks import Sampling
+from services.common.sampling import Sampling
 from services.transport.layout import FinishReason
 
 __all__ = ["FinishReason", "RequestState", "TalkerRequest"]

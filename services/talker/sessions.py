@@ -7,8 +7,8 @@ but is no batch row. ``Append`` gives the next segment: its prompt is the contex
 (the all-EOS end frame of the audio just spoken) and the new text turn, prefilled at the slot's
 next position, right after the last frame emitted (the host's count; positions written past a
 stop while the row rode along are overwritten). So a segment pays for its own text only, and
-its codes are those of a fresh request whose context holds every earlier turn (REFERENCE.md,
-prompt and context turns). The frame index restarts at 0 and the repetition history is cleared
+its codes are those of a fresh request whose context holds every earlier turn (docs/architecture.md,
+Model families). The frame index restarts at 0 and the repetition history is cleared
 (the prefill's final chunk resets the slot's frame state).
 
 When the context would pass the model's max length, the oldest spoken turns are dropped (the

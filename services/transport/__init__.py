@@ -44,7 +44,7 @@ class TransportSection:
         if not 0 <= self.spin_us <= 10_000:
             raise ConfigValueError("spin_us", f"must be in [0, 10000], got {self.spin_us}")
         if not 0 < self.heartbeat_interval <= 0.1:
-            raise ConfigValueError("heartbeat_interval", f"must be in (0, 0.1] seconds (PROTOCOL.md), "
+            raise ConfigValueError("heartbeat_interval", f"must be in (0, 0.1] seconds (docs/protocol.md), "
                                    f"got {self.heartbeat_interval}")
         if not 0 <= self.step_keepalive <= 3600:
             raise ConfigValueError("step_keepalive",

@@ -3,7 +3,7 @@
 Each side stores (shm: its control-block slot) or sends (gRPC: a message on its stream)
 its own heartbeat at least every ``interval`` seconds, and judges its peer alive while
 the peer was heard from within ``liveness_timeout`` seconds, on this side's own monotonic
-clock (PROTOCOL.md, Rings). Where a transport keeps the peer's last beat, and what
+clock (docs/protocol.md, Rings). Where a transport keeps the peer's last beat, and what
 "closed" means, stays with the transport; the timing lives here once.
 """
 

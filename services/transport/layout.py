@@ -1,5 +1,5 @@
 """The bytes of a frame ring: control block, record header, names, errors, and why the
-lock-free protocol is safe on x86-64 (PROTOCOL.md, Rings).
+lock-free protocol is safe on x86-64 (docs/protocol.md, Rings).
 
 A ring segment is ``HEADER_BYTES`` of control block followed by ``capacity`` bytes of
 data. Every control field is an 8-byte-aligned little-endian uint64 (offsets below);

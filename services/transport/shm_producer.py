@@ -2,7 +2,7 @@
 consumer (Code2Wav) attaches and reads its records zero-copy.
 
 Bytes, names, errors and the memory-ordering argument: :mod:`services.transport.layout`.
-Ownership and liveness: PROTOCOL.md (Rings). One thread per side uses a ring: the
+Ownership and liveness: docs/protocol.md (Rings). One thread per side uses a ring: the
 owner's engine thread, which also calls ``tick()`` at least every heartbeat interval.
 
 Wake-ups: a consumer with nothing to read spins for ``spin_us``, then announces the

@@ -96,7 +96,7 @@ class RingSide:
 
     def tick(self) -> None:
         """Stores this side's heartbeat (the engine thread, at least every heartbeat
-        interval, idle or not; during a long step the engine thread's keeper, PROTOCOL.md)."""
+        interval, idle or not; during a long step the engine thread's keeper, docs/protocol.md)."""
         self.heartbeat.tick()
 
     def _store_heartbeat(self, now: int) -> None:

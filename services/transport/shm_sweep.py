@@ -1,6 +1,6 @@
 """Finding and removing this project's ring segments in /dev/shm.
 
-Only talkers sweep, at start-up (PROTOCOL.md, Rings 2): :func:`sweep_stale` removes
+Only talkers sweep, at start-up (docs/protocol.md, Rings): :func:`sweep_stale` removes
 ``voxring-ring-*`` segments (and their ``sem.voxring-wake-*`` semaphores) whose producer
 heartbeat is older than the liveness timeout, or whose control block is unreadable, and
 semaphores left without a ring. ``voxring`` is the default name prefix

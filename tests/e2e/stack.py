@@ -8,7 +8,7 @@ Every wait is bounded; :meth:`FaultStack.close` stops every process it started
 (SIGTERM, then SIGKILL after 20 s) and :meth:`FaultStack.remove` deletes the folder.
 
 CPU note: the stage processes get ``OMP_NUM_THREADS=1``. Heartbeats are stored by the
-engine threads between steps (PROTOCOL.md), so a step longer than the liveness timeout
+engine threads between steps (docs/protocol.md), so a step longer than the liveness timeout
 (1 s) reads as a dead peer. With four torch processes on a 2-core CI machine and torch's
 default intra-op threads (one per core), OpenMP oversubscription stretched single steps
 to 1-1.8 s and healthy streams failed "talker lost"; with one thread per process the

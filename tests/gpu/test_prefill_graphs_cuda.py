@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 import numpy as np
 
-from services.common.chunks import Sampling
+from services.common.sampling import Sampling
 from services.talker.prefill_graphs import PrefillBuckets
 from services.talker.runner import PrefillRow, Runner
 from tests.unit.test_talker_prefill import chunks, decode, segments, tiny_model

@@ -1,4 +1,4 @@
-"""Code2Wav's engine on talker sessions (PROTOCOL.md, Segments), on a scripted clock and ring:
+"""Code2Wav's engine on talker sessions (docs/protocol.md, Sessions and segments), on a scripted clock and ring:
 SEGMENT_END flushes its segment and sends the segment's end after its last chunk, chunk
 indices and sample offsets going on across segments; the session's audio through the real
 tiny codec equals the whole-sequence decode of all its frames (the codec state is kept across

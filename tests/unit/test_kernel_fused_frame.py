@@ -22,7 +22,7 @@ from models.csm.frame_fused import FusedFrame, FusedSettings
 from models.csm.model import CsmTalker
 from models.family import FrameInputs, FrameOutputs, PromptSegment
 from models.tiny.talker import tiny_config
-from services.common.chunks import Sampling
+from services.common.sampling import Sampling
 from services.talker.runner import PrefillRow, Runner
 from tests.unit.fused_layer_support import (
     DEVICE,

@@ -1,4 +1,4 @@
-"""A long engine step keeps its side's heartbeats (PROTOCOL.md, Rings 2): the engine
+"""A long engine step keeps its side's heartbeats (docs/protocol.md, Rings): the engine
 thread's keeper stores them while the step runs, for at most ``keepalive_limit`` seconds
 of it, so a first-use kernel compile or a large batch does not make the peer call a live
 stage dead, while a stuck step still goes silent. Real rings on both sides: the talker's

@@ -17,7 +17,7 @@ from models.csm.config import CsmConfig
 from models.csm.model import CsmTalker
 from models.family import PromptSegment
 from models.tiny.talker import tiny_config
-from services.common.chunks import Sampling
+from services.common.sampling import Sampling
 from services.common.config import ConfigValueError
 from services.talker.config import EngineSection
 from services.talker.prefill_graphs import PrefillBuckets, capture_within_budget

@@ -58,7 +58,7 @@ class Code2WavServicer:
         """Opens a request: the first message carries its handle, then PCM chunks, then the
         finish message. Cancelling the call frees the request here and on the talker.
         Ends: finish STOP/LENGTH with OK; DEADLINE_EXCEEDED, INTERNAL, UNAVAILABLE
-        (talker lost or stalled) as PROTOCOL.md's endings table says.
+        (talker lost or stalled) as docs/protocol.md's endings table (How a request ends) says.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,6 +1,5 @@
-"""What a request asks of the engines besides its text, shared by every stage: the sampling
-settings (no torch, no grpc). Chunks are no longer the request's: Code2Wav cuts them on its
-listener's need (services/code2wav/pacing.py; PROTOCOL.md, Pacing).
+"""A request's sampling settings, shared by every stage (no torch, no grpc): the knobs of
+the sampler (docs/architecture.md, Sampling) and the seed of its draws.
 
 Each is a frozen dataclass that checks itself on construction and raises
 :class:`~services.common.config.ConfigValueError` naming the offending field, so the same
@@ -19,7 +18,7 @@ __all__ = ["Sampling", "SamplingDefaults"]
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """The sampler's knobs (DESIGN.md, Sampling) without the seed; greedy by default."""
+    """The sampler's knobs (docs/architecture.md, Sampling) without the seed; greedy by default."""
 
     temperature: float = 0.0
     top_k: int = 0
