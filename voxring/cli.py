@@ -72,7 +72,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     """Each stage: running (and its health), stopped, or died (with its log's last lines);
     the gateway's readiness and each engine pair's. Exit 0 when all serve or none runs."""
-    from voxring.health import check_health, gateway_pairs
+    from voxring.health import check_health
 
     stack = _stack(args)
     healthy = stopped = 0
@@ -92,7 +92,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         healthy += health == "SERVING"
         print(f"  {stage:<9} running, pid {pid}, {address or 'starting'}: {health}")
         if stage == "gateway" and address:
-            for name, target in gateway_pairs(stack.config_file("gateway")):
+            for name, target in stack.gateway_pairs().items():  # as the gateway reports them
                 print(f"      pair {name} ({target}): {check_health(address, f'pair/{name}')}")
             if (http := stack.address("gateway", "http")) is not None:
                 print(f"      HTTP API on {http}")

@@ -3,9 +3,11 @@ then SIGKILL, logs), used by the CLI, the benchmarks and the tests; and the loca
 on it: gateway, talker and Code2Wav as background processes of a voxring checkout.
 
 State lives in ``<root>/.voxring/`` by default: ``run/<stage>.pid`` (written by the launcher),
-``run/<stage>.json`` (written by the stage once serving: address and pid) and
-``logs/<stage>.log``. ``up`` starts only the stages that are not running (a dead one again)
-and waits until all serve; a stage whose pid file outlives its process died.
+``run/<stage>.json`` (written by the stage once serving: address and pid; the gateway's
+also its HTTP address and static engine pairs) and ``logs/<stage>.log``. Every stage gets
+VOXRING_STATE_DIR, that folder (a gateway with voices.store null keeps added voices in its
+``voices/``). ``up`` starts only the stages that are not running (a dead one again) and
+waits until all serve; a stage whose pid file outlives its process died.
 
 grpc is imported only after every process has been spawned: a process must not fork
 after importing grpc.
@@ -29,6 +31,7 @@ from voxring.processes import is_same_live_process, is_stage_process, start_time
 STAGES = ("talker", "code2wav", "gateway")  # start order; stop order is the reverse
 TORCH_STAGES = ("talker", "code2wav")       # the stages that run torch (the gateway is torch-free)
 CHECKOUT = Path(__file__).resolve().parent.parent  # where ``python -m services.<stage>`` runs
+STATE_DIR_ENV = "VOXRING_STATE_DIR"  # the state folder, passed to every stage (Stack.stage_env)
 
 
 class StackError(RuntimeError):
@@ -249,33 +252,36 @@ class Stack:
             return None
         return pid if is_stage_process(pid, stage) else None
 
+    def ready(self, stage: str) -> dict:
+        """``stage``'s ready file, written by the stage once serving ({} while there is none)."""
+        try:
+            info = json.loads(self.ready_file(stage).read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+        return info if isinstance(info, dict) else {}
+
     def address(self, stage: str, key: str = "address") -> str | None:
         """``stage``'s gRPC address from its ready file; ``key="http"``: the gateway's HTTP
         API (absent when http.listen is null)."""
-        try:
-            return json.loads(self.ready_file(stage).read_text())[key]
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
-            return None
+        value = self.ready(stage).get(key)
+        return value if isinstance(value, str) else None
+
+    def gateway_pairs(self) -> dict[str, str]:
+        """The running gateway's static engine pairs as it reports them in its ready file
+        (services.gateway.readiness): {name: "talker ADDRESS, code2wav ADDRESS"}; {} with
+        discovery or while no gateway is ready."""
+        pairs = self.ready("gateway").get("pairs")
+        return {str(name): str(target) for name, target in pairs.items()} if isinstance(pairs, dict) else {}
 
     def status(self) -> dict[str, tuple[int | None, str | None]]:
         return {stage: (self.running_pid(stage), self.address(stage)) for stage in STAGES}
 
-    def stage_env(self, stage: str) -> dict[str, str] | None:
-        """The gateway keeps voices added through the API in ``<state_dir>/voices`` when its
-        config (file or environment) names no folder (voices.store null), so a new user can
-        add one; None: the launcher's own environment."""
-        if stage != "gateway":
-            return None
-        from services.common.config import ConfigError, load_config  # grpc-free
-        from services.gateway.config import GatewayConfig
-
-        try:
-            store = load_config(GatewayConfig, self.config_file(stage), "gateway").voices.store
-        except ConfigError:
-            return None  # the gateway reports its config error itself
-        if store is not None:
-            return None
-        return {**os.environ, "VOXRING_GATEWAY__VOICES__STORE": str(self.state_dir / "voices")}
+    def stage_env(self) -> dict[str, str]:
+        """This launcher's environment plus VOXRING_STATE_DIR, the state folder: a gateway
+        whose config names no voice folder (voices.store null) keeps the voices added
+        through the API in ``<state_dir>/voices`` (services.gateway.voice_manager), so a new
+        user can add one."""
+        return {**os.environ, STATE_DIR_ENV: str(self.state_dir.resolve())}
 
     # --- up and down --------------------------------------------------------------------
 
@@ -296,7 +302,7 @@ class Stack:
         procs = [StageProcess(stage, ready_file=self.ready_file(stage), log_file=self.log_file(stage),
                               config=self.config_file(stage), cwd=self.root, new_session=True,
                               append_log=True,  # survives the launcher and its terminal's Ctrl-C
-                              env=self.stage_env(stage))
+                              env=self.stage_env())
                  for stage in missing]
         deadline = time.monotonic() + timeout
         try:

@@ -52,6 +52,15 @@ class PairReadiness(LoopTask, HealthPublisher):
         self.ready = False
         self.rounds = 0  # probe rounds completed
 
+    def ready_info(self) -> dict:
+        """Added to the gateway's ready file (services.common.server): the static pairs whose
+        readiness it publishes as ``pair/<name>``, {name: "talker ADDRESS, code2wav ADDRESS"},
+        which ``voxring status`` lists; none with discovery (its pairs change while it runs)."""
+        if self.router.source is not None:
+            return {}
+        return {"pairs": {pair.name: f"talker {pair.talker_address}, code2wav {pair.code2wav_address}"
+                          for pair in self.router.pairs}}
+
     async def run(self) -> None:
         while not self.stopping:
             await self.probe_all()

@@ -17,6 +17,8 @@ import asyncio
 import datetime
 import hashlib
 import logging
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from services.common.config import ConfigError
@@ -40,6 +42,8 @@ from voxring.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 MAX_SPEAKER_ID = 2**31 - 1
+# the launcher's state folder (voxring up: .voxring/); its voices/ is the store when voices.store is null
+STATE_DIR_ENV = "VOXRING_STATE_DIR"
 
 
 class VoiceManager:
@@ -56,19 +60,20 @@ class VoiceManager:
         self._commits: set[asyncio.Task] = set()
 
     @classmethod
-    def from_config(cls, config: GatewayConfig, base: Path, catalog: VoiceCatalog,
-                    router: Router) -> VoiceManager:
-        """The manager of ``voices.store`` (relative to ``base``, the config file's folder),
-        with the folder's voices loaded."""
-        if config.voices.store is None:
+    def from_config(cls, config: GatewayConfig, base: Path, catalog: VoiceCatalog, router: Router,
+                    environ: Mapping[str, str] | None = None) -> VoiceManager:
+        """The manager of ``voices.store`` (relative to ``base``, the config file's folder), with
+        the folder's voices loaded. When that is null: ``<VOXRING_STATE_DIR>/voices`` where the
+        launcher set that variable (``environ``, default os.environ), else no folder."""
+        folder, origin = _store_folder(config, base, os.environ if environ is None else environ)
+        if folder is None:
             return cls(config, catalog, router, None)
         if config.voices.max_clip_mb >= config.server.max_message_mb:
             raise ConfigError(f"voices.max_clip_mb: {config.voices.max_clip_mb:g} MB does not fit in "
                               f"a CreateVoice message (server.max_message_mb: "
                               f"{config.server.max_message_mb}); lower it or raise that")
-        folder = base / config.voices.store
         if folder.exists() and not folder.is_dir():
-            raise ConfigError(f"voices.store: {folder} exists and is not a folder")
+            raise ConfigError(f"{origin}: {folder} exists and is not a folder")
         manager = cls(config, catalog, router, VoiceStore(folder))
         manager.load()
         return manager
@@ -269,3 +274,13 @@ class VoiceManager:
                              language_code=record.language_code, description=record.description,
                              reference_audio=str(path.resolve()), reference_text=record.transcript,
                              clip_sha256=record.sha256, clip=clip)
+
+
+def _store_folder(config: GatewayConfig, base: Path, environ: Mapping[str, str]) -> tuple[Path | None, str]:
+    """The voice folder and what named it: ``voices.store``, else the launcher's state folder's
+    ``voices/`` (so a stack started by ``voxring up`` can add voices); (None, "") for neither."""
+    if config.voices.store is not None:
+        return base / config.voices.store, "voices.store"
+    if state_dir := environ.get(STATE_DIR_ENV):
+        return Path(state_dir) / "voices", STATE_DIR_ENV
+    return None, ""

@@ -76,6 +76,8 @@ def test_up_status_up_again_down(voxring, sock_dir):
 
     status = voxring("status", check_rc=0).stdout
     assert status.count("running, pid") == 3 and f"HTTP API on {http[1]}" in status
+    pair = f"pair pair-0 (talker unix:{sock_dir}/talker.sock, code2wav unix:{sock_dir}/code2wav.sock)"
+    assert f"{pair}: SERVING" in status, status  # the pairs the gateway's ready file names
 
     again = voxring("up", check_rc=0).stdout
     assert "already running" in again
@@ -89,6 +91,8 @@ def test_up_status_up_again_down(voxring, sock_dir):
     for stage in ("gateway", "talker", "code2wav"):
         log = (sock_dir / "state" / "logs" / f"{stage}.log").read_text()
         assert "SIGTERM received: draining" in log and "stopped after" in log
+    gateway_log = (sock_dir / "state" / "logs" / "gateway.log").read_text()
+    assert f"voice store {sock_dir}/state/voices: 0 added voices loaded" in gateway_log  # VOXRING_STATE_DIR
 
 
 def test_failed_start_names_the_cause_and_leaves_nothing_running(voxring, sock_dir):

@@ -2,11 +2,12 @@
 unix sockets standing in for a pair's talker and Code2Wav: a pair is ready only when its
 talker serves and its Code2Wav reports the link to that talker; the gateway's readiness
 names follow "any pair ready", each pair has its own name and gauge; liveness is not
-touched."""
+touched. The ready file names the static pairs, as ``voxring status`` reads them."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -135,3 +136,18 @@ def test_probe_times_must_be_positive(key, value):
     with pytest.raises(ConfigValueError) as info:
         EnginesSection(**{key: value})
     assert info.value.key == key
+
+
+def test_the_ready_file_names_the_static_pairs_for_voxring_status(tmp_path):
+    from voxring.stack import Stack
+
+    pairs = [EnginePair("pair-0", "unix:/t.sock", "unix:/c.sock", "talker-0", "code2wav-0")]
+    static = PairReadiness(Router(pairs), EnginesSection(), [])
+    assert static.ready_info() == {"pairs": {"pair-0": "talker unix:/t.sock, code2wav unix:/c.sock"}}
+    assert PairReadiness(Router([], source="engines.example"), EnginesSection(), []).ready_info() == {}
+    stack = Stack(root=tmp_path, config_dir=tmp_path, state_dir=tmp_path / "state")
+    assert stack.gateway_pairs() == {}  # no gateway ready
+    stack.run_dir.mkdir(parents=True)
+    stack.ready_file("gateway").write_text(json.dumps({"address": "unix:/g.sock", **static.ready_info()}))
+    assert stack.gateway_pairs() == {"pair-0": "talker unix:/t.sock, code2wav unix:/c.sock"}
+    assert stack.address("gateway") == "unix:/g.sock" and stack.address("gateway", "http") is None

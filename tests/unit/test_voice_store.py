@@ -375,3 +375,17 @@ def test_the_clip_limit_must_fit_in_a_grpc_message(tmp_path):
                            voices=VoicesSection(store="v", max_clip_mb=8))
     with pytest.raises(ConfigError, match=r"voices\.max_clip_mb"):
         VoiceManager.from_config(config, tmp_path, VoiceCatalog.builtin(), None)
+
+
+def test_the_launchers_state_folder_keeps_voices_when_the_config_names_none(tmp_path):
+    from voxring.stack import Stack
+
+    catalog = VoiceCatalog.builtin()
+    env = Stack(root=tmp_path, config_dir=tmp_path, state_dir=tmp_path / "state").stage_env()
+    assert env["VOXRING_STATE_DIR"] == str(tmp_path / "state")
+    manager = VoiceManager.from_config(GatewayConfig(), tmp_path / "configs", catalog, None, environ=env)
+    assert manager.store.folder == tmp_path / "state" / "voices"
+    named = GatewayConfig(voices=VoicesSection(store="mine"))
+    named_store = VoiceManager.from_config(named, tmp_path, catalog, None, environ=env).store
+    assert named_store.folder == tmp_path / "mine"  # the config's folder wins
+    assert VoiceManager.from_config(GatewayConfig(), tmp_path, catalog, None, environ={}).store is None
