@@ -14,7 +14,7 @@ environment), is warmed up, then, one after another:
   cleared segment's last audio chunk and to its SegmentDone.
 
 voxring-tiny never stops on its own, so each segment is capped (``--segment-s``, the gateway's
-streaming.segment_audio_seconds). Results: ``--out`` JSON and a table on stdout. One process;
+text guard: limits.text_guard_min_s with no seconds per character). Results: ``--out`` JSON and a table on stdout. One process;
 grpc is imported only after the stages are spawned (no fork after importing grpc).
 """
 
@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="vx-stream-", dir="/tmp"))
     private_configs(REPO, folder)
     stage_environment(REPO, threads=None)
-    os.environ["VOXRING_GATEWAY__STREAMING__SEGMENT_AUDIO_SECONDS"] = str(args.segment_s)
+    os.environ["VOXRING_GATEWAY__LIMITS__TEXT_GUARD_MIN_S"] = str(args.segment_s)
+    os.environ["VOXRING_GATEWAY__LIMITS__TEXT_GUARD_S_PER_CHAR"] = "0"
     stack = Stack(root=REPO, config_dir=folder / "configs", state_dir=folder / "state")
     try:
         addresses = stack.up(timeout=120)

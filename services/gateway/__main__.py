@@ -13,10 +13,10 @@ from services.common.stage import run_stage
 from services.gateway.config import GatewayConfig
 from services.gateway.discovery import PairDiscovery
 from services.gateway.http import http_components
-from services.gateway.pipeline import SynthesisPipeline
 from services.gateway.readiness import PairReadiness
 from services.gateway.routing import EnginePair, Router
 from services.gateway.servicer import SynthesizerServicer
+from services.gateway.synthesis import Synthesis
 from services.gateway.voice_manager import VoiceManager
 from services.gateway.voices import VoiceCatalog
 from voxring.v1 import synthesizer_pb2, synthesizer_pb2_grpc
@@ -44,7 +44,7 @@ def build(config: GatewayConfig, config_path: Path | None):
     else:  # the pairs come from DNS, resolved in the server's loop while it runs
         router = Router([], source=discovery.service)
         components = [PairDiscovery(discovery, router)]
-    pipeline = SynthesisPipeline(config, router, voices)
+    pipeline = Synthesis(config, router, voices)
     metrics.register(pipeline.metrics)
     voice_manager = VoiceManager.from_config(config, base, voices, router)  # loads voices.store
     servicer = SynthesizerServicer(config, voices, pipeline, voice_manager)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from services.common.chunks import SamplingDefaults
 from services.common.config import ConfigValueError
+from services.common.limits import FIRST_AUDIO_BUDGET_S, AudioLimits, check_first_audio_budget
 from services.common.metrics import MetricsSection
+from services.common.sampling import SamplingDefaults
 from services.common.sections import LoggingSection, ServerSection, parse_listen
 
 # Sample rates Opus can encode; other rates are refused for OGG_OPUS.
 OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)
+MAX_WAIT_S = 60.0  # the longest streaming.max_wait_s, configured or asked by a session
 
 
 @dataclass(frozen=True)
@@ -32,16 +34,14 @@ class TextSection:
 
 
 @dataclass(frozen=True)
-class LimitsSection:
-    max_audio_seconds: float = 120.0    # a request may ask for less, never more
-    default_audio_seconds: float = 30.0  # the cap when a request sets none
+class LimitsSection(AudioLimits):
+    """The audio cap's server terms (services/common/limits.py, AudioLimits) and the request id's
+    length."""
+
     max_request_id_chars: int = 128
 
     def __post_init__(self) -> None:
-        if not self.max_audio_seconds > 0:
-            raise ConfigValueError("max_audio_seconds", f"must be > 0, got {self.max_audio_seconds}")
-        if not 0 < self.default_audio_seconds <= self.max_audio_seconds:
-            raise ConfigValueError("default_audio_seconds", "must be in (0, max_audio_seconds]")
+        super().__post_init__()
         if self.max_request_id_chars < 1:
             raise ConfigValueError("max_request_id_chars",
                                    f"must be >= 1, got {self.max_request_id_chars}")
@@ -196,14 +196,12 @@ class EnginesSection:
 class AdmissionSection:
     max_in_flight: int = 64          # beyond: RESOURCE_EXHAUSTED with a retry hint
     retry_after_s: float = 1.0
-    # the time-to-first-audio target the talker paces a request's first frames by (PROTOCOL.md,
-    # Pacing): what is left of it after the gateway's queueing goes in Submit; 0: the talker's default
-    first_audio_budget_s: float = 0.05
+    # the time-to-first-audio target the talker paces a request's first frames by (docs/protocol.md,
+    # Pacing): what is left of it after the gateway's queueing goes in Submit
+    first_audio_budget_s: float = FIRST_AUDIO_BUDGET_S
 
     def __post_init__(self) -> None:
-        if not 0 <= self.first_audio_budget_s < 60:
-            raise ConfigValueError("first_audio_budget_s", f"must be in [0, 60) seconds, got "
-                                   f"{self.first_audio_budget_s}")
+        check_first_audio_budget(self.first_audio_budget_s)
         if self.max_in_flight < 1:
             raise ConfigValueError("max_in_flight", f"must be >= 1, got {self.max_in_flight}")
         if not self.retry_after_s > 0:
@@ -219,8 +217,6 @@ class StreamingSection:
     max_segment_chars: int = 400     # a longer run with no sentence end is cut at a clause or a space
     max_wait_s: float = 1.0          # text with no sentence end is spoken this long after its last piece
     max_piece_chars: int = 4096      # a longer text message is INVALID_ARGUMENT
-    max_audio_seconds: float = 600.0  # a session's audio, all segments (a session may ask for less)
-    segment_audio_seconds: float = 30.0  # one segment's audio at most (ends LENGTH)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_segment_chars <= self.max_segment_chars:
@@ -229,16 +225,20 @@ class StreamingSection:
         if self.max_segment_chars < 1 or self.max_piece_chars < 1:
             raise ConfigValueError("max_segment_chars" if self.max_segment_chars < 1 else "max_piece_chars",
                                    "must be >= 1")
-        for key in ("max_wait_s", "max_audio_seconds", "segment_audio_seconds"):
-            value = getattr(self, key)
-            if not (math.isfinite(value) and value > 0):
-                raise ConfigValueError(key, f"must be a finite number > 0, got {value}")
+        check_max_wait(self.max_wait_s)
+
+
+def check_max_wait(seconds: float, key: str = "max_wait_s") -> float:
+    """The segmenter's wait for text with no sentence end, a config's or a session's."""
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_WAIT_S):
+        raise ConfigValueError(key, f"must be in (0, {MAX_WAIT_S:g}] seconds, got {seconds}")
+    return seconds
 
 
 @dataclass(frozen=True)
 class SamplingSection(SamplingDefaults):
     """Defaults for the sampling fields a request leaves unset (checked as every
-    request's are: services/common/chunks.py)."""
+    request's are: services/common/sampling.py)."""
 
     temperature: float = 0.9
     top_k: int = 50

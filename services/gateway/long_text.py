@@ -28,12 +28,12 @@ def segment_count(text: str, config: GatewayConfig) -> int:
 
 
 def settings_for(request: ValidRequest, config: GatewayConfig, seed: int) -> SessionSettings:
-    """A request's session: its own audio cap when it sets one, else the server's for sessions
-    (a long text speaks for minutes: the per-request default would cut it)."""
+    """A request's session: the whole capped by what it asked (or the default) and the server's
+    maximum, each sentence by its own text's guard, so the text's guard is the sum of its
+    sentences' guards."""
     message = request.message
-    seconds = message.max_audio_seconds if message.HasField("max_audio_seconds") else \
-        config.streaming.max_audio_seconds
-    return SessionSettings(request, seed, seconds, config.streaming.min_segment_chars,
+    asked = message.max_audio_seconds if message.HasField("max_audio_seconds") else None
+    return SessionSettings(request, seed, asked, config.streaming.min_segment_chars,
                            config.streaming.max_wait_s)
 
 

@@ -1,4 +1,4 @@
-"""One synthesis request through an engine pair (PROTOCOL.md, One request; a text of several
+"""One synthesis request through an engine pair (docs/protocol.md, One request, in order; a text of several
 sentences is spoken as a session instead: services/gateway/long_text.py):
 
 admission -> route to a pair -> build the prompt (the voice's speaker, its reference
@@ -6,7 +6,7 @@ clip as an audio-context turn) -> choose the chunk schedule from load -> Code2Wa
 (its first message is the handle) -> Talker.Submit with that handle -> relay the PCM
 chunks, encoded (PCM, WAV, Ogg/Opus, MP3, AAC, FLAC) at the client's rate and speed, ending
 with the finish reason and usage. A client cancel or deadline cancels the Open stream and the talker's
-row; a stage's error status reaches the client as PROTOCOL.md's endings table says.
+row; a stage's error status reaches the client as docs/protocol.md's endings table (How a request ends) says.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import errors
+from services.common.limits import LengthLimit, new_seed
 from services.common.metrics import TIME_TO_FIRST_AUDIO
 from services.common.server import RETRY_AFTER_METADATA
 from services.gateway.audio import make_encoder, whole_file
@@ -52,6 +52,7 @@ class Started:
     handle: int
     seed: int
     arrival: float
+    limit: LengthLimit = LengthLimit.DEFAULT  # the term of the audio cap (services/common/limits.py)
 
 
 log = logging.getLogger(__name__)
@@ -81,9 +82,16 @@ def _seconds(text: str | None) -> float | None:
     return value if value is not None and math.isfinite(value) and value > 0 else None
 
 
+def prompt_positions(segments: list[talker_pb2.PromptSegment]) -> int:
+    """The talker's positions for a Submit's prompt: each turn's text, and an audio turn's frames
+    and its end frame (docs/architecture.md, Model families)."""
+    return sum(len(s.text_token_ids) + (s.frames.num_frames + 1 if s.frames.num_frames else 0)
+               for s in segments)
+
+
 def first_audio_budget(target: float, arrival: float, now: float) -> float:
     """What is left of the time-to-first-audio ``target`` after the gateway's own work since
-    ``arrival`` (PROTOCOL.md, Pacing); at least a millisecond (0 means the talker's default)."""
+    ``arrival`` (docs/protocol.md, Pacing); at least a millisecond (0 means the talker's default)."""
     return max(1e-3, target - (now - arrival)) if target else 0.0
 
 
@@ -113,14 +121,8 @@ class SynthesisPipeline:
     # --- the public shapes -----------------------------------------------------------------------
 
     async def stream(self, request: ValidRequest) -> AsyncIterator[pb.SynthesizeSpeechResponse]:
-        from services.gateway import long_text  # its session runs on this pipeline: imported here, not above
-
-        if long_text.segment_count(request.text, self.config) > 1:  # several sentences: a session
-            msg = request.message
-            seed = msg.seed if msg.HasField("seed") else secrets.randbits(63)
-            async for message in long_text.stream_segmented(self, request, seed):
-                yield message
-            return
+        """The request as one segment; services/gateway/synthesis.py sends a text of several
+        sentences down the session path instead."""
         async with self._running(request) as started:
             facts = started.pair.facts
             out_rate = request.sample_rate_hz or facts.sample_rate
@@ -200,7 +202,7 @@ class SynthesisPipeline:
                 elif started is not None and await started.call.code() != grpc.StatusCode.OK:
                     if await started.call.code() == grpc.StatusCode.UNAVAILABLE:
                         pair.mark_down(REQUEST_DOWN_S)  # a stage died: new requests go elsewhere first
-                    # Code2Wav failed or died: free the talker's row now (PROTOCOL.md), not at
+                    # Code2Wav failed or died: free the talker's row now (docs/protocol.md), not at
                     # its liveness timeout; in the background, the client's status goes first.
                     task = asyncio.ensure_future(self._cancel_on_talker(started))
                     self._cancels.add(task)
@@ -241,24 +243,22 @@ class SynthesisPipeline:
     async def _start(self, pair: EnginePair, request: ValidRequest) -> Started:
         facts = await pair.model_facts()
         msg = request.message
-        seed = msg.seed if msg.HasField("seed") else secrets.randbits(63)
-        seconds = msg.max_audio_seconds if msg.HasField("max_audio_seconds") else \
-            self.config.limits.default_audio_seconds
-        # max_audio_seconds is a float32: 1.6 s is 1.60000002 s, which must still be 20 frames
-        max_frames = max(1, math.ceil(seconds * facts.frame_rate - 1e-4))
+        seed = msg.seed if msg.HasField("seed") else new_seed()
         segments = await self.voice_cache.context(request.voice, facts, pair)
         segments.append(talker_pb2.PromptSegment(
             text_token_ids=facts.prompt_ids(request.voice.speaker_id, request.text)))
-        prompt_len = sum(len(s.text_token_ids) + (s.frames.num_frames + 1 if s.frames.num_frames else 0)
-                         for s in segments)
-        if prompt_len + max_frames > facts.max_len:
-            field = "max_audio_seconds" if msg.HasField("max_audio_seconds") else "text"
-            raise errors.InvalidArgument(field, f"the prompt ({prompt_len} positions) and {max_frames} "
-                                         f"frames of audio exceed the model's length {facts.max_len}")
+        prompt_len = prompt_positions(segments)
+        cap = self.config.limits.cap(
+            facts.frame_rate, asked=msg.max_audio_seconds if msg.HasField("max_audio_seconds") else None,
+            text=request.text, room_frames=facts.max_len - prompt_len)
+        if cap.frames < 1:
+            raise errors.InvalidArgument("text", f"the prompt ({prompt_len} positions) leaves no room for "
+                                         f"audio in the model's length of {facts.max_len}")
+        max_frames = cap.frames
         call = pair.code2wav.Open(code2wav_pb2.OpenRequest(
             request_id=request.request_id, talker_id=pair.talker_id, max_frames=max_frames),
             timeout=_remaining(request))
-        started = Started(pair, call, 0, seed, time.monotonic())
+        started = Started(pair, call, 0, seed, time.monotonic(), cap.limit)
         try:
             opened = await call.read()
             started.handle = opened.opened.handle
@@ -324,12 +324,20 @@ class SynthesisPipeline:
         self.frames += finished.frames
         self.audio_seconds += audio_s
         wall = time.monotonic() - started.arrival
-        reasons = {common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH}
+        reason = finished.finish_reason
+        if reason not in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH):
+            reason = common_pb2.FINISH_REASON_STOP
         usage = pb.Usage(frames=finished.frames, audio_seconds=audio_s,
                          time_to_first_audio_s=(first_audio or time.monotonic()) - started.arrival,
-                         real_time_factor=wall / audio_s if audio_s else 0.0, seed=started.seed)
+                         real_time_factor=wall / audio_s if audio_s else 0.0, seed=started.seed,
+                         length_limit=length_limit(reason, started.limit))
         return pb.SynthesizeSpeechResponse(
             audio=tail, sample_rate_hz=out_rate, encoding=request.encoding, request_id=request.request_id,
-            finish_reason=finished.finish_reason if finished.finish_reason in reasons
-            else common_pb2.FINISH_REASON_STOP, usage=usage)
+            finish_reason=reason, usage=usage)
 
+
+def length_limit(reason: int, limit: LengthLimit) -> int:
+    """Usage.length_limit: the cap's term when the request ended on its cap, else unspecified."""
+    if reason != common_pb2.FINISH_REASON_LENGTH:
+        return pb.LENGTH_LIMIT_UNSPECIFIED
+    return pb.LengthLimit.Value(f"LENGTH_LIMIT_{limit.name}")

@@ -1,5 +1,5 @@
 """StreamingSynthesize: text as a language model writes it, spoken a sentence at a time as one
-session (DESIGN.md, Sessions; PROTOCOL.md, Segments).
+session (docs/architecture.md, A session of segments; docs/protocol.md, Sessions and segments).
 
 One call is one talker session on one engine pair. The first client message configures it
 (checked as a SynthesizeSpeechRequest's fields are, each error naming ``config.<field>``), and
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,9 +25,16 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import errors
+from services.common.limits import AudioCap, LengthLimit, frames_for, least
 from services.common.metrics import CLEAR_TO_SILENCE, SEGMENT_FIRST_AUDIO, TIME_TO_FIRST_AUDIO
 from services.gateway.audio import make_encoder
-from services.gateway.pipeline import SynthesisPipeline, first_audio_budget, stage_error
+from services.gateway.pipeline import (
+    SynthesisPipeline,
+    first_audio_budget,
+    length_limit,
+    prompt_positions,
+    stage_error,
+)
 from services.gateway.routing import EnginePair
 from services.gateway.segmenter import Segmenter, SegmenterConfig
 from services.gateway.streaming_config import SessionSettings
@@ -45,6 +51,7 @@ class SpokenSegment:
     text: str
     completed_at: float            # when its text was complete (its last piece, or the flush)
     max_frames: int
+    limit: LengthLimit             # the term of its cap (services/common/limits.py)
     first_audio_at: float | None = None
     samples_at_start: int = 0      # the session's samples sent before its first chunk
 
@@ -171,32 +178,46 @@ class StreamingSession:
         for i, text in enumerate(texts):
             if self.capped:
                 return
-            max_frames = self._frames_left()
-            if max_frames < 1:  # the session's audio is at its cap: it ends after what was given
+            ids = self.facts.prompt_ids(self.settings.valid.voice.speaker_id, text)
+            cap = self._segment_cap(text, room=self.facts.max_len - 1 - len(ids))  # an Append's room
+            if cap.frames < 1:  # the session's audio is at its cap: it ends after what was given
                 self.capped = True
                 if self.submitted:
                     await self._append([], 0, last=True)
                 return
             is_last = last and i == len(texts) - 1
-            ids = self.facts.prompt_ids(self.settings.valid.voice.speaker_id, text)
-            self.spoken.append(SpokenSegment(text, time.monotonic(), max_frames))
+            self.spoken.append(SpokenSegment(text, time.monotonic(), cap.frames, cap.limit))
             if self.submitted:
-                await self._append(ids, max_frames, last=is_last)
+                await self._append(ids, cap.frames, last=is_last)
             else:
-                await self._submit(ids, max_frames, last=is_last)
+                await self._submit(ids, last=is_last)
             self.closing = self.closing or is_last
 
-    def _frames_left(self) -> int:
-        """Frames a new segment may have: its own cap, within what the session's cap leaves after
-        the segments ended and those still to end (at most their own caps)."""
+    def _segment_cap(self, text: str, room: int) -> AudioCap:
+        """A new segment's cap: what the session's cap leaves after the segments ended and those
+        still to end (at most their own caps), its text's guard and the model's room."""
         pending = sum(s.max_frames for s in self.spoken[self.c2w_index:])
-        left = self.max_frames - self.frames_done - pending
-        return min(left, math.ceil(self.config.streaming.segment_audio_seconds * self.facts.frame_rate))
+        left = AudioCap(self.session_cap.frames - self.frames_done - pending, self.session_cap.limit)
+        if left.frames < 1:
+            return left
+        if room < 1:
+            raise errors.InvalidArgument("text", f"a segment of {len(text)} characters leaves no room for "
+                                         f"audio in the model's length {self.facts.max_len}")
+        guard = AudioCap(frames_for(self.config.limits.text_guard_s(text), self.facts.frame_rate),
+                         LengthLimit.TEXT)
+        return least(left, guard, AudioCap(room, LengthLimit.MODEL))
 
-    async def _submit(self, ids: list[int], max_frames: int, last: bool) -> None:
-        valid = self.settings.valid
+    async def _submit(self, ids: list[int], last: bool) -> None:
+        valid, segment = self.settings.valid, self.spoken[-1]
         segments = await self.pipeline.voice_cache.context(valid.voice, self.facts, self.pair)
         segments.append(talker_pb2.PromptSegment(text_token_ids=ids))
+        room = self.facts.max_len - prompt_positions(segments)  # the voice's turns count too
+        if room < segment.max_frames:
+            if room < 1:
+                raise errors.InvalidArgument("text", f"the voice's context and the first segment leave "
+                                             f"no room for audio in the model's length {self.facts.max_len}")
+            segment.max_frames, segment.limit = room, LengthLimit.MODEL
+        max_frames = segment.max_frames
         submit = talker_pb2.SubmitRequest(
             request_id=valid.request_id, handle=self.handle, consumer_id=self.pair.consumer_id,
             segments=segments, sampling=self.pipeline.sampling(valid.message, self.settings.seed),
@@ -272,14 +293,15 @@ class StreamingSession:
         if self.cleared_at is not None and end.finish_reason == common_pb2.FINISH_REASON_CANCELLED:
             CLEAR_TO_SILENCE.observe(time.monotonic() - self.cleared_at)
             self.cleared_at = None
-        segment = self.spoken[index] if index < len(self.spoken) else SpokenSegment("", time.monotonic(), 0)
+        segment = self.spoken[index] if index < len(self.spoken) else \
+            SpokenSegment("", time.monotonic(), 0, self.session_cap.limit)
         now = time.monotonic()
         audio_s = (self.encoder.samples_out - segment.samples_at_start) / self.out_rate \
             if segment.first_audio_at is not None else 0.0
         ttfa = (segment.first_audio_at or now) - segment.completed_at
         usage = pb.Usage(frames=end.frames, audio_seconds=audio_s, time_to_first_audio_s=ttfa,
                          real_time_factor=(now - segment.completed_at) / audio_s if audio_s else 0.0,
-                         seed=self.settings.seed)
+                         seed=self.settings.seed, length_limit=length_limit(end.finish_reason, segment.limit))
         done = pb.SegmentDone(segment_index=index, text=segment.text, finish_reason=end.finish_reason,
                               usage=usage)
         return pb.StreamingSynthesizeResponse(segment_done=done, request_id=self.settings.valid.request_id)
@@ -307,7 +329,8 @@ class StreamingSession:
             reason = common_pb2.FINISH_REASON_LENGTH
         usage = pb.Usage(frames=finished.frames, audio_seconds=audio_s,
                          time_to_first_audio_s=(first or time.monotonic()) - self.arrival,
-                         real_time_factor=wall / audio_s if audio_s else 0.0, seed=self.settings.seed)
+                         real_time_factor=wall / audio_s if audio_s else 0.0, seed=self.settings.seed,
+                         length_limit=length_limit(reason, self._session_limit()))
         self.pipeline.completed += 1
         self.pipeline.frames += finished.frames
         self.pipeline.audio_seconds += audio_s
@@ -316,6 +339,12 @@ class StreamingSession:
         done = pb.SessionDone(finish_reason=reason, usage=usage, segments=self.c2w_index)
         responses.append(pb.StreamingSynthesizeResponse(done=done, request_id=rid))
         return responses
+
+    def _session_limit(self) -> LengthLimit:
+        """The term that ended a session that ended LENGTH: its own cap, or its last segment's."""
+        if self.capped or not self.spoken:
+            return self.session_cap.limit
+        return self.spoken[-1].limit
 
     # --- the pair ---------------------------------------------------------------------------------
 
@@ -328,11 +357,11 @@ class StreamingSession:
         async with pipeline.admitted() as pair:
             self.pair = pair
             self.facts = facts = await pair.model_facts()
-            self.max_frames = self.settings.max_frames(facts.frame_rate)
+            self.session_cap = self.settings.cap(self.config.limits, facts.frame_rate)
             self.out_rate = valid.sample_rate_hz or facts.sample_rate
             self.encoder = make_encoder(valid.encoding, facts.sample_rate, self.out_rate, valid.speed)
             call = pair.code2wav.Open(code2wav_pb2.OpenRequest(
-                request_id=valid.request_id, talker_id=pair.talker_id, max_frames=self.max_frames))
+                request_id=valid.request_id, talker_id=pair.talker_id, max_frames=self.session_cap.frames))
             self.call = call
             try:
                 opened = await call.read()

@@ -5,12 +5,12 @@ are checked here against the gateway's ``streaming`` section."""
 
 from __future__ import annotations
 
-import math
-import secrets
 from dataclasses import dataclass
 
+from services.common.config import ConfigValueError
 from services.common.errors import InvalidArgument
-from services.gateway.config import GatewayConfig
+from services.common.limits import AudioCap, AudioLimits, new_seed
+from services.gateway.config import GatewayConfig, check_max_wait
 from services.gateway.validation import ValidRequest, validate
 from services.gateway.voices import VoiceCatalog
 from voxring.v1 import synthesizer_pb2 as pb
@@ -18,20 +18,20 @@ from voxring.v1 import synthesizer_pb2 as pb
 # The fields shared with SynthesizeSpeechRequest, copied when set (proto3 optional ones included)
 _SHARED = ("voice_name", "language_code", "encoding", "sample_rate_hz", "temperature", "top_k", "top_p",
            "repetition_penalty", "repetition_window", "seed", "request_id")
-MAX_WAIT_S_LIMIT = 60.0
 
 
 @dataclass(frozen=True)
 class SessionSettings:
     valid: ValidRequest          # the config as a request's fields (its text is not used)
     seed: int                    # the session's (every segment's) sampling seed
-    max_audio_seconds: float     # the whole session's audio
+    asked_seconds: float | None  # the whole session's max_audio_seconds (None: it asked nothing)
     min_segment_chars: int
     max_wait_s: float
 
-    def max_frames(self, frame_rate: float) -> int:
-        # a float32 1.6 s is 1.60000002 s, which must still be 20 frames
-        return max(1, math.ceil(self.max_audio_seconds * frame_rate - 1e-4))
+    def cap(self, limits: AudioLimits, frame_rate: float) -> AudioCap:
+        """The whole session's audio cap (services/common/limits.py); each segment is capped by
+        its own text's guard as well."""
+        return limits.cap(frame_rate, asked=self.asked_seconds, text=None)
 
 
 def first_message(message: pb.StreamingSynthesizeRequest | None) -> pb.StreamingConfig:
@@ -56,13 +56,9 @@ def session_settings(config_msg: pb.StreamingConfig, config: GatewayConfig, voic
     except InvalidArgument as exc:
         raise InvalidArgument(f"config.{exc.field}", exc.reason) from None
     streaming = config.streaming
-    seconds = streaming.max_audio_seconds
+    asked = None
     if config_msg.HasField("max_audio_seconds"):
-        seconds = config_msg.max_audio_seconds
-        if not (math.isfinite(seconds) and 0 < seconds <= streaming.max_audio_seconds):
-            limit = streaming.max_audio_seconds
-            raise InvalidArgument("config.max_audio_seconds", f"must be in (0, {limit:g}] seconds (this "
-                                  f"server's limit for a session), got {seconds}")
+        asked = _checked(config.limits.check_asked, config_msg.max_audio_seconds)
     min_chars = streaming.min_segment_chars
     if config_msg.HasField("min_segment_chars"):
         min_chars = config_msg.min_segment_chars
@@ -71,12 +67,17 @@ def session_settings(config_msg: pb.StreamingConfig, config: GatewayConfig, voic
                                   f"must be in [0, {streaming.max_segment_chars}], got {min_chars}")
     wait = streaming.max_wait_s
     if config_msg.HasField("max_wait_s"):
-        wait = config_msg.max_wait_s
-        if not (math.isfinite(wait) and 0 < wait <= MAX_WAIT_S_LIMIT):
-            raise InvalidArgument("config.max_wait_s",
-                                  f"must be in (0, {MAX_WAIT_S_LIMIT:g}] seconds, got {wait}")
-    seed = config_msg.seed if config_msg.HasField("seed") else secrets.randbits(63)
-    return SessionSettings(valid, seed, seconds, min_chars, wait)
+        wait = _checked(check_max_wait, config_msg.max_wait_s)
+    seed = config_msg.seed if config_msg.HasField("seed") else new_seed()
+    return SessionSettings(valid, seed, asked, min_chars, wait)
+
+
+def _checked(check, value):
+    """``check(value)``, its ConfigValueError as INVALID_ARGUMENT naming ``config.<key>``."""
+    try:
+        return check(value)
+    except ConfigValueError as exc:
+        raise InvalidArgument(f"config.{exc.key}", exc.reason) from None
 
 
 _OPTIONAL = frozenset(f.name for f in pb.StreamingConfig.DESCRIPTOR.fields if f.has_presence)

@@ -11,6 +11,7 @@ import math
 import uuid
 from dataclasses import dataclass
 
+from services.common.config import ConfigValueError
 from services.common.errors import InvalidArgument
 from services.gateway.audio import AudioParamError, check_format_rate, check_speed
 from services.gateway.config import GatewayConfig
@@ -54,12 +55,10 @@ def _check_sampling(req: pb.SynthesizeSpeechRequest, config: GatewayConfig) -> N
     if req.HasField("repetition_window") and req.repetition_window < 0:
         raise InvalidArgument("repetition_window", f"must be >= 0, got {req.repetition_window}")
     if req.HasField("max_audio_seconds"):
-        limit = config.limits.max_audio_seconds
-        if not (_finite(req.max_audio_seconds) and req.max_audio_seconds > 0):
-            raise InvalidArgument("max_audio_seconds", f"must be > 0, got {req.max_audio_seconds}")
-        if req.max_audio_seconds > limit:
-            raise InvalidArgument("max_audio_seconds",
-                                  f"{req.max_audio_seconds} exceeds this server's limit of {limit} s")
+        try:
+            config.limits.check_asked(req.max_audio_seconds)
+        except ConfigValueError as exc:
+            raise InvalidArgument(exc.key, exc.reason) from None
 
 
 def _check_audio(req: pb.SynthesizeSpeechRequest, config: GatewayConfig) -> int:

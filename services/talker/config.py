@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.config import ConfigValueError
+from services.common.limits import FIRST_AUDIO_BUDGET_S, check_first_audio_budget
 from services.common.metrics import MetricsSection
 from services.common.sections import (
     InternalServerSection,
@@ -35,10 +36,10 @@ class EngineSection:
     max_pending_frames: int = 64            # frames kept for a full ring before the row pauses
     stall_timeout: float = 5.0              # a row paused longer ends STALLED
     cuda_graphs: bool = True                # capture the frame per bucket on CUDA
-    # Pacing (PROTOCOL.md): a record's way to the listener (Code2Wav, transport, gateway), and the
-    # first-audio budget of a Submit that carries none (0: none)
+    # Pacing (docs/protocol.md): a record's way to the listener (Code2Wav, transport, gateway), and the
+    # first-audio budget of a Submit that carries none (services/common/limits.py)
     path_s: float = 0.02
-    first_audio_budget_s: float = 0.1
+    first_audio_budget_s: float = FIRST_AUDIO_BUDGET_S
     # Prefill in chunks: the least a step prefills when prompts wait (so they always advance), and
     # admission by slack: a stream is refused when a step of k_max frames for one more would not
     # beat the audio it makes by this fraction
@@ -84,7 +85,8 @@ class EngineSection:
             raise ConfigValueError("min_chunk_tokens", f"must be >= 1, got {self.min_chunk_tokens}")
         if not 0 <= self.admission_headroom < 10:
             raise ConfigValueError("admission_headroom", f"must be in [0, 10), got {self.admission_headroom}")
-        for key in ("path_s", "first_audio_budget_s", "max_queue_wait_s"):
+        check_first_audio_budget(self.first_audio_budget_s)
+        for key in ("path_s", "max_queue_wait_s"):
             value = getattr(self, key)
             if not 0 <= value < 60:  # NaN is refused too
                 raise ConfigValueError(key, f"must be in [0, 60) seconds, got {value}")

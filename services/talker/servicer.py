@@ -15,10 +15,11 @@ import numpy as np
 import torch
 
 from models.family import PromptSegment
-from services.common.chunks import Sampling
 from services.common.config import ConfigValueError
 from services.common.engine_thread import EngineStopped, EngineThread
 from services.common.errors import InvalidArgument, Unavailable
+from services.common.limits import check_first_audio_budget
+from services.common.sampling import Sampling
 from services.talker.config import TalkerConfig
 from services.talker.consumers import attach_response
 from services.talker.core import overloaded
@@ -83,6 +84,13 @@ def _frames(frames: talker_pb2.Frames, facts: ModelFacts, field: str) -> torch.T
     return torch.from_numpy(codes.astype(np.int64))
 
 
+def _check_budget(seconds: float) -> None:
+    try:
+        check_first_audio_budget(seconds)
+    except ConfigValueError as exc:
+        raise InvalidArgument(exc.key, exc.reason) from None
+
+
 def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, now: float,
                   first_audio_budget_s: float = 0.0) -> TalkerRequest:
     """``first_audio_budget_s``: the budget of a Submit that carries none (0: none)."""
@@ -94,9 +102,7 @@ def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, now: float,
         raise InvalidArgument("min_frames", "must not exceed max_frames")
     if not req.timeout_s >= 0:
         raise InvalidArgument("timeout_s", f"must be >= 0, got {req.timeout_s}")
-    if not 0 <= req.first_audio_budget_s < 3600:
-        raise InvalidArgument("first_audio_budget_s",
-                              f"must be in [0, 3600) seconds, got {req.first_audio_budget_s}")
+    _check_budget(req.first_audio_budget_s)
     segments = _segments(req, facts)
     prompt = _pack(segments, facts)
     prompt_len = len(prompt)
@@ -145,9 +151,7 @@ def build_segment(req: talker_pb2.AppendRequest, facts: ModelFacts, now: float,
     if 1 + len(ids) + req.max_frames > facts.max_len:  # its end frame, its text, its frames
         raise InvalidArgument("max_frames", f"the text ({len(ids)} tokens) + max_frames ({req.max_frames}) "
                               f"exceeds the model's max length {facts.max_len}")
-    if not 0 <= req.first_audio_budget_s < 3600:
-        raise InvalidArgument("first_audio_budget_s",
-                              f"must be in [0, 3600) seconds, got {req.first_audio_budget_s}")
+    _check_budget(req.first_audio_budget_s)
     return Segment(np.asarray(ids, dtype=np.int64), req.max_frames, req.min_frames, req.last,
                    req.first_audio_budget_s or first_audio_budget_s, now)
 

@@ -38,8 +38,8 @@ OK = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
 
 @pytest.fixture(scope="module")
 def stack(model_cache):
-    """A segment's audio at most 1 s: the tiny model seldom stops on its own."""
-    yield from stack_of(model_cache, "streaming: {segment_audio_seconds: 1.0}\n")
+    """A segment's audio at most 1 s (its text guard): the tiny model seldom stops on its own."""
+    yield from stack_of(model_cache, limits="text_guard_min_s: 1.0, text_guard_s_per_char: 0")
 
 
 def idle_engines(stack) -> bool:

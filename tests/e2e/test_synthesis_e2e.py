@@ -49,8 +49,9 @@ def stack(model_cache):
     yield from stack_of(model_cache)
 
 
-def stack_of(model_cache, gateway_extra: str = ""):
-    """The three stages on unix sockets (``gateway_extra``: more of the gateway's config)."""
+def stack_of(model_cache, gateway_extra: str = "", limits: str = "default_audio_seconds: 2.0"):
+    """The three stages on unix sockets (``gateway_extra``: more of the gateway's config;
+    ``limits``: its limits section, which keeps the never-stopping tiny model's audio short)."""
     ensure_tiny_checkpoint(root=model_cache / "models")
     d = Path(tempfile.mkdtemp(prefix="vx-e2e-", dir="/tmp"))  # short: unix socket paths
     configs = {
@@ -65,7 +66,7 @@ def stack_of(model_cache, gateway_extra: str = ""):
                    f"engines: {{pairs: [{{talker: 'unix:{d}/talker.sock',"
                    f" code2wav: 'unix:{d}/code2wav.sock'}}]}}\n"
                    f"admission: {{max_in_flight: 20}}\n"
-                   f"limits: {{default_audio_seconds: 2.0}}\n{gateway_extra}",
+                   f"limits: {{{limits}}}\n{gateway_extra}",
     }
     stages, metrics = StageGroup(d), {}
     try:
@@ -209,7 +210,7 @@ def test_sixteen_concurrent_streams(stack, model_cache):
             mismatched.append(i)
     print(f"16 streams: time to first audio p50 {np.median(ttfa) * 1e3:.0f} ms, "
           f"max {max(ttfa) * 1e3:.0f} ms; largest inter-chunk gap {max(gaps) * 1e3:.0f} ms")
-    # Batch composition can move logits in the last bits (DESIGN.md, Sampling): a near-tie
+    # Batch composition can move logits in the last bits (docs/architecture.md, Sampling): a near-tie
     # may then flip a draw. It has not happened on this model; report it if it ever does.
     assert not mismatched, f"streams whose audio differs from their offline decode: {mismatched}"
 

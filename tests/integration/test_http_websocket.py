@@ -47,7 +47,8 @@ def stack(model_cache):
     streaming = f"streaming: {{max_piece_chars: {MAX_PIECE_CHARS}"
     configs = {
         **pair_configs(d),
-        "gateway": _gateway_config(d, "gateway", "") + HTTP + streaming + ", segment_audio_seconds: 1.0}\n",
+        "gateway": _gateway_config(d, "gateway", "") + HTTP + streaming + "}\n"
+        "limits: {text_guard_min_s: 1.0, text_guard_s_per_char: 0}\n",  # a segment: 1 s at most
         "gateway-long": _gateway_config(d, "gateway-long", "") + HTTP + streaming + "}\n",
         "gateway-token": _gateway_config(d, "gateway-token", "") + HTTP +
         "auth: {token_file: token}\nadmission: {max_in_flight: 1}\n",

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from voxring.v1 import common_pb2 as voxring_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cvoxring/v1/synthesizer.proto\x12\nvoxring.v1\x1a\x17voxring/v1/common.proto\"\xef\x03\n\x17SynthesizeSpeechRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\rlanguage_code\x18\x02 \x01(\t\x12+\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x19.voxring.v1.AudioEncoding\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\x12\x12\n\nvoice_name\x18\x05 \x01(\t\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x08 \x01(\x02H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11repetition_window\x18\n \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x05\x88\x01\x01\x12\x1e\n\x11max_audio_seconds\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x12\n\x05speed\x18\x0e \x01(\x02H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_repetition_windowB\x07\n\x05_seedB\x14\n\x12_max_audio_secondsB\x08\n\x06_speed\"\x81\x02\n\x18SynthesizeSpeechResponse\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x15\n\rsample_offset\x18\x03 \x01(\x04\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\x12+\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x19.voxring.v1.AudioEncoding\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.voxring.v1.FinishReason\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.voxring.v1.Usage\"u\n\x05Usage\x12\x0e\n\x06\x66rames\x18\x01 \x01(\r\x12\x15\n\raudio_seconds\x18\x02 \x01(\x01\x12\x1d\n\x15time_to_first_audio_s\x18\x03 \x01(\x01\x12\x18\n\x10real_time_factor\x18\x04 \x01(\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"\xab\x01\n\x1aStreamingSynthesizeRequest\x12-\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1b.voxring.v1.StreamingConfigH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\"\n\x05\x66lush\x18\x03 \x01(\x0b\x32\x11.voxring.v1.FlushH\x00\x12\"\n\x05\x63lear\x18\x04 \x01(\x0b\x32\x11.voxring.v1.ClearH\x00\x42\x06\n\x04kind\"\x99\x04\n\x0fStreamingConfig\x12\x12\n\nvoice_name\x18\x01 \x01(\t\x12\x15\n\rlanguage_code\x18\x02 \x01(\t\x12+\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x19.voxring.v1.AudioEncoding\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11repetition_window\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x05\x88\x01\x01\x12\x1e\n\x11max_audio_seconds\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\x1e\n\x11min_segment_chars\x18\r \x01(\x05H\x07\x88\x01\x01\x12\x17\n\nmax_wait_s\x18\x0e \x01(\x02H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_repetition_windowB\x07\n\x05_seedB\x14\n\x12_max_audio_secondsB\x14\n\x12_min_segment_charsB\r\n\x0b_max_wait_s\"\x07\n\x05\x46lush\"\x07\n\x05\x43lear\"\xc0\x01\n\x1bStreamingSynthesizeResponse\x12+\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x1a.voxring.v1.StreamingAudioH\x00\x12/\n\x0csegment_done\x18\x02 \x01(\x0b\x32\x17.voxring.v1.SegmentDoneH\x00\x12\'\n\x04\x64one\x18\x03 \x01(\x0b\x32\x17.voxring.v1.SessionDoneH\x00\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x06\n\x04kind\"\xbd\x01\n\x0eStreamingAudio\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x15\n\rsample_offset\x18\x03 \x01(\x04\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\x12+\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x19.voxring.v1.AudioEncoding\x12\x15\n\rsegment_index\x18\x06 \x01(\r\x12\x14\n\x0csegment_text\x18\x07 \x01(\t\"\x85\x01\n\x0bSegmentDone\x12\x15\n\rsegment_index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.voxring.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.voxring.v1.Usage\"r\n\x0bSessionDone\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.voxring.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.voxring.v1.Usage\x12\x10\n\x08segments\x18\x03 \x01(\r\"\x13\n\x11ListVoicesRequest\"\x7f\n\x05Voice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nspeaker_id\x18\x02 \x01(\r\x12\x15\n\rlanguage_code\x18\x03 \x01(\t\x12\x15\n\rhas_reference\x18\x04 \x01(\x08\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\x12\x11\n\tremovable\x18\x06 \x01(\x08\"N\n\x12ListVoicesResponse\x12!\n\x06voices\x18\x01 \x03(\x0b\x32\x11.voxring.v1.Voice\x12\x15\n\rdefault_voice\x18\x02 \x01(\t\"\x85\x01\n\x12\x43reateVoiceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61udio\x18\x02 \x01(\x0c\x12\x12\n\ntranscript\x18\x03 \x01(\t\x12\x12\n\nspeaker_id\x18\x04 \x01(\r\x12\x15\n\rlanguage_code\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x06 \x01(\t\"\"\n\x12\x44\x65leteVoiceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteVoiceResponse*l\n\rAudioEncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x0e\n\nLINEAR_PCM\x10\x01\x12\x07\n\x03WAV\x10\x02\x12\x0c\n\x08OGG_OPUS\x10\x03\x12\x07\n\x03MP3\x10\x04\x12\x08\n\x04\x46LAC\x10\x05\x12\x07\n\x03\x41\x41\x43\x10\x06\x32\x92\x04\n\x0bSynthesizer\x12W\n\nSynthesize\x12#.voxring.v1.SynthesizeSpeechRequest\x1a$.voxring.v1.SynthesizeSpeechResponse\x12_\n\x10SynthesizeOnline\x12#.voxring.v1.SynthesizeSpeechRequest\x1a$.voxring.v1.SynthesizeSpeechResponse0\x01\x12K\n\nListVoices\x12\x1d.voxring.v1.ListVoicesRequest\x1a\x1e.voxring.v1.ListVoicesResponse\x12@\n\x0b\x43reateVoice\x12\x1e.voxring.v1.CreateVoiceRequest\x1a\x11.voxring.v1.Voice\x12N\n\x0b\x44\x65leteVoice\x12\x1e.voxring.v1.DeleteVoiceRequest\x1a\x1f.voxring.v1.DeleteVoiceResponse\x12j\n\x13StreamingSynthesize\x12&.voxring.v1.StreamingSynthesizeRequest\x1a\'.voxring.v1.StreamingSynthesizeResponse(\x01\x30\x01\x42I\n\rio.voxring.v1P\x01Z6github.com/voxring/voxring/gen/go/voxring/v1;voxringv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cvoxring/v1/synthesizer.proto\x12\nvoxring.v1\x1a\x17voxring/v1/common.proto\"\xef\x03\n\x17SynthesizeSpeechRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\rlanguage_code\x18\x02 \x01(\t\x12+\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x19.voxring.v1.AudioEncoding\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\x12\x12\n\nvoice_name\x18\x05 \x01(\t\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x08 \x01(\x02H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11repetition_window\x18\n \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x05\x88\x01\x01\x12\x1e\n\x11max_audio_seconds\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x12\n\x05speed\x18\x0e \x01(\x02H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_repetition_windowB\x07\n\x05_seedB\x14\n\x12_max_audio_secondsB\x08\n\x06_speed\"\x81\x02\n\x18SynthesizeSpeechResponse\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x15\n\rsample_offset\x18\x03 \x01(\x04\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\x12+\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x19.voxring.v1.AudioEncoding\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.voxring.v1.FinishReason\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.voxring.v1.Usage\"\xa4\x01\n\x05Usage\x12\x0e\n\x06\x66rames\x18\x01 \x01(\r\x12\x15\n\raudio_seconds\x18\x02 \x01(\x01\x12\x1d\n\x15time_to_first_audio_s\x18\x03 \x01(\x01\x12\x18\n\x10real_time_factor\x18\x04 \x01(\x01\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12-\n\x0clength_limit\x18\x06 \x01(\x0e\x32\x17.voxring.v1.LengthLimit\"\xab\x01\n\x1aStreamingSynthesizeRequest\x12-\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x1b.voxring.v1.StreamingConfigH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\"\n\x05\x66lush\x18\x03 \x01(\x0b\x32\x11.voxring.v1.FlushH\x00\x12\"\n\x05\x63lear\x18\x04 \x01(\x0b\x32\x11.voxring.v1.ClearH\x00\x42\x06\n\x04kind\"\x99\x04\n\x0fStreamingConfig\x12\x12\n\nvoice_name\x18\x01 \x01(\t\x12\x15\n\rlanguage_code\x18\x02 \x01(\t\x12+\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x19.voxring.v1.AudioEncoding\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11repetition_window\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\x05\x88\x01\x01\x12\x1e\n\x11max_audio_seconds\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\x1e\n\x11min_segment_chars\x18\r \x01(\x05H\x07\x88\x01\x01\x12\x17\n\nmax_wait_s\x18\x0e \x01(\x02H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_repetition_windowB\x07\n\x05_seedB\x14\n\x12_max_audio_secondsB\x14\n\x12_min_segment_charsB\r\n\x0b_max_wait_s\"\x07\n\x05\x46lush\"\x07\n\x05\x43lear\"\xc0\x01\n\x1bStreamingSynthesizeResponse\x12+\n\x05\x61udio\x18\x01 \x01(\x0b\x32\x1a.voxring.v1.StreamingAudioH\x00\x12/\n\x0csegment_done\x18\x02 \x01(\x0b\x32\x17.voxring.v1.SegmentDoneH\x00\x12\'\n\x04\x64one\x18\x03 \x01(\x0b\x32\x17.voxring.v1.SessionDoneH\x00\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x06\n\x04kind\"\xbd\x01\n\x0eStreamingAudio\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x15\n\rsample_offset\x18\x03 \x01(\x04\x12\x16\n\x0esample_rate_hz\x18\x04 \x01(\x05\x12+\n\x08\x65ncoding\x18\x05 \x01(\x0e\x32\x19.voxring.v1.AudioEncoding\x12\x15\n\rsegment_index\x18\x06 \x01(\r\x12\x14\n\x0csegment_text\x18\x07 \x01(\t\"\x85\x01\n\x0bSegmentDone\x12\x15\n\rsegment_index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.voxring.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.voxring.v1.Usage\"r\n\x0bSessionDone\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.voxring.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.voxring.v1.Usage\x12\x10\n\x08segments\x18\x03 \x01(\r\"\x13\n\x11ListVoicesRequest\"\x7f\n\x05Voice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nspeaker_id\x18\x02 \x01(\r\x12\x15\n\rlanguage_code\x18\x03 \x01(\t\x12\x15\n\rhas_reference\x18\x04 \x01(\x08\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\x12\x11\n\tremovable\x18\x06 \x01(\x08\"N\n\x12ListVoicesResponse\x12!\n\x06voices\x18\x01 \x03(\x0b\x32\x11.voxring.v1.Voice\x12\x15\n\rdefault_voice\x18\x02 \x01(\t\"\x85\x01\n\x12\x43reateVoiceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61udio\x18\x02 \x01(\x0c\x12\x12\n\ntranscript\x18\x03 \x01(\t\x12\x12\n\nspeaker_id\x18\x04 \x01(\r\x12\x15\n\rlanguage_code\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x06 \x01(\t\"\"\n\x12\x44\x65leteVoiceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteVoiceResponse*l\n\rAudioEncoding\x12\x18\n\x14\x45NCODING_UNSPECIFIED\x10\x00\x12\x0e\n\nLINEAR_PCM\x10\x01\x12\x07\n\x03WAV\x10\x02\x12\x0c\n\x08OGG_OPUS\x10\x03\x12\x07\n\x03MP3\x10\x04\x12\x08\n\x04\x46LAC\x10\x05\x12\x07\n\x03\x41\x41\x43\x10\x06*\xa9\x01\n\x0bLengthLimit\x12\x1c\n\x18LENGTH_LIMIT_UNSPECIFIED\x10\x00\x12\x1a\n\x16LENGTH_LIMIT_REQUESTED\x10\x01\x12\x18\n\x14LENGTH_LIMIT_DEFAULT\x10\x02\x12\x17\n\x13LENGTH_LIMIT_SERVER\x10\x03\x12\x15\n\x11LENGTH_LIMIT_TEXT\x10\x04\x12\x16\n\x12LENGTH_LIMIT_MODEL\x10\x05\x32\x92\x04\n\x0bSynthesizer\x12W\n\nSynthesize\x12#.voxring.v1.SynthesizeSpeechRequest\x1a$.voxring.v1.SynthesizeSpeechResponse\x12_\n\x10SynthesizeOnline\x12#.voxring.v1.SynthesizeSpeechRequest\x1a$.voxring.v1.SynthesizeSpeechResponse0\x01\x12K\n\nListVoices\x12\x1d.voxring.v1.ListVoicesRequest\x1a\x1e.voxring.v1.ListVoicesResponse\x12@\n\x0b\x43reateVoice\x12\x1e.voxring.v1.CreateVoiceRequest\x1a\x11.voxring.v1.Voice\x12N\n\x0b\x44\x65leteVoice\x12\x1e.voxring.v1.DeleteVoiceRequest\x1a\x1f.voxring.v1.DeleteVoiceResponse\x12j\n\x13StreamingSynthesize\x12&.voxring.v1.StreamingSynthesizeRequest\x1a\'.voxring.v1.StreamingSynthesizeResponse(\x01\x30\x01\x42I\n\rio.voxring.v1P\x01Z6github.com/voxring/voxring/gen/go/voxring/v1;voxringv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,42 +33,44 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'voxring.v1.synthesizer_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rio.voxring.v1P\001Z6github.com/voxring/voxring/gen/go/voxring/v1;voxringv1'
-  _globals['_AUDIOENCODING']._serialized_start=2742
-  _globals['_AUDIOENCODING']._serialized_end=2850
+  _globals['_AUDIOENCODING']._serialized_start=2790
+  _globals['_AUDIOENCODING']._serialized_end=2898
+  _globals['_LENGTHLIMIT']._serialized_start=2901
+  _globals['_LENGTHLIMIT']._serialized_end=3070
   _globals['_SYNTHESIZESPEECHREQUEST']._serialized_start=70
   _globals['_SYNTHESIZESPEECHREQUEST']._serialized_end=565
   _globals['_SYNTHESIZESPEECHRESPONSE']._serialized_start=568
   _globals['_SYNTHESIZESPEECHRESPONSE']._serialized_end=825
-  _globals['_USAGE']._serialized_start=827
-  _globals['_USAGE']._serialized_end=944
-  _globals['_STREAMINGSYNTHESIZEREQUEST']._serialized_start=947
-  _globals['_STREAMINGSYNTHESIZEREQUEST']._serialized_end=1118
-  _globals['_STREAMINGCONFIG']._serialized_start=1121
-  _globals['_STREAMINGCONFIG']._serialized_end=1658
-  _globals['_FLUSH']._serialized_start=1660
-  _globals['_FLUSH']._serialized_end=1667
-  _globals['_CLEAR']._serialized_start=1669
-  _globals['_CLEAR']._serialized_end=1676
-  _globals['_STREAMINGSYNTHESIZERESPONSE']._serialized_start=1679
-  _globals['_STREAMINGSYNTHESIZERESPONSE']._serialized_end=1871
-  _globals['_STREAMINGAUDIO']._serialized_start=1874
-  _globals['_STREAMINGAUDIO']._serialized_end=2063
-  _globals['_SEGMENTDONE']._serialized_start=2066
-  _globals['_SEGMENTDONE']._serialized_end=2199
-  _globals['_SESSIONDONE']._serialized_start=2201
-  _globals['_SESSIONDONE']._serialized_end=2315
-  _globals['_LISTVOICESREQUEST']._serialized_start=2317
-  _globals['_LISTVOICESREQUEST']._serialized_end=2336
-  _globals['_VOICE']._serialized_start=2338
-  _globals['_VOICE']._serialized_end=2465
-  _globals['_LISTVOICESRESPONSE']._serialized_start=2467
-  _globals['_LISTVOICESRESPONSE']._serialized_end=2545
-  _globals['_CREATEVOICEREQUEST']._serialized_start=2548
-  _globals['_CREATEVOICEREQUEST']._serialized_end=2681
-  _globals['_DELETEVOICEREQUEST']._serialized_start=2683
-  _globals['_DELETEVOICEREQUEST']._serialized_end=2717
-  _globals['_DELETEVOICERESPONSE']._serialized_start=2719
-  _globals['_DELETEVOICERESPONSE']._serialized_end=2740
-  _globals['_SYNTHESIZER']._serialized_start=2853
-  _globals['_SYNTHESIZER']._serialized_end=3383
+  _globals['_USAGE']._serialized_start=828
+  _globals['_USAGE']._serialized_end=992
+  _globals['_STREAMINGSYNTHESIZEREQUEST']._serialized_start=995
+  _globals['_STREAMINGSYNTHESIZEREQUEST']._serialized_end=1166
+  _globals['_STREAMINGCONFIG']._serialized_start=1169
+  _globals['_STREAMINGCONFIG']._serialized_end=1706
+  _globals['_FLUSH']._serialized_start=1708
+  _globals['_FLUSH']._serialized_end=1715
+  _globals['_CLEAR']._serialized_start=1717
+  _globals['_CLEAR']._serialized_end=1724
+  _globals['_STREAMINGSYNTHESIZERESPONSE']._serialized_start=1727
+  _globals['_STREAMINGSYNTHESIZERESPONSE']._serialized_end=1919
+  _globals['_STREAMINGAUDIO']._serialized_start=1922
+  _globals['_STREAMINGAUDIO']._serialized_end=2111
+  _globals['_SEGMENTDONE']._serialized_start=2114
+  _globals['_SEGMENTDONE']._serialized_end=2247
+  _globals['_SESSIONDONE']._serialized_start=2249
+  _globals['_SESSIONDONE']._serialized_end=2363
+  _globals['_LISTVOICESREQUEST']._serialized_start=2365
+  _globals['_LISTVOICESREQUEST']._serialized_end=2384
+  _globals['_VOICE']._serialized_start=2386
+  _globals['_VOICE']._serialized_end=2513
+  _globals['_LISTVOICESRESPONSE']._serialized_start=2515
+  _globals['_LISTVOICESRESPONSE']._serialized_end=2593
+  _globals['_CREATEVOICEREQUEST']._serialized_start=2596
+  _globals['_CREATEVOICEREQUEST']._serialized_end=2729
+  _globals['_DELETEVOICEREQUEST']._serialized_start=2731
+  _globals['_DELETEVOICEREQUEST']._serialized_end=2765
+  _globals['_DELETEVOICERESPONSE']._serialized_start=2767
+  _globals['_DELETEVOICERESPONSE']._serialized_end=2788
+  _globals['_SYNTHESIZER']._serialized_start=3073
+  _globals['_SYNTHESIZER']._serialized_end=3603
 # @@protoc_insertion_point(module_scope)

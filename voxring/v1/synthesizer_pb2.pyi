@@ -17,6 +17,15 @@ class AudioEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MP3: _ClassVar[AudioEncoding]
     FLAC: _ClassVar[AudioEncoding]
     AAC: _ClassVar[AudioEncoding]
+
+class LengthLimit(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LENGTH_LIMIT_UNSPECIFIED: _ClassVar[LengthLimit]
+    LENGTH_LIMIT_REQUESTED: _ClassVar[LengthLimit]
+    LENGTH_LIMIT_DEFAULT: _ClassVar[LengthLimit]
+    LENGTH_LIMIT_SERVER: _ClassVar[LengthLimit]
+    LENGTH_LIMIT_TEXT: _ClassVar[LengthLimit]
+    LENGTH_LIMIT_MODEL: _ClassVar[LengthLimit]
 ENCODING_UNSPECIFIED: AudioEncoding
 LINEAR_PCM: AudioEncoding
 WAV: AudioEncoding
@@ -24,6 +33,12 @@ OGG_OPUS: AudioEncoding
 MP3: AudioEncoding
 FLAC: AudioEncoding
 AAC: AudioEncoding
+LENGTH_LIMIT_UNSPECIFIED: LengthLimit
+LENGTH_LIMIT_REQUESTED: LengthLimit
+LENGTH_LIMIT_DEFAULT: LengthLimit
+LENGTH_LIMIT_SERVER: LengthLimit
+LENGTH_LIMIT_TEXT: LengthLimit
+LENGTH_LIMIT_MODEL: LengthLimit
 
 class SynthesizeSpeechRequest(_message.Message):
     __slots__ = ("text", "language_code", "encoding", "sample_rate_hz", "voice_name", "temperature", "top_k", "top_p", "repetition_penalty", "repetition_window", "seed", "max_audio_seconds", "request_id", "speed")
@@ -78,18 +93,20 @@ class SynthesizeSpeechResponse(_message.Message):
     def __init__(self, audio: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., sample_offset: _Optional[int] = ..., sample_rate_hz: _Optional[int] = ..., encoding: _Optional[_Union[AudioEncoding, str]] = ..., request_id: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("frames", "audio_seconds", "time_to_first_audio_s", "real_time_factor", "seed")
+    __slots__ = ("frames", "audio_seconds", "time_to_first_audio_s", "real_time_factor", "seed", "length_limit")
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_AUDIO_S_FIELD_NUMBER: _ClassVar[int]
     REAL_TIME_FACTOR_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_LIMIT_FIELD_NUMBER: _ClassVar[int]
     frames: int
     audio_seconds: float
     time_to_first_audio_s: float
     real_time_factor: float
     seed: int
-    def __init__(self, frames: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., time_to_first_audio_s: _Optional[float] = ..., real_time_factor: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    length_limit: LengthLimit
+    def __init__(self, frames: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., time_to_first_audio_s: _Optional[float] = ..., real_time_factor: _Optional[float] = ..., seed: _Optional[int] = ..., length_limit: _Optional[_Union[LengthLimit, str]] = ...) -> None: ...
 
 class StreamingSynthesizeRequest(_message.Message):
     __slots__ = ("config", "text", "flush", "clear")

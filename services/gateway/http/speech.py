@@ -111,12 +111,21 @@ class SpeechBody(SamplingFields):
         return "text/event-stream" if self.stream_format == "sse" else FORMATS[self.response_format][1]
 
 
+def length_limit(usage: pb.Usage) -> str | None:
+    """The audio cap's term that ended a request that finished LENGTH ("text", "requested", ...)."""
+    if usage.length_limit == pb.LENGTH_LIMIT_UNSPECIFIED:
+        return None
+    return pb.LengthLimit.Name(usage.length_limit).removeprefix("LENGTH_LIMIT_").lower()
+
+
 def voxring_usage(final: pb.SynthesizeSpeechResponse) -> dict:
     """What the gRPC API's last message says beyond OpenAI's token counts: why the audio
-    ended, its length as sent, the server's time to first audio and real-time factor."""
+    ended (and on which cap), its length as sent, the server's time to first audio and
+    real-time factor."""
     u = final.usage
     reason = common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
-    return {"finish_reason": reason, "frames": u.frames, "audio_seconds": round(u.audio_seconds, 6),
+    return {"finish_reason": reason, "length_limit": length_limit(u), "frames": u.frames,
+            "audio_seconds": round(u.audio_seconds, 6),
             "time_to_first_audio_s": round(u.time_to_first_audio_s, 6),
             "real_time_factor": round(u.real_time_factor, 6), "seed": u.seed,
             "request_id": final.request_id}

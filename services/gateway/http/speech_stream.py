@@ -36,7 +36,7 @@ from services.common.errors import Internal, InvalidArgument, ServiceError
 from services.common.log import request_context
 from services.gateway.config import GatewayConfig
 from services.gateway.http.errors import error_body, service_error_parts, validation_error_parts, ws_param
-from services.gateway.http.speech import FORMATS, Int32, SamplingFields, VoiceId
+from services.gateway.http.speech import FORMATS, Int32, SamplingFields, VoiceId, length_limit
 from services.gateway.inflight import InFlightRequests
 from services.gateway.pipeline import SynthesisPipeline
 from services.gateway.streaming import StreamingSession
@@ -138,7 +138,8 @@ def finish_reason(reason: int) -> str:
 def usage_json(usage: pb.Usage) -> dict:
     return {"frames": usage.frames, "audio_seconds": round(usage.audio_seconds, 6),
             "time_to_first_audio_s": round(usage.time_to_first_audio_s, 6),
-            "real_time_factor": round(usage.real_time_factor, 6), "seed": usage.seed}
+            "real_time_factor": round(usage.real_time_factor, 6), "seed": usage.seed,
+            "length_limit": length_limit(usage)}
 
 
 def close_code(status: int) -> int:
