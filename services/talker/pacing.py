@@ -1,4 +1,4 @@
-"""Playout pacing (PROTOCOL.md, "Pacing"; DESIGN.md, "Serving loop"): how many frames a
+"""Playout pacing (docs/protocol.md, "Pacing"; docs/architecture.md, "The talker engine"): how many frames a
 step makes, how much prompt it may prefill, and whether one more stream fits. Pure Python
 (no torch, no grpc).
 
@@ -145,11 +145,6 @@ def due(request: TalkerRequest, config: PacingConfig) -> float:
     return request.first_written_at + (request.frames_done - request.pace_base) / config.frame_rate
 
 
-def slack(request: TalkerRequest, now: float, config: PacingConfig) -> float:
-    """Seconds before the row's listener runs dry (or its first-audio deadline passes)."""
-    return due(request, config) - now
-
-
 @dataclass(frozen=True)
 class StepOutlook:
     """What a step's K is chosen from."""
@@ -173,7 +168,7 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
     :func:`first_frames` when a first record bounds it (a shorter first chunk runs dry before the
     next record can follow; where a speaking row bounds K lower, the engine holds such a row's
     frames until its first record is that long). Code2Wav decodes a stream's first record at
-    once, whatever its frames (PROTOCOL.md, Pacing).
+    once, whatever its frames (docs/protocol.md, Pacing).
 
     A row still silent and late whatever the step does (``late_first``) gets a short step
     (:func:`first_k`): its listener waits for every frame of the step, so the fewest frames

@@ -14,7 +14,6 @@ from services.talker.pacing import (
     due,
     fits,
     prefill_tokens_allowed,
-    slack,
 )
 from services.talker.request import TalkerRequest
 
@@ -28,16 +27,14 @@ def row(handle=1, *, written=None, frames=0, first_by=None, max_frames=100) -> T
     return r
 
 
-def test_slack_of_a_started_row_is_its_written_audio_less_what_was_played():
+def test_a_started_row_is_due_when_its_written_audio_runs_out():
     r = row(written=1.0, frames=25)  # 2 s written from 1.0 s on; heard from 1.1 s, path_s later
-    assert slack(r, 1.1, CONFIG) == pytest.approx(1.9)  # the next record is due at 3.0 s
-    assert slack(r, 2.1, CONFIG) == pytest.approx(0.9)
     assert due(r, CONFIG) == pytest.approx(3.0)
 
 
-def test_slack_of_an_unstarted_row_is_its_first_audio_deadline_less_the_path():
-    assert slack(row(first_by=0.5), 0.2, CONFIG) == pytest.approx(0.2)
-    assert slack(row(), 0.2, CONFIG) == math.inf  # no budget
+def test_an_unstarted_row_is_due_at_its_first_audio_deadline_less_the_path():
+    assert due(row(first_by=0.5), CONFIG) == pytest.approx(0.4)
+    assert due(row(), CONFIG) == math.inf  # no budget
 
 
 def test_step_times_learn_a_line_per_bucket_and_prefill_per_position():
