@@ -3,9 +3,13 @@
 ``ImmediateRunner`` returns at once, so a step's time is the engine's own host work.
 ``ThreadedRunner`` stands in for a device: ``launch`` hands a job to one worker thread (a
 stream: jobs run in order) that sleeps a fixed time and then publishes the result;
-``collect`` waits on the job's event. An engine that launches step N+1 before collecting
-step N overlaps its host work with that "device" time; one that calls ``decode``
-(= ``collect(launch(...))``) pays their sum.
+``collect`` waits on the job's event. It is ``asynchronous``, so the engine pipelines as it
+does on CUDA: it launches step N+1 before it writes step N's records, overlapping that host
+work with the "device" time.
+
+Each implements what the engine and its scheduler read of a runner today (the ``Runner`` of
+services/talker/runner.py): ``num_codebooks``, ``asynchronous``, ``prefill``, ``launch`` /
+``collect``, and ``bucket_for`` (the scheduler's, as services/talker/__main__.py wires it).
 
 Both return a preallocated int32 ``[K, B, N + 1]`` array of valid codes (0..2047) and no
 stop flag, so rows never end and every step decodes every row. The array is a view (no
@@ -42,7 +46,8 @@ def valid_codes(k_max: int, rows: int) -> np.ndarray:
 
 class ImmediateRunner:
     """The runner's interface (``num_codebooks``, ``asynchronous``, ``bucket_for``, ``prefill``,
-    ``launch`` / ``collect`` and ``decode``) answering at once."""
+    ``launch`` / ``collect``) answering at once: ``launch`` does the step, as the real runner
+    does on the CPU, and ``collect`` hands back its array."""
 
     num_codebooks = NUM_CODEBOOKS
     asynchronous = False  # launch answers at once: nothing to overlap
@@ -52,13 +57,13 @@ class ImmediateRunner:
         self.buckets = sorted(set(buckets or (max_rows,)))
         self.out = valid_codes(k_max, self.buckets[-1])
         self.launches = 0
-        self.decodes = 0  # calls of decode (today's engine) rather than launch / collect
+        self.prefills = 0  # prefill calls (the rows' prompts: the admitting steps)
 
     def bucket_for(self, rows: int) -> int:
         return smallest_bucket(self.buckets, rows)
 
     def prefill(self, rows) -> None:
-        pass
+        self.prefills += 1
 
     def _check(self, slots: Sequence[int], k: int) -> None:
         if not 1 <= k <= self.k_max:
@@ -72,10 +77,6 @@ class ImmediateRunner:
 
     def collect(self, handle) -> np.ndarray:
         return handle
-
-    def decode(self, slots: Sequence[int], k: int) -> np.ndarray:
-        self.decodes += 1
-        return self.collect(self.launch(slots, k))
 
     def close(self) -> None:
         pass
