@@ -6,6 +6,7 @@
     python -m bench.server --part baseline        [--max-wall 540]
     python -m bench.server --part report          # table and plots from the JSON there
     python -m bench.server --part tiers --load poisson|burst [--audio-seconds 1,10] [--load-seed 0]
+    python -m bench.server --part tiers --tokenizer byte   # byte-level prompts (default: bpe)
     python -m bench.server --smoke [--out DIR]    # CPU: the orchestration, tiny model
 
 ``--part tiers`` writes a random-weight checkpoint with the real csm-1b + Mimi shapes in
@@ -23,6 +24,12 @@ from ``--audio-seconds MIN,MAX`` (default 1,10; smoke 0.4,1.2); ``burst``: C suc
 at once; ``--load-seed`` and C draw each tier's schedule. The tier itself is capped at
 ``--tier-max-s`` (poisson and burst: raised to fit the schedule and its longest request).
 Their result files are named ``server_gpu_tiers_<mode>-poisson.json`` (``-burst``).
+``--tokenizer`` is the written checkpoint's tokenizer, which sets the prompts' lengths: ``bpe``
+(the default; bench/server/bpe_tokenizer.py: 1.35 tokens a word of the corpus, the order of
+csm-1b's Llama-3 tokenizer, which makes most plain English words one token) or ``byte``
+(voxring-tiny's byte-level one: 6.6 a word, five times the prompt positions); a ``byte``
+run names it before the load (``server_gpu_tiers_mps-off-byte.json``,
+``server_gpu_tiers_mps-off-byte-poisson.json``), and the checkpoint folder's name holds it.
 ``--mps on`` runs the same with the NVIDIA MPS control daemon started for the run (stopped
 again in every case); when it cannot start, the run says so and goes on without it.
 

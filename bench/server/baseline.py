@@ -29,7 +29,7 @@ def part_baseline(s: Settings) -> int:
     else:
         from bench.server.checkpoint import ensure_full_checkpoint
 
-        folder = s.checkpoint or ensure_full_checkpoint(s.checkpoint_root)[0]
+        folder = s.checkpoint or ensure_full_checkpoint(s.checkpoint_root, tokenizer=s.tokenizer)[0]
         device, dtype = torch.device("cuda"), torch.bfloat16
     result["checkpoint"] = folder.name
     write_json(path, result)
@@ -108,7 +108,7 @@ def transformers_generate(folder: Path, device, dtype, s: Settings) -> dict:
         from transformers.utils import logging as hf_logging
     except ImportError:
         return {"skipped": "transformers is not installed"}
-    from models.tiny.talker import build_tokenizer
+    from tokenizers import Tokenizer
 
     hf_logging.set_verbosity_error()
     started = time.perf_counter()
@@ -118,7 +118,7 @@ def transformers_generate(folder: Path, device, dtype, s: Settings) -> dict:
                  "tied_by_hand": _tie_audio_embeddings(model)}
     codebook_size = model.config.codec_config.codebook_size
     suppress = list(range(codebook_size, model.config.vocab_size))  # ids Mimi cannot decode
-    ids = build_tokenizer().encode(f"[0]{PROMPT}").ids
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(f"[0]{PROMPT}").ids  # bos ... eos
 
     def generate(batch: int, frames: int):
         input_ids = torch.tensor([ids] * batch, device=device)

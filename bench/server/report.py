@@ -47,7 +47,8 @@ def commit() -> str:
 def base_result(s: Settings) -> dict:
     return {"commit": commit(), "gpu": gpu_info() if not s.smoke else {"name": "cpu (smoke)"},
             "versions": versions(), "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
-            "env_overrides": overrides_env(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "env_overrides": overrides_env(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "tokenizer": s.tokenizer}
 
 
 def _fmt(value, digits: int = 1) -> str:
@@ -113,6 +114,13 @@ def load_text(mode: str, data: dict) -> str:
     return f"Load: burst, C requests at once per tier, {texts}"
 
 
+def tokenizer_text(data: dict) -> str:
+    """Which tokenizer made the prompts (files from before --tokenizer: the byte-level one)."""
+    tokenizer = data.get("tokenizer", "byte")
+    name = f"the {tokenizer} tokenizer" if tokenizer else "the checkpoint's own tokenizer"
+    return f"prompts tokenized by {name}"
+
+
 def run_table(mode: str, data: dict) -> list[str]:
     """Markdown: one result file's heading, its load and the table of its tiers."""
     mps = data.get("mps")
@@ -125,6 +133,7 @@ def run_table(mode: str, data: dict) -> list[str]:
     lines = [f"### {mode}: {gpu.get('name', '?')}, driver {gpu.get('driver', '-')}, torch "
              f"{data.get('versions', {}).get('torch')}, commit {data.get('commit', '?')[:12]}{note}", "",
              f"Layout: {data.get('layout_text', LAYOUTS['one'])}. {load_text(mode, data)}; "
+             f"{tokenizer_text(data)}; "
              f"each tier capped at {data.get('tier_max_s')} s"
              f"{' or what its schedule needs' if scheduled else ''}. Real-time streams: "
              f"**{data.get('realtime_streams', data.get('realtime_streams_per_gpu', 0))}** on "

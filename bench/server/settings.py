@@ -31,7 +31,8 @@ LOADS = {
 }
 AUDIO_SECONDS = {"fixed": 4.0, "range": (1.0, 10.0)}          # --audio-seconds' defaults
 SMOKE_AUDIO_SECONDS = {"fixed": 0.8, "range": (0.4, 1.2)}
-# One fixed prompt for every request of the fixed load (and the warm-up): ~85 prompt tokens.
+# One fixed prompt for every request of the fixed load (and the warm-up): 98 prompt tokens with
+# the byte-level tokenizer, 27 with the BPE (the speaker tag and the special tokens included).
 PROMPT = "The quick brown fox jumps over the lazy dog while seven birds sing near the old stone bridge."
 STAGE_KINDS = ("talker", "code2wav", "gateway")
 # Where the engines run. Stage names: pair 0's are "talker" and "code2wav", pair i's
@@ -41,6 +42,16 @@ LAYOUTS = {
     "two-pairs": "two engine pairs, one per GPU (the gateway spreads streams over them)",
     "split": "one pair over two GPUs: talker on GPU 0, Code2Wav on GPU 1 (no sharing)",
 }
+# The written checkpoint's tokenizer (--tokenizer; bench/server/checkpoint.py): the same model,
+# other prompt lengths. A run with a tokenizer other than the default names it in its mode.
+TOKENIZERS = {
+    "bpe": "bench/server/bpe_tokenizer.json, a byte-level BPE: ~1.35 tokens a word, csm-1b's order",
+    "byte": "voxring-tiny's byte-level tokenizer: one token a byte (~6.6 a word)",
+}
+DEFAULT_TOKENIZER = "bpe"
+_TOKENIZER_HELP = (f"the written checkpoint's tokenizer (default {DEFAULT_TOKENIZER}; another is named in "
+                   "the result file, as in mps-off-byte-poisson): "
+                   + "; ".join(f"{k}: {v}" for k, v in TOKENIZERS.items()))
 STOP_MARGIN_S = 45.0       # wall time kept for stopping the stages and writing the results
 # pids of the running stages (reaped by the next run), MPS dirs; runs that must not reap
 # each other's stages (tests run in parallel) each name their own
@@ -101,6 +112,8 @@ class Settings:
     load: str = "fixed"          # one of LOADS
     audio_range: tuple[float, float] | None = None  # poisson, burst: each request's length, uniform
     load_seed: int = 0           # poisson, burst: draws each tier's schedule (with its C)
+    # the written checkpoint's (TOKENIZERS); smoke: "byte" (voxring-tiny's); --checkpoint: None (its own)
+    tokenizer: str | None = DEFAULT_TOKENIZER
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -113,8 +126,11 @@ class Settings:
     @property
     def mode(self) -> str:
         """Names the result file: the one-pair layout keeps the plain names (mps-off, mps-on,
-        smoke); the others are prefixed with the layout (two-pairs-mps-off, ...)."""
+        smoke); the others are prefixed with the layout (two-pairs-mps-off, ...); a tokenizer
+        other than the default comes before the load (mps-off-byte, mps-off-byte-poisson)."""
         base = "smoke" if self.smoke else f"mps-{'on' if self.mps else 'off'}"
+        if not self.smoke and self.tokenizer not in (None, DEFAULT_TOKENIZER):
+            base += f"-{self.tokenizer}"
         base += "" if self.load == "fixed" else f"-{self.load}"
         return base if self.layout == "one" else f"{self.layout}-{base}"
 
@@ -147,7 +163,9 @@ def stage_configs(s: Settings, run_dir: Path, checkpoint: Path | None) -> dict[s
              "dtype": "float32" if s.smoke else "bfloat16", "device": "cpu" if s.smoke else "cuda"}
     frames = -(-round(s.max_audio_seconds * 1000) * 125 // 10000)  # ceil(seconds * 12.5)
     longest_text = len(PROMPT.encode()) if s.load == "fixed" else max(len(PROMPT), MAX_TEXT_CHARS)
-    prompt_len = longest_text + 16                           # byte-level tokens + specials + "[0]"
+    # at most a token a byte (both tokenizers are byte-level), specials, "[0]": the same slot
+    # length for either tokenizer, so only the prompts differ
+    prompt_len = longest_text + 16
     max_len = max(256, -(-(prompt_len + frames + 8) // 64) * 64)
     server = {"drain_timeout": 5, "grace": 2}
     metrics = {"listen": "127.0.0.1:0"}
@@ -240,6 +258,17 @@ def _audio(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[f
     return low, None
 
 
+def _tokenizer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """Settings.tokenizer: --tokenizer (default bpe) for the written checkpoint; "byte" under
+    --smoke (voxring-tiny's own), None with --checkpoint (the folder's own)."""
+    if args.smoke or args.checkpoint:
+        if args.tokenizer is not None:
+            parser.error("--tokenizer: the written checkpoint's; --smoke serves voxring-tiny (byte-level) "
+                         "and --checkpoint its own tokenizer")
+        return None if args.checkpoint else "byte"
+    return args.tokenizer or DEFAULT_TOKENIZER
+
+
 def parse_args(argv: list[str] | None) -> Settings:
     parser = argparse.ArgumentParser(prog="python -m bench.server", description=USAGE.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=USAGE)
@@ -267,6 +296,7 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--max-wall", type=float, default=540.0, help="wall-clock cap of this invocation")
     parser.add_argument("--start-timeout", type=float, default=300.0,
                         help="the stages must be ready within this (model load, CUDA graph capture)")
+    parser.add_argument("--tokenizer", choices=list(TOKENIZERS), default=None, help=_TOKENIZER_HELP)
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="serve this checkpoint folder instead of writing the random csm-1b one")
     parser.add_argument("--checkpoint-root", type=Path, default=None,
@@ -290,7 +320,7 @@ def parse_args(argv: list[str] | None) -> Settings:
         part=args.part, smoke=args.smoke, mps=args.mps == "on", layout=args.layout,
         out=(args.out or default_out).resolve(),
         tiers=args.tiers or (SMOKE_TIERS if args.smoke else TIERS),
-        requests_per_stream=args.requests_per_stream,
+        requests_per_stream=args.requests_per_stream, tokenizer=_tokenizer(args, parser),
         audio_seconds=audio_seconds, load=args.load, audio_range=audio_range, load_seed=args.load_seed,
         tier_max_s=args.tier_max_s, max_wall=args.max_wall, start_timeout=args.start_timeout,
         checkpoint=args.checkpoint.resolve() if args.checkpoint else None,

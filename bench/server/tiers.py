@@ -315,11 +315,14 @@ def grpc_error() -> type[Exception]:
 
 def write_checkpoint(s: Settings) -> Path:
     """Runs bench.server.checkpoint in its own process (this one never touches CUDA, so it
-    is no MPS client and holds no GPU memory); reuses a finished folder."""
+    is no MPS client and holds no GPU memory) with the run's tokenizer; reuses a finished
+    folder of that tokenizer (its name holds it)."""
     timeout = max(30.0, min(600.0, s.left() - STOP_MARGIN_S))
-    log(f"checkpoint: csm-1b shapes, random bf16 weights, under {s.checkpoint_root} (within {timeout:.0f} s)")
+    log(f"checkpoint: csm-1b shapes, random bf16 weights, {s.tokenizer} tokenizer, under {s.checkpoint_root} "
+        f"(within {timeout:.0f} s)")
     try:
-        done = subprocess.run([sys.executable, "-m", "bench.server.checkpoint", str(s.checkpoint_root)],
+        done = subprocess.run([sys.executable, "-m", "bench.server.checkpoint", str(s.checkpoint_root),
+                               "--tokenizer", s.tokenizer],
                               cwd=REPO, capture_output=True, text=True, timeout=timeout,
                               env=child_env({}, s.smoke))
     except subprocess.TimeoutExpired:
