@@ -14,8 +14,9 @@ environment), is warmed up, then, one after another:
   cleared segment's last audio chunk and to its SegmentDone.
 
 voxring-tiny never stops on its own, so each segment is capped (``--segment-s``, the gateway's
-text guard: limits.text_guard_min_s with no seconds per character). Results: ``--out`` JSON and a table on stdout. One process;
-grpc is imported only after the stages are spawned (no fork after importing grpc).
+text guard: limits.text_guard_min_s with no seconds per character). Results: ``--out`` JSON and a
+table on stdout. One process; grpc is imported only after the stages are spawned (no fork after
+importing grpc).
 """
 
 from __future__ import annotations

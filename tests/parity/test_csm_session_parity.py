@@ -1,7 +1,8 @@
 """A talker session against transformers' CsmForConditionalGeneration (CPU, fp32, greedy): the
 codes of a session's second segment, spoken in the slot its first segment left (only the end
 frame and the new text prefilled), equal transformers' codes for the same two-turn conversation:
-turn 1's text, its frames and the all-EOS end frame, then turn 2's text (docs/architecture.md, Model families)."""
+turn 1's text, its frames and the all-EOS end frame, then turn 2's text (docs/architecture.md,
+Model families)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Code2Wav's engine on talker sessions (docs/protocol.md, Sessions and segments), on a scripted clock and ring:
-SEGMENT_END flushes its segment and sends the segment's end after its last chunk, chunk
+"""Code2Wav's engine on talker sessions (docs/protocol.md, Sessions and segments), on a scripted
+clock and ring: SEGMENT_END flushes its segment and sends the segment's end after its last chunk, chunk
 indices and sample offsets going on across segments; the session's audio through the real
 tiny codec equals the whole-sequence decode of all its frames (the codec state is kept across
 segment ends and pauses); a cleared segment's pending frames are dropped undecoded and the

@@ -146,7 +146,8 @@ def test_sse_sends_deltas_and_done_with_usage():
         assert events == [{"type": "speech.audio.delta", "audio": "YWI="},
                           {"type": "speech.audio.done",
                            "usage": {"input_tokens": 2, "output_tokens": 4, "total_tokens": 6},
-                           "voxring": {"finish_reason": "length", "length_limit": "text", "frames": 4, "audio_seconds": 0.32,
+                           "voxring": {"finish_reason": "length", "length_limit": "text", "frames": 4,
+                                       "audio_seconds": 0.32,
                                        "time_to_first_audio_s": 0.05, "real_time_factor": 0.5,
                                        "seed": 9, "request_id": "r-9"}}]
     asyncio.run(main())

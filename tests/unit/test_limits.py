@@ -89,7 +89,8 @@ def test_the_first_audio_budget_has_one_range(seconds):
 def test_both_stages_default_to_the_one_budget_and_refuse_the_same_values():
     gateway = load_config(GatewayConfig, REPO / "deploy/configs/gateway.yaml", "gateway", environ={})
     talker = load_config(TalkerConfig, REPO / "deploy/configs/talker.yaml", "talker", environ={})
-    assert gateway.admission.first_audio_budget_s == talker.engine.first_audio_budget_s == FIRST_AUDIO_BUDGET_S
+    budgets = gateway.admission.first_audio_budget_s, talker.engine.first_audio_budget_s
+    assert budgets == (FIRST_AUDIO_BUDGET_S, FIRST_AUDIO_BUDGET_S)
     assert GatewayConfig().admission.first_audio_budget_s == TalkerConfig().engine.first_audio_budget_s
     for stage, cls, section in (("gateway", GatewayConfig, "ADMISSION"), ("talker", TalkerConfig, "ENGINE")):
         env = {f"VOXRING_{stage.upper()}__{section}__FIRST_AUDIO_BUDGET_S": "60"}

@@ -17,8 +17,8 @@ from models.csm.config import CsmConfig
 from models.csm.model import CsmTalker
 from models.family import PromptSegment
 from models.tiny.talker import tiny_config
-from services.common.sampling import Sampling
 from services.common.config import ConfigValueError
+from services.common.sampling import Sampling
 from services.talker.config import EngineSection
 from services.talker.prefill_graphs import PrefillBuckets, capture_within_budget
 from services.talker.runner import PrefillRow, Runner
