@@ -61,13 +61,14 @@ class Snapshot:
     cpu: dict[str, float | None]
     talkers: list[str]
     code2wavs: list[str]
+    threads: dict[str, dict[str, float]]
 
 
 def snapshot(server: Server) -> Snapshot:
     stats = engine_stats(server)
     metrics = {stage: scrape(server.procs[stage].metrics) for stage in server.procs}
     return Snapshot(time.monotonic(), stats, metrics, server.cpu_seconds(), server.names("talker"),
-                    server.names("code2wav"))
+                    server.names("code2wav"), server.thread_cpu_seconds())
 
 
 def wait_idle(server: Server, timeout: float) -> bool:
@@ -167,6 +168,20 @@ def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str)
             "dropped_records": c2w["dropped_records"]}
 
 
+def thread_cores(before: Snapshot, after: Snapshot, window: float, top: int = 4) -> dict:
+    """Each stage's busiest threads over the window, in cores ("<name>/<tid>": cores), the busiest
+    first: whether one thread (the event loop, the engine thread: one GIL) is what limits a stage."""
+    out = {}
+    for stage, threads in after.threads.items():
+        earlier = before.threads.get(stage, {})
+        cores = {key: round((seconds - earlier.get(key, 0.0)) / window, 3)
+                 for key, seconds in threads.items()}
+        busiest = sorted(cores.items(), key=lambda item: -item[1])[:top]
+        out[stage] = {"busiest": busiest[0][0] if busiest else None,
+                      "busiest_cores": busiest[0][1] if busiest else None, "top": dict(busiest)}
+    return out
+
+
 def engine_numbers(before: Snapshot, after: Snapshot, rates: dict, concurrency: int) -> dict:
     """A tier's engine numbers: counter differences over the window between the two idle
     snapshots; ``rates``: the Stats read as the load ended (their window began at ``before``).
@@ -218,7 +233,8 @@ def engine_numbers(before: Snapshot, after: Snapshot, rates: dict, concurrency: 
         gateway["cpu_cores_per_stream"] = round(gateway_cpu_s / window / concurrency, 4)
         if code2wav.get("audio_seconds"):
             gateway["cpu_ms_per_audio_s"] = round(gateway_cpu_s * 1e3 / code2wav["audio_seconds"], 2)
-    out = {"talker": talker, "code2wav": code2wav, "gateway": gateway, "cpu_cores_busy": cpu}
+    out = {"talker": talker, "code2wav": code2wav, "gateway": gateway, "cpu_cores_busy": cpu,
+           "threads": thread_cores(before, after, window)}
     if len(talkers) > 1 or len(code2wavs) > 1:
         out["per_engine"] = {**talkers, **code2wavs}
     return out

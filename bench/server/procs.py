@@ -123,6 +123,30 @@ class Server:
         return out
 
 
+    def thread_cpu_seconds(self) -> dict[str, dict[str, float]]:
+        """Each stage's threads' CPU seconds, by "<thread name>/<tid>" (the engine threads name
+        themselves: services/common/engine_thread.py; the main thread runs the event loop)."""
+        return {s: _threads_cpu_s(p.pid) for s, p in self.procs.items()}
+
+
+def _threads_cpu_s(pid: int) -> dict[str, float]:
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            name, _, rest = stat.partition(" (")[2].rpartition(")")
+            fields = rest.split()
+            seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+        out[f"{'main' if tid == str(pid) else name}/{tid}"] = seconds
+    return out
+
+
 def _proc_cpu_s(pid: int) -> float | None:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()

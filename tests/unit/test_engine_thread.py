@@ -4,8 +4,10 @@ heartbeat ticks continue while idle, stop is bounded, failures are not silent.""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +114,31 @@ def test_call_returns_the_result_or_raises_on_the_loop():
             await thread.call(lambda engine: 1)
 
     asyncio.run(main())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
+def test_the_engine_thread_is_named_for_the_operating_system_too():
+    """top -H, py-spy and the server bench's per-thread CPU tell the engine thread by its name."""
+    seen = threading.Event()
+    names = []
+
+    class Namer:
+        def handle(self, command):
+            pass
+
+        def step(self):
+            if not seen.is_set():
+                names.append(Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip())
+                seen.set()
+            return False
+
+        def tick(self):
+            pass
+
+    thread = EngineThread("talker-engine", Namer(), tick_interval=0.01)
+    thread.start()
+    try:
+        assert seen.wait(5.0)
+    finally:
+        thread.stop(5.0)
+    assert names == ["talker-engine"]
