@@ -19,7 +19,6 @@ CUDA graph. Inputs fp32 / bf16 / fp16; accumulation fp32; output in the inputs' 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -27,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.latch import KernelLatch
+from kernels.sms import usable_sms
 from kernels.tl_common import NEG_INF, online_softmax_step
 
 LATCH = KernelLatch("decode_attention")
@@ -138,10 +138,9 @@ def decode_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # ---------------------------------------------------------------- the launcher
 
 
-@functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return usable_sms(device)
     return 4  # the interpreter: any small number exercises the split path
 
 

@@ -10,7 +10,6 @@ use them on the CPU, and on the GPU the one launch must equal the phased launche
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 import torch
@@ -18,6 +17,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import decode_attention
+from kernels.sms import usable_sms
 from kernels.stack_step.barrier import _sync_buffer
 from kernels.stack_step.kernel import (
     ALL_LAYER_PHASES,
@@ -32,10 +32,10 @@ from kernels.stack_step.tuning import DEPTH, Paths, Tuning
 from kernels.stack_step.weights import MAX_ROWS, StackWeights, check
 
 
-@functools.lru_cache(maxsize=8)
 def _num_programs(device: torch.device) -> int:
+    """One program per SM this process may hold (its MPS share, where it has one: kernels/sms.py)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return usable_sms(device)
     return 3  # the interpreter: a few programs, so items are shared unevenly
 
 
@@ -48,8 +48,8 @@ def stack_step_triton(
 ) -> torch.Tensor:
     """The kernel, with the twin's arguments and result. ``phased`` (default: under the interpreter)
     launches phase by phase instead of once with grid barriers; ``num_programs`` overrides the
-    grid (default one per SM); ``tuning`` the tiles (benchmarks); ``paths`` (tests) the code paths
-    instead of those the call's inputs decide; ``trace`` (int64
+    grid (default one per SM this process may hold); ``tuning`` the tiles (benchmarks); ``paths``
+    (tests) the code paths instead of those the call's inputs decide; ``trace`` (int64
     [programs, 64, 2], the one launch only) receives each program's global-timer ns at the start
     ([p, 0, 1]), on reaching and leaving barrier e ([p, e, 0] and [p, e, 1]) and at the end
     ([p, barriers + 1, 0]), for a benchmark's breakdown of a call; with [programs, 128, 2] also the

@@ -386,3 +386,16 @@ def test_fused_frames_in_cuda_graphs_equal_the_plain_model(cuda_runners, rows: i
 def test_fused_frame_logits_equal_the_plain_model_on_cuda():
     plain, fused = plain_and_fused("cuda")
     assert_frames_match(first_frame(fused, 4), first_frame(plain, 4))
+
+
+def test_the_persistent_grid_fits_the_sms_this_process_may_hold():
+    """Without an MPS share every SM is this process's; with one (the pair's deployment), the
+    driver's SM-count affinity, never more than the device has."""
+    from kernels.sms import context_sm_count, usable_sms
+
+    device = torch.device("cuda", 0)
+    torch.zeros(1, device=device)
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    share = context_sm_count()
+    assert share is None or 0 < share <= total
+    assert usable_sms(device) == (min(total, share) if share else total)
