@@ -8,10 +8,11 @@ shape runs eagerly through the same ``decode_step``; each such shape is logged o
 On the CPU everything runs eagerly.
 
 Mixed chunk lengths: :meth:`CodecDecoder.decode_many` decodes rows of different frame
-counts in one call: right-padded to the smallest configured chunk size that holds the
-longest (so it can replay that size's graph), with per-row valid lengths (see
+counts: with graphs, in the calls services/code2wav/calls.py plans (rows grouped by the
+graph length that holds them, each group in buckets that pad little), each row
+right-padded to its call's length with a per-row valid length (see
 ``MimiCodec.decode_step``); every graph takes the lengths as an input buffer too, its
-padding rows on the spare slot with all T frames valid.
+padding rows on the spare slot with all T frames valid. Eagerly, one call of the longest.
 
 Deterministic (the default): on CUDA, cuDNN may pick convolution algorithms whose sums
 run in a varying order (the transposed convolutions of the upsampling stack, from batch 8
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from models.mimi.model import CodecInputError, MimiCodec
+from services.code2wav.calls import length_at_most, padded_length, plan
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ class CodecDecoder:
                 torch.backends.cudnn.benchmark = False
         self.pad_slot = max_slots  # spare slot for padding rows
         self.chunk_frames = sorted(set(chunk_frames))
+        self.padded_frames_total = 0  # frames the decode calls ran, padding included ...
+        self.real_frames_total = 0    # ... and the chunks' own
         codec.allocate(max_slots + 1)
         # (bucket, T) -> (graph, slot ids, codes, lengths, audio out): the first four its inputs
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor,
@@ -53,6 +57,7 @@ class CodecDecoder:
         self._eager_logged: set[tuple[int, int]] = set()
         if self.device.type == "cuda" and max_graphs > 0:
             self._capture(sorted(buckets), sorted(chunk_frames), max_graphs, max_graph_mb)
+        self.buckets = sorted({b for b, _ in self.graphs})
 
     def reset(self, slots: Sequence[int]) -> None:
         """Zeroes the streaming state of ``slots`` (newly opened streams), in one batch."""
@@ -68,33 +73,58 @@ class CodecDecoder:
     @torch.inference_mode()
     def decode_many(self, slots: Sequence[int], chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
         """chunks: one int16 [t_i, K] array per slot (t_i >= 1, may differ) -> one int16 PCM
-        array of t_i * spf samples per slot, from ONE decode call (rows padded to
-        :meth:`padded_frames` of the longest, with per-row lengths), the conversion on the
-        device and one device-to-host copy. Each slot's stream advances by its own t_i."""
+        array of t_i * spf samples per slot. With graphs, the calls services/code2wav/calls.py
+        plans (rows grouped by the graph length they pad to, each group in buckets that pad
+        little), launched back to back; eagerly, one call of the longest chunk. Either way
+        the PCM conversion on the device and one device-to-host copy. Each slot's stream
+        advances by its own t_i."""
         if len(chunks) != len(slots):
             raise CodecInputError(f"{len(chunks)} chunks for {len(slots)} slots")
         if not chunks:
             return []
         frames = _chunk_frames(chunks)
-        padded = np.zeros((len(chunks), self.padded_frames(max(frames)), chunks[0].shape[1]), np.int64)
+        graphed = bool(self.graphs)
+        calls = plan(frames, self.chunk_frames if graphed else (), self.buckets if graphed else ())
+        outputs = [self._call([slots[r] for r in call.rows], [chunks[r] for r in call.rows], call.frames)
+                   for call in calls]
+        flat = torch.cat([_pcm(out).reshape(-1) for out in outputs]).cpu().numpy()  # one copy back
+        spf = self.codec.config.samples_per_frame
+        pcm: list[np.ndarray] = [np.empty(0, np.int16)] * len(chunks)
+        start = 0
+        for call in calls:
+            for row in call.rows:
+                pcm[row] = flat[start: start + frames[row] * spf]
+                start += call.frames * spf
+        self.padded_frames_total += sum(c.frames * self.bucket_rows(len(c.rows), c.frames) for c in calls)
+        self.real_frames_total += sum(frames)
+        return pcm
+
+    def _call(self, slots: list[int], chunks: list[np.ndarray], frames: int) -> torch.Tensor:
+        """One decode call of ``chunks`` right-padded to ``frames``: audio [n, frames * spf]."""
+        lengths = [len(c) for c in chunks]
+        padded = np.zeros((len(chunks), frames, chunks[0].shape[1]), np.int64)
         for row, chunk in enumerate(chunks):
             padded[row, : len(chunk)] = chunk
         batch = torch.from_numpy(padded).to(self.device).transpose(1, 2)
-        if self.graphs or min(frames) < padded.shape[1]:
-            lengths = torch.tensor(frames, dtype=torch.int64).to(self.device)
-        else:  # every row full, eagerly: no masking ops
-            lengths = None
-        pcm = _pcm(self.decode(slots, batch, lengths)).cpu().numpy()
-        spf = self.codec.config.samples_per_frame
-        return [pcm[row, : t * spf] for row, t in enumerate(frames)]
+        masks = self.graphs or min(lengths) < frames
+        lengths_dev = torch.tensor(lengths, dtype=torch.int64).to(self.device) if masks else None
+        return self.decode(slots, batch, lengths_dev)
+
+    def bucket_rows(self, rows: int, frames: int) -> int:
+        """The rows a call of ``rows`` x ``frames`` runs as (its graph's bucket; eagerly: its own)."""
+        key = self._graph_key(rows, frames)
+        return key[0] if key else rows
 
     def padded_frames(self, frames: int) -> int:
-        """The T a decode_many call of at most ``frames`` frames a row pads to: the smallest
-        configured chunk size that holds it (its graph's T), else ``frames`` itself (always
-        when no graph was captured: padding is only worth a replay instead of eager ops)."""
-        if not self.graphs:
-            return frames
-        return next((t for t in self.chunk_frames if t >= frames), frames)
+        """The T a chunk of ``frames`` frames pads to: the smallest captured chunk length that
+        holds it (its graph's T), else ``frames`` itself (always when no graph was captured:
+        padding is only worth a replay instead of eager ops)."""
+        return padded_length(frames, self.chunk_frames) if self.graphs else frames
+
+    def chunk_at_most(self, frames: int) -> int:
+        """The longest chunk within ``frames`` that runs unpadded in a graph (``frames`` when no
+        graph was captured): the engine cuts chunks to it, the rest waits for the next cut."""
+        return length_at_most(frames, self.chunk_frames) if self.graphs else frames
 
     @torch.inference_mode()
     def decode(self, slots: Sequence[int], codes: torch.Tensor,

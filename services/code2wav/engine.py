@@ -250,6 +250,8 @@ class Code2WavEngine:
         if stream.segment_ends:  # a segment ended with nothing left to decode (empty, or cleared)
             self._send_segment_ends(stream)
         frames, why = stream.cut(now)
+        if why in ("first", "need", "size"):  # more follows: cut to a length a graph runs unpadded
+            frames = self.decoder.chunk_at_most(frames)
         if frames:
             if stream.undelivered_s > self.max_undelivered:
                 stream.held = True  # the event loop sees the flag at its next delivery: resume()
@@ -325,7 +327,11 @@ class Code2WavEngine:
     def metrics(self) -> dict:
         """Read at scrape time from the metrics thread (plain reads of counters)."""
         streams = list(self.streams.values())
-        return self.counters.snapshot(len(streams), sum(s.pending_frames for s in streams))
+        out = self.counters.snapshot(len(streams), sum(s.pending_frames for s in streams))
+        out["decode_frames"] = ("counter", "frames of the chunks decoded", self.decoder.real_frames_total)
+        out["decode_padded_frames"] = ("counter", "frames the decode calls ran, padding (rows and "
+                                       "lengths) included", self.decoder.padded_frames_total)
+        return out
 
     def close_links(self) -> None:
         for link in self.links.values():

@@ -65,29 +65,40 @@ def test_bf16_decode_is_reproducible_and_graph_equals_eager(decoder, batch: int,
             f"max |diff| {float((other.float() - outputs[0].float()).abs().max())}")
 
 
-def test_decode_many_of_mixed_lengths_from_a_graph_equals_eager(decoder):
-    """Six rows of 1..8 frames pad to T = 8 and replay the (8, 8) graph, two spare rows on the pad
-    slot; the same inputs eagerly (the pad rows too, so cuDNN sees one shape) give the same PCM bit
-    for bit over two ticks, so each slot's state advanced alike."""
+def test_decode_many_of_mixed_lengths_from_graphs_equals_eager(decoder):
+    """Six rows of 1..8 frames decode in the calls services/code2wav/calls.py plans (rows grouped
+    by the graph length that holds them, each group in a bucket), each replaying its graph with
+    spare rows on the pad slot; the same calls eagerly at the same padded shapes (so cuDNN sees
+    the shapes the graphs saw) give the same PCM bit for bit over two ticks, so each slot's state
+    advanced alike."""
+    from services.code2wav.calls import plan
+
     codec, spf, k = decoder.codec, decoder.codec.config.samples_per_frame, decoder.codec.num_codebooks
     assert decoder.padded_frames(7) == 8 and (8, 8) in decoder.graphs
     ticks = [[1, 8, 3, 5, 2, 7], [6, 2, 8, 1, 7, 3]]
     rng = np.random.default_rng(0)
     chunks = [[rng.integers(0, codec.config.codebook_size, (t, k)).astype(np.int16) for t in tick]
               for tick in ticks]
-    ids = torch.tensor([*range(6), decoder.pad_slot, decoder.pad_slot], device="cuda")
+    everyone = torch.tensor([*range(6), decoder.pad_slot], device="cuda")
     eager = []
     with torch.inference_mode():
-        codec.reset(ids)
+        codec.reset(everyone)
         for tick, rows in zip(ticks, chunks, strict=True):
-            codes = torch.zeros(8, k, 8, dtype=torch.int64)
-            for i, chunk in enumerate(rows):
-                codes[i, :, : len(chunk)] = torch.from_numpy(chunk.astype(np.int64)).T
-            lengths = torch.tensor([*tick, 8, 8], device="cuda")
-            audio = codec.decode_step(ids, codes.cuda(), lengths)
-            pcm = (audio.float().clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16).cpu().numpy()
-            eager.append([pcm[i, : t * spf] for i, t in enumerate(tick)])
-    codec.reset(ids)
+            pcm_rows = [None] * len(tick)
+            for call in plan(tick, decoder.chunk_frames, decoder.buckets):
+                bucket, frames = decoder.bucket_rows(len(call.rows), call.frames), call.frames
+                spare = bucket - len(call.rows)
+                ids = torch.tensor([*call.rows, *[decoder.pad_slot] * spare], device="cuda")
+                codes = torch.zeros(bucket, k, frames, dtype=torch.int64)
+                for i, row in enumerate(call.rows):
+                    codes[i, :, : tick[row]] = torch.from_numpy(rows[row].astype(np.int64)).T
+                lengths = torch.tensor([tick[r] for r in call.rows] + [frames] * spare, device="cuda")
+                audio = codec.decode_step(ids, codes.cuda(), lengths)
+                pcm = (audio.float().clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16).cpu().numpy()
+                for i, row in enumerate(call.rows):
+                    pcm_rows[row] = pcm[i, : tick[row] * spf]
+            eager.append(pcm_rows)
+    codec.reset(everyone)
     graphed = [decoder.decode_many(list(range(6)), rows) for rows in chunks]
     for step, (want, got) in enumerate(zip(eager, graphed, strict=True)):
         for row, (a, b) in enumerate(zip(want, got, strict=True)):

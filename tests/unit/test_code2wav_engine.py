@@ -59,14 +59,19 @@ class Decoder:
     """decode_many's contract: per row, t_i frames in, t_i * spf samples out (its first code)."""
 
     spf = 4
+    real_frames_total = padded_frames_total = 0
 
-    def __init__(self) -> None:
+    def __init__(self, lengths: tuple[int, ...] = ()) -> None:
+        self.lengths = lengths  # graph chunk lengths: cuts that more follows go to one of them
         self.calls: list[list[tuple[int, int]]] = []
         self.codec = type("Codec", (), {"num_codebooks": K, "config": type(
             "Config", (), {"frame_rate": 1 / FRAME_S, "codebook_size": 64})()})()
 
     def reset(self, slots) -> None:
         pass
+
+    def chunk_at_most(self, frames: int) -> int:
+        return max((t for t in self.lengths if t <= frames), default=frames)
 
     def decode_many(self, slots, chunks):
         self.calls.append([(slot, len(chunk)) for slot, chunk in zip(slots, chunks, strict=True)])
@@ -330,3 +335,24 @@ def test_a_held_stream_resumes_from_the_event_loops_delivery_count(setup):
     engine.step()
     engine.step()
     assert chunk_frames(sent) == [4, 4, 4] and [m[0] for m in sent][-1] == "finished"
+
+
+def test_with_graphs_a_cut_that_more_follows_is_a_graph_length_and_the_rest_waits():
+    """First and need cuts go to the longest graph length within them (5 -> 4, 7 -> 4); the
+    frames left are cut at their own need; an end is cut whole (padded in its call)."""
+    clock, link, decoder = Clock(), Link(), Decoder(lengths=(1, 2, 4, 8, 16))
+    engine = Code2WavEngine(decoder, {"t0": link}, max_slots=8, max_undelivered_seconds=100.0,
+                            max_records_per_step=64, clock=clock)
+    p = Pacing(decode_margin_s=0.1, steady_frames=16, min_chunk_frames=1)
+    _, sent = open_stream(engine, 1, p)
+    put(link, 1, 0, 5)
+    engine.step()
+    assert chunk_frames(sent) == [4]            # the first record: 4 of its 5 frames at once
+    put(link, 1, 1, 6, first=5)                 # 7 pending
+    clock.now = 0.23                            # 320 ms sent at 0: needed from 220 ms
+    engine.step()
+    assert chunk_frames(sent) == [4, 4]
+    put(link, 1, 2, 2, first=11, last=True)     # 3 + 2 pending, then LAST: the end, whole
+    for _ in range(3):
+        engine.step()
+    assert chunk_frames(sent) == [4, 4, 5] and sent[-1][0] == "finished" and sent[-1][1].frames == 13

@@ -1,0 +1,70 @@
+"""How a tick's chunks become decode calls when graphs were captured (services/code2wav/decoder.py).
+
+A call pads every row to one chunk length T and its rows to a captured batch bucket; the
+device pays for the padded shape. One call for the whole tick (rows of 1 to 16 frames padded
+to 16, 69 rows to a bucket of 128) can cost several times its real frames. So the tick is
+split: rows are grouped by the graph length their chunk pads to, and each group is cut into
+calls whose bucket holds its rows with at most ``MAX_ROW_PADDING`` of them padding (69 rows:
+64 + 4 + 1), the largest first. More launches, but each at the shape its graph was made for:
+the padded frames of a tick stay within ``MAX_ROW_PADDING`` of the real ones but for the
+rows whose chunk itself is shorter than its graph's T (a stream's last chunk, a segment's),
+which the engine keeps rare by cutting other chunks to a graph length (``chunk_at_most``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MAX_ROW_PADDING = 1.25  # a call's bucket over its rows
+
+
+@dataclass(frozen=True)
+class Call:
+    rows: tuple[int, ...]  # indices into the tick's chunks
+    frames: int            # T: every row padded to it
+
+
+def padded_length(frames: int, lengths: Sequence[int]) -> int:
+    """The smallest graph length that holds ``frames`` (``frames`` itself above them all)."""
+    return next((t for t in lengths if t >= frames), frames)
+
+
+def length_at_most(frames: int, lengths: Sequence[int]) -> int:
+    """The largest graph length within ``frames`` (``frames`` when none is, or none exists)."""
+    fitting = [t for t in lengths if t <= frames]
+    return max(fitting) if fitting else frames
+
+
+def split_rows(rows: int, buckets: Sequence[int]) -> list[int]:
+    """Batch sizes for ``rows`` rows: the smallest bucket that holds them when it pads at most
+    MAX_ROW_PADDING, else the largest bucket within them and the rest split again."""
+    sizes = []
+    while rows > 0:
+        holding = next((b for b in buckets if b >= rows), None)
+        if holding is not None and holding <= rows * MAX_ROW_PADDING:
+            sizes.append(rows)
+            break
+        within = max((b for b in buckets if b <= rows), default=rows)
+        sizes.append(within)
+        rows -= within
+    return sizes
+
+
+def plan(frames: Sequence[int], lengths: Sequence[int], buckets: Sequence[int]) -> list[Call]:
+    """The calls that decode chunks of ``frames`` each (in the tick's order) with graphs of
+    ``lengths`` x ``buckets`` (both ascending; empty: one call of the longest chunk)."""
+    if not frames:
+        return []
+    if not lengths or not buckets:
+        return [Call(tuple(range(len(frames))), max(frames))]
+    groups: dict[int, list[int]] = {}
+    for row, t in enumerate(frames):
+        groups.setdefault(padded_length(t, lengths), []).append(row)
+    calls = []
+    for t in sorted(groups, reverse=True):
+        rows = groups[t]
+        start = 0
+        for size in split_rows(len(rows), buckets):
+            calls.append(Call(tuple(rows[start:start + size]), t))
+            start += size
+    return calls
