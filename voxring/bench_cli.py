@@ -16,6 +16,7 @@ from voxring import loads
 from voxring.errors import VoxringError
 
 DEFAULT_REQUESTS = 16
+DEFAULT_CONCURRENCY = 4
 DESCRIPTION = (
     "Load a server with streaming requests and report time to first audio, chunk gaps, "
     "underruns, admitted vs rejected and audio-s per s. --load closed (the default): "
@@ -24,9 +25,13 @@ DESCRIPTION = (
     "keeps C streams in flight on average (C / the mean audio length), each sent on time "
     "whatever the server is doing, each with its own text from a built-in corpus and its own "
     "--audio-seconds length. --load burst: C requests at once (--requests defaults to C and "
-    "must equal it), texts and lengths as for poisson. --load-seed draws the schedule: the "
-    "same seed sends the same requests at the same times. Exits 1 when a request failed "
-    "(other than rejected), 2 on a bad option.")
+    "must equal it), texts and lengths as for poisson. --load sequential: N requests one at a "
+    "time (concurrency 1), each sent once the previous one ended, after an idle gap taken in "
+    "turn from --idle-gaps; first audio is also reported by gap. --load-seed draws the "
+    "schedule: the same seed sends the same requests at the same times. --frame-rate (the "
+    "model's codec frames per second, 12.5 for CSM/Mimi) checks every completed request's PCM "
+    "samples against its frames. Exits 1 when a request failed (other than rejected), 2 on a "
+    "bad option.")
 
 
 def audio_seconds_argument(text: str) -> tuple[float, float]:
@@ -37,24 +42,39 @@ def audio_seconds_argument(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def idle_gaps_argument(text: str) -> tuple[float, ...]:
+    """``loads.parse_idle_gaps`` as an argparse type."""
+    try:
+        return loads.parse_idle_gaps(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_bench_arguments(bench: argparse.ArgumentParser,
                         positive: Callable[[type], Callable[[str], object]]) -> None:
     """The options of ``voxring bench`` but the connection's (``--target``, token, TLS)."""
     low, high = loads.DEFAULT_AUDIO_SECONDS
     bench.add_argument("--load", choices=loads.LOADS, default="closed",
-                       help="closed loop (default), open-loop Poisson arrivals, or one burst")
+                       help="closed loop (default), open-loop Poisson arrivals, one burst, or one "
+                            "request at a time with idle gaps (sequential)")
     bench.add_argument("--requests", type=positive(int), default=None,
                        help=f"requests in all (default {DEFAULT_REQUESTS}; burst: --concurrency)")
-    bench.add_argument("--concurrency", type=positive(int), default=4,
-                       help="closed: requests at a time; poisson: streams in flight on average; "
-                            "burst: requests at once")
+    bench.add_argument("--concurrency", type=positive(int), default=None,
+                       help=f"closed: requests at a time; poisson: streams in flight on average; "
+                            f"burst: requests at once (default {DEFAULT_CONCURRENCY}; sequential: 1)")
+    bench.add_argument("--idle-gaps", type=idle_gaps_argument, default=None, metavar="S,S,...",
+                       help="sequential: the idle before each request, after the previous one ended, "
+                            "in turn (default " + ",".join(f"{g:g}" for g in loads.DEFAULT_IDLE_GAPS_S) + ")")
+    bench.add_argument("--frame-rate", type=positive(float), default=None,
+                       help="the model's codec frames per second (12.5 for CSM/Mimi): check each "
+                            "completed request's PCM samples against its frames")
     bench.add_argument("--text", default=None, help="closed: the text of every request")
     bench.add_argument("--audio-seconds", type=audio_seconds_argument, default=loads.DEFAULT_AUDIO_SECONDS,
                        metavar="MIN,MAX",
-                       help="poisson, burst: each request's max_audio_seconds, uniform over "
+                       help="poisson, burst, sequential: each request's max_audio_seconds, uniform over "
                             f"[MIN, MAX] (default {low:g},{high:g})")
     bench.add_argument("--load-seed", type=int, default=0,
-                       help="poisson, burst: draws the arrivals, texts and lengths (default 0)")
+                       help="poisson, burst, sequential: draws the arrivals, texts and lengths (default 0)")
     bench.add_argument("--seed", type=int, default=None, help="the sampling seed of every request")
     bench.add_argument("--voice", default=None)
     bench.add_argument("--timeout", type=positive(float), default=60.0,
@@ -69,18 +89,25 @@ def bench_config(args: argparse.Namespace, connection: dict):
     from voxring.loadgen import DEFAULT_TEXT, BenchConfig
 
     if args.load != "closed" and args.text is not None:
-        raise ValueError("--text: only the closed loop sends one text (poisson and burst draw theirs)")
+        raise ValueError("--text: only the closed loop sends one text (the other loads draw theirs)")
+    if args.load != "sequential" and args.idle_gaps is not None:
+        raise ValueError("--idle-gaps: only the sequential load idles between requests")
+    if args.load == "sequential" and args.concurrency not in (None, 1):
+        raise ValueError(f"--concurrency: the sequential load sends one request at a time, got "
+                         f"{args.concurrency}")
+    concurrency = args.concurrency or (1 if args.load == "sequential" else DEFAULT_CONCURRENCY)
     requests = args.requests
     if args.load == "burst":
-        if requests is not None and requests != args.concurrency:
+        if requests is not None and requests != concurrency:
             raise ValueError(f"--requests: a burst sends --concurrency requests at once "
-                             f"({args.concurrency}), got {requests}")
-        requests = args.concurrency
+                             f"({concurrency}), got {requests}")
+        requests = concurrency
     return BenchConfig(target=args.target, num_requests=requests or DEFAULT_REQUESTS,
-                       concurrency=args.concurrency, text=args.text or DEFAULT_TEXT, seed=args.seed,
+                       concurrency=concurrency, text=args.text or DEFAULT_TEXT, seed=args.seed,
                        voice=args.voice, request_timeout_s=args.timeout, max_total_s=args.max_time,
                        load=args.load, audio_seconds=args.audio_seconds, load_seed=args.load_seed,
-                       **connection)
+                       idle_gaps_s=args.idle_gaps or loads.DEFAULT_IDLE_GAPS_S,
+                       frame_rate_hz=args.frame_rate, **connection)
 
 
 def run_bench_command(args: argparse.Namespace, connection: dict) -> int:

@@ -1,7 +1,8 @@
 """The load shapes of ``voxring bench`` beside its closed loop, made before the run: open-loop
-Poisson arrivals and synchronised bursts, every request with its own text from a corpus and
-its own audio length; and the time-average of the streams in flight, from the requests'
-send and end times.
+Poisson arrivals, synchronised bursts and a sequential load (one request at a time, with idle
+gaps before some), every request with its own text from a corpus and its own audio length;
+and what a run showed, from the requests' times and chunks: the streams in flight, the
+percentiles, a real-time player's stalls, the steady audio rate, the PCM sample check.
 
 A schedule is a list of ``Arrival``: when to send (seconds after the run starts), the text,
 the ``max_audio_seconds`` to ask for. One integer seed draws it, the arrival times, the
@@ -15,11 +16,16 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
-LOADS = ("closed", "poisson", "burst")
+LOADS = ("closed", "poisson", "burst", "sequential")
 DEFAULT_AUDIO_SECONDS = (1.0, 10.0)
+# sequential: the idle before request i is DEFAULT_IDLE_GAPS_S[i % 4] (after the previous one ended)
+DEFAULT_IDLE_GAPS_S = (0.0, 0.5, 2.0, 5.0)
+MAX_IDLE_GAP_S = 600.0
 # Lengths are whole multiples of this: such a number below 2**14 s is exact in float32 (the
 # wire's type), so the server sees the length drawn and never one just above the range.
 AUDIO_QUANTUM_S = 1 / 1024
@@ -34,9 +40,10 @@ _MAX_REDRAWS = 1000  # a text drawn again this often in a row means the corpus i
 class Arrival:
     """One request of a schedule."""
 
-    at_s: float               # when to send it, seconds after the run starts
-    text: str
+    at_s: float               # when to send it, seconds after the run starts (sequential: see
+    text: str                 # sequential_schedule)
     max_audio_seconds: float  # a multiple of AUDIO_QUANTUM_S in the requested range
+    idle_before_s: float = 0.0  # sequential: the idle after the previous request ended
 
 
 # --- the corpus: sentences from word lists -------------------------------------------------
@@ -166,6 +173,27 @@ def parse_audio_seconds(text: str) -> tuple[float, float]:
     return values  # type: ignore[return-value]
 
 
+def check_idle_gaps(idle_gaps_s: Sequence[float], name: str = "idle_gaps_s") -> None:
+    """Raises ValueError naming ``name`` unless it is a non-empty list of finite seconds in
+    0..MAX_IDLE_GAP_S."""
+    if not idle_gaps_s:
+        raise ValueError(f"{name}: must hold at least one gap, got {idle_gaps_s!r}")
+    bad = [gap for gap in idle_gaps_s
+           if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap <= MAX_IDLE_GAP_S]
+    if bad:
+        raise ValueError(f"{name}: gaps must be seconds in 0..{MAX_IDLE_GAP_S:g}, got {bad[0]!r}")
+
+
+def parse_idle_gaps(text: str) -> tuple[float, ...]:
+    """"0,0.5,2,5" as checked idle gaps in seconds; ValueError otherwise."""
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"expected comma-separated seconds, got {text!r}") from None
+    check_idle_gaps(values, "idle gaps")
+    return values
+
+
 def mean_audio_seconds(audio_seconds: Sequence[float]) -> float:
     """The mean of lengths drawn uniformly from the range."""
     return (audio_seconds[0] + audio_seconds[1]) / 2
@@ -203,6 +231,24 @@ def burst_schedule(num_requests: int, audio_seconds: Sequence[float], seed: int)
     return _schedule([0.0] * num_requests, audio_seconds, seed)
 
 
+def sequential_schedule(num_requests: int, audio_seconds: Sequence[float], seed: int,
+                        idle_gaps_s: Sequence[float] = DEFAULT_IDLE_GAPS_S) -> list[Arrival]:
+    """One request at a time: request i is sent ``idle_gaps_s[i % len]`` seconds after request
+    i - 1 ended (the first after its gap from the start), with the texts and lengths a
+    Poisson schedule of the same seed draws. ``at_s`` is when it would be sent were every
+    earlier request served in real time from its send (no latency): the gaps and the
+    earlier lengths summed, so ``schedule_span_s`` is the least time such a run takes."""
+    check_idle_gaps(idle_gaps_s)
+    drawn = _schedule([0.0] * num_requests, audio_seconds, seed)
+    arrivals, at = [], 0.0
+    for i, arrival in enumerate(drawn):
+        idle = float(idle_gaps_s[i % len(idle_gaps_s)])
+        at += idle
+        arrivals.append(Arrival(at, arrival.text, arrival.max_audio_seconds, idle))
+        at += arrival.max_audio_seconds
+    return arrivals
+
+
 def _schedule(times: Sequence[float], audio_seconds: Sequence[float], seed: int) -> list[Arrival]:
     texts = corpus_texts(len(times), seed)
     lengths = audio_lengths(len(times), audio_seconds, seed)
@@ -232,3 +278,76 @@ def streams_in_flight(intervals: Sequence[tuple[float, float]], start_s: float,
         level += step
         peak = max(peak, level)
     return mean, peak
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100), interpolating linearly between closest ranks; None
+    when there are no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def stall_events(arrivals: Sequence[tuple[float, float]]) -> list[tuple[int, float, float]]:
+    """The stalls of a real-time player that starts at the first arrival, each as (the
+    number of the chunk it waited for, 2 for the second, audio seconds played when it
+    stopped, seconds stalled). ``arrivals``: (arrival time, audio seconds delivered once
+    that chunk is in), in arrival order."""
+    if not arrivals:
+        return []
+    origin = arrivals[0][0]  # the wall time at which audio position 0 plays
+    events = []
+    for number, ((_, delivered), (arrival, _)) in enumerate(pairwise(arrivals), start=2):
+        runs_out = origin + delivered
+        if arrival > runs_out:
+            events.append((number, delivered, arrival - runs_out))
+            origin += arrival - runs_out
+    return events
+
+
+def playback_stalls(arrivals: Sequence[tuple[float, float]]) -> tuple[int, float]:
+    """(number of stalls, seconds stalled): ``stall_events`` summed."""
+    events = stall_events(arrivals)
+    return len(events), sum(stalled for _, _, stalled in events)
+
+
+STALL_CHUNKS_CAP = 8  # stalls at chunk 8 or later are counted together ("8+")
+
+
+def stalls_by_chunk(events: Sequence[tuple[int, float, float]]) -> dict[str, int]:
+    """How many stalls waited for each chunk number (where in a stream they fall: the
+    first chunks follow the chunk schedule's small opening sizes), "8+" for the rest."""
+    counts = Counter(str(n) if n < STALL_CHUNKS_CAP else f"{STALL_CHUNKS_CAP}+" for n, _, _ in events)
+    return {key: counts[key] for key in sorted(counts, key=lambda k: int(k.rstrip("+")))}
+
+
+STEADY_FROM_S = 2.0  # the steady rate's window opens this long after the first send
+
+
+def chunk_audio(sent_at_s: float, arrivals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """One request's chunks as (received, seconds since the run started; audio seconds the
+    chunk held), from its ``arrivals`` (seconds since its send, audio delivered once in)."""
+    held, before = [], 0.0
+    for at, delivered in arrivals:
+        held.append((sent_at_s + at, delivered - before))
+        before = delivered
+    return held
+
+
+def steady_audio_rate(chunks: Iterable[tuple[float, float]], start_s: float, end_s: float) -> float | None:
+    """Audio seconds per second received in (start_s, end_s]: the audio of the ``chunks``
+    (received at, audio seconds held) received in the window over its length; None when the
+    window is empty (the last arrival came before it opened)."""
+    if not end_s > start_s:
+        return None
+    return sum(audio for at, audio in chunks if start_s < at <= end_s) / (end_s - start_s)
+
+
+def expected_samples(frames: int, sample_rate_hz: int, frame_rate_hz: float) -> int:
+    """The PCM samples ``frames`` codec frames decode to at ``sample_rate_hz`` (a frame is
+    sample rate / frame rate samples: 1,920 at 24 kHz and Mimi's 12.5 Hz)."""
+    return round(frames * sample_rate_hz / frame_rate_hz)

@@ -108,10 +108,17 @@ def load_text(mode: str, data: dict) -> str:
     low, high = data.get("audio_range") or ("?", "?")
     texts = f"corpus texts, audio {low}-{high} s each, uniform (seed {data.get('load_seed')})"
     if load == "poisson":
-        return (f"Load: poisson, {data.get('requests_per_stream')} x C requests per tier in an open "
+        text = (f"Load: poisson, {data.get('requests_per_stream')} x C requests per tier in an open "
                 f"loop at C / {data.get('audio_seconds')} s arrivals per second (C streams in flight "
                 f"on average), {texts}")
-    return f"Load: burst, C requests at once per tier, {texts}"
+    else:
+        text = f"Load: burst, C requests at once per tier, {texts}"
+    if data.get("sequential_requests") is None:  # files from before the sequential C=1 tier
+        return text
+    gaps = ", ".join(f"{gap:g}" for gap in data.get("idle_gaps") or ())
+    return (f"{text}. C=1 is sequential: {data['sequential_requests']} requests one at a time, each "
+            f"sent once the previous one ended, after an idle of {gaps} s in turn (first audio by idle "
+            "below; no steady rate)")
 
 
 def tokenizer_text(data: dict) -> str:
@@ -139,17 +146,39 @@ def run_table(mode: str, data: dict) -> list[str]:
              f"**{data.get('realtime_streams', data.get('realtime_streams_per_gpu', 0))}** on "
              f"{gpus_used} GPU{'s' if gpus_used > 1 else ''} "
              f"({data.get('realtime_streams_per_gpu', 0)} per GPU); every tier clean up to "
-             f"**{clean_through(data.get('tiers', {}))}**.", "",
+             f"**{clean_through(data.get('tiers', {}))}**. {CLEAN_TEXT} {STEADY_TEXT}", "",
              "| C | admitted / rejected | TTFA p50 / p90 / p99 ms | gap p99 ms | underruns | "
-             "audio-s/s | RTF | talker frames/s | step ms | mean K | rows/step | C2W chunks/s | "
-             "gateway CPU cores | GPU MiB peak | clean |"
+             "audio-s/s | steady audio-s/s | RTF | talker frames/s | step ms | mean K | rows/step | "
+             "C2W chunks/s | gateway CPU cores | GPU MiB peak | PCM mismatches / short | clean |"
              + (" in flight mean / peak | audio-s asked / delivered |" if scheduled else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * scheduled]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * scheduled]
     for c, t in sorted(data.get("tiers", {}).items(), key=lambda kv: int(kv[0])):
         lines.append(_tier_row(c, t) + (_load_cells(t) if scheduled else ""))
     lines.append("")
     tiers = data.get("tiers", {})
-    return lines + step_split_table(tiers) + first_record_table(tiers)
+    return lines + idle_table(tiers) + step_split_table(tiers) + first_record_table(tiers)
+
+
+CLEAN_TEXT = ("Clean: every request admitted and completed, zero underruns, not cut by the cap, every "
+              "request's PCM samples = its usage frames x sample rate / frame rate, and none delivered "
+              "under 99% of the audio it asked for on its length cap (a stop frame may end one early).")
+STEADY_TEXT = ("Steady audio-s/s: the audio received from 2 s after the tier's first send to its last "
+               "send, over that window.")
+
+
+def idle_table(tiers: dict) -> list[str]:
+    """Markdown: the sequential C=1 tier's time to first audio by the idle before the request
+    (nothing when no tier has one)."""
+    rows = [(c, t["ttfa_by_idle_ms"]) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
+            if t.get("ttfa_by_idle_ms")]
+    if not rows:
+        return []
+    lines = ["Sequential C=1, time to first audio by the idle before the request (after the previous "
+             "one ended):", "", "| C | idle s | requests | TTFA p50 / p90 / p99 ms |", "|---|---|---|---|"]
+    for c, by_idle in rows:
+        lines += [f"| {c} | {gap} | {v.get('requests')} | {_fmt(v.get('p50'))} / {_fmt(v.get('p90'))} / "
+                  f"{_fmt(v.get('p99'))} |" for gap, v in by_idle.items()]
+    return [*lines, ""]
 
 
 def _load_cells(t: dict) -> str:
@@ -164,11 +193,12 @@ def _tier_row(c: str, t: dict) -> str:
     return (f"| {c} | {t['admitted']} / {t['rejected']}{errors} | {_fmt(ttfa['p50'])} / "
             f"{_fmt(ttfa['p90'])} / {_fmt(ttfa['p99'])} | {_fmt(t['gap_p99_ms'])} | "
             f"{t['underruns']}{_stall_chunks(t.get('stalls_by_chunk'))} | "
-            f"{_fmt(t['audio_s_per_s'])} | {_fmt(t['rtf'], 3)} | {_fmt(tk.get('frames_per_s'))} | "
-            f"{_fmt(tk.get('step_ms'))} | {_fmt(tk.get('mean_k'), 2)} | "
+            f"{_fmt(t['audio_s_per_s'])} | {_fmt(t.get('steady_audio_s_per_s'))} | {_fmt(t['rtf'], 3)} | "
+            f"{_fmt(tk.get('frames_per_s'))} | {_fmt(tk.get('step_ms'))} | {_fmt(tk.get('mean_k'), 2)} | "
             f"{_fmt(tk.get('mean_rows_per_step'))} | {_fmt(cw.get('chunks_per_s'))} | "
             f"{_fmt(t.get('cpu_cores_busy', {}).get('gateway'), 2)} | "
             f"{_memory(t.get('gpu_memory_mib', {}).get('peak'))} | "
+            f"{_fmt(t.get('sample_mismatches'))} / {_fmt(t.get('audio_shortfalls'))} | "
             f"{'yes' if t['clean'] else 'no'}{' (partial)' if t['status'] == 'partial' else ''} |")
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import bench.server
-from voxring.bench_cli import audio_seconds_argument
-from voxring.loads import MAX_TEXT_CHARS, corpus_texts
+from voxring.bench_cli import audio_seconds_argument, idle_gaps_argument
+from voxring.loads import DEFAULT_IDLE_GAPS_S, MAX_TEXT_CHARS, corpus_texts
 
 USAGE = bench.server.__doc__  # the package docstring: what --help prints
 REPO = Path(__file__).resolve().parents[2]
@@ -26,11 +26,20 @@ SMOKE_TIERS = (1, 2)
 # C streams in flight on average; "burst", C requests at once (voxring/loads.py draws both).
 LOADS = {
     "fixed": "closed loop, C at a time, one fixed prompt, one audio length",
-    "poisson": "open-loop Poisson arrivals at C / mean audio per second, corpus texts, uniform lengths",
-    "burst": "C requests at once, corpus texts, uniform lengths",
+    "poisson": "open-loop Poisson arrivals at C / mean audio per second, corpus texts, uniform lengths "
+               "(C=1: sequential requests with idle gaps)",
+    "burst": "C requests at once, corpus texts, uniform lengths (C=1: sequential requests with idle gaps)",
 }
 AUDIO_SECONDS = {"fixed": 4.0, "range": (1.0, 10.0)}          # --audio-seconds' defaults
 SMOKE_AUDIO_SECONDS = {"fixed": 0.8, "range": (0.4, 1.2)}
+# poisson, burst: C=1 is sequential: this many requests one at a time (--sequential-requests),
+# the idle before each after the previous one ended taken in turn from --idle-gaps (default
+# voxring.loads.DEFAULT_IDLE_GAPS_S: 0, 0.5, 2, 5 s); the smoke's are few and short
+SEQUENTIAL_REQUESTS, SMOKE_SEQUENTIAL_REQUESTS = 50, 4
+SMOKE_IDLE_GAPS_S = (0.0, 0.1, 0.2, 0.5)
+# the codec frames per second of every model the harness serves (csm-1b's Mimi, the written
+# checkpoint, voxring-tiny): the tiers check each request's PCM samples against it
+FRAME_RATE_HZ = 12.5
 # One fixed prompt for every request of the fixed load (and the warm-up): 98 prompt tokens with
 # the byte-level tokenizer, 27 with the BPE (the speaker tag and the special tokens included).
 PROMPT = "The quick brown fox jumps over the lazy dog while seven birds sing near the old stone bridge."
@@ -114,6 +123,10 @@ class Settings:
     load_seed: int = 0           # poisson, burst: draws each tier's schedule (with its C)
     # the written checkpoint's (TOKENIZERS); smoke: "byte" (voxring-tiny's); --checkpoint: None (its own)
     tokenizer: str | None = DEFAULT_TOKENIZER
+    sequential_requests: int = SEQUENTIAL_REQUESTS  # poisson, burst: the sequential C=1 tier's
+    idle_gaps: tuple[float, ...] = DEFAULT_IDLE_GAPS_S  # ... and the idle before each, in turn
+    profile_tier: int | None = None  # py-spy on every stage at this tier (bench/server/profile.py)
+    profile_seconds: float = 8.0
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -214,7 +227,8 @@ def fingerprint(configs: dict, s: Settings, checkpoint_name: str | None) -> str:
                 "checkpoint": checkpoint_name, "env": overrides_env(), "prompt": PROMPT}
     if s.load != "fixed":  # (the fixed load's fingerprint is what it was before there were others)
         identity.update({"load": s.load, "audio_range": s.audio_range, "load_seed": s.load_seed,
-                         "corpus": hashlib.sha256("\n".join(corpus_texts(64, 0)).encode()).hexdigest()})
+                         "corpus": hashlib.sha256("\n".join(corpus_texts(64, 0)).encode()).hexdigest(),
+                         "c1": {"sequential_requests": s.sequential_requests, "idle_gaps": s.idle_gaps}})
     blob = json.dumps(identity, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -233,6 +247,10 @@ def portable_configs(configs: dict) -> dict:
 
 def overrides_env() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("VOXRING_") and "__" in k}
+
+
+def _gaps(gaps: tuple[float, ...]) -> str:
+    return ",".join(f"{gap:g}" for gap in gaps)
 
 
 def _tiers(text: str) -> tuple[int, ...]:
@@ -269,7 +287,7 @@ def _tokenizer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str
     return args.tokenizer or DEFAULT_TOKENIZER
 
 
-def parse_args(argv: list[str] | None) -> Settings:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.server", description=USAGE.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=USAGE)
     parser.add_argument("--part", choices=["tiers", "baseline", "report"], default="tiers")
@@ -278,7 +296,8 @@ def parse_args(argv: list[str] | None) -> Settings:
                         help="tiers: where the engines run: "
                         + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
     parser.add_argument("--smoke", action="store_true",
-                        help="CPU: voxring-tiny, tiers 1 and 2 (fixed: 2 requests each), no MPS/nvidia-smi")
+                        help="CPU: voxring-tiny, tiers 1 and 2 (fixed: 2 requests each; poisson, burst: "
+                             f"C=1 {SMOKE_SEQUENTIAL_REQUESTS} sequential requests), no MPS/nvidia-smi")
     parser.add_argument("--out", type=Path, default=None,
                         help="results folder (default bench/results/server; smoke: a folder under /tmp)")
     parser.add_argument("--tiers", type=_tiers, default=None, help=f"default {','.join(map(str, TIERS))}")
@@ -292,7 +311,18 @@ def parse_args(argv: list[str] | None) -> Settings:
                              "burst: each request's, uniform over MIN,MAX (default 1,10; smoke 0.4,1.2)")
     parser.add_argument("--load-seed", type=int, default=0,
                         help="poisson, burst: the seed of the arrivals, texts and lengths (default 0)")
+    parser.add_argument("--sequential-requests", type=int, default=None,
+                        help=f"poisson, burst: the requests of the sequential C=1 tier, one at a time "
+                             f"(default {SEQUENTIAL_REQUESTS}; smoke {SMOKE_SEQUENTIAL_REQUESTS})")
+    parser.add_argument("--idle-gaps", type=idle_gaps_argument, default=None, metavar="S,S,...",
+                        help="poisson, burst: the C=1 tier's idle before each request, after the previous "
+                             f"one ended, in turn (default {_gaps(DEFAULT_IDLE_GAPS_S)}; smoke "
+                             f"{_gaps(SMOKE_IDLE_GAPS_S)})")
     parser.add_argument("--tier-max-s", type=float, default=60.0, help="wall-clock cap of one tier")
+    parser.add_argument("--profile-tier", type=int, default=None, metavar="C",
+                        help="py-spy every stage's threads for --profile-seconds (default 8) from tier C's "
+                             "first send (bench/server/profile.py)")
+    parser.add_argument("--profile-seconds", type=float, default=8.0, help=argparse.SUPPRESS)
     parser.add_argument("--max-wall", type=float, default=540.0, help="wall-clock cap of this invocation")
     parser.add_argument("--start-timeout", type=float, default=300.0,
                         help="the stages must be ready within this (model load, CUDA graph capture)")
@@ -306,6 +336,11 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument("--hf-frames", type=int, default=None, help="baseline: max_new_tokens (default 32)")
     parser.add_argument("--fresh", action="store_true", help="measure tiers already in the JSON again")
     parser.add_argument("--keep-run-dir", action="store_true", help="keep the stage configs and logs")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> Settings:
+    parser = _parser()
     args = parser.parse_args(argv)
     from bench.server.checkpoint import default_root
 
@@ -315,6 +350,11 @@ def parse_args(argv: list[str] | None) -> Settings:
         parser.error("--smoke runs without MPS")
     if args.requests_per_stream < 1 or args.tier_max_s <= 0 or args.max_wall <= 0:
         parser.error("--requests-per-stream, --tier-max-s and --max-wall must be positive")
+    if args.sequential_requests is not None and args.sequential_requests < 1:
+        parser.error("--sequential-requests must be positive")
+    if args.load == "fixed" and (args.sequential_requests is not None or args.idle_gaps is not None):
+        parser.error("--sequential-requests, --idle-gaps: the C=1 tier of --load poisson or burst (the "
+                     "fixed load's C=1 is its closed loop of one)")
     audio_seconds, audio_range = _audio(args, parser)
     return Settings(
         part=args.part, smoke=args.smoke, mps=args.mps == "on", layout=args.layout,
@@ -327,4 +367,8 @@ def parse_args(argv: list[str] | None) -> Settings:
         checkpoint_root=(args.checkpoint_root or default_root()).resolve(),
         c2w_graph_max_bucket=args.c2w_graph_max_bucket,
         hf_frames=args.hf_frames or (8 if args.smoke else 32), fresh=args.fresh,
-        keep_run_dir=args.keep_run_dir)
+        keep_run_dir=args.keep_run_dir,
+        sequential_requests=args.sequential_requests or (
+            SMOKE_SEQUENTIAL_REQUESTS if args.smoke else SEQUENTIAL_REQUESTS),
+        idle_gaps=args.idle_gaps or (SMOKE_IDLE_GAPS_S if args.smoke else DEFAULT_IDLE_GAPS_S),
+        profile_tier=args.profile_tier, profile_seconds=args.profile_seconds)

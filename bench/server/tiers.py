@@ -17,9 +17,18 @@ from pathlib import Path
 
 from bench.server import BenchError, log
 from bench.server.gpu import GpuSampler, Mps, physical_gpus
-from bench.server.load import load_fields, run_load, tier_config, wanted_cap_s, warmup_configs
+from bench.server.load import (
+    delivery_fields,
+    frame_rate_hz,
+    load_fields,
+    run_load,
+    tier_config,
+    wanted_cap_s,
+    warmup_configs,
+)
 from bench.server.probes import engine_numbers, engine_stats, snapshot, wait_idle
 from bench.server.procs import SHM_DIR, Server, child_env, reap_stale, shm_entries
+from bench.server.profile import TierProfile
 from bench.server.report import base_result, write_json
 from bench.server.settings import (
     LAYOUTS,
@@ -48,8 +57,12 @@ def tier_record(s: Settings, concurrency: int, requests: int, cap_s: float, cut_
     ttfa = report["ttfa_s"]
     # streams served at once: the closed loop's C; poisson and burst: the mean observed in flight
     streams = min(concurrency, requests) if s.load == "fixed" else report["mean_in_flight"]
+    checks = delivery_fields(report)
+    # clean: every request admitted and completed, no stall, every one's PCM what its frames
+    # decode to, none short of its length cap (a stop frame may end one early)
     clean = (report["rejected"] == 0 and not report["errors"] and report["underruns"] == 0
-             and not report["timed_out"] and report["completed"] == requests)
+             and not report["timed_out"] and report["completed"] == requests
+             and checks["sample_mismatches"] == 0 and checks["audio_shortfalls"] == 0)
     return {
         "concurrency": concurrency, "requests": requests, "cap_s": round(cap_s, 1),
         "status": "partial" if cut_by_wall and report["timed_out"] else "done",
@@ -62,7 +75,7 @@ def tier_record(s: Settings, concurrency: int, requests: int, cap_s: float, cut_
         "audio_s_per_s": round(report["audio_s_per_s"], 2),
         "rtf": round(streams / report["audio_s_per_s"], 3) if report["audio_s_per_s"] else None,
         "wall_s": round(report["wall_s"], 2), "timed_out": report["timed_out"], "clean": clean,
-        **load_fields(s, report), **numbers, "gpu_memory_mib": gpu, "loadgen": report,
+        **load_fields(s, report), **checks, **numbers, "gpu_memory_mib": gpu, "loadgen": report,
     }
 
 
@@ -90,7 +103,8 @@ def part_tiers(s: Settings) -> int:
                    "gpus_used": layout_gpus(s.layout), "fingerprint": fp,
                    "load": s.load, "load_text": LOADS[s.load],
                    **({"prompt": PROMPT} if s.load == "fixed" else
-                      {"prompt": "corpus", "audio_range": s.audio_range, "load_seed": s.load_seed}),
+                      {"prompt": "corpus", "audio_range": s.audio_range, "load_seed": s.load_seed,
+                       "sequential_requests": s.sequential_requests, "idle_gaps": s.idle_gaps}),
                    "audio_seconds": s.audio_seconds, "requests_per_stream": s.requests_per_stream,
                    "tier_max_s": s.tier_max_s, "checkpoint": checkpoint_name or "voxring-tiny",
                    "configs": portable_configs(configs)})
@@ -252,11 +266,17 @@ def _measure_tier(s: Settings, server: Server, gpu: GpuSampler, target: str, con
     needs or the ``left`` seconds of the wall cap, the less."""
     wanted = wanted_cap_s(s, concurrency)
     cap = min(wanted, left)
-    config = tier_config(s, target, concurrency, cap)
-    log(f"tier C={concurrency}: {config.num_requests} requests ({s.load}), at most {cap:.0f} s")
+    config = tier_config(s, target, concurrency, cap, frame_rate_hz(s))
+    log(f"tier C={concurrency}: {config.num_requests} requests ({config.load}), at most {cap:.0f} s")
     before = snapshot(server)
     gpu.reset()
+    profile = TierProfile(server, s.out, concurrency, s.profile_seconds, log) \
+        if s.profile_tier == concurrency else None
+    if profile:
+        profile.start()
     report = run_load(config)
+    if profile:
+        profile.finish()
     rates = engine_stats(server)  # the stages' own rates over the tier (window since `before`)
     idle = wait_idle(server, IDLE_TIMEOUT_S)
     after = snapshot(server)      # counters once idle: consistent with each other
@@ -264,6 +284,7 @@ def _measure_tier(s: Settings, server: Server, gpu: GpuSampler, target: str, con
                        engine_numbers(before, after, rates, concurrency),
                        {"peak": gpu.peak(), "after_start": memory_after_start})
     tier["engines_idle_after"] = idle
+    tier["profiled"] = profile is not None
     tier["stage_warnings"] = server.new_warnings()
     return tier
 
@@ -339,9 +360,16 @@ def format_tier(t: dict) -> str:
     ttfa = t["ttfa_ms"]
     tk = t.get("talker", {})
     load = "" if t.get("load", "fixed") == "fixed" else (
-        f" [{t['load']}: {t['mean_in_flight']} in flight on average, peak {t['max_in_flight']}]")
+        f" [{'sequential' if t.get('sequential') else t['load']}: {t['mean_in_flight']} in flight on "
+        f"average, peak {t['max_in_flight']}]")
+    by_idle = t.get("ttfa_by_idle_ms") or {}
+    p50s = "/".join(str(v["p50"]) for v in by_idle.values())
+    idle = f", TTFA p50 after {'/'.join(by_idle)} s idle {p50s} ms" if by_idle else ""
     return (f"C={t['concurrency']}: admitted {t['admitted']}/{t['requests']} (rejected {t['rejected']}), "
-            f"TTFA p50/p90/p99 {ttfa['p50']}/{ttfa['p90']}/{ttfa['p99']} ms, gap p99 {t['gap_p99_ms']} ms, "
-            f"underruns {t['underruns']}, {t['audio_s_per_s']} audio-s/s, RTF {t['rtf']}, "
+            f"TTFA p50/p90/p99 {ttfa['p50']}/{ttfa['p90']}/{ttfa['p99']} ms{idle}, "
+            f"gap p99 {t['gap_p99_ms']} ms, "
+            f"underruns {t['underruns']}, {t['audio_s_per_s']} audio-s/s "
+            f"(steady {t.get('steady_audio_s_per_s')}), RTF {t['rtf']}, "
+            f"PCM mismatches {t.get('sample_mismatches')}, short {t.get('audio_shortfalls')}, "
             f"talker {tk.get('frames_per_s')} frames/s, step {tk.get('step_ms')} ms, K {tk.get('mean_k')}, "
             f"errors {t['errors'] or 'none'}{' CLEAN' if t['clean'] else ''}{load}")

@@ -205,7 +205,7 @@ class EngineThread:
         """The keeper: during a step (and the commands handled before it) longer than one
         tick interval, the engine's own heartbeats, until it ends or has run
         ``keepalive_limit`` seconds."""
-        name_os_thread(f"{self.name}-keep")
+        name_os_thread("keepalive")  # 15 bytes: "<engine>-keep..." would read as the engine
         warned_for = None
         while not self._stopped.wait(self.tick_interval):
             started = self._step_started

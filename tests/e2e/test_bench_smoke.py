@@ -2,7 +2,8 @@
 tiny model started and found ready, two load tiers through the SDK's load generator,
 Stats and metrics read, JSON and the table written, every stage stopped with SIGTERM
 (exit 0) and nothing left in /dev/shm, once with one engine pair and once with two behind
-one gateway; the tiers under the open-loop Poisson load (every request accounted for); and
+one gateway; the tiers under the open-loop Poisson load (every request accounted for, C=1 as
+sequential requests with idle gaps); every request's PCM samples its frames'; and
 the baseline part (voxring's talker and
 transformers' generate on the same tiny checkpoint). The numbers themselves, and whether
 a tier is clean (real time: zero underruns) on this CPU, are the GPU run's business: the
@@ -34,8 +35,18 @@ def _run(*args: str, out, timeout: float = RUN_TIMEOUT_S) -> subprocess.Complete
 def _judged_by_its_rule(tier: dict) -> bool:
     """Whether the tier's ``clean`` is what bench.server's rule gives for its own counts."""
     clean = (tier["rejected"] == 0 and not tier["errors"] and tier["underruns"] == 0
-             and not tier["timed_out"] and tier["completed"] == tier["requests"])
+             and not tier["timed_out"] and tier["completed"] == tier["requests"]
+             and tier["sample_mismatches"] == 0 and tier["audio_shortfalls"] == 0)
     return tier["clean"] == clean
+
+
+def _every_request_delivered_its_frames(tier: dict) -> None:
+    """The PCM check: each completed request's samples are its frames' (1,920 a frame at 24 kHz,
+    12.5 Hz), and each ran to its length cap (random weights never stop)."""
+    assert tier["frame_rate_hz"] == 12.5
+    assert tier["sample_mismatches"] == 0, tier["sample_mismatch_examples"]
+    assert tier["audio_shortfalls"] == 0 and sum(tier["finish_reasons"].values()) == tier["completed"]
+    assert "steady_audio_s_per_s" in tier  # None when the last send came before 2 s
 
 
 def _realtime_streams_follow_the_clean_tiers(result: dict) -> None:
@@ -59,6 +70,7 @@ def test_smoke_tiers(tmp_path):
     for tier in result["tiers"].values():
         assert tier["status"] == "done" and _judged_by_its_rule(tier), tier
         assert tier["admitted"] == tier["completed"] == 2 and tier["rejected"] == 0
+        _every_request_delivered_its_frames(tier)
         assert tier["ttfa_ms"]["p50"] is not None and tier["audio_s_per_s"] > 0
         assert tier["talker"]["frames"] >= 2 * 10  # 2 requests x 0.8 s x 12.5 frames/s
         assert tier["talker"]["mean_k"] >= 1 and tier["code2wav"]["chunks"] >= 2
@@ -122,16 +134,27 @@ def test_smoke_tiers_under_a_poisson_load(tmp_path):
     assert (result["mode"], result["load"], result["prompt"]) == ("smoke-poisson", "poisson", "corpus")
     assert result["audio_range"] == [0.4, 1.2] and result["audio_seconds"] == pytest.approx(0.8)
     assert sorted(result["tiers"]) == ["1", "2"]
+    assert (result["sequential_requests"], result["idle_gaps"]) == (4, [0.0, 0.1, 0.2, 0.5])
     for c, tier in result["tiers"].items():
-        requests = result["requests_per_stream"] * int(c)
-        assert tier["status"] == "done" and tier["load"] == tier["loadgen"]["load"] == "poisson"
+        sequential = c == "1"  # C=1 of the poisson load: one request at a time, with idle gaps
+        requests = result["sequential_requests"] if sequential else result["requests_per_stream"] * int(c)
+        assert tier["status"] == "done" and tier["load"] == "poisson" and _judged_by_its_rule(tier), tier
+        assert tier["loadgen"]["load"] == ("sequential" if sequential else "poisson")
         assert tier["requests"] == requests and tier["unsent"] == 0
         assert tier["admitted"] + tier["rejected"] == requests
         assert tier["completed"] + sum(tier["errors"].values()) == tier["admitted"]
-        assert tier["offered_rate_per_s"] == pytest.approx(int(c) / 0.8, abs=1e-3)
         assert 0.4 * requests <= tier["requested_audio_s"] <= 1.2 * requests
         assert tier["loadgen"]["audio_seconds_range"] == [0.4, 1.2]
-        assert 1 <= tier["max_in_flight"] <= requests
+        if tier["completed"] == requests:
+            _every_request_delivered_its_frames(tier)
+        if sequential:
+            assert tier["sequential"] and tier["offered_rate_per_s"] is None and tier["max_in_flight"] == 1
+            assert tier["steady_audio_s_per_s"] is None
+            assert {gap: v["requests"] for gap, v in tier["ttfa_by_idle_ms"].items()} == {
+                "0": 1, "0.1": 1, "0.2": 1, "0.5": 1}
+        else:
+            assert tier["offered_rate_per_s"] == pytest.approx(int(c) / 0.8, abs=1e-3)
+            assert 1 <= tier["max_in_flight"] <= requests and tier["ttfa_by_idle_ms"] is None
     run = result["runs"][-1]
     assert "error" not in run, run
     assert run["exit_codes"] == {"gateway": 0, "code2wav": 0, "talker": 0}
@@ -139,6 +162,8 @@ def test_smoke_tiers_under_a_poisson_load(tmp_path):
     assert result["configs"]["gateway"]["limits"]["max_audio_seconds"] == 1.2
     table = (tmp_path / "server_gpu.md").read_text()
     assert "### smoke-poisson:" in table and "Load: poisson" in table
+    assert "C=1 is sequential: 4 requests one at a time" in table
+    assert "Sequential C=1, time to first audio by the idle before the request" in table
 
 
 def test_smoke_baseline(tmp_path):

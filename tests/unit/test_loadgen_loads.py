@@ -52,6 +52,11 @@ def _config(**changes) -> BenchConfig:
     ({"max_audio_seconds": 0.0}, "max_audio_seconds"),
     ({"max_audio_seconds": float("nan")}, "max_audio_seconds"),
     ({"load": "poisson", "max_audio_seconds": 1.0}, "max_audio_seconds"),
+    ({"load": "sequential", "num_requests": 4, "concurrency": 2}, "concurrency"),
+    ({"load": "sequential", "concurrency": 1, "idle_gaps_s": ()}, "idle_gaps_s"),
+    ({"idle_gaps_s": (0.0, -0.5)}, "idle_gaps_s"),
+    ({"frame_rate_hz": 0.0}, "frame_rate_hz"),
+    ({"frame_rate_hz": float("inf")}, "frame_rate_hz"),
 ])
 def test_config_errors_name_the_field(changes, field):
     with pytest.raises(ValueError, match=rf"^{field}\b"):

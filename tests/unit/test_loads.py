@@ -1,6 +1,7 @@
 """The load shapes (voxring/loads.py) as pure functions: the corpus, the audio lengths, the
-Poisson and burst schedules (seeded, and statistically what they claim, from large samples
-drawn here: no clock), and the time-average of streams in flight."""
+Poisson, burst and sequential schedules (seeded, and statistically what they claim, from large
+samples drawn here: no clock), the time-average of streams in flight, the steady audio rate
+and the PCM samples a request's frames decode to."""
 
 from __future__ import annotations
 
@@ -122,3 +123,62 @@ def test_audio_ranges_parse():
     with pytest.raises(ValueError, match=r"^audio_seconds:"):
         loads.check_audio_seconds((2.0,))
 
+
+
+# --- the sequential load -----------------------------------------------------------------------
+
+def test_sequential_schedule_takes_the_idle_gaps_in_turn_with_the_poisson_texts_and_lengths():
+    gaps = (0.0, 0.5, 2.0, 5.0)
+    a = loads.sequential_schedule(10, (2.0, 8.0), seed=7, idle_gaps_s=gaps)
+    assert [x.idle_before_s for x in a] == [0.0, 0.5, 2.0, 5.0, 0.0, 0.5, 2.0, 5.0, 0.0, 0.5]
+    # the same texts and lengths the Poisson load draws from the seed
+    assert [(x.text, x.max_audio_seconds) for x in a] == [
+        (x.text, x.max_audio_seconds) for x in poisson_schedule(10, 1, (2.0, 8.0), seed=7)]
+    assert a == loads.sequential_schedule(10, (2.0, 8.0), seed=7, idle_gaps_s=gaps)
+    # at_s: sent after every earlier request served in real time and its own gap
+    for i, x in enumerate(a):
+        before = sum(y.idle_before_s + y.max_audio_seconds for y in a[:i])
+        assert x.at_s == pytest.approx(before + x.idle_before_s)
+    assert loads.schedule_span_s(a) == pytest.approx(sum(x.idle_before_s + x.max_audio_seconds for x in a))
+    assert [x.idle_before_s for x in loads.sequential_schedule(3, (1.0, 2.0), 0, (1.5,))] == [1.5] * 3
+    assert [x.idle_before_s for x in loads.sequential_schedule(5, (1.0, 2.0), 0)] == [0.0, 0.5, 2.0, 5.0, 0.0]
+
+
+@pytest.mark.parametrize("gaps", [(), (-1.0,), (0.0, float("nan")), (float("inf"),), (0.5, 601.0), (True,)])
+def test_bad_idle_gaps_are_refused(gaps):
+    with pytest.raises(ValueError, match=r"^idle_gaps_s:"):
+        loads.check_idle_gaps(gaps)
+    with pytest.raises(ValueError, match=r"^idle_gaps_s:"):
+        loads.sequential_schedule(2, (1.0, 2.0), 0, gaps)
+
+
+def test_idle_gaps_parse():
+    assert loads.parse_idle_gaps("0,0.5,2,5") == (0.0, 0.5, 2.0, 5.0)
+    assert loads.parse_idle_gaps("3") == (3.0,)
+    for text in ("", "a", "1,-2"):
+        with pytest.raises(ValueError, match=r"idle gaps|seconds"):
+            loads.parse_idle_gaps(text)
+
+
+# --- what a run showed: steady rate, PCM samples ---------------------------------------------
+
+def test_chunk_audio_turns_delivered_totals_into_each_chunks_audio_at_run_time():
+    chunks = loads.chunk_audio(1.5, [(0.1, 0.08), (0.2, 0.24), (0.5, 0.64)])
+    assert [at for at, _ in chunks] == pytest.approx([1.6, 1.7, 2.0])
+    assert [audio for _, audio in chunks] == pytest.approx([0.08, 0.16, 0.40])
+    assert loads.chunk_audio(3.0, []) == []
+
+
+def test_steady_audio_rate_counts_the_audio_received_inside_the_window():
+    chunks = [(1.0, 5.0), (2.0, 7.0), (2.5, 1.0), (4.0, 2.0), (6.0, 3.0), (6.5, 100.0)]
+    # (2, 6]: the chunk at 2.0 is before it, the one at 6.0 its last, the one at 6.5 after it
+    assert loads.steady_audio_rate(chunks, 2.0, 6.0) == pytest.approx((1.0 + 2.0 + 3.0) / 4.0)
+    assert loads.steady_audio_rate([], 2.0, 6.0) == 0.0
+    assert loads.steady_audio_rate(chunks, 2.0, 2.0) is None  # the last send before the window
+    assert loads.steady_audio_rate(chunks, 2.0, 1.0) is None
+
+
+def test_expected_samples_are_frames_times_samples_per_frame():
+    assert loads.expected_samples(25, 24000, 12.5) == 25 * 1920
+    assert loads.expected_samples(3, 16000, 12.5) == 3 * 1280
+    assert loads.expected_samples(0, 24000, 12.5) == 0
