@@ -15,7 +15,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 @pytest.mark.parametrize(("rows", "sizes"), [(1, [1]), (3, [2, 1]), (6, [4, 2]), (5, [4, 1]),
-                                             (69, [64, 4, 1]), (100, [64, 32, 4]), (110, [110]), (1024, [1024]),
+                                             (69, [64, 4, 1]), (100, [64, 32, 4]), (110, [110]),
+                                             (1024, [1024]),
                                              (1500, [1024, 476])])
 def test_rows_split_into_buckets_that_pad_little(rows, sizes):
     assert split_rows(rows, BUCKETS) == sizes
