@@ -155,12 +155,23 @@ def step_split(before: Snapshot, after: Snapshot, name: str, window: float, step
     return split
 
 
+def _ratio(a: float | None, b: float | None, scale: float, digits: int) -> float | None:
+    return round(a * scale / b, digits) if a is not None and b else None
+
+
 def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -> dict:
     window = after.at - before.at
     c2w = after.stats[name]
     chunks = _delta(before, after, name, "chunks")
     audio = _delta(before, after, name, "audio_seconds")
-    return {"chunks_per_s_stats": round(rates[name]["chunks_per_s"], 1),
+    d = {key: _delta(before, after, name, key)
+         for key in ("decode_calls", "decode_seconds", "decode_frames", "decode_padded_frames")}
+    calls_fields = {"decode_calls": d["decode_calls"],
+                    "decode_ms_per_call": _ratio(d["decode_seconds"], d["decode_calls"], 1e3, 2),
+                    "chunks_per_call": _ratio(chunks, d["decode_calls"], 1, 1),
+                    "padded_per_real_frames": _ratio(d["decode_padded_frames"], d["decode_frames"], 1, 3),
+                    "decode_ms_per_audio_s": _ratio(d["decode_seconds"], audio, 1e3, 2)}
+    return {**calls_fields, "chunks_per_s_stats": round(rates[name]["chunks_per_s"], 1),
             "audio_s_per_s_stats": round(rates[name]["audio_seconds_per_s"], 1),
             "chunks": chunks, "audio_seconds": audio,
             "chunks_per_s": round(chunks / window, 1) if chunks is not None else None,

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The pair issue's H200 runs (bench/notes/2026-12-05-pair-on-one-gpu.md): the parts named, in order,
+# in one device call, each given an equal share of the budget left (BUDGET_S, default 540 s), every
+# result under $OUT/results.tgz (the device returns at most 8 files):
+#
+#   probe            bench.probes.mps: what an MPS client sees (SM affinity, NVML, the daemon)
+#   tiers:<tree>     the server under the Poisson load (2-8 s, 2 requests a stream, load seed 0) with
+#                    MPS, at TIERS, on the tree in folder <tree> (. for this one; another folder
+#                    carried beside it, e.g. a copy before a change, for a comparison in one call)
+#   gputests         tests/gpu and the sampler's CUDA test, 14 workers
+#
+#   VOXRING_COMMIT=<sha> TIERS=64,256,1024 PROFILE=1024 bench/server/h200_pair.sh probe tiers:.old tiers:.
+#
+# Options by environment: TIERS (default 1,64,256,512,768,1024,1536,2048), MPS (on), TOKENIZER (bpe),
+# PROFILE (a tier to py-spy; none by default), SEQ (the sequential C=1 tier's requests, default 50),
+# ARGS (more bench.server arguments). Run from the repository root with `carry: [".whl", ...]`.
+set -uo pipefail
+
+[ $# -gt 0 ] || { echo "usage: bench/server/h200_pair.sh PART..." >&2; exit 2; }
+: "${OUT:?OUT must name the folder whose files come back}"
+: "${VOXRING_COMMIT:?VOXRING_COMMIT must name the commit under test}"
+BUDGET_S="${BUDGET_S:-540}"
+TIERS="${TIERS:-1,64,256,512,768,1024,1536,2048}"
+ROOT="$PWD"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/*.whl || exit 1
+export PYTHONPATH="/tmp/site" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
+started=$(date +%s)
+R=/tmp/voxring-pair
+mkdir -p "$R"
+left() { local n=$(( BUDGET_S - ($(date +%s) - started) )); echo $(( n > 1 ? n : 1 )); }
+pack() { tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
+trap pack EXIT
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv
+  python3 -c "import sys, torch, triton, grpc; print(sys.version.split()[0], torch.__version__,
+triton.__version__, grpc.__version__)"
+  echo "commit $VOXRING_COMMIT; parts: $*"
+} > "$R/machine.txt" 2>&1
+
+n=$#
+i=0
+for part in "$@"; do
+  share=$(( ($(left) - 5) / (n - i) )); i=$((i + 1))
+  case "$part" in
+    probe)
+      timeout "$share" python3 -m bench.probes.mps --out "$R/mps_probe.json" > /dev/null 2>&1
+      echo "probe: exit $?" ;;
+    tiers:*)
+      tree="${part#tiers:}"; label=$(basename "$(cd "$tree" && pwd)"); [ "$tree" = . ] && label=head
+      mkdir -p "$R/$label"
+      (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" timeout "$share" python3 -m bench.server --part tiers \
+        --mps "${MPS:-on}" --load poisson --audio-seconds 2,8 --requests-per-stream 2 --load-seed 0 \
+        --tiers "$TIERS" --tokenizer "${TOKENIZER:-bpe}" --sequential-requests "${SEQ:-50}" \
+        ${PROFILE:+--profile-tier "$PROFILE"} --max-wall $((share - 10)) --out "$R/$label" ${ARGS:-} \
+        > "$R/$label/run.log" 2>&1)
+      echo "tiers $label: exit $?"; tail -n 30 "$R/$label/run.log" | grep -E "^C=|tier|MPS" ;;
+    gputests)
+      timeout "$share" python3 -m pytest -q -rfE -W ignore -p no:cacheprovider -n 14 tests/gpu \
+        tests/unit/test_sampler.py > "$R/gpu_tests.log" 2>&1
+      echo "gpu tests: exit $?"; tail -n 5 "$R/gpu_tests.log" ;;
+    *) echo "unknown part $part" >&2 ;;
+  esac
+done
+cd "$ROOT"
