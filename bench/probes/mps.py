@@ -39,6 +39,9 @@ def _driver_facts() -> dict:
     facts["attr_sm_count_rc"] = cuda.cuDeviceGetAttribute(
         ctypes.byref(value), CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
     facts["attr_sm_count"] = value.value
+    mps_enabled = ctypes.c_int(-1)
+    facts["attr_mps_enabled_rc"] = cuda.cuDeviceGetAttribute(ctypes.byref(mps_enabled), 133, device)
+    facts["attr_mps_enabled"] = mps_enabled.value  # CU_DEVICE_ATTRIBUTE_MPS_ENABLED: services/common/mps.py
     support = ctypes.c_int()
     facts["affinity_support_rc"] = cuda.cuDeviceGetExecAffinitySupport(
         ctypes.byref(support), CU_EXEC_AFFINITY_TYPE_SM_COUNT, device)

@@ -22,6 +22,7 @@ from services.code2wav.talkers import LinkHealth, TalkerLink
 from services.common import metrics
 from services.common.config import ConfigError
 from services.common.engine_thread import EngineComponent, EngineThread
+from services.common.mps import mps_requirement
 from services.common.server import ServiceBinding
 from services.common.stage import run_stage
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc
@@ -53,6 +54,8 @@ def build(config: Code2WavConfig, config_path: Path | None):
                             max_undelivered_seconds=config.engine.max_undelivered_seconds,
                             max_records_per_step=config.engine.max_records_per_step)
     metrics.register(engine.metrics)
+    mps = mps_requirement(device, config.model.require_mps, "code2wav")
+    metrics.register(mps.metrics)
     thread = EngineThread("code2wav-engine", engine, tick_interval=config.transport.heartbeat_interval / 2,
                           keepalive_limit=config.transport.step_keepalive,
                           slow_step=config.transport.liveness_timeout)
@@ -65,7 +68,7 @@ def build(config: Code2WavConfig, config_path: Path | None):
              ", ".join(f"{t.id}={t.address}" for t in talkers.attach))
     return ([ServiceBinding(name, code2wav_pb2_grpc.add_Code2WavServicer_to_server, servicer)],
             [EngineComponent(thread, close=engine.close_links),
-             LinkHealth(links, config.transport.heartbeat_interval)],
+             LinkHealth(links, config.transport.heartbeat_interval), mps],
             {"drain_exempt": ["/voxring.v1.Code2Wav/Stats"]})
 
 

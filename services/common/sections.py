@@ -180,6 +180,7 @@ class ModelSection:
     device: str = "auto"            # auto (cuda when present), cpu, cuda, cuda:N
     tiny_seed: int = 0              # which voxring-tiny, when checkpoint is null
     threads: int = 0                # torch's CPU threads in this stage; 0: torch's default (OMP_NUM_THREADS)
+    require_mps: bool = False       # on a GPU: readiness stays NOT_SERVING unless an MPS client
 
     def __post_init__(self) -> None:
         if self.threads < 0:

@@ -20,6 +20,7 @@ from models.tiny.talker import checkpoint_folder
 from services.common import metrics
 from services.common.config import ConfigError
 from services.common.engine_thread import EngineComponent, EngineThread
+from services.common.mps import mps_requirement
 from services.common.server import ServiceBinding
 from services.common.stage import run_stage
 from services.talker.config import TalkerConfig
@@ -141,6 +142,8 @@ def build(config: TalkerConfig, config_path: Path | None):
                           max_pending_frames=engine_cfg.max_pending_frames, step_log=step_log)
     core = TalkerCore(engine, consumers)
     metrics.register(core.metrics)
+    mps = mps_requirement(device, config.model.require_mps, "talker")
+    metrics.register(mps.metrics)
     thread = EngineThread("talker-engine", core, tick_interval=config.transport.heartbeat_interval / 2,
                           keepalive_limit=config.transport.step_keepalive,
                           slow_step=config.transport.liveness_timeout)
@@ -150,7 +153,7 @@ def build(config: TalkerConfig, config_path: Path | None):
     bindings = service_bindings(servicer, frame_servicer)
     log.info("model %s on %s (%s, %d CPU threads), max_len %d, buckets %s", folder, device,
              config.model.dtype, threads, max_len, list(engine_cfg.buckets))
-    return bindings, [EngineComponent(thread, close=core.close, idle=core.idle)], {
+    return bindings, [EngineComponent(thread, close=core.close, idle=core.idle), mps], {
         "drain_exempt": ["/voxring.v1.Talker/Cancel", "/voxring.v1.Talker/Stats"],
         "on_bound": (lambda address: setattr(frame_servicer, "address", address)) if frame_servicer else None,
     }

@@ -120,3 +120,17 @@ def test_address_in_use_is_a_clear_failure(start_stage, sock_dir):
         env=stage_env({"VOXRING_GATEWAY__SERVER__LISTEN": f"127.0.0.1:{port}"}), timeout=30)
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+def test_an_engine_that_must_be_an_mps_client_and_is_not_stays_unready(start_stage, sock_dir):
+    """model.require_mps: a stage that is not an MPS client (here: on the CPU) is live, never
+    ready, says why in its log and its ready file; without the requirement the same stage is
+    ready (test_stage_serves_reflects_and_stops_on_sigterm)."""
+    svc = start_stage("code2wav", unix_config(sock_dir, "code2wav", "model: {require_mps: true}\n"))
+    with grpc.insecure_channel(svc.address) as channel:
+        assert _health(channel, "liveness") == SERVING
+        assert _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert _health(channel, STAGES["code2wav"]) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert svc.ready()["mps_client"] is None  # not on a GPU
+    assert svc.stop(timeout=10) == 0
+    assert "model.require_mps is set but this stage is not on a GPU" in svc.log()

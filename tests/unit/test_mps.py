@@ -1,0 +1,54 @@
+"""services/common/mps.py: what the CUDA driver says about MPS becomes the stage's status, its
+gauge and, when MPS is required and absent, a readiness the stage never claims."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from services.common import mps
+
+
+class Driver:
+    """libcuda's three calls, answering ``attribute`` for MPS_ENABLED (or failing with ``rc``)."""
+
+    def __init__(self, attribute: int, rc: int = 0) -> None:
+        self.attribute, self.rc = attribute, rc
+
+    def cuInit(self, flags):
+        return 0
+
+    def cuDeviceGet(self, device, ordinal):
+        return 0
+
+    def cuDeviceGetAttribute(self, value, attribute, device):
+        assert attribute == mps.CU_DEVICE_ATTRIBUTE_MPS_ENABLED
+        ctypes.cast(value, ctypes.POINTER(ctypes.c_int)).contents.value = self.attribute
+        return self.rc
+
+
+@pytest.mark.parametrize(("driver", "client"), [(Driver(1), True), (Driver(0), False),
+                                                (Driver(1, rc=101), None)])
+def test_the_driver_attribute_decides(monkeypatch, driver, client):
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: driver)
+    assert mps.mps_status(0).client is client
+
+
+def test_off_the_gpu_there_is_nothing_to_say(monkeypatch):
+    def missing(name, *args, **kwargs):
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    assert mps.mps_status(None).client is None
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert mps.mps_status(0).client is None
+
+
+@pytest.mark.parametrize(("client", "required", "manages", "gauge"), [
+    (True, True, False, 1.0), (False, True, True, 0.0), (None, True, True, None),
+    (False, False, False, 0.0), (None, False, False, None)])
+def test_readiness_is_held_only_when_required_and_absent(client, required, manages, gauge):
+    requirement = mps.MpsRequirement(mps.MpsStatus(client, "why"), required, "talker")
+    assert requirement.manages_readiness is manages
+    assert requirement.metrics().get("mps_client", (None, None, None))[2] == gauge
+    assert requirement.ready_info() == {"mps_client": client}
