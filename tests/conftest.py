@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from services.transport.layout import SHM_PREFIX_ENV, shm_file_prefixes
-from voxring.stack import StageProcess, stop_all
+from voxring.stage_process import StageProcess, stop_all
 
 if not torch.cuda.is_available():
     # Triton kernels run under its interpreter on CPU machines; set before anything

@@ -27,6 +27,7 @@ from voxring.cli_connection import (
     tls_options,
 )
 from voxring.cli_say import add_say_arguments, cmd_say, fix_wav_sizes
+from voxring.mps_daemon import MODES
 from voxring.stack import STAGES, Stack, StackError, find_root
 from voxring.voices_cli import DESCRIPTION as VOICES_DESCRIPTION
 from voxring.voices_cli import add_voices_arguments
@@ -56,7 +57,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("a voxring stack is already running; waiting until it serves")
     else:
         print(f"starting {', '.join(missing)} (logs in {stack.log_dir})")
-    addresses = stack.up(timeout=args.timeout)
+    addresses = stack.up(timeout=args.timeout, mps=args.mps)
     print("voxring stack is SERVING:")
     _print_endpoints(addresses, stack)
     return 0
@@ -91,6 +92,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         health = check_health(address, "") if address else "starting"
         healthy += health == "SERVING"
         print(f"  {stage:<9} running, pid {pid}, {address or 'starting'}: {health}")
+        if (client := stack.ready(stage).get("mps_client")) is not None:  # an engine on a GPU
+            print(f"      {'an' if client else 'NOT an'} MPS client")
         if stage == "gateway" and address:
             for name, target in stack.gateway_pairs().items():  # as the gateway reports them
                 print(f"      pair {name} ({target}): {check_health(address, f'pair/{name}')}")
@@ -230,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(fn=fn)
         if timeout:
             p.add_argument("--timeout", type=float, default=timeout, help="seconds (bounded wait)")
+        if name == "up":
+            p.add_argument("--mps", choices=MODES, default="auto",
+                           help="run talker and Code2Wav as clients of the stack's own NVIDIA MPS daemon, "
+                                "so they share the GPU without time-slicing (auto: on a GPU host)")
         if name == "status":
             p.add_argument("--log-lines", type=_positive(int), default=10,
                            help="lines of a dead stage's log to show")

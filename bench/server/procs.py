@@ -15,7 +15,7 @@ from pathlib import Path
 from bench.server import BenchError, log
 from bench.server.settings import REPO, STATE_DIR, StageSpec
 from services.transport.layout import shm_file_prefixes
-from voxring.stack import StackError, StageProcess
+from voxring.stage_process import StackError, StageProcess
 
 SHM_DIR = Path("/dev/shm")
 

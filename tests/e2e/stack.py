@@ -33,7 +33,7 @@ from services.transport.shm_sweep import list_entries
 from tests.conftest import stage_env
 from tests.e2e.probes import fd_count, rss_kb, wait_for
 from tests.e2e.streams import Streams, request, run_stream
-from voxring.stack import StageProcess
+from voxring.stage_process import StageProcess
 from voxring.v1 import (
     code2wav_pb2,
     code2wav_pb2_grpc,

@@ -17,7 +17,7 @@ import pytest
 
 from bench.stack_cpu.report import worst_key, worst_runs
 from tests.conftest import REPO, stage_env
-from voxring.stack import torch_threads
+from voxring.stage_process import torch_threads
 
 COMMAND = [sys.executable, "-m", "bench.stack_cpu.tiers"]  # from the repository root, as documented
 RUN_TIMEOUT_S = 300  # a bound, not an expectation: ~10 s alone on 2 cores

@@ -21,7 +21,7 @@ import pytest
 
 from models.tiny.talker import ensure_tiny_checkpoint
 from tests.conftest import StageGroup
-from voxring.stack import StageProcess
+from voxring.stage_process import StageProcess
 
 CHROMIUM = Path("/usr/bin/chromium")
 LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -13,7 +13,7 @@ from models.checkpoint import set_threads
 from services.code2wav.config import Code2WavConfig
 from services.common.config import ConfigError, load_config
 from services.talker.config import TalkerConfig
-from voxring.stack import TORCH_STAGES, StageProcess, torch_threads
+from voxring.stage_process import TORCH_STAGES, StageProcess, torch_threads
 
 
 @pytest.mark.parametrize(("stage", "cls"), [("talker", TalkerConfig), ("code2wav", Code2WavConfig)])
