@@ -46,7 +46,7 @@ class EngineSection:
     min_chunk_tokens: int = 32
     admission_headroom: float = 0.2
     admission_by_slack: bool = True         # false: only the counts and max_queue_wait_s refuse
-    max_queue_wait_s: float = 1.0           # refuse a request expected to wait longer for a slot
+    max_queue_wait_s: float = 0.05          # refuse a request expected to wait longer for a slot or prefill
     # Prefill graphs per (rows, tokens) bucket on CUDA: a call of R chunks of up to T tokens runs
     # in the smallest captured bucket that holds it (padded), else eagerly. Captured smallest
     # first until the graph pool passes prefill_graph_memory_mb or capture prefill_graph_startup_s;
