@@ -8,7 +8,7 @@ shape runs eagerly through the same ``decode_step``; each such shape is logged o
 On the CPU everything runs eagerly.
 
 Mixed chunk lengths: :meth:`CodecDecoder.decode_many` decodes rows of different frame
-counts: with graphs, in the calls services/code2wav/calls.py plans (rows grouped by the
+counts: with graphs, in the calls services/common/buckets.py plans (rows grouped by the
 graph length that holds them, each group in buckets that pad little), each row
 right-padded to its call's length with a per-row valid length (see
 ``MimiCodec.decode_step``); every graph takes the lengths as an input buffer too, its
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from models.mimi.model import CodecInputError, MimiCodec
-from services.code2wav.calls import length_at_most, padded_length, plan
+from services.common.buckets import length_at_most, padded_length, plan
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class CodecDecoder:
     @torch.inference_mode()
     def decode_many(self, slots: Sequence[int], chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
         """chunks: one int16 [t_i, K] array per slot (t_i >= 1, may differ) -> one int16 PCM
-        array of t_i * spf samples per slot. With graphs, the calls services/code2wav/calls.py
+        array of t_i * spf samples per slot. With graphs, the calls services/common/buckets.py
         plans (rows grouped by the graph length they pad to, each group in buckets that pad
         little), launched back to back; eagerly, one call of the longest chunk. Either way
         the PCM conversion on the device and one device-to-host copy. Each slot's stream

@@ -47,12 +47,12 @@ class EngineSection:
     admission_headroom: float = 0.2
     admission_by_slack: bool = True         # false: only the counts and max_queue_wait_s refuse
     max_queue_wait_s: float = 0.05          # refuse a request expected to wait longer for a slot or prefill
-    # Prefill graphs per (rows, tokens) bucket on CUDA: a call of R chunks of up to T tokens runs
-    # in the smallest captured bucket that holds it (padded), else eagerly. Captured smallest
-    # first until the graph pool passes prefill_graph_memory_mb or capture prefill_graph_startup_s;
-    # empty rows or tokens: no prefill graphs.
-    prefill_graph_rows: tuple[int, ...] = (1, 2, 4, 8)
-    prefill_graph_tokens: tuple[int, ...] = (32, 64, 128, 256)
+    # Prefill graphs per (rows, tokens) bucket on CUDA: a step's chunks run grouped by the token
+    # bucket that holds each, in row buckets that pad little (services/common/buckets.py); longer
+    # chunks eagerly. Captured smallest first until the graph pool passes prefill_graph_memory_mb
+    # or capture prefill_graph_startup_s; empty rows or tokens: no prefill graphs.
+    prefill_graph_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    prefill_graph_tokens: tuple[int, ...] = (16, 32, 64, 128, 256)
     prefill_graph_memory_mb: float = 1024.0
     prefill_graph_startup_s: float = 30.0
     # A file to append one JSON line per step to (services/talker/steplog.py), for tuning the

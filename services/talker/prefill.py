@@ -32,6 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.sampler_twin import SamplingParams
 from models.family import TalkerModel
+from services.common.buckets import plan
 from services.common.sampling import Sampling
 from services.talker.prefill_graphs import (
     PrefillBuckets,
@@ -95,8 +96,20 @@ class Prefiller:
 
     @torch.inference_mode()
     def prefill(self, rows: Sequence[PrefillRow]) -> None:
+        """Prefills ``rows`` (one chunk per slot): with graphs, in the calls
+        services/common/buckets.py plans (rows grouped by the token bucket that holds them, each
+        group in row buckets that pad little), launched back to back; eagerly, in one call."""
         if not rows:
             return
+        if self.graphs is None:
+            self._call(rows)
+            return
+        tokens = sorted({t for _, t in self.graphs.buckets})
+        row_buckets = sorted({r for r, _ in self.graphs.buckets})
+        for call in plan([len(r.tokens) for r in rows], tokens, row_buckets):
+            self._call([rows[i] for i in call.rows])
+
+    def _call(self, rows: Sequence[PrefillRow]) -> None:
         b = len(rows)
         slots = np.fromiter((r.slot for r in rows), np.int64, b)
         starts = np.fromiter((r.start for r in rows), np.int64, b)

@@ -34,8 +34,8 @@ PrefillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], t
 class PrefillBuckets:
     """The engine's prefill graph settings (EngineSection's ``prefill_graph_*`` keys)."""
 
-    rows: tuple[int, ...] = (1, 2, 4, 8)
-    tokens: tuple[int, ...] = (32, 64, 128, 256)
+    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    tokens: tuple[int, ...] = (16, 32, 64, 128, 256)
     memory_mb: float = 1024.0   # capture stops once the graph pool has grown past this
     startup_s: float = 30.0     # ... or once capture has taken this long
 

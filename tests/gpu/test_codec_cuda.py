@@ -66,12 +66,12 @@ def test_bf16_decode_is_reproducible_and_graph_equals_eager(decoder, batch: int,
 
 
 def test_decode_many_of_mixed_lengths_from_graphs_equals_eager(decoder):
-    """Six rows of 1..8 frames decode in the calls services/code2wav/calls.py plans (rows grouped
+    """Six rows of 1..8 frames decode in the calls services/common/buckets.py plans (rows grouped
     by the graph length that holds them, each group in a bucket), each replaying its graph with
     spare rows on the pad slot; the same calls eagerly at the same padded shapes (so cuDNN sees
     the shapes the graphs saw) give the same PCM bit for bit over two ticks, so each slot's state
     advanced alike."""
-    from services.code2wav.calls import plan
+    from services.common.buckets import plan
 
     codec, spf, k = decoder.codec, decoder.codec.config.samples_per_frame, decoder.codec.num_codebooks
     assert decoder.padded_frames(7) == 8 and (8, 8) in decoder.graphs

@@ -171,13 +171,14 @@ def test_the_bucketed_path_equals_the_eager_one(model):
     run = graphs.run
     graphs.run = lambda bucket, inputs: ran.append(bucket) or run(bucket, inputs)
     (a0, a1), (b0, b1) = chunks(prompts[0], 0, [6]), chunks(prompts[1], 1, [16])
-    calls = [([a0, b0], (2, 16)), ([PrefillRow.whole(2, prompts[2], Sampling())], None),  # 21: no bucket
-             ([a1], (2, 16)), ([b1], (2, 8))]
-    for rows, bucket in calls:
+    # a call's rows go to the token bucket that holds each (6 and 16 tokens: two calls)
+    calls = [([a0, b0], [(2, 16), (2, 8)]), ([PrefillRow.whole(2, prompts[2], Sampling())], []),  # 21: none
+             ([a1], [(2, 16)]), ([b1], [(2, 8)])]
+    for rows, buckets_run in calls:
         eager.prefill(rows)
         before = len(ran)
         bucketed.prefill(rows)
-        assert ran[before:] == ([bucket] if bucket else [])
+        assert ran[before:] == buckets_run
     for slot, prompt in enumerate(prompts):
         assert_slot_matches(bucketed, eager, slot, len(prompt))
     np.testing.assert_array_equal(decode(bucketed, [0, 1, 2]), decode(eager, [0, 1, 2]))

@@ -1,6 +1,7 @@
-"""services/code2wav/calls.py: a tick's chunks as decode calls at the shapes graphs were captured
-for, padding little (rows grouped by the graph length that holds them; each group cut into
-buckets that pad at most 25%)."""
+"""services/common/buckets.py: a batch of rows (Code2Wav's chunks, the talker's prompt chunks) as
+calls at the shapes graphs were captured for, padding little (rows grouped by the graph length
+that holds them; each group cut into buckets that pad at most 25%; rows longer than every graph
+length in one eager call)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 
 import pytest
 
-from services.code2wav.calls import MAX_ROW_PADDING, Call, length_at_most, padded_length, plan, split_rows
+from services.common.buckets import MAX_ROW_PADDING, Call, length_at_most, padded_length, plan, split_rows
 
 LENGTHS = (1, 2, 4, 8, 16)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -59,3 +60,9 @@ def test_a_cut_goes_to_the_longest_graph_length_within_it():
     assert [length_at_most(t, LENGTHS) for t in (1, 3, 7, 8, 15, 16, 20)] == [1, 2, 4, 8, 8, 16, 16]
     assert [padded_length(t, LENGTHS) for t in (1, 3, 7, 8, 15, 16, 20)] == [1, 4, 8, 8, 16, 16, 20]
     assert length_at_most(5, ()) == 5
+
+
+def test_rows_longer_than_every_graph_length_go_together_first():
+    calls = plan([300, 20, 512, 30], (32, 64, 128, 256), BUCKETS)
+    assert calls[0] == Call((0, 2), 512) and sorted(r for c in calls[1:] for r in c.rows) == [1, 3]
+    assert all(c.frames == 32 for c in calls[1:])

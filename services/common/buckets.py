@@ -1,14 +1,16 @@
-"""How a tick's chunks become decode calls when graphs were captured (services/code2wav/decoder.py).
+"""How a batch of rows of different lengths becomes calls at the shapes graphs were captured for:
+Code2Wav's decode calls (rows of frames: services/code2wav/decoder.py) and the talker's prefill
+calls (rows of prompt tokens: services/talker/prefill.py). Pure Python.
 
-A call pads every row to one chunk length T and its rows to a captured batch bucket; the
-device pays for the padded shape. One call for the whole tick (rows of 1 to 16 frames padded
-to 16, 69 rows to a bucket of 128) can cost several times its real frames. So the tick is
-split: rows are grouped by the graph length their chunk pads to, and each group is cut into
-calls whose bucket holds its rows with at most ``MAX_ROW_PADDING`` of them padding (69 rows:
-64 + 4 + 1), the largest first. More launches, but each at the shape its graph was made for:
-the padded frames of a tick stay within ``MAX_ROW_PADDING`` of the real ones but for the
-rows whose chunk itself is shorter than its graph's T (a stream's last chunk, a segment's),
-which the engine keeps rare by cutting other chunks to a graph length (``chunk_at_most``)."""
+A call pads every row to one length T and its rows to a captured batch bucket; the device pays
+for the padded shape. One call for the whole batch (Code2Wav: rows of 1 to 16 frames padded to
+16, 69 rows to a bucket of 128) can cost several times its real work. So the batch is split:
+rows are grouped by the graph length they pad to, and each group is cut into calls whose bucket
+holds its rows with at most ``MAX_ROW_PADDING`` of them padding (69 rows: 64 + 4 + 1), the
+longest first. More launches, but each at the shape its graph was made for: the padded work
+stays within ``MAX_ROW_PADDING`` of the real one but for rows shorter than their graph's T,
+which Code2Wav keeps rare by cutting chunks to a graph length (``length_at_most``). Rows longer
+than every graph length go together in one call of the longest of them (eager)."""
 
 from __future__ import annotations
 
@@ -51,16 +53,18 @@ def split_rows(rows: int, buckets: Sequence[int]) -> list[int]:
 
 
 def plan(frames: Sequence[int], lengths: Sequence[int], buckets: Sequence[int]) -> list[Call]:
-    """The calls that decode chunks of ``frames`` each (in the tick's order) with graphs of
-    ``lengths`` x ``buckets`` (both ascending; empty: one call of the longest chunk)."""
+    """The calls that run rows of ``frames`` each (in the batch's order) with graphs of
+    ``lengths`` x ``buckets`` (both ascending; empty: one call of the longest row)."""
     if not frames:
         return []
     if not lengths or not buckets:
         return [Call(tuple(range(len(frames))), max(frames))]
     groups: dict[int, list[int]] = {}
+    longer = [row for row, t in enumerate(frames) if t > lengths[-1]]
     for row, t in enumerate(frames):
-        groups.setdefault(padded_length(t, lengths), []).append(row)
-    calls = []
+        if t <= lengths[-1]:
+            groups.setdefault(padded_length(t, lengths), []).append(row)
+    calls = [Call(tuple(longer), max(frames[r] for r in longer))] if longer else []
     for t in sorted(groups, reverse=True):
         rows = groups[t]
         start = 0
