@@ -28,6 +28,7 @@
 #                                    annotated-doc: in the image)
 #   websockets                       uvicorn's WebSocket protocol (the gateway's incremental-text
 #                                    WebSocket; uvicorn imports it when the gateway starts)
+#   py-spy                           the server bench's --profile-tier (bench/server/profile.py)
 # Usage: bench/server/fetch_wheels.sh [DEST]   (default: .whl at the repository root)
 set -euo pipefail
 
@@ -54,6 +55,7 @@ PACKAGES=(
   "anyio==4.16.0"
   "opentelemetry-api==1.45.2"
   "websockets==17.4"
+  "py-spy==0.4.3"
 )
 
 mkdir -p "$DEST"
