@@ -14,6 +14,11 @@
   drain_timeout + grace, GPUs are asked for, the gateway's discovery name is the headless
   Service's, the HTTP API is served and let in wherever gRPC is, and a voice folder
   (voices.store) belongs to one gateway and is writable by the image's user;
+- NVIDIA MPS for the GPU pair: in compose, an MPS control daemon whose IPC namespace and
+  pipe directory both GPU stages share, which they wait for, as their uid; in Kubernetes,
+  one DRA ResourceClaim per Pod asking for MPS sharing, used by both containers, and no
+  device-plugin GPUs; both stages require MPS (model.require_mps), with SM limits that add
+  up to at most 100; the CPU pair none of it;
 - what the gateway image is built from: a wheel carrying the playground page (package
   data), from a context the .dockerignore does not strip it from.
 
@@ -23,6 +28,7 @@ reason, except under CI=true, where it fails.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import re
@@ -48,11 +54,15 @@ CONFIGS = REPO / "deploy" / "configs"
 COMPOSE_DIR = REPO / "deploy" / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 K8S_DIR = REPO / "deploy" / "k8s"
-OLDEST_K8S = "1.30.0"  # native gRPC probes (GA in 1.27), policy/v1, restricted Pod Security
+OLDEST_K8S = "1.34.0"  # the pair's GPU: Dynamic Resource Allocation, resource.k8s.io/v1 (GA in 1.34)
 STAGES = {"gateway": GatewayConfig, "talker": TalkerConfig, "code2wav": Code2WavConfig}
 ENGINE_STAGES = ("talker", "code2wav")
 PROFILES = ("gpu", "cpu")
 GPU = "nvidia.com/gpu"
+MPS_SERVICE = "mps"  # compose: the GPU pair's MPS control daemon, the one service that runs no stage
+MPS_DAEMON = "nvidia-cuda-mps-control"
+DRA_GPU = "gpu.nvidia.com"  # NVIDIA's DRA driver: its DeviceClass and its driver name
+SM_PERCENT = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 GRPC_PORT, HTTP_PORT = 50051, 8000  # the gateway's documented ports
 PUBLISH_IP = "${VOXRING_PUBLISH_IP:-127.0.0.1}"  # compose: every published port's host IP
 PLAYGROUND = "services/gateway/http/static/playground.html"
@@ -102,9 +112,19 @@ _DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)")
 _UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
 
 
-def _interpolate(value: Any) -> Any:
-    """Compose's ${VAR:-default} with no variable set: the default (or empty)."""
-    return _VARIABLE.sub(lambda m: m.group(2) or "", value) if isinstance(value, str) else value
+def _env_file() -> dict[str, str]:
+    """The variables .env beside docker-compose.yml sets (compose reads it for interpolation)."""
+    lines = (COMPOSE_DIR / ".env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
+
+
+def _interpolate(value: Any, variables: dict[str, str] | None = None) -> Any:
+    """Compose's ${VAR:-default}: the variable's value in ``variables`` (default: .env's, as
+    compose runs with no variable of the shell set), else the default (or empty)."""
+    if not isinstance(value, str):
+        return value
+    variables = _env_file() if variables is None else variables
+    return _VARIABLE.sub(lambda m: variables.get(m.group(1)) or m.group(2) or "", value)
 
 
 def _seconds(duration: str) -> float:
@@ -122,11 +142,11 @@ def _services(compose: dict) -> dict[str, dict]:
     return compose["services"]
 
 
-def _environment(service: dict) -> dict[str, str]:
+def _environment(service: dict, variables: dict[str, str] | None = None) -> dict[str, str]:
     env = service.get("environment") or {}
     if isinstance(env, list):
         env = dict(item.split("=", 1) for item in env)
-    return {key: "" if value is None else str(_interpolate(value)) for key, value in env.items()}
+    return {key: "" if value is None else str(_interpolate(value, variables)) for key, value in env.items()}
 
 
 def _mounts(service: dict) -> list[dict]:
@@ -156,21 +176,28 @@ def _host_path(service: dict, container_path: str) -> Path:
     raise AssertionError(f"{container_path} is not under any bind mount of {service.get('command')}")
 
 
+def _stage_services(compose: dict) -> dict[str, dict]:
+    """The services that run a voxring stage: all but the MPS daemon."""
+    return {name: service for name, service in _services(compose).items() if name != MPS_SERVICE}
+
+
+def _service_config(name: str, service: dict) -> tuple[str, Any]:
+    """(stage, the config the service runs with), loaded by the strict loader."""
+    stage = _stage_of(service["command"])
+    path = _host_path(service, _config_arg(service["command"]))
+    assert path.is_file(), f"{name}: {path} does not exist"
+    return stage, load_config(STAGES[stage], path, stage, environ=_environment(service))
+
+
 def _compose_configs(compose: dict) -> dict[str, tuple[str, Any]]:
-    """{service name: (stage, the config it runs with)}, loaded by the strict loader."""
-    loaded = {}
-    for name, service in _services(compose).items():
-        stage = _stage_of(service["command"])
-        path = _host_path(service, _config_arg(service["command"]))
-        assert path.is_file(), f"{name}: {path} does not exist"
-        loaded[name] = (stage, load_config(STAGES[stage], path, stage, environ=_environment(service)))
-    return loaded
+    """{service name: (stage, the config it runs with)} of every stage's service."""
+    return {name: _service_config(name, service) for name, service in _stage_services(compose).items()}
 
 
 def _by_profile(compose: dict) -> dict[str, dict[str, str]]:
     """{profile: {stage: service name}}."""
     table: dict[str, dict[str, str]] = {}
-    for name, service in _services(compose).items():
+    for name, service in _stage_services(compose).items():
         profiles = service.get("profiles") or []
         assert len(profiles) == 1 and profiles[0] in PROFILES, \
             f"{name}: expected exactly one of the profiles {PROFILES}, got {profiles}"
@@ -202,9 +229,10 @@ def test_compose_profiles_gpu_by_default_and_one_full_stack_each(compose):
     assert set(table) == set(PROFILES)
     for profile, stages in table.items():
         assert set(stages) == set(STAGES), f"profile {profile}: {stages}"
-    env_file = dict(line.split("=", 1) for line in (COMPOSE_DIR / ".env").read_text().splitlines()
-                    if line.strip() and not line.startswith("#"))
-    assert env_file.get("COMPOSE_PROFILES") == "gpu"
+    assert _env_file().get("COMPOSE_PROFILES") == "gpu"
+    # beside the stages, only the GPU pair's MPS daemon
+    assert set(_services(compose)) - set(_stage_services(compose)) == {MPS_SERVICE}
+    assert _services(compose)[MPS_SERVICE].get("profiles") == ["gpu"]
 
 
 def test_compose_configs_load_through_the_strict_loader(compose):
@@ -223,8 +251,11 @@ def _published(service: dict) -> list[dict]:
 def test_compose_only_the_gateway_publishes_a_port(compose):
     loaded = _compose_configs(compose)
     for name, service in _services(compose).items():
-        stage, config = loaded[name]
         assert service.get("network_mode") != "host", name
+        if name not in loaded:  # the MPS daemon
+            assert not service.get("ports") and not service.get("networks"), f"{name}: on a network"
+            continue
+        stage, config = loaded[name]
         if stage != "gateway":
             assert not service.get("ports"), f"{name} publishes {service.get('ports')}"
             continue
@@ -264,7 +295,7 @@ def test_compose_gateway_voice_store_is_a_writable_volume_of_one_gateway(compose
     uid = int(user.split(":")[0])
     folders = _image_folders(dockerfile)
     owners: dict[str, list[str]] = {}
-    for name, service in services.items():
+    for name, service in _stage_services(compose).items():
         stage, config = loaded[name]
         if stage != "gateway":
             continue
@@ -308,8 +339,16 @@ def test_compose_talker_and_code2wav_share_dev_shm(compose):
     services = _services(compose)
     for profile, stages in _by_profile(compose).items():
         talker, code2wav = services[stages["talker"]], services[stages["code2wav"]]
-        if code2wav.get("ipc") == f"service:{stages['talker']}":
-            assert talker.get("ipc") == "shareable", profile
+        if code2wav.get("ipc", "").startswith("service:"):
+            # one IPC namespace, /dev/shm included: a third container's (the MPS daemon's)
+            # that both join, or the talker's that Code2Wav joins
+            owner = code2wav["ipc"].removeprefix("service:")
+            assert owner in (MPS_SERVICE, stages["talker"]), f"{profile}: ipc {code2wav['ipc']}"
+            assert services[owner].get("ipc") == "shareable", profile
+            if owner != stages["talker"]:
+                assert talker.get("ipc") == code2wav["ipc"], f"{profile}: the talker is not in {owner}'s IPC"
+            for name in (stages["talker"], stages["code2wav"]):  # a mount would hide the shared one
+                assert "/dev/shm" not in {m["target"] for m in _mounts(services[name])}, name
             continue
         shm = [{m["source"] for m in _mounts(s) if m["target"] == "/dev/shm" and m["type"] == "volume"}
                for s in (talker, code2wav)]
@@ -318,9 +357,123 @@ def test_compose_talker_and_code2wav_share_dev_shm(compose):
         assert volume["driver_opts"]["type"] == "tmpfs", volume
 
 
+def _percent(value: str | None, where: str) -> int:
+    """An MPS active-thread percentage: a whole number in 1..100."""
+    assert value and re.fullmatch(r"\d+", value), f"{where}: {SM_PERCENT}={value!r}, not a whole percentage"
+    assert 1 <= int(value) <= 100, f"{where}: {SM_PERCENT}={value} outside 1..100"
+    return int(value)
+
+
+def _engine_uid() -> int:
+    (user,) = re.findall(r"^USER (\S+)$", (COMPOSE_DIR / "Dockerfile.engine").read_text(), re.MULTILINE)
+    return int(user.split(":")[0])
+
+
+def _compose_mps_problems(compose: dict, variables: dict[str, str] | None = None) -> list[str]:
+    """What keeps the compose GPU pair from sharing its GPU through the MPS daemon ([]: nothing),
+    with the compose variables ``variables`` (default: .env's)."""
+    services = _services(compose)
+    daemon = services.get(MPS_SERVICE)
+    if daemon is None:
+        return [f"no {MPS_SERVICE} service"]
+    problems = []
+    command = daemon.get("command") or []
+    if command[:1] != [MPS_DAEMON] or "-f" not in command:
+        problems.append(f"{MPS_SERVICE} runs {command}, not `{MPS_DAEMON} -f` (in the foreground)")
+    if daemon.get("ipc") != "shareable":
+        problems.append(f"{MPS_SERVICE}: ipc {daemon.get('ipc')!r}, not shareable")
+    health = " ".join((daemon.get("healthcheck") or {}).get("test") or [])
+    if not re.search(rf"get_server_list\s*\|\s*{MPS_DAEMON}", health):
+        problems.append(f"{MPS_SERVICE}: no health check asking the daemon (get_server_list): {health!r}")
+    if int(str(daemon.get("user", _engine_uid())).split(":")[0]) != _engine_uid():
+        problems.append(f"{MPS_SERVICE}: user {daemon.get('user')}, not the stages' uid {_engine_uid()}")
+    daemon_env = _environment(daemon, variables)
+    pipe = daemon_env.get("CUDA_MPS_PIPE_DIRECTORY")
+    mounts = {m["target"]: m for m in _mounts(daemon)}
+    if not pipe or mounts.get(pipe, {}).get("type") != "volume":
+        problems.append(f"{MPS_SERVICE}: its pipe directory {pipe!r} is no volume its clients can mount")
+        return problems
+    percents = {}
+    for stage in ENGINE_STAGES:
+        name = _by_profile(compose)["gpu"][stage]
+        service = services[name]
+        if service.get("ipc") != f"service:{MPS_SERVICE}":
+            problems.append(f"{name}: ipc {service.get('ipc')!r}, not the daemon's (service:{MPS_SERVICE})")
+        depends = service.get("depends_on") or {}
+        condition = depends.get(MPS_SERVICE, {}).get("condition") if isinstance(depends, dict) else None
+        if condition != "service_healthy":  # started is not enough: it must answer first
+            problems.append(f"{name}: does not wait for the daemon to answer ({MPS_SERVICE}: {condition})")
+        env = _environment(service, variables)
+        for key in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+            if env.get(key) != daemon_env.get(key):
+                problems.append(f"{name}: {key}={env.get(key)!r}, the daemon's is {daemon_env.get(key)!r}")
+        shared = {m["target"]: m["source"] for m in _mounts(service)}.get(pipe)
+        if shared != mounts[pipe]["source"]:
+            problems.append(f"{name}: {pipe} is not the daemon's volume {mounts[pipe]['source']} ({shared})")
+        if int(str(service.get("user", _engine_uid())).split(":")[0]) != _engine_uid():
+            problems.append(f"{name}: user {service.get('user')}, not the daemon's uid (one server per uid)")
+        if not _service_config(name, service)[1].model.require_mps:
+            problems.append(f"{name}: model.require_mps is off (without the daemon it would serve, silently)")
+        percents[name] = _percent(env.get(SM_PERCENT), name)
+    if sum(percents.values()) > 100:
+        problems.append(f"the SM limits add up to more than 100: {percents}")
+    return problems
+
+
+def test_compose_gpu_pair_shares_its_gpu_through_mps(compose):
+    assert _compose_mps_problems(compose) == []
+    # the check has teeth
+    for path, value in (((MPS_SERVICE, "ipc"), None), (("code2wav", "ipc"), None),
+                        (("talker", "depends_on"), None),
+                        (("talker", "environment", "CUDA_MPS_PIPE_DIRECTORY"), "/tmp/nvidia-mps"),
+                        (("code2wav", "environment", "VOXRING_CODE2WAV__MODEL__REQUIRE_MPS"), None),
+                        (("talker", "user"), "0:0")):
+        broken = copy.deepcopy(compose)
+        *parents, key = path
+        target = _dig(broken, parents)
+        if value is None:
+            target.pop(key, None)
+        else:
+            target[key] = value
+        assert _compose_mps_problems(broken), f"{path} = {value!r} went unnoticed"
+
+
+def _dig(compose: dict, path: list[str]) -> dict:
+    """compose["services"][path[0]][path[1]]..."""
+    node = compose["services"]
+    for key in path:
+        node = node[key]
+    return node
+
+
+def test_compose_mps_sm_limits_default_to_at_most_100_in_all(compose):
+    """.env's values, and compose's own fallbacks where no variable is set, are the same and
+    add up to at most 100; the check has teeth."""
+    def percents(variables: dict[str, str] | None) -> list[int]:
+        stages = _by_profile(compose)["gpu"]
+        return [_percent(_environment(_services(compose)[stages[stage]], variables).get(SM_PERCENT), stage)
+                for stage in ENGINE_STAGES]
+
+    assert percents(None) == percents({}), "the .env values and compose's fallbacks differ"
+    assert sum(percents(None)) <= 100, percents(None)
+    too_much = {**_env_file(), "VOXRING_CODE2WAV_SM_PERCENT": str(101 - percents(None)[0])}
+    assert _compose_mps_problems(compose, too_much) and sum(percents(too_much)) == 101
+
+
+def test_compose_cpu_pair_runs_without_mps(compose):
+    services = _services(compose)
+    loaded = _compose_configs(compose)
+    for stage in ENGINE_STAGES:
+        name = _by_profile(compose)["cpu"][stage]
+        service = services[name]
+        assert loaded[name][1].model.require_mps is False, f"{name}: require_mps on the CPU never readies"
+        assert "ipc" not in service and MPS_SERVICE not in (service.get("depends_on") or {}), name
+        assert not [key for key in _environment(service) if key.startswith("CUDA_MPS_")], name
+
+
 def test_compose_every_service_has_a_voxring_health_check(compose):
     loaded = _compose_configs(compose)
-    for name, service in _services(compose).items():
+    for name, service in _stage_services(compose).items():
         test = service["healthcheck"]["test"]
         assert test[0] == "CMD" and test[1:3] == ["voxring", "health"], f"{name}: {test}"
         assert test[3] == f"127.0.0.1:{_port(loaded[name][1].server.listen)}", f"{name}: {test}"
@@ -330,7 +483,8 @@ def test_compose_every_service_has_a_voxring_health_check(compose):
 
 def test_compose_stop_grace_covers_drain_and_grace(compose):
     loaded = _compose_configs(compose)
-    for name, service in _services(compose).items():
+    assert _services(compose)[MPS_SERVICE].get("restart") == "unless-stopped"
+    for name, service in _stage_services(compose).items():
         budget = _budget(loaded[name][1])
         assert _seconds(service["stop_grace_period"]) >= budget, f"{name}: below {budget} s"
         assert service.get("restart") in ("unless-stopped", "always", "on-failure"), name
@@ -346,10 +500,13 @@ def test_compose_gpu_reservations_only_in_the_gpu_profile(compose):
                 assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}], name
             else:
                 assert not devices, f"{name} reserves {devices}"
+    # the MPS daemon reserves the GPU its clients do: a client reaches only its daemon's GPUs
+    daemon = services[MPS_SERVICE]["deploy"]["resources"]["reservations"]["devices"]
+    assert daemon == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}], daemon
 
 
 def test_compose_configs_and_models_mounted_read_only(compose):
-    for name, service in _services(compose).items():
+    for name, service in _stage_services(compose).items():
         by_target = {m["target"]: m for m in _mounts(service)}
         config_dir = str(Path(_config_arg(service["command"])).parent)
         assert by_target[config_dir]["read_only"], f"{name}: {config_dir} is writable"
@@ -375,7 +532,7 @@ def test_dockerfile_gateway_exposes_what_compose_publishes(compose):
     exposed = {int(port) for line in re.findall(r"^EXPOSE (.+)$", text, re.MULTILINE)
                for port in line.split()}
     assert exposed == {GRPC_PORT, HTTP_PORT}
-    for name, service in _services(compose).items():
+    for name, service in _stage_services(compose).items():
         if _stage_of(service["command"]) == "gateway":
             assert {port["target"] for port in _published(service)} == exposed, name
 
@@ -473,23 +630,33 @@ def _file_in_pod(pod: dict, container: dict, path: str) -> tuple[str, str, str]:
     raise AssertionError(f"{path} is not under any mount of container {container['name']}")
 
 
+def _container_env(container: dict) -> dict[str, str]:
+    """A container's literal env values (valueFrom entries are left out)."""
+    return {e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}
+
+
 @pytest.fixture(scope="module")
 def k8s_configs(manifests, tmp_path_factory) -> dict[str, Any]:
     """{container name: its config}, from the ConfigMap files each command names,
-    written out beside each other and loaded by the strict loader."""
+    written out beside each other and loaded by the strict loader with the container's env."""
     folder = tmp_path_factory.mktemp("k8s-config")
     loaded = {}
     for deployment in ("voxring-pair", "voxring-gateway"):
         pod = _pod(manifests, deployment)
         for container in pod["spec"]["containers"]:
-            stage = _stage_of(container["command"])
-            kind, name, key = _file_in_pod(pod, container, _config_arg(container["command"]))
-            assert kind == "configMap", container["name"]
-            data = _one(manifests, "ConfigMap", name)["data"]
-            for file_name, text in data.items():
-                (folder / file_name).write_text(text)
-            loaded[container["name"]] = load_config(STAGES[stage], folder / key, stage, environ={})
+            loaded[container["name"]] = _container_config(manifests, pod, container, folder)
     return loaded
+
+
+def _container_config(docs: list[dict], pod: dict, container: dict, folder: Path) -> Any:
+    """The config a container runs with: the ConfigMap file its command names, written out
+    in ``folder`` beside the map's other files, and the container's env."""
+    stage = _stage_of(container["command"])
+    kind, name, key = _file_in_pod(pod, container, _config_arg(container["command"]))
+    assert kind == "configMap", container["name"]
+    for file_name, text in _one(docs, "ConfigMap", name)["data"].items():
+        (folder / file_name).write_text(text)
+    return load_config(STAGES[stage], folder / key, stage, environ=_container_env(container))
 
 
 def test_k8s_manifests_match_the_kubernetes_schemas(manifests):
@@ -574,7 +741,7 @@ def test_k8s_pair_pod_gpus_probes_and_stop_budget(manifests, k8s_configs):
         port = _port(config.server.listen)
         assert _host(config.server.listen) == "0.0.0.0", container["name"]  # the gateway dials the Pod IP
         assert port in [p["containerPort"] for p in container["ports"]]
-        assert int(container["resources"]["limits"][GPU]) >= 1, f"{container['name']}: no {GPU}"
+        assert container["resources"].get("claims"), f"{container['name']}: no GPU claimed"  # MPS test below
         assert config.model.device.startswith("cuda")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == port, f"{container['name']} {probe}"
@@ -582,6 +749,85 @@ def test_k8s_pair_pod_gpus_probes_and_stop_budget(manifests, k8s_configs):
             assert container[probe]["grpc"].get("service", "") == wanted, f"{container['name']} {probe}"
         budgets.append(_budget(config))
     assert pod["spec"]["terminationGracePeriodSeconds"] >= max(budgets)
+
+
+def _k8s_mps_problems(docs: list[dict], folder: Path) -> list[str]:
+    """What keeps the pair Pod's two stages from sharing one GPU through MPS ([]: nothing):
+    one DRA claim per Pod, from a template asking NVIDIA's driver for MPS sharing, used by
+    both containers; no device-plugin GPUs; require_mps on; SM limits within the claim's."""
+    pod = _pod(docs, "voxring-pair")
+    problems, used, percents = [], {}, {}
+    for container in pod["spec"]["containers"]:
+        name, resources = container["name"], container.get("resources") or {}
+        for group in ("limits", "requests"):
+            if GPU in (resources.get(group) or {}):
+                problems.append(f"{name}: {group} {GPU}: a device-plugin GPU, outside the Pod's MPS claim")
+        used[name] = tuple(sorted((c["name"], c.get("request", "")) for c in resources.get("claims") or []))
+        if not _container_config(docs, pod, container, folder).model.require_mps:
+            problems.append(f"{name}: model.require_mps is off (without MPS it would serve, silently)")
+        percents[name] = _percent(_container_env(container).get(SM_PERCENT), name)
+    claims = set(used.values())
+    if len(claims) != 1 or len(next(iter(claims))) != 1:
+        return [*problems, f"the containers do not use one same resource claim: {used}"]
+    ((claim, request),) = claims.pop()
+    sources = {c["name"]: c for c in pod["spec"].get("resourceClaims") or []}
+    template_name = sources.get(claim, {}).get("resourceClaimTemplateName")
+    if template_name is None:  # a shared ResourceClaim would be one GPU for every replica
+        return [*problems, f"claim {claim} is not made per Pod from a ResourceClaimTemplate: {sources}"]
+    template = _one(docs, "ResourceClaimTemplate", template_name)["spec"]["spec"]["devices"]
+    requests = template.get("requests") or []
+    if len(requests) != 1 or (request and request != requests[0]["name"]):
+        return [*problems, f"{template_name}: expected one device request, used as a whole: {requests}"]
+    exactly = requests[0].get("exactly") or {}
+    if exactly.get("deviceClassName") != DRA_GPU or exactly.get("count", 1) != 1 \
+            or exactly.get("allocationMode", "ExactCount") != "ExactCount":
+        problems.append(f"{template_name}: not exactly one {DRA_GPU} device: {requests[0]}")
+    mps = [c["opaque"]["parameters"] for c in template.get("config") or []
+           if (c.get("opaque") or {}).get("driver") == DRA_GPU
+           and requests[0]["name"] in c.get("requests", [requests[0]["name"]])
+           and c["opaque"]["parameters"].get("kind") == "GpuConfig"
+           and c["opaque"]["parameters"].get("apiVersion", "").startswith("resource.nvidia.com/")
+           and (c["opaque"]["parameters"].get("sharing") or {}).get("strategy") == "MPS"]
+    if len(mps) != 1:
+        return [*problems, f"{template_name}: no GpuConfig asking {DRA_GPU} for MPS sharing"]
+    ceiling = (mps[0]["sharing"].get("mpsConfig") or {}).get("defaultActiveThreadPercentage", 100)
+    if max(percents.values()) > ceiling:
+        problems.append(f"a container's SM limit is above the claim's ceiling {ceiling}: {percents}")
+    if sum(percents.values()) > 100:
+        problems.append(f"the SM limits add up to more than 100: {percents}")
+    return problems
+
+
+def test_k8s_pair_shares_one_gpu_through_mps(manifests, tmp_path):
+    assert _k8s_mps_problems(manifests, tmp_path) == []
+    # the check has teeth
+    def containers(docs: list[dict]) -> dict[str, dict]:
+        return {c["name"]: c for c in _pod(docs, "voxring-pair")["spec"]["containers"]}
+
+    def template(docs: list[dict]) -> dict:
+        (found,) = [d for d in docs if d["kind"] == "ResourceClaimTemplate"]
+        return found["spec"]["spec"]["devices"]
+
+    def env(container: dict, name: str, value: str | None) -> None:
+        container["env"] = [e for e in container.get("env", []) if e["name"] != name]
+        if value is not None:
+            container["env"].append({"name": name, "value": value})
+
+    breaks = {
+        "a device-plugin GPU": lambda d: containers(d)["talker"]["resources"]["limits"].update({GPU: 1}),
+        "a claim of its own": lambda d: containers(d)["code2wav"]["resources"].update(
+            claims=[{"name": "other"}]),
+        "time-slicing": lambda d: template(d)["config"][0]["opaque"]["parameters"]["sharing"].update(
+            strategy="TimeSlicing"),
+        "no require_mps": lambda d: env(containers(d)["code2wav"], "VOXRING_CODE2WAV__MODEL__REQUIRE_MPS",
+                                        None),
+        "SMs past 100": lambda d: env(containers(d)["code2wav"], SM_PERCENT,
+                                      str(101 - int(_container_env(containers(d)["talker"])[SM_PERCENT]))),
+    }
+    for what, do in breaks.items():
+        broken = copy.deepcopy(manifests)
+        do(broken)
+        assert _k8s_mps_problems(broken, tmp_path), f"{what} went unnoticed"
 
 
 def test_k8s_pair_code2wav_attaches_to_its_own_talker(k8s_configs):
