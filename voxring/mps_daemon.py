@@ -11,7 +11,9 @@ MPS makes the pair one failure domain: a fatal fault in one client takes down ev
 of the server, so ``up`` never restarts one engine alone under MPS (Stack.up restarts both).
 Per-engine SM limits (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, a limit, not a reservation) come
 from ``VOXRING_TALKER_SM_PERCENT`` and ``VOXRING_CODE2WAV_SM_PERCENT`` in the launcher's
-environment, as in deploy/compose/.env; unset: no limit.
+environment, else ``DEFAULT_SM_PERCENT`` (deploy/compose/.env has the same): their sum stays at
+or below 100, so Code2Wav cannot hold SMs the talker's persistent grid (sized to its share:
+kernels/sms.py) waits for. Empty: no limit.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 CONTROL = "nvidia-cuda-mps-control"
 SM_PERCENT_ENV = {"talker": "VOXRING_TALKER_SM_PERCENT", "code2wav": "VOXRING_CODE2WAV_SM_PERCENT"}
+DEFAULT_SM_PERCENT = {"talker": 75, "code2wav": 25}  # starting values, to be set from the bench
 REQUIRE_ENV = {"talker": "VOXRING_TALKER__MODEL__REQUIRE_MPS",
                "code2wav": "VOXRING_CODE2WAV__MODEL__REQUIRE_MPS"}
 MODES = ("auto", "on", "off")
@@ -57,7 +60,7 @@ class MpsDaemon:
     def stage_env(self, stage: str, base: dict[str, str]) -> dict[str, str]:
         """``base`` plus the daemon's folders, the stage's SM limit (when set) and require_mps."""
         env = {**base, **self.env(), REQUIRE_ENV[stage]: "true"}
-        percent = base.get(SM_PERCENT_ENV[stage])
+        percent = base.get(SM_PERCENT_ENV[stage], str(DEFAULT_SM_PERCENT[stage]))
         if percent:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = percent
         return env

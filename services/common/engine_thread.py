@@ -89,6 +89,8 @@ class EngineThread:
         self.keepalive_limit = keepalive_limit
         self.slow_step = slow_step
         self.error: BaseException | None = None
+        # called once, on the engine thread, when the engine raises (ServiceHost: the stage exits)
+        self.on_failure: Callable[[str], None] | None = None
         self.keepalives = 0          # keeper calls so far (a count for tests and logs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -198,6 +200,8 @@ class EngineThread:
             self.error = exc
             self._running = False
             log.exception("%s failed; it accepts no more work", self.name)
+            if self.on_failure is not None:
+                self.on_failure(f"{self.name} failed: {exc!r}")
         finally:
             self._stopped.set()
 
@@ -254,6 +258,10 @@ class EngineComponent:
 
     def start(self) -> None:
         self.thread.start()
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """``on_failure(why)`` is called from the engine thread if the engine fails."""
+        self.thread.on_failure = on_failure
 
     def idle(self) -> bool:
         return self._idle is None or self._idle() or not self.thread.alive

@@ -110,6 +110,7 @@ class ServiceHost:
         self.metrics_address: str | None = None  # set by the stage runner when served
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
+        self.exit_code = 0  # 1 once a component failed (_component_failed)
         self._signals = 0
 
     async def run(self) -> None:
@@ -134,7 +135,10 @@ class ServiceHost:
             self.on_bound(self.address)
         self._install_signal_handlers()
         await self._initial_health(health_servicer, names)
+        loop = asyncio.get_running_loop()
         for component in self.components:
+            if hasattr(component, "watch"):
+                component.watch(lambda why: loop.call_soon_threadsafe(self._component_failed, why))
             component.start()
         await server.start()
         log.info("serving %s on %s%s", ", ".join(names) or "health only", self.address,
@@ -159,6 +163,15 @@ class ServiceHost:
 
     def request_stop(self) -> None:
         """Starts the graceful shutdown (what SIGTERM does)."""
+        self._stop.set()
+
+    def _component_failed(self, why: str) -> None:
+        """A component (an engine thread) failed: the stage can serve nothing more, so it drains
+        what it can and exits 1, and its supervisor (compose's restart policy, Kubernetes, voxring
+        up) starts it again; under MPS a fault in one engine ends the other's CUDA context too."""
+        if self.exit_code == 0:
+            log.error("%s; the stage stops and exits 1 so that it is restarted", why)
+        self.exit_code = 1
         self._stop.set()
 
     def _bind(self, server: grpc.aio.Server) -> str:

@@ -63,4 +63,4 @@ def run_stage(stage: str, config_cls: type[C], build: Builder, argv: list[str] |
     except OSError as exc:
         logging.getLogger(stage).error("cannot serve: %s", exc)
         return 1
-    return 0
+    return host.exit_code

@@ -42,15 +42,25 @@ def test_the_daemon_starts_in_private_folders_answers_and_quits(daemon):
 
 
 def test_each_engine_gets_the_daemon_require_mps_and_its_own_sm_limit(daemon):
-    base = {"PATH": "/usr/bin", "VOXRING_TALKER_SM_PERCENT": "75"}
+    base = {"PATH": "/usr/bin", "VOXRING_TALKER_SM_PERCENT": "80", "VOXRING_CODE2WAV_SM_PERCENT": ""}
     talker, code2wav = daemon.stage_env("talker", base), daemon.stage_env("code2wav", base)
     for env in (talker, code2wav):
         assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(daemon.pipe.resolve())
         assert env["CUDA_MPS_LOG_DIRECTORY"] == str(daemon.logs.resolve())
     assert talker["VOXRING_TALKER__MODEL__REQUIRE_MPS"] == "true"
     assert code2wav["VOXRING_CODE2WAV__MODEL__REQUIRE_MPS"] == "true"
-    assert talker["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "75"
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in code2wav  # unset: no limit
+    assert talker["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "80"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in code2wav  # empty: no limit
+    defaults = daemon.stage_env("talker", {}), daemon.stage_env("code2wav", {})
+    assert [int(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) for env in defaults] == [75, 25]
+
+
+def test_the_launchers_sm_shares_are_composes_and_leave_no_sm_to_contend_for():
+    env = dict(line.split("=", 1) for line in (REPO / "deploy" / "compose" / ".env").read_text().splitlines()
+               if line and not line.startswith("#"))
+    assert {stage: int(env[var]) for stage, var in mps_daemon.SM_PERCENT_ENV.items()} == \
+        mps_daemon.DEFAULT_SM_PERCENT
+    assert sum(mps_daemon.DEFAULT_SM_PERCENT.values()) <= 100
 
 
 class Recorder:

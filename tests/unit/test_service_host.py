@@ -161,3 +161,35 @@ def test_drain_timeout_ends_the_rest_unavailable():
         assert 0.2 <= loop.time() - started < 3.0
 
     run_with_host(scenario, drain_timeout=0.3, grace=0.5)
+
+
+def test_a_failed_engine_stops_the_stage_with_exit_code_1():
+    """An engine thread that raises leaves a stage that can serve nothing: the host drains and
+    its run() returns with exit_code 1, so the stage's supervisor starts it again (under MPS a
+    fault in one engine ends the other's CUDA context too)."""
+    from services.common.engine_thread import EngineComponent, EngineThread
+
+    class Failing:
+        def handle(self, command):
+            pass
+
+        def step(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        def tick(self):
+            pass
+
+    workdir = Path(tempfile.mkdtemp(prefix="vx-host-", dir="/tmp"))
+
+    async def main():
+        thread = EngineThread("talker-engine", Failing(), tick_interval=0.01)
+        section = ServerSection(listen=f"unix:{workdir}/h.sock", drain_timeout=1.0, grace=0.1)
+        host = ServiceHost("talker", section, [], [EngineComponent(thread, close=lambda: None)])
+        await asyncio.wait_for(host.run(), timeout=20)
+        return host.exit_code, thread.error
+
+    try:
+        code, error = asyncio.run(main())
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert code == 1 and "illegal memory access" in str(error)
