@@ -174,6 +174,7 @@ async def _one_request(client: AsyncClient, config: BenchConfig, trace: RequestT
     if stream.result is not None:
         trace.audio_seconds = stream.result.usage.audio_seconds
         trace.frames, trace.finish_reason = stream.result.usage.frames, stream.result.finish_reason
+        trace.length_limit = stream.result.usage.length_limit
         trace.sample_rate_hz = stream.result.sample_rate_hz or trace.sample_rate_hz
     elif trace.arrivals:
         trace.audio_seconds = trace.arrivals[-1][1]

@@ -41,6 +41,7 @@ class RequestTrace:
     sample_rate_hz: int | None = None  # the audio's (from the final message, else a chunk)
     frames: int | None = None     # the final usage's codec frames (None: no final message)
     finish_reason: str | None = None  # the final message's ("length", "stop", ...)
+    length_limit: str | None = None   # with "length": the cap's term that ended it ("requested", "text", ...)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class BenchReport:
     # ended the speech early: allowed)
     audio_shortfalls: int = 0
     early_stops: int = 0
+    server_capped: int = 0  # asked their length and were cut by another term of the server's cap
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -177,8 +179,12 @@ def _delivered_fields(config: BenchConfig, traces: Sequence[RequestTrace]) -> di
         if t.requested_audio_seconds is not None and delivered < DELIVERED_SHARE * t.requested_audio_seconds:
             early += t.finish_reason == "stop"
             shortfalls += t.finish_reason != "stop"
+    # a request that asked its length and was cut by another term (the text guard, the server's
+    # maximum, the model's room): the server shortened the load, which a pinned load must not see
+    server_capped = sum(1 for t in done if t.requested_audio_seconds is not None
+                        and t.finish_reason == "length" and t.length_limit not in (None, "requested"))
     fields = {"finish_reasons": dict(sorted(Counter(t.finish_reason or "none" for t in done).items())),
-              "audio_shortfalls": shortfalls, "early_stops": early}
+              "audio_shortfalls": shortfalls, "early_stops": early, "server_capped": server_capped}
     if config.frame_rate_hz is None:
         return fields
     mismatched = []
@@ -234,7 +240,8 @@ def _delivery_lines(report: BenchReport) -> list[str]:
     if report.finish_reasons:
         lines.append("finished      " + ", ".join(f"{k} {n}" for k, n in report.finish_reasons.items())
                      + f"; {report.audio_shortfalls} short of {DELIVERED_SHARE:.0%} of the audio "
-                     f"asked on their cap, {report.early_stops} stopped early")
+                     f"asked on their cap, {report.early_stops} stopped early, {report.server_capped} "
+                     "cut by a term of the server's cap other than their own")
     if report.sample_mismatches is not None:
         examples = ", ".join(f"{got} for {want}" for got, want in report.sample_mismatch_examples)
         lines.append(f"PCM check     {report.sample_mismatches} completed requests' samples differ from "

@@ -41,6 +41,9 @@ class Usage:
     time_to_first_audio_s: float  # server side: request arrival to the first audio chunk
     real_time_factor: float       # wall seconds per audio second
     seed: int                     # the seed actually used
+    # with finish reason "length": the cap's term that ended it ("requested", "default", "server",
+    # "text": the text guard, "model"); None otherwise
+    length_limit: str | None = None
 
 
 @dataclass(frozen=True)
@@ -73,9 +76,11 @@ def finish_reason_name(value: int) -> str:
 
 
 def usage_of(u: pb.Usage) -> Usage:
+    limit = None if u.length_limit == pb.LENGTH_LIMIT_UNSPECIFIED else \
+        pb.LengthLimit.Name(u.length_limit).removeprefix("LENGTH_LIMIT_").lower()
     return Usage(frames=u.frames, audio_seconds=u.audio_seconds,
                  time_to_first_audio_s=u.time_to_first_audio_s,
-                 real_time_factor=u.real_time_factor, seed=u.seed)
+                 real_time_factor=u.real_time_factor, seed=u.seed, length_limit=limit)
 
 
 def result_of(message: pb.SynthesizeSpeechResponse, audio: bytes) -> SynthesisResult:

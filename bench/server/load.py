@@ -159,6 +159,7 @@ def delivery_fields(report: dict) -> dict:
             "steady_window_s": None if window is None else [round(x, 2) for x in window],
             "finish_reasons": report.get("finish_reasons", {}),
             "audio_shortfalls": report.get("audio_shortfalls", 0),
-            "early_stops": report.get("early_stops", 0), "frame_rate_hz": report.get("frame_rate_hz"),
+            "early_stops": report.get("early_stops", 0), "server_capped": report.get("server_capped", 0),
+            "frame_rate_hz": report.get("frame_rate_hz"),
             "sample_mismatches": report.get("sample_mismatches"),
             "sample_mismatch_examples": report.get("sample_mismatch_examples", [])}

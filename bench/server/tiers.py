@@ -59,10 +59,12 @@ def tier_record(s: Settings, concurrency: int, requests: int, cap_s: float, cut_
     streams = min(concurrency, requests) if s.load == "fixed" else report["mean_in_flight"]
     checks = delivery_fields(report)
     # clean: every request admitted and completed, no stall, every one's PCM what its frames
-    # decode to, none short of its length cap (a stop frame may end one early)
+    # decode to, none short of its length cap (a stop frame may end one early), none cut by the
+    # server (the text guard, its maximum: the pinned load must stay under them)
     clean = (report["rejected"] == 0 and not report["errors"] and report["underruns"] == 0
              and not report["timed_out"] and report["completed"] == requests
-             and checks["sample_mismatches"] == 0 and checks["audio_shortfalls"] == 0)
+             and checks["sample_mismatches"] == 0 and checks["audio_shortfalls"] == 0
+             and checks["server_capped"] == 0)
     return {
         "concurrency": concurrency, "requests": requests, "cap_s": round(cap_s, 1),
         "status": "partial" if cut_by_wall and report["timed_out"] else "done",

@@ -264,3 +264,17 @@ def test_say_stream_stdin_writes_a_wav_of_the_session(stack, tmp_path):
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
         assert w.getnframes() == int(done.group(3)) * SPF > 0
     assert f"wrote {out}" in stdout.decode()
+
+
+def test_a_two_sentence_request_ends_on_its_sentences_text_guards_and_says_so(stack):
+    """The audio cap's text guard (here max(1 s, 0 s a character) a sentence): a request of two
+    sentences that asks no length gets at most one guard per sentence, ends LENGTH and names the
+    text guard as what ended it (usage.length_limit); the tiny model never stops on its own."""
+    from tests.e2e.test_synthesis_e2e import online
+
+    chunks, final, _ = online(stack["gateway"], text=" ".join(SENTENCES[:2]), seed=3)
+    pcm = b"".join(c.audio for c in chunks)
+    assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert final.usage.length_limit == pb.LENGTH_LIMIT_TEXT
+    assert final.usage.frames == 2 * 13  # 1 s at 12.5 Hz is 13 frames, a sentence
+    assert len(pcm) // 2 == final.usage.frames * SPF

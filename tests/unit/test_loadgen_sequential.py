@@ -190,3 +190,14 @@ def test_bench_command_runs_a_sequential_load(fake, capsys):
 def test_bench_command_refuses_sequential_options_that_disagree(args, named, capsys):
     assert main(["bench", "--target", "unix:/nowhere", *args]) == 2
     assert named in capsys.readouterr().err
+
+
+def test_a_request_cut_by_a_term_of_the_servers_cap_other_than_its_own_is_counted():
+    """The pinned load asks its own length; the text guard (or the server's maximum) cutting one
+    would shorten the load, so the report counts them; ending on its own ask does not count."""
+    config = BenchConfig(target="unix:/x", num_requests=3, concurrency=1, load="poisson")
+    traces = [_trace(0.0, [(0.5, 2.4)]), _trace(1.0, [(0.5, 2.4)]), _trace(2.0, [(0.5, 2.4)])]
+    traces[0].length_limit, traces[1].length_limit = "requested", "text"
+    report = summarize(config, traces, wall_s=3.0)
+    assert report.server_capped == 1
+    assert "1 cut by a term of the server's cap other than their own" in format_report(report)
