@@ -1,0 +1,112 @@
+"""``voxring-tiny-qwen-omni``: a tiny Qwen2.5-Omni talker checkpoint, generated locally and
+deterministically (nothing is downloaded; the same seed gives byte-identical files; untrained).
+
+The layout of a real Qwen2.5-Omni checkpoint, cut down to the talker's part: ``config.json`` (a
+``Qwen2_5OmniConfig`` in transformers' field names, the ``thinker_config`` reduced to the text sizes the
+talker reads) and ``model.safetensors`` with the ``talker.*`` keys and ``thinker.model.embed_tokens.weight``.
+The token-to-wave side's weights are not in it. Thinker ids: 0..255 bytes, then the TTS text specials
+and two speakers' text BOS ids (``SPEAKERS``); codec ids: 64 codes, then the codec specials, laid out
+as Qwen2.5-Omni-7B's (codes, then PAD / BOS / EOS / MASK above them).
+
+:func:`ensure_tiny_checkpoint` creates it on first use in the cache folder, under a file lock, writing
+into a temporary folder that is renamed into place (as models/tiny/talker.py does for voxring-tiny).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from safetensors.torch import save_file
+
+from models.tiny.talker import cache_dir
+
+GENERATOR_VERSION = 1
+NAME = "voxring-tiny-qwen-omni"
+TEXT_PAD, TEXT_BOS, TEXT_EOS = 256, 257, 258
+SPEAKERS = {"Chelsie": 259, "Ethan": 260}  # each speaker's text BOS (spk_dict.pt's "bos_token")
+THINKER_VOCAB = 264
+NUM_CODES = 64
+CODEC_PAD, CODEC_BOS, CODEC_EOS, CODEC_MASK = 72, 73, 74, 76
+CODEC_VOCAB = 80
+
+
+def tiny_config() -> dict:
+    """config.json of the tiny checkpoint."""
+    talker = {
+        "model_type": "qwen2_5_omni_talker", "vocab_size": CODEC_VOCAB, "embedding_size": 64,
+        "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+        "hidden_act": "silu", "use_sliding_window": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 2, 2]},
+        "tts_codec_start_token_id": CODEC_BOS, "tts_codec_end_token_id": CODEC_EOS,
+        "tts_codec_pad_token_id": CODEC_PAD, "tts_codec_mask_token_id": CODEC_MASK,
+        "tts_text_start_token_id": TEXT_BOS, "tts_text_end_token_id": TEXT_EOS,
+        "tts_text_pad_token_id": TEXT_PAD, "dtype": "float32",
+    }
+    thinker = {"model_type": "qwen2_5_omni_thinker",
+               "text_config": {"model_type": "qwen2_5_omni_text", "vocab_size": THINKER_VOCAB,
+                               "hidden_size": 64}}
+    return {"architectures": ["Qwen2_5OmniForConditionalGeneration"], "model_type": "qwen2_5_omni",
+            "enable_audio_output": True, "thinker_config": thinker, "talker_config": talker,
+            "dtype": "float32"}
+
+
+def tiny_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded weights for every tensor the talker reads (on-disk names), on the CPU in fp32."""
+    from models.qwen_omni.config import QwenOmniTalkerConfig
+    from models.qwen_omni.loader import build_meta, expected_shapes
+
+    shapes = expected_shapes(build_meta(QwenOmniTalkerConfig.from_dict(config)))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in sorted(shapes.items()):
+        noise = torch.randn(shape, generator=generator)
+        if name.endswith("norm.weight"):
+            tensor = 1.0 + 0.1 * noise
+        elif name.endswith(".bias"):
+            tensor = 0.1 * noise
+        elif "embed_tokens" in name:
+            tensor = noise
+        else:
+            tensor = noise / shape[-1] ** 0.5
+        tensors[name] = tensor.contiguous()
+    return tensors
+
+
+def write_tiny_checkpoint(folder: str | Path, seed: int = 0) -> Path:
+    """Writes the tiny checkpoint into ``folder`` (created). Same seed, same bytes."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = tiny_config()
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(tiny_weights(config, seed), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "voxring.json").write_text(json.dumps(
+        {"name": NAME, "generator_version": GENERATOR_VERSION, "seed": seed, "speakers": SPEAKERS},
+        indent=2, sort_keys=True) + "\n")
+    return folder
+
+
+def ensure_tiny_checkpoint(seed: int = 0, root: str | Path | None = None) -> Path:
+    """The tiny folder for ``seed``, created on first use (safe across processes)."""
+    models_dir = Path(root) if root is not None else cache_dir() / "models"
+    models_dir.mkdir(parents=True, exist_ok=True)
+    final = models_dir / f"{NAME}-v{GENERATOR_VERSION}-seed{seed}"
+    if final.is_dir():
+        return final
+    with FileLock(str(models_dir / f".{final.name}.lock"), timeout=300):
+        if final.is_dir():  # another process finished it while we waited
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models_dir))
+        try:
+            write_tiny_checkpoint(tmp, seed)
+            os.chmod(tmp, 0o755)
+            tmp.rename(final)  # atomic: readers see all of it or nothing
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
