@@ -2,9 +2,11 @@
 
 Every ``grpc.RpcError`` that reaches the SDK leaves it as a :class:`VoxringError` (a
 subclass where the code has one), with the server's message and what its trailing
-metadata says: the bad field of an INVALID_ARGUMENT ("voxring-field") and a retry hint
-("retry-after-s", seconds). This module does not import grpc, so the CLI can catch these
-errors without loading grpc before it spawns processes.
+metadata says: the field at fault ("voxring-field"), a retry hint ("retry-after-s", seconds)
+and the error's ``reason``, the word of docs/errors.md that the HTTP API sends as
+``error.code`` ("invalid_value", "already_exists", "unavailable", ...), read from the
+``google.rpc.ErrorInfo`` of the rich status details. This module does not import grpc, so the
+CLI can catch these errors without loading grpc before it spawns processes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 
 FIELD_METADATA = "voxring-field"
 RETRY_AFTER_METADATA = "retry-after-s"
+DETAILS_METADATA = "grpc-status-details-bin"
+DOMAIN = "voxring.dev"
 
 # "temperature: must be >= 0": the gateway names the field first in the message.
 _FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): ")
@@ -24,15 +28,17 @@ _FIELD_PREFIX = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*): ")
 class VoxringError(Exception):
     """A failed call. ``code`` is the gRPC status code's name ("INVALID_ARGUMENT");
     ``field`` names the request field at fault; ``retry_after`` is the server's hint, in
-    seconds, of when a retry may succeed."""
+    seconds, of when a retry may succeed; ``reason`` is the error's code in docs/errors.md's
+    words ("invalid_value"; None from a server that sends none)."""
 
     def __init__(self, code: str, message: str, field: str | None = None,
-                 retry_after: float | None = None) -> None:
+                 retry_after: float | None = None, reason: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.field = field
         self.retry_after = retry_after
+        self.reason = reason
 
     @property
     def status_code(self) -> Any:
@@ -52,7 +58,7 @@ class VoxringError(Exception):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(code={self.code!r}, message={self.message!r}, "
-                f"field={self.field!r}, retry_after={self.retry_after!r})")
+                f"field={self.field!r}, retry_after={self.retry_after!r}, reason={self.reason!r})")
 
 
 class _Coded(VoxringError):
@@ -61,8 +67,8 @@ class _Coded(VoxringError):
     CODE = "UNKNOWN"
 
     def __init__(self, message: str, field: str | None = None,
-                 retry_after: float | None = None) -> None:
-        super().__init__(self.CODE, message, field=field, retry_after=retry_after)
+                 retry_after: float | None = None, reason: str | None = None) -> None:
+        super().__init__(self.CODE, message, field=field, retry_after=retry_after, reason=reason)
 
 
 class InvalidArgument(_Coded):
@@ -150,6 +156,25 @@ def _parse_retry_after(text: str | None) -> float | None:
     return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
+def _reason(metadata: Iterable[Any] | None) -> str | None:
+    """ErrorInfo.reason of the ``grpc-status-details-bin`` trailer (voxring's domain), if any."""
+    blobs = [item[1] for item in metadata or () if item[0] == DETAILS_METADATA and isinstance(item[1], bytes)]
+    if not blobs:
+        return None
+    from google.protobuf.message import DecodeError
+    from google.rpc import error_details_pb2, status_pb2
+
+    status, info = status_pb2.Status(), error_details_pb2.ErrorInfo()
+    try:
+        status.ParseFromString(blobs[-1])
+    except DecodeError:
+        return None
+    for detail in status.details:
+        if detail.Is(info.DESCRIPTOR) and detail.Unpack(info) and info.domain == DOMAIN:
+            return info.reason or None
+    return None
+
+
 def error_from_status(code: str, message: str,
                       trailing_metadata: Iterable[Any] | None = None) -> VoxringError:
     """The typed error for a status code name, its details and trailing metadata."""
@@ -159,10 +184,11 @@ def error_from_status(code: str, message: str,
         match = _FIELD_PREFIX.match(message)
         field = match.group(1) if match else None
     retry_after = _parse_retry_after(_metadata_value(trailing_metadata, RETRY_AFTER_METADATA))
+    reason = _reason(trailing_metadata)
     cls = _BY_CODE.get(code)
     if cls is None:
-        return VoxringError(code, message, field=field or None, retry_after=retry_after)
-    return cls(message, field=field or None, retry_after=retry_after)
+        return VoxringError(code, message, field=field or None, retry_after=retry_after, reason=reason)
+    return cls(message, field=field or None, retry_after=retry_after, reason=reason)
 
 
 def error_from_rpc(exc: BaseException) -> VoxringError:

@@ -21,6 +21,7 @@ class Voice:
     description: str
     is_default: bool
     removable: bool = False  # added through the API: delete_voice() may remove it
+    aliases: tuple[str, ...] = ()  # other names that select it (OpenAI's "alloy", ... by default)
 
 
 class Voices(list[Voice]):
@@ -34,7 +35,8 @@ class Voices(list[Voice]):
 def voice_of(message: pb.Voice, default_voice: str = "") -> Voice:
     return Voice(name=message.name, speaker_id=message.speaker_id, language_code=message.language_code,
                  has_reference=message.has_reference, description=message.description,
-                 is_default=message.name == default_voice, removable=message.removable)
+                 is_default=message.name == default_voice, removable=message.removable,
+                 aliases=tuple(message.aliases))
 
 
 def voices_of(response: pb.ListVoicesResponse) -> Voices:

@@ -74,13 +74,17 @@ def run_voices_command(args: argparse.Namespace, connection: dict) -> int:
 
 
 def print_voices(voices) -> None:
-    """A table of the voices; * marks the default, + one added through the API."""
+    """A table of the voices; * marks the default, + one added through the API; then the
+    aliases (other names of a voice, e.g. OpenAI's "alloy")."""
     rows = [("", "NAME", "SPEAKER", "LANGUAGE", "REFERENCE", "DESCRIPTION")]
     rows += [("*" if v.is_default else "+" if v.removable else "", v.name, str(v.speaker_id),
               v.language_code, "yes" if v.has_reference else "no", v.description) for v in voices]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    aliased = [f"{', '.join(v.aliases)} -> {v.name}" for v in voices if v.aliases]
+    if aliased:
+        print("aliases: " + "; ".join(aliased))
     added = "; + added through the API (`voxring voices rm NAME` removes it)" \
         if any(v.removable for v in voices) else ""
     print(f"(* default voice: {voices.default_voice or 'none'}{added})")

@@ -16,6 +16,9 @@
 #   av                               gateway OGG/Opus encoding (bundled FFmpeg; no dependencies)
 #   grpcio-health-checking==1.84.0   every stage's health service; needs grpcio, protobuf
 #   grpcio-reflection==1.84.0        every stage's server reflection; needs grpcio, protobuf
+#   grpcio-status==1.84.0            every stage's rich error details (google.rpc.Status with an
+#                                    ErrorInfo); needs grpcio, protobuf, googleapis-common-protos
+#   googleapis-common-protos==1.76.0 google.rpc's messages (needs protobuf >= 6.33.5, < 8)
 #   protobuf (7.x)                   the committed voxring/v1 code is generated for protobuf >= 7.35.1
 #                                    and the two grpcio packages need it; the image's version is
 #                                    not on record, so a 7.x wheel travels (shadows the image's one
@@ -42,6 +45,8 @@ PACKAGES=(
   "av==19.0.2"
   "grpcio-health-checking==1.84.0"
   "grpcio-reflection==1.84.0"
+  "grpcio-status==1.84.0"
+  "googleapis-common-protos==1.76.0"
   "protobuf==7.36.2"
   "fastapi==0.165.0"
   "starlette==1.10.0"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 
+from services.common import error_codes, rich_status
 from services.common.config import ConfigError
 from services.common.metrics import RPC_ERRORS
 
@@ -50,7 +51,7 @@ def _deny_handler(kind: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHa
     """A handler of the same kind as ``kind`` that ends the call UNAUTHENTICATED."""
 
     async def deny(request_or_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await rich_status.abort(context, "UNAUTHENTICATED", message, error_codes.INVALID_API_KEY)
 
     if kind.unary_unary:
         factory = grpc.unary_unary_rpc_method_handler

@@ -1,7 +1,8 @@
 """The calls of a stage's gRPC server (:class:`services.common.server.ServiceHost`): the one
 interceptor that turns :class:`~services.common.errors.ServiceError` into status codes (with the
-field and retry-after trailers), tags each call's log lines with its request id, refuses new calls
-while the host drains, and counts the calls in flight so the drain can wait for them or end them.
+error code as ErrorInfo.reason, the field and the retry-after trailers), tags each call's log
+lines with its request id, refuses new calls while the host drains, and counts the calls in
+flight so the drain can wait for them or end them.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from typing import Any
 
 import grpc
 
+from services.common import error_codes, rich_status
 from services.common.errors import ServiceError
 from services.common.log import request_context
 from services.common.metrics import RPC_ERRORS
+from services.common.rich_status import FIELD_METADATA, RETRY_AFTER_METADATA
 
 log = logging.getLogger("services.common.server")  # the host's logger: its lines keep their name
 
@@ -24,8 +27,6 @@ log = logging.getLogger("services.common.server")  # the host's logger: its line
 # in-flight work.
 _INFRA_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 REQUEST_ID_METADATA = "x-request-id"
-FIELD_METADATA = "voxring-field"
-RETRY_AFTER_METADATA = "retry-after-s"
 
 
 class CallTracker:
@@ -79,14 +80,10 @@ def _request_id_of(request: Any, context: grpc.aio.ServicerContext) -> str:
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
-    trailers = []
-    if getattr(exc, "field", None):
-        trailers.append((FIELD_METADATA, exc.field))
-    if getattr(exc, "retry_after", None) is not None:
-        trailers.append((RETRY_AFTER_METADATA, f"{exc.retry_after:g}"))
-    if trailers:
-        context.set_trailing_metadata(tuple(trailers))
-    await context.abort(grpc.StatusCode[exc.code], exc.message)
+    """The error's status, with its code as ErrorInfo.reason and its field and retry hint
+    (services/common/rich_status.py)."""
+    await rich_status.abort(context, exc.code, exc.message, exc.error_code, exc.field,
+                            getattr(exc, "retry_after", None))
 
 
 class CallInterceptor(grpc.aio.ServerInterceptor):
@@ -127,19 +124,19 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             log.log(level, "%s -> %s: %s", method, exc.code, exc.message)
             await _abort(context, exc)
         elif isinstance(exc, asyncio.CancelledError) and self._tracker.abandoning:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "server shut down before this request finished")
+            await rich_status.abort(context, "UNAVAILABLE", "server shut down before this request finished")
         elif isinstance(exc, asyncio.CancelledError):
             raise exc
         else:
             log.exception("%s failed with an unexpected error", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+            await rich_status.abort(context, "INTERNAL", f"internal error: {type(exc).__name__}",
+                                    error_codes.INTERNAL_ERROR)
 
     async def _refuse_if_draining(self, context) -> None:
         if not self._tracker.accepting:
             RPC_ERRORS.labels("draining", "UNAVAILABLE").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "server is shutting down; retry on another instance")
+            await rich_status.abort(context, "UNAVAILABLE",
+                                    "server is shutting down; retry on another instance")
 
     def _wrap_unary(self, fn, method: str, streaming_request: bool = False):
         async def wrapper(request, context):

@@ -84,7 +84,7 @@ class PairDiscovery(LoopTask):
     def _failed(self, reason: str) -> None:
         self.failures += 1
         if not self.router.discovered.is_set():
-            self.router.discovered.set()  # requests stop waiting: UNAVAILABLE, naming the service
+            self.router.discovered.set()  # requests stop waiting: UNAVAILABLE (the log names the service)
         now = self.clock()
         if self._last_warning is None or now - self._last_warning >= WARN_EVERY_S:
             self._last_warning = now

@@ -18,7 +18,7 @@ class InFlightRequests:
     @contextlib.contextmanager
     def reserve(self, request_id: str) -> Iterator[None]:
         if request_id in self._ids:
-            raise AlreadyExists(f"request_id: {request_id!r} is already in flight")
+            raise AlreadyExists(f"request_id: {request_id!r} is already in flight", field="request_id")
         self._ids.add(request_id)
         try:
             yield

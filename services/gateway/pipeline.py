@@ -25,6 +25,7 @@ import grpc
 from services.common import errors
 from services.common.limits import LengthLimit, new_seed
 from services.common.metrics import TIME_TO_FIRST_AUDIO
+from services.common.rich_status import error_info
 from services.common.server import RETRY_AFTER_METADATA
 from services.gateway.audio import make_encoder, whole_file
 from services.gateway.config import GatewayConfig
@@ -41,6 +42,10 @@ STATUS_ERRORS = {grpc.StatusCode.UNAVAILABLE: errors.Unavailable, grpc.StatusCod
                  grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
                  grpc.StatusCode.CANCELLED: errors.Cancelled,
                  grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted}
+STAGE_NAMES = {"talker": "the talker", "code2wav": "Code2Wav"}
+STAGE_STATES = {grpc.StatusCode.UNAVAILABLE: "is unavailable", grpc.StatusCode.DEADLINE_EXCEEDED:
+                "did not answer in time", grpc.StatusCode.CANCELLED: "cancelled the request",
+                grpc.StatusCode.RESOURCE_EXHAUSTED: "is at capacity"}  # others: "failed"
 
 
 @dataclass
@@ -62,16 +67,35 @@ def _remaining(request: ValidRequest) -> float | None:
     return None if request.deadline is None else max(request.deadline - time.monotonic(), 0.001)
 
 
-def stage_error(exc: grpc.aio.AioRpcError, stage: str) -> errors.ServiceError:
-    """A stage's status as the domain error the client gets (a field named, a retry hint kept)."""
-    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-        field, _, reason = exc.details().partition(": ")
+def stage_error(exc: grpc.aio.AioRpcError, stage: str, pair: EnginePair) -> errors.ServiceError:
+    """A stage's status as the domain error the client gets (a field named, a retry hint kept),
+    saying which stage (``talker`` or ``code2wav``) of which pair failed. The stage's own message
+    follows when the stage wrote it (it carries voxring's ErrorInfo); gRPC's own text for a
+    transport failure (a refused connection, naming the stage's address) goes only to the log."""
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        field, _, reason = details.partition(": ")
         return errors.InvalidArgument(field, reason)
-    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a stage at capacity: keep its retry hint
+    ours = error_info(exc.trailing_metadata()) is not None
+    if not ours:  # a deadline or cancel is the client's more often than the stage's
+        quiet = code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+        log.log(logging.INFO if quiet else logging.WARNING, "engine pair %s: %s answered %s: %s",
+                pair.name, stage, code.name, details)
+    message = f"{STAGE_NAMES.get(stage, stage)} {STAGE_STATES.get(code, 'failed')} ({pair.label})"
+    if ours and details:
+        message += f": {details}"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a stage at capacity: keep its retry hint
         hint = dict(exc.trailing_metadata() or ()).get(RETRY_AFTER_METADATA)
-        return errors.ResourceExhausted(f"{stage}: {exc.details()}", retry_after=_seconds(hint))
-    kind = STATUS_ERRORS.get(exc.code(), errors.Internal)
-    return kind(f"{stage}: {exc.details()}")
+        return errors.ResourceExhausted(message, retry_after=_seconds(hint))
+    return STATUS_ERRORS.get(code, errors.Internal)(message)
+
+
+async def _opened(call: grpc.aio.UnaryStreamCall, pair: EnginePair) -> int:
+    """The handle of Code2Wav's Open (its first message)."""
+    try:
+        return (await call.read()).opened.handle
+    except grpc.aio.AioRpcError as exc:
+        raise stage_error(exc, "code2wav", pair) from None
 
 
 def _seconds(text: str | None) -> float | None:
@@ -260,17 +284,17 @@ class SynthesisPipeline:
             timeout=_remaining(request))
         started = Started(pair, call, 0, seed, time.monotonic(), cap.limit)
         try:
-            opened = await call.read()
-            started.handle = opened.opened.handle
-            await self.submit(pair, talker_pb2.SubmitRequest(
+            started.handle = await _opened(call, pair)
+            submit = talker_pb2.SubmitRequest(
                 request_id=request.request_id, handle=started.handle, consumer_id=pair.consumer_id,
                 segments=segments, sampling=self.sampling(msg, seed), max_frames=max_frames,
                 timeout_s=_remaining(request) or 0.0,
-                first_audio_budget_s=self._first_audio_budget(started.arrival)))
-        except grpc.aio.AioRpcError as exc:
-            call.cancel()
-            raise stage_error(exc, "engine") from None
-        except BaseException:  # the client left while the request was starting
+                first_audio_budget_s=self._first_audio_budget(started.arrival))
+            try:
+                await self.submit(pair, submit)
+            except grpc.aio.AioRpcError as exc:
+                raise stage_error(exc, "talker", pair) from None
+        except BaseException:  # a stage refused it, or the client left while it was starting
             call.cancel()  # Code2Wav then cancels it on the talker too
             raise
         return started
@@ -290,7 +314,7 @@ class SynthesisPipeline:
                 if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
             await asyncio.sleep(ATTACH_WAIT_S)
-        raise errors.Unavailable(f"engine pair {pair.name}: Code2Wav is not attached to its talker")
+        raise errors.Unavailable(f"Code2Wav is not attached to its talker ({pair.label})")
 
     async def _chunks(self, started: Started):
         """The Open stream's messages after the first (read() throughout: grpc.aio does
@@ -299,7 +323,7 @@ class SynthesisPipeline:
             while (message := await started.call.read()) is not grpc.aio.EOF:
                 yield message
         except grpc.aio.AioRpcError as exc:
-            raise stage_error(exc, "code2wav") from None
+            raise stage_error(exc, "code2wav", started.pair) from None
 
     async def _cancel_on_talker(self, started: Started) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import time
 from dataclasses import dataclass, field
@@ -106,6 +107,16 @@ class EnginePair:
     def code2wav(self) -> code2wav_pb2_grpc.Code2WavStub:
         return self._stub("code2wav", self.code2wav_address, code2wav_pb2_grpc.Code2WavStub)
 
+    @property
+    def label(self) -> str:
+        """The pair as its clients may read of it in an error: "engine pair pair-0"; a
+        discovered pair's name holds its address (pair-10.0.0.8), which only the log shows."""
+        try:
+            ipaddress.ip_address(self.name.removeprefix("pair-"))
+        except ValueError:
+            return f"engine pair {self.name}"
+        return "a discovered engine pair"
+
     def mark_down(self, longest: float = MAX_DOWN_S) -> None:
         """The pair failed a ModelInfo call or a request: tried last for a while (1 s,
         doubling up to ``longest`` while it keeps failing). A request on a pair that is
@@ -126,8 +137,9 @@ class EnginePair:
                                                    timeout=MODEL_INFO_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 self.mark_down()
-                raise Unavailable(f"engine pair {self.name}: talker unreachable "
-                                  f"({exc.code().name})") from None
+                log.info("engine pair %s: the talker at %s answered ModelInfo %s: %s", self.name,
+                         self.talker_address, exc.code().name, exc.details())
+                raise Unavailable(f"the talker is unavailable ({self.label})") from None
             self.mark_up()
             self.facts = ModelFacts(info.model_name, Tokenizer.from_str(info.tokenizer_json.decode()),
                                     info.prompt_format, info.max_len, info.num_codebooks, info.frame_rate,
@@ -176,7 +188,7 @@ class Router:
                 async with asyncio.timeout(FIRST_DISCOVERY_WAIT_S):
                     await self.discovered.wait()
         if not self.pairs:
-            raise Unavailable(f"no engine pair discovered for {self.source} yet" if self.source
+            raise Unavailable("no engine pair discovered yet (DNS discovery)" if self.source
                               else "no engine pair configured")
         errors = []
         now = time.monotonic()
@@ -193,10 +205,10 @@ class Router:
                     self.model_name = facts.name
                     log.info("serving model %s (first learned from %s)", facts.name, pair.name)
             if facts.name != self.model_name:
-                errors.append(f"engine pair {pair.name} serves {facts.name}, not {self.model_name}")
+                errors.append(f"{pair.label} serves {facts.name}, not {self.model_name}")
                 continue
             if pair.retired:
-                errors.append(f"engine pair {pair.name} left discovery")
+                errors.append(f"{pair.label} left discovery")
                 continue
             return pair
         raise Unavailable("no engine pair can take the request: " + "; ".join(errors))

@@ -33,10 +33,11 @@ class SynthesisBackend(Protocol):
     async def whole(self, request: ValidRequest) -> pb.SynthesizeSpeechResponse: ...
 
 
-def voice_message(voice: VoiceEntry) -> pb.Voice:
+def voice_message(voice: VoiceEntry, aliases: list[str] | None = None) -> pb.Voice:
+    """``aliases``: the other names that select the voice (VoiceCatalog.aliases_of)."""
     return pb.Voice(name=voice.name, speaker_id=voice.speaker_id, language_code=voice.language_code,
                     has_reference=voice.reference_audio is not None, description=voice.description,
-                    removable=voice.removable)
+                    removable=voice.removable, aliases=aliases or [])
 
 
 class SynthesizerServicer(synthesizer_pb2_grpc.SynthesizerServicer):
@@ -81,7 +82,8 @@ class SynthesizerServicer(synthesizer_pb2_grpc.SynthesizerServicer):
                 yield message
 
     async def ListVoices(self, request, context):
-        voices = [voice_message(v) for v in self.voice_manager.list()]
+        voices = [voice_message(v, self.voice_manager.catalog.aliases_of(v.name))
+                  for v in self.voice_manager.list()]
         return pb.ListVoicesResponse(voices=voices, default_voice=self.voice_manager.default)
 
     async def CreateVoice(self, request, context):

@@ -227,7 +227,7 @@ class StreamingSession:
         try:
             await self.pipeline.submit(self.pair, submit)
         except grpc.aio.AioRpcError as exc:
-            raise stage_error(exc, "talker") from None
+            raise stage_error(exc, "talker", self.pair) from None
         self.submitted = True
         if last:
             await self._append([], 0, last=True)
@@ -237,12 +237,11 @@ class StreamingSession:
             consumer_id=self.pair.consumer_id, handle=self.handle, text_token_ids=ids, max_frames=max_frames,
             last=last, first_audio_budget_s=self.config.admission.first_audio_budget_s), timeout=5.0))
 
-    @staticmethod
-    async def _rpc(call):
+    async def _rpc(self, call):
         try:
             return await call
         except grpc.aio.AioRpcError as exc:
-            raise stage_error(exc, "talker") from None
+            raise stage_error(exc, "talker", self.pair) from None
 
     # --- Code2Wav's side --------------------------------------------------------------------------
 
@@ -253,7 +252,7 @@ class StreamingSession:
             await self.events.put(("c2w_end", None))
         except grpc.aio.AioRpcError as exc:
             if not self.closing or exc.code() != grpc.StatusCode.CANCELLED:
-                await self.events.put(("error", stage_error(exc, "code2wav")))
+                await self.events.put(("error", stage_error(exc, "code2wav", self.pair)))
             else:
                 await self.events.put(("c2w_end", None))
 
@@ -366,7 +365,7 @@ class StreamingSession:
             try:
                 opened = await call.read()
             except grpc.aio.AioRpcError as exc:
-                raise stage_error(exc, "code2wav") from None
+                raise stage_error(exc, "code2wav", pair) from None
             self.handle = opened.opened.handle
             try:
                 yield

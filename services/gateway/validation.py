@@ -114,10 +114,11 @@ def validate(req: pb.SynthesizeSpeechRequest, config: GatewayConfig, voices: Voi
     if language not in config.text.language_codes:
         raise InvalidArgument("language_code", f"unsupported language {req.language_code!r} "
                               f"(one of {', '.join(config.text.language_codes)})")
-    voice = voices.get(req.voice_name)
+    voice = voices.get(req.voice_name)  # a voice's name or an alias (voices file's aliases)
     if voice is None:
+        aliases = f"; aliases: {', '.join(sorted(voices.aliases))}" if voices.aliases else ""
         raise InvalidArgument("voice_name", f"unknown voice {req.voice_name!r} "
-                              f"(known: {', '.join(sorted(voices.voices))})")
+                              f"(known: {', '.join(sorted(voices.voices))}{aliases})")
     encoding = _check_audio(req, config)
     speed = _check_speed(req)
     _check_sampling(req, config)

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import wave
 
 import grpc
 
 from services.common.errors import Internal, InvalidArgument, Unavailable
+from services.common.rich_status import error_info
 from services.gateway.routing import EnginePair, ModelFacts
 from services.gateway.voices import UploadedVoice, VoiceCatalog, VoiceEntry
 from voxring.v1 import code2wav_pb2, common_pb2, talker_pb2
+
+log = logging.getLogger(__name__)
 
 ENCODE_TIMEOUT_S = 30.0
 
@@ -47,8 +51,11 @@ async def encode_clip(pair: EnginePair, pcm: bytes, rate: int, name: str) -> com
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
             field, _, reason = (exc.details() or "").partition(": ")
             raise InvalidArgument(field or "audio", reason or "refused by the codec") from None
-        raise Unavailable(f"encoding voice {name} on engine pair {pair.name}: "
-                          f"{exc.code().name}: {exc.details()}") from None
+        log.warning("encoding voice %s on engine pair %s: Code2Wav answered %s: %s", name, pair.name,
+                    exc.code().name, exc.details())
+        ours = error_info(exc.trailing_metadata()) is not None  # not the transport's (addresses)
+        raise Unavailable(f"Code2Wav could not encode voice {name} ({pair.label})"
+                          + (f": {exc.details()}" if ours else "")) from None
     return reply.frames
 
 

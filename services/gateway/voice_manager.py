@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from services.common.config import ConfigError
+from services.common.error_codes import VOICE_NOT_FOUND
 from services.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -89,6 +90,9 @@ class VoiceManager:
                 log.warning("voice store: %s is also a voice of the voices file, which wins; the "
                             "stored one is not offered (rename or delete one of them)", record.name)
                 continue
+            if (target := self.catalog.alias_of(record.name)) is not None:
+                log.warning("voice store: %s is also an alias of the voice %s; the stored voice wins "
+                            "(rename it to free the alias)", record.name, target)
             self.catalog.add(self._entry(record, self.store.wav_path(record.name), ClipFrames()))
             loaded += 1
         log.info("voice store %s: %d added voice%s loaded", self.store.folder, loaded,
@@ -155,13 +159,18 @@ class VoiceManager:
     def _reserve(self, name: str) -> None:
         """Claims ``name`` for this create; no await since the checks, so no other create of
         it can be between them. A name only in case different is refused too: on a
-        case-insensitive file system its files would be the other voice's."""
+        case-insensitive file system its files would be the other voice's. So is an alias's
+        name: the new voice would silently take it over from the voice it stands for."""
+        if (target := self.catalog.alias_of(name)) is not None:
+            raise AlreadyExists(f"name: {name!r} is an alias of the voice {target!r} (the voices "
+                                "file's aliases); choose another name", field="name")
         folded = name.casefold()
         for other in (*self.catalog.voices, *self._pending):
             if other == name:
-                raise AlreadyExists(f"name: a voice {name!r} exists already")
+                raise AlreadyExists(f"name: a voice {name!r} exists already", field="name")
             if other.casefold() == folded:
-                raise AlreadyExists(f"name: {name!r} differs only in case from the voice {other!r}")
+                raise AlreadyExists(f"name: {name!r} differs only in case from the voice {other!r}",
+                                    field="name")
         added = sum(v.removable for v in self.catalog.voices.values()) + len(self._pending)
         if added >= self.config.voices.max_stored:
             raise ResourceExhausted(f"this server keeps at most {self.config.voices.max_stored} added "
@@ -213,10 +222,10 @@ class VoiceManager:
         request already running with it finishes normally."""
         voice = self.catalog.voices.get(name) if isinstance(name, str) else None
         if voice is None:
-            raise NotFound(f"name: no voice {name!r}")
+            raise NotFound(f"name: no voice {name!r}", field="name", error_code=VOICE_NOT_FOUND)
         if not isinstance(voice, UploadedVoice) or self.store is None:
-            raise FailedPrecondition(f"voice {name!r} comes from the voices file; only voices added "
-                                     "through the API can be deleted")
+            raise FailedPrecondition(f"name: voice {name!r} comes from the voices file; only voices "
+                                     "added through the API can be deleted", field="name")
         if voice.clip.frames is None:  # never used since start-up: keep the clip for running requests
             try:
                 voice.clip.wav = Path(voice.reference_audio).read_bytes()

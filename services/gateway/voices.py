@@ -4,6 +4,12 @@ and those added through the API (services.gateway.voice_manager), which may be r
 A voice maps a name to the model's speaker id and may carry a reference clip with its
 transcript (an audio-context turn that conditions the voice; services.gateway.voice_cache
 encodes it through Code2Wav.EncodeVoice).
+
+An alias is another name of a voices-file voice, accepted wherever a voice name is: the
+voices file's ``aliases`` list, by default OpenAI's voice names (:data:`OPENAI_VOICES`)
+spread over the file's voices in order (:func:`default_aliases`), so that clients written
+for OpenAI's API work unchanged. A voice's own name wins over an alias of that name (a
+voice added through the API cannot take an alias's name; one kept from before shadows it).
 """
 
 from __future__ import annotations
@@ -55,10 +61,33 @@ class UploadedVoice(VoiceEntry):
     removable: ClassVar[bool] = True
 
 
+# OpenAI's voice names: aliases of the served model's voices unless the voices file says otherwise
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer",
+                 "verse")
+
+
+@dataclass(frozen=True)
+class VoiceAlias:
+    name: str   # the other name
+    voice: str  # the voices-file voice it stands for
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name != self.name.strip():
+            raise ConfigValueError("name", f"must be non-empty without outer spaces, got {self.name!r}")
+
+
+def default_aliases(voices: list[str]) -> dict[str, str]:
+    """OpenAI's voice names over ``voices`` in turn (alloy the first, ash the second, ... and
+    round again); a name that is a voice itself is left out."""
+    names = [n for n in OPENAI_VOICES if n not in voices]
+    return {name: voices[i % len(voices)] for i, name in enumerate(names)}
+
+
 @dataclass(frozen=True)
 class VoicesFile:
     voices: tuple[VoiceEntry, ...]
     default_voice: str | None = None  # null: the first voice
+    aliases: tuple[VoiceAlias, ...] | None = None  # null: default_aliases(); []: none
 
     def __post_init__(self) -> None:
         if not self.voices:
@@ -69,6 +98,21 @@ class VoicesFile:
             raise ConfigValueError("voices", f"duplicate voice names: {', '.join(dupes)}")
         if self.default_voice is not None and self.default_voice not in names:
             raise ConfigValueError("default_voice", f"{self.default_voice!r} is not a voice here")
+        seen: set[str] = set()
+        for i, alias in enumerate(self.aliases or ()):
+            if alias.name in names or alias.name in seen:
+                raise ConfigValueError(f"aliases[{i}].name", f"{alias.name!r} is "
+                                       f"{'a voice' if alias.name in names else 'an alias'} already")
+            if alias.voice not in names:
+                raise ConfigValueError(f"aliases[{i}].voice", f"{alias.voice!r} (for {alias.name!r}) "
+                                       f"is not a voice here (voices: {', '.join(names)})")
+            seen.add(alias.name)
+
+    def alias_table(self) -> dict[str, str]:
+        """Alias -> voice: the file's list, or the default one when the file has none."""
+        if self.aliases is None:
+            return default_aliases([v.name for v in self.voices])
+        return {a.name: a.voice for a in self.aliases}
 
 
 @dataclass(frozen=True)
@@ -76,11 +120,12 @@ class VoiceCatalog:
     voices: dict[str, VoiceEntry]
     default: str
     folder: Path | None = None  # where relative reference clips are found
+    aliases: dict[str, str] = field(default_factory=dict)  # alias -> a voices-file voice's name
 
     @classmethod
     def builtin(cls) -> VoiceCatalog:
         voice = VoiceEntry(name="default", speaker_id=0, description="speaker 0 of the model")
-        return cls({voice.name: voice}, voice.name)
+        return cls({voice.name: voice}, voice.name, aliases=default_aliases([voice.name]))
 
     @classmethod
     def load(cls, path: Path) -> VoiceCatalog:
@@ -100,10 +145,24 @@ class VoiceCatalog:
                 raise ConfigError(f"{path}: voice {voice.name}: reference_audio "
                                   f"{voice.reference_audio!r} does not exist")
         voices = {v.name: v for v in parsed.voices}
-        return cls(voices, parsed.default_voice or parsed.voices[0].name, path.parent)
+        return cls(voices, parsed.default_voice or parsed.voices[0].name, path.parent,
+                   parsed.alias_table())
 
     def get(self, name: str) -> VoiceEntry | None:
-        return self.voices.get(name or self.default)
+        """The voice of that name, else the voice that alias stands for; "": the default."""
+        name = name or self.default
+        voice = self.voices.get(name)
+        if voice is None and name in self.aliases:
+            voice = self.voices.get(self.aliases[name])
+        return voice
+
+    def alias_of(self, name: str) -> str | None:
+        """The voice an alias stands for; None for a name that is no alias (or is a voice)."""
+        return None if name in self.voices else self.aliases.get(name)
+
+    def aliases_of(self, voice: str) -> list[str]:
+        """The aliases that stand for ``voice``, in the table's order (none shadowed by a voice)."""
+        return [a for a, v in self.aliases.items() if v == voice and a not in self.voices]
 
     def add(self, voice: VoiceEntry) -> None:
         """Makes ``voice`` known by its name at once (validation reads this catalog)."""

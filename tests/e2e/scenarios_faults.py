@@ -156,7 +156,7 @@ def kill_code2wav(stack: FaultStack) -> str:
     killed_at = stack["code2wav0"].kill()
     free_s = wait_for(lambda: stack.talker_idle(0), HANG_S, "talker0 freed the orphaned rows", interval=0.01)
     results = streams.join(120)
-    detect = check_victims(results, pairs, 0, killed_at, "code2wav")
+    detect = check_victims(results, pairs, 0, killed_at, "Code2Wav is unavailable")
     survivors = check_survivors(results, pairs, 0)
     ring_s = wait_for(lambda: not old_rings & shm_entries(), HANG_S, "the dead consumer's ring unlinked")
     dropped = "consumer c2w-0 lost: dropped" in stack["talker0"].log()[log_before:]

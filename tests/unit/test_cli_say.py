@@ -126,6 +126,7 @@ def test_voices_prints_a_table_marking_the_default(fake, capsys):
     assert lines[0].split() == ["NAME", "SPEAKER", "LANGUAGE", "REFERENCE", "DESCRIPTION"]
     assert lines[1].split()[:5] == ["*", "narrator", "0", "en-US", "no"]
     assert lines[2].split()[:4] == ["clone", "1", "en-US", "yes"]
+    assert lines[-2] == "aliases: alloy, ash -> narrator"  # other names of a voice (OpenAI's)
     assert "default voice: narrator" in lines[-1]
 
 

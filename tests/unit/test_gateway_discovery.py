@@ -242,12 +242,13 @@ def test_failed_and_empty_answers_keep_the_last_pairs_and_warn_once_a_minute(cap
 
 @pytest.mark.parametrize("first_answer", [[], socket.gaierror(-2, "Name or service not known"),
                                           ValueError("label empty or too long")])
-def test_no_pair_yet_is_unavailable_naming_the_service(first_answer):
+def test_no_pair_yet_is_unavailable_without_the_services_name(first_answer):
     async def main():
         router, found = make(FakeResolver(first_answer))
         await found.refresh()
-        with pytest.raises(Unavailable, match=f"no engine pair discovered for {SERVICE} yet"):
+        with pytest.raises(Unavailable, match="no engine pair discovered yet") as caught:
             await router.pick()
+        assert SERVICE not in str(caught.value)  # an internal DNS name: the log names it
 
     asyncio.run(main())
 
@@ -297,8 +298,9 @@ def test_a_pair_serving_another_model_is_refused():
         router.pairs[1].facts = facts("other")
         assert await router.pick() is first  # the idle one serves another model
         router.pairs.remove(first)
-        with pytest.raises(Unavailable, match=r"pair-10\.0\.0\.8 serves other, not tiny"):
+        with pytest.raises(Unavailable, match="a discovered engine pair serves other, not tiny") as caught:
             await router.pick()
+        assert "10.0.0.8" not in str(caught.value)  # a discovered pair's name is its address
 
     asyncio.run(main())
 

@@ -159,7 +159,8 @@ class FakeSynthesizer(synthesizer_pb2_grpc.SynthesizerServicer):
     def ListVoices(self, request, context):
         self.metadata.append(dict(context.invocation_metadata()))
         return pb.ListVoicesResponse(voices=[
-            pb.Voice(name="narrator", speaker_id=0, language_code="en-US", description="calm"),
+            pb.Voice(name="narrator", speaker_id=0, language_code="en-US", description="calm",
+                     aliases=["alloy", "ash"]),
             pb.Voice(name="clone", speaker_id=1, language_code="en-US", has_reference=True,
                      description="from a clip"),
         ], default_voice="narrator")
@@ -314,6 +315,7 @@ def test_voices_lists_the_default(fake):
     assert voices.default_voice == "narrator"
     assert [v.is_default for v in voices] == [True, False]
     assert voices[1].has_reference and voices[1].speaker_id == 1
+    assert voices[0].aliases == ("alloy", "ash") and voices[1].aliases == ()
 
 
 # --- typed errors -------------------------------------------------------------------------

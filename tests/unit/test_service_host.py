@@ -11,7 +11,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 
 from services.common.errors import ResourceExhausted
 from services.common.sections import ServerSection
@@ -19,6 +21,7 @@ from services.common.server import ServiceBinding, ServiceHost
 from services.gateway.config import GatewayConfig
 from services.gateway.servicer import SynthesizerServicer
 from services.gateway.voices import VoiceCatalog
+from voxring.errors import error_from_rpc
 from voxring.v1 import synthesizer_pb2 as pb
 from voxring.v1 import synthesizer_pb2_grpc
 
@@ -92,6 +95,9 @@ def test_duplicate_in_flight_request_id_is_already_exists():
                 await (result if call is stub.Synthesize else _drain(result))
             assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
             assert "dup" in info.value.details()
+            assert _error_info(info.value) == ("already_exists", "voxring.dev", {"field": "request_id"})
+            sdk = error_from_rpc(info.value)  # the SDK reads the same
+            assert (sdk.reason, sdk.field) == ("already_exists", "request_id")
         other = stub.Synthesize(pb.SynthesizeSpeechRequest(text="c", request_id="other"))
         assert await asyncio.wait_for(backend.entered.get(), 5) == "other"
         backend.release.set()
@@ -109,6 +115,16 @@ async def _drain(call):
     return [message async for message in call]
 
 
+def _error_info(error: grpc.aio.AioRpcError) -> tuple[str, str, dict]:
+    """(reason, domain, metadata) of the status's ErrorInfo, read as any gRPC client reads the
+    rich status (grpc_status checks that it agrees with the status's code and message)."""
+    status = rpc_status.from_call(error)
+    assert status is not None, "no grpc-status-details-bin trailer"
+    infos = [error_details_pb2.ErrorInfo() for _ in status.details]
+    assert len(infos) == 1 and status.details[0].Unpack(infos[0])
+    return infos[0].reason, infos[0].domain, dict(infos[0].metadata)
+
+
 def test_domain_and_unexpected_errors_map_to_status_codes():
     async def scenario(stub, channel, host, backend, servicer):
         backend.error = ResourceExhausted("queue full; retry in 1 s")
@@ -116,11 +132,13 @@ def test_domain_and_unexpected_errors_map_to_status_codes():
             await stub.Synthesize(pb.SynthesizeSpeechRequest(text="a"), timeout=5)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert info.value.details() == "queue full; retry in 1 s"
+        assert _error_info(info.value) == ("rate_limit_exceeded", "voxring.dev", {})
         backend.error = ZeroDivisionError("boom")
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await _drain(stub.SynthesizeOnline(pb.SynthesizeSpeechRequest(text="a"), timeout=5))
         assert info.value.code() == grpc.StatusCode.INTERNAL
         assert "ZeroDivisionError" in info.value.details()
+        assert _error_info(info.value)[0] == "internal_error"
         assert len(servicer.in_flight) == 0  # the reservation was released on error
 
     run_with_host(scenario)

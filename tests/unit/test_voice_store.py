@@ -228,6 +228,7 @@ class FakeCode2Wav:
 class FakePair:
     def __init__(self, name: str = "pair-0") -> None:
         self.name, self.retired, self.in_flight, self.down_until = name, False, 0, 0.0
+        self.label = f"engine pair {name}"
         self.facts = FakeFacts()
         self.code2wav = FakeCode2Wav()
 
@@ -355,8 +356,8 @@ def test_no_folder_no_pair_and_a_full_folder(tmp_path):
         run(off.create("anna", wav(), "hello"))
     down = FakePair()
     down.code2wav.down = True
-    with pytest.raises(Unavailable, match="connection refused"):
-        run(manager_for(tmp_path / "a", pairs=[down]).create("anna", wav(), "hello"))
+    with pytest.raises(Unavailable, match=r"Code2Wav could not encode voice anna \(engine pair pair-0\)$"):
+        run(manager_for(tmp_path / "a", pairs=[down]).create("anna", wav(), "hello"))  # the detail: logged
     spare = FakePair("pair-1")
     manager = manager_for(tmp_path / "b", pairs=[down, spare], max_stored=1)
     run(manager.create("anna", wav(), "hello"))  # the second pair encodes it

@@ -217,20 +217,22 @@ class ListVoicesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Voice(_message.Message):
-    __slots__ = ("name", "speaker_id", "language_code", "has_reference", "description", "removable")
+    __slots__ = ("name", "speaker_id", "language_code", "has_reference", "description", "removable", "aliases")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SPEAKER_ID_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_CODE_FIELD_NUMBER: _ClassVar[int]
     HAS_REFERENCE_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     REMOVABLE_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     name: str
     speaker_id: int
     language_code: str
     has_reference: bool
     description: str
     removable: bool
-    def __init__(self, name: _Optional[str] = ..., speaker_id: _Optional[int] = ..., language_code: _Optional[str] = ..., has_reference: _Optional[bool] = ..., description: _Optional[str] = ..., removable: _Optional[bool] = ...) -> None: ...
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., speaker_id: _Optional[int] = ..., language_code: _Optional[str] = ..., has_reference: _Optional[bool] = ..., description: _Optional[str] = ..., removable: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListVoicesResponse(_message.Message):
     __slots__ = ("voices", "default_voice")

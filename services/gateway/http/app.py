@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from services.common.errors import NotFound, ServiceError
 from services.gateway.config import GatewayConfig
 from services.gateway.http import errors
+from services.gateway.http.models import OPENAI_MODELS, model_ids, model_json, model_not_found, models_json
 from services.gateway.http.speech import SpeechBody, SpeechStream
 from services.gateway.http.speech_stream import SpeechSocket
 from services.gateway.pipeline import SynthesisPipeline
@@ -33,7 +34,6 @@ log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).resolve().parent / "static"
 PLAYGROUND = STATIC / "playground.html"
-OWNER = "voxring"
 
 
 @dataclass
@@ -50,6 +50,10 @@ class ApiParts:
         """The served model's facts (asks a pair once); Unavailable when no pair serves."""
         return (await self.pipeline.router.pick()).facts
 
+    async def served_model(self) -> str:
+        """The served model's name: the router's once learned, else asked of a pair."""
+        return self.pipeline.router.model_name or (await self.served_facts()).name
+
     def known_facts(self):
         return next((p.facts for p in self.pipeline.router.pairs if p.facts is not None), None)
 
@@ -65,14 +69,12 @@ class ApiParts:
         return {"input_tokens": inputs, "output_tokens": frames, "total_tokens": inputs + frames}
 
 
-def voice_json(voice: VoiceEntry, default: str) -> dict:
+def voice_json(voice: VoiceEntry, default: str, aliases: list[str] | None = None) -> dict:
+    """``aliases``: the other names that select the voice (the voices file's aliases)."""
     return {"name": voice.name, "speaker_id": voice.speaker_id, "language_code": voice.language_code,
             "description": voice.description, "has_reference": voice.reference_audio is not None,
-            "removable": bool(voice.removable), "default": voice.name == default}
-
-
-def model_json(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
+            "removable": bool(voice.removable), "default": voice.name == default,
+            "aliases": aliases or []}
 
 
 def create_app(parts: ApiParts) -> FastAPI:
@@ -102,6 +104,8 @@ def _speech_routes(app: FastAPI, parts: ApiParts) -> None:
     async def speech(body: SpeechBody):
         """The audio streams as it is decoded (chunked); with ``stream_format: "sse"`` as
         ``speech.audio.delta`` events and one ``speech.audio.done`` with the usage."""
+        if body.model not in OPENAI_MODELS and body.model != (served := await parts.served_model()):
+            return model_not_found(body.model, served)  # 404 model_not_found (http/models.py)
         valid = validate(body.to_request(), parts.config, parts.servicer.voices)
         return SpeechStream(valid, body, in_flight=parts.servicer.in_flight, pipeline=parts.pipeline,
                             usage_tokens=parts.usage_tokens, model_name=parts.model_name)
@@ -112,25 +116,26 @@ def _speech_routes(app: FastAPI, parts: ApiParts) -> None:
         await SpeechSocket(websocket, config=parts.config, voices=parts.servicer.voices,
                            in_flight=parts.servicer.in_flight, pipeline=parts.pipeline).serve()
 
-    @app.get("/v1/models", summary="The served model (OpenAI's list shape)")
+    @app.get("/v1/models", summary="The model ids taken: the served model's and OpenAI's (list shape)")
     async def models():
-        facts = await parts.served_facts()
-        return {"object": "list", "data": [model_json(facts.name)]}
+        return models_json((await parts.served_facts()).name)
 
-    @app.get("/v1/models/{model}", summary="One model, by its id")
+    @app.get("/v1/models/{model}", summary="One model id (404 model_not_found for another)")
     async def model(model: str):
-        facts = await parts.served_facts()
-        if model != facts.name:
-            raise NotFound(f"model {model!r} is not served here (this gateway serves {facts.name!r})")
-        return model_json(facts.name)
+        served = (await parts.served_facts()).name
+        if model not in model_ids(served):
+            return model_not_found(model, served)
+        return model_json(model, served)
 
 
 def _voice_routes(app: FastAPI, parts: ApiParts) -> None:
     @app.get("/v1/audio/voices", summary="The voices this gateway offers")
     async def list_voices():
         default = parts.servicer.voice_manager.default
+        catalog = parts.servicer.voice_manager.catalog
         return {"object": "list", "default": default,
-                "data": [voice_json(v, default) for v in parts.servicer.voice_manager.list()]}
+                "data": [voice_json(v, default, catalog.aliases_of(v.name))
+                         for v in parts.servicer.voice_manager.list()]}
 
     @app.post("/v1/audio/voices", status_code=201, summary="Add a voice from a reference clip")
     async def create_voice(name: Annotated[str, Form()], file: Annotated[UploadFile, File()],

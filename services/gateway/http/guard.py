@@ -28,6 +28,7 @@ import logging
 from prometheus_client import Counter
 from starlette.routing import Match
 
+from services.common import error_codes as codes
 from services.common.metrics import REGISTRY
 from services.gateway.http.errors import error_response
 
@@ -150,12 +151,12 @@ class Guard:
         """The error response for a request refused up front, or None."""
         if self.draining:
             return error_response(503, "server is shutting down; retry on another instance", None,
-                                  "unavailable", {"Connection": "close", "Retry-After": "1"})
+                                  codes.UNAVAILABLE, {"Connection": "close", "Retry-After": "1"})
         if self._token is not None and scope["path"] not in AUTH_EXEMPT:
             problem = self._auth_problem(scope)
             if problem is not None:
                 log.info("%s %s -> 401: %s", scope.get("method", "WebSocket"), scope["path"], problem)
-                return error_response(401, problem, None, "invalid_api_key",
+                return error_response(401, problem, None, codes.INVALID_API_KEY,
                                       {"WWW-Authenticate": "Bearer"})
         if scope["type"] == "websocket":
             return None
@@ -163,14 +164,14 @@ class Guard:
         if length is not None:
             if not length.isdigit():
                 return error_response(400, "Content-Length must be a number of bytes", None,
-                                      "invalid_value", {"Connection": "close"})
+                                      codes.INVALID_VALUE, {"Connection": "close"})
             if int(length) > self.max_body_bytes:
                 return self._too_large()
         return None
 
     def _too_large(self):
         return error_response(413, f"request body exceeds the limit of {self.max_body_bytes} bytes "
-                              "(http.max_body_mb)", None, "request_too_large", {"Connection": "close"})
+                              "(http.max_body_mb)", None, codes.REQUEST_TOO_LARGE, {"Connection": "close"})
 
     def _auth_problem(self, scope) -> str | None:
         values = [v for k, v in scope["headers"] if k == b"authorization"]

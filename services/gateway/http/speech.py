@@ -27,6 +27,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
+from services.common import error_codes
 from services.common.errors import ServiceError
 from services.common.log import request_context
 from services.gateway.http.errors import error_body, service_error_parts
@@ -82,10 +83,12 @@ class SamplingFields(BaseModel):
 
 
 class SpeechBody(SamplingFields):
-    """OpenAI's speech request plus voxring's options. ``model`` is any non-empty name
-    (clients send "tts-1" or "gpt-4o-mini-tts"): one model is served, reported in the
-    response's X-Model header. ``instructions`` is accepted and ignored (the served model
-    takes no style prompt). Strict JSON types: "1.5" is not a number here."""
+    """OpenAI's speech request plus voxring's options. ``model`` is the served model's id or
+    one of OpenAI's ("tts-1", "tts-1-hd", "gpt-4o-mini-tts"; http/models.py, checked by the
+    route: another is 404 model_not_found); all name the one model served, reported in the
+    response's X-Model header. ``voice`` is a voice's name or an alias (OpenAI's voice names
+    by default: services/gateway/voices.py). ``instructions`` is accepted and ignored (the
+    served model takes no style prompt). Strict JSON types: "1.5" is not a number here."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -221,7 +224,7 @@ class SpeechStream(Response):
         """Before the first byte: the error's status and OpenAI's error body. After it the status
         is sent: an SSE stream gets an error event and ends; an audio stream is cut off (the
         connection closes without the chunked body's end, so the client sees it incomplete)."""
-        code = getattr(exc, "code", "INTERNAL").lower()
+        code = getattr(exc, "error_code", error_codes.INTERNAL_ERROR)
         if not self.started:
             log.info("speech -> %d: %s", status, message)
             body = json.dumps(error_body(status, message, param, code)).encode()

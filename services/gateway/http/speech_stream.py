@@ -13,7 +13,8 @@ on both stages, as a gRPC cancel does.
 Server messages: the audio, as one binary message per chunk (``"audio": "binary"``) or as
 ``audio`` JSON events with the chunk's metadata (``"base64"``); a ``segment_done`` event after
 each segment, one ``done`` event, then the close (1000). An error is one ``error`` event in
-OpenAI's shape, its ``param`` the JSON field, then the close: 1008 for a bad message (or a
+OpenAI's shape, its ``param`` the JSON field, its ``code`` the word of
+services/common/error_codes.py (also the close's reason), then the close: 1008 for a bad message (or a
 request id in flight), 1013 (try again later) when the server is full or no pair serves, 1011
 otherwise.
 """
@@ -32,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from services.common import error_codes
 from services.common.errors import Internal, InvalidArgument, ServiceError
 from services.common.log import request_context
 from services.gateway.config import GatewayConfig
@@ -104,8 +106,8 @@ class MessageError(ServiceError):
 
     code = "INVALID_ARGUMENT"
 
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, param: str | None, message: str, error_code: str = error_codes.INVALID_JSON) -> None:
+        super().__init__(message, error_code=error_code)
         self.param = param
 
 
@@ -115,8 +117,9 @@ def parse(message: dict) -> ConfigMessage | TextMessage | SignalMessage:
         raise MessageError(None, "messages must be JSON text, not binary")
     try:
         data = json.loads(message["text"])
-    except ValueError:
-        raise MessageError(None, "a message must be a JSON object (this one is not valid JSON)") from None
+    except json.JSONDecodeError as exc:
+        raise MessageError(None, f"a message must be a JSON object; this one is not valid JSON: {exc.msg} "
+                                 f"(line {exc.lineno}, column {exc.colno})") from None
     if not isinstance(data, dict):
         raise MessageError(None, "a message must be a JSON object")
     kind = data.get("type")
@@ -127,8 +130,8 @@ def parse(message: dict) -> ConfigMessage | TextMessage | SignalMessage:
         return model.model_validate(data)
     except ValidationError as exc:
         problems = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
-        reason, param = validation_error_parts(RequestValidationError(problems))
-        raise MessageError(param, reason) from None
+        reason, param, code = validation_error_parts(RequestValidationError(problems))
+        raise MessageError(param, reason, code) from None
 
 
 def finish_reason(reason: int) -> str:
@@ -260,13 +263,13 @@ class SpeechSocket:
         else:
             status, message, param, headers = service_error_parts(exc, ws_param)
         level = logging.ERROR if status >= 500 and status != 503 else logging.INFO
-        log.log(level, "WebSocket session -> %s (close %d): %s", exc.code, close_code(status), message)
-        event = {"type": "error", **error_body(status, message, param, exc.code.lower())}
+        log.log(level, "WebSocket session -> %s (close %d): %s", exc.error_code, close_code(status), message)
+        event = {"type": "error", **error_body(status, message, param, exc.error_code)}
         if "Retry-After" in headers:
             event["retry_after"] = int(headers["Retry-After"])  # whole seconds, as the HTTP header
         with contextlib.suppress(WebSocketDisconnect, OSError, RuntimeError):
             await self._event(event)
-            await self.ws.close(close_code(status), exc.code.lower())
+            await self.ws.close(close_code(status), exc.error_code)
 
 
 async def _requests(inbox: asyncio.Queue) -> AsyncIterator[pb.StreamingSynthesizeRequest]:
