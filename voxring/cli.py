@@ -1,4 +1,4 @@
-"""The ``voxring`` command: run a local stack and talk to a server.
+"""The voxring command: run a local stack and talk to a server.
 
 ``up``, ``down``, ``status`` and ``demo`` run the local stack (``up`` starts what is not
 running, a stage that died included; ``status`` says which died and shows its log);

@@ -3,9 +3,10 @@ and ``AsyncClient`` (``grpc.aio``) with the same methods.
 
     with Client("127.0.0.1:50051") as client:
         result = client.synthesize("Hello.", encoding="wav", seed=7)
-        stream = client.stream("Hello again.", voice="narrator")
-        for chunk in stream:
-            play(chunk.audio)
+        stream = client.stream("Hello again.", voice="alloy")
+        with open("hello.pcm", "wb") as out:
+            for chunk in stream:
+                out.write(chunk.audio)  # 16-bit PCM at the model's rate, as it is decoded
         print(stream.result.finish_reason, stream.result.usage)
 
 A gateway with TLS and a bearer token (``auth.token_file``) is reached with

@@ -15,9 +15,9 @@ from pathlib import Path
 from voxring.errors import VoxringError
 
 DESCRIPTION = ("List the server's voices (* marks the default, + a voice added through the API), "
-               "add one from a reference clip and its transcript (`voices add NAME CLIP "
-               "--transcript TEXT`; WAV, FLAC, MP3, Ogg, M4A...), or remove an added one "
-               "(`voices rm NAME`).")
+               "add one from a reference clip and its transcript (voices add NAME CLIP "
+               "--transcript TEXT; WAV, FLAC, MP3, Ogg, M4A...), or remove an added one "
+               "(voices rm NAME).")
 TIMEOUTS = {None: 10.0, "add": 60.0, "rm": 10.0}  # default deadlines: adding encodes the clip
 
 
@@ -30,14 +30,14 @@ def add_voices_arguments(voices: argparse.ArgumentParser, positive: Callable,
     add = actions.add_parser("add", help="add a voice from a reference clip",
                              description="Add voice NAME from the reference clip CLIP (an audio file "
                                          "in any common format) and its transcript; usable at once "
-                                         "as `voxring say --voice NAME`.")
+                                         "(voxring say --voice NAME).")
     add.add_argument("name", metavar="NAME", help="letters, digits, '.', '_', '-' (up to 64)")
     add.add_argument("clip", metavar="CLIP", type=Path, help="the reference clip's file")
     add.add_argument("--transcript", required=True, help="what the clip says")
     add.add_argument("--speaker", type=int, default=0, metavar="N",
                      help="the model's speaker id the clip's turn is spoken as (default 0)")
     add.add_argument("--language", default=None, help="language code (default: the server's)")
-    add.add_argument("--description", default=None, help="shown by `voxring voices`")
+    add.add_argument("--description", default=None, help="shown by voxring voices")
     rm = actions.add_parser("rm", help="remove a voice added through the API",
                             description="Remove voice NAME, which was added through the API.")
     rm.add_argument("name", metavar="NAME")
