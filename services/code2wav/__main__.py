@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import sys
 from pathlib import Path
 
 from models.checkpoint import CheckpointError, resolve_device, set_threads
@@ -24,7 +23,7 @@ from services.common.config import ConfigError
 from services.common.engine_thread import EngineComponent, EngineThread
 from services.common.mps import mps_requirement
 from services.common.server import ServiceBinding
-from services.common.stage import run_stage
+from services.common.stage import exit_stage, run_stage
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc
 
 log = logging.getLogger("code2wav")
@@ -73,4 +72,4 @@ def build(config: Code2WavConfig, config_path: Path | None):
 
 
 if __name__ == "__main__":
-    sys.exit(run_stage("code2wav", Code2WavConfig, build))
+    exit_stage(run_stage("code2wav", Code2WavConfig, build))

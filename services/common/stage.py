@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,17 @@ C = TypeVar("C")
 
 # build(config, config_path) -> (services, components) or (services, components, host options)
 Builder = Callable[[Any, Path | None], tuple]
+
+
+def exit_stage(code: int) -> None:
+    """Ends the stage process with ``code`` once its logs are flushed, skipping the interpreter's
+    teardown: after the drain every resource the stage holds (rings, sockets, the ready file, its
+    children) is released, and tearing down torch's modules only costs time (about 0.7 s of a
+    talker's stop), which a restart under load and every test that stops a stage wait for."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def run_stage(stage: str, config_cls: type[C], build: Builder, argv: list[str] | None = None) -> int:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 from services.common import metrics
 from services.common.auth import BearerTokenInterceptor, read_token_file
 from services.common.server import ServiceBinding
-from services.common.stage import run_stage
+from services.common.stage import exit_stage, run_stage
 from services.gateway.config import GatewayConfig
 from services.gateway.discovery import PairDiscovery
 from services.gateway.http import http_components
@@ -59,4 +58,4 @@ def build(config: GatewayConfig, config_path: Path | None):
 
 
 if __name__ == "__main__":
-    sys.exit(run_stage("gateway", GatewayConfig, build))
+    exit_stage(run_stage("gateway", GatewayConfig, build))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-import sys
 from pathlib import Path
 
 import kernels
@@ -22,7 +21,7 @@ from services.common.config import ConfigError
 from services.common.engine_thread import EngineComponent, EngineThread
 from services.common.mps import mps_requirement
 from services.common.server import ServiceBinding
-from services.common.stage import run_stage
+from services.common.stage import exit_stage, run_stage
 from services.talker.config import TalkerConfig
 from services.talker.consumers import Consumers
 from services.talker.core import TalkerCore
@@ -160,4 +159,4 @@ def build(config: TalkerConfig, config_path: Path | None):
 
 
 if __name__ == "__main__":
-    sys.exit(run_stage("talker", TalkerConfig, build))
+    exit_stage(run_stage("talker", TalkerConfig, build))

@@ -42,8 +42,9 @@ from tests.unit.qwen_omni_stream_support import drive
 
 TOL = 1e-4
 LENGTHS = (23, 30, 9)  # codes; 2 codes a block of 4 mel frames
-WINDOWS = {"default C=2 L=2 A=1": (2, 2, 1), "C=1 L=2 A=1": (1, 2, 1), "C=2 L=1 A=0": (2, 1, 0),
-           "C=2 L=0 A=0": (2, 0, 0), "C=2 L=4 A=2": (2, 4, 2), "C=2 L=8 A=4": (2, 8, 4)}
+# The default window's gap is reported here, and a smaller one's beside it; the sweep of windows
+# (C=1, L/A from 0/0 to 8/4) is in bench/notes/2026-12-05-second-family.md.
+WINDOWS = {"default C=2 L=2 A=1": (2, 2, 1), "C=2 L=1 A=0": (2, 1, 0)}
 
 
 @pytest.fixture(scope="module")
