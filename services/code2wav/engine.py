@@ -5,13 +5,15 @@ open request they belong to, by handle; records for unknown or closed handles ar
 and counted; sequence gaps and duplicates are counted), then cuts chunks on need
 (docs/protocol.md, Pacing; services/code2wav/pacing.py): a stream's first record at once, then
 when its listener's buffer would fall below the decode margin, when a steady chunk is
-pending, or at its end. Every chunk cut in a tick goes into ONE decode call on the codec's
-resident slot pool, whatever their lengths (rows padded, each slot's state advanced by its
-own frames), with one device-to-host copy; each chunk is then sent to its request's stream.
+pending, or at its end (with graphs, a chunk that more frames follow is cut to a graph length).
+Every chunk cut in a tick is decoded by the decoder's calls of that tick on the codec's resident
+slot pool (with graphs: rows grouped by the graph shape that holds them, services/common/
+buckets.py; eagerly: one call, rows padded), each slot's state advanced by its own frames, with
+one device-to-host copy; each chunk is then sent to its request's stream.
 Only streams something happened to are looked at: those that received records, those whose
 need came (an index by time), those whose client drained audio. LAST flushes what is pending
 and ends the request; CANCELLED frees it at once. SEGMENT_END (a talker session's segment
-ended) flushes that segment's frames (in the tick's one decode call like any cut), then
+ended) flushes that segment's frames (in the tick's decode calls like any cut), then
 sends its segment end; the stream and its codec state go on into the next segment. A
 segment cleared (SEGMENT_END with CANCELLED) has its frames not yet decoded dropped. A
 request whose client has more than ``max_undelivered_seconds`` of audio queued is not
