@@ -11,6 +11,7 @@ at once.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -33,6 +34,15 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def cache_dir() -> Path:
+    """Where generated tiny checkpoints live: $VOXRING_CACHE_DIR, else $XDG_CACHE_HOME/voxring, else
+    ~/.cache/voxring."""
+    if os.environ.get("VOXRING_CACHE_DIR"):
+        return Path(os.environ["VOXRING_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "voxring"
 
 
 def resolve_device(name: str) -> torch.device:

@@ -7,6 +7,12 @@ can be added without touching the engine. Every method works on batches of rows 
 state lives in static KV slots, and ``decode_frame`` is one whole frame as docs/architecture.md's
 "one captured frame": no host sync, no Python branches on tensor values, static shapes,
 so the runner can capture it in a CUDA graph.
+
+Per-request state a family keeps beyond the KV cache (the Qwen2.5-Omni talker's reply stream:
+the text token each frame reads) goes through ``pack_slot_state`` / ``write_slot_state``: packed on
+the host with the prompt, written into the caches when the prompt's last chunk is prefilled, read
+there by ``decode_frame`` (so a captured frame sees it). A family without any (CSM) returns None
+and its write is never called.
 """
 
 from __future__ import annotations
@@ -52,17 +58,31 @@ class FrameOutputs:
     logits: torch.Tensor | None = None  # [B, num_codebooks, V] when asked (tests, parity)
 
 
+@dataclass(frozen=True)
+class PromptInfo:
+    """How a client builds this checkpoint's text turns (``ModelInfoResponse``): ``prompt_format``
+    with ``{speaker}`` and ``{text}`` replaced, tokenized without added special tokens; the
+    ``speakers`` by name and the id that replaces ``{speaker}``."""
+
+    prompt_format: str
+    speakers: tuple[tuple[str, int], ...] = ()
+
+
 class TalkerModel(Protocol):
     """A talker family. ``rows_per_request`` is 2 for families that run classifier-free
-    guidance as paired rows, 1 otherwise."""
+    guidance as paired rows, 1 otherwise. ``text_vocab_size``: the text ids a prompt may hold.
+    ``supports_sessions``: whether a session's next segment can be prefilled after the earlier
+    ones (services/talker/sessions.py packs it as an audio-context boundary and the new text)."""
 
     num_codebooks: int
     codebook_size: int
+    text_vocab_size: int
     hidden_size: int
     max_len: int
     frame_rate: float
     sample_rate: int
     rows_per_request: int
+    supports_sessions: bool
 
     def prompt_embeds(self, segments: Sequence[PromptSegment]) -> torch.Tensor:
         """The prompt as input embeddings [T, H] (the reference ``embed_packed`` must equal)."""
@@ -71,6 +91,16 @@ class TalkerModel(Protocol):
         """The prompt as host rows [T, N + 1] int64, one per KV position: what a request carries
         to the engine. Pure host code (no device, no model state), so the servicer can call it
         on its event loop when a request arrives."""
+
+    def pack_slot_state(self, segments: Sequence[PromptSegment]) -> np.ndarray | None:
+        """The request's per-slot state beyond its packed prompt, as a host int64 vector [S], or
+        None when the family keeps none. Host code, like ``pack_prompt``; the request carries it
+        and the engine writes it (``write_slot_state``) with the prompt's final chunk."""
+
+    def write_slot_state(self, caches: Any, slots: torch.Tensor, states: torch.Tensor) -> None:
+        """Sets the state of ``slots`` [R] from ``states`` [R, S] int64 on the device (each row a
+        ``pack_slot_state`` vector, right-padded with -1): device work only, no host sync. Called
+        after the slots' final prefill chunk; every frame of the slot reads it from the caches."""
 
     def embed_packed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Packed rows [T, N + 1] or [B, T, N + 1] on the device -> embeddings [.., T, H], equal to

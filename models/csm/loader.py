@@ -10,6 +10,7 @@ skipped here. The tied audio embedding is stored once, as
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from models.checkpoint import parse_dtype, read_tensors
 from models.csm.config import CsmConfig
 from models.csm.model import CsmTalker
 from models.csm.modules import RotaryTable
+from models.family import PromptInfo
 
 CODEC_PREFIX = "codec_model."
 # Parameters that are one tensor under two names; only the second is on disk.
@@ -54,3 +56,14 @@ def load_talker(folder: str | Path, dtype: str | torch.dtype = torch.float32,
         if isinstance(module, RotaryTable):
             module.materialize(device)
     return model.eval().requires_grad_(False)
+
+
+def prompt_info(folder: str | Path) -> PromptInfo:
+    """CSM's turn format ``{bos}[{speaker}]{text}{eos}`` with the folder's BOS / EOS tokens
+    (``tokenizer_config.json``, else Llama 3's)."""
+    names: dict = {}
+    for path in (Path(folder) / "voxring.json", Path(folder) / "tokenizer_config.json"):
+        if path.exists():
+            names.update(json.loads(path.read_text()))
+    bos, eos = names.get("bos_token", "<|begin_of_text|>"), names.get("eos_token", "<|end_of_text|>")
+    return PromptInfo(prompt_format=f"{bos}[{{speaker}}]{{text}}{eos}")

@@ -108,12 +108,14 @@ class CsmCaches:
 
 class CsmTalker(nn.Module):
     rows_per_request = 1
+    supports_sessions = True
 
     def __init__(self, config: CsmConfig) -> None:
         super().__init__()
         self.config = config
         self.num_codebooks = config.num_codebooks
         self.codebook_size = config.codebook_size
+        self.text_vocab_size = config.text_vocab_size
         self.hidden_size = config.backbone.hidden_size
         self.max_len = config.max_len
         self.frame_rate = config.frame_rate
@@ -154,6 +156,13 @@ class CsmTalker(nn.Module):
         """The prompt as host rows ``[L, N + 1]`` int64, one per KV position, laid out as
         ``prompt_embeds`` lays them out; see ``pack_prompt`` below."""
         return pack_prompt(segments, self.num_codebooks, self.config.codebook_eos_token_id)
+
+    def pack_slot_state(self, segments: Sequence[PromptSegment]) -> None:
+        """CSM keeps no per-slot state beyond the KV cache and the runner's pools."""
+        return None
+
+    def write_slot_state(self, caches: CsmCaches, slots: torch.Tensor, states: torch.Tensor) -> None:
+        """Never called (``pack_slot_state`` gives None)."""
 
     def embed_packed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Packed prompt rows ``[..., T, N + 1]`` (``pack_prompt``'s layout) -> ``[..., T, H]``, equal

@@ -10,11 +10,13 @@ other loaders and are not read. The model is built on the meta device and the we
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from models.checkpoint import CheckpointError, parse_dtype, read_config_json, read_tensors
+from models.family import PromptInfo
 from models.qwen_omni.config import QwenOmniTalkerConfig, is_qwen_omni
 from models.qwen_omni.talker import QwenOmniTalker
 from models.qwen_omni.talker_layers import MRotary
@@ -60,3 +62,24 @@ def load_talker(folder: str | Path, dtype: str | torch.dtype = torch.float32,
         if isinstance(module, MRotary):
             module.materialize(device)
     return model.eval().requires_grad_(False)
+
+
+def prompt_info(folder: str | Path) -> PromptInfo:
+    """The reply turn's format and the speakers, from the folder's ``voxring.json`` (``prompt_format``,
+    e.g. the tiny default's ``<|spk{speaker}|>{text}``, whose speaker token is that speaker's text BOS,
+    and ``speaker_ids``: name -> the id for ``{speaker}``). A checkpoint without them has no format a
+    client could fill in: CheckpointError naming the file."""
+    path = Path(folder) / "voxring.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raw = {}
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable: {exc}") from None
+    fmt, ids = raw.get("prompt_format"), raw.get("speaker_ids", {})
+    if not isinstance(fmt, str) or "{text}" not in fmt:
+        raise CheckpointError(f"{path}: prompt_format (a string with {{text}}, the reply turn "
+                              f"[speaker's text BOS, text...] once tokenized) is missing")
+    if not isinstance(ids, dict) or not all(isinstance(i, int) and i >= 0 for i in ids.values()):
+        raise CheckpointError(f"{path}: speaker_ids must map names to ids >= 0")
+    return PromptInfo(prompt_format=fmt, speakers=tuple(sorted(ids.items(), key=lambda item: item[1])))

@@ -24,9 +24,13 @@ token + codec BOS), then one frame a step. One frame, from the last hidden state
 No host sync, no branch on tensor values and static shapes in ``decode_frame``, as the protocol asks.
 
 Two things differ from CSM's frame: ``min_frames`` bans the end ids' logits (transformers' rule) rather
-than ignoring a stop frame, since an end id is no audio; and the reply stream is per-request state the
-protocol's prefill does not carry: whoever prefills a slot also calls ``write_reply`` (the engine does
-not yet; a slot without it reads the text PAD from its first frame).
+than ignoring a stop frame, since an end id is no audio; and the reply stream is per-request state beyond
+the packed prompt: it is the family's slot state (``TalkerModel.pack_slot_state`` = ``pack_reply``,
+``write_slot_state``), which the engine writes with the prompt's final prefill chunk (direct callers use
+``write_reply``; a slot without it reads the text PAD from its first frame).
+
+Sessions are not supported (``supports_sessions``): the engine's continuation packs an audio-context
+boundary, and this family has no audio-context turns.
 """
 
 from __future__ import annotations
@@ -82,11 +86,13 @@ class QwenOmniCaches:
 class QwenOmniTalker(nn.Module):
     rows_per_request = 1
     num_codebooks = 1
+    supports_sessions = False
 
     def __init__(self, config: QwenOmniTalkerConfig) -> None:
         super().__init__()
         self.config = config
         self.codebook_size = config.vocab_size  # the sampler's ids: transformers suppresses only the BOS
+        self.text_vocab_size = config.thinker_vocab_size
         self.hidden_size = config.hidden_size
         self.max_len = config.max_len
         self.frame_rate = config.frame_rate
@@ -134,20 +140,34 @@ class QwenOmniTalker(nn.Module):
                            device=device)
         return QwenOmniCaches(self.talker.model.new_cache(num_slots, max_len), reply)
 
+    def pack_slot_state(self, segments: Sequence[PromptSegment]) -> np.ndarray:
+        """The family's slot state is the reply stream (``TalkerModel.pack_slot_state``)."""
+        return self.pack_reply(segments)
+
+    def write_slot_state(self, caches: QwenOmniCaches, slots: torch.Tensor, states: torch.Tensor) -> None:
+        """Sets the reply stream of ``slots`` [R] from ``states`` [R, S] (``pack_reply`` rows right-padded
+        with -1, on the device): the padding and every column past S read the text PAD. Columns past the
+        cache's frames are never read (a slot has no more frames) and are dropped. Device work only."""
+        pad = self.config.text_pad_token_id
+        states = states[:, : caches.reply.shape[1] - 1]
+        values = torch.where(states < 0, pad, states)
+        caches.reply.index_fill_(0, slots, pad)
+        cols = torch.arange(values.shape[1], device=values.device)
+        caches.reply[slots[:, None], cols[None, :]] = values
+
     def write_reply(self, caches: QwenOmniCaches, slots: torch.Tensor, streams: Sequence[np.ndarray]) -> None:
-        """Sets the reply stream of each slot (``pack_reply``'s arrays, one per slot): one host-to-device
-        copy, no sync. Every later frame of the slot reads the text PAD."""
+        """Sets the reply stream of each slot (``pack_reply``'s arrays, one per slot) through
+        ``write_slot_state``: one host-to-device copy, no sync. Every later frame of the slot reads
+        the text PAD."""
         width = caches.reply.shape[1] - 1
         longest = max((len(s) for s in streams), default=0)
         if longest > width:
             raise ValueError(f"streams: a reply stream of {longest} ids exceeds the cache's {width} frames")
-        host = np.full((len(streams), max(longest, 1)), self.config.text_pad_token_id, dtype=np.int64)
+        host = np.full((len(streams), max(longest, 1)), -1, dtype=np.int64)
         for row, stream in enumerate(streams):
             host[row, : len(stream)] = stream
         values = torch.from_numpy(host).to(caches.reply.device, non_blocking=True)
-        caches.reply.index_fill_(0, slots, self.config.text_pad_token_id)
-        cols = torch.arange(values.shape[1], device=values.device)
-        caches.reply[slots[:, None], cols[None, :]] = values
+        self.write_slot_state(caches, slots, values)
 
     def prefill(self, embeds: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                 caches: QwenOmniCaches, starts: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,6 +10,9 @@ files. It is untrained: its audio is noise-like.
 :func:`ensure_tiny_checkpoint` creates it on first use in the cache folder, under a
 file lock, writing into a temporary folder that is renamed into place, so processes
 that start together all end up with the same complete checkpoint.
+
+:func:`checkpoint_folder` resolves a stage's ``model.checkpoint``: a folder, null (voxring-tiny)
+or ``tiny:NAME``, a family's tiny default (``tiny:csm``, ``tiny:qwen-omni``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import torch
 from filelock import FileLock
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+from models.checkpoint import CheckpointError, cache_dir
 
 GENERATOR_VERSION = 3
 NAME = "voxring-tiny"
@@ -149,14 +154,6 @@ def write_tiny_checkpoint(folder: str | Path, seed: int = 0) -> Path:
     return folder
 
 
-def cache_dir() -> Path:
-    """$VOXRING_CACHE_DIR, else $XDG_CACHE_HOME/voxring, else ~/.cache/voxring."""
-    if os.environ.get("VOXRING_CACHE_DIR"):
-        return Path(os.environ["VOXRING_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "voxring"
-
-
 def ensure_tiny_checkpoint(seed: int = 0, root: str | Path | None = None) -> Path:
     """The voxring-tiny folder for ``seed``, created on first use (safe across processes)."""
     models_dir = Path(root) if root is not None else cache_dir() / "models"
@@ -177,9 +174,32 @@ def ensure_tiny_checkpoint(seed: int = 0, root: str | Path | None = None) -> Pat
     return final
 
 
+TINY_PREFIX = "tiny:"
+# ``model.checkpoint: tiny:NAME``: the tiny default of a family (services/common/sections.py lists the
+# same names, to refuse another when the config is read)
+TINY_CHECKPOINTS = ("csm", "qwen-omni")
+
+
+def tiny_folder(name: str, seed: int = 0, root: str | Path | None = None) -> Path:
+    """The tiny default named ``name`` (``TINY_CHECKPOINTS``), made on first use: ``csm`` is
+    voxring-tiny, ``qwen-omni`` models/qwen_omni/tiny.py's. CheckpointError for another name."""
+    if name == "csm":
+        return ensure_tiny_checkpoint(seed, root)
+    if name == "qwen-omni":
+        from models.qwen_omni.tiny import ensure_tiny_checkpoint as ensure_qwen_omni
+
+        return ensure_qwen_omni(seed, root)
+    raise CheckpointError(f"{TINY_PREFIX}{name}: no such tiny default (one of "
+                          f"{', '.join(TINY_PREFIX + n for n in TINY_CHECKPOINTS)})")
+
+
 def checkpoint_folder(model_section) -> Path:
-    """The folder a stage's ``model`` config section names: its checkpoint, or voxring-tiny
-    (made on first use) when the checkpoint is null."""
-    if model_section.checkpoint:
-        return Path(model_section.checkpoint)
-    return ensure_tiny_checkpoint(model_section.tiny_seed)
+    """The folder a stage's ``model`` config section names: its checkpoint folder, a family's tiny
+    default for ``tiny:NAME`` (``tiny_seed`` picks which), or voxring-tiny when it is null; a
+    tiny default is made on first use."""
+    checkpoint = model_section.checkpoint
+    if not checkpoint:
+        return ensure_tiny_checkpoint(model_section.tiny_seed)
+    if checkpoint.startswith(TINY_PREFIX):
+        return tiny_folder(checkpoint[len(TINY_PREFIX):], model_section.tiny_seed)
+    return Path(checkpoint)

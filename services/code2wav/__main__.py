@@ -1,7 +1,9 @@
 """``python -m services.code2wav --config deploy/configs/code2wav.yaml``
 
-Loads the codec (the codec part of a CSM checkpoint, or voxring-tiny made on first
-use), attaches to the configured talkers and serves ``voxring.v1.Code2Wav``.
+Loads the decoder of the checkpoint's model family (services/code2wav/families.py: the Mimi
+codec of a CSM checkpoint or voxring-tiny, or Qwen2.5-Omni's streaming Token2Wav, e.g.
+``model.checkpoint: tiny:qwen-omni``), attaches to the configured talkers and serves
+``voxring.v1.Code2Wav``.
 """
 
 from __future__ import annotations
@@ -11,11 +13,9 @@ import secrets
 from pathlib import Path
 
 from models.checkpoint import CheckpointError, resolve_device, set_threads
-from models.mimi.loader import load_codec
-from models.tiny.talker import checkpoint_folder
 from services.code2wav.config import Code2WavConfig
-from services.code2wav.decoder import CodecDecoder
 from services.code2wav.engine import Code2WavEngine
+from services.code2wav.families import load_decoder
 from services.code2wav.servicer import Code2WavServicer
 from services.code2wav.talkers import LinkHealth, TalkerLink
 from services.common import metrics
@@ -35,20 +35,14 @@ def build(config: Code2WavConfig, config_path: Path | None):
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
         raise ConfigError(f"model.device: {exc}") from None
-    folder = checkpoint_folder(config.model)
     try:
-        codec = load_codec(folder, config.model.dtype, device)
+        decoder, folder, family = load_decoder(config.model, config.engine, device)
     except CheckpointError as exc:
         raise ConfigError(f"model.checkpoint: {exc}") from None
     talkers = config.talkers
     instance_token = secrets.randbits(64)
     links = {t.id: TalkerLink(t.id, t.address, talkers.consumer_id, instance_token, config.transport,
                               talkers.reattach_interval) for t in talkers.attach}
-    eng = config.engine
-    decoder = CodecDecoder(codec, eng.max_slots, buckets=eng.graph_buckets,
-                           chunk_frames=eng.graph_chunk_frames,
-                           max_graphs=eng.max_graphs if eng.cuda_graphs else 0, max_graph_mb=eng.max_graph_mb,
-                           deterministic=eng.deterministic)
     engine = Code2WavEngine(decoder, links, max_slots=config.engine.max_slots,
                             max_undelivered_seconds=config.engine.max_undelivered_seconds,
                             max_records_per_step=config.engine.max_records_per_step)
@@ -59,11 +53,10 @@ def build(config: Code2WavConfig, config_path: Path | None):
                           keepalive_limit=config.transport.step_keepalive,
                           slow_step=config.transport.liveness_timeout)
     servicer = Code2WavServicer(thread, {t.id: t.address for t in talkers.attach}, talkers.consumer_id,
-                                config.pacing,
-                                1.0 / codec.config.frame_rate)
+                                config.pacing, decoder)
     name = code2wav_pb2.DESCRIPTOR.services_by_name["Code2Wav"].full_name
-    log.info("codec %s on %s (%s, %d CPU threads), %d slots, talkers %s", folder, device,
-             config.model.dtype, threads, config.engine.max_slots,
+    log.info("%s decoder, checkpoint %s on %s (%s, %d CPU threads), %d slots, talkers %s", family, folder,
+             device, config.model.dtype, threads, config.engine.max_slots,
              ", ".join(f"{t.id}={t.address}" for t in talkers.attach))
     return ([ServiceBinding(name, code2wav_pb2_grpc.add_Code2WavServicer_to_server, servicer)],
             [EngineComponent(thread, close=engine.close_links),

@@ -20,6 +20,10 @@ at 8 frames in bf16 on an H200), so the same codes decoded twice give waveforms 
 bf16 ulps apart, graph replay and eager alike. ``deterministic`` restricts cuDNN to
 algorithms that sum in a fixed order. The switch is the process's
 (``torch.backends.cudnn.deterministic``): Code2Wav runs in its own process.
+
+The engine's aligned decoder (services/code2wav/decoding.py): exactly the audio of the frames
+given, at once. The codec takes no voice (the talker's prompt carries it): an Open's
+``speaker_id`` and ``seed`` are ignored; voice clips go through the codec's encoder.
 """
 
 from __future__ import annotations
@@ -31,12 +35,15 @@ import numpy as np
 import torch
 
 from models.mimi.model import CodecInputError, MimiCodec
+from services.code2wav.voice import encode_voice
 from services.common.buckets import length_at_most, padded_length, plan
 
 log = logging.getLogger(__name__)
 
 
 class CodecDecoder:
+    streaming = False
+
     def __init__(self, codec: MimiCodec, max_slots: int, *, buckets: Sequence[int] = (),
                  chunk_frames: Sequence[int] = (), max_graphs: int = 0, max_graph_mb: float = 0.0,
                  deterministic: bool = True) -> None:
@@ -58,6 +65,17 @@ class CodecDecoder:
         if self.device.type == "cuda" and max_graphs > 0:
             self._capture(sorted(buckets), sorted(chunk_frames), max_graphs, max_graph_mb)
         self.buckets = sorted({b for b, _ in self.graphs})
+        config = codec.config
+        self.num_codebooks = codec.num_codebooks
+        self.codebook_size = self.code_space = config.codebook_size  # no special codes
+        self.frame_rate, self.sample_rate = config.frame_rate, config.sampling_rate
+
+    def check_open(self, speaker_id: int, seed: int) -> None:
+        """Any Open: the voice is in the talker's prompt, the codec draws no noise."""
+
+    def encode_clip(self, samples: np.ndarray, sample_rate: int) -> torch.Tensor:
+        """A voice clip as codec frames [T, K] (services/code2wav/voice.py)."""
+        return encode_voice(self.codec, samples, sample_rate)
 
     def reset(self, slots: Sequence[int]) -> None:
         """Zeroes the streaming state of ``slots`` (newly opened streams), in one batch."""

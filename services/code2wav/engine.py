@@ -21,6 +21,16 @@ decoded until it drains. When a talker's producer goes stale its open requests e
 UNAVAILABLE and the engine attaches again. When nothing is ready the tick waits on the ring
 itself until the next need at most, so a new record is picked up within microseconds, not
 at the next poll.
+
+A streaming decoder (services/code2wav/decoding.py: Qwen2.5-Omni's Token2Wav, audio later than
+its codes and in pieces) gets each record's codes at once; each tick, every stream it has work
+for is decoded in ONE call of the decoder's, and whatever audio each returned is sent as a
+chunk; LAST ends its codes (``decoder.end``), then it is decoded until finished. Such a request
+takes no SEGMENT_END (the family's talker refuses sessions): one ends the request INTERNAL.
+Either way what was sent is counted in samples and seconds of audio returned (the listener
+model, ``sent_s``, the counters); a chunk's ``num_frames`` is the frames its audio completes.
+Frames outside the decoder's codebooks or code space end their request INTERNAL; frames of the
+talker's special codes (above the decoder's codebook) are dropped and counted.
 """
 
 from __future__ import annotations
@@ -34,12 +44,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from services.code2wav.decoder import CodecDecoder
+from services.code2wav.decoding import Decoder, FrameError, decodable
 from services.code2wav.metrics import Code2WavCounters
-from services.code2wav.streams import SEGMENT_REASONS, ChunkOut, OpenStream, Outbox
+from services.code2wav.streams import SEGMENT_REASONS, OpenStream, Outbox
 from services.code2wav.talkers import TalkerLink
 from services.common.errors import ResourceExhausted
-from services.common.log import request_context
 from services.transport.layout import FinishReason, RingError
 
 log = logging.getLogger(__name__)
@@ -53,11 +62,11 @@ ERROR_ENDINGS = {FinishReason.DEADLINE: ("DEADLINE_EXCEEDED", "talker deadline p
 
 
 class Code2WavEngine:
-    def __init__(self, decoder: CodecDecoder, links: dict[str, TalkerLink], *, max_slots: int,
+    def __init__(self, decoder: Decoder, links: dict[str, TalkerLink], *, max_slots: int,
                  max_undelivered_seconds: float, max_records_per_step: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.decoder = decoder
-        self.codec = codec = decoder.codec
+        self.streaming = decoder.streaming  # codes pushed as they come, audio as the decoder returns it
         self.max_slots = max_slots
         self.links = links
         self.max_undelivered = max_undelivered_seconds
@@ -66,7 +75,8 @@ class Code2WavEngine:
         self.streams: dict[int, OpenStream] = {}
         self.free_slots = deque(range(max_slots))
         self.counters = Code2WavCounters(window=(clock(), 0, 0.0))
-        self.frame_seconds = 1.0 / codec.config.frame_rate
+        self.sample_rate = decoder.sample_rate
+        self.samples_per_frame = round(decoder.sample_rate / decoder.frame_rate)
         self._turn = -1
         self._to_reset: list[int] = []  # slots opened since the last step: state zeroed then
         self._touched: set[int] = set()  # handles to look at this tick (records, drains)
@@ -86,10 +96,17 @@ class Code2WavEngine:
         if not self.free_slots:
             raise ResourceExhausted(f"all {self.max_slots} decoder slots are in use")
         slot = self.free_slots.popleft()
-        # Zeroed in one batch at the next step (before any decode): a burst of opens then
-        # costs one reset, not a host-to-device copy and a kernel per state tensor each.
-        self._to_reset.append(slot)
-        stream = stream_factory(slot)
+        try:
+            stream = stream_factory(slot)
+            if self.streaming:
+                self.decoder.open(slot, stream.speaker_id, stream.seed)
+        except BaseException:
+            self.free_slots.appendleft(slot)
+            raise
+        if not self.streaming:
+            # Zeroed in one batch at the next step (before any decode): a burst of opens then
+            # costs one reset, not a host-to-device copy and a kernel per state tensor each.
+            self._to_reset.append(slot)
         stream.outbox = self.outbox
         self.streams[stream.handle] = stream
         return stream
@@ -99,6 +116,8 @@ class Code2WavEngine:
         stream = self.streams.pop(handle, None)
         if stream is not None:
             stream.closed = True
+            if self.streaming:
+                self.decoder.close(stream.slot)
             self.free_slots.append(stream.slot)
 
     def resume(self, handle: int) -> None:
@@ -201,26 +220,42 @@ class Code2WavEngine:
         if record.seq > stream.next_seq:
             self.counters.sequence_gaps += record.seq - stream.next_seq
         stream.next_seq = record.seq + 1
-        if record.num_frames:
-            if record.num_codebooks != self.codec.num_codebooks or codes.min() < 0 or (
-                    codes.max() >= self.codec.config.codebook_size):
-                self._end(stream, "error", "INTERNAL", "talker sent frames this codec cannot decode")
-                return
-            stream.add_frames(codes)
+        if record.segment_end and self.streaming:
+            self._reject(stream, "talker sent SEGMENT_END: this model family's decoder takes no sessions")
+            return
+        if record.num_frames and not self._add_frames(stream, codes):
+            return
         self._touched.add(stream.handle)
         if record.cancelled:
             self._end(stream, "error", *ERROR_ENDINGS[FinishReason.CANCELLED])
             return
         if record.segment_end:
             if record.finish_reason not in SEGMENT_REASONS:
-                self._end(stream, "error", "INTERNAL",
-                          f"talker ended a segment with finish reason {record.finish_reason}")
+                self._reject(stream, f"talker ended a segment with finish reason {record.finish_reason}")
                 return
             dropped = stream.end_segment(record.finish_reason)
             if record.finish_reason == FinishReason.CANCELLED:
                 self.counters.cleared(dropped)
         if record.last:
             stream.last_reason = record.finish_reason
+            if self.streaming:
+                self.decoder.end(stream.slot)
+
+    def _add_frames(self, stream: OpenStream, codes: np.ndarray) -> bool:
+        """A record's frames to the stream (streaming: to the decoder, up to the stream's max
+        frames); False when they ended the request."""
+        try:
+            frames, dropped = decodable(self.decoder, codes)
+        except FrameError as exc:
+            self._reject(stream, f"talker sent frames this decoder cannot decode: {exc}")
+            return False
+        self.counters.dropped_codes += dropped
+        if not self.streaming:
+            stream.add_frames(frames)
+        elif len(frames := frames[:max(0, stream.max_frames - stream.frames_received)]):
+            self.decoder.push(stream.slot, frames)
+            stream.pushed(len(frames))
+        return True
 
     # --- decoding ---------------------------------------------------------------------------------
 
@@ -231,11 +266,12 @@ class Code2WavEngine:
             _, handle = heapq.heappop(self._due)
             self._touched.add(handle)
         touched, self._touched = self._touched, set()
+        streams = [s for s in map(self.streams.get, touched) if s is not None]
+        if self.streaming:
+            return self._decode_streams(streams)
         cuts: list[tuple[OpenStream, int, str]] = []
-        for handle in touched:
-            stream = self.streams.get(handle)
-            if stream is not None:
-                self._look_at(stream, now, cuts)
+        for stream in streams:
+            self._look_at(stream, now, cuts)
         if not cuts:
             return False
         self._decode(cuts)
@@ -255,12 +291,8 @@ class Code2WavEngine:
         if why in ("first", "need", "size"):  # more follows: cut to a length a graph runs unpadded
             frames = self.decoder.chunk_at_most(frames)
         if frames:
-            if stream.undelivered_s > self.max_undelivered:
-                stream.held = True  # the event loop sees the flag at its next delivery: resume()
-                if stream.undelivered_s > self.max_undelivered:  # read after the flag: no delivery lost
-                    return
-                stream.held = False
-            cuts.append((stream, frames, why))
+            if not stream.hold(self.max_undelivered):
+                cuts.append((stream, frames, why))
             return
         if stream.last_reason is not None and not stream.pending_frames:
             self._finish(stream)
@@ -277,23 +309,54 @@ class Code2WavEngine:
         pcm = self.decoder.decode_many([stream.slot for stream, _, _ in cuts], chunks)
         now = self.clock()
         decode_s = (now - taken) / len(cuts)
+        buffers = [self._send_audio(stream, samples, frames, why, now, decode_s)
+                   for (stream, frames, why), samples in zip(cuts, pcm, strict=True)]
+        self.counters.tick(sum(len(p) for p in pcm) / self.sample_rate, buffers,
+                           host_s=(taken - started) + (self.clock() - now), decode_s=now - taken)
+
+    def _decode_streams(self, streams: list[OpenStream]) -> bool:
+        """A streaming decoder's tick: every stream it has work for in one decode call, each
+        one's audio sent as a chunk (none when it returned none); an ended stream whose audio
+        is all out finishes."""
+        ready = []
+        for stream in streams:
+            if self.decoder.ready(stream.slot):
+                if not stream.hold(self.max_undelivered):
+                    ready.append(stream)
+            elif stream.last_reason is not None and self.decoder.finished(stream.slot):
+                self._finish(stream)
+        if not ready:
+            return False
+        started = self.clock()
+        audio = self.decoder.decode([stream.slot for stream in ready])
+        now = self.clock()
+        decode_s = (now - started) / len(ready)
         buffers = []
-        for (stream, frames, why), samples in zip(cuts, pcm, strict=True):
-            with request_context(stream.request_id):
-                stream.send("chunk", ChunkOut(samples.astype("<i2", copy=False).tobytes(), stream.chunk_index,
-                                              stream.sample_offset, frames))
-            buffers.append(stream.listener.sent(now, frames))
-            stream.first_chunk_at = stream.first_chunk_at or now
-            stream.chunk_index += 1
-            stream.sample_offset += len(samples)
-            stream.frames_decoded += frames
-            stream.segment_frames += frames
-            stream.sent_s += frames * self.frame_seconds
-            stream.decode_s += decode_s
-            self.counters.cut(why)
-        audio_s = sum(frames for _, frames, _ in cuts) * self.frame_seconds
-        self.counters.tick(audio_s, buffers, host_s=(taken - started) + (self.clock() - now),
-                           decode_s=now - taken)
+        for stream, out in zip(ready, audio, strict=True):
+            if out.first_sample != stream.sample_offset:  # the decoder's contract: contiguous audio
+                self._reject(stream, f"decoder returned audio from sample {out.first_sample}, "
+                             f"{stream.sample_offset} were sent")
+                continue
+            if len(out.pcm):
+                why = "first" if not stream.chunk_index else "end" if out.finished else "size"
+                buffers.append(self._send_audio(stream, out.pcm, None, why, now, decode_s))
+            if out.finished and stream.last_reason is not None:
+                self._finish(stream)
+            elif not stream.closed:
+                self._touched.add(stream.handle)  # looked at again next tick: more may be ready
+        self.counters.tick(sum(len(out.pcm) for out in audio) / self.sample_rate, buffers,
+                           host_s=self.clock() - now, decode_s=now - started)
+        return True
+
+    def _send_audio(self, stream: OpenStream, pcm: np.ndarray, frames: int | None, why: str,
+                    now: float, decode_s: float) -> float:
+        """One chunk sent (``frames``: the chunk's own, or None: the frames its audio completes, a
+        streaming decoder's); returns the listener's buffer it found."""
+        if frames is None:
+            frames = (stream.sample_offset + len(pcm)) // self.samples_per_frame - stream.frames_decoded
+            stream.pending_frames -= frames  # a streaming stream's pending: its codes without audio
+        self.counters.cut(why)
+        return stream.send_chunk(pcm, frames, len(pcm) / self.sample_rate, now, decode_s)
 
     def _send_segment_ends(self, stream: OpenStream) -> None:
         """After a segment's last chunk: its end (the stream's codec state is kept)."""
@@ -312,19 +375,14 @@ class Code2WavEngine:
         stream.send(*message)
         self.close(stream.handle)
 
+    def _reject(self, stream: OpenStream, message: str) -> None:
+        """Ends a request INTERNAL on this side's account: the servicer cancels it on the talker
+        too (the talker's row may go on otherwise)."""
+        self._end(stream, "error", "INTERNAL", message, "code2wav")
+
     def stats(self) -> dict:
-        start, chunks, audio = self.counters.window
-        now = self.clock()
-        elapsed = max(now - start, 1e-9)
-        c = self.counters
-        result = dict(active_slots=len(self.streams),
-                      queued_frames=sum(s.pending_frames for s in self.streams.values()),
-                      chunks_per_s=(c.chunks - chunks) / elapsed,
-                      audio_seconds_per_s=(c.audio_s - audio) / elapsed,
-                      dropped_records=c.dropped_records, sequence_gaps=c.sequence_gaps,
-                      duplicate_records=c.duplicate_records)
-        c.window = (now, c.chunks, c.audio_s)
-        return result
+        return self.counters.stats(self.clock(), len(self.streams),
+                                   sum(s.pending_frames for s in self.streams.values()))
 
     def metrics(self) -> dict:
         """Read at scrape time from the metrics thread (plain reads of counters)."""

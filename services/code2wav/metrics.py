@@ -21,6 +21,7 @@ class Code2WavCounters:
     dropped_records: int = 0
     sequence_gaps: int = 0
     duplicate_records: int = 0
+    dropped_codes: int = 0    # frames of the talker's special codes, not audio: never decoded
     chunks: int = 0
     audio_s: float = 0.0
     window: tuple[float, int, float] = (0.0, 0, 0.0)  # (clock, chunks, audio seconds) at the last Stats
@@ -58,6 +59,16 @@ class Code2WavCounters:
                 self.underruns += 1
                 self.underrun_s -= found
 
+    def stats(self, now: float, active: int, queued: int) -> dict:
+        """The Stats RPC's fields; rates over the window since the last call, which starts a new one."""
+        start, chunks, audio = self.window
+        elapsed = max(now - start, 1e-9)
+        self.window = (now, self.chunks, self.audio_s)
+        return dict(active_slots=active, queued_frames=queued, chunks_per_s=(self.chunks - chunks) / elapsed,
+                    audio_seconds_per_s=(self.audio_s - audio) / elapsed,
+                    dropped_records=self.dropped_records, sequence_gaps=self.sequence_gaps,
+                    duplicate_records=self.duplicate_records)
+
     def snapshot(self, active: int, queued: int) -> dict:
         """{name: (kind, help, value)} for services/common/metrics.StageCollector."""
         out = {"active_streams": ("gauge", "requests open on this Code2Wav", active),
@@ -66,6 +77,8 @@ class Code2WavCounters:
                "audio_seconds": ("counter", "seconds of audio decoded", self.audio_s),
                "dropped_records": ("counter", "records for unknown handles", self.dropped_records),
                "sequence_gaps": ("counter", "missing ring records", self.sequence_gaps),
+               "dropped_codes": ("counter", "frames of the talker's special codes (not audio) dropped "
+                                 "undecoded", self.dropped_codes),
                "decode_calls": ("counter", "decode calls (one per tick that cut a chunk)", self.decode_calls),
                "decode_seconds": ("counter", "engine seconds in decode calls", self.decode_s),
                "chunk_host_seconds": ("counter", "engine seconds around decode calls (taking frames, "

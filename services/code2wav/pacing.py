@@ -1,7 +1,7 @@
 """When Code2Wav cuts a request's audio chunks (docs/protocol.md, Pacing), and its model of the
 listener those cuts follow.
 
-The listener is modeled from what this side sent: playback starts when the first chunk is
+The listener is modeled from what this side sent, in seconds of audio: playback starts when the first chunk is
 sent and runs in real time; a chunk sent after the buffer ran dry is a stall (an underrun
 the listener heard), after which playback resumes from that chunk. A stream's first record
 is decoded at once; after that a chunk is cut when the buffer would fall below
@@ -13,6 +13,11 @@ not a stall. A segment whose first frames find the buffer dry is treated like a 
 first record (decoded at once) and the listener's clock restarts with its first chunk
 (:meth:`Listener.restart`); a segment whose first frames find audio still buffered simply
 continues the stream. Pure Python: owned by the engine thread.
+
+A streaming decoder's family (services/code2wav/decoding.py: audio later than its codes, in
+pieces) is not cut by these rules: its chunks are the decoder's (a window's chunk once its
+lookahead arrived, decoded in the tick it became ready); the listener model and its underrun
+counting apply as they are, in seconds.
 """
 
 from __future__ import annotations
@@ -83,7 +88,12 @@ class Listener:
         self.sent_s = 0.0
 
     def sent(self, now: float, frames: int) -> float:
-        """Records a chunk sent at ``now``; returns the buffer it found (< 0: a stall)."""
+        """Records a chunk of ``frames`` frames sent at ``now`` (:meth:`sent_audio`)."""
+        return self.sent_audio(now, frames * self.frame_s)
+
+    def sent_audio(self, now: float, seconds: float) -> float:
+        """Records a chunk of ``seconds`` of audio sent at ``now`` (the engine's: the samples it
+        sent, whatever frames they came from); returns the buffer it found (< 0: a stall)."""
         if self.origin is None:
             self.origin = now
         found = self.buffer_s(now)
@@ -91,7 +101,7 @@ class Listener:
             self.stalls += 1
             self.stalled_s -= found
             self.origin -= found
-        self.sent_s += frames * self.frame_s
+        self.sent_s += seconds
         return found
 
 

@@ -5,7 +5,14 @@ thread and then forwards the messages the engine queues for it. When the client
 cancels the stream (or it ends any other way), the request is closed on the engine and,
 unless it finished normally, cancelled on its talker too (so a dead gateway still frees
 the talker's row). A chunk counts as delivered once gRPC flow control took it, which is
-what the engine's audio backpressure reads (``OpenStream.delivered_s``, added here).
+what the engine's audio backpressure reads (``OpenStream.delivered_s``, added here: the chunk's
+seconds, as the engine added them to ``sent_s``).
+
+The decoder (services/code2wav/decoding.py) vets an Open's ``speaker_id`` and ``seed`` before a
+slot is taken (``check_open``: plain reads of what it loaded at start-up), and encodes voice
+clips (``encode_clip``, on the engine thread; FAILED_PRECONDITION for a family without an
+encoder). An error the engine ends a request with on its own account (frames it cannot decode,
+a SEGMENT_END a streaming family takes not) is cancelled on the talker too.
 """
 
 from __future__ import annotations
@@ -18,10 +25,11 @@ import secrets
 
 import grpc
 
+from services.code2wav.decoding import Decoder
 from services.code2wav.engine import Code2WavEngine
 from services.code2wav.pacing import Pacing, requested_pacing
 from services.code2wav.streams import ChunkOut, OpenStream, SegmentEndOut
-from services.code2wav.voice import VoiceClipError, encode_voice, pcm16_to_float
+from services.code2wav.voice import VoiceClipError, pcm16_to_float
 from services.common.engine_thread import EngineStopped, EngineThread
 from services.common.errors import (
     Cancelled,
@@ -40,12 +48,13 @@ ERRORS = {"UNAVAILABLE": Unavailable, "INTERNAL": Internal, "DEADLINE_EXCEEDED":
 
 class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
     def __init__(self, thread: EngineThread, talkers: dict[str, str], consumer_id: str,
-                 default_pacing: Pacing, frame_seconds: float) -> None:
+                 default_pacing: Pacing, decoder: Decoder) -> None:
         self._thread = thread
         self._talkers = talkers  # talker id -> address (for Cancel)
         self._consumer_id = consumer_id
         self._default_pacing = default_pacing
-        self._frame_seconds = frame_seconds
+        self._decoder = decoder
+        self._frame_seconds = 1.0 / decoder.frame_rate
         self._instance = secrets.randbits(32) or 1  # handle = instance << 32 | counter
         self._counter = itertools.count(1)
         self._stubs: dict[str, talker_pb2_grpc.TalkerStub] = {}
@@ -69,12 +78,14 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
         if request.max_frames < 1:
             raise InvalidArgument("max_frames", f"must be >= 1, got {request.max_frames}")
         pacing = requested_pacing(request, self._default_pacing)
+        self._decoder.check_open(request.speaker_id, request.seed)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         handle = (self._instance << 32) | (next(self._counter) & 0xFFFFFFFF)
 
         def make(slot: int) -> OpenStream:
             return OpenStream(handle, request.request_id, request.talker_id, slot, pacing,
-                              request.max_frames, loop, queue, frame_s=self._frame_seconds)
+                              request.max_frames, loop, queue, frame_s=self._frame_seconds,
+                              speaker_id=request.speaker_id, seed=request.seed)
 
         try:
             stream = await self._call(lambda engine: engine.open(make))
@@ -88,7 +99,7 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
                 kind, *payload = await queue.get()
                 if kind == "chunk":
                     yield _chunk_response(payload[0])
-                    stream.delivered_s += payload[0].num_frames * self._frame_seconds
+                    stream.delivered_s += payload[0].audio_s
                     if stream.held:  # the engine paused it for this client: look again
                         self._post(lambda engine: engine.resume(handle))
                 elif kind == "segment_end":
@@ -102,8 +113,9 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
                         decode_s=done.decode_s))
                     return
                 else:
-                    code, message = payload
-                    finished = code != "CANCELLED"  # the talker ended it; no Cancel needed
+                    code, message, *ours = payload
+                    # the talker ended it (no Cancel needed), unless this side did ("code2wav")
+                    finished = code != "CANCELLED" and not ours
                     raise ERRORS.get(code, Internal)(message)
         finally:
             self._post(lambda engine: engine.close(handle))
@@ -132,7 +144,7 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
 
         def encode(engine: Code2WavEngine):
             try:
-                return encode_voice(engine.codec, samples, request.sample_rate_hz)
+                return engine.decoder.encode_clip(samples, request.sample_rate_hz)
             except VoiceClipError as exc:
                 raise InvalidArgument(*str(exc).split(": ", 1)) from None
 

@@ -4,20 +4,27 @@ engine thread.
 
 Messages to the request's gRPC stream travel through an asyncio queue on the event loop:
 ("chunk", ChunkOut), ("segment_end", SegmentEndOut), ("finished", FinishOut) or ("error",
-status name, message). A stream opened by the engine queues them in the engine's
+status name, message), with "code2wav" after the message when this side ended the request (the
+talker's row is then cancelled too). A stream opened by the engine queues them in the engine's
 :class:`Outbox`, which hands a step's messages to the loop in one
 ``loop.call_soon_threadsafe`` (one wake-up of the loop a step, not one a chunk); a stream
 without one calls the loop itself.
 
-Audio backpressure: the engine adds each chunk's seconds to ``sent_s``; the event loop adds
-to ``delivered_s`` when gRPC flow control took the chunk (plain float stores: one writer
-each), so a delivery costs the engine nothing unless the stream is ``held``.
+Audio backpressure: the engine adds each chunk's seconds (its samples / the sample rate) to
+``sent_s``; the event loop adds the same to ``delivered_s`` when gRPC flow control took the
+chunk (plain float stores: one writer each), so a delivery costs the engine nothing unless the
+stream is ``held``.
 
 Segments (a talker session: docs/protocol.md, Sessions and segments): a SEGMENT_END record marks where a
 segment ends in the stream's frames (``segment_ends``: positions counted in frames decoded +
 pending). Chunks never cross such a position; once the decoding reaches it the segment's
 end is sent and the next segment starts, on the same codec state (one waveform). A cleared
-segment (finish CANCELLED) drops its frames still pending.
+segment (finish CANCELLED) drops its frames still pending. Segments are an aligned
+decoder's (services/code2wav/decoding.py); a streaming decoder's request takes none.
+
+With a streaming decoder the frames wait in the decoder, not here: ``pending_frames`` counts
+those pushed whose audio was not yet sent, and each chunk's frames are the ones its audio
+completes.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.code2wav.pacing import Listener, Pacing, frames_to_cut
+from services.common.log import request_context
 from services.transport.layout import FinishReason
 
 # The finish reasons a SEGMENT_END record may carry
@@ -43,6 +51,7 @@ class ChunkOut:
     chunk_index: int
     sample_offset: int
     num_frames: int
+    audio_s: float = 0.0  # the chunk's seconds: what the engine added to sent_s, the loop to delivered_s
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,8 @@ class OpenStream:
     clock: Callable[[], float] = time.monotonic  # the engine's
     opened: float | None = None                  # the clock's reading at open (None: now)
     frame_s: float = 0.08                        # seconds of audio per frame
+    speaker_id: int = 0                          # the voice, for a decoder that takes one
+    seed: int = 0                                # the noise's seed, for a decoder that draws any
 
     pending: list[np.ndarray] = field(default_factory=list)  # [frames, K] int16 blocks
     pending_frames: int = 0
@@ -149,6 +160,40 @@ class OpenStream:
         self.pending.append(np.array(codes, dtype=np.int16))  # copy out of the ring
         self.pending_frames += len(codes)
         self.frames_received += len(codes)
+
+    def send_chunk(self, pcm: np.ndarray, frames: int, seconds: float, now: float, decode_s: float) -> float:
+        """Sends a chunk of ``seconds`` of audio (int16 ``pcm``) that completes ``frames`` frames,
+        and accounts for it; returns the listener's buffer it found (< 0: a stall)."""
+        with request_context(self.request_id):
+            self.send("chunk", ChunkOut(pcm.astype("<i2", copy=False).tobytes(), self.chunk_index,
+                                        self.sample_offset, frames, seconds))
+        found = self.listener.sent_audio(now, seconds)
+        self.first_chunk_at = self.first_chunk_at or now
+        self.chunk_index += 1
+        self.sample_offset += len(pcm)
+        self.frames_decoded += frames
+        self.segment_frames += frames
+        self.sent_s += seconds
+        self.decode_s += decode_s
+        return found
+
+    def hold(self, max_undelivered_s: float) -> bool:
+        """Whether the client has too much audio queued to decode more for it now (then ``held``:
+        the event loop, seeing the flag at its next delivery, asks the engine to resume it)."""
+        if self.undelivered_s > max_undelivered_s:
+            self.held = True
+            if self.undelivered_s > max_undelivered_s:  # read after the flag: no delivery lost
+                return True
+            self.held = False
+        return False
+
+    def pushed(self, frames: int) -> None:
+        """A streaming decoder took ``frames`` of this stream's frames (they wait there, counted
+        in ``pending_frames`` until their audio is sent)."""
+        if self.first_frame_at is None:
+            self.first_frame_at = self.clock()
+        self.pending_frames += frames
+        self.frames_received += frames
 
     def cut(self, now: float) -> tuple[int, str]:
         """(frames to decode now, why): see services/code2wav/pacing.py; (0, "") to wait. A

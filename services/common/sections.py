@@ -173,18 +173,28 @@ class LoggingSection:
             raise ConfigValueError("level", f"must be one of {', '.join(LEVELS)}, got {self.level!r}")
 
 
+# ``model.checkpoint: tiny:NAME``: a family's tiny default (models/tiny/talker.py TINY_CHECKPOINTS)
+TINY_CHECKPOINTS = ("csm", "qwen-omni")
+
+
 @dataclass(frozen=True)
 class ModelSection:
-    checkpoint: str | None = None   # a CSM checkpoint folder; null: voxring-tiny, made on first use
+    # a checkpoint folder (its config.json names the family); tiny:csm or tiny:qwen-omni, a family's
+    # tiny default; null: voxring-tiny (tiny:csm); a tiny default is made on first use
+    checkpoint: str | None = None
     dtype: str = "float32"          # float32, bfloat16, float16
     device: str = "auto"            # auto (cuda when present), cpu, cuda, cuda:N
-    tiny_seed: int = 0              # which voxring-tiny, when checkpoint is null
+    tiny_seed: int = 0              # which tiny default, when checkpoint is null or tiny:NAME
     threads: int = 0                # torch's CPU threads in this stage; 0: torch's default (OMP_NUM_THREADS)
     require_mps: bool = False       # on a GPU: readiness stays NOT_SERVING unless an MPS client
 
     def __post_init__(self) -> None:
         if self.threads < 0:
             raise ConfigValueError("threads", f"must be >= 0 (0: torch's default), got {self.threads}")
+        if self.checkpoint and self.checkpoint.startswith("tiny:") \
+                and self.checkpoint[len("tiny:"):] not in TINY_CHECKPOINTS:
+            raise ConfigValueError("checkpoint", f"{self.checkpoint!r} is no tiny default (one of "
+                                   f"{', '.join('tiny:' + name for name in TINY_CHECKPOINTS)})")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigValueError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

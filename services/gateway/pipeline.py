@@ -280,8 +280,8 @@ class SynthesisPipeline:
                                          f"audio in the model's length of {facts.max_len}")
         max_frames = cap.frames
         call = pair.code2wav.Open(code2wav_pb2.OpenRequest(
-            request_id=request.request_id, talker_id=pair.talker_id, max_frames=max_frames),
-            timeout=_remaining(request))
+            request_id=request.request_id, talker_id=pair.talker_id, max_frames=max_frames,
+            speaker_id=request.voice.speaker_id, seed=seed), timeout=_remaining(request))
         started = Started(pair, call, 0, seed, time.monotonic(), cap.limit)
         try:
             started.handle = await _opened(call, pair)

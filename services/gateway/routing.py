@@ -50,6 +50,7 @@ class ModelFacts:
     num_codebooks: int
     frame_rate: float
     sample_rate: int
+    family: str = "csm"  # the talker's model family (ModelInfoResponse.family; empty from an older talker)
 
     def prompt_ids(self, speaker_id: int, text: str) -> list[int]:
         """The text turn as token ids: the format already holds the special tokens."""
@@ -143,7 +144,7 @@ class EnginePair:
             self.mark_up()
             self.facts = ModelFacts(info.model_name, Tokenizer.from_str(info.tokenizer_json.decode()),
                                     info.prompt_format, info.max_len, info.num_codebooks, info.frame_rate,
-                                    info.sample_rate)
+                                    info.sample_rate, info.family or "csm")
         return self.facts
 
     async def close(self) -> None:

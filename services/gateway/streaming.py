@@ -360,7 +360,8 @@ class StreamingSession:
             self.out_rate = valid.sample_rate_hz or facts.sample_rate
             self.encoder = make_encoder(valid.encoding, facts.sample_rate, self.out_rate, valid.speed)
             call = pair.code2wav.Open(code2wav_pb2.OpenRequest(
-                request_id=valid.request_id, talker_id=pair.talker_id, max_frames=self.session_cap.frames))
+                request_id=valid.request_id, talker_id=pair.talker_id, max_frames=self.session_cap.frames,
+                speaker_id=valid.voice.speaker_id, seed=self.settings.seed))
             self.call = call
             try:
                 opened = await call.read()

@@ -1,6 +1,7 @@
 """``python -m services.talker --config deploy/configs/talker.yaml``
 
-Loads the model (a CSM checkpoint folder, or voxring-tiny made on first use), builds the
+Loads the model (a checkpoint folder, its family from its config.json: CSM or Qwen2.5-Omni; or a
+family's tiny default, ``tiny:NAME`` or null for voxring-tiny, made on first use), builds the
 engine (scheduler, runner with its graphs, consumers' rings) on its own thread, and
 serves ``voxring.v1.Talker`` (plus ``voxring.v1.FrameStream`` for the grpc transport).
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import kernels
 from models.checkpoint import CheckpointError, resolve_device, set_threads
-from models.csm.loader import load_talker
+from models.talkers import Family, family_of
 from models.tiny.talker import checkpoint_folder
 from services.common import metrics
 from services.common.config import ConfigError
@@ -38,20 +39,25 @@ from voxring.v1 import frames_pb2, frames_pb2_grpc, talker_pb2, talker_pb2_grpc
 log = logging.getLogger("talker")
 
 
-def model_info(folder: Path, model, max_len: int) -> talker_pb2.ModelInfoResponse:
+def model_info(folder: Path, model, max_len: int,
+               family: Family | None = None) -> talker_pb2.ModelInfoResponse:
+    """What a client needs to speak to the model without knowing its family: the tokenizer and the
+    family's turn format (tokenize the formatted text without adding special tokens: they are in the
+    format), its speakers, the frame's shape and rates, and the family's name."""
+    family = family or family_of(folder)
     tokenizer = folder / "tokenizer.json"
     names = {}
     for path in (folder / "voxring.json", folder / "tokenizer_config.json"):
         if path.exists():
             names.update(json.loads(path.read_text()))
-    bos, eos = names.get("bos_token", "<|begin_of_text|>"), names.get("eos_token", "<|end_of_text|>")
+    prompt = family.prompt_info(folder)
     return talker_pb2.ModelInfoResponse(
         model_name=names.get("name", folder.name),
         tokenizer_json=tokenizer.read_bytes() if tokenizer.exists() else b"",
-        # Tokenize the formatted text without adding special tokens: they are in the format.
-        prompt_format=f"{bos}[{{speaker}}]{{text}}{eos}",
+        prompt_format=prompt.prompt_format,
+        speakers=[talker_pb2.Speaker(name=name, speaker_id=i) for name, i in prompt.speakers],
         max_len=max_len, num_codebooks=model.num_codebooks, codebook_size=model.codebook_size,
-        frame_rate=model.frame_rate, sample_rate=model.sample_rate)
+        frame_rate=model.frame_rate, sample_rate=model.sample_rate, family=family.name)
 
 
 def prefill_buckets(engine_cfg, max_len: int, use_graphs: bool) -> PrefillBuckets | None:
@@ -81,7 +87,8 @@ def make_scheduler(engine_cfg, num_slots: int, max_len: int, frame_rate: float, 
 
 
 def load_model(config: TalkerConfig):
-    """The kernels configured, then the model on its device: (folder, model, device, CPU threads)."""
+    """The kernels configured, then the model of the checkpoint's family on its device: (folder,
+    family, model, device, CPU threads)."""
     kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention,
                       fused_layers=config.kernels.fused_layers)
     threads = set_threads(config.model.threads)
@@ -89,14 +96,16 @@ def load_model(config: TalkerConfig):
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
         raise ConfigError(f"model.device: {exc}") from None
-    folder = checkpoint_folder(config.model)
     try:
-        model = load_talker(folder, config.model.dtype, device)
+        folder = checkpoint_folder(config.model)
+        family = family_of(folder)
+        model = family.load(folder, config.model.dtype, device)
+        family.prompt_info(folder)  # a checkpoint clients could not build prompts for fails here
     except CheckpointError as exc:
         raise ConfigError(f"model.checkpoint: {exc}") from None
-    if config.kernels.fused_layers and device.type == "cuda":
-        model.pack_weights()  # frames take the fused path; the CPU keeps the plain layers
-    return folder, model, device, threads
+    if config.kernels.fused_layers and device.type == "cuda" and hasattr(model, "pack_weights"):
+        model.pack_weights()  # frames take the fused path (CSM); the CPU keeps the plain layers
+    return folder, family, model, device, threads
 
 
 def service_bindings(servicer: TalkerServicer,
@@ -120,7 +129,7 @@ def build(config: TalkerConfig, config_path: Path | None):
         step_log = StepLog(config.engine.step_log) if config.engine.step_log else None
     except OSError as exc:
         raise ConfigError(f"engine.step_log: cannot open {config.engine.step_log!r}: {exc}") from None
-    folder, model, device, threads = load_model(config)
+    folder, family, model, device, threads = load_model(config)
     engine_cfg = config.engine
     max_len = engine_cfg.max_len or model.max_len
     if max_len > model.max_len:
@@ -146,12 +155,13 @@ def build(config: TalkerConfig, config_path: Path | None):
     thread = EngineThread("talker-engine", core, tick_interval=config.transport.heartbeat_interval / 2,
                           keepalive_limit=config.transport.step_keepalive,
                           slow_step=config.transport.liveness_timeout)
-    facts = ModelFacts(model.num_codebooks, model.codebook_size, model.config.text_vocab_size, max_len,
-                       engine_cfg.max_repetition_window, model.pack_prompt)
-    servicer = TalkerServicer(thread, config, facts, model_info(folder, model, max_len))
+    facts = ModelFacts(model.num_codebooks, model.codebook_size, model.text_vocab_size, max_len,
+                       engine_cfg.max_repetition_window, model.pack_prompt, model.pack_slot_state,
+                       family.name, model.supports_sessions)
+    servicer = TalkerServicer(thread, config, facts, model_info(folder, model, max_len, family))
     bindings = service_bindings(servicer, frame_servicer)
-    log.info("model %s on %s (%s, %d CPU threads), max_len %d, buckets %s", folder, device,
-             config.model.dtype, threads, max_len, list(engine_cfg.buckets))
+    log.info("model %s (%s) on %s (%s, %d CPU threads), max_len %d, buckets %s", folder, family.name,
+             device, config.model.dtype, threads, max_len, list(engine_cfg.buckets))
     return bindings, [EngineComponent(thread, close=core.close, idle=core.idle), mps], {
         "drain_exempt": ["/voxring.v1.Talker/Cancel", "/voxring.v1.Talker/Stats"],
         "on_bound": (lambda address: setattr(frame_servicer, "address", address)) if frame_servicer else None,

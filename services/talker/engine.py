@@ -124,7 +124,8 @@ class TalkerEngine:
                 chunk.request.prefill_queued_at = begun
         rows = [PrefillRow(slot=c.request.slot, tokens=c.request.prompt[c.start:c.start + c.count],
                            start=c.request.prompt_base + c.start, final=c.final, sampling=c.request.sampling,
-                           min_frames=c.request.min_frames) for c in plan.prefill]
+                           min_frames=c.request.min_frames,
+                           slot_state=c.request.slot_state if c.final else None) for c in plan.prefill]
         try:
             self.runner.prefill(rows)
         except Exception:

@@ -4,7 +4,9 @@ turns and audio-context turns), decode frame by frame, stop each row on its own.
 This is the reference path the engine's graphs are checked against, and what tests and
 tools use directly. It makes one device-to-host copy per frame; the engine makes one per
 K frames. Rows keep their own positions and KV slots, so a batch of prompts of
-different lengths needs no padding inside attention.
+different lengths needs no padding inside attention. A family's slot state (the Qwen-Omni
+talker's reply stream: ``TalkerModel.pack_slot_state``) is written after the prefill, as the
+engine writes it with a prompt's final chunk.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kernels.sampler_twin import SamplingParams
@@ -58,6 +61,20 @@ def _check(request: GenerationRequest, prompt_len: int, max_len: int, index: int
                          f"({request.max_frames}) exceeds the model's max length {max_len}")
 
 
+def _write_slot_states(model: TalkerModel, requests: Sequence[GenerationRequest], caches,
+                       device: torch.device) -> None:
+    """Each row's slot state (row i is slot i), right-padded with -1, where the family keeps one."""
+    states = [model.pack_slot_state(r.segments) for r in requests]
+    rows = [i for i, state in enumerate(states) if state is not None]
+    if not rows:
+        return
+    host = np.full((len(rows), max(len(states[i]) for i in rows) or 1), -1, dtype=np.int64)
+    for row, i in enumerate(rows):
+        host[row, : len(states[i])] = states[i]
+    model.write_slot_state(caches, torch.tensor(rows, dtype=torch.int64, device=device),
+                           torch.from_numpy(host).to(device))
+
+
 @torch.inference_mode()
 def generate(model: TalkerModel, requests: Sequence[GenerationRequest],
              return_logits: bool = False, cache_len: int | None = None) -> list[GenerationResult]:
@@ -77,6 +94,7 @@ def generate(model: TalkerModel, requests: Sequence[GenerationRequest],
     lengths = torch.tensor(lengths_cpu, dtype=torch.int64, device=device)
     slots = torch.arange(b, device=device)
     hidden = model.prefill(embeds, lengths, slots, caches)
+    _write_slot_states(model, requests, caches, device)
 
     window = max(r.sampling.repetition_window for r in requests)
     history = torch.full((b, model.num_codebooks, window), -1, dtype=torch.int64, device=device)

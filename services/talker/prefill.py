@@ -12,7 +12,10 @@ start + n - 1`` of its slot (``start`` = positions already there), and:
 2. embeds the padded batch in one call and runs it into the slots (``embed_packed`` then
    ``prefill`` with the starts): a bucket's CUDA graph, or the same function eagerly;
 3. for the **final** chunks only, sets the slots' frame state in the pools: hidden state,
-   position (start + n), frame index 0, min frames, empty history, sampling.
+   position (start + n), frame index 0, min frames, empty history, sampling; and the family's
+   slot state where the row carries one (``TalkerModel.write_slot_state``: e.g. the Qwen-Omni
+   talker's reply stream, staged in the same copy, right-padded with -1), so a slot's frames
+   always read the state of the prompt prefilled last (a session's new segment included).
 
 Nothing syncs the stream (no ``.item()``, no pageable copies, no tensors from lists), so
 on CUDA the engine's host work overlaps the device's. Padding K/V past a row's end is
@@ -60,11 +63,13 @@ class PrefillRow:
     final: bool          # the prompt's last chunk: only then is the slot's frame state set
     sampling: Sampling   # read on the final chunk
     min_frames: int      # read on the final chunk
+    slot_state: np.ndarray | None = None  # read on the final chunk: TalkerModel.pack_slot_state's vector
 
     @classmethod
-    def whole(cls, slot: int, tokens: np.ndarray, sampling: Sampling, min_frames: int = 0) -> PrefillRow:
+    def whole(cls, slot: int, tokens: np.ndarray, sampling: Sampling, min_frames: int = 0,
+              slot_state: np.ndarray | None = None) -> PrefillRow:
         """A whole prompt in one chunk."""
-        return cls(slot, tokens, 0, True, sampling, min_frames)
+        return cls(slot, tokens, 0, True, sampling, min_frames, slot_state)
 
 
 class Prefiller:
@@ -115,13 +120,16 @@ class Prefiller:
         starts = np.fromiter((r.start for r in rows), np.int64, b)
         lengths = np.fromiter((len(r.tokens) for r in rows), np.int64, b)
         final = np.flatnonzero(np.fromiter((r.final for r in rows), bool, b))
+        stated = [i for i in final if rows[i].slot_state is not None]
         self._check(slots, starts, lengths)
         tokens = int(lengths.max())
         bucket = self.graphs.bucket_for(b, tokens) if self.graphs is not None else None
         shape = bucket or (b, tokens)
-        host = self.staging.begin(self._fields(shape, len(final)))
+        state_width = max((len(rows[i].slot_state) for i in stated), default=0) or 1
+        host = self.staging.begin(self._fields(shape, len(final), (len(stated), state_width)))
         self._stage_inputs(host["inputs"], shape, rows, slots, starts, lengths)
         self._stage_final(host, rows, final, slots, starts + lengths)
+        self._stage_states(host, rows, stated, slots)
         dev = self.staging.upload()
         if bucket is not None:
             hidden = self.graphs.run(bucket, dev["inputs"])
@@ -129,6 +137,8 @@ class Prefiller:
             hidden = self.forward(*input_views(dev["inputs"], *shape, self.width))
         if len(final):
             self._write_pool(hidden, dev)
+        if stated:
+            self.model.write_slot_state(self.caches, dev["state_slots"], dev["states"])
 
     def _check(self, slots: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
         last = self.max_len - 2  # the slot's last position is left for a frame
@@ -143,11 +153,13 @@ class Prefiller:
         if len(np.unique(slots)) != len(slots):  # two chunks of one slot would race on its padding
             raise ValueError(f"rows: a slot appears twice in one prefill call: {slots.tolist()}")
 
-    def _fields(self, shape: tuple[int, int], num_final: int) -> list[tuple[str, Any, tuple[int, ...]]]:
+    def _fields(self, shape: tuple[int, int], num_final: int,
+                states: tuple[int, int]) -> list[tuple[str, Any, tuple[int, ...]]]:
         pool = self.pool
         out = [("inputs", np.int64, (input_size(*shape, self.width),)),
                ("final_rows", np.int64, (num_final,)), ("final_slots", np.int64, (num_final,)),
-               ("final_positions", np.int64, (num_final,)), ("min_frames", np.int64, (num_final,))]
+               ("final_positions", np.int64, (num_final,)), ("min_frames", np.int64, (num_final,)),
+               ("state_slots", np.int64, (states[0],)), ("states", np.int64, states)]
         for name in _SAMPLING_FIELDS:
             dtype = getattr(pool.sampling, name).dtype
             out.append((name, torch.empty(0, dtype=dtype).numpy().dtype, (num_final,)))
@@ -182,6 +194,20 @@ class Prefiller:
             if name == "seed":  # uint64 seeds travel as their int64 bit pattern
                 values = np.array(values, dtype=np.uint64).view(np.int64)
             host[name][:] = values
+
+    @staticmethod
+    def _stage_states(host: dict[str, np.ndarray], rows: Sequence[PrefillRow], stated: Sequence[int],
+                      slots: np.ndarray) -> None:
+        """The final rows' slot states, right-padded with -1 (``TalkerModel.write_slot_state``)."""
+        host["state_slots"][:] = slots[list(stated)]
+        states = host["states"]
+        states.fill(-1)
+        for row, i in enumerate(stated):
+            state = np.asarray(rows[i].slot_state, dtype=np.int64)
+            if state.ndim != 1:
+                raise ValueError(f"rows[{i}].slot_state: must be a vector (pack_slot_state), "
+                                 f"got shape {state.shape}")
+            states[row, : len(state)] = state
 
     def _write_pool(self, hidden: torch.Tensor, dev: dict[str, torch.Tensor]) -> None:
         pool, slots = self.pool, dev["final_slots"]

@@ -36,6 +36,9 @@ class TalkerRequest:
     arrival: float = 0.0       # monotonic seconds
     deadline: float | None = None
     first_audio_by: float | None = None  # when its first audio is due at the listener (None: no budget)
+    # the family's slot state for this prompt (TalkerModel.pack_slot_state: an int64 vector, or None),
+    # written with the prompt's final chunk; opaque here
+    slot_state: Any = None
 
     state: RequestState = RequestState.WAITING
     slot: int | None = None

@@ -108,12 +108,13 @@ class SessionRules:
         listener's audio runs out, or within its own budget when none is left."""
         session = request.session
         try:
-            prompt, base = session.continuation(segment, request.kv_end, self.max_len)
+            prompt, base, state = session.continuation(segment, request.kv_end, self.max_len)
         except SessionError as exc:
             log.warning("session %s ends: %s", request.request_id, exc)
             self.finish(request, FinishReason.ERROR, now)
             return
         request.prompt, request.prompt_len, request.prompt_base = prompt, len(prompt), base
+        request.slot_state = state  # written with the segment's final chunk: its frames read their own
         request.prefilled = 0
         request.segment_start = request.frames_done
         request.max_frames = request.frames_done + segment.max_frames

@@ -39,6 +39,11 @@ class ModelFacts:
     max_repetition_window: int
     # the family's pack_prompt (host code): Submit packs the prompt here, off the engine thread
     pack_prompt: Callable[[Sequence[PromptSegment]], np.ndarray]
+    # the family's pack_slot_state (host code, like pack_prompt): what the request carries beyond
+    # its prompt, written into its slot with the prompt's final chunk (None: the family keeps none)
+    pack_slot_state: Callable[[Sequence[PromptSegment]], np.ndarray | None] = lambda segments: None
+    family: str = "csm"
+    sessions: bool = True  # the family takes sessions (TalkerModel.supports_sessions)
 
 
 def _segments(req: talker_pb2.SubmitRequest, facts: ModelFacts) -> list[PromptSegment]:
@@ -62,13 +67,21 @@ def _text_ids(ids, facts: ModelFacts, field: str) -> list[int]:
     return ids
 
 
-def _pack(segments: list[PromptSegment], facts: ModelFacts) -> np.ndarray:
+def _pack(segments: list[PromptSegment], facts: ModelFacts) -> tuple[np.ndarray, np.ndarray | None]:
     """The prompt packed by the family (``pack_prompt``: [L, N + 1] int64, one row per KV
-    position; CSM: text tokens, then an audio turn's frames + 1 end frame)."""
-    packed = facts.pack_prompt(segments)
+    position; CSM: text tokens, then an audio turn's frames + 1 end frame) and its slot state
+    (``pack_slot_state``). A layout the family refuses (its ValueError, ``field: reason``) is
+    INVALID_ARGUMENT naming the field."""
+    try:
+        packed, state = facts.pack_prompt(segments), facts.pack_slot_state(segments)
+    except ValueError as exc:
+        field, _, reason = str(exc).partition(": ")
+        if not reason or not field.startswith("segments"):
+            field, reason = "segments", str(exc)
+        raise InvalidArgument(field, reason) from None
     if len(packed) == 0:
         raise InvalidArgument("segments", "the prompt is empty")
-    return packed
+    return packed, state
 
 
 def _frames(frames: talker_pb2.Frames, facts: ModelFacts, field: str) -> torch.Tensor:
@@ -103,8 +116,11 @@ def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, now: float,
     if not req.timeout_s >= 0:
         raise InvalidArgument("timeout_s", f"must be >= 0, got {req.timeout_s}")
     _check_budget(req.first_audio_budget_s)
+    if req.session and not facts.sessions:
+        raise InvalidArgument("session", f"the {facts.family} family takes no sessions (submit each "
+                              "text as its own request)")
     segments = _segments(req, facts)
-    prompt = _pack(segments, facts)
+    prompt, slot_state = _pack(segments, facts)
     prompt_len = len(prompt)
     if prompt_len + req.max_frames > facts.max_len:
         raise InvalidArgument("max_frames", f"prompt ({prompt_len}) + max_frames ({req.max_frames}) "
@@ -124,10 +140,10 @@ def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, now: float,
     if req.session:
         session = Session(facts.pack_prompt, facts.num_codebooks, voice=segments[:-1],
                           text_ids=np.asarray(segments[-1].text_token_ids, dtype=np.int64),
-                          prefill_positions=prompt_len)
+                          prefill_positions=prompt_len, pack_state=facts.pack_slot_state)
     return TalkerRequest(
         request_id=req.request_id or f"handle-{req.handle}", handle=req.handle,
-        consumer_id=req.consumer_id, prompt=prompt, prompt_len=prompt_len,
+        consumer_id=req.consumer_id, prompt=prompt, prompt_len=prompt_len, slot_state=slot_state,
         max_frames=req.max_frames, min_frames=req.min_frames, sampling=sampling,
         arrival=now, deadline=now + req.timeout_s if req.timeout_s else None,
         first_audio_by=now + budget if budget else None, session=session)

@@ -9,7 +9,12 @@ next position, right after the last frame emitted (the host's count; positions w
 stop while the row rode along are overwritten). So a segment pays for its own text only, and
 its codes are those of a fresh request whose context holds every earlier turn (docs/architecture.md,
 Model families). The frame index restarts at 0 and the repetition history is cleared
-(the prefill's final chunk resets the slot's frame state).
+(the prefill's final chunk resets the slot's frame state). The family's slot state
+(``TalkerModel.pack_slot_state``) is packed from the same segments as the new prompt and goes in
+with its final chunk, so the segment's frames read its own.
+
+Only families whose ``supports_sessions`` is true take sessions (the servicer refuses the others):
+the continuation packs an audio-context boundary.
 
 When the context would pass the model's max length, the oldest spoken turns are dropped (the
 voice's reference turn, the first Submit's context, is kept) and the slot is prefilled again from
@@ -28,6 +33,8 @@ from models.family import PromptSegment
 
 # pack_prompt of the model family: segments -> [L, N + 1] int64 packed rows
 PackPrompt = Callable[[Sequence[PromptSegment]], np.ndarray]
+# pack_slot_state of the model family: segments -> an int64 vector, or None
+PackState = Callable[[Sequence[PromptSegment]], np.ndarray | None]
 
 
 class SessionError(Exception):
@@ -75,6 +82,7 @@ class Session:
     clear_requested: bool = False         # end the running segment at the next boundary, CANCELLED
     overflows: int = 0                    # times old turns were dropped and the slot prefilled again
     prefill_positions: int = 0            # prompt positions this session prefilled (all segments)
+    pack_state: PackState | None = None   # the family's pack_slot_state (None: it keeps no slot state)
 
     @property
     def idle(self) -> bool:
@@ -103,28 +111,35 @@ class Session:
         self.clear_requested = False
         return turn
 
-    def continuation(self, segment: Segment, kv_len: int, max_len: int) -> tuple[np.ndarray, int]:
-        """(packed prompt, its first position) for ``segment`` after ``kv_len`` positions: the end
+    def _packed(self, segments: list[PromptSegment]) -> tuple[np.ndarray, np.ndarray | None]:
+        """(packed prompt, slot state) of ``segments``."""
+        return self.pack(segments), self.pack_state(segments) if self.pack_state is not None else None
+
+    def continuation(self, segment: Segment, kv_len: int,
+                     max_len: int) -> tuple[np.ndarray, int, np.ndarray | None]:
+        """(packed prompt, its first position, its slot state) for ``segment`` after ``kv_len``
+        positions: the end
         frame of the audio before it and the new text, prefilled at ``kv_len``; when that with the
         segment's frames passes ``max_len``, the oldest turns are dropped and the whole context is
         prefilled again from position 0 (as it is when the slot holds no spoken turn: ``kv_len``
         0, a first segment cleared before it spoke). SessionError when even the voice and the new
         turn alone do not fit."""
         if kv_len > 0:
-            boundary = self.pack([PromptSegment([], np.zeros((0, self.num_codebooks), dtype=np.int64)),
-                                  PromptSegment(segment.text_ids.tolist())])
+            boundary, state = self._packed([
+                PromptSegment([], np.zeros((0, self.num_codebooks), dtype=np.int64)),
+                PromptSegment(segment.text_ids.tolist())])
             if kv_len + len(boundary) + segment.max_frames <= max_len:
-                return boundary, kv_len
+                return boundary, kv_len, state
         turns = list(self.turns)
         while True:
             context = [*self.voice, *(PromptSegment(t.text_ids.tolist(), t.frames.astype(np.int64))
                                       for t in turns)]
-            prompt = self.pack([*context, PromptSegment(segment.text_ids.tolist())])
+            prompt, state = self._packed([*context, PromptSegment(segment.text_ids.tolist())])
             if len(prompt) + segment.max_frames <= max_len:
                 dropped = len(self.turns) - len(turns)
                 self.overflows += kv_len > 0
                 del self.turns[:dropped]
-                return prompt, 0
+                return prompt, 0, state
             if not turns:
                 raise SessionError(f"the voice's context, the new text ({len(segment.text_ids)} tokens) "
                                    f"and {segment.max_frames} frames exceed the model's max length {max_len}")

@@ -52,8 +52,7 @@ def ids(text: str) -> list[int]:
     return build_tokenizer().encode(text).ids
 
 
-def test_model_info(talker):
-    _, stub, _ = talker
+def check_model_info(stub) -> None:
     info = stub.ModelInfo(talker_pb2.ModelInfoRequest(), timeout=10)
     assert info.model_name == "voxring-tiny" and info.num_codebooks == 8 and info.codebook_size == 64
     assert info.max_len == MAX_LEN and info.sample_rate == 24000 and info.frame_rate == 12.5
@@ -142,8 +141,10 @@ def test_dead_consumer_is_detected_and_its_rows_dropped(talker):
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_submit_errors(talker):
+def test_model_info_and_submit_errors(talker):
+    """One talker (a start saved) for what reads or refuses and changes nothing."""
     _, stub, readers = talker
+    check_model_info(stub)
     reader = RingReader(stub, "c2w-e")
     readers.append(reader)
     cases = [

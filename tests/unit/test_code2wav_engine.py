@@ -60,12 +60,13 @@ class Decoder:
 
     spf = 4
     real_frames_total = padded_frames_total = 0
+    # the aligned decoder's attributes (services/code2wav/decoding.py)
+    streaming, num_codebooks, codebook_size = False, K, 64
+    code_space, frame_rate, sample_rate = 64, 1 / FRAME_S, round(spf / FRAME_S)
 
     def __init__(self, lengths: tuple[int, ...] = ()) -> None:
         self.lengths = lengths  # graph chunk lengths: cuts that more follows go to one of them
         self.calls: list[list[tuple[int, int]]] = []
-        self.codec = type("Codec", (), {"num_codebooks": K, "config": type(
-            "Config", (), {"frame_rate": 1 / FRAME_S, "codebook_size": 64})()})()
 
     def reset(self, slots) -> None:
         pass

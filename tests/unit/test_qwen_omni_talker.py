@@ -118,7 +118,8 @@ def test_loads_every_key_and_ignores_other_stages(tiny, tmp_path):
                                          "thinker.model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)}))
     assert is_qwen_omni_folder(folder)
     model = load_talker(folder)
-    disk = load_file(str(tiny / "model.safetensors"))
+    disk = {name: tensor for name, tensor in load_file(str(tiny / "model.safetensors")).items()
+            if not name.startswith("token2wav.")}  # Token2Wav's keys are Code2Wav's
     params = dict(model.named_parameters())
     assert set(params) == set(disk)
     assert all(torch.equal(params[name], tensor) for name, tensor in disk.items())

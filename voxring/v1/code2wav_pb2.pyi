@@ -7,16 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenRequest(_message.Message):
-    __slots__ = ("request_id", "talker_id", "max_frames", "pacing")
+    __slots__ = ("request_id", "talker_id", "max_frames", "pacing", "speaker_id", "seed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TALKER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
     PACING_FIELD_NUMBER: _ClassVar[int]
+    SPEAKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     talker_id: str
     max_frames: int
     pacing: Pacing
-    def __init__(self, request_id: _Optional[str] = ..., talker_id: _Optional[str] = ..., max_frames: _Optional[int] = ..., pacing: _Optional[_Union[Pacing, _Mapping]] = ...) -> None: ...
+    speaker_id: int
+    seed: int
+    def __init__(self, request_id: _Optional[str] = ..., talker_id: _Optional[str] = ..., max_frames: _Optional[int] = ..., pacing: _Optional[_Union[Pacing, _Mapping]] = ..., speaker_id: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Pacing(_message.Message):
     __slots__ = ("decode_margin_s", "steady_frames", "min_chunk_frames")

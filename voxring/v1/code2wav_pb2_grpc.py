@@ -59,13 +59,15 @@ class Code2WavServicer:
         finish message. Cancelling the call frees the request here and on the talker.
         Ends: finish STOP/LENGTH with OK; DEADLINE_EXCEEDED, INTERNAL, UNAVAILABLE
         (talker lost or stalled) as docs/protocol.md's endings table (How a request ends) says.
+        INVALID_ARGUMENT names the field (speaker_id: no such speaker in this model).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def EncodeVoice(self, request, context):
-        """Encodes a reference clip into codec frames for voice prompts.
+        """Encodes a reference clip into codec frames for voice prompts. FAILED_PRECONDITION for a
+        model family without a clip encoder (Qwen2.5-Omni).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

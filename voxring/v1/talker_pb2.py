@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from voxring.v1 import common_pb2 as voxring_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17voxring/v1/talker.proto\x12\nvoxring.v1\x1a\x17voxring/v1/common.proto\"E\n\rAttachRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x1f\n\x17\x63onsumer_instance_token\x18\x02 \x01(\x04\"\xc8\x01\n\x0e\x41ttachResponse\x12\x11\n\tring_name\x18\x01 \x01(\t\x12\x18\n\x10wakeup_semaphore\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\ngeneration\x18\x04 \x01(\r\x12\x1d\n\x15talker_instance_token\x18\x05 \x01(\x04\x12\x1a\n\x12liveness_timeout_s\x18\x06 \x01(\x01\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x08 \x01(\t\"\x12\n\x10ModelInfoRequest\"+\n\x07Speaker\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nspeaker_id\x18\x02 \x01(\r\"\xe5\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\x0c\x12\x15\n\rprompt_format\x18\x03 \x01(\t\x12%\n\x08speakers\x18\x04 \x03(\x0b\x32\x13.voxring.v1.Speaker\x12\x0f\n\x07max_len\x18\x05 \x01(\r\x12\x15\n\rnum_codebooks\x18\x06 \x01(\r\x12\x15\n\rcodebook_size\x18\x07 \x01(\r\x12\x12\n\nframe_rate\x18\x08 \x01(\x01\x12\x13\n\x0bsample_rate\x18\t \x01(\r\"K\n\rPromptSegment\x12\x16\n\x0etext_token_ids\x18\x01 \x03(\r\x12\"\n\x06\x66rames\x18\x02 \x01(\x0b\x32\x12.voxring.v1.Frames\"\xa3\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\x12\x13\n\x0b\x63onsumer_id\x18\x03 \x01(\t\x12+\n\x08segments\x18\x04 \x03(\x0b\x32\x19.voxring.v1.PromptSegment\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.voxring.v1.SamplingParams\x12\x12\n\nmin_frames\x18\x06 \x01(\r\x12\x12\n\nmax_frames\x18\x07 \x01(\r\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\x1c\n\x14\x66irst_audio_budget_s\x18\n \x01(\x01\x12\x0f\n\x07session\x18\x0b \x01(\x08J\x04\x08\x08\x10\tR\x0e\x63hunk_schedule\"\xa0\x01\n\rAppendRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\x12\x16\n\x0etext_token_ids\x18\x03 \x03(\r\x12\x12\n\nmax_frames\x18\x04 \x01(\r\x12\x12\n\nmin_frames\x18\x05 \x01(\r\x12\x0c\n\x04last\x18\x06 \x01(\x08\x12\x1c\n\x14\x66irst_audio_budget_s\x18\x07 \x01(\x01\" \n\x0e\x41ppendResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\"3\n\x0c\x43learRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\"/\n\rClearResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\"\xb7\x01\n\x0eSubmitResponse\x12\x37\n\tadmission\x18\x01 \x01(\x0e\x32$.voxring.v1.SubmitResponse.Admission\x12\x16\n\x0equeue_position\x18\x02 \x01(\r\"T\n\tAdmission\x12\x19\n\x15\x41\x44MISSION_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41\x44MISSION_ADMITTED\x10\x01\x12\x14\n\x10\x41\x44MISSION_QUEUED\x10\x02\"4\n\rCancelRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x14\n\x12TalkerStatsRequest\"\xb5\x01\n\x0bTalkerStats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x12\n\nfree_slots\x18\x03 \x01(\r\x12\x13\n\x0bpaused_rows\x18\x04 \x01(\r\x12\x13\n\x0bsteps_per_s\x18\x05 \x01(\x01\x12\x14\n\x0c\x66rames_per_s\x18\x06 \x01(\x01\x12\x1c\n\x14mean_frames_per_step\x18\x07 \x01(\x01\x12\x12\n\nmodel_name\x18\x08 \x01(\t2\xd6\x03\n\x06Talker\x12?\n\x06\x41ttach\x12\x19.voxring.v1.AttachRequest\x1a\x1a.voxring.v1.AttachResponse\x12H\n\tModelInfo\x12\x1c.voxring.v1.ModelInfoRequest\x1a\x1d.voxring.v1.ModelInfoResponse\x12?\n\x06Submit\x12\x19.voxring.v1.SubmitRequest\x1a\x1a.voxring.v1.SubmitResponse\x12?\n\x06\x43\x61ncel\x12\x19.voxring.v1.CancelRequest\x1a\x1a.voxring.v1.CancelResponse\x12?\n\x06\x41ppend\x12\x19.voxring.v1.AppendRequest\x1a\x1a.voxring.v1.AppendResponse\x12<\n\x05\x43lear\x12\x18.voxring.v1.ClearRequest\x1a\x19.voxring.v1.ClearResponse\x12@\n\x05Stats\x12\x1e.voxring.v1.TalkerStatsRequest\x1a\x17.voxring.v1.TalkerStatsBI\n\rio.voxring.v1P\x01Z6github.com/voxring/voxring/gen/go/voxring/v1;voxringv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17voxring/v1/talker.proto\x12\nvoxring.v1\x1a\x17voxring/v1/common.proto\"E\n\rAttachRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x1f\n\x17\x63onsumer_instance_token\x18\x02 \x01(\x04\"\xc8\x01\n\x0e\x41ttachResponse\x12\x11\n\tring_name\x18\x01 \x01(\t\x12\x18\n\x10wakeup_semaphore\x18\x02 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x12\n\ngeneration\x18\x04 \x01(\r\x12\x1d\n\x15talker_instance_token\x18\x05 \x01(\x04\x12\x1a\n\x12liveness_timeout_s\x18\x06 \x01(\x01\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x08 \x01(\t\"\x12\n\x10ModelInfoRequest\"+\n\x07Speaker\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nspeaker_id\x18\x02 \x01(\r\"\xf5\x01\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\x0c\x12\x15\n\rprompt_format\x18\x03 \x01(\t\x12%\n\x08speakers\x18\x04 \x03(\x0b\x32\x13.voxring.v1.Speaker\x12\x0f\n\x07max_len\x18\x05 \x01(\r\x12\x15\n\rnum_codebooks\x18\x06 \x01(\r\x12\x15\n\rcodebook_size\x18\x07 \x01(\r\x12\x12\n\nframe_rate\x18\x08 \x01(\x01\x12\x13\n\x0bsample_rate\x18\t \x01(\r\x12\x0e\n\x06\x66\x61mily\x18\n \x01(\t\"K\n\rPromptSegment\x12\x16\n\x0etext_token_ids\x18\x01 \x03(\r\x12\"\n\x06\x66rames\x18\x02 \x01(\x0b\x32\x12.voxring.v1.Frames\"\xa3\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\x12\x13\n\x0b\x63onsumer_id\x18\x03 \x01(\t\x12+\n\x08segments\x18\x04 \x03(\x0b\x32\x19.voxring.v1.PromptSegment\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.voxring.v1.SamplingParams\x12\x12\n\nmin_frames\x18\x06 \x01(\r\x12\x12\n\nmax_frames\x18\x07 \x01(\r\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\x1c\n\x14\x66irst_audio_budget_s\x18\n \x01(\x01\x12\x0f\n\x07session\x18\x0b \x01(\x08J\x04\x08\x08\x10\tR\x0e\x63hunk_schedule\"\xa0\x01\n\rAppendRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\x12\x16\n\x0etext_token_ids\x18\x03 \x03(\r\x12\x12\n\nmax_frames\x18\x04 \x01(\r\x12\x12\n\nmin_frames\x18\x05 \x01(\r\x12\x0c\n\x04last\x18\x06 \x01(\x08\x12\x1c\n\x14\x66irst_audio_budget_s\x18\x07 \x01(\x01\" \n\x0e\x41ppendResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\"3\n\x0c\x43learRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\"/\n\rClearResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\"\xb7\x01\n\x0eSubmitResponse\x12\x37\n\tadmission\x18\x01 \x01(\x0e\x32$.voxring.v1.SubmitResponse.Admission\x12\x16\n\x0equeue_position\x18\x02 \x01(\r\"T\n\tAdmission\x12\x19\n\x15\x41\x44MISSION_UNSPECIFIED\x10\x00\x12\x16\n\x12\x41\x44MISSION_ADMITTED\x10\x01\x12\x14\n\x10\x41\x44MISSION_QUEUED\x10\x02\"4\n\rCancelRequest\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x04\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x14\n\x12TalkerStatsRequest\"\xb5\x01\n\x0bTalkerStats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x12\n\nfree_slots\x18\x03 \x01(\r\x12\x13\n\x0bpaused_rows\x18\x04 \x01(\r\x12\x13\n\x0bsteps_per_s\x18\x05 \x01(\x01\x12\x14\n\x0c\x66rames_per_s\x18\x06 \x01(\x01\x12\x1c\n\x14mean_frames_per_step\x18\x07 \x01(\x01\x12\x12\n\nmodel_name\x18\x08 \x01(\t2\xd6\x03\n\x06Talker\x12?\n\x06\x41ttach\x12\x19.voxring.v1.AttachRequest\x1a\x1a.voxring.v1.AttachResponse\x12H\n\tModelInfo\x12\x1c.voxring.v1.ModelInfoRequest\x1a\x1d.voxring.v1.ModelInfoResponse\x12?\n\x06Submit\x12\x19.voxring.v1.SubmitRequest\x1a\x1a.voxring.v1.SubmitResponse\x12?\n\x06\x43\x61ncel\x12\x19.voxring.v1.CancelRequest\x1a\x1a.voxring.v1.CancelResponse\x12?\n\x06\x41ppend\x12\x19.voxring.v1.AppendRequest\x1a\x1a.voxring.v1.AppendResponse\x12<\n\x05\x43lear\x12\x18.voxring.v1.ClearRequest\x1a\x19.voxring.v1.ClearResponse\x12@\n\x05Stats\x12\x1e.voxring.v1.TalkerStatsRequest\x1a\x17.voxring.v1.TalkerStatsBI\n\rio.voxring.v1P\x01Z6github.com/voxring/voxring/gen/go/voxring/v1;voxringv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,31 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPEAKER']._serialized_start=358
   _globals['_SPEAKER']._serialized_end=401
   _globals['_MODELINFORESPONSE']._serialized_start=404
-  _globals['_MODELINFORESPONSE']._serialized_end=633
-  _globals['_PROMPTSEGMENT']._serialized_start=635
-  _globals['_PROMPTSEGMENT']._serialized_end=710
-  _globals['_SUBMITREQUEST']._serialized_start=713
-  _globals['_SUBMITREQUEST']._serialized_end=1004
-  _globals['_APPENDREQUEST']._serialized_start=1007
-  _globals['_APPENDREQUEST']._serialized_end=1167
-  _globals['_APPENDRESPONSE']._serialized_start=1169
-  _globals['_APPENDRESPONSE']._serialized_end=1201
-  _globals['_CLEARREQUEST']._serialized_start=1203
-  _globals['_CLEARREQUEST']._serialized_end=1254
-  _globals['_CLEARRESPONSE']._serialized_start=1256
-  _globals['_CLEARRESPONSE']._serialized_end=1303
-  _globals['_SUBMITRESPONSE']._serialized_start=1306
-  _globals['_SUBMITRESPONSE']._serialized_end=1489
-  _globals['_SUBMITRESPONSE_ADMISSION']._serialized_start=1405
-  _globals['_SUBMITRESPONSE_ADMISSION']._serialized_end=1489
-  _globals['_CANCELREQUEST']._serialized_start=1491
-  _globals['_CANCELREQUEST']._serialized_end=1543
-  _globals['_CANCELRESPONSE']._serialized_start=1545
-  _globals['_CANCELRESPONSE']._serialized_end=1576
-  _globals['_TALKERSTATSREQUEST']._serialized_start=1578
-  _globals['_TALKERSTATSREQUEST']._serialized_end=1598
-  _globals['_TALKERSTATS']._serialized_start=1601
-  _globals['_TALKERSTATS']._serialized_end=1782
-  _globals['_TALKER']._serialized_start=1785
-  _globals['_TALKER']._serialized_end=2255
+  _globals['_MODELINFORESPONSE']._serialized_end=649
+  _globals['_PROMPTSEGMENT']._serialized_start=651
+  _globals['_PROMPTSEGMENT']._serialized_end=726
+  _globals['_SUBMITREQUEST']._serialized_start=729
+  _globals['_SUBMITREQUEST']._serialized_end=1020
+  _globals['_APPENDREQUEST']._serialized_start=1023
+  _globals['_APPENDREQUEST']._serialized_end=1183
+  _globals['_APPENDRESPONSE']._serialized_start=1185
+  _globals['_APPENDRESPONSE']._serialized_end=1217
+  _globals['_CLEARREQUEST']._serialized_start=1219
+  _globals['_CLEARREQUEST']._serialized_end=1270
+  _globals['_CLEARRESPONSE']._serialized_start=1272
+  _globals['_CLEARRESPONSE']._serialized_end=1319
+  _globals['_SUBMITRESPONSE']._serialized_start=1322
+  _globals['_SUBMITRESPONSE']._serialized_end=1505
+  _globals['_SUBMITRESPONSE_ADMISSION']._serialized_start=1421
+  _globals['_SUBMITRESPONSE_ADMISSION']._serialized_end=1505
+  _globals['_CANCELREQUEST']._serialized_start=1507
+  _globals['_CANCELREQUEST']._serialized_end=1559
+  _globals['_CANCELRESPONSE']._serialized_start=1561
+  _globals['_CANCELRESPONSE']._serialized_end=1592
+  _globals['_TALKERSTATSREQUEST']._serialized_start=1594
+  _globals['_TALKERSTATSREQUEST']._serialized_end=1614
+  _globals['_TALKERSTATS']._serialized_start=1617
+  _globals['_TALKERSTATS']._serialized_end=1798
+  _globals['_TALKER']._serialized_start=1801
+  _globals['_TALKER']._serialized_end=2271
 # @@protoc_insertion_point(module_scope)

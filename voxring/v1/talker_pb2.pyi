@@ -49,7 +49,7 @@ class Speaker(_message.Message):
     def __init__(self, name: _Optional[str] = ..., speaker_id: _Optional[int] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "tokenizer_json", "prompt_format", "speakers", "max_len", "num_codebooks", "codebook_size", "frame_rate", "sample_rate")
+    __slots__ = ("model_name", "tokenizer_json", "prompt_format", "speakers", "max_len", "num_codebooks", "codebook_size", "frame_rate", "sample_rate", "family")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class ModelInfoResponse(_message.Message):
     CODEBOOK_SIZE_FIELD_NUMBER: _ClassVar[int]
     FRAME_RATE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     tokenizer_json: bytes
     prompt_format: str
@@ -68,7 +69,8 @@ class ModelInfoResponse(_message.Message):
     codebook_size: int
     frame_rate: float
     sample_rate: int
-    def __init__(self, model_name: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ..., prompt_format: _Optional[str] = ..., speakers: _Optional[_Iterable[_Union[Speaker, _Mapping]]] = ..., max_len: _Optional[int] = ..., num_codebooks: _Optional[int] = ..., codebook_size: _Optional[int] = ..., frame_rate: _Optional[float] = ..., sample_rate: _Optional[int] = ...) -> None: ...
+    family: str
+    def __init__(self, model_name: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ..., prompt_format: _Optional[str] = ..., speakers: _Optional[_Iterable[_Union[Speaker, _Mapping]]] = ..., max_len: _Optional[int] = ..., num_codebooks: _Optional[int] = ..., codebook_size: _Optional[int] = ..., frame_rate: _Optional[float] = ..., sample_rate: _Optional[int] = ..., family: _Optional[str] = ...) -> None: ...
 
 class PromptSegment(_message.Message):
     __slots__ = ("text_token_ids", "frames")
