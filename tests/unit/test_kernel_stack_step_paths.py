@@ -82,8 +82,12 @@ def test_tma_loads_equal_the_pointer_loads(shape: str):
 PLACED = {"KQ_QKV": 1, "KQ_O": 1, "KQ_HEAD": 1}
 
 
-@pytest.mark.parametrize("way", WAYS)
-@pytest.mark.parametrize("shape", list(PATH_SHAPES))
+# Every way on the odd shape (rows and widths off the tiles: the harder case); the tiny layer's
+# own shape on one way (its every path runs whole in test_kernel_fused_frame.py), to keep the suite's time
+ODD_EVERY_WAY_TINY_ONE = [("odd", way) for way in WAYS] + [("tiny_depth_layer", "gather")]
+
+
+@pytest.mark.parametrize(("shape", "way"), ODD_EVERY_WAY_TINY_ONE)
 def test_one_row_norms_equal_the_all_rows_norms(shape: str, way: str):
     # A call of one row loads (and norms) only its row inside QKV's, gate/up's and the head's loops and
     # places it in row 0 of zeros: the same operand, so the same bits as loading (and norming) every
@@ -210,8 +214,11 @@ PARTS_CASES = {  # each product in parts; KQ_* the parts of a one-row block (a k
 }
 
 
-@pytest.mark.parametrize(("tuning", "paths"), list(PARTS_CASES.values()), ids=list(PARTS_CASES))
-@pytest.mark.parametrize("shape", list(PATH_SHAPES))
+PARTS_PARAMS = [pytest.param("odd", *case, id=f"odd-{name}") for name, case in PARTS_CASES.items()] + [
+    pytest.param("tiny_depth_layer", *PARTS_CASES["all4"], id="tiny_depth_layer-all4")]  # as the norms' cases
+
+
+@pytest.mark.parametrize(("shape", "tuning", "paths"), PARTS_PARAMS)
 def test_one_row_products_in_parts_equal_the_twin_and_reference(shape: str, tuning: dict, paths: dict):
     # KQ_*: a one-row call's product multiplies each block's row as KQ operand rows by weight tiles cut
     # into KQ parts a row, and adds the parts in the epilogue (another summation order: within tolerance,
