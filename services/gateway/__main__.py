@@ -36,13 +36,13 @@ def build(config: GatewayConfig, config_path: Path | None):
     else:
         voices = VoiceCatalog.load(base / config.voices.file)
     discovery = config.engines.discovery
-    if discovery is None:
-        router = Router([EnginePair(name, p.talker, p.code2wav, p.talker_id, p.consumer_id)
-                         for name, p in config.engines.named_pairs()])
-        components = []
-    else:  # the pairs come from DNS, resolved in the server's loop while it runs
-        router = Router([], source=discovery.service)
-        components = [PairDiscovery(discovery, router)]
+    router = Router([EnginePair(name, p.talker, p.code2wav, p.talker_id, p.consumer_id)
+                     for name, p in config.engines.named_pairs()],
+                    source=discovery.service if discovery is not None else None,
+                    default_model=config.engines.default_model,
+                    on_model=lambda facts: voices.learn_model(facts.name, facts.speakers))
+    # with discovery the pairs come from DNS, resolved in the server's loop while it runs
+    components = [] if discovery is None else [PairDiscovery(discovery, router)]
     pipeline = Synthesis(config, router, voices)
     metrics.register(pipeline.metrics)
     voice_manager = VoiceManager.from_config(config, base, voices, router)  # loads voices.store

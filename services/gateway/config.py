@@ -175,8 +175,13 @@ class EnginesSection:
     discovery: DiscoverySection | None = None  # null: the static pairs above
     health_interval: float = 1.0  # seconds between health probes of every pair (readiness)
     health_timeout: float = 1.0   # a probe not answered within this counts as failed
+    # the model (a talker's ModelInfo model_name) that voices naming no model, voices added through
+    # the API and OpenAI's model ids stand for; null: the model of the first pair that answers
+    default_model: str | None = None
 
     def __post_init__(self) -> None:
+        if self.default_model is not None and not self.default_model.strip():
+            raise ConfigValueError("default_model", "must be a model name or null, got an empty string")
         for key in ("health_interval", "health_timeout"):
             if not getattr(self, key) > 0:
                 raise ConfigValueError(key, f"must be > 0 seconds, got {getattr(self, key)}")

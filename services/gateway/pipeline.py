@@ -195,12 +195,13 @@ class SynthesisPipeline:
                                            retry_after=self.config.admission.retry_after_s)
 
     @contextlib.asynccontextmanager
-    async def admitted(self):
-        """A pair for a streaming session (admission as a request's; released on the way out)."""
+    async def admitted(self, model: str | None = None):
+        """A pair serving ``model`` (None: the default) for a streaming session (admission as a
+        request's; released on the way out)."""
         self._check_in_flight()
         self._admitting += 1
         try:
-            pair = await self.router.acquire()
+            pair = await self.router.acquire(model=model)
         finally:
             self._admitting -= 1
         try:
@@ -244,7 +245,7 @@ class SynthesisPipeline:
             # may wait for discovery or a pair's first ModelInfo), then in the pair's count.
             self._admitting += 1
             try:
-                pair = await self.router.acquire(tried)
+                pair = await self.router.acquire(tried, request.served_by)
             finally:
                 self._admitting -= 1
             try:
@@ -253,7 +254,9 @@ class SynthesisPipeline:
                 self.router.release(pair)
                 pair.mark_down(REQUEST_DOWN_S)
                 tried |= {pair.name}
-                if not any(p.name not in tried and not p.retired for p in self.router.pairs):
+                if not any(p.name not in tried and not p.retired and p.serves(request.served_by,
+                                                                             self.router.default_model)
+                           for p in self.router.pairs):
                     raise
                 log.warning("engine pair %s could not start request %s; trying another pair",
                             pair.name, request.request_id)

@@ -16,6 +16,8 @@ The gateway's readiness (health ``""`` and ``voxring.v1.Synthesizer``) is SERVIN
 at least one pair is ready and NOT_SERVING when none is — from start-up until the first
 probe answers too; ``pair/<name>`` carries each pair's state; ``liveness`` stays
 SERVING, so an orchestrator does not restart a healthy gateway whose backends are gone.
+A pair that turns ready has its model learned (Talker.ModelInfo) before it counts, so the
+model's named speakers are voices by the time the gateway is SERVING.
 Routing does not follow the probes (a probe that times out on a loaded host must not
 move traffic; requests find dead pairs themselves, services.gateway.routing).
 The states are in Prometheus (``voxring_gateway_ready``, ``voxring_gateway_pair_ready``).
@@ -24,12 +26,14 @@ The states are in Prometheus (``voxring_gateway_ready``, ``voxring_gateway_pair_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client.core import GaugeMetricFamily
 
+from services.common.errors import Unavailable
 from services.common.health import SERVING, HealthPublisher, pair_service, talker_link_service
 from services.common.loop_task import LoopTask
 from services.gateway.config import EnginesSection
@@ -71,6 +75,9 @@ class PairReadiness(LoopTask, HealthPublisher):
         states = await asyncio.gather(*(self.probe(pair) for pair in pairs))
         for pair, state in zip(pairs, states, strict=True):
             ready = state == "ready"
+            if ready and pair.facts is None:  # its model's speakers are voices before it counts
+                with contextlib.suppress(Unavailable):
+                    await self.router.learn(pair)
             if ready != pair.ready:
                 log.log(logging.INFO if ready or pair.ready is None else logging.WARNING,
                         "engine pair %s: %s", pair.name, state)

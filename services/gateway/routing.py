@@ -2,9 +2,11 @@
 
 A pair is one talker and one Code2Wav on the same host; a request is served by exactly
 one pair (docs/protocol.md, Units and identities). The gateway has no model folder: it reads
-``Talker.ModelInfo`` from each pair (the tokenizer, prompt format, limits, rates) the
-first time it needs the pair, and refuses pairs whose model differs from the first one
-it learned. Routing picks the pair with the fewest requests in flight from this gateway;
+``Talker.ModelInfo`` from each pair (the tokenizer, prompt format, limits, rates, family,
+named speakers) the first time it needs the pair. Pairs may serve different models (of one
+family or two): a request goes to a pair serving its model (its voice's, the HTTP ``model``
+it names, else the default model: ``engines.default_model``, or the first one learned).
+Among those, routing picks the pair with the fewest requests in flight from this gateway;
 a pair that could not be reached is tried last for a while (backing off up to
 ``MAX_DOWN_S``), so one dead pair does not fail requests that another pair can serve.
 (The health probes of services.gateway.readiness decide the gateway's readiness, not
@@ -22,6 +24,7 @@ import contextlib
 import ipaddress
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -51,6 +54,13 @@ class ModelFacts:
     frame_rate: float
     sample_rate: int
     family: str = "csm"  # the talker's model family (ModelInfoResponse.family; empty from an older talker)
+    speakers: tuple[tuple[str, int], ...] = ()  # the model's named speakers (name, speaker_id)
+
+    @property
+    def takes_clips(self) -> bool:
+        """Whether a voice can be made from a clip (Code2Wav.EncodeVoice): CSM's audio-context
+        turns; a Qwen2.5-Omni model's voices are its checkpoint's speakers."""
+        return self.family == "csm"
 
     def prompt_ids(self, speaker_id: int, text: str) -> list[int]:
         """The text turn as token ids: the format already holds the special tokens."""
@@ -118,6 +128,10 @@ class EnginePair:
             return f"engine pair {self.name}"
         return "a discovered engine pair"
 
+    def serves(self, model: str | None, default: str | None) -> bool:
+        """Whether this pair may serve ``model`` (None: ``default``): unknown until it answered."""
+        return self.facts is None or self.facts.name == (model or default)
+
     def mark_down(self, longest: float = MAX_DOWN_S) -> None:
         """The pair failed a ModelInfo call or a request: tried last for a while (1 s,
         doubling up to ``longest`` while it keeps failing). A request on a pair that is
@@ -144,7 +158,8 @@ class EnginePair:
             self.mark_up()
             self.facts = ModelFacts(info.model_name, Tokenizer.from_str(info.tokenizer_json.decode()),
                                     info.prompt_format, info.max_len, info.num_codebooks, info.frame_rate,
-                                    info.sample_rate, info.family or "csm")
+                                    info.sample_rate, info.family or "csm",
+                                    tuple((sp.name, sp.speaker_id) for sp in info.speakers))
         return self.facts
 
     async def close(self) -> None:
@@ -158,21 +173,26 @@ class Router:
     (gone from discovery) only finish theirs. ``source`` is the DNS name the pairs are
     discovered from (None: a static list, known from the start)."""
 
-    def __init__(self, pairs: list[EnginePair], source: str | None = None) -> None:
+    def __init__(self, pairs: list[EnginePair], source: str | None = None,
+                 default_model: str | None = None,
+                 on_model: Callable[[ModelFacts], None] | None = None) -> None:
         self.pairs = list(pairs)
         self.retired: list[EnginePair] = []
         self.source = source
-        self.model_name: str | None = None
+        # the model a request naming none gets (engines.default_model; None: the first learned)
+        self.default_model = default_model
+        self.on_model = on_model  # told of each model when a pair first says it serves it
+        self._models: set[str] = set()
         self.discovered = asyncio.Event()  # set by the first discovery answer (or at once: static)
         if source is None:
             self.discovered.set()
         self._lock = asyncio.Lock()
         self._closing: set[asyncio.Task] = set()
 
-    async def acquire(self, exclude: frozenset[str] = frozenset()) -> EnginePair:
-        """A pair for one request (none named in ``exclude``), counted in flight until
-        :meth:`release`."""
-        pair = await self.pick(exclude)
+    async def acquire(self, exclude: frozenset[str] = frozenset(), model: str | None = None) -> EnginePair:
+        """A pair for one request (none named in ``exclude``) serving ``model`` (None: the
+        default model), counted in flight until :meth:`release`."""
+        pair = await self.pick(exclude, model)
         pair.in_flight += 1  # no await since pick() checked it is not retired
         return pair
 
@@ -181,9 +201,34 @@ class Router:
         if pair.retired and pair.in_flight == 0:
             self._close(pair)
 
-    async def pick(self, exclude: frozenset[str] = frozenset()) -> EnginePair:
-        """The least-loaded pair serving this gateway's model (learning facts as needed);
-        pairs that could not be reached lately are tried last."""
+    async def pick(self, exclude: frozenset[str] = frozenset(), model: str | None = None) -> EnginePair:
+        """The least-loaded pair serving ``model`` (None: the default model), learning facts as
+        needed; pairs that could not be reached lately are tried last. Pairs may serve different
+        models (families): each request goes to one that serves its voice's model."""
+        await self._first_discovery()
+        errors, serving = [], set()
+        now = time.monotonic()
+        for pair in sorted(self.pairs, key=lambda p: (p.down_until > now, p.in_flight)):
+            if pair.retired or pair.name in exclude:  # left discovery meanwhile, or already tried
+                continue
+            try:
+                facts = await self.learn(pair)
+            except Unavailable as exc:
+                errors.append(str(exc))
+                continue
+            if facts.name != (model or self.default_model):
+                serving.add(facts.name)
+                continue
+            if pair.retired:
+                errors.append(f"{pair.label} left discovery")
+                continue
+            return pair
+        if serving and not errors:
+            raise Unavailable(f"no engine pair serves model {model or self.default_model} "
+                              f"(served: {', '.join(sorted(serving))})")
+        raise Unavailable("no engine pair can take the request: " + "; ".join(errors or ["none left to try"]))
+
+    async def _first_discovery(self) -> None:
         if not self.pairs and not self.discovered.is_set():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(FIRST_DISCOVERY_WAIT_S):
@@ -191,28 +236,43 @@ class Router:
         if not self.pairs:
             raise Unavailable("no engine pair discovered yet (DNS discovery)" if self.source
                               else "no engine pair configured")
+
+    async def models(self) -> dict[str, ModelFacts]:
+        """The models the pairs serve, by name, the default one first (each pair that answers
+        its ModelInfo counts; Unavailable when none does)."""
+        await self._first_discovery()
+        served: dict[str, ModelFacts] = {}
         errors = []
-        now = time.monotonic()
-        for pair in sorted(self.pairs, key=lambda p: (p.down_until > now, p.in_flight)):
-            if pair.retired or pair.name in exclude:  # left discovery meanwhile, or already tried
+        for pair in self.pairs:
+            if pair.retired:
                 continue
             try:
-                facts = await pair.model_facts()
+                facts = await self.learn(pair)
             except Unavailable as exc:
                 errors.append(str(exc))
                 continue
-            async with self._lock:
-                if self.model_name is None:
-                    self.model_name = facts.name
-                    log.info("serving model %s (first learned from %s)", facts.name, pair.name)
-            if facts.name != self.model_name:
-                errors.append(f"{pair.label} serves {facts.name}, not {self.model_name}")
-                continue
-            if pair.retired:
-                errors.append(f"{pair.label} left discovery")
-                continue
-            return pair
-        raise Unavailable("no engine pair can take the request: " + "; ".join(errors))
+            served.setdefault(facts.name, facts)
+        if not served:
+            raise Unavailable("no engine pair can take the request: " + "; ".join(errors))
+        default = served.pop(self.default_model, None)
+        return {self.default_model: default, **served} if default is not None else served
+
+    async def learn(self, pair: EnginePair) -> ModelFacts:
+        """``pair``'s model facts (asked once; Unavailable when its talker does not answer); the
+        first model learned is the default unless the config names one, and ``on_model`` hears
+        of each model once."""
+        facts = await pair.model_facts()
+        async with self._lock:
+            if self.default_model is None:
+                self.default_model = facts.name
+                log.info("default model %s (first learned from %s)", facts.name, pair.name)
+            new = facts.name not in self._models
+            self._models.add(facts.name)
+        if new:
+            log.info("engine pair %s serves model %s (%s family)", pair.name, facts.name, facts.family)
+            if self.on_model is not None:
+                self.on_model(facts)
+        return facts
 
     def update(self, pairs: list[EnginePair]) -> None:
         """Makes ``pairs`` the ones taking new requests. A pair is known by its name: one

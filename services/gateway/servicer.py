@@ -37,7 +37,7 @@ def voice_message(voice: VoiceEntry, aliases: list[str] | None = None) -> pb.Voi
     """``aliases``: the other names that select the voice (VoiceCatalog.aliases_of)."""
     return pb.Voice(name=voice.name, speaker_id=voice.speaker_id, language_code=voice.language_code,
                     has_reference=voice.reference_audio is not None, description=voice.description,
-                    removable=voice.removable, aliases=aliases or [])
+                    removable=voice.removable, aliases=aliases or [], model=voice.model or "")
 
 
 class SynthesizerServicer(synthesizer_pb2_grpc.SynthesizerServicer):

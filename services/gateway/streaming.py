@@ -353,7 +353,7 @@ class StreamingSession:
         the client gone) both stages are freed: the Open call cancelled, the session cancelled on
         the talker (idempotent: a finished session is not found)."""
         pipeline, valid = self.pipeline, self.settings.valid
-        async with pipeline.admitted() as pair:
+        async with pipeline.admitted(valid.served_by) as pair:
             self.pair = pair
             self.facts = facts = await pair.model_facts()
             self.session_cap = self.settings.cap(self.config.limits, facts.frame_rate)

@@ -36,6 +36,12 @@ class ValidRequest:
     message: pb.SynthesizeSpeechRequest
     deadline: float | None = None  # monotonic seconds when the client's deadline passes; None: none
     speed: float = 1.0     # the pace (FFmpeg's atempo); 1.0 when unset: no filter at all
+    model: str | None = None  # a served model the request names (HTTP ``model``); None: its voice's
+
+    @property
+    def served_by(self) -> str | None:
+        """The model whose pairs serve it: the one named, else the voice's (None: the default)."""
+        return self.model or self.voice.model
 
 
 def _finite(value: float) -> bool:
@@ -118,7 +124,7 @@ def validate(req: pb.SynthesizeSpeechRequest, config: GatewayConfig, voices: Voi
     if voice is None:
         aliases = f"; aliases: {', '.join(sorted(voices.aliases))}" if voices.aliases else ""
         raise InvalidArgument("voice_name", f"unknown voice {req.voice_name!r} "
-                              f"(known: {', '.join(sorted(voices.voices))}{aliases})")
+                              f"(known: {', '.join(voices.names())}{aliases})")
     encoding = _check_audio(req, config)
     speed = _check_speed(req)
     _check_sampling(req, config)

@@ -100,8 +100,9 @@ class VoiceManager:
         return loaded
 
     def list(self) -> list[VoiceEntry]:
-        """Every voice: the voices file's first, then the added ones (``removable``)."""
-        return list(self.catalog.voices.values())
+        """Every voice: the voices file's first, then the added ones (``removable``), then the
+        served models' named speakers."""
+        return self.catalog.listed()
 
     @property
     def default(self) -> str:
@@ -121,6 +122,7 @@ class VoiceManager:
         description = self._check_text("description", description,
                                        self.config.voices.max_description_chars)
         language = self._check_fields(speaker_id, language_code)
+        await self._check_family()
         self._reserve(name)
         committing = False
         try:
@@ -176,6 +178,21 @@ class VoiceManager:
             raise ResourceExhausted(f"this server keeps at most {self.config.voices.max_stored} added "
                                     "voices; delete one first")
         self._pending.add(name)
+
+    async def _check_family(self) -> None:
+        """Up front, before the clip is read: the default model (which encodes the clip) must be of
+        a family that conditions on a clip; FAILED_PRECONDITION otherwise (a Qwen2.5-Omni model's
+        voices are its checkpoint's speakers). Unknown while no pair answers: _encode says so."""
+        if self.router is None:
+            return
+        try:
+            default = next(iter((await self.router.models()).values()))
+        except Unavailable:
+            return
+        if not default.takes_clips:
+            raise FailedPrecondition(f"the default model {default.name} ({default.family} family) makes no "
+                                     "voice from a clip: its voices are its checkpoint's speakers",
+                                     field="audio")
 
     async def _encode(self, clip: Clip, name: str, speaker_id: int, transcript: str) -> common_pb2.Frames:
         """The clip's frames from some engine pair (each tried once, like a request), checked

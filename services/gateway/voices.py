@@ -29,6 +29,9 @@ class VoiceEntry:
     description: str = ""
     reference_audio: str | None = None  # WAV file, relative to the voices file
     reference_text: str | None = None   # its transcript
+    # the served model (ModelInfo model_name) whose speaker this is; null: any model, a request
+    # naming none going to the gateway's default model (engines.default_model)
+    model: str | None = None
     removable: ClassVar[bool] = False    # a voices-file voice: DeleteVoice refuses it
 
     def __post_init__(self) -> None:
@@ -39,6 +42,8 @@ class VoiceEntry:
         if (self.reference_audio is None) != (self.reference_text is None):
             raise ConfigValueError("reference_text",
                                    "reference_audio and reference_text go together")
+        if self.model is not None and not self.model.strip():
+            raise ConfigValueError("model", "must be a served model's name or null, got an empty string")
 
 
 class ClipFrames:
@@ -121,6 +126,9 @@ class VoiceCatalog:
     default: str
     folder: Path | None = None  # where relative reference clips are found
     aliases: dict[str, str] = field(default_factory=dict)  # alias -> a voices-file voice's name
+    # the served models' named speakers (ModelInfo speakers, e.g. a Qwen2.5-Omni checkpoint's), each a
+    # voice bound to its model; a voices-file or added voice of the same name wins
+    model_voices: dict[str, VoiceEntry] = field(default_factory=dict)
 
     @classmethod
     def builtin(cls) -> VoiceCatalog:
@@ -149,12 +157,28 @@ class VoiceCatalog:
                    parsed.alias_table())
 
     def get(self, name: str) -> VoiceEntry | None:
-        """The voice of that name, else the voice that alias stands for; "": the default."""
+        """The voice of that name, else the voice that alias stands for, else a served model's
+        speaker of that name; "": the default."""
         name = name or self.default
         voice = self.voices.get(name)
         if voice is None and name in self.aliases:
             voice = self.voices.get(self.aliases[name])
-        return voice
+        return voice or self.model_voices.get(name)
+
+    def learn_model(self, model: str, speakers: tuple[tuple[str, int], ...]) -> None:
+        """A served model's named speakers become voices bound to it (once its pair answers)."""
+        for name, speaker_id in speakers:
+            if name and name == name.strip():
+                self.model_voices.setdefault(name, VoiceEntry(
+                    name=name, speaker_id=speaker_id, description=f"speaker {name} of {model}", model=model))
+
+    def listed(self) -> list[VoiceEntry]:
+        """Every voice: the voices file's, the added ones, then the models' speakers not shadowed."""
+        return [*self.voices.values(), *(v for n, v in self.model_voices.items()
+                                          if n not in self.voices and n not in self.aliases)]
+
+    def names(self) -> list[str]:
+        return sorted({*self.voices, *self.model_voices})
 
     def alias_of(self, name: str) -> str | None:
         """The voice an alias stands for; None for a name that is no alias (or is a voice)."""

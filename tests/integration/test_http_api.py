@@ -350,7 +350,8 @@ def test_voices_list_create_delete(stack):
     listed = httpx.get(base, timeout=WAIT_S).json()
     assert {"name": "default", "speaker_id": 0, "language_code": "en-US",
             "description": "speaker 0 of the model", "has_reference": False, "removable": False,
-            "default": True, "aliases": list(OPENAI_VOICES)} in listed["data"]  # voices.file null
+            "default": True, "aliases": list(OPENAI_VOICES),
+            "model": None} in listed["data"]  # voices.file null
     form = {"name": "http-voice", "transcript": "A steady tone for the test.", "speaker_id": "1",
             "description": "made by the test"}
     files = {"file": ("clip.wav", clip_wav(), "audio/wav")}
@@ -358,7 +359,7 @@ def test_voices_list_create_delete(stack):
     assert created.status_code == 201, created.text
     assert created.json() | {"default": False} == {
         "name": "http-voice", "speaker_id": 1, "language_code": "en-US", "description": "made by the test",
-        "has_reference": True, "removable": True, "default": False, "aliases": []}
+        "has_reference": True, "removable": True, "default": False, "aliases": [], "model": None}
     assert httpx.post(base, data=form, files=files, timeout=WAIT_S).status_code == 409
     assert "http-voice" in [v["name"] for v in httpx.get(base, timeout=WAIT_S).json()["data"]]
     spoken = _client(stack).audio.speech.create(model="tts-1", voice="http-voice", input=TEXT,

@@ -288,7 +288,7 @@ def test_an_unreachable_pair_is_tried_last_and_the_background_probe_finds_it():
     asyncio.run(main())
 
 
-def test_a_pair_serving_another_model_is_refused():
+def test_pairs_of_two_models_each_take_their_models_requests():
     async def main():
         router, found = make(FakeResolver(["10.0.0.7"], ["10.0.0.7", "10.0.0.8"]))
         await found.refresh()
@@ -296,11 +296,16 @@ def test_a_pair_serving_another_model_is_refused():
         first = await router.acquire()
         await found.refresh()
         router.pairs[1].facts = facts("other")
-        assert await router.pick() is first  # the idle one serves another model
+        assert await router.pick() is first  # the idle one serves another model: not the default's
+        assert await router.pick(model="other") is router.pairs[1]
+        assert list(await router.models()) == ["tiny", "other"]  # the default first
         router.pairs.remove(first)
-        with pytest.raises(Unavailable, match="a discovered engine pair serves other, not tiny") as caught:
+        needle = r"no engine pair serves model tiny \(served: other\)"
+        with pytest.raises(Unavailable, match=needle) as caught:
             await router.pick()
         assert "10.0.0.8" not in str(caught.value)  # a discovered pair's name is its address
+        with pytest.raises(Unavailable, match="no engine pair serves model third"):
+            await router.pick(model="third")
 
     asyncio.run(main())
 

@@ -14,6 +14,7 @@ from services.common.errors import Unavailable
 from services.gateway.config import GatewayConfig
 from services.gateway.http.app import ApiParts, create_app
 from services.gateway.http.models import OPENAI_MODELS
+from services.gateway.routing import Router
 from services.gateway.servicer import SynthesizerServicer
 from services.gateway.voices import VoiceCatalog
 from voxring.v1 import synthesizer_pb2 as pb
@@ -22,47 +23,56 @@ SERVED = "voxring-tiny"
 IDS = [SERVED, "tts-1", "tts-1-hd", "gpt-4o-mini-tts"]
 
 
+QWEN = "voxring-tiny-qwen-omni"
+
+
 class Facts:
-    name = SERVED
+    def __init__(self, name: str = SERVED, family: str = "csm", speakers=()) -> None:
+        self.name, self.family, self.speakers = name, family, speakers
 
     def prompt_ids(self, speaker_id, text):
         return [0] * len(text.split())
 
 
 class Pair:
-    facts = Facts()
+    """What the real Router reads of a pair: its name, state and ModelInfo facts."""
 
+    def __init__(self, name: str, facts: Facts, up: bool = True) -> None:
+        self.name, self._facts, self.up = name, facts, up
+        self.facts, self.retired, self.down_until, self.in_flight = None, False, 0.0, 0
 
-class Router:
-    def __init__(self, up: bool = True) -> None:
-        self.up = up
-        self.model_name = None  # learned at the first pick, as services.gateway.routing.Router does
-        self.pairs = [Pair()]
-
-    async def pick(self):
+    async def model_facts(self):
         if not self.up:
-            raise Unavailable("no engine pair can take the request")
-        self.model_name = SERVED
-        return self.pairs[0]
+            raise Unavailable(f"the talker is unavailable (engine pair {self.name})")
+        self.facts = self._facts
+        return self.facts
 
 
 class Pipeline:
-    """One chunk of audio and the usage; records the voice each request resolved to."""
+    """One chunk of audio and the usage; records the voice and model each request resolved to."""
 
-    def __init__(self, up: bool = True) -> None:
-        self.router = Router(up)
+    def __init__(self, router: Router) -> None:
+        self.router = router
         self.voices: list[str] = []
+        self.models: list[str | None] = []
 
     async def stream(self, valid):
+        await self.router.pick(model=valid.served_by)  # as the real pipeline's acquire
         self.voices.append(valid.voice.name)
+        self.models.append(valid.served_by)
         yield pb.SynthesizeSpeechResponse(audio=b"\0\0" * 8, sample_rate_hz=24000)
         yield pb.SynthesizeSpeechResponse(usage=pb.Usage(frames=1))
 
 
-def _app(up: bool = True):
+def _app(up: bool = True, qwen: bool = False):
     config = GatewayConfig()
-    pipeline = Pipeline(up)
-    servicer = SynthesizerServicer(config, VoiceCatalog.builtin(), backend=pipeline)
+    catalog = VoiceCatalog.builtin()
+    pairs = [Pair("pair-0", Facts(), up)]
+    if qwen:  # a second pair serving a model of the other family, with named speakers
+        pairs.append(Pair("pair-1", Facts(QWEN, "qwen_omni", (("Chelsie", 0), ("Ethan", 1))), up))
+    router = Router(pairs, on_model=lambda facts: catalog.learn_model(facts.name, facts.speakers))
+    pipeline = Pipeline(router)
+    servicer = SynthesizerServicer(config, catalog, backend=pipeline)
     return create_app(ApiParts(config, servicer, pipeline)), pipeline
 
 
@@ -99,7 +109,7 @@ def test_models_lists_the_served_id_and_openais():
     assert status == 200 and listed["object"] == "list"
     assert [m["id"] for m in listed["data"]] == IDS
     assert all(m | {"id": None} == {"id": None, "object": "model", "created": 0, "owned_by": "voxring",
-                                    "root": SERVED} for m in listed["data"])
+                                    "root": SERVED, "family": "csm"} for m in listed["data"])
 
 
 @pytest.mark.parametrize("model", IDS)
@@ -148,3 +158,26 @@ def test_voices_listing_shows_the_aliases():
     (voice,) = json.loads(body)["data"]
     assert status == 200 and voice["name"] == "default" and voice["aliases"] == [
         "alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse"]
+
+
+def test_two_families_list_both_models_and_each_models_speakers_route_to_it():
+    app, pipeline = _app(qwen=True)
+    listed = json.loads(call(app, "GET", "/v1/models")[2])["data"]
+    assert [(m["id"], m["root"], m["family"]) for m in listed] == [
+        (SERVED, SERVED, "csm"), (QWEN, QWEN, "qwen_omni"), *((m, SERVED, "csm") for m in OPENAI_MODELS)]
+    voices = json.loads(call(app, "GET", "/v1/audio/voices")[2])["data"]
+    assert [(v["name"], v["speaker_id"], v["model"]) for v in voices] == [
+        ("default", 0, None), ("Chelsie", 0, QWEN), ("Ethan", 1, QWEN)]
+    for body, model in (({"model": QWEN, "voice": "Ethan"}, QWEN),   # named: that model's pairs
+                        ({"model": "tts-1", "voice": "Chelsie"}, QWEN),  # OpenAI's id: the voice's model
+                        ({"model": QWEN, "voice": "alloy"}, QWEN),   # a voice of any model
+                        ({"model": "tts-1", "voice": "alloy"}, None)):  # the default model
+        status, headers, _ = call(app, "POST", "/v1/audio/speech", {"input": "Hi.", "response_format": "pcm",
+                                                                    **body})
+        assert status == 200 and pipeline.models[-1] == model, body
+        assert headers["x-model"] == (model or SERVED)
+    body = {"model": SERVED, "input": "Hi.", "voice": "Ethan"}  # a speaker of the other model
+    status, _, reply = call(app, "POST", "/v1/audio/speech", body)
+    error = json.loads(reply)["error"]
+    assert status == 400 and error["param"] == "voice"
+    assert f"a voice of model {QWEN}, not {SERVED}" in error["message"]

@@ -198,6 +198,9 @@ def test_remove_deletes_the_metadata_first(tmp_path, monkeypatch):
 @dataclasses.dataclass
 class FakeFacts:
     name: str = "voxring-tiny"
+    family: str = "csm"
+    speakers: tuple = ()
+    takes_clips: bool = True
     max_len: int = 512
     frame_rate: float = FRAME_RATE
 

@@ -217,7 +217,7 @@ class ListVoicesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Voice(_message.Message):
-    __slots__ = ("name", "speaker_id", "language_code", "has_reference", "description", "removable", "aliases")
+    __slots__ = ("name", "speaker_id", "language_code", "has_reference", "description", "removable", "aliases", "model")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SPEAKER_ID_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_CODE_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class Voice(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     REMOVABLE_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     speaker_id: int
     language_code: str
@@ -232,7 +233,8 @@ class Voice(_message.Message):
     description: str
     removable: bool
     aliases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., speaker_id: _Optional[int] = ..., language_code: _Optional[str] = ..., has_reference: _Optional[bool] = ..., description: _Optional[str] = ..., removable: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+    model: str
+    def __init__(self, name: _Optional[str] = ..., speaker_id: _Optional[int] = ..., language_code: _Optional[str] = ..., has_reference: _Optional[bool] = ..., description: _Optional[str] = ..., removable: _Optional[bool] = ..., aliases: _Optional[_Iterable[str]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ListVoicesResponse(_message.Message):
     __slots__ = ("voices", "default_voice")

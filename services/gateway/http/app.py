@@ -9,6 +9,7 @@ through the servicer's VoiceManager. Domain errors become OpenAI's error shape (
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from services.common.errors import NotFound, ServiceError
+from services.common.errors import InvalidArgument, NotFound, ServiceError
 from services.gateway.config import GatewayConfig
 from services.gateway.http import errors
 from services.gateway.http.models import OPENAI_MODELS, model_ids, model_json, model_not_found, models_json
@@ -46,27 +47,36 @@ class ApiParts:
     servicer: SynthesizerServicer
     pipeline: SynthesisPipeline
 
-    async def served_facts(self):
-        """The served model's facts (asks a pair once); Unavailable when no pair serves."""
-        return (await self.pipeline.router.pick()).facts
+    async def served(self) -> dict:
+        """The served models' facts by name, the default first (asks the pairs not known yet);
+        Unavailable when no pair answers."""
+        return await self.pipeline.router.models()
 
-    async def served_model(self) -> str:
-        """The served model's name: the router's once learned, else asked of a pair."""
-        return self.pipeline.router.model_name or (await self.served_facts()).name
+    def known_facts(self, model: str | None = None):
+        """The facts of ``model`` (None: the default model) once a pair serving it answered."""
+        wanted = model or self.pipeline.router.default_model
+        return next((p.facts for p in self.pipeline.router.pairs
+                     if p.facts is not None and p.facts.name == wanted), None)
 
-    def known_facts(self):
-        return next((p.facts for p in self.pipeline.router.pairs if p.facts is not None), None)
-
-    def model_name(self) -> str | None:
-        facts = self.known_facts()
-        return facts.name if facts else None
+    def model_name(self, valid: ValidRequest) -> str | None:
+        """The model that serves ``valid`` (known once a pair took the request)."""
+        return valid.served_by or self.pipeline.router.default_model
 
     def usage_tokens(self, valid: ValidRequest, frames: int) -> dict:
         """OpenAI's usage: input tokens are the text turn's tokens as the talker reads them,
         output tokens the codec frames generated (one talker step each)."""
-        facts = self.known_facts()
+        facts = self.known_facts(valid.served_by)
         inputs = len(facts.prompt_ids(valid.voice.speaker_id, valid.text)) if facts else 0
         return {"input_tokens": inputs, "output_tokens": frames, "total_tokens": inputs + frames}
+
+
+def with_model(valid: ValidRequest, model: str | None) -> ValidRequest:
+    """``valid`` served by ``model`` (a served model's name the request named; None: its voice's);
+    InvalidArgument naming ``voice`` when the voice is a speaker of another model."""
+    if model is not None and valid.voice.model not in (None, model):
+        raise InvalidArgument("voice", f"{valid.voice.name!r} is a voice of model {valid.voice.model}, "
+                                       f"not {model}")
+    return dataclasses.replace(valid, model=model)
 
 
 def voice_json(voice: VoiceEntry, default: str, aliases: list[str] | None = None) -> dict:
@@ -74,7 +84,7 @@ def voice_json(voice: VoiceEntry, default: str, aliases: list[str] | None = None
     return {"name": voice.name, "speaker_id": voice.speaker_id, "language_code": voice.language_code,
             "description": voice.description, "has_reference": voice.reference_audio is not None,
             "removable": bool(voice.removable), "default": voice.name == default,
-            "aliases": aliases or []}
+            "aliases": aliases or [], "model": voice.model}
 
 
 def create_app(parts: ApiParts) -> FastAPI:
@@ -104,11 +114,14 @@ def _speech_routes(app: FastAPI, parts: ApiParts) -> None:
     async def speech(body: SpeechBody):
         """The audio streams as it is decoded (chunked); with ``stream_format: "sse"`` as
         ``speech.audio.delta`` events and one ``speech.audio.done`` with the usage."""
-        if body.model not in OPENAI_MODELS and body.model != (served := await parts.served_model()):
-            return model_not_found(body.model, served)  # 404 model_not_found (http/models.py)
-        valid = validate(body.to_request(), parts.config, parts.servicer.voices)
+        model = None  # OpenAI's ids: the voice's model, else the default one
+        if body.model not in OPENAI_MODELS:
+            if body.model not in (served := list(await parts.served())):
+                return model_not_found(body.model, served)  # 404 model_not_found (http/models.py)
+            model = body.model
+        valid = with_model(validate(body.to_request(), parts.config, parts.servicer.voices), model)
         return SpeechStream(valid, body, in_flight=parts.servicer.in_flight, pipeline=parts.pipeline,
-                            usage_tokens=parts.usage_tokens, model_name=parts.model_name)
+                            usage_tokens=parts.usage_tokens, model_name=lambda: parts.model_name(valid))
 
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(websocket: WebSocket):
@@ -118,14 +131,15 @@ def _speech_routes(app: FastAPI, parts: ApiParts) -> None:
 
     @app.get("/v1/models", summary="The model ids taken: the served model's and OpenAI's (list shape)")
     async def models():
-        return models_json((await parts.served_facts()).name)
+        served = await parts.served()
+        return models_json(list(served), {name: facts.family for name, facts in served.items()})
 
     @app.get("/v1/models/{model}", summary="One model id (404 model_not_found for another)")
     async def model(model: str):
-        served = (await parts.served_facts()).name
-        if model not in model_ids(served):
-            return model_not_found(model, served)
-        return model_json(model, served)
+        served = await parts.served()
+        if model not in model_ids(list(served)):
+            return model_not_found(model, list(served))
+        return model_json(model, list(served), {name: facts.family for name, facts in served.items()})
 
 
 def _voice_routes(app: FastAPI, parts: ApiParts) -> None:
