@@ -71,8 +71,10 @@ class PromptInfo:
 class TalkerModel(Protocol):
     """A talker family. ``rows_per_request`` is 2 for families that run classifier-free
     guidance as paired rows, 1 otherwise. ``text_vocab_size``: the text ids a prompt may hold.
-    ``supports_sessions``: whether a session's next segment can be prefilled after the earlier
-    ones (services/talker/sessions.py packs it as an audio-context boundary and the new text)."""
+    ``audio_context``: whether a prompt's earlier turns carry their audio frames (CSM: a session's
+    next segment is prefilled after the earlier ones, behind an audio-context boundary) or only
+    their text (Qwen2.5-Omni: a session's next segment is prefilled again from position 0 with the
+    earlier turns' text as context; services/talker/sessions.py)."""
 
     num_codebooks: int
     codebook_size: int
@@ -82,7 +84,7 @@ class TalkerModel(Protocol):
     frame_rate: float
     sample_rate: int
     rows_per_request: int
-    supports_sessions: bool
+    audio_context: bool
 
     def prompt_embeds(self, segments: Sequence[PromptSegment]) -> torch.Tensor:
         """The prompt as input embeddings [T, H] (the reference ``embed_packed`` must equal)."""

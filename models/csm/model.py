@@ -108,7 +108,7 @@ class CsmCaches:
 
 class CsmTalker(nn.Module):
     rows_per_request = 1
-    supports_sessions = True
+    audio_context = True
 
     def __init__(self, config: CsmConfig) -> None:
         super().__init__()

@@ -29,8 +29,8 @@ the packed prompt: it is the family's slot state (``TalkerModel.pack_slot_state`
 ``write_slot_state``), which the engine writes with the prompt's final prefill chunk (direct callers use
 ``write_reply``; a slot without it reads the text PAD from its first frame).
 
-Sessions are not supported (``supports_sessions``): the engine's continuation packs an audio-context
-boundary, and this family has no audio-context turns.
+Its prompts take no audio-context turns (``audio_context`` false): a session's next segment is a fresh
+prompt in the same slot, the earlier segments' text its context (services/talker/sessions.py).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class QwenOmniCaches:
 class QwenOmniTalker(nn.Module):
     rows_per_request = 1
     num_codebooks = 1
-    supports_sessions = False
+    audio_context = False
 
     def __init__(self, config: QwenOmniTalkerConfig) -> None:
         super().__init__()

@@ -23,10 +23,8 @@ itself until the next need at most, so a new record is picked up within microsec
 at the next poll.
 
 A streaming decoder (services/code2wav/decoding.py: Qwen2.5-Omni's Token2Wav, audio later than
-its codes and in pieces) gets each record's codes at once; each tick, every stream it has work
-for is decoded in ONE call of the decoder's, and whatever audio each returned is sent as a
-chunk; LAST ends its codes (``decoder.end``), then it is decoded until finished. Such a request
-takes no SEGMENT_END (the family's talker refuses sessions): one ends the request INTERNAL.
+its codes and in pieces) is ticked by services/code2wav/engine_streaming.py: codes at once, one
+decode call a tick, each segment of a session flushed whole before the next one starts.
 Either way what was sent is counted in samples and seconds of audio returned (the listener
 model, ``sent_s``, the counters); a chunk's ``num_frames`` is the frames its audio completes.
 Frames outside the decoder's codebooks or code space end their request INTERNAL; frames of the
@@ -45,6 +43,7 @@ from collections.abc import Callable
 import numpy as np
 
 from services.code2wav.decoding import Decoder, FrameError, decodable
+from services.code2wav.engine_streaming import StreamingTicks
 from services.code2wav.metrics import Code2WavCounters
 from services.code2wav.streams import SEGMENT_REASONS, OpenStream, Outbox
 from services.code2wav.talkers import TalkerLink
@@ -61,7 +60,7 @@ ERROR_ENDINGS = {FinishReason.DEADLINE: ("DEADLINE_EXCEEDED", "talker deadline p
                  FinishReason.CANCELLED: ("CANCELLED", "request cancelled")}
 
 
-class Code2WavEngine:
+class Code2WavEngine(StreamingTicks):
     def __init__(self, decoder: Decoder, links: dict[str, TalkerLink], *, max_slots: int,
                  max_undelivered_seconds: float, max_records_per_step: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -220,8 +219,8 @@ class Code2WavEngine:
         if record.seq > stream.next_seq:
             self.counters.sequence_gaps += record.seq - stream.next_seq
         stream.next_seq = record.seq + 1
-        if record.segment_end and self.streaming:
-            self._reject(stream, "talker sent SEGMENT_END: this model family's decoder takes no sessions")
+        if self.streaming:
+            self._stream_record(stream, record, codes)
             return
         if record.num_frames and not self._add_frames(stream, codes):
             return
@@ -238,8 +237,6 @@ class Code2WavEngine:
                 self.counters.cleared(dropped)
         if record.last:
             stream.last_reason = record.finish_reason
-            if self.streaming:
-                self.decoder.end(stream.slot)
 
     def _add_frames(self, stream: OpenStream, codes: np.ndarray) -> bool:
         """A record's frames to the stream (streaming: to the decoder, up to the stream's max
@@ -314,46 +311,13 @@ class Code2WavEngine:
         self.counters.tick(sum(len(p) for p in pcm) / self.sample_rate, buffers,
                            host_s=(taken - started) + (self.clock() - now), decode_s=now - taken)
 
-    def _decode_streams(self, streams: list[OpenStream]) -> bool:
-        """A streaming decoder's tick: every stream it has work for in one decode call, each
-        one's audio sent as a chunk (none when it returned none); an ended stream whose audio
-        is all out finishes."""
-        ready = []
-        for stream in streams:
-            if self.decoder.ready(stream.slot):
-                if not stream.hold(self.max_undelivered):
-                    ready.append(stream)
-            elif stream.last_reason is not None and self.decoder.finished(stream.slot):
-                self._finish(stream)
-        if not ready:
-            return False
-        started = self.clock()
-        audio = self.decoder.decode([stream.slot for stream in ready])
-        now = self.clock()
-        decode_s = (now - started) / len(ready)
-        buffers = []
-        for stream, out in zip(ready, audio, strict=True):
-            if out.first_sample != stream.sample_offset:  # the decoder's contract: contiguous audio
-                self._reject(stream, f"decoder returned audio from sample {out.first_sample}, "
-                             f"{stream.sample_offset} were sent")
-                continue
-            if len(out.pcm):
-                why = "first" if not stream.chunk_index else "end" if out.finished else "size"
-                buffers.append(self._send_audio(stream, out.pcm, None, why, now, decode_s))
-            if out.finished and stream.last_reason is not None:
-                self._finish(stream)
-            elif not stream.closed:
-                self._touched.add(stream.handle)  # looked at again next tick: more may be ready
-        self.counters.tick(sum(len(out.pcm) for out in audio) / self.sample_rate, buffers,
-                           host_s=self.clock() - now, decode_s=now - started)
-        return True
-
     def _send_audio(self, stream: OpenStream, pcm: np.ndarray, frames: int | None, why: str,
                     now: float, decode_s: float) -> float:
         """One chunk sent (``frames``: the chunk's own, or None: the frames its audio completes, a
         streaming decoder's); returns the listener's buffer it found."""
-        if frames is None:
-            frames = (stream.sample_offset + len(pcm)) // self.samples_per_frame - stream.frames_decoded
+        if frames is None:  # counted within the segment: a streaming decoder starts each one anew
+            frames = ((stream.sample_offset - stream.segment_base + len(pcm)) // self.samples_per_frame
+                      - stream.segment_frames)
             stream.pending_frames -= frames  # a streaming stream's pending: its codes without audio
         self.counters.cut(why)
         return stream.send_chunk(pcm, frames, len(pcm) / self.sample_rate, now, decode_s)

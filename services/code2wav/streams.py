@@ -136,6 +136,10 @@ class OpenStream:
     # (position, finish reason) of each segment end not yet sent, oldest first; a position
     # counts frames decoded + pending (frames_decoded reaches it when the segment is done)
     segment_ends: deque[tuple[int, int]] = field(default_factory=deque)
+    # a streaming decoder's stream (services/code2wav/engine_streaming.py): the sample its segment's
+    # audio starts at, and the records that wait while a segment flushes (None: none flushes)
+    segment_base: int = 0
+    deferred: deque | None = None
 
     def __post_init__(self) -> None:
         if self.opened is None:

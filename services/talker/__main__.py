@@ -157,7 +157,7 @@ def build(config: TalkerConfig, config_path: Path | None):
                           slow_step=config.transport.liveness_timeout)
     facts = ModelFacts(model.num_codebooks, model.codebook_size, model.text_vocab_size, max_len,
                        engine_cfg.max_repetition_window, model.pack_prompt, model.pack_slot_state,
-                       family.name, model.supports_sessions)
+                       family.name, model.audio_context)
     servicer = TalkerServicer(thread, config, facts, model_info(folder, model, max_len, family))
     bindings = service_bindings(servicer, frame_servicer)
     log.info("model %s (%s) on %s (%s, %d CPU threads), max_len %d, buckets %s", folder, family.name,

@@ -43,7 +43,7 @@ class ModelFacts:
     # its prompt, written into its slot with the prompt's final chunk (None: the family keeps none)
     pack_slot_state: Callable[[Sequence[PromptSegment]], np.ndarray | None] = lambda segments: None
     family: str = "csm"
-    sessions: bool = True  # the family takes sessions (TalkerModel.supports_sessions)
+    audio_context: bool = True  # earlier turns carry their frames (TalkerModel.audio_context)
 
 
 def _segments(req: talker_pb2.SubmitRequest, facts: ModelFacts) -> list[PromptSegment]:
@@ -116,9 +116,6 @@ def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, now: float,
     if not req.timeout_s >= 0:
         raise InvalidArgument("timeout_s", f"must be >= 0, got {req.timeout_s}")
     _check_budget(req.first_audio_budget_s)
-    if req.session and not facts.sessions:
-        raise InvalidArgument("session", f"the {facts.family} family takes no sessions (submit each "
-                              "text as its own request)")
     segments = _segments(req, facts)
     prompt, slot_state = _pack(segments, facts)
     prompt_len = len(prompt)
@@ -140,7 +137,8 @@ def build_request(req: talker_pb2.SubmitRequest, facts: ModelFacts, now: float,
     if req.session:
         session = Session(facts.pack_prompt, facts.num_codebooks, voice=segments[:-1],
                           text_ids=np.asarray(segments[-1].text_token_ids, dtype=np.int64),
-                          prefill_positions=prompt_len, pack_state=facts.pack_slot_state)
+                          prefill_positions=prompt_len, pack_state=facts.pack_slot_state,
+                          audio_context=facts.audio_context)
     return TalkerRequest(
         request_id=req.request_id or f"handle-{req.handle}", handle=req.handle,
         consumer_id=req.consumer_id, prompt=prompt, prompt_len=prompt_len, slot_state=slot_state,

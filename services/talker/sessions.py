@@ -13,8 +13,10 @@ Model families). The frame index restarts at 0 and the repetition history is cle
 (``TalkerModel.pack_slot_state``) is packed from the same segments as the new prompt and goes in
 with its final chunk, so the segment's frames read its own.
 
-Only families whose ``supports_sessions`` is true take sessions (the servicer refuses the others):
-the continuation packs an audio-context boundary.
+A family whose prompts take no audio-context turns (``TalkerModel.audio_context`` false: Qwen2.5-Omni)
+has no boundary to continue behind: each segment after the first is prefilled again from position 0,
+the voice's turns and the earlier segments' text (without their frames) as its context, the oldest
+dropped as above when they do not fit.
 
 When the context would pass the model's max length, the oldest spoken turns are dropped (the
 voice's reference turn, the first Submit's context, is kept) and the slot is prefilled again from
@@ -83,6 +85,7 @@ class Session:
     overflows: int = 0                    # times old turns were dropped and the slot prefilled again
     prefill_positions: int = 0            # prompt positions this session prefilled (all segments)
     pack_state: PackState | None = None   # the family's pack_slot_state (None: it keeps no slot state)
+    audio_context: bool = True            # earlier turns carry their frames (TalkerModel.audio_context)
 
     @property
     def idle(self) -> bool:
@@ -124,7 +127,7 @@ class Session:
         prefilled again from position 0 (as it is when the slot holds no spoken turn: ``kv_len``
         0, a first segment cleared before it spoke). SessionError when even the voice and the new
         turn alone do not fit."""
-        if kv_len > 0:
+        if kv_len > 0 and self.audio_context:
             boundary, state = self._packed([
                 PromptSegment([], np.zeros((0, self.num_codebooks), dtype=np.int64)),
                 PromptSegment(segment.text_ids.tolist())])
@@ -132,8 +135,8 @@ class Session:
                 return boundary, kv_len, state
         turns = list(self.turns)
         while True:
-            context = [*self.voice, *(PromptSegment(t.text_ids.tolist(), t.frames.astype(np.int64))
-                                      for t in turns)]
+            context = [*self.voice, *(PromptSegment(t.text_ids.tolist(), t.frames.astype(np.int64)
+                                                    if self.audio_context else None) for t in turns)]
             prompt, state = self._packed([*context, PromptSegment(segment.text_ids.tolist())])
             if len(prompt) + segment.max_frames <= max_len:
                 dropped = len(self.turns) - len(turns)

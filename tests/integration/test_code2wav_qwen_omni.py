@@ -3,8 +3,8 @@
 a real ring. Two concurrent requests of different speakers and seeds each get PCM equal to the
 offline windowed reference of their codes (int16: within one step), exactly the codes' audio
 length; the talker's special codes are dropped; an unknown speaker is INVALID_ARGUMENT naming
-``speaker_id``; EncodeVoice is FAILED_PRECONDITION; a SEGMENT_END ends its request INTERNAL and
-is cancelled on the talker; an unknown tiny default or a checkpoint whose speakers are still a
+``speaker_id``; EncodeVoice is FAILED_PRECONDITION; a session's segments are each flushed whole as
+their own sequence; an unknown tiny default or a checkpoint whose speakers are still a
 pickle stops start-up with a config error naming ``model.checkpoint``."""
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def test_two_requests_of_different_voices_equal_the_windowed_reference(pair, ref
 
 
 def test_refusals_of_the_family(pair):
-    talker, stub, _ = pair
+    _, stub, _ = pair
     with pytest.raises(grpc.RpcError) as info:
         open_stream(stub, "who", 10, speaker_id=7, seed=0)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "speaker_id" in info.value.details()
@@ -141,12 +141,25 @@ def test_refusals_of_the_family(pair):
         stub.EncodeVoice(code2wav_pb2.EncodeVoiceRequest(audio=clip, sample_rate_hz=24000), timeout=30)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "no clip encoder" in info.value.details()
-    stream, handle = open_stream(stub, "session", 100, speaker_id=0, seed=1)
-    talker.put(handle, 0, np.array([[1], [2]]), 0, int(RecordFlags.SEGMENT_END), int(FinishReason.STOP))
-    with pytest.raises(grpc.RpcError) as info:
-        collect(stream)
-    assert info.value.code() == grpc.StatusCode.INTERNAL and "SEGMENT_END" in info.value.details()
-    assert talker.expect("cancel")["cancel"] == handle  # Code2Wav ended it: the talker's row is freed
+
+
+def test_a_sessions_segments_are_flushed_one_after_the_other(pair, reference):
+    """A talker session's two segments over one Open stream: the first one's audio whole, its end,
+    then the second one's, each its own windowed reference (the same voice and seed)."""
+    talker, stub, _ = pair
+    rng = np.random.default_rng(9)
+    first, second = rng.integers(0, NUM_CODES + 1, 12), rng.integers(0, NUM_CODES + 1, 9)
+    stream, handle = open_stream(stub, "session", 100, speaker_id=1, seed=4)
+    talker.put(handle, 0, first[:, None], 0, int(RecordFlags.SEGMENT_END), int(FinishReason.STOP))
+    talker.put(handle, 1, second[:, None], len(first), int(RecordFlags.LAST), int(FinishReason.STOP))
+    messages = [getattr(m, m.WhichOneof("kind")) for m in stream]  # open_stream read the opened one
+    kinds = [type(m).__name__ for m in messages]
+    assert kinds.count("SegmentEnd") == 1 and kinds[-1] == "Finished", kinds
+    split = kinds.index("SegmentEnd")
+    for part, codes in ((messages[:split], first), (messages[split + 1:-1], second)):
+        pcm = np.concatenate([np.frombuffer(m.pcm, "<i2") for m in part])
+        assert np.abs(pcm.astype(np.float64) - reference(codes, 1, 4)).max() <= 1.0
+    assert messages[split].frames == len(first) and messages[-1].frames == len(first) + len(second)
     assert stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).active_slots == 0
 
 

@@ -2,8 +2,8 @@
 tiny:qwen-omni``; real gRPC, real rings): ModelInfo tells a client the family and what it needs; prompts
 built as the gateway builds them (ModelInfo's tokenizer, prompt format and a speaker) give frames of one
 codebook equal to the model's own offline generation, for several requests at once and for K = 1 and 4
-(engine.k_max); greedy requests end at max_frames, sampled ones on the family's stop (an end id);
-a session is refused naming ``session``."""
+(engine.k_max); greedy requests end at max_frames, sampled ones on the family's stop (an end id).
+Sessions: tests/unit/test_talker_qwen_omni.py and, end to end, tests/integration/test_two_families.py."""
 
 from __future__ import annotations
 
@@ -93,16 +93,5 @@ def test_codes_equal_the_models_offline_generation(talker, cache_dir):
     assert FinishReason.STOP in reasons.values(), "no request ended on an end id: a weaker test"
     k = stub.Stats(talker_pb2.TalkerStatsRequest(), timeout=10).mean_frames_per_step
     assert k == 1.0 if k_max == 1 else k > 1.0, k  # k_max 4: steps carried several frames
-    if k_max == 4:  # the same talker (a start saved): a session is refused, naming the field
-        refuse_a_session(stub, readers)
 
 
-def refuse_a_session(stub, readers) -> None:
-    reader = RingReader(stub, "c2w-s")
-    readers.append(reader)
-    request = submit_request("c2w-s", 1, [259, *b"Hello."], max_frames=8)
-    request.session = True
-    with pytest.raises(grpc.RpcError) as refused:
-        stub.Submit(request, timeout=10)
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert refused.value.details().startswith("session: the qwen_omni family takes no sessions")

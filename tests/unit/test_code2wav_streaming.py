@@ -4,7 +4,8 @@ clock and ring: no audio before the window's lookahead, then a stream's audio eq
 windowed reference of its codes, voice and seed (int16: within one step), LAST flushing it all;
 the listener model, the undelivered-audio bound and the underrun counters in seconds of audio
 returned; every stream with work decoded in one call a tick; the talker's special codes dropped,
-frames the decoder cannot take, a SEGMENT_END and an unknown speaker refused; the speakers' file
+frames the decoder cannot take and an unknown speaker refused; a session's segments each flushed
+whole as its own sequence, a cleared one dropped; the speakers' file
 (models/qwen_omni/speakers.py), a pickled one named for conversion, ids agreeing with the talker's."""
 
 from __future__ import annotations
@@ -245,23 +246,65 @@ def test_special_codes_are_dropped_and_max_frames_caps_the_codes(setup):
     assert_pcm(pcm_of(sent), reference(decoder, codes[:14], 0, 1))
 
 
-@pytest.mark.parametrize("bad", ["range", "codebooks", "segment_end"])
-def test_frames_it_cannot_take_and_a_segment_end_end_the_request(setup, bad):
+@pytest.mark.parametrize("bad", ["range", "codebooks"])
+def test_frames_it_cannot_take_end_the_request(setup, bad):
     engine, clock, link, decoder = setup
     _, sent = open_stream(engine, 1, speaker_id=0, seed=1)
     talker = Talker(link, 1)
     talker.put([1, 2, 3])
     if bad == "range":
         talker.put([CODEC_VOCAB])                  # outside the talker's codec vocabulary
-    elif bad == "codebooks":
-        talker.put([4, 5], codebooks=2)
     else:
-        talker.put([4], SEGMENT_END, FinishReason.STOP)
+        talker.put([4, 5], codebooks=2)
     run(engine, clock, 3)
     kind, code, message, origin = sent[-1]
     assert (kind, code, origin) == ("error", "INTERNAL", "code2wav")  # the servicer cancels it on the talker
-    assert ("SEGMENT_END" if bad == "segment_end" else "cannot decode") in message
+    assert "cannot decode" in message
     assert 1 not in engine.streams and not decoder.stream.slots and len(engine.free_slots) == 4
+
+
+def test_a_sessions_segments_are_each_their_own_sequence_flushed_whole(setup):
+    """A session: segment 1's end flushes its audio whole while segment 2's codes wait; segment 2 starts
+    a new sequence (the same voice and seed, its noise from its own frame 0): the audio is the two
+    references back to back, the segment end between them, every frame accounted for."""
+    engine, clock, link, decoder = setup
+    _, sent = open_stream(engine, 1, speaker_id=1, seed=3)
+    first, second, talker = codes_of(5, 23), codes_of(6, 17), Talker(link, 1)
+    talker.put(first[:20])
+    run(engine, clock, 2)
+    talker.put(first[20:], SEGMENT_END, FinishReason.STOP)
+    talker.put(second[:9])                       # arrives while segment 1 flushes: it waits
+    run(engine, clock, 1)
+    talker.last(second[9:])
+    run(engine, clock, 12)
+    kinds = [m[0] for m in sent]
+    assert kinds.count("segment_end") == 1 and kinds[-1] == "finished", kinds
+    split = kinds.index("segment_end")
+    end = sent[split][1]
+    expected = [reference(decoder, first, 1, 3), reference(decoder, second, 1, 3)]
+    assert (end.segment_index, end.finish_reason, end.frames) == (0, FinishReason.STOP, 23)
+    assert end.sample_offset == len(expected[0])
+    assert_pcm(pcm_of(sent[:split]), expected[0])
+    assert_pcm(pcm_of(sent[split:]), expected[1])
+    assert_contiguous(sent, 23 + 17)
+    assert sent[-1][1].frames == 40 and not decoder.stream.slots and len(engine.free_slots) == 4
+
+
+def test_a_cleared_segment_drops_its_codes_and_the_next_one_starts_clean(setup):
+    """A clear (SEGMENT_END with CANCELLED) before any audio: its codes are dropped, its end says so, and
+    the next segment's audio is its own reference."""
+    engine, clock, link, decoder = setup
+    _, sent = open_stream(engine, 1, speaker_id=0, seed=4)
+    cleared, spoken, talker = codes_of(7, 8), codes_of(8, 21), Talker(link, 1)
+    talker.put(cleared)
+    talker.put([], SEGMENT_END, FinishReason.CANCELLED)
+    talker.last(spoken)
+    run(engine, clock, 12)
+    assert [m[0] for m in sent if m[0] != "chunk"] == ["segment_end", "finished"]
+    end = next(m[1] for m in sent if m[0] == "segment_end")
+    assert (end.finish_reason, end.frames, end.sample_offset) == (FinishReason.CANCELLED, 0, 0)
+    assert (engine.counters.segments_cleared, engine.counters.cleared_frames) == (1, 8)
+    assert_pcm(pcm_of(sent), reference(decoder, spoken, 0, 4))
 
 
 def test_an_empty_stream_finishes_without_audio(setup):

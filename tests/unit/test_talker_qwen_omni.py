@@ -32,7 +32,14 @@ from services.talker.request import FinishReason, TalkerRequest
 from services.talker.runner import Runner
 from services.talker.scheduler import Scheduler
 from services.talker.servicer import ModelFacts, build_request
-from tests.unit.session_support import make_session_engine, run_until, segment, session_request, text_ids
+from tests.unit.session_support import (
+    make_session_engine,
+    run_until,
+    segment,
+    segments_of,
+    session_request,
+    text_ids,
+)
 from tests.unit.test_talker_engine import ListSink, collect, frozen_clock, run
 from voxring.v1 import common_pb2, talker_pb2
 
@@ -112,7 +119,7 @@ def qwen_request(handle: int, facts: ModelFacts, ids: list[int], *, max_frames: 
 
 def servicer_facts(model) -> ModelFacts:
     return ModelFacts(model.num_codebooks, model.codebook_size, model.text_vocab_size, MAX_LEN, 8,
-                      model.pack_prompt, model.pack_slot_state, "qwen_omni", model.supports_sessions)
+                      model.pack_prompt, model.pack_slot_state, "qwen_omni", model.audio_context)
 
 
 def test_engine_writes_each_reply_stream_and_equals_generate_for_every_k(folder, info):
@@ -180,19 +187,16 @@ def test_a_sessions_next_segment_carries_its_own_slot_state(tmp_path):
                        ([first.slot], [[len(text_ids("And now more words."))]])]
 
 
-def test_submit_refuses_a_session_and_an_audio_turn_naming_the_field(folder):
+def test_submit_refuses_an_audio_turn_and_a_short_reply_naming_the_field(folder):
     facts = servicer_facts(family_of(folder).load(folder))
     ids = [SPEAKERS["Chelsie"], *b"Hello."]
-    session = talker_pb2.SubmitRequest(consumer_id="c", handle=1, max_frames=8, session=True)
-    session.segments.add(text_token_ids=ids)
     audio = talker_pb2.SubmitRequest(consumer_id="c", handle=2, max_frames=8)
     audio.segments.add(text_token_ids=ids, frames=common_pb2.Frames(num_frames=1, num_codebooks=1,
                                                                    codes=b"\x01\x00"))
     audio.segments.add(text_token_ids=ids)
     short = talker_pb2.SubmitRequest(consumer_id="c", handle=3, max_frames=8)
     short.segments.add(text_token_ids=ids[:1])
-    for request, field, needle in ((session, "session", "qwen_omni family takes no sessions"),
-                                   (audio, "segments[0].frames", "no audio-context turns"),
+    for request, field, needle in ((audio, "segments[0].frames", "no audio-context turns"),
                                    (short, "segments[0]", "the reply turn needs")):
         with pytest.raises(InvalidArgument) as error:
             build_request(request, facts, 0.0)
@@ -201,3 +205,30 @@ def test_submit_refuses_a_session_and_an_audio_turn_naming_the_field(folder):
                                                    segments=[talker_pb2.PromptSegment(text_token_ids=ids)]),
                           facts, 0.0)
     assert plain.sampling == Sampling() and plain.slot_state.tolist() == [*b"ello.", TEXT_EOS]
+
+
+def test_a_session_segment_equals_a_fresh_request_with_the_earlier_text_as_context(folder, info):
+    """This family's prompts take no audio: a session's next segment is prefilled again from position 0
+    in the same slot, the voice's context and segment 1's text its context, and its codes are
+    ``generate``'s for that prompt (greedy); segment 1's are those of the first request alone."""
+    prompt_ids = gateway_facts(info).prompt_ids
+    ids1, ids2 = prompt_ids(0, TEXTS[0]), prompt_ids(1, TEXTS[1])
+    model = family_of(folder).load(folder)
+    facts = servicer_facts(model)
+    engine, sink = make_session_engine(model, max_len=MAX_LEN)
+    submit = talker_pb2.SubmitRequest(consumer_id="c", handle=1, max_frames=40, session=True)
+    submit.segments.add(text_token_ids=CONTEXT[:20])
+    submit.segments.add(text_token_ids=ids1)
+    first = build_request(submit, facts, 0.0)
+    engine.scheduler.add(first)
+    run_until(engine, lambda: engine.scheduler.idle.get(("c", 1)) is not None)
+    engine.scheduler.append("c", 1, segment(ids2, max_frames=50, last=True))
+    run_until(engine, lambda: first.finish is not None)
+    (frames1, _, _), (frames2, _, _) = segments_of(sink, 1)
+    for frames, turns, max_new in (
+            (frames1, [PromptSegment(CONTEXT[:20]), PromptSegment(ids1)], 40),
+            (frames2, [PromptSegment(CONTEXT[:20]), PromptSegment(ids1), PromptSegment(ids2)], 50)):
+        expected = generate(model, [GenerationRequest(turns, max_new)], cache_len=MAX_LEN)[0].codes
+        assert len(frames) > 0
+        np.testing.assert_array_equal(frames.reshape(-1), expected.numpy().reshape(-1))
+    assert first.session.prefill_positions == 20 + 2 + (20 + len(ids1) + 2)  # segment 2 prefilled again
