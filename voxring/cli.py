@@ -57,7 +57,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("a voxring stack is already running; waiting until it serves")
     else:
         print(f"starting {', '.join(missing)} (logs in {stack.log_dir})")
-    addresses = stack.up(timeout=args.timeout, mps=args.mps)
+    addresses = stack.up(timeout=args.timeout, mps=args.mps, model=args.model)
     print("voxring stack is SERVING:")
     _print_endpoints(addresses, stack)
     return 0
@@ -237,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--mps", choices=MODES, default="auto",
                            help="run talker and Code2Wav as clients of the stack's own NVIDIA MPS daemon, "
                                 "so they share the GPU without time-slicing (auto: on a GPU host)")
+            p.add_argument("--model", default=None, metavar="CHECKPOINT",
+                           help="the checkpoint both engines serve, over their configs' "
+                                "model.checkpoint: a folder (CSM or Qwen2.5-Omni), or a tiny default "
+                                "(tiny:csm, tiny:qwen-omni)")
         if name == "status":
             p.add_argument("--log-lines", type=_positive(int), default=10,
                            help="lines of a dead stage's log to show")

@@ -113,19 +113,25 @@ class Stack:
 
     # --- up and down --------------------------------------------------------------------
 
-    def up(self, timeout: float = 60.0, mps: str = "off") -> dict[str, str]:
+    def up(self, timeout: float = 60.0, mps: str = "off", model: str | None = None) -> dict[str, str]:
         """Starts the stages that are not running (a stage that died is started again; the
         running ones keep their state), then waits until every stage answers SERVING —
         the gateway once an engine pair is ready behind it. Returns {stage: address}.
         ``mps``: "on" (or "auto" on a GPU host) runs the engines as clients of the stack's
         own MPS control daemon (voxring/mps_daemon.py), restarting both when either (or the
-        daemon) is not running: the pair is one failure domain under MPS.
+        daemon) is not running: the pair is one failure domain under MPS. ``model``: the
+        checkpoint both engines serve (a folder, or a tiny default: ``tiny:qwen-omni``), over
+        their configs' ``model.checkpoint``; refused while an engine runs (it serves its own).
 
         Raises StackError when a stage fails to start or to serve within ``timeout``: the
         stages this call started are stopped again, those that were running are left.
         """
         daemon = self._mps_daemon(mps)
         missing = [s for s in STAGES if self.running_pid(s) is None]
+        running = [s for s in TORCH_STAGES if s not in missing]
+        if model is not None and running:
+            raise StackError(f"--model: {' and '.join(running)} already run, serving their own model; "
+                             "`voxring down` first to serve another")
         for stage in missing:
             if not self.config_file(stage).is_file():
                 raise StackError(f"missing config {self.config_file(stage)}")
@@ -136,8 +142,7 @@ class Stack:
         procs = [StageProcess(stage, ready_file=self.ready_file(stage), log_file=self.log_file(stage),
                               config=self.config_file(stage), cwd=self.root, new_session=True,
                               append_log=True,  # survives the launcher and its terminal's Ctrl-C
-                              env=daemon.stage_env(stage, self.stage_env())
-                              if daemon is not None and stage in TORCH_STAGES else self.stage_env())
+                              env=self._engine_env(stage, daemon, model))
                  for stage in missing]
         deadline = time.monotonic() + timeout
         try:
@@ -157,6 +162,15 @@ class Stack:
                     path.unlink(missing_ok=True)
             raise
         return {stage: self.address(stage) or "?" for stage in STAGES}
+
+    def _engine_env(self, stage: str, daemon: MpsDaemon | None, model: str | None) -> dict[str, str]:
+        """``stage``'s environment: an engine's with the MPS daemon's pipes and ``model``."""
+        env = self.stage_env()
+        if stage not in TORCH_STAGES:
+            return env
+        if model is not None:
+            env[f"VOXRING_{stage.upper()}__MODEL__CHECKPOINT"] = model
+        return daemon.stage_env(stage, env) if daemon is not None else env
 
     def _mps_daemon(self, mode: str) -> MpsDaemon | None:
         if mode not in MODES:
