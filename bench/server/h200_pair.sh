@@ -8,12 +8,17 @@
 #                    MPS, at TIERS, on the tree in folder <tree> (. for this one; another folder
 #                    carried beside it, e.g. a copy before a change, for a comparison in one call)
 #   gputests         tests/gpu and the sampler's CUDA test, 14 workers
+#   fault            bench.probes.pair_fault: the stack as `voxring up` starts it (--mps $MPS), kill -9 of
+#                    Code2Wav with FAULT_C streams in flight (their ends, the talker's rows, the gateway's
+#                    health), `voxring up` again, a few requests, down; /dev/shm and the stages checked
+#                    (fault.json, fault.log)
 #
 #   VOXRING_COMMIT=<sha> TIERS=64,256,1024 PROFILE=1024 bench/server/h200_pair.sh probe tiers:.old tiers:.
 #
 # Options by environment: TIERS (default 1,64,256,512,768,1024,1536,2048), MPS (on), TOKENIZER (bpe),
 # PROFILE (a tier to py-spy; none by default), SEQ (the sequential C=1 tier's requests, default 50),
-# ARGS (more bench.server arguments). Run from the repository root with `carry: [".whl", ...]`.
+# ARGS (more bench.server arguments), FAULT_C (the fault part's streams, default 512). Run from the
+# repository root with `carry: [".whl", ...]`.
 set -uo pipefail
 
 [ $# -gt 0 ] || { echo "usage: bench/server/h200_pair.sh PART..." >&2; exit 2; }
@@ -60,6 +65,10 @@ for part in "$@"; do
       timeout "$share" python3 -m pytest -q -rfE -W ignore -p no:cacheprovider -n 14 tests/gpu \
         tests/unit/test_sampler.py > "$R/gpu_tests.log" 2>&1
       echo "gpu tests: exit $?"; tail -n 5 "$R/gpu_tests.log" ;;
+    fault)
+      timeout "$share" python3 -m bench.probes.pair_fault --concurrency "${FAULT_C:-512}" --mps "${MPS:-on}" \
+        --max-wall $(( share > 60 ? share - 30 : share )) --out "$R/fault.json" > "$R/fault.log" 2>&1
+      echo "fault: exit $?"; tail -n 11 "$R/fault.log" | cut -c1-400 ;;
     *) echo "unknown part $part" >&2 ;;
   esac
 done
