@@ -93,9 +93,10 @@ class PairDiscovery(LoopTask):
                         "pair(s)", self.section.service, reason, self.failures, kept)
 
     async def probe(self) -> None:
-        """Asks the pairs not yet asked (and not backing off) for their model."""
+        """Asks the pairs not yet asked (and not backing off) for their model (through the router:
+        a new model's named speakers become voices)."""
         now = time.monotonic()
-        waiting = [p.model_facts() for p in self.router.pairs if p.facts is None and p.down_until <= now]
+        waiting = [self.router.learn(p) for p in self.router.pairs if p.facts is None and p.down_until <= now]
         for result in await asyncio.gather(*waiting, return_exceptions=True):
             if isinstance(result, Unavailable):
                 log.debug("%s", result)  # tried last until it answers; requests say why if all fail

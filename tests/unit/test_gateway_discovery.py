@@ -310,6 +310,27 @@ def test_pairs_of_two_models_each_take_their_models_requests():
     asyncio.run(main())
 
 
+def test_the_background_probe_learns_a_discovered_models_speakers_as_voices():
+    async def main():
+        router, found = make(FakeResolver(["10.0.0.7"]))
+        heard = []
+        router.on_model = heard.append
+        await found.refresh()
+        (pair,) = router.pairs
+        qwen = ModelFacts("qwen", None, "{text}", 512, 1, 50.0, 24000, "qwen_omni", (("Chelsie", 0),))
+
+        async def model_facts():
+            pair.facts = qwen
+            return qwen
+
+        pair.model_facts = model_facts  # what the pair's talker answers (no network here)
+        await found.probe()
+        await found.probe()  # known now: not asked again, not told again
+        assert heard == [qwen] and router.default_model == "qwen"
+
+    asyncio.run(main())
+
+
 # --- lifecycle ----------------------------------------------------------------------------
 
 
