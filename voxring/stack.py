@@ -130,8 +130,9 @@ class Stack:
         missing = [s for s in STAGES if self.running_pid(s) is None]
         running = [s for s in TORCH_STAGES if s not in missing]
         if model is not None and running:
-            raise StackError(f"--model: {' and '.join(running)} already run, serving their own model; "
-                             "`voxring down` first to serve another")
+            verb = "runs" if len(running) == 1 else "run"
+            raise StackError(f"--model: {' and '.join(running)} already {verb}, serving the model it was "
+                             "started with; `voxring down` first to serve another")
         for stage in missing:
             if not self.config_file(stage).is_file():
                 raise StackError(f"missing config {self.config_file(stage)}")

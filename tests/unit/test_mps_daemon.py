@@ -110,3 +110,18 @@ def test_down_stops_the_daemon_after_the_stages(daemon, tmp_path):
     assert stack.down(timeout=5.0) == []  # no stage runs; the daemon does
     assert not daemon.running()
     assert "command quit" in (daemon.pipe / "calls.log").read_text()
+
+
+def test_model_goes_to_both_engines_and_is_refused_while_one_runs(monkeypatch, daemon, tmp_path):
+    """`voxring up --model`: both engines' model.checkpoint (over their configs), with the MPS pipes
+    when a daemon runs; none for the gateway; refused while an engine serves its own model."""
+    stack = Stack(root=REPO, config_dir=REPO / "deploy" / "configs", state_dir=tmp_path / "state")
+    for stage in ("talker", "code2wav"):
+        env = stack._engine_env(stage, daemon, "tiny:qwen-omni")
+        assert env[f"VOXRING_{stage.upper()}__MODEL__CHECKPOINT"] == "tiny:qwen-omni"
+        assert env["CUDA_MPS_PIPE_DIRECTORY"]
+        assert f"VOXRING_{stage.upper()}__MODEL__CHECKPOINT" not in stack._engine_env(stage, None, None)
+    assert not any("MODEL__CHECKPOINT" in k for k in stack._engine_env("gateway", daemon, "tiny:qwen-omni"))
+    monkeypatch.setattr(Stack, "running_pid", lambda self, stage: 4242 if stage == "talker" else None)
+    with pytest.raises(StackError, match=r"--model: talker already runs, serving the model it was started with"):
+        stack.up(timeout=1.0, model="tiny:qwen-omni")
