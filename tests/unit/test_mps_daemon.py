@@ -123,5 +123,6 @@ def test_model_goes_to_both_engines_and_is_refused_while_one_runs(monkeypatch, d
         assert f"VOXRING_{stage.upper()}__MODEL__CHECKPOINT" not in stack._engine_env(stage, None, None)
     assert not any("MODEL__CHECKPOINT" in k for k in stack._engine_env("gateway", daemon, "tiny:qwen-omni"))
     monkeypatch.setattr(Stack, "running_pid", lambda self, stage: 4242 if stage == "talker" else None)
-    with pytest.raises(StackError, match=r"--model: talker already runs, serving the model it was started with"):
+    needle = "--model: talker already runs, serving the model it was started with"
+    with pytest.raises(StackError, match=needle):
         stack.up(timeout=1.0, model="tiny:qwen-omni")
