@@ -50,7 +50,7 @@ class StreamingTicks:
             self._finish_now(stream, FinishReason.CANCELLED)
             return
         if record.segment_end and record.finish_reason == FinishReason.CANCELLED:
-            dropped = 0  # the cleared segment's codes waiting since the last segment end
+            dropped = record.num_frames  # the cleared segment's codes: this record's, those waiting
             while stream.deferred and stream.deferred[-1][0] == "codes":
                 dropped += len(stream.deferred.pop()[1])
             self.counters.cleared(dropped)

@@ -180,13 +180,14 @@ class VoiceManager:
         self._pending.add(name)
 
     async def _check_family(self) -> None:
-        """Up front, before the clip is read: the default model (which encodes the clip) must be of
-        a family that conditions on a clip; FAILED_PRECONDITION otherwise (a Qwen2.5-Omni model's
-        voices are its checkpoint's speakers). Unknown while no pair answers: _encode says so."""
+        """Up front, before the clip is decoded: the default model (whose pairs encode the clip) must
+        be of a family that conditions on a clip; FAILED_PRECONDITION otherwise (a Qwen2.5-Omni
+        model's voices are its checkpoint's speakers). Unknown while none of its pairs answers:
+        _encode says so."""
         if self.router is None:
             return
         try:
-            default = next(iter((await self.router.models()).values()))
+            default = await self.router.learn(await self.router.pick())
         except Unavailable:
             return
         if not default.takes_clips:
