@@ -53,7 +53,7 @@ class StreamingTicks:
             dropped = record.num_frames  # the cleared segment's codes: this record's, those waiting
             while stream.deferred and stream.deferred[-1][0] == "codes":
                 dropped += len(stream.deferred.pop()[1])
-            self.counters.cleared(dropped)
+            self.counters.cleared_frames += dropped  # the segment is counted when its end is taken
         elif record.num_frames:
             stream.deferred.append(("codes", np.array(codes, dtype=np.int16)))
         if record.segment_end:

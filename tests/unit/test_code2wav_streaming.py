@@ -346,3 +346,26 @@ def test_the_speakers_file_its_refusals_and_the_talkers_ids(tmp_path):
     (tmp_path / "spk_dict.pt").write_bytes(b"a pickle, never loaded")
     with pytest.raises(CheckpointError, match=r"spk_dict.pt is a torch pickle.*convert"):
         load_speakers(tmp_path, 12, MEL_DIM)
+
+
+def test_a_segment_cleared_while_the_one_before_flushes_is_dropped_whole(setup):
+    """Segment 2 arrives and is cleared while segment 1 still flushes: its codes (those waiting and
+    those in the clearing record) are dropped and counted, both ends are sent in order, and segment
+    3's audio is its own reference right after segment 1's."""
+    engine, clock, link, decoder = setup
+    _, sent = open_stream(engine, 1, speaker_id=1, seed=2)
+    first, cleared, third, talker = codes_of(11, 21), codes_of(12, 6), codes_of(13, 15), Talker(link, 1)
+    talker.put(first, SEGMENT_END, FinishReason.STOP)
+    talker.put(cleared[:4])
+    talker.put(cleared[4:], SEGMENT_END, FinishReason.CANCELLED)
+    talker.last(third)
+    run(engine, clock, 1)  # all four records in one tick: segment 1 is still flushing
+    run(engine, clock, 14)
+    ends = [m[1] for m in sent if m[0] == "segment_end"]
+    assert [(e.segment_index, e.finish_reason, e.frames) for e in ends] == [
+        (0, FinishReason.STOP, 21), (1, FinishReason.CANCELLED, 0)]
+    assert (engine.counters.segments_cleared, engine.counters.cleared_frames) == (1, 6)
+    split = next(i for i, m in enumerate(sent) if m[0] == "segment_end")
+    assert_pcm(pcm_of(sent[:split]), reference(decoder, first, 1, 2))
+    assert_pcm(pcm_of(sent[split:]), reference(decoder, third, 1, 2))
+    assert sent[-1][0] == "finished" and sent[-1][1].frames == 21 + 15
