@@ -121,8 +121,8 @@ class Session:
     def continuation(self, segment: Segment, kv_len: int,
                      max_len: int) -> tuple[np.ndarray, int, np.ndarray | None]:
         """(packed prompt, its first position, its slot state) for ``segment`` after ``kv_len``
-        positions: the end
-        frame of the audio before it and the new text, prefilled at ``kv_len``; when that with the
+        positions: the end frame of the audio before it and the new text, prefilled at ``kv_len``
+        (a family without audio context: always as below, from 0); when that with the
         segment's frames passes ``max_len``, the oldest turns are dropped and the whole context is
         prefilled again from position 0 (as it is when the slot holds no spoken turn: ``kv_len``
         0, a first segment cleared before it spoke). SessionError when even the voice and the new
@@ -140,7 +140,8 @@ class Session:
             prompt, state = self._packed([*context, PromptSegment(segment.text_ids.tolist())])
             if len(prompt) + segment.max_frames <= max_len:
                 dropped = len(self.turns) - len(turns)
-                self.overflows += kv_len > 0
+                # a family without audio context prefills every segment again: only drops count there
+                self.overflows += kv_len > 0 and (self.audio_context or dropped > 0)
                 del self.turns[:dropped]
                 return prompt, 0, state
             if not turns:

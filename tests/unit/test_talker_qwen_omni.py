@@ -232,3 +232,4 @@ def test_a_session_segment_equals_a_fresh_request_with_the_earlier_text_as_conte
         assert len(frames) > 0
         np.testing.assert_array_equal(frames.reshape(-1), expected.numpy().reshape(-1))
     assert first.session.prefill_positions == 20 + 2 + (20 + len(ids1) + 2)  # segment 2 prefilled again
+    assert first.session.overflows == 0  # a prefill from 0 is this family's way, not a context overflow
