@@ -21,16 +21,19 @@ from collections import deque
 
 import numpy as np
 
-from services.code2wav.streams import OpenStream
+from services.code2wav.streams import SEGMENT_REASONS, OpenStream
 from services.transport.layout import FinishReason
 
 
 class StreamingTicks:
-    """The streaming half of the engine (it supplies decoder, counters, clock, _touched,
-    _send_audio, _send_segment_ends, _finish, _reject and _add_frames)."""
+    """The streaming half of the engine (it supplies decoder, counters, clock, max_undelivered,
+    sample_rate, _touched, _send_audio, _send_segment_ends, _finish, _reject and _add_frames)."""
 
     def _stream_record(self, stream: OpenStream, record, codes: np.ndarray) -> None:
         """A record for a streaming decoder's stream; it waits while a segment flushes."""
+        if record.segment_end and record.finish_reason not in SEGMENT_REASONS:
+            self._reject(stream, f"talker ended a segment with finish reason {record.finish_reason}")
+            return
         if stream.deferred is not None:
             self._defer(stream, record, codes)
             return
