@@ -17,7 +17,8 @@ at least one pair is ready and NOT_SERVING when none is — from start-up until 
 probe answers too; ``pair/<name>`` carries each pair's state; ``liveness`` stays
 SERVING, so an orchestrator does not restart a healthy gateway whose backends are gone.
 A pair that turns ready has its model learned (Talker.ModelInfo) before it counts, so the
-model's named speakers are voices by the time the gateway is SERVING.
+model's named speakers are voices by the time the gateway is SERVING; one that comes back
+after a fault is asked again (its talker may have restarted with another model).
 Routing does not follow the probes (a probe that times out on a loaded host must not
 move traffic; requests find dead pairs themselves, services.gateway.routing).
 The states are in Prometheus (``voxring_gateway_ready``, ``voxring_gateway_pair_ready``).
@@ -75,6 +76,8 @@ class PairReadiness(LoopTask, HealthPublisher):
         states = await asyncio.gather(*(self.probe(pair) for pair in pairs))
         for pair, state in zip(pairs, states, strict=True):
             ready = state == "ready"
+            if ready and pair.ready is False:  # back after a fault: its talker may serve another model now
+                pair.facts = None
             if ready and pair.facts is None:  # its model's speakers are voices before it counts
                 with contextlib.suppress(Unavailable):
                     await self.router.learn(pair)

@@ -97,6 +97,7 @@ def test_readiness_follows_the_pairs(tmp_path):
                 assert await _status(gateway, name) == NOT_SERVING, name
             assert _gauges(readiness)[("voxring_gateway_ready", None)] == 0.0
             assert await _status(gateway, "liveness") == -1  # not the readiness probe's to set
+            stale = pairs[0].facts = object()  # what the talker said before it went away
             await code2wav.health.set(talker_link_service("talker-0"), SERVING)
             await talker.start()  # back on the same socket: ready again without a new pair
             await talker.health.set("", SERVING)
@@ -105,6 +106,7 @@ def test_readiness_follows_the_pairs(tmp_path):
                     await readiness.probe_all()
                     await asyncio.sleep(0.05)
             assert await _status(gateway, "") == SERVING
+            assert pairs[0].facts is not stale  # asked again (this stand-in has no ModelInfo: None)
             assert readiness.rounds >= 4
         finally:
             await router.close()
