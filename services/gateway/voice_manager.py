@@ -127,13 +127,14 @@ class VoiceManager:
         committing = False
         try:
             clip = await asyncio.to_thread(decode_clip, audio, self.config.voices)
-            frames = await self._encode(clip, name, speaker_id, transcript)
+            frames, model = await self._encode(clip, name, speaker_id, transcript)
             wav = wav_bytes(clip.pcm, clip.sample_rate)
             record = StoredVoice(
                 name=name, speaker_id=speaker_id, language_code=language, description=description,
                 transcript=transcript, sha256=hashlib.sha256(wav).hexdigest(),
                 sample_rate_hz=clip.sample_rate, seconds=round(clip.seconds, 3),
-                created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"))
+                created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"),
+                model=model)
             # From here the voice is kept even if the caller leaves: the commit runs to its end.
             committing = True
             task = asyncio.ensure_future(self._commit(record, wav, frames))
@@ -195,9 +196,11 @@ class VoiceManager:
                                      "voice from a clip: its voices are its checkpoint's speakers",
                                      field="audio")
 
-    async def _encode(self, clip: Clip, name: str, speaker_id: int, transcript: str) -> common_pb2.Frames:
-        """The clip's frames from some engine pair (each tried once, like a request), checked
-        to leave room in the model's length for the requests that use the voice."""
+    async def _encode(self, clip: Clip, name: str, speaker_id: int,
+                      transcript: str) -> tuple[common_pb2.Frames, str]:
+        """The clip's frames from a pair of the default model (each tried once, like a request),
+        checked to leave room in the model's length for the requests that use the voice, and that
+        model's name: the voice is its (its frames are that model's codes)."""
         if self.router is None:
             raise Unavailable("no engine pair configured to encode the clip")
         tried: frozenset[str] = frozenset()
@@ -209,14 +212,15 @@ class VoiceManager:
             except Unavailable:
                 pair.mark_down(REQUEST_DOWN_S)
                 tried |= {pair.name}
-                if not any(p.name not in tried and not p.retired for p in self.router.pairs):
+                if not any(p.name not in tried and not p.retired and p.serves(None, self.router.default_model)
+                           for p in self.router.pairs):
                     raise
                 continue
             finally:
                 self.router.release(pair)
             pair.mark_up()
             self._check_room(facts, frames, speaker_id, transcript)
-            return frames
+            return frames, facts.name
 
     @staticmethod
     def _check_room(facts: ModelFacts, frames: common_pb2.Frames, speaker_id: int, transcript: str) -> None:
@@ -300,7 +304,7 @@ class VoiceManager:
         return UploadedVoice(name=record.name, speaker_id=record.speaker_id,
                              language_code=record.language_code, description=record.description,
                              reference_audio=str(path.resolve()), reference_text=record.transcript,
-                             clip_sha256=record.sha256, clip=clip)
+                             clip_sha256=record.sha256, clip=clip, model=record.model or None)
 
 
 def _store_folder(config: GatewayConfig, base: Path, environ: Mapping[str, str]) -> tuple[Path | None, str]:

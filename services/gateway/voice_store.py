@@ -30,7 +30,7 @@ from services.gateway.voice_cache import read_wav
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added `model`; a format-1 record loads as a voice of any model
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")  # 1..64 characters, no leading dot
 
 
@@ -51,6 +51,7 @@ class StoredVoice:
     sample_rate_hz: int
     seconds: float
     created_at: str      # ISO 8601, UTC
+    model: str = ""      # the served model whose pair encoded the clip ("": any, a format-1 record)
     format: int = FORMAT_VERSION
 
     @classmethod
@@ -60,6 +61,8 @@ class StoredVoice:
         types = {"name": str, "speaker_id": int, "language_code": str, "description": str,
                  "transcript": str, "sha256": str, "sample_rate_hz": int, "seconds": (int, float),
                  "created_at": str, "format": int}
+        if data.get("format") == FORMAT_VERSION:
+            types["model"] = str
         unknown = sorted(set(data) - set(types))
         missing = sorted(set(types) - set(data))
         if unknown or missing:
@@ -68,8 +71,8 @@ class StoredVoice:
             if not isinstance(data[key], kind) or isinstance(data[key], bool):
                 raise StoreError(f"{key}: expected {getattr(kind, '__name__', 'a number')}, "
                                  f"got {data[key]!r}")
-        if data["format"] != FORMAT_VERSION:
-            raise StoreError(f"format {data['format']} is not {FORMAT_VERSION}")
+        if data["format"] not in (1, FORMAT_VERSION):
+            raise StoreError(f"format {data['format']} is not 1 or {FORMAT_VERSION}")
         if data["speaker_id"] < 0 or not data["transcript"].strip():
             raise StoreError("speaker_id must be >= 0 and the transcript not empty")
         return cls(**data)

@@ -359,7 +359,7 @@ def test_voices_list_create_delete(stack):
     assert created.status_code == 201, created.text
     assert created.json() | {"default": False} == {
         "name": "http-voice", "speaker_id": 1, "language_code": "en-US", "description": "made by the test",
-        "has_reference": True, "removable": True, "default": False, "aliases": [], "model": None}
+        "has_reference": True, "removable": True, "default": False, "aliases": [], "model": "voxring-tiny"}
     assert httpx.post(base, data=form, files=files, timeout=WAIT_S).status_code == 409
     assert "http-voice" in [v["name"] for v in httpx.get(base, timeout=WAIT_S).json()["data"]]
     spoken = _client(stack).audio.speech.create(model="tts-1", voice="http-voice", input=TEXT,

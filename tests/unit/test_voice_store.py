@@ -30,7 +30,7 @@ from services.gateway.config import GatewayConfig, TextSection, VoicesSection
 from services.gateway.voice_cache import VoiceCache
 from services.gateway.voice_clip import decode_clip
 from services.gateway.voice_manager import VoiceManager
-from services.gateway.voice_store import StoredVoice, VoiceStore
+from services.gateway.voice_store import StoredVoice, StoreError, VoiceStore
 from services.gateway.voices import VoiceCatalog, VoiceEntry
 from voxring.v1 import code2wav_pb2, common_pb2
 
@@ -266,6 +266,7 @@ def test_create_encodes_once_saves_and_is_found_by_name(tmp_path):
     assert (voice.name, voice.speaker_id, voice.language_code, voice.reference_text) == \
         ("anna", 3, "de-DE", "hello there")
     assert voice.removable and voice.clip.frames.num_frames == 25 and pair.code2wav.calls == 1
+    assert voice.model == "voxring-tiny"  # its frames are that model's codes: its requests go there
     assert manager.catalog.get("anna") is voice and [v.name for v in manager.list()] == ["narrator", "anna"]
     with wave.open(str(tmp_path / "store" / "anna.wav")) as stored:
         assert (stored.getnchannels(), stored.getsampwidth(), stored.getframerate()) == (1, 2, 44100)
@@ -283,6 +284,7 @@ def test_a_restart_loads_the_folder_and_encodes_on_first_use(tmp_path):
     again = manager_for(tmp_path / "store")
     voice = again.catalog.get("anna")
     assert voice.removable and voice.clip.frames is None and voice.reference_text == "hello"
+    assert voice.model == "voxring-tiny"  # kept in its record
     pair = again.router.pairs[0]
     turn = run(VoiceCache(again.catalog).context(voice, pair.facts, pair))
     assert turn[0].frames.num_frames == 25 and voice.clip.frames is not None
@@ -393,3 +395,18 @@ def test_the_launchers_state_folder_keeps_voices_when_the_config_names_none(tmp_
     named_store = VoiceManager.from_config(named, tmp_path, catalog, None, environ=env).store
     assert named_store.folder == tmp_path / "mine"  # the config's folder wins
     assert VoiceManager.from_config(GatewayConfig(), tmp_path, catalog, None, environ={}).store is None
+
+
+def test_a_format_1_record_loads_as_a_voice_of_any_model_and_format_2_needs_its_model(tmp_path):
+    store = VoiceStore(tmp_path)
+    save(store, "old")
+    old = json.loads((tmp_path / "old.json").read_text())
+    del old["model"]
+    (tmp_path / "old.json").write_text(json.dumps({**old, "format": 1}))  # written before models
+    save(store, "bare")
+    bare = json.loads((tmp_path / "bare.json").read_text())
+    del bare["model"]
+    (tmp_path / "bare.json").write_text(json.dumps(bare))  # format 2 without its model: refused
+    assert [(v.name, v.model) for v in store.load()] == [("old", "")]
+    with pytest.raises(StoreError, match=r"missing keys \['model'\]"):
+        StoredVoice.from_json(bare)
