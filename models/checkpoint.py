@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from safetensors import SafetensorError, safe_open
 
 
@@ -43,6 +46,28 @@ def cache_dir() -> Path:
         return Path(os.environ["VOXRING_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "voxring"
+
+
+def ensure_generated(name: str, write: Callable[[Path], object], root: str | Path | None = None) -> Path:
+    """The folder ``name`` under ``root`` (default: the cache's ``models/``), written by ``write`` on
+    first use: under a file lock (safe across processes) into a temporary folder renamed into place,
+    so readers see all of it or nothing."""
+    models_dir = Path(root) if root is not None else cache_dir() / "models"
+    models_dir.mkdir(parents=True, exist_ok=True)
+    final = models_dir / name
+    if final.is_dir():
+        return final
+    with FileLock(str(models_dir / f".{name}.lock"), timeout=300):
+        if final.is_dir():  # another process finished it while we waited
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=models_dir))
+        try:
+            write(tmp)
+            os.chmod(tmp, 0o755)
+            tmp.rename(final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
 def resolve_device(name: str) -> torch.device:

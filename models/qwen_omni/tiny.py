@@ -25,17 +25,13 @@ into a temporary folder that is renamed into place (as models/tiny/talker.py doe
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from filelock import FileLock
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from models.checkpoint import cache_dir
+from models.checkpoint import ensure_generated
 from models.qwen_omni.speakers import SPEAKERS_FILE, save_speakers
 from models.qwen_omni.tiny_token2wav import tiny_speakers, tiny_token2wav_config, tiny_token2wav_weights
 
@@ -141,19 +137,5 @@ def write_tiny_checkpoint(folder: str | Path, seed: int = 0) -> Path:
 
 def ensure_tiny_checkpoint(seed: int = 0, root: str | Path | None = None) -> Path:
     """The tiny folder for ``seed``, created on first use (safe across processes)."""
-    models_dir = Path(root) if root is not None else cache_dir() / "models"
-    models_dir.mkdir(parents=True, exist_ok=True)
-    final = models_dir / f"{NAME}-v{GENERATOR_VERSION}-seed{seed}"
-    if final.is_dir():
-        return final
-    with FileLock(str(models_dir / f".{final.name}.lock"), timeout=300):
-        if final.is_dir():  # another process finished it while we waited
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models_dir))
-        try:
-            write_tiny_checkpoint(tmp, seed)
-            os.chmod(tmp, 0o755)
-            tmp.rename(final)  # atomic: readers see all of it or nothing
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return ensure_generated(f"{NAME}-v{GENERATOR_VERSION}-seed{seed}",
+                            lambda folder: write_tiny_checkpoint(folder, seed), root)
