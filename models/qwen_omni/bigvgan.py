@@ -127,7 +127,8 @@ class AMPBlock(nn.Module):
 
 def mel_to_unit_db(mel: torch.Tensor) -> torch.Tensor:
     """transformers' ``process_mel_spectrogram``: log-amplitude -> dB - 20, floor -115 dB, to [-1, 1]."""
-    min_level = torch.exp(torch.tensor(-115 / 20.0 * math.log(10), device=mel.device, dtype=mel.dtype))
+    # a fill, not a host tensor copied over: nothing that syncs, so a CUDA graph can capture it
+    min_level = torch.exp(torch.full((), -115 / 20.0 * math.log(10), device=mel.device, dtype=mel.dtype))
     db = 20 * torch.log10(torch.clamp(torch.exp(mel), min=min_level)) - 20
     return torch.clamp(2 * ((db - (-115)) / 115) - 1, -1, 1)
 

@@ -27,8 +27,10 @@ next audio frame on, and the audio position. A tick:
    part of its output): such pieces run in one call per length.
 
 First audio: after :meth:`StreamWindow.first_audio_codes` codes, at most (C + A) blocks +
-R frames' worth. CUDA graphs (later): the DiT solve per row bucket (one window length),
-the steady vocoder call per row bucket (C + 2R frames); the end pieces stay eager.
+R frames' worth. CUDA graphs (:meth:`StreamingToken2Wav.capture_graphs`,
+:mod:`models.qwen_omni.stream_graphs`): the DiT solve per row bucket (one window length),
+the steady vocoder call per row bucket (C + 2R frames); the end pieces stay eager. With
+graphs, rows pad to the captured buckets, so eager and replayed calls run the same shapes.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch
 
 from models.qwen_omni.dit import VoiceCondition
 from models.qwen_omni.dit_batch import solve_windows
+from models.qwen_omni.stream_graphs import StreamGraphs
 from models.qwen_omni.token2wav import Token2Wav
 from models.qwen_omni.window import StreamWindow, noise_key
 
@@ -107,6 +110,7 @@ class StreamingToken2Wav:
         self.voices: dict[str, VoiceCondition] = {}
         self.slots: dict[int, _Slot] = {}
         self.shapes: Counter[tuple[str, int, int]] = Counter()  # (call, rows, frames) -> calls
+        self.graphs = StreamGraphs()  # none until capture_graphs
 
     # --- streams ------------------------------------------------------------------------------
 
@@ -235,13 +239,48 @@ class StreamingToken2Wav:
 
     def _solve(self, codes: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor, keys: torch.Tensor,
                ids: torch.Tensor) -> torch.Tensor:
-        """The batched DiT call (the shape a graph would capture: rows x window)."""
+        """The batched DiT call of rows x window: replayed where its bucket has a graph."""
         self.shapes["dit", codes.shape[0], codes.shape[1] * self.window.repeats] += 1
-        to = {"device": self.device}
-        ids = ids.to(**to)
+        inputs = [t.to(self.device, non_blocking=True) for t in (codes, lengths, starts, keys, ids)]
+        graph = self.graphs.dit.get(codes.shape[0])
+        return graph(*inputs) if graph is not None else self._solve_on_device(*inputs)
+
+    def _solve_on_device(self, codes: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor,
+                         keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """What a DiT graph captures: the voice rows gathered from the pool, the solve."""
         voice = VoiceCondition(self._speaker[ids], self._reference[ids], self._null_reference[ids])
-        return solve_windows(self.model.dit, codes.to(**to), lengths.to(**to), starts.to(**to), keys.to(**to),
-                             voice, self.steps, self.guidance, self.sway)
+        return solve_windows(self.model.dit, codes, lengths, starts, keys, voice, self.steps, self.guidance,
+                             self.sway)
+
+    def _vocode(self, mel: torch.Tensor) -> torch.Tensor:
+        """The clamped wave of mel (rows, mel_dim, frames): replayed for a steady call of a bucket
+        with a graph."""
+        graph = self.graphs.vocoder.get(mel.shape[0])
+        if graph is not None and graph.inputs[0].shape == mel.shape:
+            return graph(mel)
+        return self.model.vocode(mel)[0]
+
+    def capture_graphs(self, buckets: Sequence[int], max_graphs: int, max_mb: float) -> list[int]:
+        """CUDA graphs of the DiT solve and the steady vocoder call for ``buckets`` (rows at most
+        ``max_slots``), within the budget; rows then pad to the buckets captured (returned)."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.device}")
+        win, mel_dim = self.window, self.model.config.dit.mel_dim
+        steady = win.chunk_frames + 2 * win.vocoder_field
+        on = {"device": self.device, "dtype": torch.int64}
+
+        def dit_inputs(rows: int) -> list[torch.Tensor]:  # padding rows on the spare slot
+            codes = torch.zeros(rows, win.window_codes, **on)
+            return [codes, torch.full((rows,), win.window_codes, **on), torch.zeros(rows, **on),
+                    torch.zeros(rows, **on), torch.full((rows,), self.max_slots, **on)]
+
+        def mel_input(rows: int) -> torch.Tensor:
+            return torch.zeros(rows, mel_dim, steady, device=self.device, dtype=self.dtype)
+
+        self.graphs.capture(self._solve_on_device, lambda mel: self.model.vocode(mel)[0], dit_inputs,
+                            mel_input, [b for b in buckets if b <= self.max_slots], max_graphs, max_mb)
+        self.row_buckets = self.graphs.buckets
+        return self.row_buckets
 
     def _pieces(self, slot: int, state: _Slot) -> list[_Piece]:
         """The stream's audio due now, in pieces of at most a chunk, with their vocoder input."""
@@ -272,7 +311,7 @@ class StreamingToken2Wav:
             bucket = _bucket(len(rows), self.row_buckets) if frames == width else len(rows)
             rows += [torch.zeros_like(rows[0])] * (bucket - len(rows))
             self.shapes["vocoder", bucket, frames] += 1
-            wave, _ = self.model.vocode(torch.stack(rows))
+            wave = self._vocode(torch.stack(rows))
             for row, i in enumerate(members):
                 p = pieces[i]
                 waves[i] = wave[row, (p.first - p.lo) * self.hop:(p.last - p.lo) * self.hop]

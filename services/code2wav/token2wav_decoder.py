@@ -13,7 +13,10 @@ Audio comes later than its codes: a chunk of C blocks is decoded once its window
 stream's first audio needs :meth:`StreamWindow.first_audio_codes` codes unless it ends first.
 One :meth:`decode` runs one batched DiT solve for every ready chunk of the tick's slots and the
 vocoder on their audio due, then converts it to int16 on the device and copies it back once.
-Eager on every device for now (CUDA graphs of the DiT solve and the steady vocoder call: later).
+On CUDA, the DiT solve and the steady vocoder call are replayed from graphs captured at
+start-up per row bucket (``graphs``: the engine section's ``graph_buckets``, ``max_graphs`` and
+``max_graph_mb``; models/qwen_omni/stream_graphs.py), rows padded to the captured buckets;
+``deterministic`` restricts cuDNN to fixed-order sums, as for the CSM codec. Eager on the CPU.
 
 The family has no clip encoder (transformers has none either): ``encode_clip`` is
 FAILED_PRECONDITION.
@@ -22,6 +25,7 @@ FAILED_PRECONDITION.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,15 +41,31 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 FAMILY = "qwen_omni"
 
 
+@dataclass(frozen=True)
+class GraphBudget:
+    """Which row buckets get CUDA graphs, and the most graphs and pool memory they may take."""
+
+    buckets: tuple[int, ...]
+    max_graphs: int
+    max_mb: float
+
+
 class Token2WavDecoder:
     streaming = True
     num_codebooks = 1
 
     def __init__(self, model: Token2Wav, speakers: Sequence[SpeakerVoice], max_slots: int, *,
                  code_space: int, window: StreamWindow | None = None, steps: int = 10,
-                 guidance: float = 0.5, sway: float | None = -1.0, row_buckets: Sequence[int] = ()) -> None:
+                 guidance: float = 0.5, sway: float | None = -1.0, row_buckets: Sequence[int] = (),
+                 graphs: GraphBudget | None = None, deterministic: bool = True) -> None:
         self.stream = StreamingToken2Wav(model, max_slots, window, steps=steps, guidance=guidance, sway=sway,
                                          row_buckets=row_buckets)
+        if self.stream.device.type == "cuda":  # before any capture: a graph keeps the algorithms it saw
+            torch.backends.cudnn.deterministic = deterministic
+            if deterministic:
+                torch.backends.cudnn.benchmark = False
+            if graphs is not None and graphs.max_graphs > 0:
+                self.stream.capture_graphs(graphs.buckets, graphs.max_graphs, graphs.max_mb)
         self.window = self.stream.window
         dit = model.config.dit
         self.codebook_size = dit.num_embeds + 1   # the DiT's code table: 0 .. num_embeds
@@ -113,4 +133,4 @@ class Token2WavDecoder:
                    if call == "dit") // self.window.repeats
 
 
-__all__ = ["FAMILY", "Token2WavDecoder"]
+__all__ = ["FAMILY", "GraphBudget", "Token2WavDecoder"]

@@ -218,3 +218,10 @@ def test_refusals_are_named(tiny):
         streaming.push(0, [1])
     with pytest.raises(ValueError, match="max_position_embeddings"):
         StreamingToken2Wav(tiny, 1, StreamWindow.of(tiny.config, look_back=20000))
+
+
+def test_graphs_need_a_cuda_device_and_the_cpu_runs_eagerly(tiny):
+    streaming = StreamingToken2Wav(tiny, 2, steps=2, row_buckets=(1, 2))
+    with pytest.raises(ValueError, match="CUDA"):
+        streaming.capture_graphs((1, 2), max_graphs=4, max_mb=64)
+    assert streaming.graphs.buckets == [] and streaming.row_buckets == [1, 2]
