@@ -40,6 +40,9 @@ class EngineSection:
     # first-audio budget of a Submit that carries none (services/common/limits.py)
     path_s: float = 0.02
     first_audio_budget_s: float = FIRST_AUDIO_BUDGET_S
+    # while requests arrive (one likely within a k_max step), a step is cut to about this long: an
+    # arrival waits for the step in flight before its prefill (0: steps are not cut)
+    arrival_step_s: float = 0.025
     # Prefill in chunks: the least a step prefills when prompts wait (so they always advance), and
     # admission by slack: a stream is refused when a step of k_max frames for one more would not
     # beat the audio it makes by this fraction
@@ -86,7 +89,7 @@ class EngineSection:
         if not 0 <= self.admission_headroom < 10:
             raise ConfigValueError("admission_headroom", f"must be in [0, 10), got {self.admission_headroom}")
         check_first_audio_budget(self.first_audio_budget_s)
-        for key in ("path_s", "max_queue_wait_s"):
+        for key in ("path_s", "max_queue_wait_s", "arrival_step_s"):
             value = getattr(self, key)
             if not 0 <= value < 60:  # NaN is refused too
                 raise ConfigValueError(key, f"must be in [0, 60) seconds, got {value}")

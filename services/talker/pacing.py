@@ -29,10 +29,14 @@ from dataclasses import dataclass, field
 
 from services.talker.request import TalkerRequest
 
-BOUNDS = ("k_max", "slack", "first_audio", "waiting", "unmeasured")
+BOUNDS = ("k_max", "slack", "first_audio", "waiting", "arrivals", "unmeasured")
 # A late first record holds this much more audio than the time its row's next record needs.
 FIRST_AUDIO_HEADROOM = 0.5
 FIRST_K = 2  # frames: a first chunk of 160 ms
+# Steps are cut for arrivals (PacingConfig.arrival_step_s) once this many are expected within a
+# K_max step, and never below the K whose time per frame is within STEP_EFFICIENCY of K_max's.
+ARRIVALS_LIKELY = 0.1
+STEP_EFFICIENCY = 0.1
 
 
 @dataclass
@@ -122,6 +126,7 @@ class PacingConfig:
     frame_rate: float            # frames per second of audio
     path_s: float                # a record's way to the listener (Code2Wav, transport, gateway)
     k_max: int
+    arrival_step_s: float = 0.0  # while requests arrive, a step's time at most (0: uncut)
 
     @property
     def margin_s(self) -> float:
@@ -136,6 +141,8 @@ class PacingConfig:
             raise ValueError(f"path_s must be >= 0, got {self.path_s}")
         if self.k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {self.k_max}")
+        if not self.arrival_step_s >= 0:
+            raise ValueError(f"arrival_step_s must be >= 0, got {self.arrival_step_s}")
 
 
 def due(request: TalkerRequest, config: PacingConfig) -> float:
@@ -157,6 +164,7 @@ class StepOutlook:
     ahead_s: float            # device time queued before this step: this step's prefill
     late_first: bool = False  # a row without its first record is late whatever the step does
     next_ahead_s: float = 0.0  # prefill still queued behind this step (the next step's, at most)
+    arrival_rate: float = 0.0  # requests taken per second lately
 
 
 def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tuple[int, str]:
@@ -191,9 +199,30 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
             why = "waiting"
             break
         best = k
+    cap = arrival_cap(outlook, config, times)
+    if best > cap:
+        best, why = cap, "arrivals" if why != "first_audio" else why
     if why == "first_audio":  # fewer frames would not last while the next record is made
         best = max(best, min(first_frames(one, config, outlook.next_ahead_s), config.k_max))
     return max(best, 1), why
+
+
+def arrival_cap(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> int:
+    """The most frames a step may make while requests arrive: a request that arrives during a
+    step waits for its end before its prefill, so once ``ARRIVALS_LIKELY`` arrivals are expected
+    within a K_max step (the recent rate), the step is cut to ``arrival_step_s``: the most K
+    whose estimate fits, but never below the fewest frames whose time per frame is within
+    ``STEP_EFFICIENCY`` of K_max's (a step's fixed cost must not eat the rows' throughput, as it
+    would where even K = 1 overruns the cut). K_max when not cut."""
+    top = times.estimate(outlook.bucket, config.k_max)
+    if not config.arrival_step_s or top is None or outlook.arrival_rate * top < ARRIVALS_LIKELY:
+        return config.k_max
+    per_frame = top / config.k_max
+    efficient = next(k for k in range(1, config.k_max + 1)
+                     if times.estimate(outlook.bucket, k) / k <= per_frame * (1 + STEP_EFFICIENCY))
+    fitting = max((k for k in range(1, config.k_max + 1)
+                   if times.estimate(outlook.bucket, k) <= config.arrival_step_s), default=1)
+    return max(efficient, fitting)
 
 
 def first_frames(one: float | None, config: PacingConfig, next_ahead_s: float = 0.0) -> int:

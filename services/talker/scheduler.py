@@ -15,8 +15,10 @@ applies the step's frames when it collects them. At each step boundary:
   always gets at least ``min_chunk_tokens`` so a prompt cannot starve;
 - a row decodes once its whole prompt is in its slot; K comes from the rows' playout slack
   (pacing.py): the most frames, 1..k_max, that every row's listener outlasts, a waiting
-  request included. A row needing fewer frames than K to reach its max frames is asked
-  for only those (``StepPlan.limits``).
+  request included; while requests arrive (one likely within a K_max step), K is cut to a
+  step of about ``arrival_step_s``, since an arrival waits for the step in flight before its
+  prefill. A row needing fewer frames than K to reach its max frames is asked for only those
+  (``StepPlan.limits``).
 
 New work is refused (``Overloaded``) when one more stream would not be fed faster than real
 time by a step of the measured size (admission by slack), or when every slot is taken and it
@@ -45,6 +47,9 @@ from services.talker.scheduler_admission import AdmissionRules, Overloaded
 from services.talker.scheduler_sessions import SessionRules
 
 __all__ = ["Overloaded", "PrefillChunk", "QueueFull", "Scheduler", "SlotAllocator", "StepPlan"]
+
+
+ARRIVAL_WINDOW_S = 1.0  # the window the arrival rate is counted over
 
 
 class QueueFull(Exception):
@@ -105,7 +110,7 @@ class Scheduler(AdmissionRules, SessionRules):
                  bucket_for: Callable[[int], int] = lambda rows: rows, min_chunk_tokens: int = 32,
                  admission_headroom: float | None = 0.2, max_queue_wait_s: float = 0.05,
                  max_len: int = 1 << 30, max_sessions: int = 0,
-                 session_idle_s: float = 30.0) -> None:
+                 session_idle_s: float = 30.0, arrival_step_s: float = 0.0) -> None:
         self.slots = SlotAllocator(num_slots)
         self.max_len = max_len              # KV positions of a slot (a session's turns must fit)
         self.max_sessions = max_sessions    # sessions in flight at most (their idle slots beside the rows)
@@ -118,7 +123,8 @@ class Scheduler(AdmissionRules, SessionRules):
                                              "context_rebuilt"), 0)
         self.max_num_seqs = max_num_seqs
         self.k_max = k_max
-        self.pacing = PacingConfig(frame_rate=frame_rate, path_s=path_s, k_max=k_max)
+        self.pacing = PacingConfig(frame_rate=frame_rate, path_s=path_s, k_max=k_max,
+                                   arrival_step_s=arrival_step_s)
         self.times = StepTimes()       # the engine feeds it each step's measured time
         self.bucket_for = bucket_for
         self.prefill_token_budget = prefill_token_budget
@@ -132,6 +138,7 @@ class Scheduler(AdmissionRules, SessionRules):
         self.by_key: dict[tuple[str, int], TalkerRequest] = {}
         self.refused_overload = 0
         self._released: deque[float] = deque(maxlen=64)  # when slots were freed lately (their rate)
+        self._arrivals: deque[float] = deque(maxlen=256)  # when requests were taken lately (their rate)
         self.period_s: float | None = None  # seconds between plans while rows decode (weighted)
         self._last_plan: float | None = None
 
@@ -153,7 +160,14 @@ class Scheduler(AdmissionRules, SessionRules):
             raise refusal
         self.waiting.append(request)
         self.by_key[request.key] = request
+        self._arrivals.append(request.arrival)
         return self._position(request)
+
+    def arrival_rate(self, now: float) -> float:
+        """Requests taken per second over the last ``ARRIVAL_WINDOW_S``."""
+        while self._arrivals and self._arrivals[0] < now - ARRIVAL_WINDOW_S:
+            self._arrivals.popleft()
+        return len(self._arrivals) / ARRIVAL_WINDOW_S
 
     def _position(self, request: TalkerRequest) -> int:
         ahead = len(self.waiting) - 1
@@ -284,7 +298,8 @@ class Scheduler(AdmissionRules, SessionRules):
         # the next step prefills at least a chunk of what is still queued (the rows speaking by then
         # bound the rest: _prefill_chunks)
         next_ahead = self.times.prefill_s(min(self._backlog_tokens(), self.min_chunk_tokens))
-        outlook = dataclasses.replace(self._outlook(now, ahead_s, plan.decode), next_ahead_s=next_ahead)
+        outlook = dataclasses.replace(self._outlook(now, ahead_s, plan.decode), next_ahead_s=next_ahead,
+                                      arrival_rate=self.arrival_rate(now))
         plan.bucket = outlook.bucket
         plan.first_frames = first_frames(self.times.estimate(plan.bucket, 1), self.pacing, next_ahead)
         plan.k, plan.k_bound = choose_k(outlook, self.pacing, self.times)

@@ -110,6 +110,34 @@ def test_an_unstarted_row_is_bound_by_its_first_audio_budget_and_the_queued_work
     assert choose_k(ahead, CONFIG, times) == (3, "first_audio")
 
 
+def test_steps_are_cut_while_requests_arrive_but_not_below_an_efficient_k():
+    import dataclasses
+    cut = dataclasses.replace(CONFIG, arrival_step_s=0.025)
+    times = StepTimes()
+    times.observe(64, 1, 0.0078)
+    times.observe(64, 8, 0.0592)  # the H200's 64-row line: ~0.4 ms a step, 7.4 ms a frame
+    free = outlook(bucket=64, row_due=10.0)
+    assert choose_k(free, cut, times) == (8, "k_max")  # nobody arrives: uncut
+    rare = dataclasses.replace(free, arrival_rate=1.0)  # 0.06 arrivals expected in a K_max step
+    assert choose_k(rare, cut, times) == (8, "k_max")
+    busy = dataclasses.replace(free, arrival_rate=20.0)
+    k, bound = choose_k(busy, cut, times)
+    assert bound == "arrivals" and times.estimate(64, k) <= 0.025 < times.estimate(64, k + 1)
+    assert choose_k(busy, CONFIG, times) == (8, "k_max")  # arrival_step_s 0: never cut
+    # a step whose fixed cost is most of it: cut no lower than where a frame costs within 10% of K_max's
+    costly = StepTimes()
+    costly.observe(64, 1, 0.020)
+    for _ in range(200):
+        costly.observe(64, 1, 0.020)
+        costly.observe(64, 8, 0.034)  # 18 ms fixed, 2 ms a frame
+    k, _ = choose_k(busy, cut, costly)
+    per_frame = [costly.estimate(64, n) / n for n in range(1, 9)]
+    assert per_frame[k - 1] <= 1.1 * per_frame[7] < per_frame[k - 2]
+    # a first record's frames still win over the cut
+    first = dataclasses.replace(busy, row_due=0.065 + 0.0078 * 4, unstarted_due=True)
+    assert choose_k(first, cut, times)[0] >= 2
+
+
 def test_prefill_allowed_is_what_the_slack_leaves_after_two_steps():
     times = StepTimes()
     assert prefill_tokens_allowed(outlook(row_due=1.0), CONFIG, times) == math.inf
@@ -135,6 +163,8 @@ def test_bad_pacing_settings_are_refused_by_name():
         PacingConfig(frame_rate=12.5, path_s=-1, k_max=8)
     with pytest.raises(ValueError, match="k_max"):
         PacingConfig(frame_rate=12.5, path_s=0.1, k_max=0)
+    with pytest.raises(ValueError, match="arrival_step_s"):
+        PacingConfig(frame_rate=12.5, path_s=0.1, k_max=8, arrival_step_s=-0.01)
 
 
 def _submit(**fields):
@@ -169,7 +199,7 @@ def test_a_bad_first_audio_budget_is_refused_naming_the_field(value):
         build_request(_submit(first_audio_budget_s=value), facts, 0.0)
 
 
-@pytest.mark.parametrize("key", ["path_s", "first_audio_budget_s"])
+@pytest.mark.parametrize("key", ["path_s", "first_audio_budget_s", "arrival_step_s"])
 def test_bad_pacing_config_values_are_refused_naming_the_key(key):
     from services.common.config import ConfigValueError
     from services.talker.config import EngineSection

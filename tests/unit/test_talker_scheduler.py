@@ -375,3 +375,23 @@ def test_a_late_first_record_gets_a_short_step_while_the_others_can_spare_it():
     s.times = pacing.StepTimes()
     s.times.observe(2, 1, 0.060)  # slow steps ((2 x 60 + 20) x 1.5 > 160 ms): no short step
     assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (8, "k_max")
+
+
+def test_steps_are_cut_while_requests_arrive_and_not_once_they_stop():
+    s = sched(num_slots=8, max_num_seqs=8, max_waiting=32, arrival_step_s=0.025, bucket_for=lambda rows: 8)
+    learn(s.times, 8, {1: 0.008, 8: 0.060})
+    speaking = req(1)
+    speaking.arrival = 0.0
+    s.add(speaking)
+    run_step(s, 0.0)
+    speaking.first_written_at, speaking.frames_done = 0.0, 60  # seconds of audio to spare
+    plan = s.schedule(0.5)
+    assert (plan.k, plan.k_bound) == (8, "k_max")  # one arrival a second: 0.06 expected in a step
+    for handle in range(2, 6):  # four arrivals within the last second: 0.3 expected in a step
+        r = req(handle)
+        r.arrival = 0.5 + 0.1 * handle
+        s.add(r)
+    assert s.arrival_rate(1.2) == 4.0  # the first (at 0) left the window
+    plan = s.schedule(1.2)
+    assert (plan.k, plan.k_bound) == (3, "arrivals")  # 23.6 ms; K = 4 would take 31 ms
+    assert s.arrival_rate(2.7) == 0.0  # a second after the last: no longer cut
