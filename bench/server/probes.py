@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from bench.server.procs import Server
 from services.talker.metrics import FIRST_RECORD_PARTS
+from services.talker.pacing import BOUNDS
 
 
 def scrape(address: str | None) -> dict[str, float]:
@@ -120,6 +121,9 @@ def _talker_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -
         split = step_split(before, after, name, window, steps)
         if split:
             talker["step_split_ms"] = split
+        bounds = k_bounds(before, after, name, steps)
+        if bounds:
+            talker["k_bound_share"] = bounds
     first = first_record_ms(before, after, name)
     if first:
         talker["first_record_ms"] = first
@@ -138,6 +142,18 @@ def first_record_ms(before: Snapshot, after: Snapshot, name: str) -> dict | None
             return None
         parts[part] = round(total * 1e3 / count, 2)
     return {**parts, "first_records": int(count)}
+
+
+def k_bounds(before: Snapshot, after: Snapshot, name: str, steps: float) -> dict | None:
+    """The share of the tier's decode steps whose K each bound limited (the talker's
+    ``steps_k_bound_*`` counters, services/talker/pacing.py BOUNDS); None without them."""
+    shares = {}
+    for bound in BOUNDS:
+        count = _delta(before, after, name, f"steps_k_bound_{bound}")
+        if count is None:
+            return None
+        shares[bound] = round(count / steps, 3)
+    return shares
 
 
 STEP_PARTS = ("schedule", "prefill", "decode", "emit")

@@ -216,12 +216,16 @@ def step_split_table(tiers: dict) -> list[str]:
     if not rows:
         return []
     head = " | ".join((*STEP_PARTS, "other"))
-    lines = [f"Talker step, ms per decode step: {head}.", "",
-             f"| C | step ms | mean K | {head} |", "|---|---|---|" + "---|" * (len(STEP_PARTS) + 1)]
+    lines = [f"Talker step, ms per decode step: {head}; and what limited K (share of the steps).", "",
+             f"| C | step ms | mean K | {head} | K limited by |",
+             "|---|---|---|" + "---|" * (len(STEP_PARTS) + 2)]
     for c, split in rows:
         talker = tiers[c]["talker"]
+        bounds = talker.get("k_bound_share") or {}
+        limits = ", ".join(f"{b} {v:.0%}" for b, v in sorted(bounds.items(), key=lambda kv: -kv[1]) if v)
         lines.append(f"| {c} | {_fmt(talker.get('step_ms'), 2)} | {_fmt(talker.get('mean_k'), 2)} | "
-                     + " | ".join(_fmt(split[part], 2) for part in (*STEP_PARTS, "other")) + " |")
+                     + " | ".join(_fmt(split[part], 2) for part in (*STEP_PARTS, "other"))
+                     + f" | {limits or '-'} |")
     return [*lines, ""]
 
 

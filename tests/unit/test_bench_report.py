@@ -1,0 +1,23 @@
+"""The server bench's talker table: the step split and what limited K, from the talker's counters."""
+
+from bench.server.probes import Snapshot, k_bounds
+from bench.server.report import step_split_table
+
+
+def _snap(at: float, counts: dict[str, float]) -> Snapshot:
+    metrics = {f"voxring_steps_k_bound_{bound}_total": n for bound, n in counts.items()}
+    return Snapshot(at, {}, {"talker-0": metrics}, {}, [], [], {})
+
+
+def test_k_bound_shares_are_the_tiers_steps_per_bound_and_the_table_shows_them():
+    bounds = ("k_max", "slack", "first_audio", "waiting", "arrivals", "unmeasured")
+    before = _snap(0.0, dict.fromkeys(bounds, 5.0))
+    after = _snap(1.0, {**dict.fromkeys(bounds, 5.0), "arrivals": 65.0, "slack": 45.0})
+    shares = k_bounds(before, after, "talker-0", 100)
+    assert shares == {"k_max": 0.0, "slack": 0.4, "first_audio": 0.0, "waiting": 0.0, "arrivals": 0.6,
+                      "unmeasured": 0.0}
+    assert k_bounds(before, _snap(1.0, {}), "talker-0", 100) is None  # a talker without the counters
+    talker = {"step_ms": 24.0, "mean_k": 2.75, "k_bound_share": shares,
+              "step_split_ms": {"schedule": 0.1, "prefill": 0.3, "decode": 0.6, "emit": 0.2, "other": 22.8}}
+    table = step_split_table({"64": {"talker": talker}})
+    assert "K limited by" in table[2] and table[-2].endswith("| arrivals 60%, slack 40% |")
