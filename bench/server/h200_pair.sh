@@ -63,9 +63,11 @@ for part in "$@"; do
         > "$R/$label/run.log" 2>&1)
       echo "tiers $label: exit $?"; tail -n 30 "$R/$label/run.log" | grep -E "^C=|tier|MPS" ;;
     gputests)
-      timeout "$share" python3 -m pytest -q -rfE -W ignore -p no:cacheprovider -n 14 tests/gpu \
-        tests/unit/test_sampler.py > "$R/gpu_tests.log" 2>&1
-      echo "gpu tests: exit $?"; tail -n 5 "$R/gpu_tests.log" ;;
+      # -v names each test as it ends, SIGINT makes pytest print its summary and durations when cut
+      timeout -s INT -k 30 "$share" python3 -m pytest -v -rfE -W ignore -p no:cacheprovider -n 14 \
+        --durations=30 tests/gpu tests/unit/test_sampler.py > "$R/gpu_tests.log" 2>&1
+      echo "gpu tests: exit $?"; grep -E "^(FAILED|ERROR)|(FAILED|ERROR) tests/" "$R/gpu_tests.log" | head -n 20
+      tail -n 3 "$R/gpu_tests.log" ;;
     t2w)
       timeout "$share" python3 -m bench.code2wav.token2wav_gpu --out "$R/token2wav_gpu.json" > "$R/t2w.log" 2>&1
       echo "t2w: exit $?"; tail -n 6 "$R/t2w.log" ;;

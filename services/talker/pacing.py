@@ -34,9 +34,11 @@ BOUNDS = ("k_max", "slack", "first_audio", "waiting", "arrivals", "unmeasured")
 FIRST_AUDIO_HEADROOM = 0.5
 FIRST_K = 2  # frames: a first chunk of 160 ms
 # Steps are cut for arrivals (PacingConfig.arrival_step_s) once this many are expected within a
-# K_max step, and never below the K whose time per frame is within STEP_EFFICIENCY of K_max's.
+# K_max step, never below the K whose time per frame is within STEP_EFFICIENCY of K_max's, and only
+# as far as the rows stay fed CUT_SPEED times faster than real time.
 ARRIVALS_LIKELY = 0.1
 STEP_EFFICIENCY = 0.1
+CUT_SPEED = 2.0
 
 
 @dataclass
@@ -165,6 +167,7 @@ class StepOutlook:
     late_first: bool = False  # a row without its first record is late whatever the step does
     next_ahead_s: float = 0.0  # prefill still queued behind this step (the next step's, at most)
     arrival_rate: float = 0.0  # requests taken per second lately
+    host_s: float = 0.0        # a step's time beyond its estimate lately (the loop's own work)
 
 
 def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tuple[int, str]:
@@ -213,16 +216,21 @@ def arrival_cap(outlook: StepOutlook, config: PacingConfig, times: StepTimes) ->
     within a K_max step (the recent rate), the step is cut to ``arrival_step_s``: the most K
     whose estimate fits, but never below the fewest frames whose time per frame is within
     ``STEP_EFFICIENCY`` of K_max's (a step's fixed cost must not eat the rows' throughput, as it
-    would where even K = 1 overruns the cut). K_max when not cut."""
+    would where even K = 1 overruns the cut), nor below the fewest that still feed the rows
+    ``CUT_SPEED`` times faster than real time counting the loop's own time a step (``host_s``):
+    a pair near its capacity is not cut at all, since short steps make short records, and
+    Code2Wav pays per record. K_max when not cut."""
     top = times.estimate(outlook.bucket, config.k_max)
     if not config.arrival_step_s or top is None or outlook.arrival_rate * top < ARRIVALS_LIKELY:
         return config.k_max
     per_frame = top / config.k_max
-    efficient = next(k for k in range(1, config.k_max + 1)
+    ks = range(1, config.k_max + 1)
+    efficient = next(k for k in ks
                      if times.estimate(outlook.bucket, k) / k <= per_frame * (1 + STEP_EFFICIENCY))
-    fitting = max((k for k in range(1, config.k_max + 1)
-                   if times.estimate(outlook.bucket, k) <= config.arrival_step_s), default=1)
-    return max(efficient, fitting)
+    fed = next((k for k in ks if k >= CUT_SPEED * config.frame_rate
+                * (outlook.host_s + times.estimate(outlook.bucket, k))), config.k_max)
+    fitting = max((k for k in ks if times.estimate(outlook.bucket, k) <= config.arrival_step_s), default=1)
+    return max(efficient, fed, fitting)
 
 
 def first_frames(one: float | None, config: PacingConfig, next_ahead_s: float = 0.0) -> int:

@@ -141,6 +141,7 @@ class Scheduler(AdmissionRules, SessionRules):
         self._arrivals: deque[float] = deque(maxlen=256)  # when requests were taken lately (their rate)
         self.period_s: float | None = None  # seconds between plans while rows decode (weighted)
         self._last_plan: float | None = None
+        self._last_step: tuple[int, int] | None = None  # the last decode step's (bucket, K)
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -299,7 +300,7 @@ class Scheduler(AdmissionRules, SessionRules):
         # bound the rest: _prefill_chunks)
         next_ahead = self.times.prefill_s(min(self._backlog_tokens(), self.min_chunk_tokens))
         outlook = dataclasses.replace(self._outlook(now, ahead_s, plan.decode), next_ahead_s=next_ahead,
-                                      arrival_rate=self.arrival_rate(now))
+                                      arrival_rate=self.arrival_rate(now), host_s=self._host_s())
         plan.bucket = outlook.bucket
         plan.first_frames = first_frames(self.times.estimate(plan.bucket, 1), self.pacing, next_ahead)
         plan.k, plan.k_bound = choose_k(outlook, self.pacing, self.times)
@@ -307,6 +308,15 @@ class Scheduler(AdmissionRules, SessionRules):
         plan.estimate_s = None if frames is None else ahead_s + frames
         plan.row_slack_s = outlook.row_due - now
         plan.limits = [min(plan.k, r.max_frames - r.frames_done) for r in plan.decode]
+        self._last_step = (plan.bucket, plan.k)
+
+    def _host_s(self) -> float:
+        """What a step lately took beyond its estimate: the loop's period less the last step's
+        estimated time (0 while either is unknown)."""
+        if self.period_s is None or self._last_step is None:
+            return 0.0
+        estimate = self.times.estimate(*self._last_step)
+        return 0.0 if estimate is None else max(0.0, self.period_s - estimate)
 
     def apply(self, request: TalkerRequest, count: int, stopped: bool, now: float,
               written: bool = True) -> FinishReason | None:
