@@ -103,9 +103,8 @@ class CodecDecoder:
         frames = _chunk_frames(chunks)
         graphed = bool(self.graphs)
         calls = plan(frames, self.chunk_frames if graphed else (), self.buckets if graphed else ())
-        outputs = [self._call([slots[r] for r in call.rows], [chunks[r] for r in call.rows], call.frames)
-                   for call in calls]
-        flat = torch.cat([_pcm(out).reshape(-1) for out in outputs]).cpu().numpy()  # one copy back
+        outputs = [self.decode(*inputs) for inputs in self._stage(calls, slots, chunks)]
+        flat = to_host(torch.cat([_pcm(out).reshape(-1) for out in outputs]))  # one copy back
         spf = self.codec.config.samples_per_frame
         pcm: list[np.ndarray] = [np.empty(0, np.int16)] * len(chunks)
         start = 0
@@ -117,16 +116,30 @@ class CodecDecoder:
         self.real_frames_total += sum(frames)
         return pcm
 
-    def _call(self, slots: list[int], chunks: list[np.ndarray], frames: int) -> torch.Tensor:
-        """One decode call of ``chunks`` right-padded to ``frames``: audio [n, frames * spf]."""
-        lengths = [len(c) for c in chunks]
-        padded = np.zeros((len(chunks), frames, chunks[0].shape[1]), np.int64)
-        for row, chunk in enumerate(chunks):
-            padded[row, : len(chunk)] = chunk
-        batch = torch.from_numpy(padded).to(self.device).transpose(1, 2)
-        masks = self.graphs or min(lengths) < frames
-        lengths_dev = torch.tensor(lengths, dtype=torch.int64).to(self.device) if masks else None
-        return self.decode(slots, batch, lengths_dev)
+    def _stage(self, calls, slots: Sequence[int], chunks: Sequence[np.ndarray]) -> list[tuple]:
+        """Every call's inputs (slot ids, codes [n, K, T] right-padded to the call's T, valid
+        lengths or None when all are T and no graph needs them) in one host array, copied to the
+        device at once: from pinned memory on CUDA, so the copy neither waits for the calls already
+        queued nor makes the next call's launch wait for it (a pageable copy does both)."""
+        num_codebooks = chunks[0].shape[1]
+        host = np.zeros(sum(len(c.rows) * (2 + c.frames * num_codebooks) for c in calls), np.int64)
+        spans, start = [], 0
+        for call in calls:
+            n, frames = len(call.rows), call.frames
+            ids, lengths = host[start:start + n], host[start + n:start + 2 * n]
+            codes = host[start + 2 * n:start + n * (2 + frames * num_codebooks)]
+            codes = codes.reshape(n, frames, num_codebooks)
+            for i, row in enumerate(call.rows):
+                ids[i], lengths[i] = slots[row], len(chunks[row])
+                codes[i, :len(chunks[row])] = chunks[row]
+            spans.append((start, n, frames, bool(self.graphs) or int(lengths.min()) < frames))
+            start += n * (2 + frames * num_codebooks)
+        staged = torch.from_numpy(host)
+        if self.device.type == "cuda":
+            staged = staged.pin_memory()
+        staged = staged.to(self.device, non_blocking=True)
+        return [(staged[o:o + n], staged[o + 2 * n:o + n * (2 + f * num_codebooks)].view(n, f, num_codebooks)
+                 .transpose(1, 2), staged[o + n:o + 2 * n] if masked else None) for o, n, f, masked in spans]
 
     def bucket_rows(self, rows: int, frames: int) -> int:
         """The rows a call of ``rows`` x ``frames`` runs as (its graph's bucket; eagerly: its own)."""
@@ -145,22 +158,24 @@ class CodecDecoder:
         return length_at_most(frames, self.chunk_frames) if self.graphs else frames
 
     @torch.inference_mode()
-    def decode(self, slots: Sequence[int], codes: torch.Tensor,
+    def decode(self, slots: Sequence[int] | torch.Tensor, codes: torch.Tensor,
                lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """slots: n distinct ids; codes: [n, K, T] int64 on the device; lengths: None (all T
-        frames) or [n] int64 on the device, each 1..T -> audio [n, T * spf], row i valid for
-        ``lengths[i] * spf`` samples (see ``MimiCodec.decode_step``)."""
+        """slots: n distinct ids (or an int64 tensor of them on the device); codes: [n, K, T]
+        int64 on the device; lengths: None (all T frames) or [n] int64 on the device, each 1..T ->
+        audio [n, T * spf], row i valid for ``lengths[i] * spf`` samples (see
+        ``MimiCodec.decode_step``)."""
         n, _, frames = codes.shape
+        ids = slots if torch.is_tensor(slots) else torch.tensor(list(slots), dtype=torch.int64,
+                                                                device=self.device)
         key = self._graph_key(n, frames)
         if key is None:
             if (n, frames) not in self._eager_logged and self.graphs:
                 log.info("decode shape (batch %d, %d frames) has no graph: runs eagerly", n, frames)
                 self._eager_logged.add((n, frames))
-            ids = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
             return self.codec.decode_step(ids, codes, lengths)
         graph, slot_buf, codes_buf, lengths_buf, out = self.graphs[key]
         slot_buf.fill_(self.pad_slot)
-        slot_buf[:n].copy_(torch.as_tensor(list(slots), dtype=torch.int64), non_blocking=True)
+        slot_buf[:n].copy_(ids)
         codes_buf[n:].zero_()
         codes_buf[:n].copy_(codes)
         lengths_buf.fill_(frames)
@@ -206,6 +221,19 @@ class CodecDecoder:
             out = self.codec.decode_step(slot_buf, codes_buf, lengths_buf)
         self.codec.reset(torch.tensor([self.pad_slot], device=self.device))
         return (graph, slot_buf, codes_buf, lengths_buf, out), graph.pool()
+
+
+def to_host(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor`` as a host array. From a GPU through pinned memory and a blocking-sync event:
+    the engine thread sleeps until the copy is done instead of spinning in the driver."""
+    if tensor.device.type != "cuda":
+        return tensor.numpy()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    done = torch.cuda.Event(blocking=True)
+    done.record(torch.cuda.current_stream(tensor.device))
+    done.synchronize()
+    return host.numpy().copy()  # the pinned block goes back to torch's cache at once
 
 
 def _pcm(audio: torch.Tensor) -> torch.Tensor:

@@ -195,7 +195,7 @@ class Runner:
             faults.copy_(self.fault_counter, non_blocking=True)
         event = None
         if self.device.type == "cuda":
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # collect sleeps until the step is done, not spins
             event.record(torch.cuda.current_stream(self.device))
         return _Launched(host[:, : len(slots)], event, faults)
 
