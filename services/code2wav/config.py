@@ -52,7 +52,7 @@ class TalkersSection:
 class EngineSection:
     max_slots: int = 64                 # requests open at once (streaming state is resident)
     max_undelivered_seconds: float = 4.0  # audio queued to a slow client before its decoding pauses
-    max_records_per_step: int = 256     # ring records taken per step before decoding
+    max_records_per_step: int = 4096    # ring records taken per step (a talker step writes one a row)
     cuda_graphs: bool = True            # capture decode graphs on CUDA within the budget below
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # batch sizes with graphs
     graph_chunk_frames: tuple[int, ...] = (1, 2, 4, 8, 16)       # chunk sizes with graphs
