@@ -9,6 +9,7 @@
 #                    carried beside it, e.g. a copy before a change, for a comparison in one call)
 #   gputests         tests/gpu and the sampler's CUDA test, 14 workers
 #   t2w              bench.code2wav.token2wav_gpu: the Qwen family's Token2Wav per row bucket (token2wav_gpu.json)
+#   qtalk            bench.talker.qwen_omni_gpu: the Qwen family's talker step and prefill (qwen_talker_gpu.json)
 #   fault            bench.probes.pair_fault: the stack as `voxring up` starts it (--mps $MPS), kill -9 of
 #                    Code2Wav with FAULT_C streams in flight (their ends, the talker's rows, the gateway's
 #                    health), `voxring up` again, a few requests, down; /dev/shm and the stages checked
@@ -71,6 +72,9 @@ for part in "$@"; do
     t2w)
       timeout "$share" python3 -m bench.code2wav.token2wav_gpu --out "$R/token2wav_gpu.json" > "$R/t2w.log" 2>&1
       echo "t2w: exit $?"; tail -n 6 "$R/t2w.log" ;;
+    qtalk)
+      timeout "$share" python3 -m bench.talker.qwen_omni_gpu --out "$R/qwen_talker_gpu.json" > "$R/qtalk.log" 2>&1
+      echo "qtalk: exit $?"; tail -n 4 "$R/qtalk.log" ;;
     fault)
       timeout "$share" python3 -m bench.probes.pair_fault --concurrency "${FAULT_C:-512}" --mps "${MPS:-on}" \
         --max-wall $(( share > 60 ? share - 30 : share )) --out "$R/fault.json" > "$R/fault.log" 2>&1

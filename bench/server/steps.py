@@ -97,7 +97,7 @@ def _cpu_model(config: dict):
 
 def prompt_rows(model, slots: range, tokens: int) -> list[PrefillRow]:
     g = torch.Generator().manual_seed(tokens)
-    vocab = model.config.text_vocab_size
+    vocab = model.text_vocab_size  # the family interface (models/family.py)
     prompts = [[PromptSegment(torch.randint(0, vocab, (tokens,), generator=g).tolist())] for _ in slots]
     return [PrefillRow.whole(slot, model.pack_prompt(prompt), Sampling())
             for slot, prompt in zip(slots, prompts, strict=True)]
