@@ -14,39 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from bench.server.steps import header
+from bench.server.steps import header, timed_ms
 from models.qwen_omni.config import SAMPLE_RATE
 from models.qwen_omni.streaming import StreamingToken2Wav
 from models.qwen_omni.token2wav import Token2Wav
 from models.qwen_omni.token2wav_config import Token2WavConfig
 
 BUCKETS = (1, 8, 32, 64)
-
-
-def timed(fn, reps: int, device: torch.device) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` calls, after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def model(smoke: bool, device: torch.device, dtype: torch.dtype) -> Token2Wav:
@@ -73,8 +51,9 @@ def measure(stream: StreamingToken2Wav, rows: int, reps: int) -> dict:
     steady = win.chunk_frames + 2 * win.vocoder_field
     mel = torch.randn(rows, stream.model.config.dit.mel_dim, steady, device=stream.device,
                       dtype=stream.dtype) - 3.0
-    dit_ms = timed(lambda: stream._solve(codes, lengths, starts, keys, ids), reps, stream.device)
-    vocoder_ms = timed(lambda: stream._vocode(mel), reps, stream.device)
+    dit_ms = timed_ms(lambda: stream._solve(codes, lengths, starts, keys, ids), stream.device, reps,
+                      warmup=3)["median_ms"]
+    vocoder_ms = timed_ms(lambda: stream._vocode(mel), stream.device, reps, warmup=3)["median_ms"]
     audio_s = rows * win.chunk_frames * stream.hop / SAMPLE_RATE
     tick = dit_ms + vocoder_ms
     return {"dit_ms": round(dit_ms, 3), "vocoder_ms": round(vocoder_ms, 3), "tick_ms": round(tick, 3),
