@@ -79,6 +79,8 @@ def test_smoke_tiers(tmp_path):
         split = tier["talker"]["step_split_ms"]  # the talker's own seconds counters, per decode step
         assert split["decode"] > 0 and split["prefill"] > 0 and split["schedule"] >= 0 and split["emit"] >= 0
         assert split["other"] > -1.0  # the rest of the window: what the engine counted fits in it
+        shares = tier["talker"]["k_bound_share"]  # what limited K: every decode step counted once
+        assert abs(sum(shares.values()) - 1.0) < 0.01, shares
         first = tier["talker"]["first_record_ms"]  # each request's first record, in its three parts
         assert first["first_records"] == 2 and min(first["wait"], first["prefill"], first["step"]) >= 0
         assert tier["gateway"]["server_ttfa_mean_ms"] >= first["wait"] + first["prefill"] + first["step"]
@@ -91,7 +93,8 @@ def test_smoke_tiers(tmp_path):
     table = (tmp_path / "server_gpu.md").read_text()
     assert "| 2 | 2 / 0 |" in table and table in done.stdout
     assert "First audio, mean ms" in table
-    assert "Talker step, ms per decode step: schedule | prefill | decode | emit | other." in table
+    assert "Talker step, ms per decode step: schedule | prefill | decode | emit | other; and what " in table
+    assert "| K limited by |" in table
 
     again = _run("--part", "tiers", out=tmp_path)  # same configuration: nothing left to measure
     assert again.returncode == 0, again.stderr
