@@ -208,14 +208,8 @@ class Router:
         await self._first_discovery()
         errors, serving = [], set()
         now = time.monotonic()
-        for pair in sorted(self.pairs, key=lambda p: (p.down_until > now, p.in_flight)):
-            if pair.retired or pair.name in exclude:  # left discovery meanwhile, or already tried
-                continue
-            try:
-                facts = await self.learn(pair)
-            except Unavailable as exc:
-                errors.append(str(exc))
-                continue
+        order = sorted(self.pairs, key=lambda p: (p.down_until > now, p.in_flight))
+        async for pair, facts in self._answering([p for p in order if p.name not in exclude], errors):
             if facts.name != (model or self.default_model):
                 serving.add(facts.name)
                 continue
@@ -242,20 +236,26 @@ class Router:
         its ModelInfo counts; Unavailable when none does)."""
         await self._first_discovery()
         served: dict[str, ModelFacts] = {}
-        errors = []
-        for pair in self.pairs:
-            if pair.retired:
+        errors: list[str] = []
+        async for _, facts in self._answering(self.pairs, errors):
+            served.setdefault(facts.name, facts)
+        if not served:
+            raise Unavailable("no engine pair can take the request: " + "; ".join(errors))
+        default = served.pop(self.default_model, None)
+        return {self.default_model: default, **served} if default is not None else served
+
+    async def _answering(self, pairs: list[EnginePair], errors: list[str]):
+        """(pair, its model facts) for each of ``pairs`` not retired whose talker answers, in
+        order; why each other one did not goes into ``errors``."""
+        for pair in pairs:
+            if pair.retired:  # left discovery meanwhile
                 continue
             try:
                 facts = await self.learn(pair)
             except Unavailable as exc:
                 errors.append(str(exc))
                 continue
-            served.setdefault(facts.name, facts)
-        if not served:
-            raise Unavailable("no engine pair can take the request: " + "; ".join(errors))
-        default = served.pop(self.default_model, None)
-        return {self.default_model: default, **served} if default is not None else served
+            yield pair, facts
 
     async def learn(self, pair: EnginePair) -> ModelFacts:
         """``pair``'s model facts (asked once; Unavailable when its talker does not answer); the
