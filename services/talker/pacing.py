@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from services.talker.request import TalkerRequest
 
-BOUNDS = ("k_max", "slack", "first_audio", "waiting", "arrivals", "unmeasured")
+BOUNDS = ("k_max", "slack", "first_audio", "waiting", "arrivals", "behind", "unmeasured")
 # A late first record holds this much more audio than the time its row's next record needs.
 FIRST_AUDIO_HEADROOM = 0.5
 FIRST_K = 2  # frames: a first chunk of 160 ms
@@ -39,6 +39,10 @@ FIRST_K = 2  # frames: a first chunk of 160 ms
 ARRIVALS_LIKELY = 0.1
 STEP_EFFICIENCY = 0.1
 CUT_SPEED = 2.0
+# Where a speaking row's slack bounds K below this speed (the rows fed this many times faster than
+# real time, counting the loop's own time a step), K is raised to it: rows behind catch up, not fall
+# further behind in steps too short to feed them.
+CATCH_UP_SPEED = 1.25
 
 
 @dataclass
@@ -174,8 +178,11 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
     """(K, what bound it: one of BOUNDS). The most frames whose records arrive before every row
     is due with one K=1 step to spare, and after which a waiting request can still prefill (its
     share is already in ``ahead_s`` when it prefills this step) and write its first record in
-    time. 1 when even one frame does not fit a speaking row (the most urgent choice) or while no
-    step of any size was measured (the first is measured at K=1); never below
+    time. 1 while no step of any size was measured (the first is measured at K=1). Where a
+    speaking row bounds K below the fewest frames that feed the rows ``CATCH_UP_SPEED`` times
+    faster than real time (:func:`fed_k`, the loop's own time counted), that many ("behind"):
+    such a row is late whatever the step does, and steps too short to feed the rows only make
+    every row later (each step's fixed and host time paid for a frame or two). Never below
     :func:`first_frames` when a first record bounds it (a shorter first chunk runs dry before the
     next record can follow; where a speaking row bounds K lower, the engine holds such a row's
     frames until its first record is that long). Code2Wav decodes a stream's first record at
@@ -205,6 +212,10 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
     cap = arrival_cap(outlook, config, times)
     if best > cap:
         best, why = cap, "arrivals" if why != "first_audio" else why
+    if why == "slack":
+        floor = fed_k(outlook, config, times, CATCH_UP_SPEED)
+        if max(best, 1) < floor:
+            best, why = floor, "behind"
     if why == "first_audio":  # fewer frames would not last while the next record is made
         best = max(best, min(first_frames(one, config, outlook.next_ahead_s), config.k_max))
     return max(best, 1), why
@@ -227,10 +238,18 @@ def arrival_cap(outlook: StepOutlook, config: PacingConfig, times: StepTimes) ->
     ks = range(1, config.k_max + 1)
     efficient = next(k for k in ks
                      if times.estimate(outlook.bucket, k) / k <= per_frame * (1 + STEP_EFFICIENCY))
-    fed = next((k for k in ks if k >= CUT_SPEED * config.frame_rate
-                * (outlook.host_s + times.estimate(outlook.bucket, k))), config.k_max)
+    fed = fed_k(outlook, config, times, CUT_SPEED)
     fitting = max((k for k in ks if times.estimate(outlook.bucket, k) <= config.arrival_step_s), default=1)
     return max(efficient, fed, fitting)
+
+
+def fed_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes, speed: float) -> int:
+    """The fewest frames a step makes that feed its rows ``speed`` times faster than real time,
+    counting the loop's own time a step (``host_s``) with the step's estimate; K_max when none
+    does (rows that many cannot be fed so: the most frames a step is then the most audio)."""
+    return next((k for k in range(1, config.k_max + 1)
+                 if k >= speed * config.frame_rate * (outlook.host_s + times.estimate(outlook.bucket, k))),
+                config.k_max)
 
 
 def first_frames(one: float | None, config: PacingConfig, next_ahead_s: float = 0.0) -> int:

@@ -101,6 +101,24 @@ def test_k_max_when_every_row_has_slack_1_when_none_fits_and_1_while_unmeasured(
     assert choose_k(outlook(row_due=0.035), CONFIG, times) == (2, "slack")
 
 
+def test_rows_behind_get_steps_that_feed_them_faster_than_real_time():
+    import dataclasses
+    times = StepTimes()
+    for _ in range(200):
+        times.observe(512, 1, 0.060)
+        times.observe(512, 8, 0.130)  # 50 ms fixed, 10 ms a frame: K=1 makes 80 ms of audio in 60
+    late = outlook(bucket=512, row_due=0.0)
+    assert choose_k(late, CONFIG, times) == (1, "slack")  # fed 1.33x at K=1: no catch-up needed
+    busy = dataclasses.replace(late, host_s=0.030)  # the loop's own 30 ms a step: K=1 is fed 0.9x
+    k, bound = choose_k(busy, CONFIG, times)
+    speed = [n / CONFIG.frame_rate / (0.030 + times.estimate(512, n)) for n in range(1, 9)]
+    assert bound == "behind" and speed[k - 1] >= 1.25 > speed[k - 2]
+    hopeless = dataclasses.replace(late, host_s=1.0)  # no K feeds them: the most audio a step
+    assert choose_k(hopeless, CONFIG, times) == (8, "behind")
+    roomy = dataclasses.replace(busy, row_due=1.0)  # slack for K_max: the floor changes nothing
+    assert choose_k(roomy, CONFIG, times) == (8, "k_max")
+
+
 def test_an_unstarted_row_is_bound_by_its_first_audio_budget_and_the_queued_work_counts():
     times = StepTimes()
     times.observe(1, 1, 0.010)
