@@ -7,7 +7,8 @@
 #   tiers:<tree>     the server under the Poisson load (2-8 s, 2 requests a stream, load seed 0) with
 #                    MPS, at TIERS, on the tree in folder <tree> (. for this one; another folder
 #                    carried beside it, e.g. a copy before a change, for a comparison in one call)
-#   gputests         tests/gpu and the sampler's CUDA test, 14 workers
+#   gputests         tests/gpu and the sampler's CUDA test, 14 workers stealing work (loadfile, the suite's
+#                    default, kept test_stack_step_cuda.py's ~6 min of compiles on one worker)
 #   t2w              bench.code2wav.token2wav_gpu: the Qwen family's Token2Wav per row bucket (token2wav_gpu.json)
 #   qtalk            bench.talker.qwen_omni_gpu: the Qwen family's talker step and prefill (qwen_talker_gpu.json)
 #   fault            bench.probes.pair_fault: the stack as `voxring up` starts it (--mps $MPS), kill -9 of
@@ -65,7 +66,7 @@ for part in "$@"; do
       echo "tiers $label: exit $?"; tail -n 30 "$R/$label/run.log" | grep -E "^C=|tier|MPS" ;;
     gputests)
       # -v names each test as it ends, SIGINT makes pytest print its summary and durations when cut
-      timeout -s INT -k 30 "$share" python3 -m pytest -v -rfE -W ignore -p no:cacheprovider -n 14 \
+      timeout -s INT -k 30 "$share" python3 -m pytest -v -rfE -W ignore -p no:cacheprovider -n 14 --dist worksteal \
         --durations=30 tests/gpu tests/unit/test_sampler.py > "$R/gpu_tests.log" 2>&1
       echo "gpu tests: exit $?"; grep -E "^(FAILED|ERROR)|(FAILED|ERROR) tests/" "$R/gpu_tests.log" | head -n 20
       tail -n 3 "$R/gpu_tests.log" ;;

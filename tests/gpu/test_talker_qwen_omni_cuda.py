@@ -42,7 +42,9 @@ def requests(model) -> list[TalkerRequest]:
         segments = [PromptSegment([speaker, *TEXTS[h % 3]])]
         if h % 3:
             segments.insert(0, PromptSegment(CONTEXT[: 20 * (h % 3)]))
-        sampling = Sampling() if h < 3 else Sampling(temperature=0.9, top_k=40, seed=h)
+        # seeds 0-2: on the CPU's twin all three seeded rows stop mid-step (frames 10, 31, 25), so the
+        # test keeps a stop should the GPU's rounding move one
+        sampling = Sampling() if h < 3 else Sampling(temperature=0.9, top_k=40, seed=h - 3)
         packed = model.pack_prompt(segments)
         out.append(TalkerRequest(request_id=f"r{h}", handle=h, consumer_id="c", prompt=packed,
                                  prompt_len=len(packed), max_frames=60 + h, sampling=sampling,
