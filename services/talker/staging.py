@@ -7,10 +7,12 @@ device. ``Staging`` lays every array of a call out in one pinned host buffer (8-
 aligned sections, so each section can be viewed as its own dtype on both sides), copies it
 with ONE ``non_blocking`` host-to-device copy, and hands back device views.
 
-A pinned buffer must not be rewritten while its copy may still be queued: buffers are used
-in a ring of ``depth`` and each waits, before reuse, on the event recorded after its copy
-(``depth`` calls ago, so normally long done). On the CPU the same code runs with plain
-memory and no events.
+Each call lays out into a fresh block of PyTorch's caching host allocator: a non-blocking copy
+records an event on its block, and a freed block is handed out again only once that event has
+passed, so nothing here ever waits for the device. (A ring of two buffers did wait: a step's
+prefill makes one call per (token, row) bucket, so its third call waited for the first call's
+copy, queued behind the decode step the device was still running.) On the CPU the same code
+runs with plain memory.
 """
 
 from __future__ import annotations
@@ -28,20 +30,13 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 class Staging:
-    def __init__(self, device: torch.device, *, depth: int = 2, capacity: int = 1 << 16) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self._host = [self._new_host(capacity) for _ in range(depth)]
-        self._events: list[torch.cuda.Event | None] = [None] * depth
-        self._device = torch.empty(capacity, dtype=torch.uint8, device=device)
-        self._index = 0
+        self._device = torch.empty(1 << 16, dtype=torch.uint8, device=device)
+        self._host: torch.Tensor | None = None
         self._layout: list[tuple[str, np.dtype, tuple[int, ...], int, int]] = []
         self._size = 0
-
-    def _new_host(self, nbytes: int) -> torch.Tensor:
-        # Growing a pinned buffer allocates pinned memory (cudaHostAlloc can synchronize); buffers
-        # grow geometrically from a size that fits the usual batch, so this is rare.
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
 
     def begin(self, fields: Sequence[tuple[str, np.dtype | type, tuple[int, ...]]]) -> dict[str, np.ndarray]:
         """Host views, one per ``(name, dtype, shape)``, for the caller to fill before ``upload``.
@@ -52,28 +47,21 @@ class Staging:
             nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             layout.append((name, dtype, tuple(shape), offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
-        self._index = (self._index + 1) % len(self._host)
-        event = self._events[self._index]
-        if event is not None:
-            event.synchronize()  # this buffer's previous copy (``depth`` calls ago) has been read
-        if self._host[self._index].numel() < offset:
-            self._host[self._index] = self._new_host(max(offset, 2 * self._host[self._index].numel()))
+        self._host = torch.empty(max(offset, _ALIGN), dtype=torch.uint8, pin_memory=self.cuda)
         self._layout, self._size = layout, offset
-        host = self._host[self._index].numpy()
+        host = self._host.numpy()
         return {name: host[start:start + nbytes].view(dtype).reshape(shape)
                 for name, dtype, shape, start, nbytes in layout}
 
     def upload(self) -> dict[str, torch.Tensor]:
         """Copies what ``begin`` laid out to the device in one copy; device views by name. They
         stay valid until the next ``upload`` (work queued on this stream reads them in order)."""
+        if self._host is None:
+            raise RuntimeError("upload() without begin()")
         if self._device.numel() < self._size:  # the old buffer returns to the stream-aware allocator
             self._device = torch.empty(max(self._size, 2 * self._device.numel()), dtype=torch.uint8,
                                        device=self.device)
-        host = self._host[self._index]
-        self._device[: self._size].copy_(host[: self._size], non_blocking=True)
-        if self.cuda:
-            event = self._events[self._index] or torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._events[self._index] = event
+        self._device[: self._size].copy_(self._host[: self._size], non_blocking=True)
+        self._host = None  # its block goes back to the host allocator, reused once the copy is done
         return {name: self._device[start:start + nbytes].view(_torch_dtype(dtype)).view(shape)
                 for name, dtype, shape, start, nbytes in self._layout}
