@@ -168,6 +168,7 @@ async def _one_request(client: AsyncClient, config: BenchConfig, trace: RequestT
             trace.sample_rate_hz = chunk.sample_rate_hz or trace.sample_rate_hz
     except VoxringError as exc:
         trace.outcome = "rejected" if exc.code == "RESOURCE_EXHAUSTED" else exc.code
+        trace.message = exc.message
     else:
         trace.outcome = "ok"
     trace.ended_at_s = time.perf_counter() - run_started

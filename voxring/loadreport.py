@@ -8,6 +8,7 @@ length cap, and the PCM check (samples received against the usage's frames); and
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 BYTES_PER_SAMPLE = 2  # the bench asks for raw int16 mono PCM
 DELIVERED_SHARE = 0.99  # a request that ran to its length cap delivers at least this much of it
 _MISMATCH_EXAMPLES = 5
+REFUSAL_KINDS = 5
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
 @dataclass
@@ -42,6 +45,7 @@ class RequestTrace:
     frames: int | None = None     # the final usage's codec frames (None: no final message)
     finish_reason: str | None = None  # the final message's ("length", "stop", ...)
     length_limit: str | None = None   # with "length": the cap's term that ended it ("requested", "text", ...)
+    message: str | None = None    # a refusal's or an error's message, as the server sent it
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,10 @@ class BenchReport:
     audio_shortfalls: int = 0
     early_stops: int = 0
     server_capped: int = 0  # asked their length and were cut by another term of the server's cap
+    # the refused requests: from the send to the refusal, and their messages with every number
+    # written as "#" (kinds of refusal, most frequent first, at most REFUSAL_KINDS)
+    refusal_s: Percentiles | None = None
+    refusals: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -126,7 +134,18 @@ def summarize(config: BenchConfig, traces: Sequence[RequestTrace], wall_s: float
         audio_seconds=audio_seconds, wall_s=wall_s,
         audio_s_per_s=audio_seconds / wall_s if wall_s > 0 else 0.0, timed_out=timed_out,
         **_load_fields(config, traces, wall_s), **_sequential_fields(config, traces),
-        **_steady_fields(config, traces), **_delivered_fields(config, traces))
+        **_steady_fields(config, traces), **_delivered_fields(config, traces), **_refusal_fields(traces))
+
+
+def _refusal_fields(traces: Sequence[RequestTrace]) -> dict:
+    """How long a refusal took from the send, and what the refusals said (numbers folded)."""
+    refused = [t for t in traces if t.outcome == "rejected"]
+    if not refused:
+        return {}
+    took = [t.ended_at_s - t.sent_at_s for t in refused if t.ended_at_s is not None]
+    kinds = Counter(_NUMBER.sub("#", t.message or "(no message)") for t in refused)
+    return {"refusal_s": Percentiles(*(percentile(took, q) for q in (50, 90, 99))),
+            "refusals": dict(kinds.most_common(REFUSAL_KINDS))}
 
 
 def _load_fields(config: BenchConfig, traces: Sequence[RequestTrace], wall_s: float) -> dict:
@@ -222,6 +241,10 @@ def format_report(report: BenchReport) -> str:
     if report.load != "closed":
         lines[2:2] = _idle_lines(report)  # after the first audio of all
         lines[1:1] = _load_lines(report)
+    if report.refusal_s is not None:
+        r = report.refusal_s
+        lines.append(f"refused in    p50 {ms(r.p50)}  p90 {ms(r.p90)}  p99 {ms(r.p99)}: "
+                     + "; ".join(f"{n}x {kind}" for kind, n in report.refusals.items()))
     if report.errors:
         lines.append("errors        " + ", ".join(f"{code} {n}" for code, n in report.errors.items()))
     if report.timed_out:

@@ -146,14 +146,14 @@ def first_record_ms(before: Snapshot, after: Snapshot, name: str) -> dict | None
 
 def k_bounds(before: Snapshot, after: Snapshot, name: str, steps: float) -> dict | None:
     """The share of the tier's decode steps whose K each bound limited (the talker's
-    ``steps_k_bound_*`` counters, services/talker/pacing.py BOUNDS); None without them."""
+    ``steps_k_bound_*`` counters, services/talker/pacing.py BOUNDS; a bound an older talker does
+    not count is left out); None without any of them."""
     shares = {}
     for bound in BOUNDS:
         count = _delta(before, after, name, f"steps_k_bound_{bound}")
-        if count is None:
-            return None
-        shares[bound] = round(count / steps, 3)
-    return shares
+        if count is not None:
+            shares[bound] = round(count / steps, 3)
+    return shares or None
 
 
 STEP_PARTS = ("schedule", "prefill", "decode", "emit")

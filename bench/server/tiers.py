@@ -367,7 +367,11 @@ def format_tier(t: dict) -> str:
     by_idle = t.get("ttfa_by_idle_ms") or {}
     p50s = "/".join(str(v["p50"]) for v in by_idle.values())
     idle = f", TTFA p50 after {'/'.join(by_idle)} s idle {p50s} ms" if by_idle else ""
-    return (f"C={t['concurrency']}: admitted {t['admitted']}/{t['requests']} (rejected {t['rejected']}), "
+    refused = (t.get("loadgen") or {}).get("refusal_s")
+    rejected = f"rejected {t['rejected']}" + (
+        f" in p99 {refused['p99'] * 1e3:.1f} ms: {t['loadgen']['refusals']}"
+        if refused and refused.get("p99") is not None else "")
+    return (f"C={t['concurrency']}: admitted {t['admitted']}/{t['requests']} ({rejected}), "
             f"TTFA p50/p90/p99 {ttfa['p50']}/{ttfa['p90']}/{ttfa['p99']} ms{idle}, "
             f"gap p99 {t['gap_p99_ms']} ms, "
             f"underruns {t['underruns']}, {t['audio_s_per_s']} audio-s/s "

@@ -2,6 +2,7 @@
 
 from bench.server.probes import Snapshot, k_bounds
 from bench.server.report import step_split_table
+from services.talker.pacing import BOUNDS
 
 
 def _snap(at: float, counts: dict[str, float]) -> Snapshot:
@@ -10,12 +11,13 @@ def _snap(at: float, counts: dict[str, float]) -> Snapshot:
 
 
 def test_k_bound_shares_are_the_tiers_steps_per_bound_and_the_table_shows_them():
-    bounds = ("k_max", "slack", "first_audio", "waiting", "arrivals", "unmeasured")
-    before = _snap(0.0, dict.fromkeys(bounds, 5.0))
-    after = _snap(1.0, {**dict.fromkeys(bounds, 5.0), "arrivals": 65.0, "slack": 45.0})
+    before = _snap(0.0, dict.fromkeys(BOUNDS, 5.0))
+    after = _snap(1.0, {**dict.fromkeys(BOUNDS, 5.0), "arrivals": 65.0, "slack": 45.0})
     shares = k_bounds(before, after, "talker-0", 100)
-    assert shares == {"k_max": 0.0, "slack": 0.4, "first_audio": 0.0, "waiting": 0.0, "arrivals": 0.6,
-                      "unmeasured": 0.0}
+    assert shares == {**dict.fromkeys(BOUNDS, 0.0), "slack": 0.4, "arrivals": 0.6}
+    older = ("k_max", "slack", "first_audio", "waiting", "arrivals", "unmeasured")  # no "behind" yet
+    assert k_bounds(_snap(0.0, dict.fromkeys(older, 5.0)), _snap(1.0, dict.fromkeys(older, 15.0)),
+                    "talker-0", 60) == dict.fromkeys(older, round(10 / 60, 3))
     assert k_bounds(before, _snap(1.0, {}), "talker-0", 100) is None  # a talker without the counters
     talker = {"step_ms": 24.0, "mean_k": 2.75, "k_bound_share": shares,
               "step_split_ms": {"schedule": 0.1, "prefill": 0.3, "decode": 0.6, "emit": 0.2, "other": 22.8}}

@@ -137,7 +137,7 @@ def test_summarize_reports_the_load_and_what_was_in_flight():
     traces = [
         RequestTrace([(0.1, 0.5), (0.3, 1.0)], "ok", 1.0, 1.5, sent_at_s=0.0, ended_at_s=2.0),
         RequestTrace([(0.1, 0.5)], "ok", 0.5, 2.0, sent_at_s=1.0, ended_at_s=3.0),
-        RequestTrace([], "rejected", 0.0, 1.0, sent_at_s=1.0, ended_at_s=1.0),
+        RequestTrace([], "rejected", 0.0, 1.0, sent_at_s=1.0, ended_at_s=1.0, message="about 0.25 s to wait"),
         RequestTrace([(0.2, 0.5)], "unfinished", 0.5, 3.0, sent_at_s=1.0),  # cut at wall_s
     ]
     report = summarize(config, traces, wall_s=4.0, timed_out=True)
@@ -150,6 +150,7 @@ def test_summarize_reports_the_load_and_what_was_in_flight():
     assert report.audio_seconds == pytest.approx(2.0)  # delivered: the meaning it always had
     assert (report.completed, report.admitted, report.rejected) == (2, 3, 1)
     assert report.errors == {"unfinished": 1}
+    assert report.refusal_s.p50 == 0.0 and report.refusals == {"about # s to wait": 1}
     closed = summarize(_config(), traces[:1], wall_s=2.0)
     assert (closed.load, closed.offered_rate_per_s, closed.audio_seconds_range, closed.load_seed) == (
         "closed", None, None, None)
@@ -215,6 +216,8 @@ def test_burst_run_counts_rejections(fake):
     assert len({r.text for r in fake.requests}) == 6
     assert (report.completed, report.admitted, report.rejected, report.errors) == (3, 3, 3, {})
     assert report.burst_size == 6 and report.load == "burst"
+    assert sum(report.refusals.values()) == 3 and report.refusal_s.p99 is not None
+    assert "refused in" in format_report(report)
 
 
 def test_bench_command_runs_a_poisson_load(fake, capsys):
