@@ -232,21 +232,24 @@ def step_split_table(tiers: dict) -> list[str]:
 def first_record_table(tiers: dict) -> list[str]:
     """Markdown: where first audio goes, per tier: the talker's parts of its first records (mean ms)
     beside the gateway's mean time to first audio; "rest" is what the talker does not see (the
-    gateway before Submit and after the chunk, the ring, Code2Wav's first decode, the hops)."""
+    gateway before Submit and after the chunk, the ring, Code2Wav's first decode, the hops), and
+    "of it C2W" Code2Wav's part of it (first record taken off the ring -> first chunk sent)."""
     rows = [(c, t) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
             if t.get("talker", {}).get("first_record_ms")]
     if not rows:
         return []
     lines = ["First audio, mean ms: the talker's first record (Submit -> prefill queued -> first step "
              "launched -> record written) and the rest of the gateway's time to first audio.", "",
-             "| C | gateway TTFA mean | wait | prefill | step | rest |", "|---|---|---|---|---|---|"]
+             "| C | gateway TTFA mean | wait | prefill | step | rest | of it C2W |",
+             "|---|---|---|---|---|---|---|"]
     for c, tier in rows:
         first = tier["talker"]["first_record_ms"]
         server = tier.get("gateway", {}).get("server_ttfa_mean_ms")
         talker = first["wait"] + first["prefill"] + first["step"]
         rest = None if server is None else server - talker
         lines.append(f"| {c} | {_fmt(server, 1)} | {_fmt(first['wait'], 2)} | {_fmt(first['prefill'], 2)} | "
-                     f"{_fmt(first['step'], 2)} | {_fmt(rest, 1)} |")
+                     f"{_fmt(first['step'], 2)} | {_fmt(rest, 1)} | "
+                     f"{_fmt(tier.get('code2wav', {}).get('first_chunk_ms'), 1)} |")
     return [*lines, ""]
 
 

@@ -320,7 +320,10 @@ class Code2WavEngine(StreamingTicks):
                       - stream.segment_frames)
             stream.pending_frames -= frames  # a streaming stream's pending: its codes without audio
         self.counters.cut(why)
-        return stream.send_chunk(pcm, frames, len(pcm) / self.sample_rate, now, decode_s)
+        found = stream.send_chunk(pcm, frames, len(pcm) / self.sample_rate, now, decode_s)
+        if stream.chunk_index == 1 and stream.first_frame_at is not None:
+            self.counters.first_chunk.observe([max(0.0, now - stream.first_frame_at)])
+        return found
 
     def _send_segment_ends(self, stream: OpenStream) -> None:
         """After a segment's last chunk: its end (the stream's codec state is kept)."""

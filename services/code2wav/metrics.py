@@ -14,6 +14,9 @@ from services.common.histogram import EdgeHistogram
 BUFFER_EDGES = (-0.5, -0.1, 0.0, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 # Upper edges of the chunks-per-decode-call histogram
 BATCH_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Upper edges (seconds) of the first-chunk histogram: a request's first frames taken off the ring
+# until its first chunk was sent
+FIRST_CHUNK_EDGES = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Code2WavCounters:
     cuts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CUTS, 0))
     buffer: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(BUFFER_EDGES))
     batch: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(BATCH_EDGES))
+    first_chunk: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(FIRST_CHUNK_EDGES))
 
     def cut(self, why: str) -> None:
         self.cuts[why] += 1
@@ -94,7 +98,9 @@ class Code2WavCounters:
                                   self.cleared_frames),
                "chunks_per_call": ("histogram", "chunks in one decode call", self.batch.metric()),
                "listener_buffer_seconds": ("histogram", "audio the listener had buffered when a chunk "
-                                           "was sent (< 0: it waited)", self.buffer.metric())}
+                                           "was sent (< 0: it waited)", self.buffer.metric()),
+               "first_chunk_seconds": ("histogram", "a request's first frames taken off the ring until "
+                                       "its first chunk was sent", self.first_chunk.metric())}
         for why in CUTS:
             out[f"chunks_cut_{why}"] = ("counter", f"chunks cut for: {why}", self.cuts[why])
         return out

@@ -264,6 +264,8 @@ def test_the_metrics_count_calls_batches_cuts_and_modeled_underruns(setup):
     buckets, _ = metrics["chunks_per_call"][2]
     assert buckets[1] == ("2.0", 2) and buckets[-1] == ("+Inf", 2)
     assert metrics["chunks_cut_first"][2] == 2 and metrics["chunks_cut_need"][2] == 2
+    first, _ = metrics["first_chunk_seconds"][2]  # each request's first chunk only: 2 of the 4
+    assert first[0] == ("0.005", 2) and first[-1] == ("+Inf", 2)
 
 
 def test_bad_pacing_is_refused_naming_the_key():
