@@ -182,7 +182,8 @@ def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str)
     audio = _delta(before, after, name, "audio_seconds")
     d = {key: _delta(before, after, name, key)
          for key in ("decode_calls", "decode_seconds", "decode_frames", "decode_padded_frames",
-                    "first_chunk_seconds_sum", "first_chunk_seconds_count")}
+                    "first_chunk_seconds_sum", "first_chunk_seconds_count", "listener_underruns",
+                    "listener_underrun_seconds")}
     calls_fields = {"decode_calls": d["decode_calls"],
                     "decode_ms_per_call": _ratio(d["decode_seconds"], d["decode_calls"], 1e3, 2),
                     "chunks_per_call": _ratio(chunks, d["decode_calls"], 1, 1),
@@ -190,7 +191,11 @@ def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str)
                     "decode_ms_per_audio_s": _ratio(d["decode_seconds"], audio, 1e3, 2),
                     # a first record taken off the ring until its first chunk was sent, mean
                     "first_chunk_ms": _ratio(d["first_chunk_seconds_sum"], d["first_chunk_seconds_count"],
-                                             1e3, 2)}
+                                             1e3, 2),
+                    # Code2Wav's own model of its listeners (playback from each chunk sent): the stalls it
+                    # caused itself, to set beside the clients' (a stall it does not see came after it)
+                    "modeled_underruns": d["listener_underruns"],
+                    "modeled_underrun_s": _ratio(d["listener_underrun_seconds"], 1, 1, 2)}
     return {**calls_fields, "chunks_per_s_stats": round(rates[name]["chunks_per_s"], 1),
             "audio_s_per_s_stats": round(rates[name]["audio_seconds_per_s"], 1),
             "chunks": chunks, "audio_seconds": audio,

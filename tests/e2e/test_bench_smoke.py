@@ -84,6 +84,9 @@ def test_smoke_tiers(tmp_path):
         first = tier["talker"]["first_record_ms"]  # each request's first record, in its three parts
         assert first["first_records"] == 2 and min(first["wait"], first["prefill"], first["step"]) >= 0
         assert tier["gateway"]["server_ttfa_mean_ms"] >= first["wait"] + first["prefill"] + first["step"]
+        rest = tier["gateway"]["server_ttfa_mean_ms"] - (first["wait"] + first["prefill"] + first["step"])
+        assert 0 < tier["code2wav"]["first_chunk_ms"] <= rest  # Code2Wav's part of the rest, one per request
+        assert tier["code2wav"]["modeled_underruns"] >= 0
     run = result["runs"][-1]
     assert "error" not in run, run
     assert run["exit_codes"] == {"gateway": 0, "code2wav": 0, "talker": 0}  # SIGTERM, graceful
