@@ -100,6 +100,14 @@ def _sum(values: list[float | None]) -> float | None:
     return None if any(v is None for v in values) else sum(values)
 
 
+def allocator_counts(before: Snapshot, after: Snapshot, name: str) -> dict | None:
+    """The tier's CUDA allocator events in a stage (services/common/cuda_memory.py): retries and
+    cudaFree calls sync the device, cudaMalloc calls are slow; None off CUDA (no counters)."""
+    counts = {key: _delta(before, after, name, f"cuda_{key}")
+              for key in ("alloc_retries", "device_allocs", "device_frees")}
+    return None if any(v is None for v in counts.values()) else counts
+
+
 def _talker_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -> dict:
     window = after.at - before.at
     frames, steps = _delta(before, after, name, "frames"), _delta(before, after, name, "steps")
@@ -127,6 +135,9 @@ def _talker_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -
     first = first_record_ms(before, after, name)
     if first:
         talker["first_record_ms"] = first
+    allocator = allocator_counts(before, after, name)
+    if allocator:
+        talker["cuda_allocator"] = allocator
     return talker
 
 
@@ -201,7 +212,8 @@ def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str)
             "chunks": chunks, "audio_seconds": audio,
             "chunks_per_s": round(chunks / window, 1) if chunks is not None else None,
             "sequence_gaps": c2w["sequence_gaps"], "duplicate_records": c2w["duplicate_records"],
-            "dropped_records": c2w["dropped_records"]}
+            "dropped_records": c2w["dropped_records"],
+            **({"cuda_allocator": a} if (a := allocator_counts(before, after, name)) else {})}
 
 
 def thread_cores(before: Snapshot, after: Snapshot, window: float, top: int = 4) -> dict:

@@ -20,6 +20,7 @@ from services.code2wav.servicer import Code2WavServicer
 from services.code2wav.talkers import LinkHealth, TalkerLink
 from services.common import metrics
 from services.common.config import ConfigError
+from services.common.cuda_memory import allocator_metrics
 from services.common.engine_thread import EngineComponent, EngineThread
 from services.common.mps import mps_requirement
 from services.common.server import ServiceBinding
@@ -49,6 +50,7 @@ def build(config: Code2WavConfig, config_path: Path | None):
     metrics.register(engine.metrics)
     mps = mps_requirement(device, config.model.require_mps, "code2wav")
     metrics.register(mps.metrics)
+    metrics.register(allocator_metrics(device))
     thread = EngineThread("code2wav-engine", engine, tick_interval=config.transport.heartbeat_interval / 2,
                           keepalive_limit=config.transport.step_keepalive,
                           slow_step=config.transport.liveness_timeout)

@@ -19,6 +19,7 @@ from models.talkers import Family, family_of
 from models.tiny.talker import checkpoint_folder
 from services.common import metrics
 from services.common.config import ConfigError
+from services.common.cuda_memory import allocator_metrics
 from services.common.engine_thread import EngineComponent, EngineThread
 from services.common.mps import mps_requirement
 from services.common.server import ServiceBinding
@@ -152,6 +153,7 @@ def build(config: TalkerConfig, config_path: Path | None):
     metrics.register(core.metrics)
     mps = mps_requirement(device, config.model.require_mps, "talker")
     metrics.register(mps.metrics)
+    metrics.register(allocator_metrics(device))
     thread = EngineThread("talker-engine", core, tick_interval=config.transport.heartbeat_interval / 2,
                           keepalive_limit=config.transport.step_keepalive,
                           slow_step=config.transport.liveness_timeout)

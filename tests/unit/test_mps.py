@@ -52,3 +52,10 @@ def test_readiness_is_held_only_when_required_and_absent(client, required, manag
     assert requirement.manages_readiness is manages
     assert requirement.metrics().get("mps_client", (None, None, None))[2] == gauge
     assert requirement.ready_info() == {"mps_client": client}
+
+
+def test_the_allocator_metrics_are_empty_off_cuda():
+    import torch
+
+    from services.common.cuda_memory import allocator_metrics
+    assert allocator_metrics(torch.device("cpu"))() == {}
