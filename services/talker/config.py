@@ -56,7 +56,7 @@ class EngineSection:
     # or capture prefill_graph_startup_s; empty rows or tokens: no prefill graphs.
     prefill_graph_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     prefill_graph_tokens: tuple[int, ...] = (16, 32, 64, 128, 256)
-    prefill_graph_memory_mb: float = 1024.0
+    prefill_graph_memory_mb: float = 3072.0
     prefill_graph_startup_s: float = 30.0
     # A file to append one JSON line per step to (services/talker/steplog.py), for tuning the
     # pacing; empty: none
