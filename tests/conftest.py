@@ -21,6 +21,10 @@ if not torch.cuda.is_available():
     # Triton kernels run under its interpreter on CPU machines; set before anything
     # imports triton (the talker model imports the kernels).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_interpreter import skip_repatching_inside_a_launch
+
+    skip_repatching_inside_a_launch()  # a third of the kernel tests' time (tests/triton_interpreter.py)
 
 
 def _share_the_cores() -> None:
