@@ -11,12 +11,16 @@ frames dropped."""
 from __future__ import annotations
 
 import json
+import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -29,8 +33,9 @@ from services.code2wav.voice import encode_voice
 from services.transport import TransportSection
 from services.transport.layout import FinishReason, RecordFlags
 from services.transport.shm_sweep import sweep_stale
-from tests.conftest import REPO, stage_env
+from tests.conftest import REPO, StageGroup, stage_env
 from tests.talker_client import wait_for
+from voxring.stage_process import StageProcess
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc, common_pb2
 
 LIVENESS = TransportSection().liveness_timeout  # the default: a loaded CPU trips sub-second ones
@@ -100,22 +105,70 @@ def codec(cache_dir):
     return load_codec(ensure_tiny_checkpoint(root=cache_dir / "models"))
 
 
-@pytest.fixture
-def pair(start_stage, sock_dir, cache_dir):
-    """(fake talker, Code2Wav stub, Code2Wav process)."""
+def start_pair(group: StageGroup, sock_dir: Path) -> tuple[FakeTalkerProcess, StageProcess]:
+    """A fake talker and a Code2Wav process attached to it, in ``group`` (stopped by its close)."""
     talker = FakeTalkerProcess(f"unix:{sock_dir}/talker.sock")
     config = (f"server: {{listen: 'unix:{sock_dir}/c2w.sock', drain_timeout: 2, grace: 1}}\n"
               f"engine: {{max_slots: 24, max_undelivered_seconds: 0.5}}\n"
               f"talkers: {{attach: [{{id: t0, address: 'unix:{sock_dir}/talker.sock'}}],"
               f" reattach_interval: 0.1}}\n"
               f"transport: {{liveness_timeout: {LIVENESS}, heartbeat_interval: 0.05}}\n")
-    svc = start_stage("code2wav", config)
-    talker.expect("attached")
+    try:
+        svc = group.start("code2wav", config)
+        talker.expect("attached")
+    except BaseException:
+        talker.stop()
+        raise
+    return talker, svc
+
+
+@pytest.fixture
+def pair(sock_dir, cache_dir):
+    """(fake talker, Code2Wav stub, Code2Wav process), started for this test alone: for the tests
+    that kill the talker, count the stream faults or cancels, or fill Code2Wav's queue."""
+    group = StageGroup(sock_dir)
+    talker, svc = start_pair(group, sock_dir)
     channel = grpc.insecure_channel(svc.address)
     yield talker, code2wav_pb2_grpc.Code2WavStub(channel), svc
     channel.close()
     talker.stop()
     sweep_stale(LIVENESS)  # what a killed talker left (a new talker's start-up sweep)
+    group.close(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def module_pair(cache_dir):
+    """One pair for the module's tests that leave both processes as they found them: each of their
+    requests ends (its slot freed), and none makes a sequence gap, a duplicate or a cancel; the
+    counters they read stay at zero (a Code2Wav start of ~2 s saved per test)."""
+    folder = Path(tempfile.mkdtemp(prefix="vx-", dir="/tmp"))  # unix socket paths are bounded
+    os.chmod(folder, 0o700)
+    group = StageGroup(folder)
+    try:
+        talker, svc = start_pair(group, folder)
+        channel = grpc.insecure_channel(svc.address)
+        try:
+            yield talker, code2wav_pb2_grpc.Code2WavStub(channel), svc
+        finally:
+            channel.close()
+            talker.stop()
+            sweep_stale(LIVENESS)
+            group.close(timeout=10)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def shared_pair(module_pair):
+    """The module's pair, as a test of its own would find it: both processes alive, no slot
+    active (the last test's request freed its slot), nothing counted as a fault."""
+    talker, stub, svc = module_pair
+    assert svc.alive() and talker.proc.poll() is None
+    wait_for(lambda: stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).active_slots == 0,
+             what="the last test's slots freed")
+    stats = stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5)
+    assert stats.sequence_gaps == 0 and stats.duplicate_records == 0, stats
+    return module_pair
 
 
 def pacing(margin_s: float, steady: int, min_chunk: int) -> code2wav_pb2.Pacing:
@@ -163,8 +216,8 @@ def random_codes(seed: int, frames: int) -> np.ndarray:
     ((1e-6, 5, 3), [1] * 30),       # a first chunk of one frame, then never below 3 but the end
     ((0.5, 16, 4), [10, 10, 10]),
 ])
-def test_audio_equals_offline_decode_for_each_pacing(pair, codec, paced, sizes):
-    talker, stub, _ = pair
+def test_audio_equals_offline_decode_for_each_pacing(shared_pair, codec, paced, sizes):
+    talker, stub, _ = shared_pair
     _, steady, min_chunk = paced
     codes = random_codes(1, sum(sizes))
     stream, handle = open_stream(stub, "paced", len(codes), pacing(*paced))
@@ -184,8 +237,8 @@ def test_audio_equals_offline_decode_for_each_pacing(pair, codec, paced, sizes):
 
 @pytest.mark.parametrize(("field", "value"), [("decode_margin_s", 0.0), ("min_chunk_frames", 0),
                                               ("steady_frames", 1)])
-def test_an_open_with_bad_pacing_is_refused_naming_the_field(pair, field, value):
-    _, stub, _ = pair
+def test_an_open_with_bad_pacing_is_refused_naming_the_field(shared_pair, field, value):
+    _, stub, _ = shared_pair
     bad = pacing(0.1, 4, 2)
     setattr(bad, field, value)
     with pytest.raises(grpc.RpcError) as info:
@@ -195,8 +248,8 @@ def test_an_open_with_bad_pacing_is_refused_naming_the_field(pair, field, value)
     assert stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).active_slots == 0
 
 
-def test_sixteen_concurrent_requests_of_different_lengths(pair, codec):
-    talker, stub, _ = pair
+def test_sixteen_concurrent_requests_of_different_lengths(shared_pair, codec):
+    talker, stub, _ = shared_pair
     results, errors = {}, []
 
     def run(i: int) -> None:
@@ -238,8 +291,8 @@ def test_cancelling_the_stream_frees_the_slot_and_cancels_on_the_talker(pair):
              what="late record dropped")
 
 
-def test_cancelled_record_ends_the_stream_cancelled(pair):
-    talker, stub, _ = pair
+def test_cancelled_record_ends_the_stream_cancelled(shared_pair):
+    talker, stub, _ = shared_pair
     stream, handle = open_stream(stub, "talker-cancel", 100, pacing(100.0, 2, 2))
     talker.put(handle, 0, random_codes(5, 2))
     talker.put(handle, 1, None, flags=int(RecordFlags.CANCELLED), finish=int(FinishReason.CANCELLED))
@@ -251,8 +304,8 @@ def test_cancelled_record_ends_the_stream_cancelled(pair):
 @pytest.mark.parametrize(("reason", "code"), [(FinishReason.DEADLINE, grpc.StatusCode.DEADLINE_EXCEEDED),
                                               (FinishReason.ERROR, grpc.StatusCode.INTERNAL),
                                               (FinishReason.STALLED, grpc.StatusCode.UNAVAILABLE)])
-def test_talker_endings_map_to_status_codes(pair, reason, code):
-    talker, stub, _ = pair
+def test_talker_endings_map_to_status_codes(shared_pair, reason, code):
+    talker, stub, _ = shared_pair
     stream, handle = open_stream(stub, "ending", 100, pacing(100.0, 2, 2))
     talker.send_frames(handle, random_codes(6, 3), [3], finish=reason)
     with pytest.raises(grpc.RpcError) as info:
@@ -334,8 +387,8 @@ def collect_session(stream) -> tuple[list, object]:
     return messages[:-1], messages[-1]
 
 
-def test_a_sessions_segments_end_over_one_open_stream(pair, codec):
-    talker, stub, _ = pair
+def test_a_sessions_segments_end_over_one_open_stream(shared_pair, codec):
+    talker, stub, _ = shared_pair
     segments = [([3, 4], FinishReason.STOP), ([5], FinishReason.LENGTH), ([2, 2], None)]  # None: LAST
     codes = random_codes(13, 16)
     stream, handle = open_stream(stub, "session", len(codes), pacing(0.15, 4, 2))
@@ -369,8 +422,8 @@ def test_a_sessions_segments_end_over_one_open_stream(pair, codec):
     assert stats.sequence_gaps == 0 and stats.duplicate_records == 0
 
 
-def test_a_cleared_segment_drops_its_pending_frames_and_the_session_goes_on(pair, codec):
-    talker, stub, _ = pair
+def test_a_cleared_segment_drops_its_pending_frames_and_the_session_goes_on(shared_pair, codec):
+    talker, stub, _ = shared_pair
     codes = random_codes(14, 10)
     # steady and min chunk 16: after a segment's first chunk, frames wait for its end
     stream, handle = open_stream(stub, "cleared", 100, pacing(0.01, 16, 16))
@@ -387,8 +440,8 @@ def test_a_cleared_segment_drops_its_pending_frames_and_the_session_goes_on(pair
     assert finished.frames == 5
 
 
-def test_encode_voice_equals_the_offline_encoder(pair, codec):
-    _, stub, _ = pair
+def test_encode_voice_equals_the_offline_encoder(shared_pair, codec):
+    _, stub, _ = shared_pair
     rng = np.random.default_rng(12)
     clip = (0.3 * np.sin(np.arange(32000) * 2 * np.pi * 330 / 16000) + 0.05 * rng.standard_normal(32000))
     pcm = (clip * 32767).astype("<i2")
