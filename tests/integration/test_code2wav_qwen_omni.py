@@ -9,10 +9,13 @@ pickle stops start-up with a config error naming ``model.checkpoint``."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -25,8 +28,9 @@ from models.qwen_omni.token2wav import load_token2wav
 from models.qwen_omni.window import StreamWindow, windowed_mel, windowed_wave
 from services.transport.layout import FinishReason, RecordFlags
 from services.transport.shm_sweep import sweep_stale
-from tests.conftest import REPO, stage_env
+from tests.conftest import REPO, StageGroup, stage_env
 from tests.integration.test_code2wav_service import LIVENESS, FakeTalkerProcess, collect
+from tests.talker_client import wait_for
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc, common_pb2
 
 SAMPLES_PER_CODE = 480
@@ -54,8 +58,14 @@ def reference(folder):
     return pcm
 
 
-@pytest.fixture
-def pair(start_stage, sock_dir, folder):
+@pytest.fixture(scope="module")
+def module_pair(folder):
+    """(fake talker, Code2Wav stub, Code2Wav process), one pair for the module's tests: each ends
+    every request it opens (or has it refused) and makes no gap, duplicate or cancel (a Token2Wav
+    Code2Wav start of ~5 s saved per test)."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="vx-", dir="/tmp"))  # unix socket paths are bounded
+    os.chmod(sock_dir, 0o700)
+    group = StageGroup(sock_dir)
     talker = FakeTalkerProcess(f"unix:{sock_dir}/talker.sock")
     config = (f"server: {{listen: 'unix:{sock_dir}/c2w.sock', drain_timeout: 2, grace: 1}}\n"
               f"model: {{checkpoint: 'tiny:qwen-omni', device: cpu}}\n"
@@ -63,13 +73,30 @@ def pair(start_stage, sock_dir, folder):
               f"talkers: {{attach: [{{id: t0, address: 'unix:{sock_dir}/talker.sock'}}],"
               f" reattach_interval: 0.1}}\n"
               f"transport: {{liveness_timeout: {LIVENESS}, heartbeat_interval: 0.05}}\n")
-    svc = start_stage("code2wav", config)
-    talker.expect("attached")
-    channel = grpc.insecure_channel(svc.address)
-    yield talker, code2wav_pb2_grpc.Code2WavStub(channel), svc
-    channel.close()
-    talker.stop()
-    sweep_stale(LIVENESS)
+    try:
+        svc = group.start("code2wav", config)
+        talker.expect("attached")
+        channel = grpc.insecure_channel(svc.address)
+        yield talker, code2wav_pb2_grpc.Code2WavStub(channel), svc
+        channel.close()
+    finally:
+        talker.stop()
+        sweep_stale(LIVENESS)
+        group.close(timeout=10)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def pair(module_pair):
+    """The module's pair, as a test of its own would find it: both processes alive, no slot
+    active, nothing counted as a fault."""
+    talker, stub, svc = module_pair
+    assert svc.alive() and talker.proc.poll() is None
+    wait_for(lambda: stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).active_slots == 0,
+             what="the last test's slots freed")
+    stats = stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5)
+    assert stats.sequence_gaps == 0 and stats.duplicate_records == 0, stats
+    return module_pair
 
 
 def open_stream(stub, request_id: str, max_frames: int, speaker_id: int, seed: int):
