@@ -6,7 +6,10 @@ drain on SIGTERM."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -18,6 +21,7 @@ from models.tiny.talker import build_tokenizer, ensure_tiny_checkpoint
 from services.talker.generate import GenerationRequest, Sampling, generate
 from services.transport import TransportSection
 from services.transport.layout import FinishReason
+from tests.conftest import StageGroup
 from tests.talker_client import RingReader, stats, submit_request, wait_for
 from voxring.v1 import talker_pb2, talker_pb2_grpc
 
@@ -39,6 +43,8 @@ def cache_dir(model_cache):
 
 @pytest.fixture
 def talker(start_stage, sock_dir, cache_dir):
+    """A talker started for this test alone: for the tests whose admissions depend on a talker
+    that has not measured a step yet, that stop it, or that let a consumer die."""
     svc = start_stage("talker", CONFIG.format(dir=sock_dir, max_len=MAX_LEN, liveness=LIVENESS_S))
     channel = grpc.insecure_channel(svc.address)
     readers: list[RingReader] = []
@@ -46,6 +52,39 @@ def talker(start_stage, sock_dir, cache_dir):
     for reader in readers:
         reader.close()
     channel.close()
+
+
+@pytest.fixture(scope="module")
+def module_talker(cache_dir):
+    """One talker for the module's tests that leave it as they found it and submit only while a
+    slot is free (so no admission estimate decides): each ends, cancels or drains every request it
+    submits, under a consumer id of its own (a talker start of ~3 s saved per test)."""
+    folder = Path(tempfile.mkdtemp(prefix="vx-", dir="/tmp"))  # unix socket paths are bounded
+    os.chmod(folder, 0o700)
+    group = StageGroup(folder)
+    try:
+        svc = group.start("talker", CONFIG.format(dir=folder, max_len=MAX_LEN, liveness=LIVENESS_S))
+        channel = grpc.insecure_channel(svc.address)
+        yield svc, talker_pb2_grpc.TalkerStub(channel)
+        channel.close()
+    finally:
+        group.close(timeout=10)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def shared_talker(module_talker):
+    """The module's talker, as a test of its own would find it: alive, idle (no request running,
+    waiting or paused, every slot free); the test's readers are closed after it."""
+    svc, stub = module_talker
+    assert svc.alive()
+    wait_for(lambda: stats(stub).free_slots == 4, what="the last test's slots freed")
+    idle = stats(stub)
+    assert (idle.running, idle.waiting, idle.paused_rows) == (0, 0, 0), idle
+    readers: list[RingReader] = []
+    yield svc, stub, readers
+    for reader in readers:
+        reader.close()
 
 
 def ids(text: str) -> list[int]:
@@ -60,8 +99,8 @@ def check_model_info(stub) -> None:
     assert info.prompt_format == "<|begin_of_text|>[{speaker}]{text}<|end_of_text|>"
 
 
-def test_codes_equal_the_eager_generation_api(talker, cache_dir):
-    _, stub, readers = talker
+def test_codes_equal_the_eager_generation_api(shared_talker, cache_dir):
+    _, stub, readers = shared_talker
     reader = RingReader(stub, "c2w-a")
     readers.append(reader)
     prompt = ids("[0]The service and the eager API agree.")
@@ -95,8 +134,8 @@ def test_more_requests_than_slots_queue_and_complete(talker):
     wait_for(lambda: stats(stub).free_slots == 4, what="all slots free")
 
 
-def test_cancel_frees_the_slot_and_writes_cancelled(talker):
-    _, stub, readers = talker
+def test_cancel_frees_the_slot_and_writes_cancelled(shared_talker):
+    _, stub, readers = shared_talker
     reader = RingReader(stub, "c2w-c")
     readers.append(reader)
     stub.Submit(submit_request("c2w-c", 7, ids("[0]Cancel me."), max_frames=200), timeout=10)
@@ -109,8 +148,8 @@ def test_cancel_frees_the_slot_and_writes_cancelled(talker):
     wait_for(lambda: stats(stub).free_slots == 4, what="slot freed")
 
 
-def test_full_ring_pauses_only_its_rows(talker):
-    _, stub, readers = talker
+def test_full_ring_pauses_only_its_rows(shared_talker):
+    _, stub, readers = shared_talker
     slow, fast = RingReader(stub, "c2w-slow"), RingReader(stub, "c2w-fast")
     readers += [slow, fast]
     slow.reading.clear()  # alive (heartbeats) but not reading: its small ring fills up
@@ -193,11 +232,11 @@ def test_sigterm_drains_running_requests_then_unlinks_rings(talker):
     assert not os.path.exists(f"/dev/shm/{ring}")
 
 
-def test_a_session_over_grpc_appends_clears_and_ends(talker):
+def test_a_session_over_grpc_appends_clears_and_ends(shared_talker):
     """Submit(session) -> SEGMENT_END and the slot kept; Append speaks the next segment in the same
     request (seq and frames go on); Clear ends a running segment CANCELLED; a last segment ends
     LAST. Append's errors: NOT_FOUND, FAILED_PRECONDITION, INVALID_ARGUMENT naming the field."""
-    _, stub, readers = talker
+    _, stub, readers = shared_talker
     reader = RingReader(stub, "c2w-s")
     readers.append(reader)
     session = submit_request("c2w-s", 31, ids("[0]First sentence."), max_frames=6)
