@@ -12,6 +12,8 @@ import logging
 import secrets
 from pathlib import Path
 
+import torch
+
 from models.checkpoint import CheckpointError, resolve_device, set_threads
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.engine import Code2WavEngine
@@ -50,7 +52,8 @@ def build(config: Code2WavConfig, config_path: Path | None):
     metrics.register(engine.metrics)
     mps = mps_requirement(device, config.model.require_mps, "code2wav")
     metrics.register(mps.metrics)
-    metrics.register(allocator_metrics(device))
+    metrics.register(allocator_metrics(
+        (lambda: torch.cuda.memory_stats(device)) if device.type == "cuda" else None))
     thread = EngineThread("code2wav-engine", engine, tick_interval=config.transport.heartbeat_interval / 2,
                           keepalive_limit=config.transport.step_keepalive,
                           slow_step=config.transport.liveness_timeout)

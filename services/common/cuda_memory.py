@@ -1,14 +1,13 @@
 """The CUDA caching allocator's own counters as a stage's metrics: whether the stage's host waits
 for the device inside the allocator. A ``cudaFree`` (returning cached blocks when an allocation
 finds none free, an "alloc retry") synchronizes the whole device, and a ``cudaMalloc`` can take
-milliseconds; in steady serving both should stay flat. Read at scrape time from
-``torch.cuda.memory_stats`` (the allocator's lock, no device sync); nothing off CUDA."""
+milliseconds; in steady serving both should stay flat. Read at scrape time from the stage's
+``torch.cuda.memory_stats`` (the allocator's lock, no device sync; passed in, as this room imports no
+torch); nothing off CUDA."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import torch
 
 # memory_stats key -> (metric name, kind, help)
 _STATS = {
@@ -22,13 +21,14 @@ _STATS = {
 }
 
 
-def allocator_metrics(device: torch.device) -> Callable[[], dict]:
-    """A snapshot function for ``services.common.metrics.register``; empty off CUDA."""
-    if device.type != "cuda":
+def allocator_metrics(memory_stats: Callable[[], dict] | None) -> Callable[[], dict]:
+    """A snapshot function for ``services.common.metrics.register`` from ``memory_stats`` (the
+    stage's ``lambda: torch.cuda.memory_stats(device)``; None off CUDA: an empty snapshot)."""
+    if memory_stats is None:
         return dict
 
     def snapshot() -> dict:
-        stats = torch.cuda.memory_stats(device)
+        stats = memory_stats()
         return {name: (kind, text, stats.get(key, 0)) for key, (name, kind, text) in _STATS.items()}
 
     return snapshot

@@ -13,6 +13,8 @@ import logging
 import secrets
 from pathlib import Path
 
+import torch
+
 import kernels
 from models.checkpoint import CheckpointError, resolve_device, set_threads
 from models.talkers import Family, family_of
@@ -153,7 +155,8 @@ def build(config: TalkerConfig, config_path: Path | None):
     metrics.register(core.metrics)
     mps = mps_requirement(device, config.model.require_mps, "talker")
     metrics.register(mps.metrics)
-    metrics.register(allocator_metrics(device))
+    metrics.register(allocator_metrics(
+        (lambda: torch.cuda.memory_stats(device)) if device.type == "cuda" else None))
     thread = EngineThread("talker-engine", core, tick_interval=config.transport.heartbeat_interval / 2,
                           keepalive_limit=config.transport.step_keepalive,
                           slow_step=config.transport.liveness_timeout)

@@ -14,7 +14,7 @@ from services.common.cuda_memory import allocator_metrics
 
 def test_the_allocators_mallocs_and_frees_are_counted():
     device = torch.device("cuda")
-    snapshot = allocator_metrics(device)
+    snapshot = allocator_metrics(lambda: torch.cuda.memory_stats(device))
     before = {name: value for name, (_, _, value) in snapshot().items()}
     block = torch.empty(3 << 30, dtype=torch.uint8, device=device)  # a new 3 GiB segment: a cudaMalloc
     del block

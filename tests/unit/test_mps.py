@@ -54,8 +54,11 @@ def test_readiness_is_held_only_when_required_and_absent(client, required, manag
     assert requirement.ready_info() == {"mps_client": client}
 
 
-def test_the_allocator_metrics_are_empty_off_cuda():
-    import torch
-
+def test_the_allocator_metrics_are_empty_off_cuda_and_name_the_allocators_counters():
     from services.common.cuda_memory import allocator_metrics
-    assert allocator_metrics(torch.device("cpu"))() == {}
+    assert allocator_metrics(None)() == {}
+    stats = {"num_alloc_retries": 2, "num_device_free": 5, "reserved_bytes.all.current": 7 << 20}
+    snapshot = allocator_metrics(lambda: stats)()
+    assert snapshot["cuda_alloc_retries"][0] == "counter" and snapshot["cuda_alloc_retries"][2] == 2
+    assert snapshot["cuda_device_frees"][2] == 5 and snapshot["cuda_device_allocs"][2] == 0  # absent: 0
+    assert snapshot["cuda_reserved_bytes"] == ("gauge", snapshot["cuda_reserved_bytes"][1], 7 << 20)
