@@ -29,8 +29,7 @@ from models.qwen_omni.window import StreamWindow, windowed_mel, windowed_wave
 from services.transport.layout import FinishReason, RecordFlags
 from services.transport.shm_sweep import sweep_stale
 from tests.conftest import REPO, StageGroup, stage_env
-from tests.integration.test_code2wav_service import LIVENESS, FakeTalkerProcess, collect
-from tests.talker_client import wait_for
+from tests.integration.test_code2wav_service import LIVENESS, FakeTalkerProcess, collect, fresh_pair
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc, common_pb2
 
 SAMPLES_PER_CODE = 480
@@ -88,15 +87,7 @@ def module_pair(folder):
 
 @pytest.fixture
 def pair(module_pair):
-    """The module's pair, as a test of its own would find it: both processes alive, no slot
-    active, nothing counted as a fault."""
-    talker, stub, svc = module_pair
-    assert svc.alive() and talker.proc.poll() is None
-    wait_for(lambda: stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).active_slots == 0,
-             what="the last test's slots freed")
-    stats = stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5)
-    assert stats.sequence_gaps == 0 and stats.duplicate_records == 0, stats
-    return module_pair
+    return fresh_pair(module_pair)
 
 
 def open_stream(stub, request_id: str, max_frames: int, speaker_id: int, seed: int):

@@ -160,8 +160,12 @@ def module_pair(cache_dir):
 
 @pytest.fixture
 def shared_pair(module_pair):
-    """The module's pair, as a test of its own would find it: both processes alive, no slot
-    active (the last test's request freed its slot), nothing counted as a fault."""
+    return fresh_pair(module_pair)
+
+
+def fresh_pair(module_pair):
+    """A module's pair, checked to be as a test of its own would find it: both processes alive, no
+    slot active (the last test's request freed its slot), nothing counted as a fault."""
     talker, stub, svc = module_pair
     assert svc.alive() and talker.proc.poll() is None
     wait_for(lambda: stub.Stats(code2wav_pb2.Code2WavStatsRequest(), timeout=5).active_slots == 0,
