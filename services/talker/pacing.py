@@ -295,14 +295,11 @@ def prefill_tokens_allowed(outlook: StepOutlook, config: PacingConfig, times: St
 def fits(rows: int, bucket_for, config: PacingConfig, times: StepTimes, headroom: float) -> bool:
     """Whether ``rows`` streams can be fed faster than real time: a step of K_max frames at their
     bucket takes less than the audio it makes, with ``headroom`` (0.2: 20% to spare). Unknown
-    sizes (no step of their bucket measured yet without prefill inside) fit: admission then rests
-    on the counts alone, since a larger bucket's step grows far less than its rows. A bucket seen
-    only with prefill inside is unknown here: its provisional line (one K=1 step with a prompt's
-    prefill, read as all per-frame cost) would put a K_max step at K_max times that step and refuse
-    streams a decode step has room for."""
+    sizes (no step of their bucket measured yet) fit: admission then rests on the counts alone,
+    since a larger bucket's step grows far less than its rows."""
     try:
         bucket = bucket_for(rows)
     except ValueError:
         return False
-    line = times.steps.get(bucket)
-    return line is None or line.at(config.k_max) * (1 + headroom) < config.k_max / config.frame_rate
+    step = times.estimate(bucket, config.k_max, across_buckets=False)
+    return step is None or step * (1 + headroom) < config.k_max / config.frame_rate

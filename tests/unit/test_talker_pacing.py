@@ -172,13 +172,6 @@ def test_fits_compares_a_k_max_step_with_the_audio_it_makes():
     assert fits(4, lambda rows: 4, CONFIG, times, 0.2)  # 640 ms of audio in 500 ms (+20%: 600)
     assert not fits(4, lambda rows: 4, CONFIG, times, 0.3)
     assert not fits(4, lambda rows: (_ for _ in ()).throw(ValueError("too many")), CONFIG, times, 0.2)
-    # a bucket seen only in a first step with a prompt's prefill inside (80 ms at K=1) is not judged by
-    # that step scaled to K_max (640 ms: it would refuse); a clean step of it then is
-    first = StepTimes()
-    first.observe(16, 1, 0.080, prefill_tokens=60)
-    assert first.estimate(16, 8) == pytest.approx(0.640) and fits(16, lambda rows: 16, CONFIG, first, 0.2)
-    first.observe(16, 8, 0.600)
-    assert not fits(16, lambda rows: 16, CONFIG, first, 0.2)
 
 
 def test_bad_pacing_settings_are_refused_by_name():
