@@ -65,6 +65,18 @@ class Snapshot:
     threads: dict[str, dict[str, float]]
 
 
+def prefill_graphs(server: Server) -> dict:
+    """Each talker's prefill graphs after start-up: (rows, tokens) buckets captured, pool MiB, capture
+    seconds (its gauges; a bucket left out runs eagerly)."""
+    out = {}
+    for name in server.names("talker"):
+        metrics = scrape(server.procs[name].metrics)
+        out[name] = {"buckets": _counter(metrics, "prefill_graph_buckets"),
+                     "reserved_mib": _ratio(_counter(metrics, "prefill_graph_reserved_bytes"), 2**20, 1, 1),
+                     "capture_s": _counter(metrics, "prefill_graph_capture_seconds")}
+    return out
+
+
 def snapshot(server: Server) -> Snapshot:
     stats = engine_stats(server)
     metrics = {stage: scrape(server.procs[stage].metrics) for stage in server.procs}

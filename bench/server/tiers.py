@@ -26,7 +26,7 @@ from bench.server.load import (
     wanted_cap_s,
     warmup_configs,
 )
-from bench.server.probes import engine_numbers, engine_stats, snapshot, wait_idle
+from bench.server.probes import engine_numbers, engine_stats, prefill_graphs, snapshot, wait_idle
 from bench.server.procs import SHM_DIR, Server, child_env, reap_stale, shm_entries
 from bench.server.profile import TierProfile
 from bench.server.report import base_result, write_json
@@ -193,6 +193,7 @@ def _serve(s: Settings, record: _Record, run_dir: Path, configs: dict[str, dict]
         log(f"starting the stages ({s.mode}; ready within {s.start_timeout:.0f} s)")
         server.start(min(s.start_timeout, max(10.0, s.left() - STOP_MARGIN_S)))
         run_log["startup_s"] = round(time.monotonic() - started, 1)
+        run_log["prefill_graphs"] = prefill_graphs(server)
         if mps:
             mps.check_clients()
             result["mps"] = mps.status

@@ -89,6 +89,7 @@ def test_smoke_tiers(tmp_path):
         assert tier["code2wav"]["modeled_underruns"] >= 0
     run = result["runs"][-1]
     assert "error" not in run, run
+    assert run["prefill_graphs"]["talker"]["buckets"] == 0  # the CPU captures none (all run eagerly)
     assert run["exit_codes"] == {"gateway": 0, "code2wav": 0, "talker": 0}  # SIGTERM, graceful
     assert run["shm_left"] == []
     _realtime_streams_follow_the_clean_tiers(result)
