@@ -40,6 +40,10 @@ class CapturedCall:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.output = fn(*self.inputs)
+        # the warm-up's blocks are cached for the side stream alone, which never runs again: give them
+        # back, so the memory a budget sees grow is the graphs' pool
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
     def pool(self):
         return self.graph.pool()

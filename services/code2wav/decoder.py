@@ -191,12 +191,17 @@ class CodecDecoder:
     def _capture(self, buckets: list[int], frames_list: list[int], max_graphs: int, max_mb: float) -> None:
         pool = None
         spent_mb = 0.0
+        # one warm-up stream, its blocks given back after each capture: the allocator caches blocks per
+        # stream, so a stream a capture kept each warm-up's memory reserved, counted in the budget
+        warmup = torch.cuda.Stream(self.device)
         for frames in reversed(frames_list):
             for bucket in reversed(buckets):
                 if len(self.graphs) >= max_graphs:
                     break
                 before = torch.cuda.memory_reserved(self.device)
-                entry, pool = self._capture_one(bucket, frames, pool)
+                entry, pool = self._capture_one(bucket, frames, pool, warmup)
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
                 spent_mb += (torch.cuda.memory_reserved(self.device) - before) / 2**20
                 if spent_mb > max_mb:
                     log.warning("codec graph budget (%.0f MB) reached at (batch %d, %d frames)",
@@ -206,16 +211,15 @@ class CodecDecoder:
         log.info("captured %d codec graphs (%.0f MB): %s", len(self.graphs), spent_mb, sorted(self.graphs))
 
     @torch.inference_mode()
-    def _capture_one(self, bucket: int, frames: int, pool):
+    def _capture_one(self, bucket: int, frames: int, pool, warmup: torch.cuda.Stream):
         slot_buf = torch.full((bucket,), self.pad_slot, dtype=torch.int64, device=self.device)
         codes_buf = torch.zeros(bucket, self.codec.num_codebooks, frames, dtype=torch.int64,
                                 device=self.device)
         lengths_buf = torch.full((bucket,), frames, dtype=torch.int64, device=self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        warmup.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(warmup):
             self.codec.decode_step(slot_buf, codes_buf, lengths_buf)  # warm-up on the spare slot only
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.current_stream(self.device).wait_stream(warmup)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             out = self.codec.decode_step(slot_buf, codes_buf, lengths_buf)

@@ -180,7 +180,7 @@ class Runner:
         staged[: len(slots)] = torch.from_numpy(np.asarray(slots, dtype=np.int64))
         ids.copy_(staged, non_blocking=True)
         for dst, src in zip(buf.tensors(), self.pool.tensors(), strict=True):
-            dst.copy_(src[ids])
+            torch.index_select(src, 0, ids, out=dst)  # the rows' state, gathered without a temporary
         out = self.out[bucket]
         for i in range(k):
             self._frame(bucket)
@@ -271,4 +271,6 @@ class Runner:
             pool = graph.pool()
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
+        # the warm-ups' blocks are cached for their stream alone, which never runs again: give them back
+        torch.cuda.empty_cache()
         log.info("captured the frame graph for buckets %s", self.buckets)
