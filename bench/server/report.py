@@ -156,7 +156,29 @@ def run_table(mode: str, data: dict) -> list[str]:
         lines.append(_tier_row(c, t) + (_load_cells(t) if scheduled else ""))
     lines.append("")
     tiers = data.get("tiers", {})
-    return lines + idle_table(tiers) + step_split_table(tiers) + first_record_table(tiers)
+    return (lines + idle_table(tiers) + step_split_table(tiers) + first_record_table(tiers)
+            + refusal_table(tiers))
+
+
+def refusal_table(tiers: dict) -> list[str]:
+    """Markdown: each tier's refusals, how long they took from the send and what they said (the
+    load report's messages, numbers folded to #)."""
+    rows = [(c, t["loadgen"]) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
+            if (t.get("loadgen") or {}).get("refusal_s")]
+    if not rows:
+        return []
+    lines = ["Refusals: from the send to RESOURCE_EXHAUSTED, and why.", "",
+             "| C | refused | p50 / p99 ms | messages |", "|---|---|---|---|"]
+    for c, report in rows:
+        took = report["refusal_s"]
+        why = "; ".join(f"{n} x {text}" for text, n in report.get("refusals", {}).items())
+        lines.append(f"| {c} | {report['rejected']} | {_ms_cell(took['p50'])} / {_ms_cell(took['p99'])} | "
+                     f"{why.replace('|', '/')} |")
+    return [*lines, ""]
+
+
+def _ms_cell(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 CLEAN_TEXT = ("Clean: every request admitted and completed, zero underruns, not cut by the cap, every "

@@ -1,7 +1,7 @@
 """The server bench's talker table: the step split and what limited K, from the talker's counters."""
 
 from bench.server.probes import Snapshot, k_bounds
-from bench.server.report import step_split_table
+from bench.server.report import refusal_table, step_split_table
 from services.talker.pacing import BOUNDS
 
 
@@ -23,3 +23,13 @@ def test_k_bound_shares_are_the_tiers_steps_per_bound_and_the_table_shows_them()
               "step_split_ms": {"schedule": 0.1, "prefill": 0.3, "decode": 0.6, "emit": 0.2, "other": 22.8}}
     table = step_split_table({"64": {"talker": talker}})
     assert "K limited by" in table[2] and table[-2].endswith("| arrivals 60%, slack 40% |")
+
+
+def test_the_refusal_table_says_how_fast_and_why_each_tier_refused():
+    loadgen = {"rejected": 3, "refusal_s": {"p50": 0.004, "p90": 0.006, "p99": 0.0071},
+               "refusals": {"about # s before it could start (a|b)": 2, "# streams already use": 1}}
+    table = refusal_table({"64": {"loadgen": loadgen}, "1": {"loadgen": {"rejected": 0}}})
+    assert table[2] == "| C | refused | p50 / p99 ms | messages |"
+    assert table[4] == ("| 64 | 3 | 4.0 / 7.1 | 2 x about # s before it could start (a/b); "
+                        "1 x # streams already use |")
+    assert refusal_table({"1": {"loadgen": {"rejected": 0}}}) == []
