@@ -17,16 +17,19 @@ from services.talker.staging import Staging
 
 def test_calls_behind_a_busy_stream_neither_wait_nor_mix_their_contents():
     staging = Staging(torch.device("cuda"))
-    for _ in range(3):  # warm the host allocator's blocks of these sizes
-        staging.begin([("x", np.int64, (700,))])
+    fields = [("x", np.int64, (700,)), ("y", np.float32, (3, 5))]
+    held = []  # its views keep each call's block: eight blocks of this size, all cached and free below
+    for _ in range(8):
+        held.append(staging.begin(fields))
         staging.upload()
     torch.cuda.synchronize()
+    held.clear()
     busy = torch.cuda.Event()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of device time queued ahead of every copy below
     busy.record()
     outputs = []
     for call in range(8):
-        host = staging.begin([("x", np.int64, (700,)), ("y", np.float32, (3, 5))])
+        host = staging.begin(fields)
         host["x"][:] = np.arange(700) + call
         host["y"][:] = call / 2
         dev = staging.upload()
