@@ -167,12 +167,31 @@ class Code2WavEngine(StreamingTicks):
         for link in list(self.links.values()):
             link.keepalive()
 
-    def _talker_lost(self, link: TalkerLink) -> None:
-        lost = [s for s in self.streams.values() if s.talker_id == link.talker_id]
-        log.warning("talker %s lost; ending %d open request(s) UNAVAILABLE", link.talker_id, len(lost))
+    def _talker_lost(self, link: TalkerLink, *, ring_readable: bool = True) -> None:
+        """The talker behind ``link`` is gone. What it wrote before it went is taken first (a
+        draining talker exits right after its last records, which may still wait in the ring);
+        a request whose LAST record arrived then completes from the frames it has, the others end
+        UNAVAILABLE. ``ring_readable`` False: the ring itself failed, nothing more is read."""
+        if ring_readable:
+            self._take_what_is_left(link)
+        ours = [s for s in self.streams.values() if s.talker_id == link.talker_id]
+        lost = [s for s in ours if s.last_reason is None]
+        log.warning("talker %s lost; ending %d open request(s) UNAVAILABLE, %d complete from what arrived",
+                    link.talker_id, len(lost), len(ours) - len(lost))
         for stream in lost:
             self._end(stream, "error", "UNAVAILABLE", f"talker {link.talker_id} lost")
+        self._touched.update(s.handle for s in ours if s.last_reason is not None)
         link.drop()
+
+    def _take_what_is_left(self, link: TalkerLink) -> None:
+        with contextlib.suppress(RingError):
+            while link.consumer is not None:
+                views = link.consumer.get_batch(self.max_records, timeout=0.0)
+                if not views:
+                    return
+                for record, codes in views:
+                    self._on_record(link.talker_id, record, codes)
+                link.consumer.release()
 
     def _consume(self) -> bool:
         took = False
@@ -188,7 +207,7 @@ class Code2WavEngine(StreamingTicks):
                     took = True
             except RingError as exc:
                 log.warning("talker %s: %s", link.talker_id, exc)
-                self._talker_lost(link)
+                self._talker_lost(link, ring_readable=False)
         return took
 
     def _wait_for_records(self) -> bool:

@@ -359,3 +359,43 @@ def test_with_graphs_a_cut_that_more_follows_is_a_graph_length_and_the_rest_wait
     for _ in range(3):
         engine.step()
     assert chunk_frames(sent) == [4, 4, 5] and sent[-1][0] == "finished" and sent[-1][1].frames == 13
+
+
+class DyingLink(Link):
+    """A link whose talker can go: tick() then finds it dead (as a stale heartbeat reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alive_now = True
+
+    @property
+    def connected(self) -> bool:
+        return self.consumer is not None
+
+    def alive(self) -> bool:
+        return self.alive_now
+
+    def ensure(self, now: float) -> bool:
+        return False
+
+    def drop(self) -> None:
+        self.consumer = None
+
+
+def test_a_lost_talkers_requests_with_their_last_record_complete_and_the_others_end():
+    clock, link, decoder = Clock(), DyingLink(), Decoder()
+    engine = Code2WavEngine(decoder, {"t0": link}, max_slots=8, max_undelivered_seconds=100.0,
+                            max_records_per_step=64, clock=clock)
+    p = Pacing(decode_margin_s=0.1, steady_frames=8, min_chunk_frames=2)
+    (_, done), (_, cut_off) = open_stream(engine, 1, p), open_stream(engine, 2, p)
+    put(link, 1, 0, 8)
+    put(link, 2, 0, 8)
+    engine.step()                                  # both first chunks
+    put(link, 1, 1, 4, last=True, first=8)         # written before the talker went, still in the ring
+    link.alive_now = False                         # a draining talker exits after its last records
+    engine.tick()
+    assert not link.connected                      # the ring is dropped
+    engine.step()                                  # (messages go out with a step's outbox)
+    assert cut_off[-1][:2] == ("error", "UNAVAILABLE") and "talker t0 lost" in cut_off[-1][2]
+    assert chunk_frames(done) == [8, 4] and done[-1][0] == "finished"
+    assert done[-1][1].frames == 12                # every frame the talker wrote, decoded
