@@ -74,6 +74,8 @@ it), so a part cut by ``--max-wall`` is finished by running it again.
 #   gpu       the GPU host: nvidia-smi queries, the memory sampler, the MPS control daemon
 #   procs     the stage processes (Server): start, ready-wait, stop; stale runs reaped, /dev/shm
 #   probes    what the stages report: Stats, /metrics, snapshots, a tier's engine numbers
+#   tier_tables  the tables of where a tier's time went: idle, step split and K's bounds, first
+#             audio's parts, refusals
 #   report    the result files: their header, atomic JSON writes, the markdown table, the plots
 #   tiers     the load, one record per tier, ``--part tiers``
 #   baseline  ``--part baseline``: voxring's talker frame, transformers' generate

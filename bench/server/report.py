@@ -15,8 +15,8 @@ from pathlib import Path
 
 from bench.server import log
 from bench.server.gpu import gpu_info, run_cmd
-from bench.server.probes import STEP_PARTS
 from bench.server.settings import LAYOUTS, REPO, Settings, overrides_env
+from bench.server.tier_tables import first_record_table, fmt, idle_table, refusal_table, step_split_table
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -49,14 +49,6 @@ def base_result(s: Settings) -> dict:
             "versions": versions(), "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
             "env_overrides": overrides_env(), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "tokenizer": s.tokenizer}
-
-
-def _fmt(value, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
 
 
 def clean_through(tiers: dict) -> int:
@@ -160,27 +152,6 @@ def run_table(mode: str, data: dict) -> list[str]:
             + refusal_table(tiers))
 
 
-def refusal_table(tiers: dict) -> list[str]:
-    """Markdown: each tier's refusals, how long they took from the send and what they said (the
-    load report's messages, numbers folded to #)."""
-    rows = [(c, t["loadgen"]) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
-            if (t.get("loadgen") or {}).get("refusal_s")]
-    if not rows:
-        return []
-    lines = ["Refusals: from the send to RESOURCE_EXHAUSTED, and why.", "",
-             "| C | refused | p50 / p99 ms | messages |", "|---|---|---|---|"]
-    for c, report in rows:
-        took = report["refusal_s"]
-        why = "; ".join(f"{n} x {text}" for text, n in report.get("refusals", {}).items())
-        lines.append(f"| {c} | {report['rejected']} | {_ms_cell(took['p50'])} / {_ms_cell(took['p99'])} | "
-                     f"{why.replace('|', '/')} |")
-    return [*lines, ""]
-
-
-def _ms_cell(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
-
-
 CLEAN_TEXT = ("Clean: every request admitted and completed, zero underruns, not cut by the cap, every "
               "request's PCM samples = its usage frames x sample rate / frame rate, and none delivered "
               "under 99% of the audio it asked for on its length cap (a stop frame may end one early).")
@@ -188,39 +159,24 @@ STEADY_TEXT = ("Steady audio-s/s: the audio received from 2 s after the tier's f
                "send, over that window.")
 
 
-def idle_table(tiers: dict) -> list[str]:
-    """Markdown: the sequential C=1 tier's time to first audio by the idle before the request
-    (nothing when no tier has one)."""
-    rows = [(c, t["ttfa_by_idle_ms"]) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
-            if t.get("ttfa_by_idle_ms")]
-    if not rows:
-        return []
-    lines = ["Sequential C=1, time to first audio by the idle before the request (after the previous "
-             "one ended):", "", "| C | idle s | requests | TTFA p50 / p90 / p99 ms |", "|---|---|---|---|"]
-    for c, by_idle in rows:
-        lines += [f"| {c} | {gap} | {v.get('requests')} | {_fmt(v.get('p50'))} / {_fmt(v.get('p90'))} / "
-                  f"{_fmt(v.get('p99'))} |" for gap, v in by_idle.items()]
-    return [*lines, ""]
-
-
 def _load_cells(t: dict) -> str:
     """A poisson or burst tier's extra cells: streams in flight, audio asked and delivered."""
-    return (f" {_fmt(t.get('mean_in_flight'), 2)} / {_fmt(t.get('max_in_flight'))} | "
-            f"{_fmt(t.get('requested_audio_s'))} / {_fmt(t.get('delivered_audio_s'))} |")
+    return (f" {fmt(t.get('mean_in_flight'), 2)} / {fmt(t.get('max_in_flight'))} | "
+            f"{fmt(t.get('requested_audio_s'))} / {fmt(t.get('delivered_audio_s'))} |")
 
 
 def _tier_row(c: str, t: dict) -> str:
     tk, cw, ttfa = t.get("talker", {}), t.get("code2wav", {}), t["ttfa_ms"]
     errors = f" ({', '.join(f'{k} {v}' for k, v in t['errors'].items())})" if t["errors"] else ""
-    return (f"| {c} | {t['admitted']} / {t['rejected']}{errors} | {_fmt(ttfa['p50'])} / "
-            f"{_fmt(ttfa['p90'])} / {_fmt(ttfa['p99'])} | {_fmt(t['gap_p99_ms'])} | "
+    return (f"| {c} | {t['admitted']} / {t['rejected']}{errors} | {fmt(ttfa['p50'])} / "
+            f"{fmt(ttfa['p90'])} / {fmt(ttfa['p99'])} | {fmt(t['gap_p99_ms'])} | "
             f"{t['underruns']}{_stall_chunks(t.get('stalls_by_chunk'))} | "
-            f"{_fmt(t['audio_s_per_s'])} | {_fmt(t.get('steady_audio_s_per_s'))} | {_fmt(t['rtf'], 3)} | "
-            f"{_fmt(tk.get('frames_per_s'))} | {_fmt(tk.get('step_ms'))} | {_fmt(tk.get('mean_k'), 2)} | "
-            f"{_fmt(tk.get('mean_rows_per_step'))} | {_fmt(cw.get('chunks_per_s'))} | "
-            f"{_fmt(t.get('cpu_cores_busy', {}).get('gateway'), 2)} | "
+            f"{fmt(t['audio_s_per_s'])} | {fmt(t.get('steady_audio_s_per_s'))} | {fmt(t['rtf'], 3)} | "
+            f"{fmt(tk.get('frames_per_s'))} | {fmt(tk.get('step_ms'))} | {fmt(tk.get('mean_k'), 2)} | "
+            f"{fmt(tk.get('mean_rows_per_step'))} | {fmt(cw.get('chunks_per_s'))} | "
+            f"{fmt(t.get('cpu_cores_busy', {}).get('gateway'), 2)} | "
             f"{_memory(t.get('gpu_memory_mib', {}).get('peak'))} | "
-            f"{_fmt(t.get('sample_mismatches'))} / {_fmt(t.get('audio_shortfalls'))} | "
+            f"{fmt(t.get('sample_mismatches'))} / {fmt(t.get('audio_shortfalls'))} | "
             f"{'yes' if t['clean'] else 'no'}{' (partial)' if t['status'] == 'partial' else ''} |")
 
 
@@ -228,51 +184,7 @@ def _memory(peak) -> str:
     """A tier's peak GPU memory: one number (older results) or one per GPU."""
     if isinstance(peak, dict):
         return " + ".join(str(peak[k]) for k in sorted(peak)) if peak else "-"
-    return _fmt(peak)
-
-
-def step_split_table(tiers: dict) -> list[str]:
-    """Markdown: each tier's talker step split (nothing when no tier has one)."""
-    rows = [(c, t["talker"]["step_split_ms"]) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
-            if t.get("talker", {}).get("step_split_ms")]
-    if not rows:
-        return []
-    head = " | ".join((*STEP_PARTS, "other"))
-    lines = [f"Talker step, ms per decode step: {head}; and what limited K (share of the steps).", "",
-             f"| C | step ms | mean K | {head} | K limited by |",
-             "|---|---|---|" + "---|" * (len(STEP_PARTS) + 2)]
-    for c, split in rows:
-        talker = tiers[c]["talker"]
-        bounds = talker.get("k_bound_share") or {}
-        limits = ", ".join(f"{b} {v:.0%}" for b, v in sorted(bounds.items(), key=lambda kv: -kv[1]) if v)
-        lines.append(f"| {c} | {_fmt(talker.get('step_ms'), 2)} | {_fmt(talker.get('mean_k'), 2)} | "
-                     + " | ".join(_fmt(split[part], 2) for part in (*STEP_PARTS, "other"))
-                     + f" | {limits or '-'} |")
-    return [*lines, ""]
-
-
-def first_record_table(tiers: dict) -> list[str]:
-    """Markdown: where first audio goes, per tier: the talker's parts of its first records (mean ms)
-    beside the gateway's mean time to first audio; "rest" is what the talker does not see (the
-    gateway before Submit and after the chunk, the ring, Code2Wav's first decode, the hops), and
-    "of it C2W" Code2Wav's part of it (first record taken off the ring -> first chunk sent)."""
-    rows = [(c, t) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
-            if t.get("talker", {}).get("first_record_ms")]
-    if not rows:
-        return []
-    lines = ["First audio, mean ms: the talker's first record (Submit -> prefill queued -> first step "
-             "launched -> record written) and the rest of the gateway's time to first audio.", "",
-             "| C | gateway TTFA mean | wait | prefill | step | rest | of it C2W |",
-             "|---|---|---|---|---|---|---|"]
-    for c, tier in rows:
-        first = tier["talker"]["first_record_ms"]
-        server = tier.get("gateway", {}).get("server_ttfa_mean_ms")
-        talker = first["wait"] + first["prefill"] + first["step"]
-        rest = None if server is None else server - talker
-        lines.append(f"| {c} | {_fmt(server, 1)} | {_fmt(first['wait'], 2)} | {_fmt(first['prefill'], 2)} | "
-                     f"{_fmt(first['step'], 2)} | {_fmt(rest, 1)} | "
-                     f"{_fmt(tier.get('code2wav', {}).get('first_chunk_ms'), 1)} |")
-    return [*lines, ""]
+    return fmt(peak)
 
 
 def scale_out_tables(runs: dict) -> list[str]:
@@ -305,12 +217,12 @@ def scale_out_tables(runs: dict) -> list[str]:
             a1 = b["audio_s_per_s"] if b else None
             a2 = t["audio_s_per_s"] if t else None
             gw = (t or {}).get("gateway", {})
-            lines.append(f"| {c} | {_fmt(a1)} | {_fmt(a2)} | "
+            lines.append(f"| {c} | {fmt(a1)} | {fmt(a2)} | "
                          f"{f'{a2 / a1:.2f}x' if a1 and a2 else '-'} | "
                          f"{'yes' if b and b['clean'] else 'no' if b else '-'} / "
                          f"{'yes' if t and t['clean'] else 'no' if t else '-'} | "
-                         f"{_fmt(gw.get('cpu_cores_per_stream'), 4)} | "
-                         f"{_fmt(gw.get('cpu_ms_per_audio_s'), 2)} |")
+                         f"{fmt(gw.get('cpu_cores_per_stream'), 4)} | "
+                         f"{fmt(gw.get('cpu_ms_per_audio_s'), 2)} |")
         lines += ["", f"Time to first audio at equal load per GPU (one pair at C streams, {layout} at "
                   f"{gpus}C over {gpus} GPUs):", "",
                   f"| C per GPU | one pair: TTFA p50 / p99 ms | {layout} at {gpus}C: TTFA p50 / p99 ms | "
@@ -319,8 +231,8 @@ def scale_out_tables(runs: dict) -> list[str]:
             b, t = base_tiers[str(c)], tiers.get(str(gpus * c))
             if t is None:
                 continue
-            lines.append(f"| {c} | {_fmt(b['ttfa_ms']['p50'])} / {_fmt(b['ttfa_ms']['p99'])} | "
-                         f"{_fmt(t['ttfa_ms']['p50'])} / {_fmt(t['ttfa_ms']['p99'])} | "
+            lines.append(f"| {c} | {fmt(b['ttfa_ms']['p50'])} / {fmt(b['ttfa_ms']['p99'])} | "
+                         f"{fmt(t['ttfa_ms']['p50'])} / {fmt(t['ttfa_ms']['p99'])} | "
                          f"{b['underruns']} / {t['underruns']} |")
         lines.append("")
     return lines
@@ -333,7 +245,7 @@ def baseline_table(data: dict) -> list[str]:
              "", "| | B=1 | B=8 |", "|---|---|---|"]
 
     def row(label: str, get) -> None:
-        lines.append(f"| {label} | {_fmt(get('B=1'))} | {_fmt(get('B=8'))} |")
+        lines.append(f"| {label} | {fmt(get('B=1'))} | {fmt(get('B=8'))} |")
 
     row("voxring talker, device ms per frame (CUDA graph)",
         lambda b: vox.get(b, {}).get("device_ms_per_frame"))

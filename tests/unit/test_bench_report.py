@@ -1,7 +1,7 @@
 """The server bench's talker table: the step split and what limited K, from the talker's counters."""
 
 from bench.server.probes import Snapshot, k_bounds
-from bench.server.report import refusal_table, step_split_table
+from bench.server.tier_tables import refusal_table, step_split_table
 from services.talker.pacing import BOUNDS
 
 

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from bench.server.report import first_record_table
+from bench.server.tier_tables import first_record_table
 from services.talker.metrics import FIRST_RECORD_PARTS
 from tests.unit.test_talker_engine import _batch, make_engine, run
 

@@ -1,0 +1,97 @@
+"""The server bench's tables of where a tier's time went, read from each tier's engine numbers:
+first audio by the idle before it (the sequential C=1 tier), the talker's step split and what
+limited K, first audio's parts, and the refusals. bench/server/report.py puts them under a run's
+table of tiers."""
+
+from __future__ import annotations
+
+from bench.server.probes import STEP_PARTS
+
+
+def fmt(value, digits: int = 1) -> str:
+    """A table cell: "-" for None, a float to ``digits`` places."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def idle_table(tiers: dict) -> list[str]:
+    """Markdown: the sequential C=1 tier's time to first audio by the idle before the request
+    (nothing when no tier has one)."""
+    rows = [(c, t["ttfa_by_idle_ms"]) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
+            if t.get("ttfa_by_idle_ms")]
+    if not rows:
+        return []
+    lines = ["Sequential C=1, time to first audio by the idle before the request (after the previous "
+             "one ended):", "", "| C | idle s | requests | TTFA p50 / p90 / p99 ms |", "|---|---|---|---|"]
+    for c, by_idle in rows:
+        lines += [f"| {c} | {gap} | {v.get('requests')} | {fmt(v.get('p50'))} / {fmt(v.get('p90'))} / "
+                  f"{fmt(v.get('p99'))} |" for gap, v in by_idle.items()]
+    return [*lines, ""]
+
+
+def step_split_table(tiers: dict) -> list[str]:
+    """Markdown: each tier's talker step split (nothing when no tier has one)."""
+    rows = [(c, t["talker"]["step_split_ms"]) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
+            if t.get("talker", {}).get("step_split_ms")]
+    if not rows:
+        return []
+    head = " | ".join((*STEP_PARTS, "other"))
+    lines = [f"Talker step, ms per decode step: {head}; and what limited K (share of the steps).", "",
+             f"| C | step ms | mean K | {head} | K limited by |",
+             "|---|---|---|" + "---|" * (len(STEP_PARTS) + 2)]
+    for c, split in rows:
+        talker = tiers[c]["talker"]
+        bounds = talker.get("k_bound_share") or {}
+        limits = ", ".join(f"{b} {v:.0%}" for b, v in sorted(bounds.items(), key=lambda kv: -kv[1]) if v)
+        lines.append(f"| {c} | {fmt(talker.get('step_ms'), 2)} | {fmt(talker.get('mean_k'), 2)} | "
+                     + " | ".join(fmt(split[part], 2) for part in (*STEP_PARTS, "other"))
+                     + f" | {limits or '-'} |")
+    return [*lines, ""]
+
+
+def first_record_table(tiers: dict) -> list[str]:
+    """Markdown: where first audio goes, per tier: the talker's parts of its first records (mean ms)
+    beside the gateway's mean time to first audio; "rest" is what the talker does not see (the
+    gateway before Submit and after the chunk, the ring, Code2Wav's first decode, the hops), and
+    "of it C2W" Code2Wav's part of it (first record taken off the ring -> first chunk sent)."""
+    rows = [(c, t) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
+            if t.get("talker", {}).get("first_record_ms")]
+    if not rows:
+        return []
+    lines = ["First audio, mean ms: the talker's first record (Submit -> prefill queued -> first step "
+             "launched -> record written) and the rest of the gateway's time to first audio.", "",
+             "| C | gateway TTFA mean | wait | prefill | step | rest | of it C2W |",
+             "|---|---|---|---|---|---|---|"]
+    for c, tier in rows:
+        first = tier["talker"]["first_record_ms"]
+        server = tier.get("gateway", {}).get("server_ttfa_mean_ms")
+        talker = first["wait"] + first["prefill"] + first["step"]
+        rest = None if server is None else server - talker
+        lines.append(f"| {c} | {fmt(server, 1)} | {fmt(first['wait'], 2)} | {fmt(first['prefill'], 2)} | "
+                     f"{fmt(first['step'], 2)} | {fmt(rest, 1)} | "
+                     f"{fmt(tier.get('code2wav', {}).get('first_chunk_ms'), 1)} |")
+    return [*lines, ""]
+
+
+def refusal_table(tiers: dict) -> list[str]:
+    """Markdown: each tier's refusals, how long they took from the send and what they said (the
+    load report's messages, numbers folded to #)."""
+    rows = [(c, t["loadgen"]) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
+            if (t.get("loadgen") or {}).get("refusal_s")]
+    if not rows:
+        return []
+    lines = ["Refusals: from the send to RESOURCE_EXHAUSTED, and why.", "",
+             "| C | refused | p50 / p99 ms | messages |", "|---|---|---|---|"]
+    for c, report in rows:
+        took = report["refusal_s"]
+        why = "; ".join(f"{n} x {text}" for text, n in report.get("refusals", {}).items())
+        lines.append(f"| {c} | {report['rejected']} | {fmt(_ms(took['p50']))} / {fmt(_ms(took['p99']))} | "
+                     f"{why.replace('|', '/')} |")
+    return [*lines, ""]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
