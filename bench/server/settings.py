@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import bench.server
+from services.common.buckets import row_buckets
 from voxring.bench_cli import audio_seconds_argument, idle_gaps_argument
 from voxring.loads import DEFAULT_IDLE_GAPS_S, MAX_TEXT_CHARS, corpus_texts
 
@@ -193,7 +194,7 @@ def stage_configs(s: Settings, run_dir: Path, checkpoint: Path | None) -> dict[s
         if spec.kind == "talker":
             configs[spec.name] = {
                 **common, "model": model,
-                "engine": {"k_max": 8, "buckets": pow2_up_to(top), "max_num_seqs": top, "max_len": max_len,
+                "engine": {"k_max": 8, "buckets": row_buckets(top), "max_num_seqs": top, "max_len": max_len,
                            "max_waiting": max(256, 2 * top), "cuda_graphs": not s.smoke},
             }
         elif spec.kind == "code2wav":

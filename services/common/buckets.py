@@ -26,6 +26,22 @@ class Call:
     frames: int            # T: every row padded to it
 
 
+def row_buckets(limit: int, *, flat: int = 128) -> list[int]:
+    """Batch buckets for up to ``limit`` rows: powers of two up to ``flat`` rows (below it a step
+    costs about the same whatever its rows, so padding is cheap), then every quarter of each power
+    of two (160, 192, 224, 256, 320, ...: at most MAX_ROW_PADDING of a bucket is padding), ``limit``
+    the last. The talker's decode step pays for its bucket's rows: 623 rows in a power-of-two
+    bucket of 1,024 would cost 1.6x their work."""
+    if limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    sizes, size = [], 1
+    while size < limit:
+        sizes.append(size)
+        quarter = (1 << (size.bit_length() - 1)) // 4
+        size = size * 2 if size < flat or quarter < 1 else (size // quarter + 1) * quarter
+    return [*sizes, limit]
+
+
 def padded_length(frames: int, lengths: Sequence[int]) -> int:
     """The smallest graph length that holds ``frames`` (``frames`` itself above them all)."""
     return next((t for t in lengths if t >= frames), frames)

@@ -9,7 +9,15 @@ import random
 
 import pytest
 
-from services.common.buckets import MAX_ROW_PADDING, Call, length_at_most, padded_length, plan, split_rows
+from services.common.buckets import (
+    MAX_ROW_PADDING,
+    Call,
+    length_at_most,
+    padded_length,
+    plan,
+    row_buckets,
+    split_rows,
+)
 
 LENGTHS = (1, 2, 4, 8, 16)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -66,3 +74,24 @@ def test_rows_longer_than_every_graph_length_go_together_first():
     calls = plan([300, 20, 512, 30], (32, 64, 128, 256), BUCKETS)
     assert calls[0] == Call((0, 2), 512) and sorted(r for c in calls[1:] for r in c.rows) == [1, 3]
     assert all(c.frames == 32 for c in calls[1:])
+
+
+@pytest.mark.parametrize("limit", [1, 5, 100, 128, 129, 1000, 1024, 2048])
+def test_row_buckets_are_powers_of_two_then_pad_at_most_the_bound(limit):
+    sizes = row_buckets(limit)
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == limit
+    assert all(b & (b - 1) == 0 for b in sizes if b < min(128, limit))  # powers of two below 128
+    # above 128, any row count pads to its bucket by at most the bound
+    for rows in range(129, limit + 1):
+        assert smallest(sizes, rows) <= rows * MAX_ROW_PADDING
+
+
+def test_row_buckets_for_2048_rows():
+    assert row_buckets(2048) == [1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640,
+                                 768, 896, 1024, 1280, 1536, 1792, 2048]
+    with pytest.raises(ValueError, match="limit"):
+        row_buckets(0)
+
+
+def smallest(sizes, rows):
+    return next(b for b in sizes if b >= rows)
