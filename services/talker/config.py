@@ -47,7 +47,7 @@ class EngineSection:
     # admission by slack: a stream is refused when a step of k_max frames for one more would not
     # beat the audio it makes by this fraction
     min_chunk_tokens: int = 32
-    admission_headroom: float = 0.2
+    admission_headroom: float = 0.25
     admission_by_slack: bool = True         # false: only the counts and max_queue_wait_s refuse
     max_queue_wait_s: float = 0.05          # refuse a request expected to wait longer for a slot or prefill
     # Prefill graphs per (rows, tokens) bucket on CUDA: a step's chunks run grouped by the token

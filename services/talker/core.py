@@ -25,20 +25,29 @@ from services.transport import Endpoint
 @dataclass
 class Admission:
     """The refusal a typical request would get now (scheduler.Overloaded) or None, and how many
-    more the servicer may post before the next verdict (``posted`` counts them)."""
+    more the servicer may post before the next verdict (``posted`` counts them). ``busy``: the
+    engine thread was stepping when it gave the verdict, so it takes the next commands only after
+    a step (``step_s`` lately)."""
 
     refusing: Overloaded | None
     room: int
     posted: int = 0
+    busy: bool = False
+    step_s: float = 0.1
 
     def claim(self) -> tuple[Overloaded | None, bool]:
         """The servicer's: (the refusal to answer at once, or None; whether the request is
-        admitted on this verdict). Past ``room`` the verdict is spent, and a stale count must not
-        refuse: (None, False) sends the request to the engine thread, which decides with every
-        check in order (a handle already in flight before capacity) and renews the verdict."""
+        admitted on this verdict). Past ``room`` while the engine steps, a refusal at once: the
+        room is what could start within ``max_queue_wait_s``, and the engine thread would answer
+        only after its step, longer than a refusal may take. Past ``room`` while it is idle, the
+        request goes to the engine thread, which answers at once with every check in order (a
+        handle already in flight before capacity) and renews the verdict: (None, False)."""
         if self.refusing is not None:
             return self.refusing, False
         if self.posted >= self.room:
+            if self.busy:
+                return Overloaded(f"the {self.room} request(s) the talker's last step had room for are "
+                                  f"taken; the next step renews it", self.step_s), False
             return None, False
         self.posted += 1
         return None, True
@@ -88,7 +97,7 @@ class TalkerCore:
         scheduler, now = self.engine.scheduler, self.engine.clock()
         refusing = scheduler.refusal(now, self._typical_prompt)
         room = 0 if refusing is not None else scheduler.admissible(now, round(self._typical_prompt))
-        self.admission = Admission(refusing, room)
+        self.admission = Admission(refusing, room, busy=self.engine.busy, step_s=scheduler.period_s or 0.1)
 
     def tick(self) -> None:
         for consumer_id in self.consumers.tick():

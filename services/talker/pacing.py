@@ -35,10 +35,11 @@ FIRST_AUDIO_HEADROOM = 0.5
 FIRST_K = 2  # frames: a first chunk of 160 ms
 # Steps are cut for arrivals (PacingConfig.arrival_step_s) once this many are expected within a
 # K_max step, never below the K whose time per frame is within STEP_EFFICIENCY of K_max's, and only
-# as far as the rows stay fed CUT_SPEED times faster than real time.
+# as far as the rows stay fed CUT_SPEED times faster than real time: admission's promise at its
+# default headroom (fits).
 ARRIVALS_LIKELY = 0.1
 STEP_EFFICIENCY = 0.1
-CUT_SPEED = 2.0
+CUT_SPEED = 1.25
 # Where a speaking row's slack bounds K below this speed (the rows fed this many times faster than
 # real time, counting the loop's own time a step), K is raised to it: rows behind catch up, not fall
 # further behind in steps too short to feed them.
@@ -228,9 +229,10 @@ def arrival_cap(outlook: StepOutlook, config: PacingConfig, times: StepTimes) ->
     whose estimate fits, but never below the fewest frames whose time per frame is within
     ``STEP_EFFICIENCY`` of K_max's (a step's fixed cost must not eat the rows' throughput, as it
     would where even K = 1 overruns the cut), nor below the fewest that still feed the rows
-    ``CUT_SPEED`` times faster than real time counting the loop's own time a step (``host_s``):
-    a pair near its capacity is not cut at all, since short steps make short records, and
-    Code2Wav pays per record. K_max when not cut."""
+    ``CUT_SPEED`` times faster than real time counting the loop's own time a step (``host_s``).
+    That is the speed admission promises its streams (``fits`` at the default headroom 0.25), so
+    within what admission lets in the steps stay short; rows no K feeds so fast (admission let in
+    too many) are not cut at all: their throughput comes first. K_max when not cut."""
     top = times.estimate(outlook.bucket, config.k_max)
     if not config.arrival_step_s or top is None or outlook.arrival_rate * top < ARRIVALS_LIKELY:
         return config.k_max
@@ -292,14 +294,28 @@ def prefill_tokens_allowed(outlook: StepOutlook, config: PacingConfig, times: St
     return max(0.0, spare / times.per_token_s)
 
 
-def fits(rows: int, bucket_for, config: PacingConfig, times: StepTimes, headroom: float) -> bool:
-    """Whether ``rows`` streams can be fed faster than real time: a step of K_max frames at their
-    bucket takes less than the audio it makes, with ``headroom`` (0.2: 20% to spare). Unknown
-    sizes (no step of their bucket measured yet) fit: admission then rests on the counts alone,
-    since a larger bucket's step grows far less than its rows."""
+def fits(rows: int, bucket_for, config: PacingConfig, times: StepTimes, headroom: float,
+         host_s: float = 0.0) -> bool:
+    """Whether ``rows`` streams can be fed ``1 + headroom`` times faster than real time in steps
+    no longer than a first record's audio over the same headroom (``FIRST_K`` frames: 128 ms at
+    12.5 Hz and 0.25). Both are promises to a stream admitted now: it is fed faster than it plays,
+    and the step in flight when it arrives, and the one after its first record, end before a first
+    chunk would run dry. A step is its bucket's estimate (measured buckets around it stand for one
+    not yet measured) and the loop's own time a step lately beyond it (``host_s``: host work and
+    prefill). Nothing measured yet: the counts alone decide."""
     try:
         bucket = bucket_for(rows)
     except ValueError:
         return False
-    step = times.estimate(bucket, config.k_max, across_buckets=False)
-    return step is None or step * (1 + headroom) < config.k_max / config.frame_rate
+    speed = 1 + headroom
+    longest = FIRST_K / config.frame_rate / speed
+    for k in range(1, config.k_max + 1):
+        estimate = times.estimate(bucket, k)
+        if estimate is None:
+            return True
+        step = host_s + estimate
+        if step > longest:
+            return False  # a step only grows with its frames
+        if k / config.frame_rate >= speed * step:
+            return True
+    return False

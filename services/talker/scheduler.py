@@ -108,7 +108,7 @@ class Scheduler(AdmissionRules, SessionRules):
     def __init__(self, *, num_slots: int, max_num_seqs: int, k_max: int, prefill_token_budget: int,
                  max_waiting: int, stall_timeout: float, frame_rate: float, path_s: float,
                  bucket_for: Callable[[int], int] = lambda rows: rows, min_chunk_tokens: int = 32,
-                 admission_headroom: float | None = 0.2, max_queue_wait_s: float = 0.05,
+                 admission_headroom: float | None = 0.25, max_queue_wait_s: float = 0.05,
                  max_len: int = 1 << 30, max_sessions: int = 0,
                  session_idle_s: float = 30.0, arrival_step_s: float = 0.0) -> None:
         self.slots = SlotAllocator(num_slots)

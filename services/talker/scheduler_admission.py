@@ -2,12 +2,15 @@
 whether one more request would be refused, and how many more could be taken now. Pure Python.
 
 New work is refused (``Overloaded``) when one more stream would not be fed faster than real
-time by a step of the measured size (admission by slack), or when it would wait longer than
+time by steps of the measured size short enough for a first chunk (admission by slack,
+``pacing.fits``), or when it would wait longer than
 ``max_queue_wait_s`` for a slot (at the rate slots have lately freed) or for the prompts before
 it to be prefilled. An idle session counts as a stream: it comes back with its next segment.
 """
 
 from __future__ import annotations
+
+import math
 
 from services.talker.pacing import fits
 
@@ -37,11 +40,11 @@ class AdmissionRules:
             return None  # alone it is served as fast as this device can: refusing helps nobody
         headroom = self.admission_headroom
         if headroom is not None and not fits(min(streams, self.max_num_seqs), self.bucket_for, self.pacing,
-                                             self.times, headroom):
+                                             self.times, headroom, self._host_s()):
             left = min((r.max_frames - r.frames_done for r in self.running), default=0)
-            return Overloaded(f"{streams - 1} streams already use the talker's real-time capacity (a step "
-                              f"of {self.k_max} frames for {streams} would outlast their audio)",
-                              max(0.1, left / self.pacing.frame_rate))
+            return Overloaded(f"{streams - 1} streams already use the talker's real-time capacity (no step "
+                              f"short enough for a first chunk feeds {streams} {1 + headroom:g}x faster "
+                              f"than real time)", max(0.1, left / self.pacing.frame_rate))
         wait = max(self._slot_wait(now), self._prefill_wait(prompt_len))
         if wait <= self.max_queue_wait_s:
             return None
@@ -60,8 +63,8 @@ class AdmissionRules:
             rate = (len(released) - 1) / (now - released[0])
             free = min(len(self.slots), self.max_num_seqs - len(self.running))
             room = min(room, int(free + rate * self.max_queue_wait_s) - len(self.waiting))
-        if self.period_s:
-            steps = self.max_queue_wait_s / self.period_s
+        if self.period_s:  # as _prefill_wait counts: whole steps' budgets before the last one's
+            steps = math.floor(self.max_queue_wait_s / self.period_s) + 1
             tokens = steps * self.prefill_token_budget - self._backlog_tokens()
             room = min(room, int(tokens / max(1, prompt_len)))
         return max(1, room)

@@ -165,13 +165,27 @@ def test_prefill_allowed_is_what_the_slack_leaves_after_two_steps():
     assert prefill_tokens_allowed(outlook(row_due=0.0), CONFIG, times) == 0
 
 
-def test_fits_compares_a_k_max_step_with_the_audio_it_makes():
+def test_fits_asks_for_a_step_that_feeds_the_rows_and_is_short_enough_for_a_first_chunk():
     times = StepTimes()
-    assert fits(4, lambda rows: 4, CONFIG, times, 0.2)  # nothing measured: counts decide
-    times.observe(4, 8, 0.5)
-    assert fits(4, lambda rows: 4, CONFIG, times, 0.2)  # 640 ms of audio in 500 ms (+20%: 600)
-    assert not fits(4, lambda rows: 4, CONFIG, times, 0.3)
-    assert not fits(4, lambda rows: (_ for _ in ()).throw(ValueError("too many")), CONFIG, times, 0.2)
+    assert fits(4, lambda rows: 4, CONFIG, times, 0.25)  # nothing measured: counts decide
+    for _ in range(200):
+        times.observe(4, 1, 0.040)
+        times.observe(4, 8, 0.250)  # 10 ms fixed, 30 ms a frame
+    # K=2 (70 ms) feeds the rows 2.3x real time, within 128 ms (160 ms of first chunk over 1.25)
+    assert fits(4, lambda rows: 4, CONFIG, times, 0.25)
+    # 60 ms of the loop's own a step: K=2 takes 130 ms, past 128; K=1 takes 100 ms for 80 ms of audio
+    assert not fits(4, lambda rows: 4, CONFIG, times, 0.25, host_s=0.060)
+    assert fits(4, lambda rows: 4, CONFIG, times, 0.2, host_s=0.060)  # 133 ms at 1.2x
+    # a K_max step would beat its audio by far (250 ms for 640), yet no step short enough feeds them
+    for _ in range(200):
+        times.observe(8, 1, 0.150)
+        times.observe(8, 8, 0.360)
+    assert not fits(8, lambda rows: 8, CONFIG, times, 0.25)
+    # a bucket not measured yet is judged by those around it, linear in rows: K=2 for 6 rows takes
+    # 125 ms, for 7 rows 152 ms
+    assert fits(6, lambda rows: rows, CONFIG, times, 0.25)
+    assert not fits(7, lambda rows: rows, CONFIG, times, 0.25)
+    assert not fits(4, lambda rows: (_ for _ in ()).throw(ValueError("too many")), CONFIG, times, 0.25)
 
 
 def test_bad_pacing_settings_are_refused_by_name():

@@ -387,20 +387,20 @@ def test_steps_are_cut_while_requests_arrive_and_not_once_they_stop():
     speaking.first_written_at, speaking.frames_done = 0.0, 60  # seconds of audio to spare
     plan = s.schedule(0.5)
     assert (plan.k, plan.k_bound) == (8, "k_max")  # one arrival a second: 0.06 expected in a step
+    # steps back to back (this test's clock jumps between plans): the last, K = 8, took its estimate
+    s._last_plan, s.period_s = None, 0.062
     for handle in range(2, 6):  # four arrivals within the last second: 0.3 expected in a step
         r = req(handle)
         r.arrival = 0.5 + 0.1 * handle
         s.add(r)
     assert s.arrival_rate(1.2) == 4.0  # the first (at 0) left the window
-    # steps back to back (this test's clock jumps between plans): the last, K = 8, took its estimate
-    s._last_plan, s.period_s = None, 0.062
     plan = s.schedule(1.2)
     assert (plan.k, plan.k_bound) == (3, "arrivals")  # 23.6 ms; K = 4 would take 31 ms
     assert s.arrival_rate(2.7) == 0.0  # a second after the last: no longer cut
-    # a loop that spends 100 ms a step beyond the step line (its own work): K = 3 would feed the rows
-    # 3 frames in 124 ms, 24 a second, under twice real time (25): the cut stops at K = 4
+    # a loop that spends 200 ms a step beyond the step line (its own work): K = 3 would feed the rows
+    # 3 frames in 224 ms, 13.4 a second, under 1.25x real time (15.6): the cut stops at K = 4
     s._last_plan, s._arrivals = None, type(s._arrivals)([1.3, 1.35, 1.4, 1.45], maxlen=256)
-    s.period_s = 0.0236 + 0.100
+    s.period_s = 0.0236 + 0.200
     plan = s.schedule(1.5)
     assert plan.k_bound == "arrivals" and plan.k == 4
     s._last_plan, s.period_s = None, 8 / 12.5  # a step as long as its audio: near capacity, uncut
