@@ -147,10 +147,26 @@ def _talker_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -
     first = first_record_ms(before, after, name)
     if first:
         talker["first_record_ms"] = first
+    grant = prefill_grant(before, after, name)
+    if grant:
+        talker["prefill_grant"] = grant
     allocator = allocator_counts(before, after, name)
     if allocator:
         talker["cuda_allocator"] = allocator
     return talker
+
+
+def prefill_grant(before: Snapshot, after: Snapshot, name: str) -> dict | None:
+    """The tier's steps planned while prompts waited: how many, the prompt positions each was
+    allowed (the speaking rows' slack cuts prefill_token_budget) and prefilled, on average (None:
+    no such step, or a talker without the counters)."""
+    steps = _delta(before, after, name, "prefill_grant_steps")
+    granted = _delta(before, after, name, "prefill_granted_positions")
+    prefilled = _delta(before, after, name, "prefill_tokens")
+    if not steps or granted is None or prefilled is None:
+        return None
+    return {"steps": steps, "positions_per_step": round(granted / steps, 1),
+            "prefilled_per_step": round(prefilled / steps, 1)}
 
 
 def first_record_ms(before: Snapshot, after: Snapshot, name: str) -> dict | None:

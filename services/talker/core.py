@@ -210,6 +210,11 @@ class TalkerCore:
                                 counters.step_frames),
                 "prefill_steps": ("counter", "steps that prefilled prompt chunks", counters.prefill_steps),
                 "prefill_tokens": ("counter", "prompt positions prefilled", counters.prefill_tokens),
+                "prefill_grant_steps": ("counter", "steps planned while prompts waited for prefill",
+                                        scheduler.grant_counts["steps"]),
+                "prefill_granted_positions": ("counter", "prompt positions those steps were allowed (the "
+                                              "speaking rows' slack cuts prefill_token_budget)",
+                                              scheduler.grant_counts["positions"]),
                 "admissions_refused_slack": ("counter", "requests refused: one more stream would not be fed "
                                              "in real time or start soon",
                                              scheduler.refused_overload + self.refused_early),

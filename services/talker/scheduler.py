@@ -142,6 +142,10 @@ class Scheduler(AdmissionRules, SessionRules):
         self.period_s: float | None = None  # seconds between plans while rows decode (weighted)
         self._last_plan: float | None = None
         self._last_step: tuple[int, int] | None = None  # the last decode step's (bucket, K)
+        # prompt positions a step was allowed to prefill lately while prompts waited (weighted): the
+        # speaking rows' slack cuts it below prefill_token_budget, and admission counts what it is
+        self.prefill_grant: float | None = None
+        self.grant_counts = {"steps": 0, "positions": 0}  # over every step with prompts waiting
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -285,6 +289,10 @@ class Scheduler(AdmissionRules, SessionRules):
                                       bucket=self.bucket_for(max(1, joined)))
         affordable = prefill_tokens_allowed(outlook, self.pacing, self.times)
         budget = int(min(self.prefill_token_budget, max(affordable, self.min_chunk_tokens)))
+        old = self.prefill_grant
+        self.prefill_grant = budget if old is None else old + 0.25 * (budget - old)
+        self.grant_counts["steps"] += 1
+        self.grant_counts["positions"] += budget
         chunks = []
         for request in pending:
             count = min(request.prompt_len - request.prefilled, budget)

@@ -32,9 +32,9 @@ class AdmissionRules:
         slack), or it would wait longer than ``max_queue_wait_s`` before it speaks: for a slot,
         when every slot is taken (it starts as running rows end, at the rate they have lately
         been ending; unknown before a few have, then the queue's count bound alone applies), or
-        for the prompts queued before it to be prefilled (``prefill_token_budget`` positions a
-        step, a step as long as the busy steps lately were). ``admission_headroom`` None: no
-        admission by slack."""
+        for the prompts queued before it to be prefilled (the positions steps were granted lately,
+        at most ``prefill_token_budget``, a step as long as the busy steps lately were).
+        ``admission_headroom`` None: no admission by slack."""
         streams = len(self.running) + len(self.waiting) + len(self.idle) + 1
         if streams == 1:
             return None  # alone it is served as fast as this device can: refusing helps nobody
@@ -63,9 +63,9 @@ class AdmissionRules:
             rate = (len(released) - 1) / (now - released[0])
             free = min(len(self.slots), self.max_num_seqs - len(self.running))
             room = min(room, int(free + rate * self.max_queue_wait_s) - len(self.waiting))
-        if self.period_s:  # as _prefill_wait counts: whole steps' budgets before the last one's
+        if self.period_s:  # as _prefill_wait counts: whole steps' grants before the last one's
             steps = math.floor(self.max_queue_wait_s / self.period_s) + 1
-            tokens = steps * self.prefill_token_budget - self._backlog_tokens()
+            tokens = steps * self._step_grant() - self._backlog_tokens()
             room = min(room, int(tokens / max(1, prompt_len)))
         return max(1, room)
 
@@ -80,8 +80,14 @@ class AdmissionRules:
         return (sum(r.prompt_len - r.prefilled for r in self.running if r.prefilling)
                 + sum(r.prompt_len for r in self.waiting))
 
+    def _step_grant(self) -> int:
+        """Prompt positions a step prefills: ``prefill_token_budget``, or what steps were granted
+        lately while prompts waited (the speaking rows' slack cuts it), if less."""
+        grant = self.prefill_token_budget if self.prefill_grant is None else self.prefill_grant
+        return max(1, int(min(self.prefill_token_budget, grant)))
+
     def _prefill_wait(self, prompt_len: int) -> float:
         if self.period_s is None:
             return 0.0
-        steps = (self._backlog_tokens() + prompt_len) // self.prefill_token_budget
+        steps = (self._backlog_tokens() + prompt_len) // self._step_grant()
         return steps * self.period_s

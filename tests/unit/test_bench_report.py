@@ -1,6 +1,6 @@
 """The server bench's talker table: the step split and what limited K, from the talker's counters."""
 
-from bench.server.probes import Snapshot, k_bounds
+from bench.server.probes import Snapshot, k_bounds, prefill_grant
 from bench.server.tier_tables import refusal_table, step_split_table
 from services.talker.pacing import BOUNDS
 
@@ -23,6 +23,18 @@ def test_k_bound_shares_are_the_tiers_steps_per_bound_and_the_table_shows_them()
               "step_split_ms": {"schedule": 0.1, "prefill": 0.3, "decode": 0.6, "emit": 0.2, "other": 22.8}}
     table = step_split_table({"64": {"talker": talker}})
     assert "K limited by" in table[2] and table[-2].endswith("| arrivals 60%, slack 40% |")
+
+
+def test_the_prefill_grant_is_per_step_that_prompts_waited():
+    def snap(at, steps, granted, prefilled):
+        metrics = {"voxring_prefill_grant_steps_total": steps, "voxring_prefill_tokens_total": prefilled,
+                   "voxring_prefill_granted_positions_total": granted}
+        return Snapshot(at, {}, {"talker-0": metrics}, {}, [], [], {})
+
+    grant = prefill_grant(snap(0.0, 10, 4000, 900), snap(1.0, 30, 6000, 1900), "talker-0")
+    assert grant == {"steps": 20, "positions_per_step": 100.0, "prefilled_per_step": 50.0}
+    assert prefill_grant(snap(0.0, 10, 4000, 900), snap(1.0, 10, 4000, 900), "talker-0") is None
+    assert prefill_grant(_snap(0.0, {}), _snap(1.0, {}), "talker-0") is None  # an older talker
 
 
 def test_the_refusal_table_says_how_fast_and_why_each_tier_refused():

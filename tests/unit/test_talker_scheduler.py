@@ -210,6 +210,27 @@ def test_a_request_behind_too_much_prompt_to_prefill_is_refused():
     s.add(req(11, prompt_len=10))
 
 
+def test_admission_counts_the_prefill_steps_are_granted_not_the_budget():
+    # a speaking row already late cuts each step's prefill to min_chunk_tokens: what waits behind
+    # it waits for those steps, not for prefill_token_budget's
+    s = sched(num_slots=16, max_num_seqs=16, prefill_token_budget=64, min_chunk_tokens=8, max_waiting=64,
+              max_queue_wait_s=0.05, admission_headroom=None, bucket_for=lambda rows: 16)
+    learn(s.times, 16, {1: 0.004, 8: 0.011})
+    s.times.per_token_s = 0.001
+    speaking = req(1, prompt_len=4)
+    s.add(speaking)
+    run_step(s, 0.0)
+    speaking.first_written_at, speaking.frames_done = 0.0, 1  # due at 80 ms, the path's 100 ms ago
+    s.add(req(2, prompt_len=200))  # prompts wait: every step grants its 8 positions
+    for step in range(1, 19):
+        s.schedule(0.010 * step)
+    assert s.prefill_grant == pytest.approx(8, abs=1) and s._backlog_tokens() == 56
+    assert s.admissible(0.19, 10) == 0
+    # 66 positions at 8 a step: 8 steps of 10 ms, past 50 ms (at the budget's 64 a step: one step)
+    with pytest.raises(Overloaded, match="56 prompt positions for prefill"):
+        s.add(req(3, prompt_len=10))
+
+
 def test_a_request_that_would_wait_too_long_for_a_slot_is_refused():
     def arriving(handle, at):
         r = req(handle)
