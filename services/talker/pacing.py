@@ -49,17 +49,19 @@ CATCH_UP_SPEED = 1.25
 @dataclass
 class StepLine:
     """T(K) = overhead + per_frame x K for one bucket, learnt online: the first step sets the
-    time per frame; every later step moves both terms by ``rate`` of its error, shared by their
-    part in it (normalised least mean squares). Every step moves the whole line, so a K seen
-    rarely is not judged by a stale time of its own while this machine's speed drifts."""
+    time per frame, beyond the ``overhead`` it is known to hold (else all of it is frames);
+    every later step moves both terms by ``rate`` of its error, shared by their part in it
+    (normalised least mean squares). Every step moves the whole line, so a K seen rarely is not
+    judged by a stale time of its own while this machine's speed drifts."""
 
     rate: float
     overhead: float = 0.0
     per_frame: float | None = None
 
-    def add(self, k: int, seconds: float) -> None:
+    def add(self, k: int, seconds: float, overhead: float = 0.0) -> None:
         if self.per_frame is None:
-            self.per_frame = seconds / k
+            self.overhead = min(max(0.0, overhead), seconds)
+            self.per_frame = (seconds - self.overhead) / k
             return
         error = self.rate * (seconds - self.at(k)) / (1 + k * k)
         self.overhead = max(0.0, self.overhead + error)
@@ -87,13 +89,27 @@ class StepTimes:
         if prefill_tokens:
             line = self.steps.get(bucket)
             if line is None:
-                self.provisional.setdefault(bucket, StepLine(self.alpha)).add(k, seconds)
+                # a new bucket's first steps come at load, with prefill inside: their prefill (as
+                # measured elsewhere) and the step's fixed share are not frames, or K=2 would read
+                # as twice a K=1 step with its prefill and admission would stop short of the bucket
+                prefill = min(seconds, self.prefill_s(prefill_tokens))
+                fixed = prefill + self._fixed_share(bucket, k) * (seconds - prefill)
+                self.provisional.setdefault(bucket, StepLine(self.alpha)).add(k, seconds, fixed)
                 return
             sample = max(0.0, seconds - line.at(k)) / prefill_tokens
             self.per_token_s += self.alpha * (sample - self.per_token_s) if self.per_token_s else sample
             return
-        self.steps.setdefault(bucket, StepLine(self.alpha)).add(k, seconds)
+        fixed = self._fixed_share(bucket, k) * seconds
+        self.steps.setdefault(bucket, StepLine(self.alpha)).add(k, seconds, fixed)
         self.provisional.pop(bucket, None)
+
+    def _fixed_share(self, bucket: int, k: int) -> float:
+        """The part of a K-frame step that is its overhead, on the clean line of the measured
+        bucket nearest in rows (0 while none is)."""
+        if not self.steps:
+            return 0.0
+        line = self.steps[min(self.steps, key=lambda b: (abs(b - bucket), b))]
+        return line.overhead / line.at(k) if line.per_frame is not None else 0.0
 
     def estimate(self, bucket: int, k: int, *, across_buckets: bool = True) -> float | None:
         """T(bucket, K) from the bucket's line (else its steps with prefill inside), or

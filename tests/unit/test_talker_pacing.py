@@ -59,6 +59,22 @@ def test_step_times_learn_a_line_per_bucket_and_prefill_per_position():
     assert times.prefill_s(50) == pytest.approx(0.010)
 
 
+def test_a_bucket_first_seen_with_prefill_inside_does_not_count_it_as_frames():
+    times = StepTimes()
+    for _ in range(200):  # 256 rows: 10 ms fixed, 20 ms a frame
+        times.observe(256, 1, 0.030)
+        times.observe(256, 8, 0.170)
+    times.observe(256, 2, 0.050 + 0.010, prefill_tokens=100)  # 0.1 ms a position
+    assert times.per_token_s == pytest.approx(1e-4)
+    # 512 rows' first step: K=1, 25 ms of prefill (250 positions) inside a 60 ms step
+    times.observe(512, 1, 0.060, prefill_tokens=250)
+    # 35 ms of step, a third fixed as at 256 rows: K=2 is 60 + 23 ms, not twice 60
+    assert times.estimate(512, 2) == pytest.approx(0.060 + 0.035 * 2 / 3, rel=0.01)
+    alone = StepTimes()  # nothing else measured: the whole step is frames (pessimistic)
+    alone.observe(512, 1, 0.060, prefill_tokens=250)
+    assert alone.estimate(512, 2) == pytest.approx(0.120)
+
+
 def test_an_unmeasured_bucket_is_drawn_from_the_buckets_around_it_in_rows():
     times = StepTimes()
     times.observe(1, 8, 0.100)
