@@ -300,6 +300,9 @@ def engine_numbers(before: Snapshot, after: Snapshot, rates: dict, concurrency: 
                    if after.cpu.get(stage) is not None and before.cpu.get(stage) is not None else None)
            for stage in after.cpu}
     gateway = {"server_ttfa_mean_ms": round(ttfa_sum / ttfa_n * 1e3, 1) if ttfa_n else None}
+    held = _delta(before, after, "gateway", "requests_refused_held")
+    if held is not None:  # refused by the gateway on a talker's refusal of a moment ago
+        gateway["refusals_held"] = held
     # Whether the gateway (one process, one event loop) could be what limits a tier: its CPU
     # per stream, and per second of audio it forwarded (Code2Wav's audio over the window).
     g0, g1 = before.cpu.get("gateway"), after.cpu.get("gateway")

@@ -87,13 +87,15 @@ def refusal_table(tiers: dict) -> list[str]:
             if (t.get("loadgen") or {}).get("refusal_s")]
     if not rows:
         return []
-    lines = ["Refusals: from the send to RESOURCE_EXHAUSTED, and why.", "",
-             "| C | refused | p50 / p99 ms | messages |", "|---|---|---|---|"]
+    lines = ["Refusals: from the send to RESOURCE_EXHAUSTED, how many the gateway held on a talker's "
+             "refusal of a moment ago, and why.", "",
+             "| C | refused | p50 / p99 ms | held at the gateway | messages |", "|---|---|---|---|---|"]
     for c, report in rows:
         took = report["refusal_s"]
         why = "; ".join(f"{n} x {text}" for text, n in report.get("refusals", {}).items())
+        held = tiers[c].get("gateway", {}).get("refusals_held")
         lines.append(f"| {c} | {report['rejected']} | {fmt(_ms(took['p50']))} / {fmt(_ms(took['p99']))} | "
-                     f"{why.replace('|', '/')} |")
+                     f"{fmt(held, 0)} | {why.replace('|', '/')} |")
     return [*lines, ""]
 
 

@@ -130,6 +130,7 @@ class SynthesisPipeline:
         self.sessions = 0           # streaming sessions (and long texts) that ended with their SessionDone
         self.session_segments = 0   # ... and the segments they spoke
         self._admitting = 0         # admitted, still waiting in router.acquire()
+        self.refusals_held = 0      # refused here on a pair's talker's refusal of a moment ago
         self._cancels: set[asyncio.Task] = set()  # Talker.Cancel calls in flight
 
     def metrics(self) -> dict:
@@ -140,7 +141,10 @@ class SynthesisPipeline:
                 "audio_seconds": ("counter", "seconds of audio delivered", self.audio_seconds),
                 "streaming_sessions": ("counter", "streaming sessions ended (segments a session: "
                                        "streaming_segments / streaming_sessions)", self.sessions),
-                "streaming_segments": ("counter", "segments the ended sessions spoke", self.session_segments)}
+                "streaming_segments": ("counter", "segments the ended sessions spoke", self.session_segments),
+                "requests_refused_held": ("counter", "requests refused by the gateway on a talker's "
+                                          "refusal of a moment ago (routing.REFUSAL_HOLD_S), without a "
+                                          "round trip", self.refusals_held)}
 
     # --- the public shapes -----------------------------------------------------------------------
 
@@ -268,6 +272,10 @@ class SynthesisPipeline:
             return pair, started
 
     async def _start(self, pair: EnginePair, request: ValidRequest) -> Started:
+        held = pair.refused_for(time.monotonic())
+        if held:  # its talker refused a moment ago: so is this, without asking it again
+            self.refusals_held += 1
+            raise errors.ResourceExhausted(pair.refusal, retry_after=held)
         facts = await pair.model_facts()
         msg = request.message
         seed = msg.seed if msg.HasField("seed") else new_seed()
@@ -296,7 +304,10 @@ class SynthesisPipeline:
             try:
                 await self.submit(pair, submit)
             except grpc.aio.AioRpcError as exc:
-                raise stage_error(exc, "talker", pair) from None
+                error = stage_error(exc, "talker", pair)
+                if isinstance(error, errors.ResourceExhausted):
+                    pair.hold_refusal(error.message, error.retry_after, time.monotonic())
+                raise error from None
         except BaseException:  # a stage refused it, or the client left while it was starting
             call.cancel()  # Code2Wav then cancels it on the talker too
             raise

@@ -39,6 +39,9 @@ MODEL_INFO_TIMEOUT_S = 5.0
 MIN_DOWN_S, MAX_DOWN_S = 1.0, 30.0  # an unreachable pair is tried last for this long, doubling
 REQUEST_DOWN_S = 2.0                # at most this long after a failed request (it fails over)
 FIRST_DISCOVERY_WAIT_S = 2.0        # a request that arrives before the first DNS answer waits
+# after a talker refused a request for capacity, new requests to its pair are refused by the gateway
+# itself for its retry hint, at most this long (the talker renews its verdict every step)
+REFUSAL_HOLD_S = 0.05
 # gRPC's default reconnect backoff grows to 120 s while a stage is down; requests would
 # keep failing fast that long after it is back. Redial a restarted stage within a second.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
@@ -80,6 +83,8 @@ class EnginePair:
     retired: bool = False    # left discovery: no new requests; closed when in_flight is 0
     failures: int = 0        # ModelInfo failures in a row
     down_until: float = 0.0  # monotonic time until which the pair is tried last
+    refusing_until: float = 0.0  # monotonic: its talker refused for capacity; held until then
+    refusal: str = ""            # that refusal, as the client got it
     ready: bool | None = None  # both stages answer their health (None: not probed yet)
     state: str = "not probed yet"  # what the last probe found (services.gateway.readiness)
     _stubs: dict = field(default_factory=dict)
@@ -145,6 +150,19 @@ class EnginePair:
         """The pair served: back in the normal order."""
         self.failures, self.down_until = 0, 0.0
 
+    def hold_refusal(self, message: str, retry_after: float | None, now: float) -> None:
+        """Its talker refused a request for capacity: new requests are refused here for the
+        refusal's retry hint, at most ``REFUSAL_HOLD_S`` (tried last meanwhile where another pair
+        serves). Past capacity most requests are refused; each one that reaches the talker costs
+        an Open on Code2Wav and a Submit, and waits behind the gateway's and both stages' loops."""
+        if retry_after is not None and retry_after > 0:
+            self.refusing_until = now + min(retry_after, REFUSAL_HOLD_S)
+            self.refusal = message
+
+    def refused_for(self, now: float) -> float:
+        """Seconds its held refusal still applies (0: none)."""
+        return max(0.0, self.refusing_until - now)
+
     async def model_facts(self) -> ModelFacts:
         if self.facts is None:
             try:
@@ -203,12 +221,14 @@ class Router:
 
     async def pick(self, exclude: frozenset[str] = frozenset(), model: str | None = None) -> EnginePair:
         """The least-loaded pair serving ``model`` (None: the default model), learning facts as
-        needed; pairs that could not be reached lately are tried last. Pairs may serve different
-        models (families): each request goes to one that serves its voice's model."""
+        needed; pairs that could not be reached lately are tried last, before them those whose
+        talker refused a moment ago. Pairs may serve different models (families): each request
+        goes to one that serves its voice's model."""
         await self._first_discovery()
         errors, serving = [], set()
         now = time.monotonic()
-        order = sorted(self.pairs, key=lambda p: (p.down_until > now, p.in_flight))
+        order = sorted(self.pairs, key=lambda p: (p.down_until > now, p.refusing_until > now,
+                                                  p.in_flight))
         async for pair, facts in self._answering([p for p in order if p.name not in exclude], errors):
             if facts.name != (model or self.default_model):
                 serving.add(facts.name)

@@ -40,8 +40,11 @@ def test_the_prefill_grant_is_per_step_that_prompts_waited():
 def test_the_refusal_table_says_how_fast_and_why_each_tier_refused():
     loadgen = {"rejected": 3, "refusal_s": {"p50": 0.004, "p90": 0.006, "p99": 0.0071},
                "refusals": {"about # s before it could start (a|b)": 2, "# streams already use": 1}}
-    table = refusal_table({"64": {"loadgen": loadgen}, "1": {"loadgen": {"rejected": 0}}})
-    assert table[2] == "| C | refused | p50 / p99 ms | messages |"
-    assert table[4] == ("| 64 | 3 | 4.0 / 7.1 | 2 x about # s before it could start (a/b); "
+    table = refusal_table({"64": {"loadgen": loadgen, "gateway": {"refusals_held": 2.0}},
+                           "8": {"loadgen": {**loadgen, "rejected": 1}},  # an older gateway: no count
+                           "1": {"loadgen": {"rejected": 0}}})
+    assert table[2] == "| C | refused | p50 / p99 ms | held at the gateway | messages |"
+    assert table[4].startswith("| 8 | 1 | 4.0 / 7.1 | - | ")
+    assert table[5] == ("| 64 | 3 | 4.0 / 7.1 | 2 | 2 x about # s before it could start (a/b); "
                         "1 x # streams already use |")
     assert refusal_table({"1": {"loadgen": {"rejected": 0}}}) == []

@@ -40,6 +40,7 @@ class Pair:
     def __init__(self, name: str, facts: Facts, up: bool = True) -> None:
         self.name, self._facts, self.up = name, facts, up
         self.facts, self.retired, self.down_until, self.in_flight = None, False, 0.0, 0
+        self.refusing_until = 0.0
 
     async def model_facts(self):
         if not self.up:
