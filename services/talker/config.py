@@ -44,8 +44,8 @@ class EngineSection:
     # arrival waits for the step in flight before its prefill (0: steps are not cut)
     arrival_step_s: float = 0.025
     # Prefill in chunks: the least a step prefills when prompts wait (so they always advance), and
-    # admission by slack: a stream is refused when a step of k_max frames for one more would not
-    # beat the audio it makes by this fraction
+    # admission by slack: a stream is refused unless all, it included, are fed 1 + this faster than
+    # real time in steps shorter than a 2-frame first chunk's audio over it (pacing.fits)
     min_chunk_tokens: int = 32
     admission_headroom: float = 0.25
     admission_by_slack: bool = True         # false: only the counts and max_queue_wait_s refuse

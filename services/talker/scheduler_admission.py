@@ -83,7 +83,9 @@ class AdmissionRules:
     def _step_grant(self) -> int:
         """Prompt positions a step prefills: ``prefill_token_budget``, or what steps were granted
         lately while prompts waited (the speaking rows' slack cuts it), if less."""
-        grant = self.prefill_token_budget if self.prefill_grant is None else self.prefill_grant
+        if self.prefill_grant is None or not self.running:  # no speaking row bounds it
+            return self.prefill_token_budget
+        grant = self.prefill_grant
         return max(1, int(min(self.prefill_token_budget, grant)))
 
     def _prefill_wait(self, prompt_len: int) -> float:

@@ -229,6 +229,12 @@ def test_admission_counts_the_prefill_steps_are_granted_not_the_budget():
     # 66 positions at 8 a step: 8 steps of 10 ms, past 50 ms (at the budget's 64 a step: one step)
     with pytest.raises(Overloaded, match="56 prompt positions for prefill"):
         s.add(req(3, prompt_len=10))
+    # the late row gets ahead and the prompt goes in: steps with no prompt waiting renew the grant
+    speaking.frames_done = 100  # 8 s written: far from due
+    for step in range(19, 40):
+        s.schedule(0.010 * step)
+    assert s._backlog_tokens() == 0 and s.prefill_grant > 56
+    s.add(req(3, prompt_len=10))
 
 
 def test_a_request_that_would_wait_too_long_for_a_slot_is_refused():
