@@ -31,7 +31,9 @@ csm-1b's Llama-3 tokenizer, which makes most plain English words one token) or `
 run names it before the load (``server_gpu_tiers_mps-off-byte.json``,
 ``server_gpu_tiers_mps-off-byte-poisson.json``), and the checkpoint folder's name holds it.
 ``--mps on`` runs the same with the NVIDIA MPS control daemon started for the run (stopped
-again in every case); when it cannot start, the run says so and goes on without it.
+again in every case); when it cannot start, the run says so and goes on without it. A layout on
+two GPUs gets one daemon per GPU (a fatal fault on one GPU leaves the other's clients alone), each
+started with its GPU alone visible, its stages its clients.
 
 ``--layout`` places the engines (each stage's ``CUDA_VISIBLE_DEVICES``): ``one`` (the
 default) is one engine pair on GPU 0; ``two-pairs`` is one pair per GPU on two GPUs, with

@@ -118,11 +118,22 @@ class Mps:
     returns the environment the stages need (empty when MPS could not start: the reason is in
     ``status``); ``stop()`` always runs (``echo quit | nvidia-cuda-mps-control``)."""
 
-    def __init__(self) -> None:
-        self.pipe, self.logs = MPS_DIR / "pipe", MPS_DIR / "log"
+    def __init__(self, gpu: str | None = None) -> None:
+        """``gpu``: the CUDA_VISIBLE_DEVICES id of the one GPU this daemon serves (its own folders;
+        its clients then see that GPU as their device 0 and set no CUDA_VISIBLE_DEVICES); None:
+        one daemon for every GPU, its clients choosing theirs."""
+        root = MPS_DIR if gpu is None else MPS_DIR / f"gpu-{gpu}"
+        self.gpu = gpu
+        self.pipe, self.logs = root / "pipe", root / "log"
         self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe), "CUDA_MPS_LOG_DIRECTORY": str(self.logs)}
-        self.status: dict = {"requested": True, "active": False}
+        self.status: dict = {"requested": True, "active": False, **({"gpu": gpu} if gpu is not None else {})}
         self.started = False
+
+    def _daemon_env(self) -> dict[str, str]:
+        env = {**os.environ, **self.env}
+        if self.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpu
+        return env
 
     def _control(self, command: str, timeout: float = 10.0) -> tuple[int, str]:
         return run_cmd(["nvidia-cuda-mps-control"], timeout=timeout, env={**os.environ, **self.env},
@@ -143,7 +154,7 @@ class Mps:
         self.quit_stale()
         for folder in (self.pipe, self.logs):
             folder.mkdir(parents=True, exist_ok=True)
-        code, out = run_cmd(["nvidia-cuda-mps-control", "-d"], timeout=20, env={**os.environ, **self.env})
+        code, out = run_cmd(["nvidia-cuda-mps-control", "-d"], timeout=20, env=self._daemon_env())
         if code != 0:
             self.status["error"] = f"nvidia-cuda-mps-control -d exited {code}: {out}"
             log(f"MPS: cannot start ({self.status['error']}); going on WITHOUT MPS")
@@ -180,3 +191,48 @@ class Mps:
         tail = log_tail(self.logs / "control.log", 10)
         if tail:
             self.status["control_log_tail"] = tail
+
+
+class MpsDaemons:
+    """MPS for a run: one control daemon for a layout on one GPU (``gpus`` None or of one id), else
+    one per GPU (issue 55's deployment: a fatal fault on one GPU leaves the other GPU's clients
+    alone). ``client_env(i)``: what a stage on the layout's GPU ``i`` adds to its environment (None:
+    the single daemon's environment is the run's, and the stage sets its CUDA_VISIBLE_DEVICES);
+    ``status`` as the single daemon's, or ``active`` when every daemon serves with each one's own."""
+
+    def __init__(self, gpus: list[str] | None) -> None:
+        self.daemons = [Mps(gpu) for gpu in gpus] if gpus and len(gpus) > 1 else [Mps()]
+        self.per_gpu = len(self.daemons) > 1
+
+    def quit_stale(self) -> None:
+        for daemon in self.daemons:
+            daemon.quit_stale()
+
+    def start(self) -> dict[str, str]:
+        """The single daemon's environment for every stage ({} when it could not start, or when
+        there is a daemon per GPU: see ``client_env``)."""
+        envs = [daemon.start() for daemon in self.daemons]
+        return {} if self.per_gpu else envs[0]
+
+    def client_env(self, gpu: int) -> dict[str, str] | None:
+        if not self.per_gpu:
+            return None
+        daemon = self.daemons[gpu]
+        return dict(daemon.env) if daemon.started else {}
+
+    def check_clients(self) -> None:
+        for daemon in self.daemons:
+            daemon.check_clients()
+
+    def stop(self) -> None:
+        for daemon in self.daemons:
+            daemon.stop()
+
+    @property
+    def status(self) -> dict:
+        if not self.per_gpu:
+            return self.daemons[0].status
+        status = {"requested": True, "active": all(d.status.get("active") for d in self.daemons),
+                  "per_gpu": [d.status for d in self.daemons]}
+        errors = [f"GPU {d.gpu}: {d.status['error']}" for d in self.daemons if d.status.get("error")]
+        return {**status, "error": "; ".join(errors)} if errors else status

@@ -38,15 +38,18 @@ class Server:
     process's group (no new session), so a kill of the whole command takes them too;
     ``stop()`` (always called) sends SIGTERM in reverse order and waits, bounded, then
     SIGKILL. ``gpus``: the CUDA_VISIBLE_DEVICES id of each of the layout's GPUs (None: the
-    stages inherit this process's, as on the CPU)."""
+    stages inherit this process's, as on the CPU); ``gpu_env``: a layout GPU's MPS daemon
+    environment, where each GPU has its own (gpu_env(i) -> env, or None/{}: none there)."""
 
     def __init__(self, run_dir: Path, specs: list[StageSpec], configs: dict[str, dict], env: dict[str, str],
-                 gpus: list[str] | None = None) -> None:
+                 gpus: list[str] | None = None, gpu_env=None) -> None:
         self.run_dir = run_dir
         self.specs = specs
         self.configs = configs
         self.env = env
         self.gpus = gpus
+        # a stage's environment from its GPU's MPS daemon (gpu index -> env), when each GPU has one
+        self.gpu_env = gpu_env
         self.procs: dict[str, StageProcess] = {}
         self.exit_codes: dict[str, int | None] = {}
         self._log_offsets: dict[str, int] = {}
@@ -57,6 +60,11 @@ class Server:
     def _env(self, spec: StageSpec) -> dict[str, str]:
         if self.gpus is None or spec.gpu is None:
             return self.env
+        daemon = self.gpu_env(spec.gpu) if self.gpu_env is not None else None
+        if daemon:  # its GPU's own MPS daemon, which maps that GPU to the client's device 0
+            env = {**self.env, **daemon}
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+            return env
         return {**self.env, "CUDA_VISIBLE_DEVICES": self.gpus[spec.gpu]}
 
     def start(self, timeout: float) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.server import BenchError, log
-from bench.server.gpu import GpuSampler, Mps, physical_gpus
+from bench.server.gpu import GpuSampler, Mps, MpsDaemons, physical_gpus
 from bench.server.load import (
     delivery_fields,
     frame_rate_hz,
@@ -145,12 +145,16 @@ def _machine(s: Settings) -> list[str] | None:
     """Stops what a killed run left (its stages, its MPS daemon); the CUDA_VISIBLE_DEVICES id
     of each of the layout's GPUs (None on the CPU)."""
     reap_stale()
-    if not s.smoke and shutil.which("nvidia-cuda-mps-control"):
-        Mps().quit_stale()  # a daemon a killed --mps on run left must not serve this run
     try:  # before the checkpoint: a machine with too few GPUs is told so at once
-        return None if s.smoke else physical_gpus(layout_gpus(s.layout))
+        gpus = None if s.smoke else physical_gpus(layout_gpus(s.layout))
     except BenchError as exc:
         raise SystemExit(f"server_gpu: {exc}") from None
+    if not s.smoke and shutil.which("nvidia-cuda-mps-control"):
+        daemons = MpsDaemons(gpus)  # daemons a killed --mps on run left must not serve this run
+        daemons.quit_stale()
+        if daemons.per_gpu:
+            Mps().quit_stale()  # a one-GPU run's
+    return gpus
 
 
 def _checkpoint(s: Settings) -> Path | None:
@@ -178,7 +182,7 @@ def _serve(s: Settings, record: _Record, run_dir: Path, configs: dict[str, dict]
     """Starts the stages (with MPS when asked), warms them up and measures the tiers of
     ``todo``; every way out stops them again (``_clean_up``). 1 when an error stopped it."""
     result, run_log = record.result, record.run_log
-    mps = Mps() if s.mps else None
+    mps = MpsDaemons(gpus) if s.mps else None
     server = None
     shm_before = shm_entries()
     code = 0
@@ -188,7 +192,8 @@ def _serve(s: Settings, record: _Record, run_dir: Path, configs: dict[str, dict]
         if s.left() - STOP_MARGIN_S < 2 * MIN_TIER_S:
             raise BenchError(f"only {s.left():.0f} s of --max-wall left: not enough to start the stages")
         result["gpu_ids"] = gpus
-        server = Server(run_dir, s.stages, configs, child_env(extra, s.smoke), gpus)
+        server = Server(run_dir, s.stages, configs, child_env(extra, s.smoke), gpus,
+                        mps.client_env if mps and mps.per_gpu else None)
         started = time.monotonic()
         log(f"starting the stages ({s.mode}; ready within {s.start_timeout:.0f} s)")
         server.start(min(s.start_timeout, max(10.0, s.left() - STOP_MARGIN_S)))
@@ -292,7 +297,7 @@ def _measure_tier(s: Settings, server: Server, gpu: GpuSampler, target: str, con
     return tier
 
 
-def _clean_up(s: Settings, server: Server | None, mps: Mps | None, shm_before: set[str], run_dir: Path,
+def _clean_up(s: Settings, server: Server | None, mps: MpsDaemons | None, shm_before: set[str], run_dir: Path,
               record: _Record) -> None:
     """Stops the stages and MPS, removes what the stages left in /dev/shm and the run folder,
     and writes the result with its real-time streams (on every way out of ``_serve``)."""
