@@ -92,15 +92,25 @@ class StepTimes:
                 # a new bucket's first steps come at load, with prefill inside: their prefill (as
                 # measured elsewhere) and the step's fixed share are not frames, or K=2 would read
                 # as twice a K=1 step with its prefill and admission would stop short of the bucket
-                prefill = min(seconds, self.prefill_s(prefill_tokens))
-                fixed = prefill + self._fixed_share(bucket, k) * (seconds - prefill)
-                self.provisional.setdefault(bucket, StepLine(self.alpha)).add(k, seconds, fixed)
+                provisional = self.provisional.get(bucket)
+                if provisional is None:
+                    prefill = min(seconds, self.prefill_s(prefill_tokens))
+                    fixed = prefill + self._fixed_share(bucket, k) * (seconds - prefill)
+                    self.provisional[bucket] = provisional = StepLine(self.alpha)
+                    provisional.add(k, seconds, fixed)
+                else:
+                    provisional.add(k, seconds)
                 return
             sample = max(0.0, seconds - line.at(k)) / prefill_tokens
             self.per_token_s += self.alpha * (sample - self.per_token_s) if self.per_token_s else sample
             return
-        fixed = self._fixed_share(bucket, k) * seconds
-        self.steps.setdefault(bucket, StepLine(self.alpha)).add(k, seconds, fixed)
+        line = self.steps.get(bucket)
+        if line is None:
+            fixed = self._fixed_share(bucket, k) * seconds
+            self.steps[bucket] = line = StepLine(self.alpha)
+            line.add(k, seconds, fixed)
+        else:
+            line.add(k, seconds)
         self.provisional.pop(bucket, None)
 
     def _fixed_share(self, bucket: int, k: int) -> float:

@@ -310,7 +310,8 @@ class Scheduler(AdmissionRules, SessionRules):
 
     def _grant(self, budget: int, *, counted: bool) -> None:
         old = self.prefill_grant
-        self.prefill_grant = budget if old is None else old + 0.25 * (budget - old)
+        grant = budget if old is None else old + 0.25 * (budget - old)
+        self.prefill_grant = budget if abs(budget - grant) < 1 else grant  # settles: no renewals forever
         if counted:
             self.grant_counts["steps"] += 1
             self.grant_counts["positions"] += budget

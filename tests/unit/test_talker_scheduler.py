@@ -234,6 +234,9 @@ def test_admission_counts_the_prefill_steps_are_granted_not_the_budget():
     for step in range(19, 40):
         s.schedule(0.010 * step)
     assert s._backlog_tokens() == 0 and s.prefill_grant > 56
+    for step in range(40, 60):
+        s.schedule(0.010 * step)
+    assert s.prefill_grant == 64  # settled on the budget: no renewal needed any more
     s.add(req(3, prompt_len=10))
 
 
