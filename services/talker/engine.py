@@ -183,6 +183,18 @@ class TalkerEngine:
         if self.step_log is not None:
             self._log_step(plan, step.launched, collected, took, first_records)
 
+    def _line(self, bucket: int) -> dict | None:
+        """The step time line of a bucket as the step log shows it (ms), and whether it was
+        learnt from steps without prefill (clean) or only with it (provisional)."""
+        times = self.scheduler.times
+        line, clean = times.steps.get(bucket), True
+        if line is None:
+            line, clean = times.provisional.get(bucket), False
+        if line is None or line.per_frame is None:
+            return None
+        return {"overhead_ms": round(line.overhead * 1e3, 3), "per_frame_ms": round(line.per_frame * 1e3, 3),
+                "clean": clean}
+
     def _log_step(self, plan: StepPlan, launched: float, collected: float, took: float,
                   first_records: int) -> None:
         """One line of the step log: seconds on the engine's clock, the plan's estimate beside
@@ -197,6 +209,7 @@ class TalkerEngine:
             "estimate_ms": None if plan.estimate_s is None else round(plan.estimate_s * ms, 3),
             "took_ms": round(took * ms, 3), "first_records": first_records,
             "row_slack_ms": None if plan.row_slack_s == float("inf") else round(plan.row_slack_s * ms, 3),
+            "line": self._line(plan.bucket), "admission": self.scheduler.admission_view(),
         })
 
     def _apply_step(self, plan: StepPlan, out: np.ndarray, now: float) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from services.talker.pacing import fits
+from services.talker.pacing import FIRST_K, fits
 
 
 class Overloaded(Exception):
@@ -68,6 +68,28 @@ class AdmissionRules:
             tokens = steps * self._step_grant() - self._backlog_tokens()
             room = min(room, int(tokens / max(1, prompt_len)))
         return max(1, room)
+
+    def admission_view(self) -> dict:
+        """What admission by slack reads for one more stream now (the step log's ``admission``):
+        the streams, the bucket they would run in and where its time comes from (its clean
+        line, its steps with prefill inside, or the buckets around it), the step's estimate at
+        K = 1 and ``FIRST_K``, the loop's own time beyond it, and the verdict."""
+        streams = len(self.running) + len(self.waiting) + len(self.idle)
+        rows = min(streams + 1, self.max_num_seqs)
+        try:
+            bucket = self.bucket_for(rows)
+        except ValueError:
+            return {"streams": streams, "bucket": None, "fits": False}
+        times, host = self.times, self._host_s()
+        source = ("clean" if bucket in times.steps else "provisional" if bucket in times.provisional
+                  else "around")
+        ms = lambda s: None if s is None else round(s * 1e3, 3)  # noqa: E731
+        return {"streams": streams, "bucket": bucket, "line": source,
+                "k1_ms": ms(times.estimate(bucket, 1)), "k2_ms": ms(times.estimate(bucket, FIRST_K)),
+                "host_ms": ms(host), "period_ms": ms(self.period_s),
+                "per_token_us": round(times.per_token_s * 1e6, 3), "grant": self._step_grant(),
+                "fits": self.admission_headroom is None or fits(rows, self.bucket_for, self.pacing, times,
+                                                                 self.admission_headroom, host)}
 
     def _slot_wait(self, now: float) -> float:
         ahead = len(self.waiting) - min(len(self.slots), self.max_num_seqs - len(self.running))

@@ -62,3 +62,22 @@ def test_a_path_that_cannot_be_opened_is_refused_by_name(tmp_path):
     config = TalkerConfig(engine=EngineSection(step_log=str(tmp_path / "missing" / "steps.jsonl")))
     with pytest.raises(ConfigError, match=r"engine\.step_log: cannot open"):
         build(config, None)
+
+
+def test_each_line_shows_what_admission_reads(folder, tmp_path):
+    ticks = itertools.count()
+    clock = lambda: next(ticks) * 1e-3  # noqa: E731
+    engine, _ = make_engine(folder, k_max=4, clock=clock, prefill_token_budget=6, min_chunk_tokens=2)
+    path = tmp_path / "steps.jsonl"
+    engine.step_log = StepLog(str(path))
+    run(engine, _batch(False))
+    engine.step_log.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines() if json.loads(line)["k"]]
+    seen = lines  # each line is written after its step was measured
+    assert seen
+    for line in seen:
+        view = line["admission"]
+        assert view["line"] in {"clean", "provisional", "around"} and view["k1_ms"] > 0
+        assert view["k2_ms"] >= view["k1_ms"] and isinstance(view["fits"], bool)
+        assert view["streams"] >= 0 and view["host_ms"] >= 0
+    assert any(line["line"] is not None and line["line"]["per_frame_ms"] >= 0 for line in seen)
