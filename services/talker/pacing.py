@@ -44,15 +44,18 @@ CUT_SPEED = 1.25
 # real time, counting the loop's own time a step), K is raised to it: rows behind catch up, not fall
 # further behind in steps too short to feed them.
 CATCH_UP_SPEED = 1.25
+# A step's time counts at most this many times its line's estimate (StepLine.add).
+OUTLIER = 2.0
 
 
 @dataclass
 class StepLine:
     """T(K) = overhead + per_frame x K for one bucket, learnt online: the first step sets the
     time per frame, beyond the ``overhead`` it is known to hold (else all of it is frames);
-    every later step moves both terms by ``rate`` of its error, shared by their part in it
-    (normalised least mean squares). Every step moves the whole line, so a K seen rarely is not
-    judged by a stale time of its own while this machine's speed drifts."""
+    every later step moves both terms by ``rate`` of its error (a step's time counted at most
+    ``OUTLIER`` times the line's), shared by their part in it (normalised least mean squares).
+    Every step moves the whole line, so a K seen rarely is not judged by a stale time of its own
+    while this machine's speed drifts."""
 
     rate: float
     overhead: float = 0.0
@@ -63,7 +66,10 @@ class StepLine:
             self.overhead = min(max(0.0, overhead), seconds)
             self.per_frame = (seconds - self.overhead) / k
             return
-        error = self.rate * (seconds - self.at(k)) / (1 + k * k)
+        # a step far beyond the line (the device stalled on other work) moves it as one at the bound
+        # would: a genuine slow-down is followed within a few steps, a one-off stall does not set
+        # the times admission reads for seconds after it
+        error = self.rate * (min(seconds, OUTLIER * self.at(k)) - self.at(k)) / (1 + k * k)
         self.overhead = max(0.0, self.overhead + error)
         self.per_frame = max(0.0, self.per_frame + error * k)
 
@@ -122,36 +128,49 @@ class StepTimes:
         return line.overhead / line.at(k) if line.per_frame is not None else 0.0
 
     def estimate(self, bucket: int, k: int, *, across_buckets: bool = True) -> float | None:
-        """T(bucket, K) from the bucket's line (else its steps with prefill inside), or
-        (``across_buckets``) from the measured buckets around it when it has none: between the
-        nearest smaller and larger, linear in rows; past the largest, the line through the two
-        largest in rows, at most the largest scaled by rows (pessimistic: one bucket alone is
+        """T(bucket, K) from the bucket's line; else from its steps with prefill inside, but no
+        more than the clean buckets around it give (both are pessimistic: a burst's steps hold
+        prefill the per-position cost misses, and time grows no faster than rows, so a
+        provisional line may not stand above the clean bucket below scaled by rows, else the
+        bucket above the pair's size is never let in and never measured clean); else
+        (``across_buckets``) from the measured buckets around it (the clean ones where any is):
+        between the nearest smaller and larger, linear in rows; past the largest, the line
+        through the two largest in rows, at most the largest scaled by rows (one bucket alone is
         scaled so); below the smallest, the smallest's (time grows with rows). None when no
         bucket has a step yet."""
-        line = self.steps.get(bucket) or self.provisional.get(bucket)
+        line = self.steps.get(bucket)
         if line is not None:
             return line.at(k)
+        provisional = self.provisional.get(bucket)
+        if provisional is not None:
+            around = _around({b: kept.at(k) for b, kept in self.steps.items()}, bucket)
+            return provisional.at(k) if around is None else min(provisional.at(k), around)
         if not across_buckets:
             return None
-        measured = sorted({*self.steps, *self.provisional})
-        below = [b for b in measured if b < bucket]
-        above = [b for b in measured if b > bucket]
-        if not below:
-            return self.estimate(above[0], k) if above else None
-        b0 = below[-1]
-        t0 = self.estimate(b0, k)
-        if above:
-            b1 = above[0]
-            return t0 + (self.estimate(b1, k) - t0) * (bucket - b0) / (b1 - b0)
-        scaled = t0 * bucket / b0
-        if len(below) < 2:
-            return scaled
-        bp = below[-2]
-        per_row = max(0.0, (t0 - self.estimate(bp, k)) / (b0 - bp))
-        return min(scaled, t0 + per_row * (bucket - b0))
+        clean = {b: kept.at(k) for b, kept in self.steps.items()}
+        return _around(clean or {b: self.estimate(b, k) for b in self.provisional}, bucket)
 
     def prefill_s(self, tokens: int) -> float:
         return self.per_token_s * tokens
+
+
+def _around(times: dict[int, float], bucket: int) -> float | None:
+    """A bucket's time from ``times`` of other buckets (see ``StepTimes.estimate``)."""
+    below = sorted(b for b in times if b < bucket)
+    above = sorted(b for b in times if b > bucket)
+    if not below:
+        return times[above[0]] if above else None
+    b0 = below[-1]
+    t0 = times[b0]
+    if above:
+        b1 = above[0]
+        return t0 + (times[b1] - t0) * (bucket - b0) / (b1 - b0)
+    scaled = t0 * bucket / b0
+    if len(below) < 2:
+        return scaled
+    bp = below[-2]
+    per_row = max(0.0, (t0 - times[bp]) / (b0 - bp))
+    return min(scaled, t0 + per_row * (bucket - b0))
 
 
 @dataclass(frozen=True)

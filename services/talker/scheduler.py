@@ -142,6 +142,7 @@ class Scheduler(AdmissionRules, SessionRules):
         self.period_s: float | None = None  # seconds between plans while rows decode (weighted)
         self._last_plan: float | None = None
         self._last_step: tuple[int, int] | None = None  # the last decode step's (bucket, K)
+        self.host_s: float | None = None  # a step's time beyond its frames' estimate (weighted)
         # prompt positions a step was allowed to prefill lately while prompts waited (weighted): the
         # speaking rows' slack cuts it below prefill_token_budget, and admission counts what it is
         self.prefill_grant: float | None = None
@@ -209,6 +210,7 @@ class Scheduler(AdmissionRules, SessionRules):
             period = now - self._last_plan
             old = self.period_s
             self.period_s = period if old is None else old + 0.25 * (period - old)
+            self._observe_host(period)
         plan = StepPlan()
         plan.finished = self._end_at_boundary(now)
         self._session_endings(now, plan.finished, plan.segment_ends)
@@ -331,13 +333,21 @@ class Scheduler(AdmissionRules, SessionRules):
         plan.limits = [min(plan.k, r.max_frames - r.frames_done) for r in plan.decode]
         self._last_step = (plan.bucket, plan.k)
 
+    def _observe_host(self, period: float) -> None:
+        """Each step's period less its frames' estimate, weighted as the period is: the loop's own
+        time a step (host work and prefill). Step by step, not the weighted period less the last
+        step's estimate: K changes from step to step, and a short step after long ones would read
+        as host time what the longer steps' frames took."""
+        frames = None if self._last_step is None else self.times.estimate(*self._last_step)
+        if frames is None:
+            return
+        residual = max(0.0, period - frames)
+        old = self.host_s
+        self.host_s = residual if old is None else old + 0.25 * (residual - old)
+
     def _host_s(self) -> float:
-        """What a step lately took beyond its estimate: the loop's period less the last step's
-        estimated time (0 while either is unknown)."""
-        if self.period_s is None or self._last_step is None:
-            return 0.0
-        estimate = self.times.estimate(*self._last_step)
-        return 0.0 if estimate is None else max(0.0, self.period_s - estimate)
+        """What a step lately took beyond its frames' estimate (0 while unknown)."""
+        return self.host_s or 0.0
 
     def apply(self, request: TalkerRequest, count: int, stopped: bool, now: float,
               written: bool = True) -> FinishReason | None:

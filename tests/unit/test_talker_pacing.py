@@ -253,3 +253,34 @@ def test_bad_pacing_config_values_are_refused_naming_the_key(key):
     from services.talker.config import EngineSection
     with pytest.raises(ConfigValueError, match=key):
         EngineSection(**{key: -1.0})
+
+
+def test_a_burst_seen_only_with_prefill_inside_stands_no_higher_than_the_clean_bucket_below():
+    times = StepTimes()
+    for _ in range(200):  # 224 rows, measured clean: 0.3 ms fixed, 15 ms a frame
+        times.observe(224, 1, 0.0153)
+        times.observe(224, 8, 0.1203)
+    # 256 rows first seen in a burst: a K=1 step of 116 ms with a burst's prefill inside, which the
+    # per-position cost (none measured yet) does not account for
+    times.observe(256, 1, 0.116, prefill_tokens=4096)
+    bound = times.estimate(224, 2) * 256 / 224  # time grows no faster than rows
+    assert times.estimate(256, 2) == pytest.approx(bound)
+    assert times.estimate(256, 2) < 0.040  # not 116 ms or more: admission lets the pair grow into it
+    times.observe(256, 1, 0.0170)  # its first clean step: its own line from now on
+    assert times.estimate(256, 1) == pytest.approx(0.0170)
+    # with nothing clean around it, the steps with prefill inside stand for it (pessimistic)
+    alone = StepTimes()
+    alone.observe(256, 1, 0.116, prefill_tokens=4096)
+    assert alone.estimate(256, 1) == pytest.approx(0.116)
+
+
+def test_a_stall_moves_a_line_no_more_than_a_step_twice_its_time_while_a_slow_down_is_followed():
+    times = StepTimes()
+    for _ in range(200):  # 8 ms a frame
+        times.observe(16, 1, 0.008)
+        times.observe(16, 8, 0.064)
+    times.observe(16, 3, 0.750)  # the device stalled 750 ms on other work
+    assert times.estimate(16, 2) < 1.3 * 0.016  # not 61 ms a frame, as a 750 ms sample would make it
+    for _ in range(12):  # the machine is twice as slow from now on: followed within a few steps
+        times.observe(16, 3, 0.048)
+    assert times.estimate(16, 3) == pytest.approx(0.048, rel=0.1)

@@ -418,7 +418,7 @@ def test_steps_are_cut_while_requests_arrive_and_not_once_they_stop():
     plan = s.schedule(0.5)
     assert (plan.k, plan.k_bound) == (8, "k_max")  # one arrival a second: 0.06 expected in a step
     # steps back to back (this test's clock jumps between plans): the last, K = 8, took its estimate
-    s._last_plan, s.period_s = None, 0.062
+    s._last_plan, s.period_s, s.host_s = None, 0.062, 0.002
     for handle in range(2, 6):  # four arrivals within the last second: 0.3 expected in a step
         r = req(handle)
         r.arrival = 0.5 + 0.1 * handle
@@ -430,8 +430,24 @@ def test_steps_are_cut_while_requests_arrive_and_not_once_they_stop():
     # a loop that spends 200 ms a step beyond the step line (its own work): K = 3 would feed the rows
     # 3 frames in 224 ms, 13.4 a second, under 1.25x real time (15.6): the cut stops at K = 4
     s._last_plan, s._arrivals = None, type(s._arrivals)([1.3, 1.35, 1.4, 1.45], maxlen=256)
-    s.period_s = 0.0236 + 0.200
+    s.period_s, s.host_s = 0.0236 + 0.200, 0.200
     plan = s.schedule(1.5)
     assert plan.k_bound == "arrivals" and plan.k == 4
-    s._last_plan, s.period_s = None, 8 / 12.5  # a step as long as its audio: near capacity, uncut
+    s._last_plan, s.period_s, s.host_s = None, 8 / 12.5, 8 / 12.5 - 0.060  # as long as its audio: uncut
     assert s.schedule(1.5).k_bound != "arrivals"
+
+
+def test_the_loops_own_time_is_each_steps_period_less_its_frames_whatever_k():
+    # 10 ms fixed and 10 ms a frame; every step takes 5 ms more than its frames (the loop's own)
+    s = sched(num_slots=8, max_num_seqs=8, bucket_for=lambda rows: 8)
+    learn(s.times, 8, {1: 0.020, 8: 0.090})
+    speaking = req(1)
+    s.add(speaking)
+    now = 0.0
+    for step in range(40):  # K alternates between 1 and 8, as arrivals cut steps and stop cutting
+        plan = s.schedule(now)
+        k = 1 if step % 2 else 8
+        s._last_step = (plan.bucket, k)
+        now += s.times.estimate(8, k) + 0.005
+    # the weighted period (~55 ms) less the last step's 20 ms would read 35 ms of host time
+    assert s._host_s() == pytest.approx(0.005, abs=1e-6)
