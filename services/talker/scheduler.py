@@ -104,6 +104,10 @@ class SlotAllocator:
         return len(self._free)
 
 
+# Admission counts a step's own time as its mean and this many mean deviations (_host_promised_s).
+HOST_SPREAD = 2.0
+
+
 class Scheduler(AdmissionRules, SessionRules):
     def __init__(self, *, num_slots: int, max_num_seqs: int, k_max: int, prefill_token_budget: int,
                  max_waiting: int, stall_timeout: float, frame_rate: float, path_s: float,
@@ -143,6 +147,7 @@ class Scheduler(AdmissionRules, SessionRules):
         self._last_plan: float | None = None
         self._last_step: tuple[int, int] | None = None  # the last decode step's (bucket, K)
         self.host_s: float | None = None  # a step's time beyond its frames' estimate (weighted)
+        self.host_spread_s = 0.0  # ... and its mean absolute deviation (weighted)
         # prompt positions a step was allowed to prefill lately while prompts waited (weighted): the
         # speaking rows' slack cuts it below prefill_token_budget, and admission counts what it is
         self.prefill_grant: float | None = None
@@ -344,10 +349,17 @@ class Scheduler(AdmissionRules, SessionRules):
         residual = max(0.0, period - frames)
         old = self.host_s
         self.host_s = residual if old is None else old + 0.25 * (residual - old)
+        self.host_spread_s += 0.25 * (abs(residual - self.host_s) - self.host_spread_s)
 
     def _host_s(self) -> float:
         """What a step lately took beyond its frames' estimate (0 while unknown)."""
         return self.host_s or 0.0
+
+    def _host_promised_s(self) -> float:
+        """The loop's own time a step as admission promises by: its mean and ``HOST_SPREAD`` mean
+        deviations, so that the longer steps (a burst's prefill) also end before a first chunk
+        runs dry, not only the average one."""
+        return self._host_s() + HOST_SPREAD * self.host_spread_s
 
     def apply(self, request: TalkerRequest, count: int, stopped: bool, now: float,
               written: bool = True) -> FinishReason | None:

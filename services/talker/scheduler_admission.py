@@ -40,7 +40,7 @@ class AdmissionRules:
             return None  # alone it is served as fast as this device can: refusing helps nobody
         headroom = self.admission_headroom
         if headroom is not None and not fits(min(streams, self.max_num_seqs), self.bucket_for, self.pacing,
-                                             self.times, headroom, self._host_s()):
+                                             self.times, headroom, self._host_promised_s()):
             left = min((r.max_frames - r.frames_done for r in self.running), default=0)
             return Overloaded(f"{streams - 1} streams already use the talker's real-time capacity (no step "
                               f"short enough for a first chunk feeds {streams} {1 + headroom:g}x faster "
@@ -80,7 +80,7 @@ class AdmissionRules:
             bucket = self.bucket_for(rows)
         except ValueError:
             return {"streams": streams, "bucket": None, "fits": False}
-        times, host = self.times, self._host_s()
+        times, host = self.times, self._host_promised_s()
         source = ("clean" if bucket in times.steps else "provisional" if bucket in times.provisional
                   else "around")
         ms = lambda s: None if s is None else round(s * 1e3, 3)  # noqa: E731

@@ -451,3 +451,24 @@ def test_the_loops_own_time_is_each_steps_period_less_its_frames_whatever_k():
         now += s.times.estimate(8, k) + 0.005
     # the weighted period (~55 ms) less the last step's 20 ms would read 35 ms of host time
     assert s._host_s() == pytest.approx(0.005, abs=1e-6)
+
+
+def test_admission_promises_by_the_longer_steps_not_the_average_one():
+    # 30 ms a step of frames at K = 2 (8 rows); the loop's own time alternates 5 and 85 ms (bursts
+    # of prefill): on average 45 ms, a 75 ms step that feeds 2 frames in 160 ms of audio 2.1x over;
+    # but every other step takes 115 ms, and one more stream is promised 1.25x by steps of 128 ms
+    s = sched(num_slots=16, max_num_seqs=16, bucket_for=lambda rows: 16)
+    learn(s.times, 16, {1: 0.015, 2: 0.030, 8: 0.120})
+    steady = sched(num_slots=16, max_num_seqs=16, bucket_for=lambda rows: 16)
+    learn(steady.times, 16, {1: 0.015, 2: 0.030, 8: 0.120})
+    for scheduler, extras in ((s, (0.005, 0.085)), (steady, (0.045, 0.045))):
+        scheduler.add(req(1))
+        now = 0.0
+        for step in range(40):
+            scheduler.schedule(now)
+            scheduler._last_step = (16, 2)
+            now += 0.030 + extras[step % 2]
+        assert scheduler._host_s() == pytest.approx(0.045, abs=0.012)  # weighted: the last steps count most
+    assert steady.refusal(now, 10) is None  # 75 ms steps, every one of them: fed, and short enough
+    refused = s.refusal(now, 10)
+    assert refused is not None and "real-time capacity" in str(refused)
