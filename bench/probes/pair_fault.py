@@ -63,6 +63,8 @@ class Stream:
     first_audio: float | None = None
     chunks: int = 0
     final: bool = False     # its last message (a finish reason) arrived
+    reason: str = ""        # that finish reason, and the term of the cap that ended it (if any)
+    audio_s: float = 0.0    # the audio its usage reports
     ends: int = 0           # how often it ended
     code: str = ""
     details: str = ""
@@ -124,6 +126,12 @@ def _pids(stack: Stack) -> dict[str, tuple[int, str | None]]:
     return {st: (pid, start_time(pid)) for st in STAGES if (pid := stack.running_pid(st)) is not None}
 
 
+def _seconds(values: list[float]) -> dict:
+    values = sorted(values)
+    return {k: round(values[i], 2) for k, i in (("min", 0), ("p50", len(values) // 2), ("max", -1))
+            } if values else {}
+
+
 def _ms(values: list[float]) -> dict:
     values = sorted(values)
     return {k: round(values[i] * 1e3, 1) for k, i in (("min", 0), ("p50", len(values) // 2), ("max", -1))
@@ -138,6 +146,11 @@ async def _stream(rpc, stub, request, rec: Stream, timeout: float, progress) -> 
             # a long text's parts each end on a finish reason, and the last message carries the
             # audio's tail beside it: audio is counted wherever it comes, the reason of the last
             rec.final = message.finish_reason != rpc.common.FINISH_REASON_UNSPECIFIED
+            if rec.final:
+                rec.reason = rpc.common.FinishReason.Name(message.finish_reason)
+                if message.usage.length_limit:
+                    rec.reason += "/" + rpc.synth.LengthLimit.Name(message.usage.length_limit)
+                rec.audio_s = message.usage.audio_seconds
             if not message.audio:
                 continue
             rec.chunks += 1
@@ -240,6 +253,11 @@ def _judge_streams(report: dict, streams: list[Stream], in_flight: list[Stream],
         "concurrency": c, "audio_seconds_each": report["audio_seconds"], "with_audio_at_kill": with_audio,
         "in_flight_at_kill": len(in_flight),
         "ended_before_kill": Counter(r.code for r in streams if r not in in_flight),
+        # how those that ended OK before the kill ended: a stream the pair finished before the kill
+        # was not in flight at it (the probe's streams must outlast the time to the kill)
+        "ended_ok_before_kill": {
+            "reasons": dict(Counter(r.reason for r in streams if r not in in_flight and r.code == "OK")),
+            "audio_s": _seconds([r.audio_s for r in streams if r not in in_flight and r.code == "OK"])},
         "ends_by_status": dict(Counter(f"{r.code}: {r.details}" if r.ended is not None else "not ended"
                                        for r in in_flight).most_common()),
         "unavailable_once": len(once),
