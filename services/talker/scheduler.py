@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.talker.pacing import (
+    LoopTime,
     PacingConfig,
     StepOutlook,
     StepTimes,
@@ -83,6 +84,7 @@ class StepPlan:
     first_frames: int = 1            # the fewest frames a first record holds (pacing.first_frames)
     row_slack_s: float = math.inf    # the earliest row's due time less the plan's time
     prefill_host_s: float = 0.0      # what the engine's thread spent in the prefill call (the step log)
+    prefill_calls: tuple[int, int] = (0, 0)  # ... the calls it made and the positions they ran, padded
     launch_host_s: float = 0.0       # ... and in the frames' launch
 
     @property
@@ -102,10 +104,6 @@ class SlotAllocator:
 
     def __len__(self) -> int:
         return len(self._free)
-
-
-# Admission counts a step's own time as its mean and this many mean deviations (_host_promised_s).
-HOST_SPREAD = 2.0
 
 
 class Scheduler(AdmissionRules, SessionRules):
@@ -146,8 +144,7 @@ class Scheduler(AdmissionRules, SessionRules):
         self.period_s: float | None = None  # seconds between plans while rows decode (weighted)
         self._last_plan: float | None = None
         self._last_step: tuple[int, int] | None = None  # the last decode step's (bucket, K)
-        self.host_s: float | None = None  # a step's time beyond its frames' estimate (weighted)
-        self.host_spread_s = 0.0  # ... and its mean absolute deviation (weighted)
+        self.host = LoopTime()  # a step's time beyond its frames' estimate
         # prompt positions a step was allowed to prefill lately while prompts waited (weighted): the
         # speaking rows' slack cuts it below prefill_token_budget, and admission counts what it is
         self.prefill_grant: float | None = None
@@ -339,27 +336,16 @@ class Scheduler(AdmissionRules, SessionRules):
         self._last_step = (plan.bucket, plan.k)
 
     def _observe_host(self, period: float) -> None:
-        """Each step's period less its frames' estimate, weighted as the period is: the loop's own
-        time a step (host work and prefill). Step by step, not the weighted period less the last
-        step's estimate: K changes from step to step, and a short step after long ones would read
-        as host time what the longer steps' frames took."""
+        """Each step's period less its frames' estimate (``LoopTime``)."""
         frames = None if self._last_step is None else self.times.estimate(*self._last_step)
-        if frames is None:
-            return
-        residual = max(0.0, period - frames)
-        old = self.host_s
-        self.host_s = residual if old is None else old + 0.25 * (residual - old)
-        self.host_spread_s += 0.25 * (abs(residual - self.host_s) - self.host_spread_s)
+        if frames is not None:
+            self.host.observe(max(0.0, period - frames))
 
     def _host_s(self) -> float:
-        """What a step lately took beyond its frames' estimate (0 while unknown)."""
-        return self.host_s or 0.0
+        return self.host.mean or 0.0
 
     def _host_promised_s(self) -> float:
-        """The loop's own time a step as admission promises by: its mean and ``HOST_SPREAD`` mean
-        deviations, so that the longer steps (a burst's prefill) also end before a first chunk
-        runs dry, not only the average one."""
-        return self._host_s() + HOST_SPREAD * self.host_spread_s
+        return self.host.promised()
 
     def apply(self, request: TalkerRequest, count: int, stopped: bool, now: float,
               written: bool = True) -> FinishReason | None:

@@ -418,7 +418,7 @@ def test_steps_are_cut_while_requests_arrive_and_not_once_they_stop():
     plan = s.schedule(0.5)
     assert (plan.k, plan.k_bound) == (8, "k_max")  # one arrival a second: 0.06 expected in a step
     # steps back to back (this test's clock jumps between plans): the last, K = 8, took its estimate
-    s._last_plan, s.period_s, s.host_s = None, 0.062, 0.002
+    s._last_plan, s.period_s, s.host.mean = None, 0.062, 0.002
     for handle in range(2, 6):  # four arrivals within the last second: 0.3 expected in a step
         r = req(handle)
         r.arrival = 0.5 + 0.1 * handle
@@ -430,10 +430,10 @@ def test_steps_are_cut_while_requests_arrive_and_not_once_they_stop():
     # a loop that spends 200 ms a step beyond the step line (its own work): K = 3 would feed the rows
     # 3 frames in 224 ms, 13.4 a second, under 1.25x real time (15.6): the cut stops at K = 4
     s._last_plan, s._arrivals = None, type(s._arrivals)([1.3, 1.35, 1.4, 1.45], maxlen=256)
-    s.period_s, s.host_s = 0.0236 + 0.200, 0.200
+    s.period_s, s.host.mean = 0.0236 + 0.200, 0.200
     plan = s.schedule(1.5)
     assert plan.k_bound == "arrivals" and plan.k == 4
-    s._last_plan, s.period_s, s.host_s = None, 8 / 12.5, 8 / 12.5 - 0.060  # as long as its audio: uncut
+    s._last_plan, s.period_s, s.host.mean = None, 8 / 12.5, 8 / 12.5 - 0.060  # as long as its audio: uncut
     assert s.schedule(1.5).k_bound != "arrivals"
 
 
