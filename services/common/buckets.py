@@ -1,6 +1,7 @@
 """How a batch of rows of different lengths becomes calls at the shapes graphs were captured for:
-Code2Wav's decode calls (rows of frames: services/code2wav/decoder.py) and the talker's prefill
-calls (rows of prompt tokens: services/talker/prefill.py). Pure Python.
+Code2Wav's decode calls (rows of frames: services/code2wav/decoder.py), and the batch buckets of
+the talker's decode steps. (The talker's prefill calls weigh a call's fixed cost against padding
+instead: services/talker/prefill_plan.py.) Pure Python.
 
 A call pads every row to one length T and its rows to a captured batch bucket; the device pays
 for the padded shape. One call for the whole batch (Code2Wav: rows of 1 to 16 frames padded to

@@ -127,7 +127,7 @@ class TalkerEngine:
                            min_frames=c.request.min_frames,
                            slot_state=c.request.slot_state if c.final else None) for c in plan.prefill]
         try:
-            self.runner.prefill(rows)
+            plan.prefill_calls = self.runner.prefill(rows) or (0, 0)  # a test's runner may say nothing
         except Exception:
             log.exception("prefill failed; ending %d request(s) with ERROR", len(rows))
             failed = {id(c.request) for c in plan.prefill}
@@ -205,6 +205,7 @@ class TalkerEngine:
             "bucket": plan.bucket, "k": plan.k, "bound": plan.k_bound,
             "prefill_rows": len(plan.prefill), "prefill_tokens": plan.prefill_tokens,
             "prefill_host_ms": round(plan.prefill_host_s * ms, 3),
+            "prefill_calls": plan.prefill_calls[0], "prefill_padded": plan.prefill_calls[1],
             "launch_host_ms": round(plan.launch_host_s * ms, 3),
             "estimate_ms": None if plan.estimate_s is None else round(plan.estimate_s * ms, 3),
             "took_ms": round(took * ms, 3), "first_records": first_records,

@@ -35,7 +35,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.sampler_twin import SamplingParams
 from models.family import TalkerModel
-from services.common.buckets import plan
 from services.common.sampling import Sampling
 from services.talker.prefill_graphs import (
     PrefillBuckets,
@@ -45,6 +44,7 @@ from services.talker.prefill_graphs import (
     input_size,
     input_views,
 )
+from services.talker.prefill_plan import PrefillPlanner
 from services.talker.staging import Staging
 
 __all__ = ["PrefillBuckets", "PrefillRow", "Prefiller"]
@@ -86,6 +86,9 @@ class Prefiller:
         self.graphs = None if buckets is None else PrefillGraphs(
             self.forward, buckets, width=self.width, pad_slot=self.pad_slot, device=self.device,
             capture=capture)
+        self.planner = None if self.graphs is None else PrefillPlanner(self.graphs.buckets)
+        self.last_calls = 0   # the last prefill's calls and the positions they ran, padding included
+        self.last_padded = 0
 
     @property
     def stats(self) -> PrefillGraphStats:
@@ -101,17 +104,16 @@ class Prefiller:
 
     @torch.inference_mode()
     def prefill(self, rows: Sequence[PrefillRow]) -> None:
-        """Prefills ``rows`` (one chunk per slot): with graphs, in the calls
-        services/common/buckets.py plans (rows grouped by the token bucket that holds them, each
-        group in row buckets that pad little), launched back to back; eagerly, in one call."""
+        """Prefills ``rows`` (one chunk per slot): with graphs, in the calls prefill_plan.py plans
+        (the fewest calls and padded positions by a call's fixed cost), launched back to back;
+        eagerly, in one call."""
+        self.last_calls = self.last_padded = 0
         if not rows:
             return
         if self.graphs is None:
             self._call(rows)
             return
-        tokens = sorted({t for _, t in self.graphs.buckets})
-        row_buckets = sorted({r for r, _ in self.graphs.buckets})
-        for call in plan([len(r.tokens) for r in rows], tokens, row_buckets):
+        for call in self.planner.plan([len(r.tokens) for r in rows]):
             self._call([rows[i] for i in call.rows])
 
     def _call(self, rows: Sequence[PrefillRow]) -> None:
@@ -125,6 +127,8 @@ class Prefiller:
         tokens = int(lengths.max())
         bucket = self.graphs.bucket_for(b, tokens) if self.graphs is not None else None
         shape = bucket or (b, tokens)
+        self.last_calls += 1
+        self.last_padded += shape[0] * shape[1]
         state_width = max((len(rows[i].slot_state) for i in stated), default=0) or 1
         host = self.staging.begin(self._fields(shape, len(final), (len(stated), state_width)))
         self._stage_inputs(host["inputs"], shape, rows, slots, starts, lengths)

@@ -144,10 +144,12 @@ class Runner:
 
     # --- prefill ------------------------------------------------------------------------------
 
-    def prefill(self, rows: Sequence[PrefillRow]) -> None:
+    def prefill(self, rows: Sequence[PrefillRow]) -> tuple[int, int]:
         """Runs packed prompt chunks into their slots; a final chunk resets its slot's frame
-        state (see prefill.py). Queues device work and returns without syncing."""
+        state (see prefill.py). Queues device work and returns without syncing: the calls it
+        made and the positions they ran, padding included (the step log's)."""
         self.prefiller.prefill(rows)
+        return self.prefiller.last_calls, self.prefiller.last_padded
 
     @property
     def prefill_graph_stats(self) -> PrefillGraphStats:

@@ -171,8 +171,8 @@ def test_the_bucketed_path_equals_the_eager_one(model):
     run = graphs.run
     graphs.run = lambda bucket, inputs: ran.append(bucket) or run(bucket, inputs)
     (a0, a1), (b0, b1) = chunks(prompts[0], 0, [6]), chunks(prompts[1], 1, [16])
-    # a call's rows go to the token bucket that holds each (6 and 16 tokens: two calls)
-    calls = [([a0, b0], [(2, 16), (2, 8)]), ([PrefillRow.whole(2, prompts[2], Sampling())], []),  # 21: none
+    # 6 and 16 tokens share a (2, 16) call: cheaper than two calls (prefill_plan.py)
+    calls = [([a0, b0], [(2, 16)]), ([PrefillRow.whole(2, prompts[2], Sampling())], []),  # 21: none
              ([a1], [(2, 16)]), ([b1], [(2, 8)])]
     for rows, buckets_run in calls:
         eager.prefill(rows)

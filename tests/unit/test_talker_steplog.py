@@ -45,6 +45,9 @@ def test_each_step_is_one_line_with_its_plan_and_its_time(folder, tmp_path):
     assert all(line["took_ms"] > 0 and line["t"] >= line["launched"] for line in lines)
     # the engine's own time in each call (every clock reading is 1 ms later)
     assert all((line["prefill_host_ms"] > 0) == bool(line["prefill_tokens"]) for line in lines)
+    # the calls the prefill made and the positions they ran, padding included
+    assert all((line["prefill_calls"] > 0) == bool(line["prefill_tokens"]) for line in lines)
+    assert all(line["prefill_padded"] >= line["prefill_tokens"] for line in lines)
     assert all(line["launch_host_ms"] > 0 for line in decoding)
     assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
 
