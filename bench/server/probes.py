@@ -150,6 +150,9 @@ def _talker_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -
     grant = prefill_grant(before, after, name)
     if grant:
         talker["prefill_grant"] = grant
+    cost = prefill_cost(before, after, name)
+    if cost:
+        talker["prefill_cost"] = cost
     allocator = allocator_counts(before, after, name)
     if allocator:
         talker["cuda_allocator"] = allocator
@@ -167,6 +170,27 @@ def prefill_grant(before: Snapshot, after: Snapshot, name: str) -> dict | None:
         return None
     return {"steps": steps, "positions_per_step": round(granted / steps, 1),
             "prefilled_per_step": round(prefilled / steps, 1)}
+
+
+def prefill_cost(before: Snapshot, after: Snapshot, name: str) -> dict | None:
+    """What prefill cost the tier's decode steps: the share of them that prefilled first, their
+    mean time (launch to results) against the others', the calls a prefill made and the positions
+    they ran over the real ones (None: no decode step, or a talker without the counters)."""
+    steps = _delta(before, after, name, "steps")
+    counts = {key: _delta(before, after, name, key) for key in (
+        "steps_with_prefill", "steps_with_prefill_seconds", "steps_without_prefill_seconds",
+        "prefill_steps", "prefill_calls", "prefill_padded_positions", "prefill_tokens")}
+    if not steps or any(v is None for v in counts.values()):
+        return None
+    with_n, without_n = counts["steps_with_prefill"], steps - counts["steps_with_prefill"]
+    ms = lambda total, n: round(total * 1e3 / n, 2) if n else None  # noqa: E731
+    return {"share_with_prefill": round(with_n / steps, 3),
+            "step_ms_with_prefill": ms(counts["steps_with_prefill_seconds"], with_n),
+            "step_ms_without_prefill": ms(counts["steps_without_prefill_seconds"], without_n),
+            "calls_per_prefill": (round(counts["prefill_calls"] / counts["prefill_steps"], 2)
+                                  if counts["prefill_steps"] else None),
+            "padded_per_real": (round(counts["prefill_padded_positions"] / counts["prefill_tokens"], 2)
+                                if counts["prefill_tokens"] else None)}
 
 
 def first_record_ms(before: Snapshot, after: Snapshot, name: str) -> dict | None:

@@ -16,7 +16,14 @@ from pathlib import Path
 from bench.server import log
 from bench.server.gpu import gpu_info, run_cmd
 from bench.server.settings import LAYOUTS, REPO, Settings, overrides_env
-from bench.server.tier_tables import first_record_table, fmt, idle_table, refusal_table, step_split_table
+from bench.server.tier_tables import (
+    first_record_table,
+    fmt,
+    idle_table,
+    prefill_cost_table,
+    refusal_table,
+    step_split_table,
+)
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -148,7 +155,8 @@ def run_table(mode: str, data: dict) -> list[str]:
         lines.append(_tier_row(c, t) + (_load_cells(t) if scheduled else ""))
     lines.append("")
     tiers = data.get("tiers", {})
-    return (lines + idle_table(tiers) + step_split_table(tiers) + first_record_table(tiers)
+    return (lines + idle_table(tiers) + step_split_table(tiers) + prefill_cost_table(tiers)
+            + first_record_table(tiers)
             + refusal_table(tiers))
 
 

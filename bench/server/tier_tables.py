@@ -52,6 +52,22 @@ def step_split_table(tiers: dict) -> list[str]:
     return [*lines, ""]
 
 
+def prefill_cost_table(tiers: dict) -> list[str]:
+    """Markdown: what prefill cost each tier's decode steps (nothing when no tier has it)."""
+    rows = [(c, t["talker"]["prefill_cost"]) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
+            if t.get("talker", {}).get("prefill_cost")]
+    if not rows:
+        return []
+    lines = ["Prefill in the steps: the share of decode steps that prefilled first, their mean ms (launch "
+             "to results) against the others', the calls a prefill made, and positions run over real.", "",
+             "| C | steps with prefill | ms with / without | calls a prefill | padded / real |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {c} | {cost['share_with_prefill']:.0%} | {fmt(cost['step_ms_with_prefill'])} / "
+              f"{fmt(cost['step_ms_without_prefill'])} | {fmt(cost['calls_per_prefill'], 2)} | "
+              f"{fmt(cost['padded_per_real'], 2)} |" for c, cost in rows]
+    return [*lines, ""]
+
+
 def first_record_table(tiers: dict) -> list[str]:
     """Markdown: where first audio goes, per tier: the talker's parts of its first records (mean ms)
     beside the gateway's mean time to first audio; "rest" is what the talker does not see (the

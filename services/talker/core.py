@@ -224,7 +224,7 @@ class TalkerCore:
                    for part, text in FIRST_RECORD_PARTS.items()},
                 **{f"steps_k_bound_{bound}": ("counter", f"decode steps whose K was limited by {bound}",
                                               counters.k_bounds.get(bound, 0)) for bound in BOUNDS},
-                **self._prefill_graph_metrics()}
+                **_prefill_cost_metrics(counters), **self._prefill_graph_metrics()}
 
     def _prefill_graph_metrics(self) -> dict:
         """What capturing the prefill graphs cost (zeros where none were captured: the CPU, graphs off)."""
@@ -251,3 +251,18 @@ def _slack_histogram(counters) -> tuple[list, float]:
     cumulative = np.cumsum(counters.slack_counts).tolist()
     edges = [str(edge) for edge in SLACK_EDGES] + ["+Inf"]
     return list(zip(edges, cumulative, strict=True)), counters.slack_sum
+
+
+def _prefill_cost_metrics(counters) -> dict:
+    """What prefill costs the steps: its calls, the positions they ran with their padding, and
+    the decode steps' time apart by whether they prefilled first."""
+    return {"prefill_calls": ("counter", "prefill calls (graph replays or eager ones)",
+                              counters.prefill_calls),
+            "prefill_padded_positions": ("counter", "positions those calls ran, padding included",
+                                         counters.prefill_padded),
+            "steps_with_prefill": ("counter", "decode steps that prefilled first",
+                                   counters.steps_with_prefill),
+            "steps_with_prefill_seconds": ("counter", "those steps' time, launch to results",
+                                           counters.steps_with_prefill_s),
+            "steps_without_prefill_seconds": ("counter", "the other decode steps' time, launch to results",
+                                              counters.steps_without_prefill_s)}

@@ -141,6 +141,8 @@ class TalkerEngine:
             self.counters.prefill_s += plan.prefill_host_s
             self.counters.prefill_steps += 1
             self.counters.prefill_tokens += plan.prefill_tokens
+            self.counters.prefill_calls += plan.prefill_calls[0]
+            self.counters.prefill_padded += plan.prefill_calls[1]
 
     def _launch(self, plan: StepPlan, work_begun: float) -> InFlight | None:
         begun = self.clock()
@@ -178,6 +180,7 @@ class TalkerEngine:
         self.scheduler.times.observe(plan.bucket, plan.k, took, plan.prefill_tokens)
         self._last_collected = collected
         counters.count_step(plan.k, plan.k_bound)
+        counters.count_took(took, bool(plan.prefill))
         first_records = self._apply_step(plan, out, collected)
         counters.emit_s += self.clock() - collected
         if self.step_log is not None:

@@ -40,6 +40,12 @@ class EngineCounters:
     emit_s: float = 0.0
     prefill_steps: int = 0
     prefill_tokens: int = 0
+    prefill_calls: int = 0   # the prefill's calls, and the positions they ran with their padding
+    prefill_padded: int = 0
+    # decode steps' times (launch to collect), apart by whether the step prefilled first
+    steps_with_prefill: int = 0
+    steps_with_prefill_s: float = 0.0
+    steps_without_prefill_s: float = 0.0
     overlapped_steps: int = 0  # steps whose records were written while the next one ran
     k_bounds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BOUNDS, 0))
     # rows' slack at their records' writes: counts per bucket of SLACK_EDGES (the last: beyond)
@@ -53,6 +59,14 @@ class EngineCounters:
     def host_s(self) -> float:
         """The engine thread's time in its iterations other than waiting for the device."""
         return self.schedule_s + self.prefill_s + self.decode_s + self.emit_s
+
+    def count_took(self, took: float, prefilled: bool) -> None:
+        """A decode step's time, apart by whether it prefilled first."""
+        if prefilled:
+            self.steps_with_prefill += 1
+            self.steps_with_prefill_s += took
+        else:
+            self.steps_without_prefill_s += took
 
     def count_step(self, k: int, bound: str) -> None:
         self.steps += 1

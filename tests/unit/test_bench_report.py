@@ -1,7 +1,7 @@
 """The server bench's talker table: the step split and what limited K, from the talker's counters."""
 
-from bench.server.probes import Snapshot, k_bounds, prefill_grant
-from bench.server.tier_tables import refusal_table, step_split_table
+from bench.server.probes import Snapshot, k_bounds, prefill_cost, prefill_grant
+from bench.server.tier_tables import prefill_cost_table, refusal_table, step_split_table
 from services.talker.pacing import BOUNDS
 
 
@@ -35,6 +35,29 @@ def test_the_prefill_grant_is_per_step_that_prompts_waited():
     assert grant == {"steps": 20, "positions_per_step": 100.0, "prefilled_per_step": 50.0}
     assert prefill_grant(snap(0.0, 10, 4000, 900), snap(1.0, 10, 4000, 900), "talker-0") is None
     assert prefill_grant(_snap(0.0, {}), _snap(1.0, {}), "talker-0") is None  # an older talker
+
+
+def test_prefill_cost_is_the_steps_with_prefill_against_the_others_and_the_calls():
+    def snap(at, steps, with_n, with_s, without_s, prefills, calls, padded, tokens):
+        metrics = {"voxring_steps_total": steps, "voxring_steps_with_prefill_total": with_n,
+                   "voxring_steps_with_prefill_seconds_total": with_s,
+                   "voxring_steps_without_prefill_seconds_total": without_s,
+                   "voxring_prefill_steps_total": prefills, "voxring_prefill_calls_total": calls,
+                   "voxring_prefill_padded_positions_total": padded, "voxring_prefill_tokens_total": tokens}
+        return Snapshot(at, {}, {"talker-0": metrics}, {}, [], [], {})
+
+    before = snap(0.0, 100, 20, 1.0, 2.0, 25, 60, 5000, 4000)
+    # 100 more steps, 60 of them after a prefill (4.8 s: 80 ms each), 40 without (1.2 s: 30 ms each);
+    # 62 prefills in 93 calls, 30,000 positions run for 24,000 prompt positions
+    after = snap(1.0, 200, 80, 5.8, 3.2, 87, 153, 35000, 28000)
+    cost = prefill_cost(before, after, "talker-0")
+    assert cost == {"share_with_prefill": 0.6, "step_ms_with_prefill": 80.0, "step_ms_without_prefill": 30.0,
+                    "calls_per_prefill": 1.5, "padded_per_real": 1.25}
+    assert prefill_cost(before, before, "talker-0") is None  # no step in the tier
+    assert prefill_cost(_snap(0.0, {}), _snap(1.0, {}), "talker-0") is None  # an older talker
+    table = prefill_cost_table({"1024": {"talker": {"prefill_cost": cost}}})
+    assert table[-2] == "| 1024 | 60% | 80.0 / 30.0 | 1.50 | 1.25 |"
+    assert prefill_cost_table({"1": {"talker": {}}}) == []
 
 
 def test_the_refusal_table_says_how_fast_and_why_each_tier_refused():

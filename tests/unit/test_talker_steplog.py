@@ -48,6 +48,16 @@ def test_each_step_is_one_line_with_its_plan_and_its_time(folder, tmp_path):
     # the calls the prefill made and the positions they ran, padding included
     assert all((line["prefill_calls"] > 0) == bool(line["prefill_tokens"]) for line in lines)
     assert all(line["prefill_padded"] >= line["prefill_tokens"] for line in lines)
+    # the engine's counters (the bench's "prefill in the steps") agree with the lines
+    counters = engine.counters
+    prefilled = [line for line in decoding if line["prefill_tokens"]]
+    assert counters.steps_with_prefill == len(prefilled) > 0
+    assert counters.steps_with_prefill_s * 1e3 == pytest.approx(sum(line["took_ms"] for line in prefilled),
+                                                                abs=1e-3 * len(lines))
+    assert (counters.steps_with_prefill_s + counters.steps_without_prefill_s) * 1e3 == pytest.approx(
+        sum(line["took_ms"] for line in decoding), abs=1e-3 * len(lines))
+    assert counters.prefill_calls == sum(line["prefill_calls"] for line in lines)
+    assert counters.prefill_padded == sum(line["prefill_padded"] for line in lines)
     assert all(line["launch_host_ms"] > 0 for line in decoding)
     assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
 
