@@ -182,6 +182,8 @@ class TalkerEngine:
         counters.count_step(plan.k, plan.k_bound)
         counters.count_took(took, bool(plan.prefill))
         first_records = self._apply_step(plan, out, collected)
+        if first_records:
+            self._write_first()
         counters.emit_s += self.clock() - collected
         if self.step_log is not None:
             self._log_step(plan, step.launched, collected, took, first_records)
@@ -270,10 +272,20 @@ class TalkerEngine:
         self._to_write.append((request, PendingRecord(codes, request.seq, first_frame, flags, finish)))
         request.seq += 1
 
-    def _write(self) -> None:
-        """Writes the queued records in order: each now, unless an earlier one of its request
-        still waits for ring space (then behind it, in its outbox)."""
-        queued, self._to_write = self._to_write, []
+    def _write_first(self) -> None:
+        """Writes the queued first records of their requests at once: the rest wait until the
+        next step is planned, prefilled and launched (the device runs it meanwhile), but a first
+        record is first audio, and its wait would be all of that host time. Order holds: a
+        request's first record is the first of its records."""
+        first = [entry for entry in self._to_write if entry[1].seq == 0]
+        self._to_write = [entry for entry in self._to_write if entry[1].seq != 0]
+        self._write(first)
+
+    def _write(self, queued: list | None = None) -> None:
+        """Writes the queued records (``queued``: these only) in order: each now, unless an
+        earlier one of its request still waits for ring space (then behind it, in its outbox)."""
+        if queued is None:
+            queued, self._to_write = self._to_write, []
         sinks = {}
         for request, record in queued:
             sink = sinks.get(request.consumer_id, False)

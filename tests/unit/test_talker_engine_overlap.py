@@ -135,9 +135,10 @@ def test_a_steps_records_are_written_after_the_next_step_is_launched():
     engine.scheduler.add(req(1, max_frames=12))
     run(engine)
     order = [c[0] for c in runner.calls if c[0] in ("launch", "collect", "write")]
-    # launch 1 | collect 1, launch 2, write 1 | collect 2, launch 3, write 2 | ... | collect n, write n
-    assert order[:4] == ["launch", "collect", "launch", "write"]
-    assert order[-2:] == ["collect", "write"]
+    # launch 1 | collect 1, write 1 (the first record: first audio waits for no launch), launch 2 |
+    # collect 2, launch 3, write 2 | ... | collect n, write n
+    assert order[:6] == ["launch", "collect", "write", "launch", "collect", "launch"]
+    assert order[6] == "write" and order[-2:] == ["collect", "write"]
     assert order.count("launch") == order.count("collect") == order.count("write")
     assert engine.counters.overlapped_steps == order.count("launch") - 1
     frames, last = frames_of(sink, 1)
