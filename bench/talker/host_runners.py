@@ -45,12 +45,13 @@ def valid_codes(k_max: int, rows: int) -> np.ndarray:
 
 
 class ImmediateRunner:
-    """The runner's interface (``num_codebooks``, ``asynchronous``, ``bucket_for``, ``prefill``,
-    ``launch`` / ``collect``) answering at once: ``launch`` does the step, as the real runner
+    """The runner's interface (``num_codebooks``, ``asynchronous``, ``first_alone``, ``bucket_for``,
+    ``prefill``, ``launch`` / ``collect``) answering at once: ``launch`` does the step, as the real runner
     does on the CPU, and ``collect`` hands back its array."""
 
     num_codebooks = NUM_CODEBOOKS
     asynchronous = False  # launch answers at once: nothing to overlap
+    first_alone = False   # no step's first frame ahead of the rest (the host bench's records as before)
 
     def __init__(self, max_rows: int, k_max: int, buckets: Sequence[int] | None = None) -> None:
         self.k_max = k_max

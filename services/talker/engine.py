@@ -69,6 +69,7 @@ class TalkerEngine:
         self.num_codebooks = runner.num_codebooks
         # one step in flight while the next is planned, when the device runs on its own
         self.pipelined = runner.asynchronous
+        self.first_alone = bool(runner.first_alone)  # a first record of a step's first frame alone
         self.inflight: InFlight | None = None
         self._last_collected = float("-inf")
         self._to_write: list[tuple[TalkerRequest, PendingRecord]] = []  # this iteration's records, in order
@@ -150,7 +151,11 @@ class TalkerEngine:
             if request.first_launched_at is None:
                 request.first_launched_at = begun
         try:
-            handle = self.runner.launch([r.slot for r in plan.decode], plan.k)
+            slots = [r.slot for r in plan.decode]
+            if not self.first_alone:
+                plan.first_alone = []
+            handle = (self.runner.launch(slots, plan.k, first=True) if plan.first_alone
+                      else self.runner.launch(slots, plan.k))
         except Exception:
             log.exception("decode step failed to launch; ending %d request(s) with ERROR", len(plan.decode))
             for request in plan.decode:
@@ -165,6 +170,7 @@ class TalkerEngine:
         """Collects a launched step, applies its frames and queues its records."""
         plan, counters = step.plan, self.counters
         begun = self.clock()
+        alone = self._first_frames_alone(plan, step.handle) if plan.first_alone else set()
         try:
             out = self.runner.collect(step.handle)  # [K, B, N + 1]
         except Exception:
@@ -181,7 +187,7 @@ class TalkerEngine:
         self._last_collected = collected
         counters.count_step(plan.k, plan.k_bound)
         counters.count_took(took, bool(plan.prefill))
-        first_records = self._apply_step(plan, out, collected)
+        first_records = len(alone) + self._apply_step(plan, out, collected, alone)
         if first_records:
             self._write_first()
         counters.emit_s += self.clock() - collected
@@ -218,12 +224,35 @@ class TalkerEngine:
             "line": self._line(plan.bucket), "admission": self.scheduler.admission_view(),
         })
 
-    def _apply_step(self, plan: StepPlan, out: np.ndarray, now: float) -> int:
+    def _first_frames_alone(self, plan: StepPlan, handle) -> set[int]:
+        """The first records of ``plan.first_alone``'s rows, of the step's first frame, written as
+        soon as the device has it (the other K - 1 frames follow in the step's own records): the
+        rows done so. A row that stopped at that frame, or ended meanwhile, is left to the step."""
+        first = self.runner.collect_first(handle)  # [1, B, N + 1]; None: the step's collect says why
+        if first is None:
+            return set()
+        now, n, done = self.clock(), self.num_codebooks, set()
+        for row in plan.first_alone:
+            request = plan.decode[row]
+            if (first[0, row, n] or request.finish is not None or request.state is not RequestState.RUNNING
+                    or request.prefilling):
+                continue
+            self.scheduler.apply(request, 1, False, now)  # not its last: more than one frame is left
+            self.counters.observe_first_record(request)
+            codes = np.ascontiguousarray(first[0, row:row + 1, :n], dtype=np.int16)
+            self._queue(request, codes, request.frames_done - 1, 0, int(FinishReason.UNSPECIFIED))
+            done.add(row)
+        self.counters.frames += len(done)
+        self._write_first()
+        return done
+
+    def _apply_step(self, plan: StepPlan, out: np.ndarray, now: float, alone: set[int] = frozenset()) -> int:
         """The step's frames to its rows and its records to the write queue, by array operations
         over ``out`` [K, B, N + 1]: one stop search, one conversion, a slice per row. A row whose
         first record would hold fewer than ``plan.first_frames`` frames keeps them (``held``) and
-        writes them with its next step's, unless it ends. Returns how many rows wrote their first
-        record."""
+        writes them with its next step's, unless it ends. The rows in ``alone`` wrote their first
+        frame already (``_first_frames_alone``): the rest of theirs follows. Returns how many rows
+        wrote their first record."""
         n = self.num_codebooks
         k = out.shape[0]
         stops = out[:, :, n] != 0
@@ -238,10 +267,11 @@ class TalkerEngine:
             if request.finish is not None or request.state is not RequestState.RUNNING or request.prefilling:
                 continue  # ended while the step ran (cancelled, its consumer gone), or a session
                 # whose segment ended there (idle, or its next segment's prompt going in)
-            count = counts[row]
+            skip = row in alone  # its first frame went out alone
+            count = counts[row] - skip
             first = request.frames_done
             silent = request.first_written_at is None
-            frames = codes[row, :count]
+            frames = codes[row, skip:skip + count]
             if request.held is not None:  # the first record's frames of earlier steps
                 frames = np.concatenate([request.held, frames])
                 first -= len(request.held)
@@ -264,7 +294,7 @@ class TalkerEngine:
                 queue((request, PendingRecord(frames if len(frames) else None, request.seq, first, ended,
                                               int(reason or FinishReason.UNSPECIFIED))))
                 request.seq += 1
-        self.counters.frames += sum(counts)
+        self.counters.frames += sum(counts) - len(alone)
         self.counters.observe_slack(slacks)
         return first_records
 

@@ -335,6 +335,19 @@ def first_frames(one: float | None, config: PacingConfig, next_ahead_s: float = 
     return max(FIRST_K, math.ceil(need - 1e-9))
 
 
+def first_frame_alone(times: StepTimes, bucket: int, k: int, config: PacingConfig) -> bool:
+    """Whether a step's first frame may go out as a first record of its own while the other
+    K - 1 run (the same replays: the codes do not change; the listener starts a frame sooner):
+    its audio, one frame, must last while they are made and reach the listener (the path),
+    with ``FIRST_AUDIO_HEADROOM``. Never for K = 1 (the record would be the same)."""
+    if k < 2:
+        return False
+    one, whole = times.estimate(bucket, 1), times.estimate(bucket, k)
+    if one is None or whole is None:
+        return False
+    return (whole - one + config.path_s) * (1 + FIRST_AUDIO_HEADROOM) <= 1 / config.frame_rate
+
+
 def first_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes, one: float) -> int | None:
     """K for a step that writes a late first record: ``FIRST_K`` frames, when their audio lasts
     until the row's next record could reach its listener (a one-frame step after as much

@@ -57,6 +57,9 @@ class _Launched:
     host: torch.Tensor               # [K, B, N + 1] int32 (pinned on CUDA)
     event: torch.cuda.Event | None
     faults: torch.Tensor | None
+    first: bool = False              # the first frame's copy has its own event (``collect_first``)
+    first_event: torch.cuda.Event | None = None
+    first_faults: torch.Tensor | None = None
 
 
 @dataclass
@@ -97,7 +100,7 @@ class Runner:
 
     def __init__(self, model: TalkerModel, *, num_slots: int, max_len: int, buckets: Sequence[int],
                  k_max: int, max_repetition_window: int, use_graphs: bool | None = None,
-                 prefill_buckets: PrefillBuckets | None = None) -> None:
+                 prefill_buckets: PrefillBuckets | None = None, first_alone: bool | None = None) -> None:
         """``prefill_buckets``: prefill runs per (rows, tokens) bucket (captured when graphs are
         on, eagerly on the same static buffers otherwise); None: every prefill eager at its shape."""
         self.model = model
@@ -119,6 +122,9 @@ class Runner:
                         for b in self.buckets}
         pin = self.device.type == "cuda"
         self.asynchronous = pin  # launch returns before the device is done: the engine overlaps
+        # the engine may write a step's first frame as a first record while the rest run (on the
+        # CPU a launch runs all of its frames first: nothing to gain, so off unless a test asks)
+        self.first_alone = pin if first_alone is None else first_alone
         # a step's frames, and two host copies of them per bucket (a step is collected while the next
         # is queued): whole tensors, since a copy into a strided slice of pinned memory is staged
         # and waits for the device, which would hold the engine's thread for the whole step
@@ -132,6 +138,7 @@ class Runner:
         # stack_step's count of grid-barrier waits that gave up (the kernel runs on CUDA only)
         self.fault_counter = stack_kernel.fault_counter(self.device) if self.device.type == "cuda" else None
         self._faults_host = [torch.zeros(1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._first_faults_host = [torch.zeros(1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self._faults_seen = 0 if self.fault_counter is None else int(self.fault_counter.item())
         if use_graphs is None:
             use_graphs = self.device.type == "cuda"
@@ -167,10 +174,12 @@ class Runner:
         return self.collect(self.launch(slots, k))
 
     @torch.inference_mode()
-    def launch(self, slots: Sequence[int], k: int) -> _Launched:
+    def launch(self, slots: Sequence[int], k: int, *, first: bool = False) -> _Launched:
         """Queues a step of K frames for ``slots`` and returns at once on CUDA (the CPU runs it
         here); ``collect`` gives its results. Host buffers alternate between two steps, so one
-        step may be collected while the next is queued, never more."""
+        step may be collected while the next is queued, never more. ``first``: the first frame
+        is copied back on its own event too, so ``collect_first`` has it while the other K - 1
+        run (the same replays: the codes do not change)."""
         if not 1 <= k <= self.k_max:
             raise ValueError(f"k must be in [1, {self.k_max}], got {k}")
         bucket = self.bucket_for(len(slots))
@@ -184,13 +193,19 @@ class Runner:
         for dst, src in zip(buf.tensors(), self.pool.tensors(), strict=True):
             torch.index_select(src, 0, ids, out=dst)  # the rows' state, gathered without a temporary
         out = self.out[bucket]
+        host = self.out_host[turn][bucket][:k]  # contiguous: the copies only queue
+        launched = _Launched(host[:, : len(slots)], None, None, first=first)
         for i in range(k):
             self._frame(bucket)
             out[i].copy_(self.results[bucket])
+            if i == 0 and first:
+                self._copy_first(launched, out, host, turn)
         for dst, src in zip(self.pool.tensors(), buf.tensors(), strict=True):
             dst[ids] = src  # padding rows all land on the spare slot
-        host = self.out_host[turn][bucket][:k]  # contiguous: the copy only queues
-        host.copy_(out[:k], non_blocking=True)
+        if first:
+            host[1:].copy_(out[1:k], non_blocking=True)
+        else:
+            host.copy_(out[:k], non_blocking=True)
         faults = None
         if self.fault_counter is not None:
             faults = self._faults_host[turn]
@@ -199,7 +214,29 @@ class Runner:
         if self.device.type == "cuda":
             event = torch.cuda.Event(blocking=True)  # collect sleeps until the step is done, not spins
             event.record(torch.cuda.current_stream(self.device))
-        return _Launched(host[:, : len(slots)], event, faults)
+        launched.event, launched.faults = event, faults
+        return launched
+
+    def _copy_first(self, step: _Launched, out: torch.Tensor, host: torch.Tensor, turn: int) -> None:
+        host[:1].copy_(out[:1], non_blocking=True)
+        if self.fault_counter is not None:
+            step.first_faults = self._first_faults_host[turn]
+            step.first_faults.copy_(self.fault_counter, non_blocking=True)
+        if self.device.type == "cuda":
+            step.first_event = torch.cuda.Event(blocking=True)
+            step.first_event.record(torch.cuda.current_stream(self.device))
+
+    def collect_first(self, step: _Launched) -> np.ndarray | None:
+        """Waits for a launched step's first frame (``launch(first=True)``): its [1, B, N + 1]
+        codes and stop flags; None when the step has no such copy, or when ``stack_step``
+        faulted by then (``collect`` raises for the whole step)."""
+        if not step.first:
+            return None
+        if step.first_event is not None:
+            step.first_event.synchronize()
+        if step.first_faults is not None and int(step.first_faults[0]) != self._faults_seen:
+            return None
+        return step.host[:1].numpy().copy()
 
     def collect(self, step: _Launched) -> np.ndarray:
         """Waits for a launched step; its [K, B, N + 1] codes and stop flags. Raises when the

@@ -40,6 +40,7 @@ from services.talker.pacing import (
     StepTimes,
     choose_k,
     due,
+    first_frame_alone,
     first_frames,
     prefill_tokens_allowed,
 )
@@ -82,6 +83,7 @@ class StepPlan:
     bucket: int = 0
     estimate_s: float | None = None  # the step's time as planned: its prefill and its K frames
     first_frames: int = 1            # the fewest frames a first record holds (pacing.first_frames)
+    first_alone: list[int] = field(default_factory=list)  # rows whose first frame goes out on its own
     row_slack_s: float = math.inf    # the earliest row's due time less the plan's time
     prefill_host_s: float = 0.0      # what the engine's thread spent in the prefill call (the step log)
     prefill_calls: tuple[int, int] = (0, 0)  # ... the calls it made and the positions they ran, padded
@@ -333,6 +335,10 @@ class Scheduler(AdmissionRules, SessionRules):
         plan.estimate_s = None if frames is None else ahead_s + frames
         plan.row_slack_s = outlook.row_due - now
         plan.limits = [min(plan.k, r.max_frames - r.frames_done) for r in plan.decode]
+        if plan.k >= plan.first_frames and first_frame_alone(self.times, plan.bucket, plan.k, self.pacing):
+            plan.first_alone = [row for row, r in enumerate(plan.decode)  # not a session's: its turns
+                                if r.first_written_at is None and r.held is None and r.session is None
+                                and r.max_frames - r.frames_done > 1]
         self._last_step = (plan.bucket, plan.k)
 
     def _observe_host(self, period: float) -> None:

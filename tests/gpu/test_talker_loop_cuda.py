@@ -38,13 +38,14 @@ def model(tmp_path_factory):
     return talker
 
 
-def outputs(model, *, k_max: int, pipelined: bool, prefill_token_budget: int = 4096):
+def outputs(model, *, k_max: int, pipelined: bool, prefill_token_budget: int = 4096, first_alone=None,
+            path_s: float = 0.1):
     buckets = PrefillBuckets(rows=(1, 4), tokens=(16, 32), memory_mb=4096, startup_s=600)
     runner = Runner(model, num_slots=4, max_len=MAX_LEN, buckets=[4], k_max=k_max, max_repetition_window=8,
-                    use_graphs=True, prefill_buckets=buckets)
+                    use_graphs=True, prefill_buckets=buckets, first_alone=first_alone)
     assert runner.asynchronous and runner.graphs
     scheduler = Scheduler(num_slots=4, max_num_seqs=4, k_max=k_max, prefill_token_budget=prefill_token_budget,
-                          max_waiting=64, stall_timeout=5.0, frame_rate=12.5, path_s=0.1,
+                          max_waiting=64, stall_timeout=5.0, frame_rate=12.5, path_s=path_s,
                           bucket_for=runner.bucket_for, min_chunk_tokens=1)
     sink = ListSink()
     engine = TalkerEngine(runner, scheduler, lambda consumer: sink, clock=frozen_clock)
@@ -77,3 +78,21 @@ def test_a_launch_only_queues_its_step(model):
         assert not step.event.query(), "launch returned after the device finished its step"
         frames = runner.collect(step)
         assert frames.shape == (8, rows, model.num_codebooks + 1)
+
+
+def test_a_steps_first_frame_alone_is_the_same_frame_and_its_codes_do_not_change(model):
+    # the first frame's copy has its own event: the engine writes it as a first record while the
+    # step's other frames run (path_s 0.02: the pacing lets it); every request's codes are the same
+    reference, _ = outputs(model, k_max=8, pipelined=True, first_alone=False, path_s=0.02)
+    alone, engine = outputs(model, k_max=8, pipelined=True, first_alone=True, path_s=0.02)
+    assert engine.first_alone
+    for handle, (codes, reason) in reference.items():
+        np.testing.assert_array_equal(alone[handle][0], codes)
+        assert alone[handle][1] == reason
+    runner = engine.runner
+    runner.decode([0, 1, 2], 1)  # warm
+    torch.cuda.synchronize()
+    step = runner.launch([0, 1, 2], 8, first=True)
+    assert not step.event.query(), "launch returned after the device finished its step"
+    first = runner.collect_first(step)
+    np.testing.assert_array_equal(first, runner.collect(step)[:1])

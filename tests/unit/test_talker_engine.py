@@ -46,15 +46,16 @@ class ListSink:
 
 
 def make_engine(folder, *, k_max: int, buckets=(4,), stop_rule=None, sink=None, num_slots=4,
-                clock=time.monotonic, prefill_token_budget=4096, min_chunk_tokens=32):
+                clock=time.monotonic, prefill_token_budget=4096, min_chunk_tokens=32, path_s=0.1,
+                first_alone=None):
     model = load_talker(folder)
     if stop_rule is not None:
         model.is_stop_frame = stop_rule
     runner = Runner(model, num_slots=num_slots, max_len=MAX_LEN, buckets=list(buckets), k_max=k_max,
-                    max_repetition_window=8)
+                    max_repetition_window=8, first_alone=first_alone)
     scheduler = Scheduler(num_slots=num_slots, max_num_seqs=num_slots, k_max=k_max,
                           prefill_token_budget=prefill_token_budget, max_waiting=64, stall_timeout=5.0,
-                          frame_rate=12.5, path_s=0.1, bucket_for=runner.bucket_for,
+                          frame_rate=12.5, path_s=path_s, bucket_for=runner.bucket_for,
                           min_chunk_tokens=min_chunk_tokens)
     sink = sink or ListSink()
     return TalkerEngine(runner, scheduler, lambda consumer: sink, clock=clock), sink

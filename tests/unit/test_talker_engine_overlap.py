@@ -33,6 +33,7 @@ class FakeRunner:
     rides along keeps counting); slot s stops after ``stop_after[s]`` frames. Every call is logged."""
 
     asynchronous: bool = True
+    first_alone: bool = False
     num_codebooks: int = N
     k_max: int = 4
     stop_after: dict[int, int] = field(default_factory=dict)

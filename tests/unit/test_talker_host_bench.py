@@ -135,7 +135,8 @@ def test_the_fake_runner_offers_exactly_what_the_engine_calls(ring):
     end_requests(engine, requests)
     ring.finish()
     used = runner.used
-    assert used == {"num_codebooks", "asynchronous", "bucket_for", "prefill", "launch", "collect"}
+    assert used == {"num_codebooks", "asynchronous", "first_alone", "bucket_for", "prefill", "launch",
+                    "collect"}
     public = {name for name in dir(ImmediateRunner) if not name.startswith("_")}
     assert public == used | {"close"}
     assert {name for name in dir(ThreadedRunner) if not name.startswith("_")} == public
