@@ -193,6 +193,18 @@ def prefill_cost(before: Snapshot, after: Snapshot, name: str) -> dict | None:
                                 if counts["prefill_tokens"] else None)}
 
 
+def start_ms(before: Snapshot, after: Snapshot) -> dict:
+    """The gateway's mean Code2Wav Open (call to handle) and talker Submit (call to answer) in
+    the tier, ms (empty for a gateway without the counters, or a tier with none)."""
+    out = {}
+    for part, count, seconds in (("open", "start_opens", "start_open_seconds"),
+                                 ("submit", "start_submits", "start_submit_seconds")):
+        n, total = _delta(before, after, "gateway", count), _delta(before, after, "gateway", seconds)
+        if n and total is not None:
+            out[f"{part}_ms_mean"] = round(total * 1e3 / n, 2)
+    return out
+
+
 def first_record_ms(before: Snapshot, after: Snapshot, name: str) -> dict | None:
     """The mean of each part of the tier's first records, in ms (the talker's histograms: Submit ->
     first prefill chunk queued -> first decode step launched -> first record written), and how
@@ -327,6 +339,7 @@ def engine_numbers(before: Snapshot, after: Snapshot, rates: dict, concurrency: 
     held = _delta(before, after, "gateway", "requests_refused_held")
     if held is not None:  # refused by the gateway on a talker's refusal of a moment ago
         gateway["refusals_held"] = held
+    gateway.update(start_ms(before, after))
     # Whether the gateway (one process, one event loop) could be what limits a tier: its CPU
     # per stream, and per second of audio it forwarded (Code2Wav's audio over the window).
     g0, g1 = before.cpu.get("gateway"), after.cpu.get("gateway")

@@ -131,6 +131,9 @@ class SynthesisPipeline:
         self.session_segments = 0   # ... and the segments they spoke
         self._admitting = 0         # admitted, still waiting in router.acquire()
         self.refusals_held = 0      # refused here on a pair's talker's refusal of a moment ago
+        # a request's start, apart: Code2Wav's Open (to its handle) and the talker's Submit (to its
+        # answer, admitted or refused): how many, and their seconds
+        self.start_counts = {"opens": 0, "open_s": 0.0, "submits": 0, "submit_s": 0.0}
         self._cancels: set[asyncio.Task] = set()  # Talker.Cancel calls in flight
 
     def metrics(self) -> dict:
@@ -144,7 +147,18 @@ class SynthesisPipeline:
                 "streaming_segments": ("counter", "segments the ended sessions spoke", self.session_segments),
                 "requests_refused_held": ("counter", "requests refused by the gateway on a talker's "
                                           "refusal of a moment ago (routing.REFUSAL_HOLD_S), without a "
-                                          "round trip", self.refusals_held)}
+                                          "round trip", self.refusals_held),
+                **self._start_metrics()}
+
+    def _start_metrics(self) -> dict:
+        counts = self.start_counts
+        return {"start_opens": ("counter", "Code2Wav Opens answered with a handle", counts["opens"]),
+                "start_open_seconds": ("counter", "their seconds, from the call to the handle",
+                                       counts["open_s"]),
+                "start_submits": ("counter", "talker Submits answered (admitted or refused)",
+                                  counts["submits"]),
+                "start_submit_seconds": ("counter", "their seconds, from the call to the answer",
+                                         counts["submit_s"])}
 
     # --- the public shapes -----------------------------------------------------------------------
 
@@ -294,8 +308,12 @@ class SynthesisPipeline:
             request_id=request.request_id, talker_id=pair.talker_id, max_frames=max_frames,
             speaker_id=request.voice.speaker_id, seed=seed), timeout=_remaining(request))
         started = Started(pair, call, 0, seed, time.monotonic(), cap.limit)
+        counts = self.start_counts
         try:
             started.handle = await _opened(call, pair)
+            opened = time.monotonic()
+            counts["opens"] += 1
+            counts["open_s"] += opened - started.arrival
             submit = talker_pb2.SubmitRequest(
                 request_id=request.request_id, handle=started.handle, consumer_id=pair.consumer_id,
                 segments=segments, sampling=self.sampling(msg, seed), max_frames=max_frames,
@@ -308,6 +326,9 @@ class SynthesisPipeline:
                 if isinstance(error, errors.ResourceExhausted):
                     pair.hold_refusal(error.message, error.retry_after, time.monotonic())
                 raise error from None
+            finally:
+                counts["submits"] += 1
+                counts["submit_s"] += time.monotonic() - opened
         except BaseException:  # a stage refused it, or the client left while it was starting
             call.cancel()  # Code2Wav then cancels it on the talker too
             raise

@@ -295,6 +295,20 @@ def test_duplicate_id_is_409_and_a_disconnect_frees_both_stages(stack):
     assert metric(stack["metrics"], counted) >= 1
 
 
+def test_the_gateway_counts_each_starts_open_and_submit(stack):
+    names = ("voxring_start_opens_total", "voxring_start_open_seconds_total", "voxring_start_submits_total",
+             "voxring_start_submit_seconds_total")
+    before = {name: metric(stack["metrics"], name) for name in names}
+    response = httpx.post(f"http://{stack['http']}/v1/audio/speech", timeout=WAIT_S, json={
+        "model": "tts-1", "voice": "default", "input": TEXT, "response_format": "pcm"})
+    assert response.status_code == 200 and response.content
+    after = {name: metric(stack["metrics"], name) for name in names}
+    assert after["voxring_start_opens_total"] == before["voxring_start_opens_total"] + 1
+    assert after["voxring_start_submits_total"] == before["voxring_start_submits_total"] + 1
+    assert after["voxring_start_open_seconds_total"] > before["voxring_start_open_seconds_total"]
+    assert after["voxring_start_submit_seconds_total"] > before["voxring_start_submit_seconds_total"]
+
+
 def test_tls_gateway_needs_the_token(stack, frames):
     base = f"https://{stack['tls']}"
     for headers in ({}, {"Authorization": f"Bearer {TOKEN}x"}, {"Authorization": TOKEN}):

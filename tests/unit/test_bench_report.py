@@ -1,6 +1,6 @@
 """The server bench's talker table: the step split and what limited K, from the talker's counters."""
 
-from bench.server.probes import Snapshot, k_bounds, prefill_cost, prefill_grant
+from bench.server.probes import Snapshot, k_bounds, prefill_cost, prefill_grant, start_ms
 from bench.server.tier_tables import prefill_cost_table, refusal_table, step_split_table
 from services.talker.pacing import BOUNDS
 
@@ -58,6 +58,19 @@ def test_prefill_cost_is_the_steps_with_prefill_against_the_others_and_the_calls
     table = prefill_cost_table({"1024": {"talker": {"prefill_cost": cost}}})
     assert table[-2] == "| 1024 | 60% | 80.0 / 30.0 | 1.50 | 1.25 |"
     assert prefill_cost_table({"1": {"talker": {}}}) == []
+
+
+def test_the_gateways_open_and_submit_are_means_over_the_tier():
+    def snap(at, opens, open_s, submits, submit_s):
+        metrics = {"voxring_start_opens_total": opens, "voxring_start_open_seconds_total": open_s,
+                   "voxring_start_submits_total": submits, "voxring_start_submit_seconds_total": submit_s}
+        return Snapshot(at, {}, {"gateway": metrics}, {}, [], [], {})
+
+    assert start_ms(snap(0.0, 10, 0.1, 8, 0.05), snap(1.0, 30, 0.9, 28, 0.25)) == {
+        "open_ms_mean": 40.0, "submit_ms_mean": 10.0}
+    assert start_ms(snap(0.0, 10, 0.1, 8, 0.05), snap(1.0, 10, 0.1, 8, 0.05)) == {}  # none in the tier
+    empty = Snapshot(0.0, {}, {"gateway": {}}, {}, [], [], {})
+    assert start_ms(empty, empty) == {}  # an older gateway
 
 
 def test_the_refusal_table_says_how_fast_and_why_each_tier_refused():

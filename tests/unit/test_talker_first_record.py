@@ -50,10 +50,11 @@ def test_the_benchmark_table_puts_the_rest_beside_the_talker():
     first = {"wait": 1.0, "prefill": 4.0, "step": 20.0, "first_records": 16}
     grant = {"steps": 30, "positions_per_step": 512.4, "prefilled_per_step": 96.0}
     tiers = {"8": {"talker": {"first_record_ms": first, "prefill_grant": grant},
-                   "gateway": {"server_ttfa_mean_ms": 60.0}, "code2wav": {"first_chunk_ms": 12.25}},
+                   "gateway": {"server_ttfa_mean_ms": 60.0, "open_ms_mean": 8.5, "submit_ms_mean": 3.25},
+                   "code2wav": {"first_chunk_ms": 12.25}},
              "4": {"talker": {"first_record_ms": first}, "gateway": {"server_ttfa_mean_ms": 50.0}},
              "1": {"talker": {}}}
     lines = first_record_table(tiers)
-    assert lines[-3:-1] == ["| 4 | 50.0 | 1.00 | 4.00 | 20.00 | 25.0 | - | - / - |",  # older stages: no split
-                            "| 8 | 60.0 | 1.00 | 4.00 | 20.00 | 35.0 | 12.2 | 512 / 96 |"]
+    assert lines[-3:-1] == ["| 4 | 50.0 | 1.00 | 4.00 | 20.00 | 25.0 | - | - (-) | - / - |",  # older stages
+                            "| 8 | 60.0 | 1.00 | 4.00 | 20.00 | 35.0 | 12.2 | 8.5 (3.2) | 512 / 96 |"]
     assert first_record_table({"1": {"talker": {}}}) == []
