@@ -57,6 +57,7 @@ def build(config: Code2WavConfig, config_path: Path | None):
     thread = EngineThread("code2wav-engine", engine, tick_interval=config.transport.heartbeat_interval / 2,
                           keepalive_limit=config.transport.step_keepalive,
                           slow_step=config.transport.liveness_timeout)
+    thread.wake = engine.wake  # idle, the engine waits on its rings: a posted Open ends that wait
     servicer = Code2WavServicer(thread, {t.id: t.address for t in talkers.attach}, talkers.consumer_id,
                                 config.pacing, decoder)
     name = code2wav_pb2.DESCRIPTOR.services_by_name["Code2Wav"].full_name

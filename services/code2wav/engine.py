@@ -161,6 +161,15 @@ class Code2WavEngine(StreamingTicks):
                     self._talker_lost(link)
             link.ensure(now)
 
+    def wake(self) -> None:
+        """Any thread (the EngineThread's ``wake``, after a command is posted): ends the idle
+        wait on a ring, so an Open or a close is taken at once, not when the wait (up to
+        IDLE_WAIT_S) times out."""
+        for link in list(self.links.values()):
+            consumer = link.consumer
+            if consumer is not None:
+                consumer.wake()
+
     def keepalive(self) -> None:
         """The engine thread's keeper, during a long step (a large decode, a first-use
         compile): this side's heartbeats only (docs/protocol.md, Rings)."""

@@ -91,6 +91,10 @@ class EngineThread:
         self.error: BaseException | None = None
         # called once, on the engine thread, when the engine raises (ServiceHost: the stage exits)
         self.on_failure: Callable[[str], None] | None = None
+        # called after each post, on the poster's thread: an engine whose steps block on something
+        # other than the inbox (Code2Wav waits on its rings while idle) ends that wait, so a command
+        # is taken at once rather than when the wait times out
+        self.wake: Callable[[], None] | None = None
         self.keepalives = 0          # keeper calls so far (a count for tests and logs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -114,6 +118,8 @@ class EngineThread:
         if not self._running:
             raise EngineStopped(f"{self.name} is not running") from self.error
         self._inbox.put(command)
+        if self.wake is not None:
+            self.wake()
 
     async def call(self, command: Callable[[Any], Any]) -> Any:
         """Runs ``command(engine)`` on the engine thread and returns its result (or raises

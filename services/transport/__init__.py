@@ -96,6 +96,9 @@ class FrameConsumer(Protocol):
 
     def get_batch(self, max_records: int, timeout: float | None = 0.0) -> list[RecordView]: ...
 
+    def wake(self) -> None:
+        """Any thread: a ``get`` waiting now (or the next one to wait) returns None at once."""
+
     def release(self) -> None: ...
 
     def tick(self) -> None: ...

@@ -49,6 +49,7 @@ class _Inbox:
         self._unreleased = 0  # bytes queued or handed out and not released
         self._held = 0  # bytes handed out since the last release
         self._stopped = False
+        self._woken = False  # wake(): the get waiting now (or the next) returns None at once
         self.reader_blocked = False  # the reader waits for room: the stream is paused by us
 
     def put(self, item: RecordView | RingError, size: int = 0) -> None:
@@ -66,11 +67,22 @@ class _Inbox:
     def get(self, timeout: float) -> RecordView | RingError | None:
         with self._cond:
             if not self._items and timeout > 0:
-                self._cond.wait_for(lambda: self._items, timeout)
+                self._cond.wait_for(lambda: self._items or self._woken, timeout)
             if not self._items:
                 return None
             self._held += self._sizes.popleft()
             return self._items.popleft()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
+    def take_wake(self) -> bool:
+        """Whether a wake came since the last look (and forgets it)."""
+        with self._cond:
+            woken, self._woken = self._woken, False
+            return woken
 
     def release(self) -> None:
         with self._cond:
@@ -150,11 +162,17 @@ class GrpcConsumer:
             if item is not None:
                 self._ended = item
                 continue
+            if self._inbox.take_wake():
+                return None
             self.heartbeat.tick_if_due()
             if not self.producer_alive():
                 raise PeerDead(f"{self.name}: nothing heard for {self.liveness_timeout} s")
             if deadline is not None and time.monotonic() >= deadline:
                 return None
+
+    def wake(self) -> None:
+        """See RingConsumer.wake."""
+        self._inbox.wake()
 
     def get_batch(self, max_records: int, timeout: float | None = 0.0) -> list[RecordView]:
         first = self.get(timeout)

@@ -70,6 +70,7 @@ class RingConsumer(RingSide):
         # Epochs only grow, also across consumer instances of one ring, so the producer's
         # "already posted" memory never matches a new wait.
         self._epoch = time.monotonic_ns()
+        self._woken = False  # wake() was called: the wait it ended returns None
         self.tick()
 
     @classmethod
@@ -185,6 +186,14 @@ class RingConsumer(RingSide):
 
     # --- waiting ---------------------------------------------------------------------
 
+    def wake(self) -> None:
+        """Any thread: the ``get`` waiting now, or the next one to sleep, returns None at once (the
+        engine thread has a command to take). A wake that finds nobody waiting costs one early
+        return later, never a record."""
+        self._woken = True
+        with contextlib.suppress(posix_ipc.ExistentialError):  # closed meanwhile: nobody waits
+            self._sem.release()
+
     def _wait(self, timeout: float | None) -> RecordView | None:
         now = time.monotonic_ns()
         deadline = None if timeout is None else now + int(timeout * 1e9)
@@ -205,6 +214,9 @@ class RingConsumer(RingSide):
             view = self._next()
             if view is not None:
                 return view
+            if self._woken:
+                self._woken = False
+                return None
             now = time.monotonic_ns()
 
     def _block(self, seconds: float) -> None:

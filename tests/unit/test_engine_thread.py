@@ -116,6 +116,45 @@ def test_call_returns_the_result_or_raises_on_the_loop():
     asyncio.run(main())
 
 
+class BlockedOnRing:
+    """An engine that is always busy and whose step blocks on something other than the inbox (as
+    Code2Wav waits on its rings), until woken or an hour passes."""
+
+    def __init__(self) -> None:
+        self.woken = threading.Event()
+        self.handled = []
+
+    def handle(self, command):
+        self.handled.append(command)
+        command(self)
+
+    def step(self):
+        self.woken.wait(3600)  # only a wake ends it in time
+        self.woken.clear()
+        return True
+
+    def tick(self):
+        pass
+
+
+def test_a_post_wakes_an_engine_blocked_in_its_step():
+    async def main():
+        engine = BlockedOnRing()
+        thread = EngineThread("blocked", engine, tick_interval=0.02)
+        thread.wake = engine.woken.set
+        thread.start()
+        try:
+            # bounded by its own timeout: without the wake the step blocks for an hour
+            assert await asyncio.wait_for(thread.call(lambda e: "taken"), 10) == "taken"
+            assert await asyncio.wait_for(thread.call(lambda e: len(e.handled)), 10) == 2
+        finally:
+            engine.woken.set()
+            thread.stop(timeout=2)
+            engine.woken.set()
+
+    asyncio.run(main())
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
 def test_the_engine_thread_is_named_for_the_operating_system_too():
     """top -H, py-spy and the server bench's per-thread CPU tell the engine thread by its name."""

@@ -201,6 +201,31 @@ def test_a_sleeping_consumer_is_woken_and_an_awake_one_is_not_posted(make_ring):
         producer.close()  # also wakes a reader left asleep by a failure above
 
 
+def test_a_wake_ends_a_sleeping_get_with_nothing_and_loses_no_record(make_ring):
+    # Heartbeat waits of an hour: a get(None) ends only by a record or a wake.
+    slow = {"heartbeat_interval": 3600.0, "liveness_timeout": 7200.0}
+    producer, consumer = make_ring(**slow, consumer_kw=slow)
+    try:
+        got = []
+        reader = threading.Thread(target=lambda: got.append(consumer.get(timeout=None)), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 10
+        while not consumer._ctl[WAITING] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert consumer._ctl[WAITING], "the reader never went to sleep"
+        consumer.wake()  # the engine thread has a command to take
+        reader.join(10)  # bounds the wait; without the wake the reader sleeps for an hour
+        assert not reader.is_alive(), "the wake did not end the sleeping get"
+        assert got == [None]
+        consumer.wake()  # nobody waits: the next wait returns at once, with nothing
+        assert consumer.get(timeout=None) is None
+        producer.put(codes_of(1, 1, 7), handle=1, seq=0)  # records are not lost to wakes
+        consumer.wake()
+        assert consumer.get(timeout=None).record.seq == 0
+    finally:
+        producer.close()
+
+
 def test_an_idle_waiting_consumer_uses_almost_no_cpu(make_ring):
     _, consumer = make_ring(liveness_timeout=5.0, consumer_kw={"liveness_timeout": 5.0})
     cpu = []

@@ -124,6 +124,20 @@ def test_backpressure_full_try_put_then_blocking_put_resumes(edge):
     assert consumer.get(timeout=5).record.seq == count
 
 
+def test_a_wake_ends_a_waiting_get_with_nothing_and_loses_no_record(edge):
+    producer, consumer = edge(liveness_timeout=3600.0)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(consumer.get(timeout=60.0)), daemon=True)
+    reader.start()
+    consumer.wake()
+    reader.join(10)  # bounds the wait; without the wake the reader waits for a minute
+    assert not reader.is_alive() and got == [None]
+    producer.put(np.zeros((1, 2), np.int16), handle=1, seq=0)
+    consumer.wake()
+    views = [consumer.get(timeout=10.0) for _ in range(2)]  # a wake left over ends one get with nothing
+    assert [v.record.seq for v in views if v is not None] == [0]
+
+
 def test_record_larger_than_capacity_is_rejected(edge):
     producer, _ = edge(4096)
     with pytest.raises(RecordTooLarge, match="4128 bytes"):
