@@ -20,7 +20,8 @@
 #
 # Options by environment: TIERS (default 1,64,256,512,768,1024,1536,2048), MPS (on), TOKENIZER (bpe),
 # PROFILE (a tier to py-spy; none by default), SEQ (the sequential C=1 tier's requests, default 50),
-# ARGS (more bench.server arguments), FAULT_C (the fault part's streams, default 512). Run from the
+# ARGS (more bench.server arguments), FAULT_C (the fault part's streams, default 512), STEPLOG (1: each
+# tree's talker writes its step log to <tree's results>/steps.jsonl, gzipped at the end). Run from the
 # repository root with `carry: [".whl", ...]`.
 set -uo pipefail
 
@@ -58,12 +59,15 @@ for part in "$@"; do
     tiers:*)
       tree="${part#tiers:}"; label=$(basename "$(cd "$tree" && pwd)"); [ "$tree" = . ] && label=head
       mkdir -p "$R/$label"
-      (cd "$tree" && PYTHONPATH="/tmp/site:$PWD" timeout "$share" python3 -m bench.server --part tiers \
+      steplog=""; [ "${STEPLOG:-0}" = 1 ] && steplog="$R/$label/steps.jsonl"
+      (cd "$tree" && { [ -z "$steplog" ] || export VOXRING_TALKER__ENGINE__STEP_LOG="$steplog"; } &&
+        PYTHONPATH="/tmp/site:$PWD" timeout "$share" python3 -m bench.server --part tiers \
         --mps "${MPS:-on}" --load poisson --audio-seconds 2,8 --requests-per-stream 2 --load-seed 0 \
         --tiers "$TIERS" --tokenizer "${TOKENIZER:-bpe}" --sequential-requests "${SEQ:-50}" \
         ${PROFILE:+--profile-tier "$PROFILE"} --max-wall $((share - 10)) --out "$R/$label" ${ARGS:-} \
         > "$R/$label/run.log" 2>&1)
-      echo "tiers $label: exit $?"; tail -n 30 "$R/$label/run.log" | grep -E "^C=|tier|MPS" ;;
+      echo "tiers $label: exit $?"; tail -n 30 "$R/$label/run.log" | grep -E "^C=|tier|MPS"
+      if [ -n "$steplog" ] && [ -f "$steplog" ]; then gzip -f "$steplog"; fi ;;
     gputests)
       # -v names each test as it ends, SIGINT makes pytest print its summary and durations when cut
       timeout -s INT -k 30 "$share" python3 -m pytest -v -rfE -W ignore -p no:cacheprovider -n 14 --dist worksteal \
