@@ -81,6 +81,11 @@ class Code2WavEngine(StreamingTicks):
         self._touched: set[int] = set()  # handles to look at this tick (records, drains)
         self._due: list[tuple[float, int]] = []  # (need time, handle): the index by time
         self.outbox = Outbox()  # the streams' messages, handed to the event loop once a step
+        # handles the servicer answered an Open with whose stream this thread has not set up yet
+        # (the servicer's thread adds them; open or forget takes them out), and the records that
+        # came for them meanwhile (copies: a ring's views last until its release)
+        self.announced: set[int] = set()
+        self._early: dict[int, list[tuple[str, object, np.ndarray]]] = {}
 
     # --- commands from the servicer ------------------------------------------------------------
 
@@ -108,10 +113,20 @@ class Code2WavEngine(StreamingTicks):
             self._to_reset.append(slot)
         stream.outbox = self.outbox
         self.streams[stream.handle] = stream
+        self.announced.discard(stream.handle)
+        for talker_id, record, codes in self._early.pop(stream.handle, ()):
+            self._on_record(talker_id, record, codes)  # what its talker wrote before this ran
         return stream
+
+    def forget(self, handle: int) -> None:
+        """An announced handle whose stream will not be set up (its open failed, or it was
+        closed first): its early records are dropped."""
+        self.announced.discard(handle)
+        self.counters.dropped_records += len(self._early.pop(handle, ()))
 
     def close(self, handle: int) -> None:
         """The client's stream ended (or was cancelled): free the slot. Idempotent."""
+        self.forget(handle)
         stream = self.streams.pop(handle, None)
         if stream is not None:
             stream.closed = True
@@ -238,6 +253,9 @@ class Code2WavEngine(StreamingTicks):
 
     def _on_record(self, talker_id: str, record, codes: np.ndarray) -> None:
         stream = self.streams.get(record.handle)
+        if stream is None and record.handle in self.announced:  # its open is still on its way here
+            self._early.setdefault(record.handle, []).append((talker_id, record, codes.copy()))
+            return
         if stream is None or stream.talker_id != talker_id:
             self.counters.dropped_records += 1
             return

@@ -1,7 +1,8 @@
 """``voxring.v1.Code2Wav``: Open streams audio back, EncodeVoice, Stats.
 
-The event loop only validates and relays: Open registers the request on the engine
-thread and then forwards the messages the engine queues for it. When the client
+The event loop only validates and relays: Open answers with the request's handle at once, has
+the engine thread set it up at its next command (records its talker writes meanwhile are kept for
+it), and then forwards the messages the engine queues for it. When the client
 cancels the stream (or it ends any other way), the request is closed on the engine and,
 unless it finished normally, cancelled on its talker too (so a dead gateway still frees
 the talker's row). A chunk counts as delivered once gRPC flow control took it, which is
@@ -36,6 +37,7 @@ from services.common.errors import (
     DeadlineExceeded,
     Internal,
     InvalidArgument,
+    ResourceExhausted,
     ServiceError,
     Unavailable,
 )
@@ -43,7 +45,7 @@ from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc, common_pb2, talker_pb2, 
 
 log = logging.getLogger(__name__)
 ERRORS = {"UNAVAILABLE": Unavailable, "INTERNAL": Internal, "DEADLINE_EXCEEDED": DeadlineExceeded,
-          "CANCELLED": Cancelled}
+          "CANCELLED": Cancelled, "RESOURCE_EXHAUSTED": ResourceExhausted}
 
 
 class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
@@ -59,6 +61,7 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
         self._counter = itertools.count(1)
         self._stubs: dict[str, talker_pb2_grpc.TalkerStub] = {}
         self._cancels: set[asyncio.Task] = set()  # Talker.Cancel calls in flight
+        self._open = 0  # Open streams not yet ended here: at most the engine's slots
 
     async def _call(self, command):
         """``command(engine)`` on the engine thread (see EngineThread.call)."""
@@ -79,19 +82,38 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
             raise InvalidArgument("max_frames", f"must be >= 1, got {request.max_frames}")
         pacing = requested_pacing(request, self._default_pacing)
         self._decoder.check_open(request.speaker_id, request.seed)
+        engine: Code2WavEngine = self._thread.engine
+        if self._open >= engine.max_slots:
+            raise ResourceExhausted(f"all {engine.max_slots} decoder slots are in use")
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         handle = (self._instance << 32) | (next(self._counter) & 0xFFFFFFFF)
 
-        def make(slot: int) -> OpenStream:
-            return OpenStream(handle, request.request_id, request.talker_id, slot, pacing,
-                              request.max_frames, loop, queue, frame_s=self._frame_seconds,
-                              speaker_id=request.speaker_id, seed=request.seed)
+        made: list[OpenStream] = []  # the engine thread's stream (there before any chunk it sends)
 
+        def make(slot: int) -> OpenStream:
+            made.append(OpenStream(handle, request.request_id, request.talker_id, slot, pacing,
+                                   request.max_frames, loop, queue, frame_s=self._frame_seconds,
+                                   speaker_id=request.speaker_id, seed=request.seed))
+            return made[-1]
+
+        def open_here(engine: Code2WavEngine) -> None:
+            try:
+                engine.open(make)
+            except Exception as exc:  # its talker may have the Submit already: this side ends it
+                engine.forget(handle)
+                code = exc.code if isinstance(exc, ServiceError) else "INTERNAL"
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", code, str(exc), "code2wav"))
+
+        # The handle is answered at once: the engine thread sets the stream up at its next
+        # command, and keeps what the talker writes for an announced handle until then (a busy
+        # engine takes commands between decode calls of tens of ms).
+        engine.announced.add(handle)
         try:
-            stream = await self._call(lambda engine: engine.open(make))
-        except asyncio.CancelledError:  # the caller left while the engine was opening it
-            self._post(lambda engine: engine.close(handle))  # runs after the open: frees its slot
-            raise
+            self._thread.post(open_here)
+        except EngineStopped:
+            engine.announced.discard(handle)
+            raise Unavailable("Code2Wav engine is not running") from None
+        self._open += 1
         finished = False
         try:
             yield code2wav_pb2.OpenResponse(opened=code2wav_pb2.Opened(handle=handle))
@@ -99,6 +121,7 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
                 kind, *payload = await queue.get()
                 if kind == "chunk":
                     yield _chunk_response(payload[0])
+                    stream = made[-1]
                     stream.delivered_s += payload[0].audio_s
                     if stream.held:  # the engine paused it for this client: look again
                         self._post(lambda engine: engine.resume(handle))
@@ -118,6 +141,7 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
                     finished = code != "CANCELLED" and not ours
                     raise ERRORS.get(code, Internal)(message)
         finally:
+            self._open -= 1
             self._post(lambda engine: engine.close(handle))
             if not finished:
                 task = asyncio.ensure_future(self._cancel_on_talker(request.talker_id, handle))

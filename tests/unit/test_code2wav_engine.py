@@ -399,3 +399,32 @@ def test_a_lost_talkers_requests_with_their_last_record_complete_and_the_others_
     assert cut_off[-1][:2] == ("error", "UNAVAILABLE") and "talker t0 lost" in cut_off[-1][2]
     assert chunk_frames(done) == [8, 4] and done[-1][0] == "finished"
     assert done[-1][1].frames == 12                # every frame the talker wrote, decoded
+
+
+def test_records_that_come_before_an_announced_streams_open_are_kept_for_it(setup):
+    # the servicer answers an Open with its handle at once and announces it; the talker may write
+    # before the engine thread runs the open: those records wait for it, none is dropped
+    engine, _, link, decoder = setup
+    engine.announced.add(5)
+    put(link, 5, 0, 2)
+    put(link, 5, 1, 3, first=2)
+    engine.step()
+    assert decoder.calls == [] and engine.counters.dropped_records == 0
+    _, sent = open_stream(engine, 5, Pacing(decode_margin_s=0.1, steady_frames=8, min_chunk_frames=1))
+    assert 5 not in engine.announced
+    put(link, 5, 2, 1, last=True, first=5)
+    engine.step()
+    assert sum(chunk_frames(sent)) == 6 and engine.counters.sequence_gaps == 0
+    assert sent[-1][0] == "finished"
+
+
+def test_an_announced_handle_closed_before_its_open_drops_what_came_for_it(setup):
+    engine, _, link, decoder = setup
+    engine.announced.add(9)
+    put(link, 9, 0, 2)
+    engine.step()
+    engine.close(9)  # the client left before the engine thread opened it
+    assert 9 not in engine.announced and engine.counters.dropped_records == 1
+    put(link, 9, 1, 2, first=2)  # not announced any more: dropped at once, as any unknown handle
+    engine.step()
+    assert engine.counters.dropped_records == 2 and decoder.calls == []
