@@ -94,7 +94,7 @@ class Code2WavEngine(StreamingTicks):
         command(self)
 
     def idle(self) -> bool:
-        return not self.streams
+        return not self.streams and not self.announced  # an answered Open is work accepted
 
     def open(self, stream_factory: Callable[[int], OpenStream]) -> OpenStream:
         if not self.free_slots:
