@@ -174,6 +174,19 @@ def test_an_empty_cancelled_record(make_ring):
     assert view.codes.shape == (0, 0)
 
 
+def sleeping_reader(consumer) -> tuple[threading.Thread, list]:
+    """A thread in consumer.get(None), once it has announced its sleep (the wake-up handshake's
+    flag); what it got is appended to the list."""
+    got = []
+    reader = threading.Thread(target=lambda: got.append(consumer.get(timeout=None)), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while not consumer._ctl[WAITING] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert consumer._ctl[WAITING], "the reader never went to sleep"
+    return reader, got
+
+
 def test_a_sleeping_consumer_is_woken_and_an_awake_one_is_not_posted(make_ring):
     # Heartbeat waits of an hour: a consumer asleep in get(None) wakes only when posted.
     slow = {"heartbeat_interval": 3600.0, "liveness_timeout": 7200.0}
@@ -184,14 +197,7 @@ def test_a_sleeping_consumer_is_woken_and_an_awake_one_is_not_posted(make_ring):
             producer.put(codes_of(1, 1, seq), handle=1, seq=seq)  # consumer awake: no post
         assert semaphore.value == 0
         assert [consumer.get().record.seq for _ in range(3)] == [0, 1, 2]
-        got = []
-        reader = threading.Thread(target=lambda: got.append(consumer.get(timeout=None)), daemon=True)
-        reader.start()
-        # the reader has announced its sleep (the wake-up handshake's flag) and sleeps
-        deadline = time.monotonic() + 10
-        while not consumer._ctl[WAITING] and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert consumer._ctl[WAITING], "the reader never went to sleep"
+        reader, got = sleeping_reader(consumer)
         producer.put(codes_of(1, 1, 3), handle=1, seq=3)
         reader.join(10)  # bounds the wait; without the post the reader sleeps for an hour
         assert not reader.is_alive(), "the sleeping consumer was not woken"
@@ -206,13 +212,7 @@ def test_a_wake_ends_a_sleeping_get_with_nothing_and_loses_no_record(make_ring):
     slow = {"heartbeat_interval": 3600.0, "liveness_timeout": 7200.0}
     producer, consumer = make_ring(**slow, consumer_kw=slow)
     try:
-        got = []
-        reader = threading.Thread(target=lambda: got.append(consumer.get(timeout=None)), daemon=True)
-        reader.start()
-        deadline = time.monotonic() + 10
-        while not consumer._ctl[WAITING] and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert consumer._ctl[WAITING], "the reader never went to sleep"
+        reader, got = sleeping_reader(consumer)
         consumer.wake()  # the engine thread has a command to take
         reader.join(10)  # bounds the wait; without the wake the reader sleeps for an hour
         assert not reader.is_alive(), "the wake did not end the sleeping get"
