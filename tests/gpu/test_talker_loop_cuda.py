@@ -50,14 +50,16 @@ def outputs(model, *, k_max: int, pipelined: bool, prefill_token_budget: int = 4
     sink = ListSink()
     engine = TalkerEngine(runner, scheduler, lambda consumer: sink, clock=frozen_clock)
     engine.pipelined = pipelined
+    if first_alone is not None:  # measured: the first step is not the bucket's unmeasured K = 1
+        scheduler.times.observe(runner.bucket_for(4), 1, 0.001)
     run(engine, _batch(True))
-    return collect(sink.records), engine
+    return collect(sink.records), engine, sink.records
 
 
 def test_the_pipelined_loop_equals_collecting_each_step_and_k_1(model):
-    reference, _ = outputs(model, k_max=1, pipelined=False)
-    serial, _ = outputs(model, k_max=8, pipelined=False)
-    piped, engine = outputs(model, k_max=8, pipelined=True, prefill_token_budget=7)
+    reference, _, _ = outputs(model, k_max=1, pipelined=False)
+    serial, _, _ = outputs(model, k_max=8, pipelined=False)
+    piped, engine, _ = outputs(model, k_max=8, pipelined=True, prefill_token_budget=7)
     assert engine.counters.overlapped_steps > 0 and engine.counters.prefill_steps > 4
     for result in (serial, piped):
         assert result.keys() == reference.keys()
@@ -83,12 +85,14 @@ def test_a_launch_only_queues_its_step(model):
 def test_a_steps_first_frame_alone_is_the_same_frame_and_its_codes_do_not_change(model):
     # the first frame's copy has its own event: the engine writes it as a first record while the
     # step's other frames run (path_s 0.02: the pacing lets it); every request's codes are the same
-    reference, _ = outputs(model, k_max=8, pipelined=True, first_alone=False, path_s=0.02)
-    alone, engine = outputs(model, k_max=8, pipelined=True, first_alone=True, path_s=0.02)
+    reference, _, _ = outputs(model, k_max=8, pipelined=True, first_alone=False, path_s=0.02)
+    alone, engine, records = outputs(model, k_max=8, pipelined=True, first_alone=True, path_s=0.02)
     assert engine.first_alone
     for handle, (codes, reason) in reference.items():
         np.testing.assert_array_equal(alone[handle][0], codes)
         assert alone[handle][1] == reason
+    firsts = [r for r in records if r["seq"] == 0 and r["codes"] is not None]
+    assert firsts and all(len(r["codes"]) == 1 for r in firsts)  # the path ran: one frame each
     runner = engine.runner
     runner.decode([0, 1, 2], 1)  # warm
     torch.cuda.synchronize()
