@@ -188,10 +188,13 @@ class RingConsumer(RingSide):
 
     def wake(self) -> None:
         """Any thread: the ``get`` waiting now, or the next one to sleep, returns None at once (the
-        engine thread has a command to take). A wake that finds nobody waiting costs one early
-        return later, never a record."""
+        engine thread has a command to take). The semaphore is posted only while a wait is
+        announced (``WAITING``), so wakes while the engine works leave no count behind; one
+        that comes before the wait is seen by ``_block``'s check. Never a record lost."""
         self._woken = True
-        with contextlib.suppress(posix_ipc.ExistentialError):  # closed meanwhile: nobody waits
+        with self._hb_lock:  # close() unmaps under it: the control block is read while mapped
+            if self._closed or not self._ctl[WAITING]:
+                return
             self._sem.release()
 
     def _wait(self, timeout: float | None) -> RecordView | None:
@@ -226,7 +229,7 @@ class RingConsumer(RingSide):
         self._epoch += 1
         ctl[WAITING] = self._epoch
         full_fence()
-        if ctl[HEAD] == self._read and not ctl[CLOSED]:
+        if ctl[HEAD] == self._read and not ctl[CLOSED] and not self._woken:
             with contextlib.suppress(posix_ipc.BusyError):
                 self._sem.acquire(max(seconds, 1e-6))
         ctl[WAITING] = 0

@@ -226,6 +226,22 @@ def test_a_wake_ends_a_sleeping_get_with_nothing_and_loses_no_record(make_ring):
         producer.close()
 
 
+def test_wakes_while_the_consumer_works_leave_no_count_and_a_closed_one_ignores_them(make_ring):
+    producer, consumer = make_ring()
+    semaphore = posix_ipc.Semaphore(producer.wake_name)
+    try:
+        for _ in range(5):  # the engine works (no wait announced): nothing is posted
+            consumer.wake()
+        assert semaphore.value == 0
+        assert consumer.get(timeout=None) is None  # the flag alone ends the next wait, once
+        producer.put(codes_of(1, 1, 1), handle=1, seq=0)
+        assert consumer.get(timeout=None).record.seq == 0
+        consumer.close()
+        consumer.wake()  # after close: nothing to wake, no error
+    finally:
+        semaphore.close()
+
+
 def test_an_idle_waiting_consumer_uses_almost_no_cpu(make_ring):
     _, consumer = make_ring(liveness_timeout=5.0, consumer_kw={"liveness_timeout": 5.0})
     cpu = []
