@@ -34,10 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.talker.pacing import (
-    LoopTime,
     PacingConfig,
     StepOutlook,
-    StepTimes,
     choose_k,
     due,
     first_frame_alone,
@@ -47,6 +45,7 @@ from services.talker.pacing import (
 from services.talker.request import FinishReason, RequestState, TalkerRequest
 from services.talker.scheduler_admission import AdmissionRules, Overloaded
 from services.talker.scheduler_sessions import SessionRules
+from services.talker.step_times import LoopTime, StepTimes
 
 __all__ = ["Overloaded", "PrefillChunk", "QueueFull", "Scheduler", "SlotAllocator", "StepPlan"]
 

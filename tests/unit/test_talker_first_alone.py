@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.talker.pacing import PacingConfig, StepTimes, first_frame_alone
+from services.talker.pacing import PacingConfig, first_frame_alone
+from services.talker.step_times import StepTimes
 from tests.unit.test_talker_engine import (
     _batch,
     collect,

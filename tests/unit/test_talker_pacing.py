@@ -9,13 +9,13 @@ import pytest
 from services.talker.pacing import (
     PacingConfig,
     StepOutlook,
-    StepTimes,
     choose_k,
     due,
     fits,
     prefill_tokens_allowed,
 )
 from services.talker.request import TalkerRequest
+from services.talker.step_times import StepTimes
 
 CONFIG = PacingConfig(frame_rate=12.5, path_s=0.1, k_max=8)
 

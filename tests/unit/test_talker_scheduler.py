@@ -8,6 +8,7 @@ import pytest
 from services.talker import pacing
 from services.talker.request import FinishReason, RequestState, TalkerRequest
 from services.talker.scheduler import Overloaded, QueueFull, Scheduler
+from services.talker.step_times import StepTimes
 
 
 def req(handle: int, *, prompt_len: int = 10, max_frames: int = 100, consumer: str = "c0",
@@ -402,7 +403,7 @@ def test_a_late_first_record_gets_a_short_step_while_the_others_can_spare_it():
     # 20 ms of it kept for the path: 10 + 4 x 30/7 ms + 10 <= 40
     assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (5, "slack")
     ahead.frames_done = 100
-    s.times = pacing.StepTimes()
+    s.times = StepTimes()
     s.times.observe(2, 1, 0.060)  # slow steps ((2 x 60 + 20) x 1.5 > 160 ms): no short step
     assert (s.schedule(0.0).k, s.schedule(0.0).k_bound) == (8, "k_max")
 
