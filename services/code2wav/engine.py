@@ -48,10 +48,15 @@ from services.code2wav.metrics import Code2WavCounters
 from services.code2wav.streams import SEGMENT_REASONS, OpenStream, Outbox
 from services.code2wav.talkers import TalkerLink
 from services.common.errors import ResourceExhausted
+from services.common.smoothing import MeanSpread
 from services.transport.layout import FinishReason, RingError
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.005  # how long an idle step waits on a ring for the next record
+# The decode tick reported to the talkers and read by the cut rule: its mean and this many mean
+# deviations (a record that comes during a tick waits for it, then for its own: the longer ticks
+# make the stalls)
+TICK_SPREAD = 2.0
 
 # How a talker-side ending reaches the client (docs/protocol.md, How a request ends).
 ERROR_ENDINGS = {FinishReason.DEADLINE: ("DEADLINE_EXCEEDED", "talker deadline passed"),
@@ -86,6 +91,7 @@ class Code2WavEngine(StreamingTicks):
         # came for them meanwhile (copies: a ring's views last until its release)
         self.announced: set[int] = set()
         self._early: dict[int, list[tuple[str, object, np.ndarray]]] = {}
+        self.ticks = MeanSpread()  # the steps that decoded, start to the last chunk sent
 
     # --- commands from the servicer ------------------------------------------------------------
 
@@ -148,17 +154,41 @@ class Code2WavEngine(StreamingTicks):
         """One pass; when nothing was ready it waits up to IDLE_WAIT_S on a ring (the idle
         block), so it reports work whenever a talker is attached."""
         self.outbox.flush()  # what tick() and the commands before this step queued
+        started = self.clock()
         try:
             if self._to_reset:
                 slots, self._to_reset = self._to_reset, []
                 self.decoder.reset(slots)
             took = self._consume()
             decoded = self._decode_ready()
+            if decoded:
+                self._observe_tick(self.clock() - started)
             if took or decoded:
                 return True
             return self._wait_for_records()
         finally:
             self.outbox.flush()
+
+    def tick_s(self) -> float:
+        """A decode tick lately (``TICK_SPREAD``): what the talkers' pacing reads as the part of a
+        record's way to the listener that varies, and a cut's lead (``margin_floor``)."""
+        return self.ticks.bound(TICK_SPREAD)
+
+    def margin_floor(self) -> float:
+        """The least audio a listener keeps when its next chunk is cut (docs/protocol.md, Pacing):
+        a need that comes during a tick is seen when it ends and decoded by the next, so two
+        ticks; the stream's ``decode_margin_s`` where that is more."""
+        return 2 * self.tick_s()
+
+    def _observe_tick(self, seconds: float) -> None:
+        """A step that decoded took ``seconds``: reported to every attached talker (docs/protocol.md,
+        Pacing: the talker counts it in a record's way to its listener)."""
+        self.ticks.observe(seconds)
+        tick = self.tick_s()
+        for link in self.links.values():
+            if link.connected:
+                with contextlib.suppress(RingError):
+                    link.consumer.report_tick(tick)
 
     def _wait_s(self) -> float:
         """How long an idle tick may block on a ring: until the next need, IDLE_WAIT_S at most."""
@@ -330,7 +360,7 @@ class Code2WavEngine(StreamingTicks):
     def _look_at(self, stream: OpenStream, now: float, cuts: list) -> None:
         if stream.segment_ends:  # a segment ended with nothing left to decode (empty, or cleared)
             self._send_segment_ends(stream)
-        frames, why = stream.cut(now)
+        frames, why = stream.cut(now, self.margin_floor())
         if why in ("first", "need", "size"):  # more follows: cut to a length a graph runs unpadded
             frames = self.decoder.chunk_at_most(frames)
         if frames:
@@ -340,7 +370,7 @@ class Code2WavEngine(StreamingTicks):
         if stream.last_reason is not None and not stream.pending_frames:
             self._finish(stream)
         elif stream.pending_frames:  # waits for its need (or for more frames: a record touches it)
-            due = stream.need_at()
+            due = stream.need_at(self.margin_floor())
             if due != stream.due_at:
                 stream.due_at = due
                 heapq.heappush(self._due, (due, stream.handle))
@@ -401,6 +431,8 @@ class Code2WavEngine(StreamingTicks):
         """Read at scrape time from the metrics thread (plain reads of counters)."""
         streams = list(self.streams.values())
         out = self.counters.snapshot(len(streams), sum(s.pending_frames for s in streams))
+        out["decode_tick_seconds"] = ("gauge", "a decode tick lately (mean and two mean deviations), "
+                                      "reported to the talkers for their pacing", self.tick_s())
         out["decode_frames"] = ("counter", "frames of the chunks decoded", self.decoder.real_frames_total)
         out["decode_padded_frames"] = ("counter", "frames the decode calls ran, padding (rows and "
                                        "lengths) included", self.decoder.padded_frames_total)

@@ -107,12 +107,13 @@ class Listener:
 
 def frames_to_cut(pacing: Pacing, listener: Listener, now: float, *, pending: int, decoded: int,
                   left: int, ended: bool, segment_end: bool = False,
-                  restart: bool = False) -> tuple[int, str]:
+                  restart: bool = False, margin_s: float | None = None) -> tuple[int, str]:
     """(frames to decode now, why) for a stream with ``pending`` frames waiting, ``decoded``
     sent, ``left`` more allowed by its max frames, ``ended`` once its last record came;
     ``segment_end`` when ``pending`` are the rest of a segment that ended (flushed at once),
     ``restart`` when they start a segment after the listener's buffer ran dry (decoded at
-    once, like a first record); (0, "") when it should wait."""
+    once, like a first record); ``margin_s``: the decode margin where not the pacing's own (the
+    engine's ticks need more); (0, "") when it should wait."""
     take = min(pending, pacing.steady_frames, max(left, 1))
     if take <= 0:
         return 0, ""
@@ -124,7 +125,8 @@ def frames_to_cut(pacing: Pacing, listener: Listener, now: float, *, pending: in
         return take, "end"
     if pending >= pacing.steady_frames:
         return take, "size"
-    if take >= pacing.min_chunk_frames and now >= listener.need_at(pacing.decode_margin_s):
+    margin = pacing.decode_margin_s if margin_s is None else margin_s
+    if take >= pacing.min_chunk_frames and now >= listener.need_at(margin):
         return take, "need"
     return 0, ""
 

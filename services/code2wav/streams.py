@@ -199,10 +199,11 @@ class OpenStream:
         self.pending_frames += frames
         self.frames_received += frames
 
-    def cut(self, now: float) -> tuple[int, str]:
+    def cut(self, now: float, margin_floor: float = 0.0) -> tuple[int, str]:
         """(frames to decode now, why): see services/code2wav/pacing.py; (0, "") to wait. A
         cut never crosses a segment's end; a segment's first chunk that finds the listener's
-        buffer dry restarts the listener's clock."""
+        buffer dry restarts the listener's clock. ``margin_floor``: the engine's least decode
+        margin (its ticks), where it is above the stream's own."""
         if self.closed:
             return 0, ""
         pending = self.pending_frames
@@ -212,7 +213,7 @@ class OpenStream:
         frames, why = frames_to_cut(self.pacing, self.listener, now, pending=pending,
                                     decoded=self.frames_decoded, left=self.max_frames - self.frames_decoded,
                                     ended=self.last_reason is not None, segment_end=bool(self.segment_ends),
-                                    restart=restart)
+                                    restart=restart, margin_s=self.margin(margin_floor))
         if frames and restart:  # the pause between segments is silence: playback restarts here
             self.listener.restart()
         return frames, why
@@ -242,9 +243,13 @@ class OpenStream:
             self.segment_frames = 0
         return out
 
-    def need_at(self) -> float:
-        """When the listener's buffer reaches this stream's decode margin."""
-        return self.listener.need_at(self.pacing.decode_margin_s)
+    def margin(self, floor: float = 0.0) -> float:
+        """The audio left when the next chunk is cut: the stream's decode margin, ``floor`` at least."""
+        return max(self.pacing.decode_margin_s, floor)
+
+    def need_at(self, margin_floor: float = 0.0) -> float:
+        """When the listener's buffer reaches this stream's decode margin (``margin``)."""
+        return self.listener.need_at(self.margin(margin_floor))
 
     def take(self, frames: int) -> np.ndarray:
         """The next ``frames`` pending frames as [frames, K] int16."""

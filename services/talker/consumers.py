@@ -70,6 +70,10 @@ class Consumers:
                 dead.append(consumer_id)
         return dead
 
+    def tick_s(self) -> float:
+        """The longest decode tick the consumers report (docs/protocol.md, Pacing); 0.0 with none."""
+        return max((edge.producer.consumer_tick_s() for edge in self.edges.values()), default=0.0)
+
     def keepalive(self) -> None:
         """Stores this side's heartbeats and nothing else (docs/protocol.md, Rings): called by
         the engine thread's keeper while a long step runs, so from another thread. A ring

@@ -87,6 +87,7 @@ class TalkerCore:
         return self.engine.collect()
 
     def step(self) -> bool:
+        self.engine.scheduler.set_consumer_tick(self.consumers.tick_s())
         busy = self.engine.step()
         self._update_admission()
         return busy
@@ -175,6 +176,9 @@ class TalkerCore:
         """Read at scrape time from the metrics thread (plain reads of counters)."""
         scheduler, counters = self.engine.scheduler, self.engine.counters
         return {"running": ("gauge", "rows running", len(scheduler.running)),
+                "pacing_path_seconds": ("gauge", "a record's way to its listener as pacing counts it: "
+                                        "path_s and Code2Wav's reported decode tick",
+                                        scheduler.pacing.path_s),
                 "queue_depth": ("gauge", "requests waiting for a slot", len(scheduler.waiting)),
                 "sessions": ("gauge", "sessions in flight (running, waiting or idle)", scheduler.sessions),
                 "sessions_idle": ("gauge", "sessions between segments (a slot each, no batch row)",

@@ -128,6 +128,7 @@ class Scheduler(AdmissionRules, SessionRules):
         self.k_max = k_max
         self.pacing = PacingConfig(frame_rate=frame_rate, path_s=path_s, k_max=k_max,
                                    arrival_step_s=arrival_step_s)
+        self.base_path_s = path_s  # configured; Code2Wav's reported tick is added (set_consumer_tick)
         self.times = StepTimes()       # the engine feeds it each step's measured time
         self.bucket_for = bucket_for
         self.prefill_token_budget = prefill_token_budget
@@ -227,6 +228,14 @@ class Scheduler(AdmissionRules, SessionRules):
         if decode:
             self._choose_k(plan, now, self.times.prefill_s(plan.prefill_tokens))
         return plan
+
+    def set_consumer_tick(self, tick_s: float) -> None:
+        """Code2Wav's decode tick lately (docs/protocol.md, Pacing): a record waits up to a tick
+        for the one under way, so the tick is the part of its way to the listener that varies,
+        and pacing's ``path_s`` is the configured one plus it."""
+        path = self.base_path_s + max(0.0, tick_s)
+        if abs(path - self.pacing.path_s) >= 1e-3:
+            self.pacing = dataclasses.replace(self.pacing, path_s=path)
 
     def _end_at_boundary(self, now: float) -> list[TalkerRequest]:
         ended = []

@@ -86,7 +86,7 @@ class AdmissionRules:
         ms = lambda s: None if s is None else round(s * 1e3, 3)  # noqa: E731
         return {"streams": streams, "bucket": bucket, "line": source,
                 "k1_ms": ms(times.estimate(bucket, 1)), "k2_ms": ms(times.estimate(bucket, FIRST_K)),
-                "host_ms": ms(host), "period_ms": ms(self.period_s),
+                "host_ms": ms(host), "period_ms": ms(self.period_s), "path_ms": ms(self.pacing.path_s),
                 "per_token_us": round(times.per_token_s * 1e6, 3), "grant": self._step_grant(),
                 "fits": self.admission_headroom is None or fits(rows, self.bucket_for, self.pacing, times,
                                                                  self.admission_headroom, host)}

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.smoothing import MeanSpread
+
 # A step's time counts at most this many times its line's estimate (StepLine.add).
 OUTLIER = 2.0
 # Admission counts the loop's own time a step as its mean and this many mean deviations (LoopTime).
@@ -139,7 +141,7 @@ def _around(times: dict[int, float], bucket: int) -> float | None:
 
 
 @dataclass
-class LoopTime:
+class LoopTime(MeanSpread):
     """The loop's own time a step (host work and prefill): each step's period less its frames'
     estimate, weighted as the period is. Step by step, not the weighted period less the last
     step's estimate: K changes from step to step, and a short step after long ones would read as
@@ -147,12 +149,5 @@ class LoopTime:
     and ``HOST_SPREAD`` weighted mean absolute deviations, so that the longer steps (a burst's
     prefill) also end before a first chunk runs dry, not only the average one."""
 
-    mean: float | None = None
-    spread: float = 0.0
-
-    def observe(self, residual: float) -> None:
-        self.mean = residual if self.mean is None else self.mean + 0.25 * (residual - self.mean)
-        self.spread += 0.25 * (abs(residual - self.mean) - self.spread)
-
     def promised(self) -> float:
-        return (self.mean or 0.0) + HOST_SPREAD * self.spread
+        return self.bound(HOST_SPREAD)

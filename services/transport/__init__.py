@@ -86,6 +86,9 @@ class FrameProducer(Protocol):
 
     def consumer_alive(self, timeout: float | None = None) -> bool: ...
 
+    def consumer_tick_s(self) -> float:
+        """What the consumer last reported with ``report_tick`` (0.0: nothing yet)."""
+
     def close(self) -> None: ...
 
 
@@ -102,6 +105,10 @@ class FrameConsumer(Protocol):
     def release(self) -> None: ...
 
     def tick(self) -> None: ...
+
+    def report_tick(self, seconds: float) -> None:
+        """The engine thread: how long its decode ticks take lately, for the talker's pacing
+        (docs/protocol.md, Pacing); the latest report stands."""
 
     def producer_alive(self, timeout: float | None = None) -> bool: ...
 

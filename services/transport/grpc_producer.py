@@ -150,6 +150,7 @@ class GrpcProducer:
         self._outbox = _Outbox(capacity_bytes)
         self._created_ns = time.monotonic_ns()
         self._last_heard_ns = 0  # the consumer's last message, 0 before the first stream
+        self._tick_s = 0.0  # the consumer's decode tick, as its last heartbeat carried it
         self._subscription = 0  # grows with each stream; older streams end
         self._connected = False
         self._closed = False
@@ -214,6 +215,11 @@ class GrpcProducer:
             return self.heartbeat.fresh(self._created_ns, timeout)
         return self._connected and self.heartbeat.fresh(self._last_heard_ns, timeout)
 
+    def consumer_tick_s(self) -> float:
+        """The consumer's decode tick as its last heartbeat carried it (0.0: none yet), at most a
+        second."""
+        return 0.0 if self._closed else min(max(self._tick_s, 0.0), 1.0)
+
     def close(self, flush_timeout: float = 1.0) -> None:
         """Sends what is queued and a closed batch (waiting up to ``flush_timeout`` s while
         a consumer is subscribed), then refuses further puts. Idempotent."""
@@ -256,9 +262,10 @@ class GrpcProducer:
 
     async def _read_heartbeats(self, requests: AsyncIterator[frames_pb2.SubscribeMessage], mine: int) -> None:
         with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
-            async for _ in requests:
+            async for message in requests:
                 if self._subscription == mine:
                     self._last_heard_ns = time.monotonic_ns()
+                    self._tick_s = message.tick_s
         if self._subscription == mine:
             self._connected = False  # the consumer ended its side: gone
 

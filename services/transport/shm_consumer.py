@@ -38,6 +38,7 @@ from services.transport.layout import (
 from services.transport.shm_segment import (
     CLOSED,
     CONSUMER_HB,
+    CONSUMER_TICK,
     HEAD,
     PRODUCER_HB,
     TAIL,
@@ -183,6 +184,11 @@ class RingConsumer(RingSide):
         record = _new_tuple(FrameRecord, (handle, seq, first_frame, num_frames, num_codebooks, flags,
                                           finish_reason))
         return _new_tuple(RecordView, (record, codes))
+
+    def report_tick(self, seconds: float) -> None:
+        """Stores the engine's decode tick lately (``CONSUMER_TICK``, ns) for the talker's pacing."""
+        if not self._closed:
+            self._ctl[CONSUMER_TICK] = max(0, min(int(seconds * 1e9), 1 << 62))
 
     # --- waiting ---------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ from services.transport.layout import (
 from services.transport.shm_segment import (
     CLOSED,
     CONSUMER_HB,
+    CONSUMER_TICK,
     CREATED_NS,
     HEAD,
     MODE,
@@ -235,6 +236,14 @@ class RingProducer(RingSide):
             return False
         heartbeat = self._ctl[CONSUMER_HB]
         return self.heartbeat.fresh(self._created_ns if heartbeat == 0 else heartbeat, timeout)
+
+    def consumer_tick_s(self) -> float:
+        """The consumer's decode tick as it last reported it (``CONSUMER_TICK``); 0.0 when it
+        reported none or the ring is closed. Read as a number only: a nonsense value is capped
+        at a second (pacing would refuse nothing it could not serve anyway)."""
+        if self._closed:
+            return 0.0
+        return min(self._ctl[CONSUMER_TICK] / 1e9, 1.0)
 
     def close(self) -> None:
         """Marks the ring closed, wakes the consumer, unlinks both names and unmaps.

@@ -29,6 +29,7 @@ from services.transport.layout import (
     OFF_CAPACITY,
     OFF_CLOSED,
     OFF_CONSUMER_HB,
+    OFF_CONSUMER_TICK,
     OFF_CREATED_NS,
     OFF_GENERATION,
     OFF_HEAD,
@@ -46,7 +47,7 @@ from services.transport.layout import (
 # Control-block slots: uint64 index = byte offset // 8.
 HEAD, TAIL, CLOSED = OFF_HEAD // 8, OFF_TAIL // 8, OFF_CLOSED // 8
 PRODUCER_HB, CONSUMER_HB, WAITING = OFF_PRODUCER_HB // 8, OFF_CONSUMER_HB // 8, OFF_WAITING // 8
-CREATED_NS = OFF_CREATED_NS // 8
+CREATED_NS, CONSUMER_TICK = OFF_CREATED_NS // 8, OFF_CONSUMER_TICK // 8
 MODE = 0o600
 
 

@@ -32,6 +32,7 @@ class Clock:
 class ScriptedConsumer:
     def __init__(self) -> None:
         self.records: list = []
+        self.ticks: list[float] = []  # report_tick's, in order
 
     def get_batch(self, max_records: int, timeout: float | None = 0.0):
         taken, self.records = self.records[:max_records], self.records[max_records:]
@@ -45,6 +46,9 @@ class ScriptedConsumer:
 
     def tick(self) -> None:
         pass
+
+    def report_tick(self, seconds: float) -> None:
+        self.ticks.append(seconds)
 
 
 class Link:

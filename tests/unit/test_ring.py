@@ -368,3 +368,20 @@ def test_sweep_leaves_a_young_unreadable_segment_alone():
         assert young.exists()
     finally:
         young.unlink(missing_ok=True)
+
+
+def test_the_consumers_decode_tick_reaches_the_producer(make_ring):
+    producer, consumer = make_ring()
+    assert producer.consumer_tick_s() == 0.0  # nothing reported yet
+    consumer.report_tick(0.0625)
+    assert producer.consumer_tick_s() == pytest.approx(0.0625, abs=1e-9)
+    consumer.report_tick(0.004)  # the latest report stands
+    assert producer.consumer_tick_s() == pytest.approx(0.004, abs=1e-9)
+    consumer.report_tick(3600.0)  # nonsense is read as a second at most
+    assert producer.consumer_tick_s() == 1.0
+    consumer.report_tick(-1.0)
+    assert producer.consumer_tick_s() == 0.0
+    consumer.close()
+    consumer.report_tick(0.5)  # a closed consumer touches nothing
+    producer.close()
+    assert producer.consumer_tick_s() == 0.0

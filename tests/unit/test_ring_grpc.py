@@ -203,3 +203,14 @@ def test_grpc_producer_needs_a_served_servicer():
     with pytest.raises(ValueError, match="FrameStreamServicer"):
         open_producer(TransportSection(kind="grpc"), talker_instance_token=1, consumer_id="c",
                       generation=0, servicer=None)
+
+
+def test_the_consumers_decode_tick_rides_its_heartbeat(edge):
+    producer, consumer = edge()
+    assert producer.consumer_tick_s() == 0.0
+    consumer.report_tick(0.0625)
+    consumer.tick()  # the next heartbeat carries it
+    wait_until(lambda: producer.consumer_tick_s() == pytest.approx(0.0625))
+    consumer.report_tick(5.0)
+    consumer.tick()
+    wait_until(lambda: producer.consumer_tick_s() == 1.0)  # at most a second
