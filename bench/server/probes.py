@@ -11,6 +11,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from bench.server.procs import Server
+from services.code2wav.pacing import CUTS
 from services.talker.metrics import FIRST_RECORD_PARTS
 from services.talker.pacing import BOUNDS
 
@@ -270,7 +271,11 @@ def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str)
                     # Code2Wav's own model of its listeners (playback from each chunk sent): the stalls it
                     # caused itself, to set beside the clients' (a stall it does not see came after it)
                     "modeled_underruns": d["listener_underruns"],
-                    "modeled_underrun_s": _ratio(d["listener_underrun_seconds"], 1, 1, 2)}
+                    "modeled_underrun_s": _ratio(d["listener_underrun_seconds"], 1, 1, 2),
+                    # why its chunks were cut (services/code2wav/pacing.py CUTS), and the decode tick it
+                    # reported to the talker at the tier's end (mean and two deviations)
+                    "cuts": {why: _delta(before, after, name, f"chunks_cut_{why}") for why in CUTS},
+                    "tick_ms_at_end": _ratio(_counter(after.metrics[name], "decode_tick_seconds"), 1, 1e3, 1)}
     return {**calls_fields, "chunks_per_s_stats": round(rates[name]["chunks_per_s"], 1),
             "audio_s_per_s_stats": round(rates[name]["audio_seconds_per_s"], 1),
             "chunks": chunks, "audio_seconds": audio,
