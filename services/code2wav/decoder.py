@@ -28,7 +28,6 @@ given, at once. The codec takes no voice (the talker's prompt carries it): an Op
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -40,7 +39,6 @@ from services.code2wav.voice import encode_voice
 from services.common.buckets import length_at_most, padded_length, plan
 
 log = logging.getLogger(__name__)
-DECODE_PRIORITY = -(1 << 20)  # the highest the device has (torch clamps it into the range)
 
 
 class CodecDecoder:
@@ -67,12 +65,6 @@ class CodecDecoder:
         if self.device.type == "cuda" and max_graphs > 0:
             self._capture(sorted(buckets), sorted(chunk_frames), max_graphs, max_graph_mb)
         self.buckets = sorted({b for b, _ in self.graphs})
-        # the engine's decode work goes to a stream of the highest priority: sharing the GPU with
-        # a talker (MPS), a listener waits on a decode call, while the talker's steps are ahead
-        self.stream = (torch.cuda.Stream(self.device, priority=DECODE_PRIORITY)
-                       if self.device.type == "cuda" else None)
-        if self.stream is not None:
-            log.info("decode calls on a stream of priority %d", self.stream.priority)
         config = codec.config
         self.num_codebooks = codec.num_codebooks
         self.codebook_size = self.code_space = config.codebook_size  # no special codes
@@ -85,22 +77,16 @@ class CodecDecoder:
         """A voice clip as codec frames [T, K] (services/code2wav/voice.py)."""
         return encode_voice(self.codec, samples, sample_rate)
 
-    def on_stream(self):
-        """The decode stream as the current one (CUDA), a no-op elsewhere."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
     def reset(self, slots: Sequence[int]) -> None:
         """Zeroes the streaming state of ``slots`` (newly opened streams), in one batch."""
-        with self.on_stream():  # ordered before the decode calls that read it
-            self.codec.reset(torch.tensor(list(slots), device=self.device))
+        self.codec.reset(torch.tensor(list(slots), device=self.device))
 
     @torch.inference_mode()
     def decode_pcm(self, slots: Sequence[int], codes: np.ndarray) -> np.ndarray:
         """codes: [n, T, K] int16 on the host -> int16 PCM [n, T * spf] on the host: the decode,
         the conversion on the device, and one device-to-host copy."""
-        with self.on_stream():
-            batch = torch.from_numpy(codes.astype(np.int64)).to(self.device).transpose(1, 2)
-            return _pcm(self.decode(slots, batch)).cpu().numpy()
+        batch = torch.from_numpy(codes.astype(np.int64)).to(self.device).transpose(1, 2)
+        return _pcm(self.decode(slots, batch)).cpu().numpy()
 
     @torch.inference_mode()
     def decode_many(self, slots: Sequence[int], chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -117,9 +103,8 @@ class CodecDecoder:
         frames = _chunk_frames(chunks)
         graphed = bool(self.graphs)
         calls = plan(frames, self.chunk_frames if graphed else (), self.buckets if graphed else ())
-        with self.on_stream():
-            outputs = [self.decode(*inputs) for inputs in self._stage(calls, slots, chunks)]
-            flat = to_host(torch.cat([_pcm(out).reshape(-1) for out in outputs]))  # one copy back
+        outputs = [self.decode(*inputs) for inputs in self._stage(calls, slots, chunks)]
+        flat = to_host(torch.cat([_pcm(out).reshape(-1) for out in outputs]))  # one copy back
         spf = self.codec.config.samples_per_frame
         pcm: list[np.ndarray] = [np.empty(0, np.int16)] * len(chunks)
         start = 0
