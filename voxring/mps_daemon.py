@@ -32,6 +32,13 @@ REQUIRE_ENV = {"talker": "VOXRING_TALKER__MODEL__REQUIRE_MPS",
 MODES = ("auto", "on", "off")
 
 
+def sm_percent(stage: str, base: dict[str, str]) -> str:
+    """A stage's ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` on a GPU it shares with the other stage:
+    ``base``'s ``VOXRING_<STAGE>_SM_PERCENT``, else ``DEFAULT_SM_PERCENT`` (empty: no limit). The
+    server benchmark applies the same rule."""
+    return base.get(SM_PERCENT_ENV[stage], str(DEFAULT_SM_PERCENT[stage]))
+
+
 class MpsError(RuntimeError):
     """The daemon could not be started, asked or stopped; the message says why."""
 
@@ -60,7 +67,7 @@ class MpsDaemon:
     def stage_env(self, stage: str, base: dict[str, str]) -> dict[str, str]:
         """``base`` plus the daemon's folders, the stage's SM limit (when set) and require_mps."""
         env = {**base, **self.env(), REQUIRE_ENV[stage]: "true"}
-        percent = base.get(SM_PERCENT_ENV[stage], str(DEFAULT_SM_PERCENT[stage]))
+        percent = sm_percent(stage, base)
         if percent:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = percent
         return env

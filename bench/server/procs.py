@@ -15,6 +15,7 @@ from pathlib import Path
 from bench.server import BenchError, log
 from bench.server.settings import REPO, STATE_DIR, StageSpec
 from services.transport.layout import shm_file_prefixes
+from voxring.mps_daemon import SM_PERCENT_ENV, sm_percent
 from voxring.stage_process import StackError, StageProcess
 
 SHM_DIR = Path("/dev/shm")
@@ -64,8 +65,24 @@ class Server:
         if daemon:  # its GPU's own MPS daemon, which maps that GPU to the client's device 0
             env = {**self.env, **daemon}
             env.pop("CUDA_VISIBLE_DEVICES", None)
-            return env
-        return {**self.env, "CUDA_VISIBLE_DEVICES": self.gpus[spec.gpu]}
+        else:
+            env = {**self.env, "CUDA_VISIBLE_DEVICES": self.gpus[spec.gpu]}
+        return {**env, **self.sm_limit(spec, env)}
+
+    def sm_limit(self, spec: StageSpec, env: dict[str, str]) -> dict[str, str]:
+        """An MPS client sharing its GPU with the other kind of stage gets the SM limit ``voxring
+        up`` gives it (voxring/mps_daemon.sm_percent), so the bench measures the default
+        deployment; {} without MPS, alone on its GPU, or where the limit is empty."""
+        kinds = {other.kind for other in self.specs if other.gpu == spec.gpu}
+        if "CUDA_MPS_PIPE_DIRECTORY" not in env or not {"talker", "code2wav"} <= kinds:
+            return {}
+        percent = sm_percent(spec.kind, env) if spec.kind in SM_PERCENT_ENV else ""
+        return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": percent} if percent else {}
+
+    def sm_limits(self) -> dict[str, str]:
+        """Each stage's SM limit as started (the run's record)."""
+        return {spec.name: limit for spec in self.specs
+                if (limit := self._env(spec).get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))}
 
     def start(self, timeout: float) -> None:
         import yaml

@@ -194,6 +194,7 @@ def _serve(s: Settings, record: _Record, run_dir: Path, configs: dict[str, dict]
         result["gpu_ids"] = gpus
         server = Server(run_dir, s.stages, configs, child_env(extra, s.smoke), gpus,
                         mps.client_env if mps and mps.per_gpu else None)
+        result["sm_percent"] = server.sm_limits()  # MPS active-thread limits, as voxring up sets them
         started = time.monotonic()
         log(f"starting the stages ({s.mode}; ready within {s.start_timeout:.0f} s)")
         server.start(min(s.start_timeout, max(10.0, s.left() - STOP_MARGIN_S)))
