@@ -11,9 +11,10 @@ MPS makes the pair one failure domain: a fatal fault in one client takes down ev
 of the server, so ``up`` never restarts one engine alone under MPS (Stack.up restarts both).
 Per-engine SM limits (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, a limit, not a reservation) come
 from ``VOXRING_TALKER_SM_PERCENT`` and ``VOXRING_CODE2WAV_SM_PERCENT`` in the launcher's
-environment, else ``DEFAULT_SM_PERCENT`` (deploy/compose/.env has the same): their sum stays at
-or below 100, so Code2Wav cannot hold SMs the talker's persistent grid (sized to its share:
-kernels/sms.py) waits for. Empty: no limit.
+environment, else ``DEFAULT_SM_PERCENT``: none. Under a limit of 75 the talker's frames came out
+as stop frames on an H100 (every request ended at its first frames; bench notes 2026-12-05,
+run 13), so the talker refuses readiness under one (services/common/mps.py); Code2Wav may be given
+one. Empty: no limit.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 CONTROL = "nvidia-cuda-mps-control"
 SM_PERCENT_ENV = {"talker": "VOXRING_TALKER_SM_PERCENT", "code2wav": "VOXRING_CODE2WAV_SM_PERCENT"}
-DEFAULT_SM_PERCENT = {"talker": 75, "code2wav": 25}  # starting values, to be set from the bench
+DEFAULT_SM_PERCENT = {"talker": "", "code2wav": ""}  # none (the module's docstring says why)
 REQUIRE_ENV = {"talker": "VOXRING_TALKER__MODEL__REQUIRE_MPS",
                "code2wav": "VOXRING_CODE2WAV__MODEL__REQUIRE_MPS"}
 MODES = ("auto", "on", "off")

@@ -27,10 +27,13 @@ class MpsStatus:
     detail: str
 
 
-def mps_requirement(device, required: bool, stage: str) -> MpsRequirement:
-    """The component for a stage whose model is on ``device`` (a torch.device; CUDA started)."""
+def mps_requirement(device, required: bool, stage: str,
+                    sm_share: tuple[int, int] | None = None) -> MpsRequirement:
+    """The component for a stage whose model is on ``device`` (a torch.device; CUDA started);
+    ``sm_share``: (SMs this process may hold, the device's) where an SM limit must not be
+    (the talker's)."""
     index = (device.index or 0) if device.type == "cuda" else None
-    return MpsRequirement(mps_status(index), required, stage)
+    return MpsRequirement(mps_status(index), required, stage, sm_share)
 
 
 def mps_status(device_index: int | None) -> MpsStatus:
@@ -58,20 +61,29 @@ class MpsRequirement:
     """The ServiceHost component of ``model.require_mps``: when the stage must be an MPS client
     and is not, it owns readiness and never sets it (the host leaves it NOT_SERVING)."""
 
-    def __init__(self, status: MpsStatus, required: bool, stage: str) -> None:
+    def __init__(self, status: MpsStatus, required: bool, stage: str,
+                 sm_share: tuple[int, int] | None = None) -> None:
         self.status = status
-        self.manages_readiness = bool(required and status.client is not True)
-        if self.manages_readiness:
+        self.sm_share = sm_share
+        self.sm_limited = sm_share is not None and sm_share[0] < sm_share[1]
+        self.manages_readiness = bool(required and status.client is not True) or self.sm_limited
+        if required and status.client is not True:
             log.error("%s: model.require_mps is set but this stage is %s; readiness stays NOT_SERVING",
                       stage, status.detail)
         elif status.client is not None:
             log.info("%s: %s", stage, status.detail)
+        if self.sm_limited:
+            log.error("%s: its kernels may hold %d of the device's %d SMs (an MPS active-thread limit: "
+                      "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE or the daemon's default); under a limit of 75 the "
+                      "talker's frames came out as stop frames (every request ended at its first frames), "
+                      "so readiness stays NOT_SERVING: run it without the limit", stage, *sm_share)
 
     def attach_health(self, servicer) -> None:
         """Readiness is left NOT_SERVING by the host when this component manages it."""
 
     def ready_info(self) -> dict:
-        return {"mps_client": self.status.client}
+        info = {"mps_client": self.status.client}
+        return {**info, "sm_share": list(self.sm_share)} if self.sm_share is not None else info
 
     def metrics(self) -> dict:
         if self.status.client is None:

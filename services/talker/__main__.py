@@ -42,6 +42,14 @@ from voxring.v1 import frames_pb2, frames_pb2_grpc, talker_pb2, talker_pb2_grpc
 log = logging.getLogger("talker")
 
 
+def sm_share(device: torch.device) -> tuple[int, int] | None:
+    """(SMs this process's kernels may hold, the device's) on CUDA (kernels/sms.py), else None."""
+    if device.type != "cuda":
+        return None
+    from kernels.sms import usable_sms
+    return usable_sms(device), torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def model_info(folder: Path, model, max_len: int,
                family: Family | None = None) -> talker_pb2.ModelInfoResponse:
     """What a client needs to speak to the model without knowing its family: the tokenizer and the
@@ -153,7 +161,7 @@ def build(config: TalkerConfig, config_path: Path | None):
                           max_pending_frames=engine_cfg.max_pending_frames, step_log=step_log)
     core = TalkerCore(engine, consumers)
     metrics.register(core.metrics)
-    mps = mps_requirement(device, config.model.require_mps, "talker")
+    mps = mps_requirement(device, config.model.require_mps, "talker", sm_share(device))
     metrics.register(mps.metrics)
     metrics.register(allocator_metrics(
         (lambda: torch.cuda.memory_stats(device)) if device.type == "cuda" else None))

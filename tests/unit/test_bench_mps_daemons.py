@@ -79,20 +79,18 @@ def test_a_gpu_whose_daemon_did_not_start_runs_its_stages_without_it(control, tm
 
 @pytest.mark.parametrize("layout", ["one", "two-pairs", "split"])
 def test_a_pairs_stages_sharing_a_gpu_get_the_sm_limits_voxring_up_gives_them(control, tmp_path, layout):
-    # the default deployment's split (voxring/mps_daemon.sm_percent): talker 75, Code2Wav 25, the
-    # launcher's VOXRING_<STAGE>_SM_PERCENT over it, empty for none; a stage alone on its GPU (the
+    # the default deployment's limits (voxring/mps_daemon.sm_percent): none by default, the
+    # launcher's VOXRING_<STAGE>_SM_PERCENT where set (empty: none); a stage alone on its GPU (the
     # split layout) or without MPS has none
     specs = layout_stages(layout)
     gpus = ["0"] if layout == "one" else ["0", "1"]
     daemons = MpsDaemons(gpus)
     extra = daemons.start()
     client_env = daemons.client_env if daemons.per_gpu else None
-    server = Server(tmp_path, specs, {}, extra, gpus, client_env)
-    expected = {} if layout == "split" else {
-        spec.name: {"talker": "75", "code2wav": "25"}[spec.kind] for spec in specs if spec.gpu is not None}
-    assert server.sm_limits() == expected
+    assert Server(tmp_path, specs, {}, extra, gpus, client_env).sm_limits() == {}
+    chosen = {**extra, "VOXRING_TALKER_SM_PERCENT": "", "VOXRING_CODE2WAV_SM_PERCENT": "30"}
+    server = Server(tmp_path, specs, {}, chosen, gpus, client_env)
+    assert server.sm_limits() == ({} if layout == "split" else
+                                  {spec.name: "30" for spec in specs if spec.kind == "code2wav"})
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in server._env(specs[-1])  # the gateway
-    chosen = {**extra, "VOXRING_TALKER_SM_PERCENT": "65", "VOXRING_CODE2WAV_SM_PERCENT": ""}
-    assert Server(tmp_path, specs, {}, chosen, gpus, client_env).sm_limits() == {
-        name: "65" for name, share in expected.items() if share == "75"}
     assert Server(tmp_path, specs, {}, {}, gpus).sm_limits() == {}  # no MPS: no limit

@@ -54,6 +54,17 @@ def test_readiness_is_held_only_when_required_and_absent(client, required, manag
     assert requirement.ready_info() == {"mps_client": client}
 
 
+@pytest.mark.parametrize(("share", "manages"), [((132, 132), False), ((99, 132), True), (None, False)])
+def test_the_talker_under_an_sm_limit_holds_its_readiness_whatever_mps_says(share, manages, caplog):
+    # under a limit of 75 the talker's frames came out as stop frames (bench notes, run 13): an MPS
+    # client whose kernels may hold fewer SMs than the device has stays NOT_SERVING, saying why
+    requirement = mps.MpsRequirement(mps.MpsStatus(True, "an MPS client"), True, "talker", share)
+    assert requirement.manages_readiness is manages
+    assert (requirement.ready_info().get("sm_share") == list(share)) if share else \
+        "sm_share" not in requirement.ready_info()
+    assert ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in caplog.text) is manages
+
+
 def test_the_allocator_metrics_are_empty_off_cuda_and_name_the_allocators_counters():
     from services.common.cuda_memory import allocator_metrics
     assert allocator_metrics(None)() == {}

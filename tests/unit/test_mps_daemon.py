@@ -52,15 +52,16 @@ def test_each_engine_gets_the_daemon_require_mps_and_its_own_sm_limit(daemon):
     assert talker["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "80"
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in code2wav  # empty: no limit
     defaults = daemon.stage_env("talker", {}), daemon.stage_env("code2wav", {})
-    assert [int(env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]) for env in defaults] == [75, 25]
+    assert all("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env for env in defaults)  # none by default
 
 
-def test_the_launchers_sm_shares_are_composes_and_leave_no_sm_to_contend_for():
+def test_the_launchers_sm_limits_are_composes_and_the_talker_has_none():
+    # under a limit the talker's frames came out as stop frames (bench notes, run 13): it runs
+    # with none, in voxring up as in compose; Code2Wav's is empty (none) in both
     env = dict(line.split("=", 1) for line in (REPO / "deploy" / "compose" / ".env").read_text().splitlines()
                if line and not line.startswith("#"))
-    assert {stage: int(env[var]) for stage, var in mps_daemon.SM_PERCENT_ENV.items()} == \
-        mps_daemon.DEFAULT_SM_PERCENT
-    assert sum(mps_daemon.DEFAULT_SM_PERCENT.values()) <= 100
+    assert "VOXRING_TALKER_SM_PERCENT" not in env and mps_daemon.DEFAULT_SM_PERCENT["talker"] == ""
+    assert env["VOXRING_CODE2WAV_SM_PERCENT"] == mps_daemon.DEFAULT_SM_PERCENT["code2wav"] == ""
 
 
 class Recorder:
