@@ -263,7 +263,10 @@ def _judge_streams(report: dict, streams: list[Stream], in_flight: list[Stream],
         "unavailable_once": len(once),
         "end_after_kill_ms": _ms([r.ended - killed_at for r in in_flight if r.ended is not None]),
         "ttfa_ms": _ms([r.first_audio - r.sent for r in streams if r.first_audio is not None])}
-    report["checks"].update(streams_in_flight=len(in_flight) == c and with_audio > c / 2,
+    # a stream of the burst is either in flight at the kill or was refused at once (admission:
+    # RESOURCE_EXHAUSTED, the talker at capacity); none ended otherwise before the kill
+    refused = sum(r.code == "RESOURCE_EXHAUSTED" for r in streams if r not in in_flight)
+    report["checks"].update(streams_in_flight=len(in_flight) + refused == c and with_audio > c / 2,
                             unavailable_once=bool(in_flight) and len(once) == len(in_flight))
 
 
