@@ -17,6 +17,7 @@ from bench.server import log
 from bench.server.gpu import gpu_info, run_cmd
 from bench.server.settings import LAYOUTS, REPO, Settings, overrides_env
 from bench.server.tier_tables import (
+    code2wav_table,
     first_record_table,
     fmt,
     idle_table,
@@ -156,7 +157,7 @@ def run_table(mode: str, data: dict) -> list[str]:
     lines.append("")
     tiers = data.get("tiers", {})
     return (lines + idle_table(tiers) + step_split_table(tiers) + prefill_cost_table(tiers)
-            + first_record_table(tiers)
+            + code2wav_table(tiers) + first_record_table(tiers)
             + refusal_table(tiers))
 
 

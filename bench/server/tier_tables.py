@@ -68,6 +68,24 @@ def prefill_cost_table(tiers: dict) -> list[str]:
     return [*lines, ""]
 
 
+def code2wav_table(tiers: dict) -> list[str]:
+    """Markdown: Code2Wav's decode calls and the tick it reported to the talker (docs/protocol.md,
+    Pacing), with its chunks by why they were cut (nothing when no tier has them)."""
+    rows = [(c, t["code2wav"]) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
+            if (t.get("code2wav") or {}).get("cuts")]
+    if not rows:
+        return []
+    lines = ["Code2Wav: ms a decode call, chunks a call, the decode tick it reported at the tier's end "
+             "(mean and two deviations), and its chunks by why they were cut.", "",
+             "| C | ms a call | chunks a call | tick ms | first / need / size / end |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {c} | {fmt(cw.get('decode_ms_per_call'))} | {fmt(cw.get('chunks_per_call'))} | "
+              f"{fmt(cw.get('tick_ms_at_end'))} | "
+              + " / ".join(fmt(cw["cuts"].get(why), 0) for why in ("first", "need", "size", "end")) + " |"
+              for c, cw in rows]
+    return [*lines, ""]
+
+
 def first_record_table(tiers: dict) -> list[str]:
     """Markdown: where first audio goes, per tier: the talker's parts of its first records (mean ms)
     beside the gateway's mean time to first audio; "rest" is what the talker does not see (the

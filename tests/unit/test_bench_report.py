@@ -1,7 +1,7 @@
 """The server bench's talker table: the step split and what limited K, from the talker's counters."""
 
 from bench.server.probes import Snapshot, k_bounds, prefill_cost, prefill_grant, start_ms
-from bench.server.tier_tables import prefill_cost_table, refusal_table, step_split_table
+from bench.server.tier_tables import code2wav_table, prefill_cost_table, refusal_table, step_split_table
 from services.talker.pacing import BOUNDS
 
 
@@ -84,3 +84,12 @@ def test_the_refusal_table_says_how_fast_and_why_each_tier_refused():
     assert table[5] == ("| 64 | 3 | 4.0 / 7.1 | 2 | 2 x about # s before it could start (a/b); "
                         "1 x # streams already use |")
     assert refusal_table({"1": {"loadgen": {"rejected": 0}}}) == []
+
+
+def test_the_code2wav_table_shows_its_calls_tick_and_cuts():
+    cw = {"decode_ms_per_call": 47.25, "chunks_per_call": 94.9, "tick_ms_at_end": 41.2,
+          "cuts": {"first": 2278.0, "need": 7541.0, "size": 4461.0, "end": 2473.0, "segment": 0.0}}
+    table = code2wav_table({"1536": {"code2wav": cw}, "1": {"code2wav": {"decode_ms_per_call": 3.0}}})
+    assert table[-2] == "| 1536 | 47.2 | 94.9 | 41.2 | 2278 / 7541 / 4461 / 2473 |"
+    assert len(table) == 6  # one row: a tier from before the cuts were counted has none
+    assert code2wav_table({"1": {"code2wav": None}}) == []
