@@ -4,6 +4,7 @@
 # result under $OUT/results.tgz (the device returns at most 8 files):
 #
 #   probe            bench.probes.mps: what an MPS client sees (SM affinity, NVML, the daemon)
+#   mpstalker        bench.probes.mps_talker: the talker's frames and stack_step under MPS limits (run 13)
 #   tiers:<tree>     the server under the Poisson load (2-8 s, 2 requests a stream, load seed 0) with
 #                    MPS, at TIERS, on the tree in folder <tree> (. for this one; another folder
 #                    carried beside it, e.g. a copy before a change, for a comparison in one call)
@@ -56,6 +57,10 @@ for part in "$@"; do
     probe)
       timeout "$share" python3 -m bench.probes.mps --out "$R/mps_probe.json" > /dev/null 2>&1
       echo "probe: exit $?" ;;
+    mpstalker)
+      timeout "$share" python3 -m bench.probes.mps_talker --timeout $(( share / 5 )) \
+        --out "$R/mps_talker.json" > /dev/null 2>&1
+      echo "mpstalker: exit $?" ;;
     tiers:*)
       tree="${part#tiers:}"; label=$(basename "$(cd "$tree" && pwd)"); [ "$tree" = . ] && label=head
       mkdir -p "$R/$label"
