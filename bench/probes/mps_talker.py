@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.server.report import write_json
 from voxring.mps_daemon import CONTROL, MpsDaemon, MpsError
 
 TESTS = ["tests/gpu/test_talker_burst_cuda.py", "tests/gpu/test_stack_step_cuda.py"]
@@ -99,11 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.facts:
         facts()
         return
-    text = json.dumps(scenarios(args.timeout), indent=2)
-    print(text)
+    results = scenarios(args.timeout)
+    print(json.dumps(results, indent=2))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        write_json(args.out, results)
 
 
 if __name__ == "__main__":
