@@ -40,10 +40,10 @@ from services.talker.pacing import (
     due,
     first_frame_alone,
     first_frames,
-    prefill_tokens_allowed,
 )
 from services.talker.request import FinishReason, RequestState, TalkerRequest
 from services.talker.scheduler_admission import AdmissionRules, Overloaded
+from services.talker.scheduler_prefill import PrefillChunk, PrefillRules
 from services.talker.scheduler_sessions import SessionRules
 from services.talker.step_times import LoopTime, StepTimes
 
@@ -55,19 +55,6 @@ ARRIVAL_WINDOW_S = 1.0  # the window the arrival rate is counted over
 
 class QueueFull(Exception):
     """The waiting queue is at its bound."""
-
-
-@dataclass
-class PrefillChunk:
-    """Positions [start, start + count) of a request's prompt; ``final``: its prompt's last."""
-
-    request: TalkerRequest
-    start: int
-    count: int
-
-    @property
-    def final(self) -> bool:
-        return self.start + self.count == self.request.prompt_len
 
 
 @dataclass
@@ -107,7 +94,7 @@ class SlotAllocator:
         return len(self._free)
 
 
-class Scheduler(AdmissionRules, SessionRules):
+class Scheduler(AdmissionRules, PrefillRules, SessionRules):
     def __init__(self, *, num_slots: int, max_num_seqs: int, k_max: int, prefill_token_budget: int,
                  max_waiting: int, stall_timeout: float, frame_rate: float, path_s: float,
                  bucket_for: Callable[[int], int] = lambda rows: rows, min_chunk_tokens: int = 32,
@@ -284,51 +271,6 @@ class Scheduler(AdmissionRules, SessionRules):
                            waiting_due=min((d for d in waiting if d >= reachable), default=math.inf),
                            ahead_s=ahead_s,
                            late_first=any(d < reachable and r.first_written_at is None for d, r in dues))
-
-    def _prefill_chunks(self, now: float, decode: list[TalkerRequest]) -> list[PrefillChunk]:
-        """Chunks of the admitted prompts, in admission order, within the step's token budget:
-        ``prefill_token_budget`` and what the slack of the rows already speaking affords (at
-        least ``min_chunk_tokens``, so prompts always advance). Rows still silent do not bound
-        it: they wait for prefill as much as anyone (a burst's prompts go in as fast as the
-        budget allows). With no prompt waiting, a grant below the budget is still renewed (what
-        this step would have allowed), so admission does not judge new prompts by a late row
-        that is gone."""
-        pending = [r for r in self.running if r.prefilling]
-        if not pending:
-            if self.prefill_grant is not None and self.prefill_grant < self.prefill_token_budget:
-                self._grant(self._prefill_allowance(now, decode, 0), counted=False)
-            return []
-        budget = self._prefill_allowance(now, decode, len(pending))
-        self._grant(budget, counted=True)
-        chunks = []
-        for request in pending:
-            count = min(request.prompt_len - request.prefilled, budget)
-            if count <= 0:
-                break
-            chunks.append(PrefillChunk(request, request.prefilled, count))
-            request.prefilled += count
-            budget -= count
-        return chunks
-
-    def _prefill_allowance(self, now: float, decode: list[TalkerRequest], pending: int) -> int:
-        """Prompt positions this step may prefill (see _prefill_chunks)."""
-        # a speaking row late already still bounds it: prefill would only lengthen its stall
-        speaking_due = min((due(r, self.pacing) for r in decode if r.first_written_at is not None),
-                           default=math.inf) - self.pacing.margin_s
-        # the step's frames are timed at the bucket it may grow to: the prompts that finish join it
-        joined = min(len(decode) + max(1, pending), self.max_num_seqs)
-        outlook = dataclasses.replace(self._outlook(now, 0.0, decode), row_due=speaking_due,
-                                      bucket=self.bucket_for(max(1, joined)))
-        affordable = prefill_tokens_allowed(outlook, self.pacing, self.times)
-        return int(min(self.prefill_token_budget, max(affordable, self.min_chunk_tokens)))
-
-    def _grant(self, budget: int, *, counted: bool) -> None:
-        old = self.prefill_grant
-        grant = budget if old is None else old + 0.25 * (budget - old)
-        self.prefill_grant = budget if abs(budget - grant) < 1 else grant  # settles: no renewals forever
-        if counted:
-            self.grant_counts["steps"] += 1
-            self.grant_counts["positions"] += budget
 
     def _choose_k(self, plan: StepPlan, now: float, ahead_s: float) -> None:
         # the next step prefills at least a chunk of what is still queued (the rows speaking by then
