@@ -109,13 +109,16 @@ class BenchReport:
     # written as "#" (kinds of refusal, most frequent first, at most REFUSAL_KINDS)
     refusal_s: Percentiles | None = None
     refusals: dict[str, int] = field(default_factory=dict)
+    # how late this client's event loop woke a short sleep over the run (loadgen.LAG_INTERVAL_S):
+    # its own part of every time it measures (first audio, gaps, refusals); None: not sampled
+    loop_lag_s: Percentiles | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def summarize(config: BenchConfig, traces: Sequence[RequestTrace], wall_s: float,
-              timed_out: bool = False) -> BenchReport:
+              timed_out: bool = False, loop_lag: Sequence[float] = ()) -> BenchReport:
     outcomes = Counter(trace.outcome for trace in traces)
     ttfa = [trace.arrivals[0][0] for trace in traces if trace.arrivals]
     gaps = [b - a for trace in traces for (a, _), (b, _) in pairwise(trace.arrivals)]
@@ -134,7 +137,8 @@ def summarize(config: BenchConfig, traces: Sequence[RequestTrace], wall_s: float
         audio_seconds=audio_seconds, wall_s=wall_s,
         audio_s_per_s=audio_seconds / wall_s if wall_s > 0 else 0.0, timed_out=timed_out,
         **_load_fields(config, traces, wall_s), **_sequential_fields(config, traces),
-        **_steady_fields(config, traces), **_delivered_fields(config, traces), **_refusal_fields(traces))
+        **_steady_fields(config, traces), **_delivered_fields(config, traces), **_refusal_fields(traces),
+        loop_lag_s=Percentiles(*(percentile(loop_lag, q) for q in (50, 90, 99))) if loop_lag else None)
 
 
 def _refusal_fields(traces: Sequence[RequestTrace]) -> dict:
@@ -241,6 +245,10 @@ def format_report(report: BenchReport) -> str:
     if report.load != "closed":
         lines[2:2] = _idle_lines(report)  # after the first audio of all
         lines[1:1] = _load_lines(report)
+    if report.loop_lag_s is not None:
+        lag = report.loop_lag_s
+        lines.append(f"client lag    p50 {ms(lag.p50)}  p99 {ms(lag.p99)} (this client's own loop, in every "
+                     f"time above)")
     if report.refusal_s is not None:
         r = report.refusal_s
         lines.append(f"refused in    p50 {ms(r.p50)}  p90 {ms(r.p90)}  p99 {ms(r.p99)}: "

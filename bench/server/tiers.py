@@ -379,8 +379,11 @@ def format_tier(t: dict) -> str:
     rejected = f"rejected {t['rejected']}" + (
         f" in p99 {refused['p99'] * 1e3:.1f} ms: {t['loadgen']['refusals']}"
         if refused and refused.get("p99") is not None else "")
+    lag = (t.get("loadgen") or {}).get("loop_lag_s") or {}
+    lag_text = (f" (the client's own loop lag p99 {lag['p99'] * 1e3:.1f} ms)"
+                if lag.get("p99") is not None else "")
     return (f"C={t['concurrency']}: admitted {t['admitted']}/{t['requests']} ({rejected}), "
-            f"TTFA p50/p90/p99 {ttfa['p50']}/{ttfa['p90']}/{ttfa['p99']} ms{idle}, "
+            f"TTFA p50/p90/p99 {ttfa['p50']}/{ttfa['p90']}/{ttfa['p99']} ms{lag_text}{idle}, "
             f"gap p99 {t['gap_p99_ms']} ms, "
             f"underruns {t['underruns']} (Code2Wav's model {modeled}), "
             f"{t['audio_s_per_s']} audio-s/s "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -173,6 +174,30 @@ def test_poisson_run_sends_each_request_its_own_text_and_length(fake):
     assert report.requested_audio_seconds == pytest.approx(sum(a.max_audio_seconds for a in planned))
     assert report.mean_in_flight > 0 and 1 <= report.max_in_flight <= 6
     assert not report.timed_out
+    assert report.loop_lag_s is not None and report.loop_lag_s.p99 >= 0.0  # the client's own delay
+
+
+def test_the_loop_lag_sampler_sees_a_blocked_loop_and_summarize_states_it():
+    from voxring.loadgen import LAG_INTERVAL_S, _sample_loop_lag
+
+    async def blocked_once() -> list[float]:
+        samples: list[float] = []
+        sampler = asyncio.create_task(_sample_loop_lag(samples))
+        await asyncio.sleep(LAG_INTERVAL_S / 2)  # the sampler sleeps
+        time.sleep(0.05)  # the loop is held 50 ms: that sleep wakes at least 40 ms late
+        for _ in range(100):  # its wake-up was due during the block: the next turns run it
+            if samples:
+                break
+            await asyncio.sleep(LAG_INTERVAL_S)
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
+        return samples
+
+    samples = asyncio.run(blocked_once())
+    assert samples[0] >= 0.05 - LAG_INTERVAL_S
+    report = summarize(_config(), [], wall_s=1.0, loop_lag=[0.001] * 98 + [0.2, 0.3])
+    assert report.loop_lag_s.p50 == pytest.approx(0.001) and report.loop_lag_s.p99 >= 0.2
+    assert summarize(_config(), [], wall_s=1.0).loop_lag_s is None
 
 
 def test_closed_loop_caps_every_request_at_max_audio_seconds(fake):
