@@ -345,6 +345,10 @@ def engine_numbers(before: Snapshot, after: Snapshot, rates: dict, concurrency: 
     if held is not None:  # refused by the gateway on a talker's refusal of a moment ago
         gateway["refusals_held"] = held
     gateway.update(start_ms(before, after))
+    lag_s = _delta(before, after, "gateway", "event_loop_lag_seconds_sum")
+    lag_n = _delta(before, after, "gateway", "event_loop_lag_seconds_count")
+    if lag_n:  # how late its one event loop ran, on average over the tier (services/common/loop_lag.py)
+        gateway["loop_lag_mean_ms"] = round(lag_s / lag_n * 1e3, 2)
     # Whether the gateway (one process, one event loop) could be what limits a tier: its CPU
     # per stream, and per second of audio it forwarded (Code2Wav's audio over the window).
     g0, g1 = before.cpu.get("gateway"), after.cpu.get("gateway")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from services.common import metrics
 from services.common.auth import BearerTokenInterceptor, read_token_file
+from services.common.loop_lag import LoopLag
 from services.common.server import ServiceBinding
 from services.common.stage import exit_stage, run_stage
 from services.gateway.config import GatewayConfig
@@ -54,6 +55,9 @@ def build(config: GatewayConfig, config_path: Path | None):
     binding = ServiceBinding(name, synthesizer_pb2_grpc.add_SynthesizerServicer_to_server,
                              servicer)
     components += http_components(config, base, servicer, pipeline)  # OpenAI's API: http.listen
+    lag = LoopLag()  # the one loop carries every request and stream: how late it runs
+    metrics.register(lag.metrics)
+    components.append(lag)
     return [binding], components, options
 
 

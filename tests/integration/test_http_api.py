@@ -307,6 +307,7 @@ def test_the_gateway_counts_each_starts_open_and_submit(stack):
     assert after["voxring_start_submits_total"] == before["voxring_start_submits_total"] + 1
     assert after["voxring_start_open_seconds_total"] > before["voxring_start_open_seconds_total"]
     assert after["voxring_start_submit_seconds_total"] > before["voxring_start_submit_seconds_total"]
+    assert metric(stack["metrics"], "voxring_event_loop_lag_seconds_count") >= 1  # the loop is sampled
 
 
 def test_tls_gateway_needs_the_token(stack, frames):
