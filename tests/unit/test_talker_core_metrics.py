@@ -4,16 +4,8 @@ does not pipeline on it (its launch runs the step)."""
 
 from __future__ import annotations
 
-import pytest
-
 from services.talker.core import TalkerCore
 from tests.unit.test_talker_engine import _batch, make_engine, run
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    from models.tiny.talker import write_tiny_checkpoint
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "t", seed=0)
 
 
 def test_the_cpu_runner_reports_no_prefill_graphs_and_runs_each_step_in_launch(folder):

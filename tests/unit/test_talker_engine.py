@@ -16,7 +16,7 @@ from kernels.latch import KernelLatch
 from models.csm.loader import load_talker
 from models.csm.model import pack_prompt
 from models.family import PromptSegment
-from models.tiny.talker import NUM_CODEBOOKS, build_tokenizer, write_tiny_checkpoint
+from models.tiny.talker import NUM_CODEBOOKS, build_tokenizer
 from services.talker.engine import TalkerEngine
 from services.talker.generate import GenerationRequest, Sampling, generate
 from services.talker.request import FinishReason, TalkerRequest
@@ -25,11 +25,6 @@ from services.talker.scheduler import Scheduler
 from services.transport.layout import RecordFlags
 
 MAX_LEN = 128
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "t", seed=0)
 
 
 class ListSink:

@@ -22,12 +22,6 @@ from tests.unit.test_talker_engine import (
 )
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    from models.tiny.talker import write_tiny_checkpoint
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "t", seed=0)
-
-
 def outputs(folder, *, k_max=8, stops=True, **engine_args):
     engine, sink = make_engine(folder, k_max=k_max, clock=frozen_clock,
                                stop_rule=stop_when_code0_divisible_by_7 if stops else None, **engine_args)

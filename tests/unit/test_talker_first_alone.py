@@ -21,12 +21,6 @@ from tests.unit.test_talker_engine import (
 )
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    from models.tiny.talker import write_tiny_checkpoint
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "t", seed=0)
-
-
 def test_the_first_frame_alone_is_the_steps_first_frame(folder):
     engine, _ = make_engine(folder, k_max=4, first_alone=True)
     engine.scheduler.add(_batch(False)[0])

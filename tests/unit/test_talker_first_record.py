@@ -12,12 +12,6 @@ from services.talker.metrics import FIRST_RECORD_PARTS
 from tests.unit.test_talker_engine import _batch, make_engine, run
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    from models.tiny.talker import write_tiny_checkpoint
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "t", seed=0)
-
-
 def test_the_parts_add_up_to_each_first_record(folder):
     ticks = itertools.count()
     clock = lambda: next(ticks) * 1e-3  # noqa: E731  (every reading 1 ms later: each part is seen)

@@ -17,12 +17,6 @@ from services.talker.steplog import StepLog
 from tests.unit.test_talker_engine import _batch, make_engine, run
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    from models.tiny.talker import write_tiny_checkpoint
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "t", seed=0)
-
-
 def test_each_step_is_one_line_with_its_plan_and_its_time(folder, tmp_path):
     ticks = itertools.count()
     clock = lambda: next(ticks) * 1e-3  # noqa: E731  (every reading 1 ms later)
