@@ -225,8 +225,9 @@ class Code2WavEngine(TalkerIntake, StreamingTicks):
         if self.streaming:
             return self._decode_streams(streams)
         cuts: list[tuple[OpenStream, int, str]] = []
+        floor = self.margin_floor()  # once a tick: the same for every stream
         for stream in streams:
-            self._look_at(stream, now, cuts)
+            self._look_at(stream, now, cuts, floor)
         if not cuts:
             return False
         self._decode(cuts)
@@ -239,10 +240,10 @@ class Code2WavEngine(TalkerIntake, StreamingTicks):
                 self._touched.add(stream.handle)
         return True
 
-    def _look_at(self, stream: OpenStream, now: float, cuts: list) -> None:
+    def _look_at(self, stream: OpenStream, now: float, cuts: list, floor: float) -> None:
         if stream.segment_ends:  # a segment ended with nothing left to decode (empty, or cleared)
             self._send_segment_ends(stream)
-        frames, why = stream.cut(now, self.margin_floor())
+        frames, why = stream.cut(now, floor)
         if why in ("first", "need", "size"):  # more follows: cut to a length a graph runs unpadded
             frames = self.decoder.chunk_at_most(frames)
         if frames:
@@ -252,7 +253,7 @@ class Code2WavEngine(TalkerIntake, StreamingTicks):
         if stream.last_reason is not None and not stream.pending_frames:
             self._finish(stream)
         elif stream.pending_frames:  # waits for its need (or for more frames: a record touches it)
-            due = stream.need_at(self.margin_floor())
+            due = stream.need_at(floor)
             if due != stream.due_at:
                 stream.due_at = due
                 heapq.heappush(self._due, (due, stream.handle))
