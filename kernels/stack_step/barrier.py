@@ -3,12 +3,12 @@
 The barrier is a counter in device memory: each program adds one after its stores (release) and spins
 until all programs have arrived (acquire). It needs every program resident at once; the grid is one
 program per SM, so a neighbour's kernels (Code2Wav under MPS) can delay a barrier until they finish and
-free their SM, but not block it for good. The last program out resets the counter, so consecutive
-launches (and CUDA-graph replays) need no memset. A spin that runs past ``_MAX_SPINS`` (about a second)
-gives up and raises a fault flag instead of hanging the GPU; from then on that launch's results are
-wrong, and ``faults`` (a host sync) says so; the talker's runner reads ``fault_counter`` beside each
-step's codes and ends that step's rows with an error. Launches of this kernel must not overlap: one
-stream per device.
+free their SM, but not block it for good. The last program out (by the exit count) resets the counters,
+so consecutive launches (and CUDA-graph replays) need no memset. A spin that runs past ``_MAX_SPINS``
+(about a second) gives up and raises a fault flag instead of hanging the GPU; from then on that
+launch's results are wrong, and ``faults`` (a host sync) says so; the talker's runner reads
+``fault_counter`` beside each step's codes and ends that step's rows with an error. Launches of this
+kernel must not overlap: one stream per device.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ def _load_acquire(ptr):
 
 
 @triton.jit
-def _wait(count_ptr, target, fault_ptr, ACQUIRE: tl.constexpr):
+def _wait(count_ptr, target, fault_ptr):
     """Spins until *count_ptr >= target, or gives up after _MAX_SPINS: then it raises the launch's
     fault flag (``fault_ptr``, cleared when the launch ends) and counts one fault (``fault_ptr + 1``,
     kept for ``faults``). While the flag is up every wait returns at once: a launch that lost a
     program finishes, with wrong results, instead of holding the GPU; the next launch waits again."""
     spins = 0
-    while (_count(count_ptr, ACQUIRE) < target) & (spins < _MAX_SPINS):
+    while (_load_acquire(count_ptr) < target) & (spins < _MAX_SPINS):
         spins += 1
         # one load a spin, on the counter: a program that arrives last is seen one L2 round trip
         # later, not two (bench/NOTES.md); the flag now and then
@@ -50,15 +50,6 @@ def _wait(count_ptr, target, fault_ptr, ACQUIRE: tl.constexpr):
     if spins == _MAX_SPINS:
         tl.atomic_max(fault_ptr, 1, sem="relaxed", scope="gpu")
         tl.atomic_add(fault_ptr + 1, 1, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _count(count_ptr, ACQUIRE: tl.constexpr):
-    """The barrier counter: an acquire load (a barrier's wait), or a volatile one (the exit's)."""
-    if ACQUIRE:
-        return _load_acquire(count_ptr)
-    else:
-        return tl.load(count_ptr, volatile=True)
 
 
 @triton.jit
@@ -73,7 +64,7 @@ def _grid_sync(sync_ptr, epoch, nprog, trace_row, SYNC: tl.constexpr, TRACE: tl.
         tl.debug_barrier()  # this program's stores are issued before it arrives
         _mark(trace_row, epoch, 0, TRACE)
         tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-        _wait(sync_ptr, epoch * nprog, sync_ptr + 2, True)
+        _wait(sync_ptr, epoch * nprog, sync_ptr + 2)
         tl.debug_barrier()
         _mark(trace_row, epoch, 1, TRACE)
 
@@ -91,13 +82,15 @@ def _sync_after(sync_ptr, epoch, nprog, trace_row, more, tail, phase: tl.constex
 
 
 @triton.jit
-def _grid_exit(sync_ptr, pid, nprog, SYNC: tl.constexpr):
-    """Every program leaves; the first one resets the counters once all have left their last wait."""
+def _grid_exit(sync_ptr, nprog, SYNC: tl.constexpr):
+    """Every program leaves; the last one out resets the counters. It is last by the exit count, so
+    every program has left its last wait, a late one after a wait gave up included (a program 0
+    that waited for the others, as this was first written, reset them while programs not yet
+    resident could still arrive, and left their counts to the next launch)."""
     if SYNC:
         tl.debug_barrier()
-        tl.atomic_add(sync_ptr + 1, 1, sem="release", scope="gpu")
-        if pid == 0:
-            _wait(sync_ptr + 1, nprog, sync_ptr + 2, False)  # then only resets the counters
+        left = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+        if left == nprog - 1:
             tl.atomic_xchg(sync_ptr, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed", scope="gpu")
             tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed", scope="gpu")

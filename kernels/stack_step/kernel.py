@@ -281,4 +281,4 @@ def _stack_step_kernel(
     if SYNC and TRACE:
         tl.debug_barrier()
         _mark(trace_row, epoch + 1, 0, TRACE)
-    _grid_exit(sync_ptr, pid, nprog, SYNC)
+    _grid_exit(sync_ptr, nprog, SYNC)

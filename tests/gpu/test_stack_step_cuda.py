@@ -249,3 +249,23 @@ def test_stack_step_graph_replay_equals_eager_on_new_codes():
         torch.cuda.synchronize()
         assert torch.equal(out, chain(codes.clone()))
     assert stack_kernel.faults("cuda") == 0
+
+
+def test_stack_step_after_a_give_up_leaves_clean_counters():
+    # A launch whose waits have given up (the fault flag up: every wait returns at once, as after a
+    # wait ran past its spins) still ends with its barrier counters reset, by the last program out:
+    # the next launch waits at every barrier again and equals the phases. (Reset by program 0 once
+    # its own wait returned, programs still to come left their counts to the next launch.)
+    from kernels.stack_step.barrier import _sync_buffer
+
+    case = make_stack_case(STACK_SHAPES["tiny_depth"], 25, STACK_ROWS["three"], way="gather")
+    counters = _sync_buffer(torch.device("cuda", torch.cuda.current_device()))
+    before = stack_kernel.faults("cuda")
+    want = stack_run(case, phased)
+    for _ in range(20):  # programs leave in another order each launch
+        counters[2] = 1
+        stack_run(case, one_launch)
+        torch.cuda.synchronize()
+        assert counters[:3].tolist() == [0, 0, 0]
+    assert_same_result(stack_run(case, one_launch), want)
+    assert stack_kernel.faults("cuda") == before
