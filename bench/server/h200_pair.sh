@@ -22,7 +22,8 @@
 # Options by environment: TIERS (default 1,64,256,512,768,1024,1536,2048), MPS (on), TOKENIZER (bpe),
 # PROFILE (a tier to py-spy; none by default), SEQ (the sequential C=1 tier's requests, default 50),
 # ARGS (more bench.server arguments), FAULT_C (the fault part's streams, default 512), STEPLOG (1: each
-# tree's talker writes its step log to <tree's results>/steps.jsonl, gzipped at the end). Run from the
+# tree's talker writes its step log to <tree's results>/steps.jsonl, gzipped at the end), LABEL (the results
+# folder of a tiers part, where not the tree's name: the same tree run again under other settings). Run from the
 # repository root with `carry: [".whl", ...]`.
 set -uo pipefail
 
@@ -63,6 +64,7 @@ for part in "$@"; do
       echo "mpstalker: exit $?" ;;
     tiers:*)
       tree="${part#tiers:}"; label=$(basename "$(cd "$tree" && pwd)"); [ "$tree" = . ] && label=head
+      label="${LABEL:-$label}"
       mkdir -p "$R/$label"
       steplog=""; [ "${STEPLOG:-0}" = 1 ] && steplog="$R/$label/steps.jsonl"
       (cd "$tree" && { [ -z "$steplog" ] || export VOXRING_TALKER__ENGINE__STEP_LOG="$steplog"; } &&
