@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,11 +24,10 @@ import grpc
 from services.common import errors
 from services.common.limits import LengthLimit, new_seed
 from services.common.metrics import TIME_TO_FIRST_AUDIO
-from services.common.rich_status import error_info
-from services.common.server import RETRY_AFTER_METADATA
 from services.gateway.audio import make_encoder, whole_file
 from services.gateway.config import GatewayConfig
 from services.gateway.routing import REQUEST_DOWN_S, EnginePair, Router
+from services.gateway.stage_errors import stage_error
 from services.gateway.validation import ValidRequest
 from services.gateway.voice_cache import VoiceCache
 from services.gateway.voices import VoiceCatalog
@@ -37,16 +35,6 @@ from voxring.v1 import code2wav_pb2, common_pb2, talker_pb2
 from voxring.v1 import synthesizer_pb2 as pb
 
 ATTACH_WAIT_S, ATTACH_WAIT_STEPS = 0.1, 20  # up to 2 s for a Code2Wav to attach
-
-STATUS_ERRORS = {grpc.StatusCode.UNAVAILABLE: errors.Unavailable, grpc.StatusCode.INTERNAL: errors.Internal,
-                 grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-                 grpc.StatusCode.CANCELLED: errors.Cancelled,
-                 grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted}
-STAGE_NAMES = {"talker": "the talker", "code2wav": "Code2Wav"}
-STAGE_STATES = {grpc.StatusCode.UNAVAILABLE: "is unavailable", grpc.StatusCode.DEADLINE_EXCEEDED:
-                "did not answer in time", grpc.StatusCode.CANCELLED: "cancelled the request",
-                grpc.StatusCode.RESOURCE_EXHAUSTED: "is at capacity"}  # others: "failed"
-
 
 @dataclass
 class Started:
@@ -67,43 +55,12 @@ def _remaining(request: ValidRequest) -> float | None:
     return None if request.deadline is None else max(request.deadline - time.monotonic(), 0.001)
 
 
-def stage_error(exc: grpc.aio.AioRpcError, stage: str, pair: EnginePair) -> errors.ServiceError:
-    """A stage's status as the domain error the client gets (a field named, a retry hint kept),
-    saying which stage (``talker`` or ``code2wav``) of which pair failed. The stage's own message
-    follows when the stage wrote it (it carries voxring's ErrorInfo); gRPC's own text for a
-    transport failure (a refused connection, naming the stage's address) goes only to the log."""
-    code, details = exc.code(), exc.details() or ""
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        field, _, reason = details.partition(": ")
-        return errors.InvalidArgument(field, reason)
-    ours = error_info(exc.trailing_metadata()) is not None
-    if not ours:  # a deadline or cancel is the client's more often than the stage's
-        quiet = code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-        log.log(logging.INFO if quiet else logging.WARNING, "engine pair %s: %s answered %s: %s",
-                pair.name, stage, code.name, details)
-    message = f"{STAGE_NAMES.get(stage, stage)} {STAGE_STATES.get(code, 'failed')} ({pair.label})"
-    if ours and details:
-        message += f": {details}"
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a stage at capacity: keep its retry hint
-        hint = dict(exc.trailing_metadata() or ()).get(RETRY_AFTER_METADATA)
-        return errors.ResourceExhausted(message, retry_after=_seconds(hint))
-    return STATUS_ERRORS.get(code, errors.Internal)(message)
-
-
 async def _opened(call: grpc.aio.UnaryStreamCall, pair: EnginePair) -> int:
     """The handle of Code2Wav's Open (its first message)."""
     try:
         return (await call.read()).opened.handle
     except grpc.aio.AioRpcError as exc:
         raise stage_error(exc, "code2wav", pair) from None
-
-
-def _seconds(text: str | None) -> float | None:
-    try:
-        value = float(text) if text is not None else None
-    except ValueError:
-        return None
-    return value if value is not None and math.isfinite(value) and value > 0 else None
 
 
 def prompt_positions(segments: list[talker_pb2.PromptSegment]) -> int:

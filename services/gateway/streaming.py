@@ -33,10 +33,10 @@ from services.gateway.pipeline import (
     first_audio_budget,
     length_limit,
     prompt_positions,
-    stage_error,
 )
 from services.gateway.routing import EnginePair
 from services.gateway.segmenter import Segmenter, SegmenterConfig
+from services.gateway.stage_errors import stage_error
 from services.gateway.streaming_config import SessionSettings
 from voxring.v1 import code2wav_pb2, common_pb2, talker_pb2
 from voxring.v1 import synthesizer_pb2 as pb

@@ -1,4 +1,4 @@
-"""A stage's error status as the gateway's client reads it (pipeline.stage_error): which stage of
+"""A stage's error status as the gateway's client reads it (stage_errors.stage_error): which stage of
 which pair failed, the stage's own message when the stage wrote it (its status carries voxring's
 ErrorInfo), never gRPC's transport text with the stage's address; the field and retry hint kept."""
 
@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from services.common import errors, rich_status
-from services.gateway.pipeline import stage_error
 from services.gateway.routing import EnginePair
+from services.gateway.stage_errors import stage_error
 
 ADDRESS = re.compile(r"127\.0\.0\.1|unix:|\.sock|10\.0\.0\.8|:\d{2,5}\b")
 TRANSPORT = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:50053: "
@@ -34,7 +34,7 @@ def _pair(name: str = "pair-0") -> EnginePair:
     (grpc.StatusCode.INTERNAL, errors.Internal, "failed"),
     (grpc.StatusCode.UNKNOWN, errors.Internal, "failed")])
 def test_the_transports_text_stays_in_the_log(code, kind, words, caplog):
-    caplog.set_level(logging.INFO, "services.gateway.pipeline")
+    caplog.set_level(logging.INFO, "services.gateway.stage_errors")
     error = stage_error(_status(code, TRANSPORT), "code2wav", _pair())
     assert type(error) is kind and error.message == f"Code2Wav {words} (engine pair pair-0)"
     assert not ADDRESS.search(error.message)
