@@ -4,13 +4,15 @@ GPU only; starts its own control daemon in a private folder and stops it.
 
     python -m bench.probes.mps_talker [--out bench/results/probes/mps_talker.json]
 
-For each scenario (no daemon; MPS with no limit; MPS with a limit of 75 and of 50) a fresh child
-process reports the SMs its kernels may hold (``kernels.sms.usable_sms``) against the device's,
-then runs the GPU tests that would show where it breaks: a first burst of 64 requests through the
-engine's CUDA paths against the plain reference (tests/gpu/test_talker_burst_cuda.py), and
-stack_step's one launch with grid barriers against its phases (tiny shapes), the grid sized to
-that share. Each scenario's exit code, the barrier faults counted and the tests' output tail go
-into the report.
+For each scenario (no daemon; MPS with no limit; MPS with a limit of 75 and of 50) fresh child
+processes report the SMs its kernels may hold (``kernels.sms.usable_sms``) against the device's,
+run bursts of 1, 8 and 64 requests on an engine at csm-1b shapes (bench.probes.csm_burst: the
+server bench's checkpoint, the production paths) and compare each request's frames with the
+scenario without a daemon. Where a scenario's requests end early or differ, the bursts run again
+with each of the engine's paths off in turn (prefill graphs, every graph, the fused layers, every
+kernel): the path whose absence makes them whole is where the limit breaks it. Then the GPU
+tests: a first burst on the tiny model (tests/gpu/test_talker_burst_cuda.py), and stack_step's one
+launch with grid barriers against its phases, the grid sized to that share, and after a give-up.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from bench.server.report import write_json
 from voxring.mps_daemon import CONTROL, MpsDaemon, MpsError
 
 TESTS = ["tests/gpu/test_talker_burst_cuda.py", "tests/gpu/test_stack_step_cuda.py"]
-SELECT = "burst or (one_launch_equals_its_phases and tiny_depth)"
+SELECT = "burst or (one_launch_equals_its_phases and tiny_depth) or give_up"
+VARIANTS = ("no_prefill_graphs", "no_graphs", "no_fused", "no_kernels")
 LIMITS = (None, "75", "50")
 
 
@@ -54,20 +57,65 @@ def _run(args: list[str], env: dict, timeout: float) -> dict:
     return {"rc": done.returncode, "output": (done.stdout + done.stderr).strip()[-4000:]}
 
 
-def scenario(env: dict, timeout: float) -> dict:
+def bursts(env: dict, checkpoint: Path | None, variant: str, timeout: float) -> dict:
+    """bench.probes.csm_burst's report in a child with ``env``."""
+    if checkpoint is None:
+        return {"error": "no checkpoint"}
+    found = _run([sys.executable, "-m", "bench.probes.csm_burst", "--checkpoint", str(checkpoint),
+                  "--variant", variant], env, timeout)
+    try:
+        return json.loads(found["output"].splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        return {"error": found}
+
+
+def differs(got: dict, want: dict | None) -> list[str]:
+    """The requests of ``got`` that ended early, otherwise than by length or not as in ``want``."""
+    if "requests" not in got:
+        return ["(no report)"]
+    bad = {str(h) for h in got["early_stops"] + got["other_endings"]}
+    if want is not None and "requests" in want:
+        bad |= {h for h, row in got["requests"].items() if want["requests"].get(h) != row}
+    return sorted(bad, key=int)
+
+
+def scenario(env: dict, checkpoint: Path | None, reference: dict | None, timeout: float) -> dict:
     found = _run([sys.executable, "-m", "bench.probes.mps_talker", "--facts"], env, 120)
     try:
         report = json.loads(found["output"].splitlines()[-1])
     except (json.JSONDecodeError, IndexError):
         report = {"facts": found}
+    production = bursts(env, checkpoint, "production", timeout)
+    report["bursts"] = {"production": production}
+    report["bad_requests"] = {"production": differs(production, (reference or {}).get("production"))}
+    if report["bad_requests"]["production"] and reference is not None:
+        for variant in VARIANTS:  # each path off in turn, against the same variant without a daemon
+            got = bursts(env, checkpoint, variant, timeout)
+            report["bursts"][variant] = got
+            report["bad_requests"][variant] = differs(got, reference.get(variant))
     report["tests"] = _run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
                             *TESTS, "-k", SELECT], env, timeout)
     return report
 
 
+def checkpoint_folder(timeout: float) -> Path | None:
+    """The server bench's checkpoint (written by a child before any daemon starts)."""
+    found = _run([sys.executable, "-m", "bench.server.checkpoint", "--tokenizer", "bpe"], dict(os.environ),
+                 timeout)
+    last = found["output"].splitlines()[-1] if found["output"] else ""
+    return Path(last) if found["rc"] == 0 and Path(last).is_dir() else None
+
+
 def scenarios(timeout: float) -> dict:
     base = dict(os.environ)
-    results = {"no_daemon": scenario(base, timeout)}
+    checkpoint = checkpoint_folder(max(timeout, 120))
+    plain = scenario(base, checkpoint, None, timeout)
+    reference = {"production": plain["bursts"]["production"]}
+    if checkpoint is not None:  # each variant without a daemon: what a limited scenario's is compared with
+        for variant in VARIANTS:
+            reference[variant] = bursts(base, checkpoint, variant, timeout)
+    results = {"checkpoint": str(checkpoint), "no_daemon": plain, "variants_no_daemon": {
+        variant: differs(got, None) for variant, got in reference.items()}}
     if shutil.which(CONTROL) is None:
         return {**results, "error": f"{CONTROL} is not on the PATH"}
     root = Path(tempfile.mkdtemp(prefix="vx-mps-talker-"))
@@ -78,7 +126,7 @@ def scenarios(timeout: float) -> dict:
             env = {**base, **daemon.env()}
             if limit is not None:
                 env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = limit
-            results[f"mps_{limit or 'no_limit'}"] = scenario(env, timeout)
+            results[f"mps_{limit or 'no_limit'}"] = scenario(env, checkpoint, reference, timeout)
     except MpsError as exc:
         results["error"] = str(exc)
     finally:
