@@ -8,11 +8,11 @@ For each scenario (no daemon; MPS with no limit; MPS with a limit of 75 and of 5
 processes report the SMs its kernels may hold (``kernels.sms.usable_sms``) against the device's,
 run bursts of 1, 8 and 64 requests on an engine at csm-1b shapes (bench.probes.csm_burst: the
 server bench's checkpoint, the production paths) and compare each request's frames with the
-scenario without a daemon. Where a scenario's requests end early or differ, the bursts run again
-with each of the engine's paths off in turn (prefill graphs, every graph, the fused layers, every
-kernel): the path whose absence makes them whole is where the limit breaks it. Then the GPU
-tests: a first burst on the tiny model (tests/gpu/test_talker_burst_cuda.py), and stack_step's one
-launch with grid barriers against its phases, the grid sized to that share, and after a give-up.
+scenario without a daemon. In the first scenario whose requests end early or differ, the bursts
+run again with each of the engine's paths off in turn (prefill graphs, every graph, the fused
+layers, every kernel): the random weights never stop on their own, so the path whose absence
+brings every request to its length is where the limit breaks it. Then the GPU tests of stack_step's
+one launch with grid barriers against its phases, the grid sized to that share, and after a give-up.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 from bench.server.report import write_json
 from voxring.mps_daemon import CONTROL, MpsDaemon, MpsError
 
-TESTS = ["tests/gpu/test_talker_burst_cuda.py", "tests/gpu/test_stack_step_cuda.py"]
-SELECT = "burst or (one_launch_equals_its_phases and tiny_depth) or give_up"
+TESTS = ["tests/gpu/test_stack_step_cuda.py"]
+SELECT = "(one_launch_equals_its_phases and tiny_depth) or give_up"
 VARIANTS = ("no_prefill_graphs", "no_graphs", "no_fused", "no_kernels")
 LIMITS = (None, "75", "50")
 
@@ -79,7 +79,8 @@ def differs(got: dict, want: dict | None) -> list[str]:
     return sorted(bad, key=int)
 
 
-def scenario(env: dict, checkpoint: Path | None, reference: dict | None, timeout: float) -> dict:
+def scenario(env: dict, checkpoint: Path | None, reference: dict | None, timeout: float,
+             bisect: bool) -> dict:
     found = _run([sys.executable, "-m", "bench.probes.mps_talker", "--facts"], env, 120)
     try:
         report = json.loads(found["output"].splitlines()[-1])
@@ -87,12 +88,12 @@ def scenario(env: dict, checkpoint: Path | None, reference: dict | None, timeout
         report = {"facts": found}
     production = bursts(env, checkpoint, "production", timeout)
     report["bursts"] = {"production": production}
-    report["bad_requests"] = {"production": differs(production, (reference or {}).get("production"))}
-    if report["bad_requests"]["production"] and reference is not None:
-        for variant in VARIANTS:  # each path off in turn, against the same variant without a daemon
+    report["bad_requests"] = {"production": differs(production, reference)}
+    if report["bad_requests"]["production"] and bisect:
+        for variant in VARIANTS:  # each path off in turn: which one's absence ends the early stops
             got = bursts(env, checkpoint, variant, timeout)
             report["bursts"][variant] = got
-            report["bad_requests"][variant] = differs(got, reference.get(variant))
+            report["bad_requests"][variant] = differs(got, None)
     report["tests"] = _run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
                             *TESTS, "-k", SELECT], env, timeout)
     return report
@@ -106,16 +107,14 @@ def checkpoint_folder(timeout: float) -> Path | None:
     return Path(last) if found["rc"] == 0 and Path(last).is_dir() else None
 
 
-def scenarios(timeout: float) -> dict:
+def scenarios(timeout: float, save=lambda results: None) -> dict:
+    """Every scenario's report; ``save(results)`` after each (a run cut short keeps what it found)."""
     base = dict(os.environ)
     checkpoint = checkpoint_folder(max(timeout, 120))
-    plain = scenario(base, checkpoint, None, timeout)
-    reference = {"production": plain["bursts"]["production"]}
-    if checkpoint is not None:  # each variant without a daemon: what a limited scenario's is compared with
-        for variant in VARIANTS:
-            reference[variant] = bursts(base, checkpoint, variant, timeout)
-    results = {"checkpoint": str(checkpoint), "no_daemon": plain, "variants_no_daemon": {
-        variant: differs(got, None) for variant, got in reference.items()}}
+    plain = scenario(base, checkpoint, None, timeout, bisect=True)
+    reference = plain["bursts"]["production"]
+    results = {"checkpoint": str(checkpoint), "no_daemon": plain}
+    save(results)
     if shutil.which(CONTROL) is None:
         return {**results, "error": f"{CONTROL} is not on the PATH"}
     root = Path(tempfile.mkdtemp(prefix="vx-mps-talker-"))
@@ -126,7 +125,10 @@ def scenarios(timeout: float) -> dict:
             env = {**base, **daemon.env()}
             if limit is not None:
                 env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = limit
-            results[f"mps_{limit or 'no_limit'}"] = scenario(env, checkpoint, reference, timeout)
+            bisect = not any(r["bad_requests"]["production"] for r in results.values() if isinstance(r, dict)
+                             and "bad_requests" in r and r is not plain)
+            results[f"mps_{limit or 'no_limit'}"] = scenario(env, checkpoint, reference, timeout, bisect)
+            save(results)
     except MpsError as exc:
         results["error"] = str(exc)
     finally:
@@ -143,12 +145,14 @@ def main(argv: list[str] | None = None) -> None:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--facts", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--timeout", type=float, default=150.0, help="each scenario's tests, seconds")
+    parser.add_argument("--timeout", type=float, default=150.0,
+                        help="each child's time at most (its bursts, its tests), seconds")
     args = parser.parse_args(argv)
     if args.facts:
         facts()
         return
-    results = scenarios(args.timeout)
+    results = scenarios(args.timeout, (lambda r: write_json(args.out, r)) if args.out is not None else
+                        (lambda r: None))
     print(json.dumps(results, indent=2))
     if args.out is not None:
         write_json(args.out, results)
