@@ -26,6 +26,7 @@ VARIANTS = {
     "no_graphs": dict(graphs=False, prefill_graphs=False, fused=True, kernels=True),
     "no_fused": dict(graphs=True, prefill_graphs=True, fused=False, kernels=True),
     "no_kernels": dict(graphs=True, prefill_graphs=True, fused=False, kernels=False),
+    "eager": dict(graphs=False, prefill_graphs=False, fused=False, kernels=False),  # plain torch only
 }
 BURSTS = (1, 8, 64)  # one after the other: each burst's first step in another batch bucket
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]

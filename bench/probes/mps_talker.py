@@ -31,7 +31,7 @@ from voxring.mps_daemon import CONTROL, MpsDaemon, MpsError
 
 TESTS = ["tests/gpu/test_stack_step_cuda.py"]
 SELECT = "(one_launch_equals_its_phases and tiny_depth) or give_up"
-VARIANTS = ("no_prefill_graphs", "no_graphs", "no_fused", "no_kernels")
+VARIANTS = ("no_prefill_graphs", "no_graphs", "no_fused", "no_kernels", "eager")
 LIMITS = (None, "75", "50")
 
 
@@ -107,7 +107,7 @@ def checkpoint_folder(timeout: float) -> Path | None:
     return Path(last) if found["rc"] == 0 and Path(last).is_dir() else None
 
 
-def scenarios(timeout: float, save=lambda results: None) -> dict:
+def scenarios(timeout: float, save=lambda results: None, limits=LIMITS) -> dict:
     """Every scenario's report; ``save(results)`` after each (a run cut short keeps what it found)."""
     base = dict(os.environ)
     checkpoint = checkpoint_folder(max(timeout, 120))
@@ -121,7 +121,7 @@ def scenarios(timeout: float, save=lambda results: None) -> dict:
     daemon = MpsDaemon(root)
     try:
         daemon.start()
-        for limit in LIMITS:
+        for limit in limits:
             env = {**base, **daemon.env()}
             if limit is not None:
                 env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = limit
@@ -145,14 +145,17 @@ def main(argv: list[str] | None = None) -> None:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--facts", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--limits", default="none,75,50",
+                        help="MPS scenarios, comma-separated: none (no limit) or an SM percentage")
     parser.add_argument("--timeout", type=float, default=150.0,
                         help="each child's time at most (its bursts, its tests), seconds")
     args = parser.parse_args(argv)
     if args.facts:
         facts()
         return
+    limits = tuple(None if x == "none" else x for x in args.limits.split(","))
     results = scenarios(args.timeout, (lambda r: write_json(args.out, r)) if args.out is not None else
-                        (lambda r: None))
+                        (lambda r: None), limits)
     print(json.dumps(results, indent=2))
     if args.out is not None:
         write_json(args.out, results)

@@ -59,7 +59,7 @@ for part in "$@"; do
       timeout "$share" python3 -m bench.probes.mps --out "$R/mps_probe.json" > /dev/null 2>&1
       echo "probe: exit $?" ;;
     mpstalker)
-      timeout "$share" python3 -m bench.probes.mps_talker --timeout 150 \
+      timeout "$share" python3 -m bench.probes.mps_talker --timeout "${CHILD_S:-150}" --limits "${LIMITS:-none,75,50}" \
         --out "$R/mps_talker.json" > /dev/null 2>&1
       echo "mpstalker: exit $?" ;;
     tiers:*)

@@ -1,0 +1,111 @@
+"""Library ops at the talker's shapes under an NVIDIA MPS active-thread limit: each op's result
+(finite or not, and a digest) in a child with no daemon, with MPS and no limit, and at a limit,
+to find which op gives other numbers or NaN there (bench notes 2026-12-05, run 16: under a limit
+of 75 the talker's requests stop early even with every graph and kernel of ours off). GPU only;
+starts its own control daemon in a private folder and stops it.
+
+    python -m bench.probes.mps_ops [--limits 75] [--out mps_ops.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.probes.mps_talker import _run
+from bench.server.report import write_json
+from voxring.mps_daemon import CONTROL, MpsDaemon, MpsError
+
+ROWS = (1, 8, 16, 64, 128, 256)
+LINEARS = ((2048, 2048), (2048, 8192), (8192, 2048), (2048, 3072), (1024, 1024), (1024, 8192), (2048, 1024))
+
+
+def ops() -> None:
+    """The child: one JSON line, op name -> [finite, digest of its result]."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    device, out = torch.device("cuda", 0), {}
+
+    def note(name: str, value: torch.Tensor) -> None:
+        host = value.float().cpu()
+        out[name] = [bool(torch.isfinite(host).all()), hashlib.sha1(host.numpy().tobytes()).hexdigest()[:12]]
+
+    for k, n in LINEARS:
+        w = (torch.randn(n, k, device=device) / k ** 0.5).to(torch.bfloat16)
+        for rows in ROWS:
+            x = torch.randn(rows, k, device=device).to(torch.bfloat16)
+            note(f"linear_{rows}x{k}x{n}", F.linear(x, w))
+            if rows in (64, 256):  # prefill's shapes: many positions a row
+                note(f"linear_{rows * 16}x{k}x{n}", F.linear(x.repeat(16, 1), w))
+    for batch, length in ((1, 64), (8, 64), (64, 16), (64, 32), (64, 64), (16, 256)):
+        q, k_, v = (torch.randn(batch, 32, length, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
+        note(f"sdpa_causal_{batch}x{length}", F.scaled_dot_product_attention(q, k_, v, is_causal=True))
+        mask = torch.ones(length, length, device=device, dtype=torch.bool).tril()
+        note(f"sdpa_mask_{batch}x{length}", F.scaled_dot_product_attention(q, k_, v, attn_mask=mask))
+    for rows in ROWS:
+        logits = torch.randn(rows, 2051, device=device)
+        note(f"softmax_{rows}", torch.softmax(logits, -1))
+        note(f"topk_{rows}", torch.topk(logits, 50, -1).values)
+        note(f"sort_{rows}", torch.sort(logits, -1, descending=True).values)
+        note(f"cumsum_{rows}", torch.cumsum(torch.softmax(logits, -1), -1))
+    print(json.dumps(out))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.probes.mps_ops",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--limits", default="none,75")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.child:
+        ops()
+        return
+    base, found = dict(os.environ), {}
+
+    def child(env: dict) -> dict:
+        got = _run([sys.executable, "-m", "bench.probes.mps_ops", "--child"], env, 300)
+        try:
+            return json.loads(got["output"].splitlines()[-1])
+        except (json.JSONDecodeError, IndexError):
+            return {"error": got}
+
+    found["no_daemon"] = child(base)
+    root = Path(tempfile.mkdtemp(prefix="vx-mps-ops-"))
+    daemon = MpsDaemon(root)
+    try:
+        if shutil.which(CONTROL) is None:
+            raise MpsError(f"{CONTROL} is not on the PATH")
+        daemon.start()
+        for limit in args.limits.split(","):
+            env = {**base, **daemon.env()}
+            if limit != "none":
+                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = limit
+            found[f"mps_{limit}"] = child(env)
+    except MpsError as exc:
+        found["error"] = str(exc)
+    finally:
+        try:
+            daemon.stop()
+        except MpsError as exc:
+            found["stop_error"] = str(exc)
+        shutil.rmtree(root, ignore_errors=True)
+    reference = found["no_daemon"]
+    summary = {name: {op: value for op, value in got.items() if reference.get(op) != value}
+               for name, got in found.items() if isinstance(got, dict) and name != "no_daemon"}
+    result = {"differs_from_no_daemon": summary, "found": found}
+    print(json.dumps(summary, indent=1))
+    if args.out is not None:
+        write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
