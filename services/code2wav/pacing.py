@@ -36,7 +36,7 @@ CUTS = ("first", "need", "size", "end", "segment")
 class Pacing:
     """A stage's ``pacing`` section (deploy/configs/code2wav.yaml), or an Open's override."""
 
-    decode_margin_s: float = 0.15  # listener audio left when the next chunk is cut
+    decode_margin_s: float = 0.4   # listener audio left when the next chunk is cut (bench notes, run 15)
     steady_frames: int = 16        # the largest chunk; cut as soon as this many are pending
     min_chunk_frames: int = 1      # the smallest chunk but a stream's first and its last
 
