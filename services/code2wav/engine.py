@@ -59,6 +59,18 @@ ERROR_ENDINGS = {FinishReason.DEADLINE: ("DEADLINE_EXCEEDED", "talker deadline p
                  FinishReason.CANCELLED: ("CANCELLED", "request cancelled")}
 
 
+def by_urgency(cuts: list, now: float, floor: float) -> list[list]:
+    """A tick's cuts in the order they are decoded and sent: first the chunks whose listener has
+    less than ``floor`` (two ticks) of audio left, a stream's first chunk among them, in calls of
+    their own; then the rest, whose listeners can wait for those calls. A first record then waits
+    for the calls of the few that need it, not for the whole tick's (bench notes, run 17)."""
+    urgent = [cut for cut in cuts if cut[2] == "first" or cut[0].listener.buffer_s(now) < floor]
+    if not urgent or len(urgent) == len(cuts):
+        return [cuts]
+    rest = [cut for cut in cuts if cut[2] != "first" and cut[0].listener.buffer_s(now) >= floor]
+    return [urgent, rest]
+
+
 class Code2WavEngine(TalkerIntake, StreamingTicks):
     def __init__(self, decoder: Decoder, links: dict[str, TalkerLink], *, max_slots: int,
                  max_undelivered_seconds: float, max_records_per_step: int,
@@ -230,7 +242,10 @@ class Code2WavEngine(TalkerIntake, StreamingTicks):
             self._look_at(stream, now, cuts, floor)
         if not cuts:
             return False
-        self._decode(cuts)
+        for i, part in enumerate(by_urgency(cuts, now, floor)):
+            if i:
+                self.outbox.flush()  # the urgent chunks leave before the rest are decoded
+            self._decode(part)
         for stream, _, _ in cuts:  # more pending (or the end) is looked at next tick
             if stream.segment_ends:
                 self._send_segment_ends(stream)

@@ -1,7 +1,7 @@
 """Code2Wav's engine on a scripted clock, a scripted ring and a decoder that records its calls:
 chunks cut on need (the first record at once; then the listener's margin, a steady chunk or
 the end; never below min_chunk_frames but at the end), every chunk of a tick in one decode call
-whatever their lengths, only streams something happened to looked at, the listener model's
+whatever their lengths, but first chunks and those due within two ticks, decoded and sent first, only streams something happened to looked at, the listener model's
 stalls, a client that does not drain held and resumed, a closed stream freed once even inside
 a batched tick, nothing sent after a stream's end."""
 
@@ -170,6 +170,36 @@ def test_chunks_of_different_lengths_in_one_tick_go_in_one_decode_call(setup):
     # each chunk's PCM is its own frames (the fake decoder's samples are the frame indices)
     pcm = np.frombuffer(streams[2][1][0][1].pcm, "<i2")
     assert pcm.tolist() == np.repeat(np.arange(8), Decoder.spf).tolist()
+
+
+def test_a_first_chunk_is_decoded_and_sent_before_the_rest_of_its_tick(setup):
+    # Stream 2's first record comes in the tick where stream 1 cuts a steady chunk with plenty
+    # buffered: stream 2's chunk goes in a call of its own and leaves before stream 1's call; a
+    # chunk whose listener has less than two ticks left goes first too.
+    engine, clock, link, decoder = setup
+    p = Pacing(decode_margin_s=0.1, steady_frames=4, min_chunk_frames=1)
+    (_, sent1), (_, sent2), (_, sent3) = (open_stream(engine, h, p) for h in (1, 2, 3))
+    seen = []
+    calls = decoder.decode_many
+
+    def timed(slots, chunks):  # each call takes 10 ms, and notes what stream 2 had received by then
+        seen.append(len(chunk_frames(sent2)))
+        clock.now += 0.01
+        return calls(slots, chunks)
+
+    decoder.decode_many = timed
+    put(link, 1, 0, 4)
+    put(link, 3, 0, 1)
+    engine.step()                       # two first chunks, one call; a tick of 10 ms
+    assert chunk_frames(sent1) == [4] and chunk_frames(sent3) == [1] and len(decoder.calls) == 1
+    clock.now = 0.07                    # stream 3: 10 ms left, under two ticks; stream 1: 250 ms
+    put(link, 1, 1, 4, first=4)         # a steady chunk
+    put(link, 2, 0, 2)                  # a first record
+    put(link, 3, 1, 1, first=1)         # its need has come
+    engine.step()
+    assert [sorted(f for _, f in call) for call in decoder.calls[1:]] == [[1, 2], [4]]
+    assert seen[1:] == [0, 1]           # stream 2's first chunk had left before stream 1's call
+    assert chunk_frames(sent1) == [4, 4] and chunk_frames(sent2) == [2] and chunk_frames(sent3) == [1, 1]
 
 
 def test_a_need_that_comes_cuts_without_any_new_record_and_idle_streams_are_not_looked_at(setup):
