@@ -27,7 +27,7 @@ from services.common.metrics import TIME_TO_FIRST_AUDIO
 from services.gateway.audio import make_encoder, whole_file
 from services.gateway.config import GatewayConfig
 from services.gateway.routing import REQUEST_DOWN_S, EnginePair, Router
-from services.gateway.stage_errors import stage_error
+from services.gateway.stage_errors import stage_error, stage_message
 from services.gateway.validation import ValidRequest
 from services.gateway.voice_cache import VoiceCache
 from services.gateway.voices import VoiceCatalog
@@ -87,7 +87,7 @@ class SynthesisPipeline:
         self.sessions = 0           # streaming sessions (and long texts) that ended with their SessionDone
         self.session_segments = 0   # ... and the segments they spoke
         self._admitting = 0         # admitted, still waiting in router.acquire()
-        self.refusals_held = 0      # refused here on a pair's talker's refusal of a moment ago
+        self.refusals_held = 0      # refused here: a pair's talker's verdict, or its refusal of a moment ago
         # a request's start, apart: Code2Wav's Open (to its handle) and the talker's Submit (to its
         # answer, admitted or refused): how many, and their seconds
         self.start_counts = {"opens": 0, "open_s": 0.0, "submits": 0, "submit_s": 0.0}
@@ -103,8 +103,9 @@ class SynthesisPipeline:
                                        "streaming_segments / streaming_sessions)", self.sessions),
                 "streaming_segments": ("counter", "segments the ended sessions spoke", self.session_segments),
                 "requests_refused_held": ("counter", "requests refused by the gateway on a talker's "
-                                          "refusal of a moment ago (routing.REFUSAL_HOLD_S), without a "
-                                          "round trip", self.refusals_held),
+                                          "watched verdict or its refusal of a moment ago "
+                                          "(routing.REFUSAL_HOLD_S), without a round trip",
+                                          self.refusals_held),
                 **self._start_metrics()}
 
     def _start_metrics(self) -> dict:
@@ -243,10 +244,17 @@ class SynthesisPipeline:
             return pair, started
 
     async def _start(self, pair: EnginePair, request: ValidRequest) -> Started:
-        held = pair.refused_for(time.monotonic())
+        now = time.monotonic()
+        held = pair.refused_for(now)
         if held:  # its talker refused a moment ago: so is this, without asking it again
             self.refusals_held += 1
             raise errors.ResourceExhausted(pair.refusal, retry_after=held)
+        refusing = pair.talker_refusing(now)
+        if refusing is not None:  # its talker's verdict after its last step: so would its Submit
+            self.refusals_held += 1
+            details, retry_after = refusing
+            message = stage_message("talker", grpc.StatusCode.RESOURCE_EXHAUSTED, pair, details)
+            raise errors.ResourceExhausted(message, retry_after=retry_after or None)
         facts = await pair.model_facts()
         msg = request.message
         seed = msg.seed if msg.HasField("seed") else new_seed()

@@ -32,6 +32,7 @@ from grpc_health.v1 import health_pb2_grpc
 from tokenizers import Tokenizer
 
 from services.common.errors import Unavailable
+from services.gateway.verdicts import AdmissionWatch
 from voxring.v1 import code2wav_pb2_grpc, talker_pb2, talker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class EnginePair:
     down_until: float = 0.0  # monotonic time until which the pair is tried last
     refusing_until: float = 0.0  # monotonic: its talker refused for capacity; held until then
     refusal: str = ""            # that refusal, as the client got it
+    admission: AdmissionWatch | None = None  # its talker's verdicts, watched from its first ModelInfo
     ready: bool | None = None  # both stages answer their health (None: not probed yet)
     state: str = "not probed yet"  # what the last probe found (services.gateway.readiness)
     _stubs: dict = field(default_factory=dict)
@@ -163,6 +165,10 @@ class EnginePair:
         """Seconds its held refusal still applies (0: none)."""
         return max(0.0, self.refusing_until - now)
 
+    def talker_refusing(self, now: float) -> tuple[str, float] | None:
+        """(the talker's refusal, its retry hint) while its watched verdict is a refusal."""
+        return None if self.admission is None else self.admission.refusing(now)
+
     async def model_facts(self) -> ModelFacts:
         if self.facts is None:
             try:
@@ -174,6 +180,9 @@ class EnginePair:
                          self.talker_address, exc.code().name, exc.details())
                 raise Unavailable(f"the talker is unavailable ({self.label})") from None
             self.mark_up()
+            if self.admission is None:  # from now on, for the pair's life
+                self.admission = AdmissionWatch(self.talker, self.name)
+                self.admission.start()
             self.facts = ModelFacts(info.model_name, Tokenizer.from_str(info.tokenizer_json.decode()),
                                     info.prompt_format, info.max_len, info.num_codebooks, info.frame_rate,
                                     info.sample_rate, info.family or "csm",
@@ -181,6 +190,8 @@ class EnginePair:
         return self.facts
 
     async def close(self) -> None:
+        if self.admission is not None:
+            await self.admission.close()
         channels, self._channels, self._stubs = self._channels, {}, {}
         for channel in channels.values():
             await channel.close()
@@ -227,7 +238,8 @@ class Router:
         await self._first_discovery()
         errors, serving = [], set()
         now = time.monotonic()
-        order = sorted(self.pairs, key=lambda p: (p.down_until > now, p.refusing_until > now,
+        order = sorted(self.pairs, key=lambda p: (p.down_until > now, p.refusing_until > now
+                                                  or p.talker_refusing(now) is not None,
                                                   p.in_flight))
         async for pair, facts in self._answering([p for p in order if p.name not in exclude], errors):
             if facts.name != (model or self.default_model):

@@ -25,6 +25,12 @@ STAGE_STATES = {grpc.StatusCode.UNAVAILABLE: "is unavailable", grpc.StatusCode.D
 log = logging.getLogger(__name__)
 
 
+def stage_message(stage: str, code: grpc.StatusCode, pair: EnginePair, details: str = "") -> str:
+    """"the talker is at capacity (engine pair pair-0): <the stage's own message>"."""
+    message = f"{STAGE_NAMES.get(stage, stage)} {STAGE_STATES.get(code, 'failed')} ({pair.label})"
+    return f"{message}: {details}" if details else message
+
+
 def stage_error(exc: grpc.aio.AioRpcError, stage: str, pair: EnginePair) -> errors.ServiceError:
     """A stage's status as the domain error the client gets (a field named, a retry hint kept),
     saying which stage (``talker`` or ``code2wav``) of which pair failed. The stage's own message
@@ -39,9 +45,7 @@ def stage_error(exc: grpc.aio.AioRpcError, stage: str, pair: EnginePair) -> erro
         quiet = code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
         log.log(logging.INFO if quiet else logging.WARNING, "engine pair %s: %s answered %s: %s",
                 pair.name, stage, code.name, details)
-    message = f"{STAGE_NAMES.get(stage, stage)} {STAGE_STATES.get(code, 'failed')} ({pair.label})"
-    if ours and details:
-        message += f": {details}"
+    message = stage_message(stage, code, pair, details if ours else "")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # a stage at capacity: keep its retry hint
         hint = dict(exc.trailing_metadata() or ()).get(RETRY_AFTER_METADATA)
         return errors.ResourceExhausted(message, retry_after=_seconds(hint))

@@ -176,7 +176,8 @@ def build(config: TalkerConfig, config_path: Path | None):
     log.info("model %s (%s) on %s (%s, %d CPU threads), max_len %d, buckets %s", folder, family.name,
              device, config.model.dtype, threads, max_len, list(engine_cfg.buckets))
     return bindings, [EngineComponent(thread, close=core.close, idle=core.idle), mps], {
-        "drain_exempt": ["/voxring.v1.Talker/Cancel", "/voxring.v1.Talker/Stats"],
+        "drain_exempt": ["/voxring.v1.Talker/Cancel", "/voxring.v1.Talker/Stats",
+                         "/voxring.v1.Talker/WatchAdmission"],
         "on_bound": (lambda address: setattr(frame_servicer, "address", address)) if frame_servicer else None,
     }
 

@@ -2,7 +2,8 @@
 commands the gRPC servicer posts (Attach, Submit, Cancel, Stats).
 
 Commands are plain callables taking the core; the servicer waits for their answers on
-futures resolved with ``loop.call_soon_threadsafe``. Nothing here touches the event loop.
+futures resolved with ``loop.call_soon_threadsafe``. Nothing here touches the event loop but
+the admission verdicts' hand-off to their watchers (services/talker/verdicts.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from services.talker.pacing import BOUNDS
 from services.talker.request import TalkerRequest
 from services.talker.scheduler import Overloaded, QueueFull
 from services.talker.sessions import Segment, SessionError
+from services.talker.verdicts import VerdictFeed
 from services.transport import Endpoint
 
 
@@ -67,9 +69,12 @@ class StatsSnapshot:
 class TalkerCore:
     """The Engine of the talker's EngineThread."""
 
-    def __init__(self, engine: TalkerEngine, consumers: Consumers) -> None:
+    def __init__(self, engine: TalkerEngine, consumers: Consumers,
+                 verdicts: VerdictFeed | None = None) -> None:
         self.engine = engine
         self.consumers = consumers
+        self.verdicts = verdicts or VerdictFeed()  # what Talker.WatchAdmission streams
+        self._published = ""  # the refusal last published to it ("": admitting)
         self._window = (engine.clock(), 0, 0)  # start, steps, frames of the Stats window
         self._typical_prompt = 100.0  # prompt positions of recent requests (weighted)
         # the engine thread's verdict after its last step, read by the servicer's event loop to
@@ -99,6 +104,10 @@ class TalkerCore:
         refusing = scheduler.refusal(now, self._typical_prompt)
         room = 0 if refusing is not None else scheduler.admissible(now, round(self._typical_prompt))
         self.admission = Admission(refusing, room, busy=self.engine.busy, step_s=scheduler.period_s or 0.1)
+        refusal = "" if refusing is None else overloaded(refusing).message
+        if refusal != self._published:  # the watchers get each verdict that differs from the last
+            self._published = refusal
+            self.verdicts.publish(refusal, 0.0 if refusing is None else refusing.retry_after_s)
 
     def tick(self) -> None:
         for consumer_id in self.consumers.tick():

@@ -209,6 +209,10 @@ class TalkerServicer(talker_pb2_grpc.TalkerServicer):
                      else talker_pb2.SubmitResponse.ADMISSION_QUEUED)
         return talker_pb2.SubmitResponse(admission=admission, queue_position=position)
 
+    async def WatchAdmission(self, request, context):
+        async for verdict in self._thread.engine.verdicts.watch():
+            yield verdict
+
     async def Cancel(self, request, context):
         found = await self._call(lambda core: core.cancel(request.consumer_id, request.handle))
         return talker_pb2.CancelResponse(found=found)

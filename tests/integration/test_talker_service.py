@@ -1,7 +1,7 @@
 """The talker as a real process (real gRPC, real rings, tiny model): codes equal the
 eager generation API, max frames exact, cancel, queueing, backpressure per ring, a dead
 consumer dropped by heartbeat, Submit's errors, a session's Append and Clear, and a clean
-drain on SIGTERM."""
+drain on SIGTERM that an open admission watch does not hold."""
 
 from __future__ import annotations
 
@@ -222,12 +222,18 @@ def test_sigterm_drains_running_requests_then_unlinks_rings(talker):
     svc, stub, readers = talker
     reader = RingReader(stub, "c2w-d")
     readers.append(reader)
+    watch = stub.WatchAdmission(talker_pb2.WatchAdmissionRequest(), timeout=60)
+    assert next(watch).refusal == ""  # the verdict at once: admitting
     stub.Submit(submit_request("c2w-d", 1, ids("[0]Finish during the drain."), max_frames=30), timeout=10)
     wait_for(lambda: reader.records.get(1), what="first record")
     svc.proc.send_signal(signal.SIGTERM)
     reader.wait([1], timeout=30)
     assert reader.result(1)[1] == FinishReason.LENGTH and len(reader.result(1)[0]) == 30
     assert svc.proc.wait(timeout=20) == 0
+    with pytest.raises(grpc.RpcError):  # the watch ended with the talker
+        for _ in watch:
+            pass
+    assert "drain timeout" not in svc.log_file.read_text()  # and did not hold its drain
     ring = reader.endpoint.ring_name.lstrip("/")
     assert not os.path.exists(f"/dev/shm/{ring}")
 

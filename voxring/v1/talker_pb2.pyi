@@ -197,3 +197,15 @@ class TalkerStats(_message.Message):
     mean_frames_per_step: float
     model_name: str
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_slots: _Optional[int] = ..., paused_rows: _Optional[int] = ..., steps_per_s: _Optional[float] = ..., frames_per_s: _Optional[float] = ..., mean_frames_per_step: _Optional[float] = ..., model_name: _Optional[str] = ...) -> None: ...
+
+class WatchAdmissionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AdmissionVerdict(_message.Message):
+    __slots__ = ("refusal", "retry_after_s")
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    refusal: str
+    retry_after_s: float
+    def __init__(self, refusal: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...

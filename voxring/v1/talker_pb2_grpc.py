@@ -69,6 +69,11 @@ class TalkerStub:
                 request_serializer=voxring_dot_v1_dot_talker__pb2.TalkerStatsRequest.SerializeToString,
                 response_deserializer=voxring_dot_v1_dot_talker__pb2.TalkerStats.FromString,
                 _registered_method=True)
+        self.WatchAdmission = channel.unary_stream(
+                '/voxring.v1.Talker/WatchAdmission',
+                request_serializer=voxring_dot_v1_dot_talker__pb2.WatchAdmissionRequest.SerializeToString,
+                response_deserializer=voxring_dot_v1_dot_talker__pb2.AdmissionVerdict.FromString,
+                _registered_method=True)
 
 
 class TalkerServicer:
@@ -130,6 +135,15 @@ class TalkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchAdmission(self, request, context):
+        """The talker's admission verdict: the current one at once, then each new one its engine
+        leaves after a step. A gateway refuses what this talker would refuse without an Open and
+        a Submit. Served while the talker drains; ends when it stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TalkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +181,11 @@ def add_TalkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=voxring_dot_v1_dot_talker__pb2.TalkerStatsRequest.FromString,
                     response_serializer=voxring_dot_v1_dot_talker__pb2.TalkerStats.SerializeToString,
+            ),
+            'WatchAdmission': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchAdmission,
+                    request_deserializer=voxring_dot_v1_dot_talker__pb2.WatchAdmissionRequest.FromString,
+                    response_serializer=voxring_dot_v1_dot_talker__pb2.AdmissionVerdict.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +377,33 @@ class Talker:
             '/voxring.v1.Talker/Stats',
             voxring_dot_v1_dot_talker__pb2.TalkerStatsRequest.SerializeToString,
             voxring_dot_v1_dot_talker__pb2.TalkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchAdmission(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/voxring.v1.Talker/WatchAdmission',
+            voxring_dot_v1_dot_talker__pb2.WatchAdmissionRequest.SerializeToString,
+            voxring_dot_v1_dot_talker__pb2.AdmissionVerdict.FromString,
             options,
             channel_credentials,
             insecure,
