@@ -41,6 +41,7 @@ class Pair:
         self.name, self._facts, self.up = name, facts, up
         self.facts, self.retired, self.down_until, self.in_flight = None, False, 0.0, 0
         self.refusing_until = 0.0
+        self.talker_refusing = lambda now: None  # no admission watch
 
     async def model_facts(self):
         if not self.up:

@@ -232,6 +232,7 @@ class FakePair:
     def __init__(self, name: str = "pair-0") -> None:
         self.name, self.retired, self.in_flight, self.down_until = name, False, 0, 0.0
         self.refusing_until = 0.0
+        self.talker_refusing = lambda now: None  # no admission watch
         self.label = f"engine pair {name}"
         self.facts = FakeFacts()
         self.code2wav = FakeCode2Wav()
