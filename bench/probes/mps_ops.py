@@ -13,14 +13,11 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from bench.probes.mps_talker import _run
+from bench.probes.mps_talker import _run, under_limits
 from bench.server.report import write_json
-from voxring.mps_daemon import CONTROL, MpsDaemon, MpsError
 
 ROWS = (1, 8, 16, 64, 128, 256)
 LINEARS = ((2048, 2048), (2048, 8192), (8192, 2048), (2048, 3072), (1024, 1024), (1024, 8192), (2048, 1024))
@@ -79,25 +76,8 @@ def main(argv: list[str] | None = None) -> None:
             return {"error": got}
 
     found["no_daemon"] = child(base)
-    root = Path(tempfile.mkdtemp(prefix="vx-mps-ops-"))
-    daemon = MpsDaemon(root)
-    try:
-        if shutil.which(CONTROL) is None:
-            raise MpsError(f"{CONTROL} is not on the PATH")
-        daemon.start()
-        for limit in args.limits.split(","):
-            env = {**base, **daemon.env()}
-            if limit != "none":
-                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = limit
-            found[f"mps_{limit}"] = child(env)
-    except MpsError as exc:
-        found["error"] = str(exc)
-    finally:
-        try:
-            daemon.stop()
-        except MpsError as exc:
-            found["stop_error"] = str(exc)
-        shutil.rmtree(root, ignore_errors=True)
+    limits = tuple(None if x == "none" else x for x in args.limits.split(","))
+    under_limits(base, limits, found, lambda name, env: found.__setitem__(name, child(env)))
     reference = found["no_daemon"]
     summary = {name: {op: value for op, value in got.items() if reference.get(op) != value}
                for name, got in found.items() if isinstance(got, dict) and name != "no_daemon"}

@@ -115,9 +115,25 @@ def scenarios(timeout: float, save=lambda results: None, limits=LIMITS) -> dict:
     reference = plain["bursts"]["production"]
     results = {"checkpoint": str(checkpoint), "no_daemon": plain}
     save(results)
+
+    def run(name: str, env: dict) -> None:
+        bisect = not any(r["bad_requests"]["production"] for r in results.values() if isinstance(r, dict)
+                         and "bad_requests" in r and r is not plain)
+        results[name] = scenario(env, checkpoint, reference, timeout, bisect)
+        save(results)
+
+    under_limits(base, limits, results, run)
+    return results
+
+
+def under_limits(base: dict, limits, results: dict, run) -> None:
+    """``run(name, env)`` for each of ``limits`` (an SM percentage, or None: MPS with no limit) as a
+    client of a control daemon of this process's own (a private folder; stopped after): names
+    ``mps_<limit>`` and ``mps_no_limit``. The daemon's errors go into ``results``."""
     if shutil.which(CONTROL) is None:
-        return {**results, "error": f"{CONTROL} is not on the PATH"}
-    root = Path(tempfile.mkdtemp(prefix="vx-mps-talker-"))
+        results["error"] = f"{CONTROL} is not on the PATH"
+        return
+    root = Path(tempfile.mkdtemp(prefix="vx-mps-"))
     daemon = MpsDaemon(root)
     try:
         daemon.start()
@@ -125,10 +141,7 @@ def scenarios(timeout: float, save=lambda results: None, limits=LIMITS) -> dict:
             env = {**base, **daemon.env()}
             if limit is not None:
                 env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = limit
-            bisect = not any(r["bad_requests"]["production"] for r in results.values() if isinstance(r, dict)
-                             and "bad_requests" in r and r is not plain)
-            results[f"mps_{limit or 'no_limit'}"] = scenario(env, checkpoint, reference, timeout, bisect)
-            save(results)
+            run(f"mps_{limit or 'no_limit'}", env)
     except MpsError as exc:
         results["error"] = str(exc)
     finally:
@@ -137,7 +150,6 @@ def scenarios(timeout: float, save=lambda results: None, limits=LIMITS) -> dict:
         except MpsError as exc:
             results["stop_error"] = str(exc)
         shutil.rmtree(root, ignore_errors=True)
-    return results
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 def stage_message(stage: str, code: grpc.StatusCode, pair: EnginePair, details: str = "") -> str:
-    """"the talker is at capacity (engine pair pair-0): <the stage's own message>"."""
+    """What the client reads: the stage, its state and the pair, then the stage's own words where
+    given, e.g. "the talker is at capacity (engine pair pair-0): talker at capacity: ..."."""
     message = f"{STAGE_NAMES.get(stage, stage)} {STAGE_STATES.get(code, 'failed')} ({pair.label})"
     return f"{message}: {details}" if details else message
 

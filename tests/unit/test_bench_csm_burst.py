@@ -35,3 +35,12 @@ def test_differs_names_early_other_and_changed_requests():
     assert differs(got, want) == ["0", "2", "3"]
     assert differs(got, None) == ["0", "3"]
     assert differs({"error": "the child failed"}, want) == ["(no report)"]
+
+
+def test_without_the_control_daemon_no_limit_scenario_runs_and_the_report_says_why(monkeypatch):
+    from bench.probes import mps_talker
+
+    monkeypatch.setattr(mps_talker.shutil, "which", lambda name: None)
+    results, ran = {}, []
+    mps_talker.under_limits({}, (None, "75"), results, lambda name, env: ran.append(name))
+    assert ran == [] and results == {"error": f"{mps_talker.CONTROL} is not on the PATH"}

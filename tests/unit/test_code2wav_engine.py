@@ -1,9 +1,10 @@
 """Code2Wav's engine on a scripted clock, a scripted ring and a decoder that records its calls:
-chunks cut on need (the first record at once; then the listener's margin, a steady chunk or
-the end; never below min_chunk_frames but at the end), every chunk of a tick in one decode call
-whatever their lengths, but first chunks and those due within two ticks, decoded and sent first, only streams something happened to looked at, the listener model's
-stalls, a client that does not drain held and resumed, a closed stream freed once even inside
-a batched tick, nothing sent after a stream's end."""
+chunks cut on need (the first record at once; then the listener's margin, a steady chunk or the
+end; never below min_chunk_frames but at the end), every chunk of a tick in one decode call
+whatever their lengths but for first chunks and those due within two ticks (decoded and sent
+first), only streams something happened to looked at, the listener model's stalls, a client that
+does not drain held and resumed, a closed stream freed once even inside a batched tick, nothing
+sent after a stream's end."""
 
 from __future__ import annotations
 
