@@ -27,6 +27,9 @@ VARIANTS = {
     "no_fused": dict(graphs=True, prefill_graphs=True, fused=False, kernels=True),
     "no_kernels": dict(graphs=True, prefill_graphs=True, fused=False, kernels=False),
     "eager": dict(graphs=False, prefill_graphs=False, fused=False, kernels=False),  # plain torch only
+    # the production paths with cuBLASLt told the SMs this process may hold (it targets the device's
+    # count otherwise): torch's SM carveout, the device's SMs less the MPS share's
+    "carveout": dict(graphs=True, prefill_graphs=True, fused=True, kernels=True, carveout=True),
 }
 BURSTS = (1, 8, 64)  # one after the other: each burst's first step in another batch bucket
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
@@ -66,6 +69,12 @@ def build_engine(folder: Path, variant: dict, device: str = "cuda"):
 
     kernels.configure(sampler=variant["kernels"], decode_attention=variant["kernels"],
                       fused_layers=variant["fused"])
+    if variant.get("carveout") and device == "cuda":
+        from kernels.sms import usable_sms
+
+        index = torch.device("cuda", torch.cuda.current_device())
+        torch._C._set_sm_carveout_experimental(
+            torch.cuda.get_device_properties(index).multi_processor_count - usable_sms(index))
     model = load_talker(folder, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
     if variant["fused"]:
         model.pack_weights()

@@ -1,8 +1,10 @@
 """Library ops at the talker's shapes under an NVIDIA MPS active-thread limit: each op's result
 (finite or not, and a digest) in a child with no daemon, with MPS and no limit, and at a limit,
 to find which op gives other numbers or NaN there (bench notes 2026-12-05, run 16: under a limit
-of 75 the talker's requests stop early even with every graph and kernel of ours off). GPU only;
-starts its own control daemon in a private folder and stops it.
+of 75 the talker's requests stop early even with every graph and kernel of ours off). Under each
+limit the ops run twice: as they are, and with cuBLASLt told the SMs the process may hold (torch's
+SM carveout), since it otherwise targets the device's count. GPU only; starts its own control
+daemon in a private folder and stops it.
 
     python -m bench.probes.mps_ops [--limits 75] [--out mps_ops.json]
 """
@@ -23,13 +25,19 @@ ROWS = (1, 8, 16, 64, 128, 256)
 LINEARS = ((2048, 2048), (2048, 8192), (8192, 2048), (2048, 3072), (1024, 1024), (1024, 8192), (2048, 1024))
 
 
-def ops() -> None:
-    """The child: one JSON line, op name -> [finite, digest of its result]."""
+def ops(carveout: bool = False) -> None:
+    """The child: one JSON line, op name -> [finite, digest of its result]. ``carveout``: cuBLASLt
+    told the SMs this process may hold (torch's SM carveout: the device's less the MPS share's)."""
     import torch
     import torch.nn.functional as F
 
     torch.manual_seed(0)
     device, out = torch.device("cuda", 0), {}
+    if carveout:
+        from kernels.sms import usable_sms
+
+        torch._C._set_sm_carveout_experimental(
+            torch.cuda.get_device_properties(device).multi_processor_count - usable_sms(device))
 
     def note(name: str, value: torch.Tensor) -> None:
         host = value.float().cpu()
@@ -59,17 +67,17 @@ def ops() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.probes.mps_ops",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("plain", "carveout"), help=argparse.SUPPRESS)
     parser.add_argument("--limits", default="none,75")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.child:
-        ops()
+        ops(args.child == "carveout")
         return
     base, found = dict(os.environ), {}
 
-    def child(env: dict) -> dict:
-        got = _run([sys.executable, "-m", "bench.probes.mps_ops", "--child"], env, 300)
+    def child(env: dict, kind: str = "plain") -> dict:
+        got = _run([sys.executable, "-m", "bench.probes.mps_ops", "--child", kind], env, 300)
         try:
             return json.loads(got["output"].splitlines()[-1])
         except (json.JSONDecodeError, IndexError):
@@ -77,7 +85,13 @@ def main(argv: list[str] | None = None) -> None:
 
     found["no_daemon"] = child(base)
     limits = tuple(None if x == "none" else x for x in args.limits.split(","))
-    under_limits(base, limits, found, lambda name, env: found.__setitem__(name, child(env)))
+
+    def both(name: str, env: dict) -> None:
+        found[name] = child(env)
+        if name != "mps_no_limit":  # under a limit, also with cuBLASLt told the share
+            found[f"{name}_carveout"] = child(env, "carveout")
+
+    under_limits(base, limits, found, both)
     reference = found["no_daemon"]
     summary = {name: {op: value for op, value in got.items() if reference.get(op) != value}
                for name, got in found.items() if isinstance(got, dict) and name != "no_daemon"}

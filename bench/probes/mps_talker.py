@@ -31,7 +31,7 @@ from voxring.mps_daemon import CONTROL, MpsDaemon, MpsError
 
 TESTS = ["tests/gpu/test_stack_step_cuda.py"]
 SELECT = "(one_launch_equals_its_phases and tiny_depth) or give_up"
-VARIANTS = ("no_prefill_graphs", "no_graphs", "no_fused", "no_kernels", "eager")
+VARIANTS = ("no_prefill_graphs", "no_graphs", "no_fused", "no_kernels", "eager", "carveout")
 LIMITS = (None, "75", "50")
 
 
