@@ -26,7 +26,7 @@ from services.common.limits import LengthLimit, new_seed
 from services.common.metrics import TIME_TO_FIRST_AUDIO
 from services.gateway.audio import make_encoder, whole_file
 from services.gateway.config import GatewayConfig
-from services.gateway.routing import REQUEST_DOWN_S, EnginePair, Router
+from services.gateway.routing import REQUEST_DOWN_S, EnginePair, ModelFacts, Router
 from services.gateway.stage_errors import stage_error, stage_message
 from services.gateway.validation import ValidRequest
 from services.gateway.voice_cache import VoiceCache
@@ -46,6 +46,7 @@ class Started:
     seed: int
     arrival: float
     limit: LengthLimit = LengthLimit.DEFAULT  # the term of the audio cap (services/common/limits.py)
+    facts: ModelFacts | None = None  # its pair's model, as it started (readiness may learn it anew)
 
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class SynthesisPipeline:
         """The request as one segment; services/gateway/synthesis.py sends a text of several
         sentences down the session path instead."""
         async with self._running(request) as started:
-            facts = started.pair.facts
+            facts = started.facts
             out_rate = request.sample_rate_hz or facts.sample_rate
             encoder = make_encoder(request.encoding, facts.sample_rate, out_rate, request.speed)
             first_audio = None
@@ -272,7 +273,7 @@ class SynthesisPipeline:
         call = pair.code2wav.Open(code2wav_pb2.OpenRequest(
             request_id=request.request_id, talker_id=pair.talker_id, max_frames=max_frames,
             speaker_id=request.voice.speaker_id, seed=seed), timeout=_remaining(request))
-        started = Started(pair, call, 0, seed, time.monotonic(), cap.limit)
+        started = Started(pair, call, 0, seed, time.monotonic(), cap.limit, facts)
         counts = self.start_counts
         try:
             started.handle = await _opened(call, pair)

@@ -2,7 +2,8 @@
 ``EnginePair.hold_refusal``; pipeline ``_start``): within its retry hint, at most
 ``REFUSAL_HOLD_S``, new requests to that pair are refused by the gateway with the same message and
 the hint's remainder, without an Open on Code2Wav or a Submit; another pair is picked first
-meanwhile; a refusal without a hint is not held."""
+meanwhile; a refusal without a hint is not held. And a request that started keeps its pair's model
+facts when readiness learns them anew under it (the fault soak's cancel storm found it reading None)."""
 
 from __future__ import annotations
 
@@ -128,5 +129,60 @@ def test_a_talkers_refusal_is_held_and_the_next_request_refused_without_a_round_
         assert log == ["open", "submit", "open cancelled"]  # neither stage asked again
         assert second.value.message == first.value.message and second.value.retry_after <= REFUSAL_HOLD_S
         assert pipeline.refusals_held == 1
+
+    asyncio.run(main())
+
+
+class _Stream:
+    """Code2Wav's Open: the handle, one chunk of a frame, then Finished."""
+
+    def __init__(self, pair: EnginePair) -> None:
+        from voxring.v1 import code2wav_pb2, common_pb2
+        self.messages = [code2wav_pb2.OpenResponse(opened=code2wav_pb2.Opened(handle=7)),
+                         code2wav_pb2.OpenResponse(chunk=code2wav_pb2.AudioChunk(pcm=bytes(3840))),
+                         code2wav_pb2.OpenResponse(finished=code2wav_pb2.Finished(
+                             frames=1, finish_reason=common_pb2.FINISH_REASON_LENGTH))]
+        self.pair = pair
+
+    async def read(self):
+        import grpc
+        return self.messages.pop(0) if self.messages else grpc.aio.EOF
+
+    def cancel(self) -> None:
+        pass
+
+    def done(self) -> bool:
+        return not self.messages
+
+    async def code(self):
+        import grpc
+        return grpc.StatusCode.OK
+
+
+def test_a_running_request_keeps_its_pairs_facts_when_readiness_learns_them_anew():
+    from services.gateway.config import GatewayConfig
+    from services.gateway.validation import ValidRequest
+    from services.gateway.voices import VoiceEntry
+    from voxring.v1 import synthesizer_pb2 as pb
+    from voxring.v1 import talker_pb2
+
+    async def main():
+        p = pair("a")
+
+        class Talker:
+            async def Submit(self, request, timeout=None):
+                p.facts = None  # readiness learns the pair anew (back after a fault) meanwhile
+                return talker_pb2.SubmitResponse()
+
+        p._stubs.update(code2wav=type("C2W", (), {"Open": lambda self, r, timeout=None: _Stream(p)})(),
+                        talker=Talker())
+        pipeline = SynthesisPipeline(config=GatewayConfig(), router=Router([p]), voices=None)
+        request = ValidRequest("r1", "Hello there.", VoiceEntry("default", 0), "en-US", 1, 0,
+                               pb.SynthesizeSpeechRequest(text="Hello there."))
+        messages = [m async for m in pipeline.stream(request)]
+        assert p.facts is None  # reset under the request, which went on with the facts it started with
+        assert [m.sample_rate_hz for m in messages] == [24000, 24000]
+        assert messages[-1].finish_reason != 0
+        await pipeline.router.close()
 
     asyncio.run(main())
