@@ -285,6 +285,7 @@ class SynthesisPipeline:
                 segments=segments, sampling=self.sampling(msg, seed), max_frames=max_frames,
                 timeout_s=_remaining(request) or 0.0,
                 first_audio_budget_s=self._first_audio_budget(started.arrival))
+            pair.submitting()
             try:
                 await self.submit(pair, submit)
             except grpc.aio.AioRpcError as exc:

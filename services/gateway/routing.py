@@ -166,8 +166,13 @@ class EnginePair:
         return max(0.0, self.refusing_until - now)
 
     def talker_refusing(self, now: float) -> tuple[str, float] | None:
-        """(the talker's refusal, its retry hint) while its watched verdict is a refusal."""
+        """(the talker's refusal, its retry hint) while its watched verdict refuses a request."""
         return None if self.admission is None else self.admission.refusing(now)
+
+    def submitting(self) -> None:
+        """A Submit goes to its talker (counted against its verdict's room)."""
+        if self.admission is not None:
+            self.admission.submitted()
 
     async def model_facts(self) -> ModelFacts:
         if self.facts is None:

@@ -1,5 +1,6 @@
 """A pair's talker's admission verdicts, watched by the gateway (``Talker.WatchAdmission``,
-docs/protocol.md, Admission): while the talker's latest verdict is a refusal, a new request to the
+docs/protocol.md, Admission): while the talker's latest verdict is a refusal, or this gateway has
+sent it as many Submits as that verdict has room for while its engine steps, a new request to the
 pair is refused here at once, with the message and retry hint the talker's Submit would give,
 without an Open on Code2Wav and a Submit (each a round trip through a busy stage's event loop:
 the refusals past capacity that took 60-90 ms, bench notes run 15).
@@ -36,6 +37,7 @@ class AdmissionWatch:
         self.verdict: talker_pb2.AdmissionVerdict | None = None  # None: unknown
         self.verdict_at = 0.0
         self.verdicts = 0  # received, over the watch's life
+        self.sent = 0      # Submits sent since the latest verdict
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -44,18 +46,27 @@ class AdmissionWatch:
             self._task = asyncio.ensure_future(self._run())
 
     def refusing(self, now: float) -> tuple[str, float] | None:
-        """(the talker's refusal message, its retry hint) while its verdict is a fresh refusal."""
+        """(the talker's refusal message, its retry hint) while its verdict is a fresh refusal, or
+        while this gateway has sent it as many Submits as the verdict has room for."""
         verdict = self.verdict
-        if verdict is None or not verdict.refusal or now - self.verdict_at > STALE_S:
+        if verdict is None or now - self.verdict_at > STALE_S:
             return None
-        return verdict.refusal, verdict.retry_after_s
+        if verdict.refusal:
+            return verdict.refusal, verdict.retry_after_s
+        if verdict.room and self.sent >= verdict.room:
+            return verdict.room_refusal, verdict.room_retry_after_s
+        return None
+
+    def submitted(self) -> None:
+        """A Submit sent to the talker on its current verdict (counted against its room)."""
+        self.sent += 1
 
     async def _run(self) -> None:
         backoff = RETRY_S
         while True:
             try:
                 async for verdict in self._talker.WatchAdmission(talker_pb2.WatchAdmissionRequest()):
-                    self.verdict, self.verdict_at = verdict, self._clock()
+                    self.verdict, self.verdict_at, self.sent = verdict, self._clock(), 0
                     self.verdicts += 1
                     backoff = RETRY_S
             except grpc.aio.AioRpcError as exc:

@@ -47,12 +47,16 @@ class Admission:
         if self.refusing is not None:
             return self.refusing, False
         if self.posted >= self.room:
-            if self.busy:
-                return Overloaded(f"the {self.room} request(s) the talker's last step had room for are "
-                                  f"taken; the next step renews it", self.step_s), False
-            return None, False
+            return self.past_room(), False
         self.posted += 1
         return None, True
+
+    def past_room(self) -> Overloaded | None:
+        """The refusal of a request past ``room`` (None while the engine is idle: it answers)."""
+        if not self.busy:
+            return None
+        return Overloaded(f"the {self.room} request(s) the talker's last step had room for are taken; "
+                          f"the next step renews it", self.step_s)
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class TalkerCore:
         self.engine = engine
         self.consumers = consumers
         self.verdicts = verdicts or VerdictFeed()  # what Talker.WatchAdmission streams
-        self._published = ""  # the refusal last published to it ("": admitting)
+        self._published: tuple[str, int] = ("", 0)  # the verdict last published: (refusal, room)
         self._window = (engine.clock(), 0, 0)  # start, steps, frames of the Stats window
         self._typical_prompt = 100.0  # prompt positions of recent requests (weighted)
         # the engine thread's verdict after its last step, read by the servicer's event loop to
@@ -103,11 +107,15 @@ class TalkerCore:
         scheduler, now = self.engine.scheduler, self.engine.clock()
         refusing = scheduler.refusal(now, self._typical_prompt)
         room = 0 if refusing is not None else scheduler.admissible(now, round(self._typical_prompt))
-        self.admission = Admission(refusing, room, busy=self.engine.busy, step_s=scheduler.period_s or 0.1)
+        self.admission = admission = Admission(refusing, room, busy=self.engine.busy,
+                                               step_s=scheduler.period_s or 0.1)
         refusal = "" if refusing is None else overloaded(refusing).message
-        if refusal != self._published:  # the watchers get each verdict that differs from the last
-            self._published = refusal
-            self.verdicts.publish(refusal, 0.0 if refusing is None else refusing.retry_after_s)
+        past = admission.past_room() if refusing is None else None
+        verdict = (refusal, room if past is not None else 0)
+        if verdict != self._published:  # the watchers get each verdict that differs from the last
+            self._published = verdict
+            self.verdicts.publish(refusal, 0.0 if refusing is None else refusing.retry_after_s,
+                                  room=verdict[1], past_room=None if past is None else overloaded(past))
 
     def tick(self) -> None:
         for consumer_id in self.consumers.tick():

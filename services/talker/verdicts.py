@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from services.common.errors import ResourceExhausted
 from voxring.v1 import talker_pb2
 
 
@@ -18,9 +19,14 @@ class VerdictFeed:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: set[asyncio.Queue] = set()
 
-    def publish(self, refusal: str, retry_after_s: float) -> None:
-        """Any thread (the engine's): the verdict now ("" admitting)."""
-        verdict = talker_pb2.AdmissionVerdict(refusal=refusal, retry_after_s=retry_after_s)
+    def publish(self, refusal: str, retry_after_s: float, *, room: int = 0,
+                past_room: ResourceExhausted | None = None) -> None:
+        """Any thread (the engine's): the verdict now (``refusal`` "": admitting; ``room``: the
+        Submits taken on it before ``past_room`` refuses them, 0: no bound)."""
+        verdict = talker_pb2.AdmissionVerdict(refusal=refusal, retry_after_s=retry_after_s, room=room)
+        if room and past_room is not None:
+            verdict.room_refusal = past_room.message
+            verdict.room_retry_after_s = past_room.retry_after or 0.0
         self.latest = verdict
         loop = self._loop
         if loop is not None:

@@ -1,9 +1,10 @@
-"""The talker's admission verdicts and the gateway's watch of them (docs/protocol.md, Admission):
-the talker's engine publishes each verdict that differs from the last, with the message and hint a
-Submit would be refused with; a watch stream gets the current verdict at once, then the newest
-(a reader that fell behind skips to it); the gateway refuses a request at once while the pair's
-talker's verdict is a fresh refusal, asks the talker as before when it is stale, admitting or
-unknown, and reopens a watch that ended."""
+"""The talker's admission verdicts and the gateway's watch of them (docs/protocol.md, Admission): the
+talker's engine publishes each verdict that differs from the last, with the message and hint a
+Submit would be refused with, and while it steps the room a verdict has before Submits are
+refused; a watch stream gets the current verdict at once, then the newest (a reader that fell
+behind skips to it); the gateway refuses a request at once while the pair's talker's verdict is a
+fresh refusal or it has sent that verdict's room, asks the talker as before when it is stale,
+admitting or unknown, and reopens a watch that ended."""
 
 from __future__ import annotations
 
@@ -51,21 +52,25 @@ def test_the_core_publishes_each_verdict_that_differs_with_a_submits_message():
     s = Scheduler(num_slots=4, max_num_seqs=4, k_max=8, prefill_token_budget=512, max_waiting=8,
                   stall_timeout=5.0, frame_rate=12.5, path_s=0.02)
     verdicts = []
-    feed = SimpleNamespace(publish=lambda refusal, retry: verdicts.append((refusal, retry)))
-    core = TalkerCore(SimpleNamespace(scheduler=s, step=lambda: False, clock=lambda: 0.0, busy=False),
-                      consumers=SimpleNamespace(tick_s=lambda: 0.0), verdicts=feed)
+    feed = SimpleNamespace(publish=lambda refusal, retry, room=0, past_room=None: verdicts.append(
+        (refusal, retry, room, past_room and (past_room.message, past_room.retry_after))))
+    engine = SimpleNamespace(scheduler=s, step=lambda: False, clock=lambda: 0.0, busy=False)
+    core = TalkerCore(engine, consumers=SimpleNamespace(tick_s=lambda: 0.0), verdicts=feed)
     refusal = None
     s.refusal = lambda now, prompt_len: refusal
+    s.admissible = lambda now, prompt_len: 3
     core.step()
     core.step()
-    assert verdicts == []  # admitting, as the feed starts: nothing new
+    assert verdicts == []  # admitting with no bound (the engine idle), as the feed starts: nothing new
     refusal = Overloaded("9 streams already use the talker's real-time capacity", 0.08)
     core.step()
     core.step()  # the same verdict again: not published again
-    refusal = None
-    core.step()
-    assert verdicts == [("talker at capacity: 9 streams already use the talker's real-time capacity", 0.08),
-                        ("", 0.0)]
+    refusal, engine.busy, s.period_s = None, True, 0.07
+    core.step()  # admitting while the engine steps: 3 more on this verdict, then refused at once
+    assert verdicts == [
+        ("talker at capacity: 9 streams already use the talker's real-time capacity", 0.08, 0, None),
+        ("", 0.0, 3, ("talker at capacity: the 3 request(s) the talker's last step had room for are taken; "
+                      "the next step renews it", 0.07))]
 
 
 # --------------------------------------------------------------------------- the gateway's side
@@ -96,7 +101,18 @@ def test_a_fresh_refusal_refuses_and_a_stale_admitting_or_unknown_verdict_does_n
     assert watch.refusing(10.0 + STALE_S / 2) == ("talker at capacity: 9 streams", pytest.approx(0.08))
     assert watch.refusing(10.0 + STALE_S * 1.5) is None  # the talker published nothing since
     watch.verdict = talker_pb2.AdmissionVerdict()
-    assert watch.refusing(10.0) is None  # admitting
+    watch.submitted()
+    assert watch.refusing(10.0) is None  # admitting with no bound
+
+
+def test_past_a_verdicts_room_this_gateway_refuses_until_the_next_verdict():
+    watch = AdmissionWatch(talker=None, name="a")
+    watch.verdict, watch.verdict_at = talker_pb2.AdmissionVerdict(
+        room=2, room_refusal="talker at capacity: the 2 request(s) ...", room_retry_after_s=0.07), 10.0
+    watch.submitted()
+    assert watch.refusing(10.0) is None
+    watch.submitted()
+    assert watch.refusing(10.0) == ("talker at capacity: the 2 request(s) ...", pytest.approx(0.07))
 
 
 def test_a_refusing_verdict_refuses_without_asking_the_stages():

@@ -203,9 +203,15 @@ class WatchAdmissionRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AdmissionVerdict(_message.Message):
-    __slots__ = ("refusal", "retry_after_s")
+    __slots__ = ("refusal", "retry_after_s", "room", "room_refusal", "room_retry_after_s")
     REFUSAL_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    ROOM_REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    ROOM_RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     refusal: str
     retry_after_s: float
-    def __init__(self, refusal: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+    room: int
+    room_refusal: str
+    room_retry_after_s: float
+    def __init__(self, refusal: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., room: _Optional[int] = ..., room_refusal: _Optional[str] = ..., room_retry_after_s: _Optional[float] = ...) -> None: ...
