@@ -28,9 +28,15 @@ from services.talker.consumers import attach_response
 from services.transport import TransportSection, open_producer
 from voxring.v1 import talker_pb2, talker_pb2_grpc
 
+_SAY = threading.Lock()
+
 
 def say(**message) -> None:
-    print(json.dumps(message), flush=True)
+    """One JSON line to the test; the servicer's threads write whole lines (print writes the text
+    and its newline apart, and two threads' lines could run together)."""
+    with _SAY:
+        sys.stdout.write(json.dumps(message) + "\n")
+        sys.stdout.flush()
 
 
 class FakeTalker(talker_pb2_grpc.TalkerServicer):
