@@ -112,7 +112,9 @@ class TalkerCore:
         refusal = "" if refusing is None else overloaded(refusing).message
         past = admission.past_room() if refusing is None else None
         verdict = (refusal, room if past is not None else 0)
-        if verdict != self._published:  # the watchers get each verdict that differs from the last
+        # the watchers get each verdict that differs from the last, and every one with a room: each
+        # renews it (a gateway counts its Submits against the latest), even at the same number
+        if verdict != self._published or verdict[1]:
             self._published = verdict
             self.verdicts.publish(refusal, 0.0 if refusing is None else refusing.retry_after_s,
                                   room=verdict[1], past_room=None if past is None else overloaded(past))
