@@ -126,8 +126,8 @@ def refusal_table(tiers: dict) -> list[str]:
             if (t.get("loadgen") or {}).get("refusal_s")]
     if not rows:
         return []
-    lines = ["Refusals: from the send to RESOURCE_EXHAUSTED, how many the gateway held on a talker's "
-             "refusal of a moment ago, and why.", "",
+    lines = ["Refusals: from the send to RESOURCE_EXHAUSTED, how many the gateway answered itself (on its "
+             "talker's watched verdict or a refusal of a moment ago), and why.", "",
              "| C | refused | p50 / p99 ms | held at the gateway | messages |", "|---|---|---|---|---|"]
     for c, report in rows:
         took = report["refusal_s"]

@@ -64,11 +64,10 @@ def by_urgency(cuts: list, now: float, floor: float) -> list[list]:
     less than ``floor`` (two ticks) of audio left, a stream's first chunk among them, in calls of
     their own; then the rest, whose listeners can wait for those calls. A first record then waits
     for the calls of the few that need it, not for the whole tick's (bench notes, run 17)."""
-    urgent = [cut for cut in cuts if cut[2] == "first" or cut[0].listener.buffer_s(now) < floor]
-    if not urgent or len(urgent) == len(cuts):
-        return [cuts]
-    rest = [cut for cut in cuts if cut[2] != "first" and cut[0].listener.buffer_s(now) >= floor]
-    return [urgent, rest]
+    urgent, rest = [], []
+    for cut in cuts:
+        (urgent if cut[2] == "first" or cut[0].listener.buffer_s(now) < floor else rest).append(cut)
+    return [part for part in (urgent, rest) if part]
 
 
 class Code2WavEngine(TalkerIntake, StreamingTicks):
