@@ -30,6 +30,11 @@ VARIANTS = {
     # the production paths with cuBLASLt told the SMs this process may hold (it targets the device's
     # count otherwise): torch's SM carveout, the device's SMs less the MPS share's
     "carveout": dict(graphs=True, prefill_graphs=True, fused=True, kernels=True, carveout=True),
+    # inside a CUDA green context of fewer SMs (VOXRING_PROBE_GREEN_SMS, else 3/4 of the device's
+    # in multiples of 8): is any SM restriction what breaks the bursts, or MPS's limit alone? The
+    # fused layers stay off (stack_step's grid is sized to the primary context's SMs)
+    "green": dict(graphs=True, prefill_graphs=True, fused=False, kernels=True, green=True),
+    "green_eager": dict(graphs=False, prefill_graphs=False, fused=False, kernels=False, green=True),
 }
 BURSTS = (1, 8, 64)  # one after the other: each burst's first step in another batch bucket
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
@@ -91,6 +96,23 @@ def build_engine(folder: Path, variant: dict, device: str = "cuda"):
     return engine, sink, model
 
 
+def enter_green_context() -> dict:
+    """Make a green context of fewer SMs current on this thread; its facts for the report."""
+    import os
+
+    import torch
+
+    from kernels.sms import context_sm_count
+
+    index = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).multi_processor_count
+    sms = int(os.environ.get("VOXRING_PROBE_GREEN_SMS") or total * 3 // 4 // 8 * 8)
+    torch.zeros(1, device="cuda")  # the primary context first, as the driver advises
+    context = torch.cuda.green_contexts.GreenContext.create(num_sms=sms, device_id=index)
+    context.set_context()
+    return {"green_sms": sms, "context_sm_count": context_sm_count(), "_context": context}
+
+
 def run_bursts(engine, model) -> None:
     from models.family import PromptSegment
     from services.talker.generate import Sampling
@@ -141,10 +163,12 @@ def main(argv: list[str] | None = None) -> None:
     from kernels.stack_step import faults
 
     started = time.monotonic()
+    green = enter_green_context() if VARIANTS[args.variant].get("green") else {}
     engine, sink, model = build_engine(args.checkpoint, VARIANTS[args.variant], args.device)
     built = time.monotonic()
     run_bursts(engine, model)
     print(json.dumps({"variant": args.variant, **report(sink),
+                      **{k: v for k, v in green.items() if not k.startswith("_")},
                       "barrier_faults": faults(torch.device(args.device)),
                       "build_s": round(built - started, 1), "run_s": round(time.monotonic() - built, 1)}))
 
