@@ -12,8 +12,9 @@ scenario without a daemon. In the first scenario whose requests end early or dif
 run again with each of the engine's paths off in turn (prefill graphs, every graph, the fused
 layers, every kernel): the random weights never stop on their own, so the path whose absence
 brings every request to its length is where the limit breaks it. With no daemon and with MPS and no
-limit, the bursts run in a green context of fewer SMs as well (csm_burst's ``green`` variants). Then the GPU tests of stack_step's
-one launch with grid barriers against its phases, the grid sized to that share, and after a give-up.
+limit, the bursts run in a green context of fewer SMs as well (csm_burst's ``green`` variants). Then
+the GPU tests of stack_step's one launch with grid barriers against its phases, the grid sized to
+that share, and after a give-up.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def differs(got: dict, want: dict | None) -> list[str]:
 
 
 def scenario(env: dict, checkpoint: Path | None, reference: dict | None, timeout: float,
-             bisect: bool, green: bool = False) -> dict:
+             bisect: bool, green: bool = False, tests: bool = True) -> dict:
     found = _run([sys.executable, "-m", "bench.probes.mps_talker", "--facts"], env, 120)
     try:
         report = json.loads(found["output"].splitlines()[-1])
@@ -103,8 +104,9 @@ def scenario(env: dict, checkpoint: Path | None, reference: dict | None, timeout
             report["bad_requests"][variant] = differs(got, None)
             report.setdefault("same_frames_as_reference", {})[variant] = (
                 not differs(got, reference or production))
-    report["tests"] = _run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-                            *TESTS, "-k", SELECT], env, timeout)
+    if tests:
+        report["tests"] = _run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                                *TESTS, "-k", SELECT], env, timeout)
     return report
 
 
@@ -116,11 +118,11 @@ def checkpoint_folder(timeout: float) -> Path | None:
     return Path(last) if found["rc"] == 0 and Path(last).is_dir() else None
 
 
-def scenarios(timeout: float, save=lambda results: None, limits=LIMITS) -> dict:
+def scenarios(timeout: float, save=lambda results: None, limits=LIMITS, tests: bool = True) -> dict:
     """Every scenario's report; ``save(results)`` after each (a run cut short keeps what it found)."""
     base = dict(os.environ)
     checkpoint = checkpoint_folder(max(timeout, 120))
-    plain = scenario(base, checkpoint, None, timeout, bisect=True, green=True)
+    plain = scenario(base, checkpoint, None, timeout, bisect=True, green=True, tests=tests)
     reference = plain["bursts"]["production"]
     results = {"checkpoint": str(checkpoint), "no_daemon": plain}
     save(results)
@@ -128,10 +130,12 @@ def scenarios(timeout: float, save=lambda results: None, limits=LIMITS) -> dict:
     def run(name: str, env: dict) -> None:
         bisect = not any(r["bad_requests"]["production"] for r in results.values() if isinstance(r, dict)
                          and "bad_requests" in r and r is not plain)
-        results[name] = scenario(env, checkpoint, reference, timeout, bisect, green=name == "mps_no_limit")
+        results[name] = scenario(env, checkpoint, reference, timeout, bisect, green=name == "mps_no_limit",
+                                 tests=tests)
         save(results)
 
-    under_limits(base, limits, results, run)
+    if limits:
+        under_limits(base, limits, results, run)
     return results
 
 
@@ -167,16 +171,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--facts", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--limits", default="none,75,50",
-                        help="MPS scenarios, comma-separated: none (no limit) or an SM percentage")
+                        help="MPS scenarios, comma-separated: none (no limit) or an SM percentage; "
+                             "'': no daemon only")
+    parser.add_argument("--no-tests", action="store_true", help="skip stack_step's GPU tests")
     parser.add_argument("--timeout", type=float, default=150.0,
                         help="each child's time at most (its bursts, its tests), seconds")
     args = parser.parse_args(argv)
     if args.facts:
         facts()
         return
-    limits = tuple(None if x == "none" else x for x in args.limits.split(","))
+    limits = tuple(None if x == "none" else x for x in args.limits.split(",") if x)
     results = scenarios(args.timeout, (lambda r: write_json(args.out, r)) if args.out is not None else
-                        (lambda r: None), limits)
+                        (lambda r: None), limits, tests=not args.no_tests)
     print(json.dumps(results, indent=2))
     if args.out is not None:
         write_json(args.out, results)

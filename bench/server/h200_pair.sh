@@ -23,7 +23,9 @@
 # PROFILE (a tier to py-spy; none by default), SEQ (the sequential C=1 tier's requests, default 50),
 # ARGS (more bench.server arguments), FAULT_C (the fault part's streams, default 512), STEPLOG (1: each
 # tree's talker writes its step log to <tree's results>/steps.jsonl, gzipped at the end), LABEL (the results
-# folder of a tiers part, where not the tree's name: the same tree run again under other settings). Run from the
+# folder of a tiers part, where not the tree's name: the same tree run again under other settings), LIMITS and
+# CHILD_S (mpstalker's MPS scenarios, '' for none, and each child's seconds), NOTESTS (1: mpstalker without
+# stack_step's tests). Run from the
 # repository root with `carry: [".whl", ...]`.
 set -uo pipefail
 
@@ -59,8 +61,8 @@ for part in "$@"; do
       timeout "$share" python3 -m bench.probes.mps --out "$R/mps_probe.json" > /dev/null 2>&1
       echo "probe: exit $?" ;;
     mpstalker)
-      timeout "$share" python3 -m bench.probes.mps_talker --timeout "${CHILD_S:-150}" --limits "${LIMITS:-none,75,50}" \
-        --out "$R/mps_talker.json" > /dev/null 2>&1
+      timeout "$share" python3 -m bench.probes.mps_talker --timeout "${CHILD_S:-150}" --limits "${LIMITS-none,75,50}" \
+        ${NOTESTS:+--no-tests} --out "$R/mps_talker.json" > /dev/null 2>&1
       echo "mpstalker: exit $?" ;;
     tiers:*)
       tree="${part#tiers:}"; label=$(basename "$(cd "$tree" && pwd)"); [ "$tree" = . ] && label=head
