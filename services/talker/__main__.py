@@ -101,7 +101,7 @@ def load_model(config: TalkerConfig):
     """The kernels configured, then the model of the checkpoint's family on its device: (folder,
     family, model, device, CPU threads)."""
     kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention,
-                      fused_layers=config.kernels.fused_layers)
+                      fused_layers=config.kernels.fused_layers, sms=config.kernels.sms)
     threads = set_threads(config.model.threads)
     try:
         device = resolve_device(config.model.device)
