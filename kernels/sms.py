@@ -44,15 +44,21 @@ def limit(sms: int) -> None:
     if isinstance(sms, bool) or not isinstance(sms, int) or sms < 0:
         raise ValueError(f"kernels.sms: must be an int >= 0, got {sms!r}")
     _cap = sms or None
-    usable_sms.cache_clear()
 
 
 @functools.lru_cache(maxsize=8)
-def usable_sms(device: torch.device) -> int:
-    """The SMs a grid on ``device`` may count on being resident at once: the device's, or the
-    fewer its MPS share gives this process (read from the device's primary context, made
-    current here: no allocation, so a graph capture may call it), or ``limit``'s, if fewer."""
+def share_sms(device: torch.device) -> int:
+    """The SMs this process may hold on ``device``: the device's, or the fewer its MPS share gives
+    it (read from the device's primary context, made current here: no allocation, so a graph
+    capture may call it)."""
     total = torch.cuda.get_device_properties(device).multi_processor_count
     with torch.cuda.device(device):
         share = context_sm_count()
-    return min(total, share or total, _cap or total)
+    return min(total, share) if share else total
+
+
+def usable_sms(device: torch.device) -> int:
+    """The SMs a grid on ``device`` may count on being resident at once: its share (share_sms),
+    or ``limit``'s cap, if fewer."""
+    share = share_sms(device)
+    return min(share, _cap) if _cap else share

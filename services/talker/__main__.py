@@ -43,11 +43,12 @@ log = logging.getLogger("talker")
 
 
 def sm_share(device: torch.device) -> tuple[int, int] | None:
-    """(SMs this process's kernels may hold, the device's) on CUDA (kernels/sms.py), else None."""
+    """(SMs this process's MPS share lets it hold, the device's) on CUDA (kernels/sms.py), else
+    None; not kernels.sms's cap, which is the config's own choice, not a limit."""
     if device.type != "cuda":
         return None
-    from kernels.sms import usable_sms
-    return usable_sms(device), torch.cuda.get_device_properties(device).multi_processor_count
+    from kernels.sms import share_sms
+    return share_sms(device), torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def model_info(folder: Path, model, max_len: int,

@@ -43,12 +43,14 @@ def test_a_grid_counts_on_the_fewest_of_the_device_share_and_cap(monkeypatch, sh
                         lambda device: types.SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(sms.torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(sms, "context_sm_count", lambda: share)
+    sms.share_sms.cache_clear()
     try:
         sms.limit(cap)
         assert sms.usable_sms(sms.torch.device("cuda", 0)) == expected
+        assert sms.share_sms(sms.torch.device("cuda", 0)) == min(132, share or 132)  # the cap is no share
     finally:
         sms.limit(0)
-    sms.usable_sms.cache_clear()
+        sms.share_sms.cache_clear()
 
 
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "96"])
