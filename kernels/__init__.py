@@ -23,17 +23,13 @@ __all__ = ["configure"]
 FUSED_LAYER_KERNELS = ("rms_norm", "rope_kv", "silu_mul", "stack_step")
 
 
-def configure(*, sampler: bool, decode_attention: bool, fused_layers: bool = True, sms: int = 0) -> None:
+def configure(*, sampler: bool, decode_attention: bool, fused_layers: bool = True) -> None:
     """Turns each kernel on or off for the rest of the process; only real bools are accepted.
-    ``fused_layers`` switches the fused decoder-layer kernels together; ``sms`` caps the SMs the
-    persistent grids count on (kernels.sms.limit; 0: the process's share or the device's)."""
+    ``fused_layers`` switches the fused decoder-layer kernels together."""
     switches = [("sampler", sampler), ("decode_attention", decode_attention),
                 *((name, fused_layers) for name in FUSED_LAYER_KERNELS)]
     for name, enabled in switches:  # all checked before any is set
         if not isinstance(enabled, bool):
             raise TypeError(f"kernels.{name}: enabled must be a bool, got {enabled!r}")
-    from kernels.sms import limit
-
-    limit(sms)
     for name, enabled in switches:
         importlib.import_module(f"kernels.{name}").LATCH.configure(enabled)

@@ -170,7 +170,12 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"variant": args.variant, **report(sink),
                       **{k: v for k, v in green.items() if not k.startswith("_")},
                       "barrier_faults": faults(torch.device(args.device)),
-                      "build_s": round(built - started, 1), "run_s": round(time.monotonic() - built, 1)}))
+                      "build_s": round(built - started, 1), "run_s": round(time.monotonic() - built, 1)}),
+          flush=True)
+    if green:  # torch frees its tensors at exit after the green context is gone: CUDA aborts there
+        import os
+
+        os._exit(0)
 
 
 if __name__ == "__main__":

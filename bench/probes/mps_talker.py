@@ -57,7 +57,9 @@ def _run(args: list[str], env: dict, timeout: float) -> dict:
         done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"rc": None, "output": str(exc)}
-    return {"rc": done.returncode, "output": (done.stdout + done.stderr).strip()[-4000:]}
+    # stderr's tail (why a child failed), then stdout whole: its last line is the child's answer
+    output = done.stderr.strip()[-4000:] + "\n" + done.stdout.strip()
+    return {"rc": done.returncode, "output": output.strip()}
 
 
 def bursts(env: dict, checkpoint: Path | None, variant: str, timeout: float) -> dict:
@@ -66,8 +68,9 @@ def bursts(env: dict, checkpoint: Path | None, variant: str, timeout: float) -> 
         return {"error": "no checkpoint"}
     found = _run([sys.executable, "-m", "bench.probes.csm_burst", "--checkpoint", str(checkpoint),
                   "--variant", variant], env, timeout)
+    reports = [line for line in found["output"].splitlines() if line.startswith("{")]
     try:
-        return json.loads(found["output"].splitlines()[-1])
+        return json.loads(reports[-1])
     except (json.JSONDecodeError, IndexError):
         return {"error": found}
 

@@ -43,12 +43,11 @@ log = logging.getLogger("talker")
 
 
 def sm_share(device: torch.device) -> tuple[int, int] | None:
-    """(SMs this process's MPS share lets it hold, the device's) on CUDA (kernels/sms.py), else
-    None; not kernels.sms's cap, which is the config's own choice, not a limit."""
+    """(SMs this process's kernels may hold, the device's) on CUDA (kernels/sms.py), else None."""
     if device.type != "cuda":
         return None
-    from kernels.sms import share_sms
-    return share_sms(device), torch.cuda.get_device_properties(device).multi_processor_count
+    from kernels.sms import usable_sms
+    return usable_sms(device), torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def model_info(folder: Path, model, max_len: int,
@@ -102,7 +101,7 @@ def load_model(config: TalkerConfig):
     """The kernels configured, then the model of the checkpoint's family on its device: (folder,
     family, model, device, CPU threads)."""
     kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention,
-                      fused_layers=config.kernels.fused_layers, sms=config.kernels.sms)
+                      fused_layers=config.kernels.fused_layers)
     threads = set_threads(config.model.threads)
     try:
         device = resolve_device(config.model.device)

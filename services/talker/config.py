@@ -117,11 +117,6 @@ class KernelsSection:
     sampler: bool = True
     decode_attention: bool = True
     fused_layers: bool = True
-    sms: int = 0  # SMs stack_step's grid and the attention's splits count on at most; 0: the MPS share's
-
-    def __post_init__(self) -> None:
-        if isinstance(self.sms, bool) or not isinstance(self.sms, int) or self.sms < 0:
-            raise ConfigValueError("sms", f"must be an int >= 0, got {self.sms!r}")
 
 
 @dataclass(frozen=True)
