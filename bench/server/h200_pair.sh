@@ -5,6 +5,7 @@
 #
 #   probe            bench.probes.mps: what an MPS client sees (SM affinity, NVML, the daemon)
 #   mpstalker        bench.probes.mps_talker: the talker's frames and stack_step under MPS limits (run 13)
+#   greensplit       bench.probes.green_split: two MPS clients in disjoint green contexts (their SMs, their rates)
 #   tiers:<tree>     the server under the Poisson load (2-8 s, 2 requests a stream, load seed 0) with
 #                    MPS, at TIERS, on the tree in folder <tree> (. for this one; another folder
 #                    carried beside it, e.g. a copy before a change, for a comparison in one call)
@@ -64,6 +65,10 @@ for part in "$@"; do
       timeout "$share" python3 -m bench.probes.mps_talker --timeout "${CHILD_S:-150}" --limits "${LIMITS-none,75,50}" \
         ${NOTESTS:+--no-tests} --out "$R/mps_talker.json" > /dev/null 2>&1
       echo "mpstalker: exit $?" ;;
+    greensplit)
+      timeout "$share" python3 -m bench.probes.green_split --talker-sms "${GREEN_SMS:-96}" --seconds "${GREEN_S:-8}" \
+        --out "$R/green_split.json" > "$R/green_split.log" 2>&1
+      echo "greensplit: exit $?"; tail -n 3 "$R/green_split.log" ;;
     tiers:*)
       tree="${part#tiers:}"; label=$(basename "$(cd "$tree" && pwd)"); [ "$tree" = . ] && label=head
       label="${LABEL:-$label}"
