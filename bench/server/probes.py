@@ -6,6 +6,7 @@ CPU per stage, the gateway's time to first audio)."""
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -15,9 +16,12 @@ from services.code2wav.pacing import CUTS
 from services.talker.metrics import FIRST_RECORD_PARTS
 from services.talker.pacing import BOUNDS
 
+BUCKET = re.compile(r'(?P<name>\w+_bucket)\{le="(?P<le>[^"]+)"\}')
+
 
 def scrape(address: str | None) -> dict[str, float]:
-    """Unlabelled samples of a stage's /metrics (name -> value); {} when off or unreachable."""
+    """Unlabelled samples of a stage's /metrics (name -> value) and histograms' buckets (name@le ->
+    count); {} when off or unreachable."""
     if not address:
         return {}
     try:
@@ -27,12 +31,24 @@ def scrape(address: str | None) -> dict[str, float]:
         return {}
     out = {}
     for line in text.splitlines():
-        if line.startswith("#") or "{" in line:
+        if line.startswith("#"):
             continue
         name, _, value = line.partition(" ")
+        if "{" in name:  # of labelled samples, a histogram's buckets only, as name@le
+            bucket = BUCKET.fullmatch(name)
+            if bucket is None:
+                continue
+            name = f"{bucket['name']}@{bucket['le']}"
         with contextlib.suppress(ValueError):
             out[name] = float(value.split()[0])
     return out
+
+
+def share_over(before: Snapshot, after: Snapshot, stage: str, name: str, edge: str) -> float | None:
+    """The share of a histogram's observations over the tier above the bucket edge ``edge``."""
+    count = _delta(before, after, stage, f"{name}_count")
+    within = _delta(before, after, stage, f"{name}_bucket@{edge}")
+    return None if not count or within is None else round(1 - within / count, 4)
 
 
 def engine_stats(server: Server) -> dict:
@@ -349,6 +365,9 @@ def engine_numbers(before: Snapshot, after: Snapshot, rates: dict, concurrency: 
     lag_n = _delta(before, after, "gateway", "event_loop_lag_seconds_count")
     if lag_n:  # how late its one event loop ran, on average over the tier (services/common/loop_lag.py)
         gateway["loop_lag_mean_ms"] = round(lag_s / lag_n * 1e3, 2)
+        for edge in ("0.025", "0.05"):  # its tail: the wakes later than this (a stall of every request)
+            gateway[f"loop_lag_over_{int(float(edge) * 1e3)}ms"] = share_over(
+                before, after, "gateway", "event_loop_lag_seconds", edge)
     # Whether the gateway (one process, one event loop) could be what limits a tier: its CPU
     # per stream, and per second of audio it forwarded (Code2Wav's audio over the window).
     g0, g1 = before.cpu.get("gateway"), after.cpu.get("gateway")

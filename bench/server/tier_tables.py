@@ -127,14 +127,19 @@ def refusal_table(tiers: dict) -> list[str]:
     if not rows:
         return []
     lines = ["Refusals: from the send to RESOURCE_EXHAUSTED, how many the gateway answered itself (on its "
-             "talker's watched verdict or a refusal of a moment ago), and why.", "",
-             "| C | refused | p50 / p99 ms | held at the gateway | messages |", "|---|---|---|---|---|"]
+             "talker's watched verdict or a refusal of a moment ago), the share of its event loop's wakes "
+             "later than 25 / 50 ms (a stall of every request it carries), and why.", "",
+             "| C | refused | p50 / p99 ms | held at the gateway | gateway loop late > 25 / 50 ms "
+             "| messages |",
+             "|---|---|---|---|---|---|"]
     for c, report in rows:
         took = report["refusal_s"]
         why = "; ".join(f"{n} x {text}" for text, n in report.get("refusals", {}).items())
-        held = tiers[c].get("gateway", {}).get("refusals_held")
+        gateway = tiers[c].get("gateway", {})
+        late = " / ".join("-" if gateway.get(k) is None else f"{100 * gateway[k]:.1f}%"
+                          for k in ("loop_lag_over_25ms", "loop_lag_over_50ms"))
         lines.append(f"| {c} | {report['rejected']} | {fmt(_ms(took['p50']))} / {fmt(_ms(took['p99']))} | "
-                     f"{fmt(held, 0)} | {why.replace('|', '/')} |")
+                     f"{fmt(gateway.get('refusals_held'), 0)} | {late} | {why.replace('|', '/')} |")
     return [*lines, ""]
 
 

@@ -1,6 +1,6 @@
 """The server bench's talker table: the step split and what limited K, from the talker's counters."""
 
-from bench.server.probes import Snapshot, k_bounds, prefill_cost, prefill_grant, start_ms
+from bench.server.probes import Snapshot, k_bounds, prefill_cost, prefill_grant, scrape, share_over, start_ms
 from bench.server.tier_tables import code2wav_table, prefill_cost_table, refusal_table, step_split_table
 from services.talker.pacing import BOUNDS
 
@@ -76,12 +76,14 @@ def test_the_gateways_open_and_submit_are_means_over_the_tier():
 def test_the_refusal_table_says_how_fast_and_why_each_tier_refused():
     loadgen = {"rejected": 3, "refusal_s": {"p50": 0.004, "p90": 0.006, "p99": 0.0071},
                "refusals": {"about # s before it could start (a|b)": 2, "# streams already use": 1}}
-    table = refusal_table({"64": {"loadgen": loadgen, "gateway": {"refusals_held": 2.0}},
+    gateway = {"refusals_held": 2.0, "loop_lag_over_25ms": 0.0125, "loop_lag_over_50ms": 0.0}
+    table = refusal_table({"64": {"loadgen": loadgen, "gateway": gateway},
                            "8": {"loadgen": {**loadgen, "rejected": 1}},  # an older gateway: no count
                            "1": {"loadgen": {"rejected": 0}}})
-    assert table[2] == "| C | refused | p50 / p99 ms | held at the gateway | messages |"
-    assert table[4].startswith("| 8 | 1 | 4.0 / 7.1 | - | ")
-    assert table[5] == ("| 64 | 3 | 4.0 / 7.1 | 2 | 2 x about # s before it could start (a/b); "
+    assert table[2] == ("| C | refused | p50 / p99 ms | held at the gateway | gateway loop late > 25 / 50 ms "
+                        "| messages |")
+    assert table[4].startswith("| 8 | 1 | 4.0 / 7.1 | - | - / - | ")
+    assert table[5] == ("| 64 | 3 | 4.0 / 7.1 | 2 | 1.2% / 0.0% | 2 x about # s before it could start (a/b); "
                         "1 x # streams already use |")
     assert refusal_table({"1": {"loadgen": {"rejected": 0}}}) == []
 
@@ -93,3 +95,34 @@ def test_the_code2wav_table_shows_its_calls_tick_and_cuts():
     assert table[-2] == "| 1536 | 47.2 | 94.9 | 41.2 | 2278 / 7541 / 4461 / 2473 |"
     assert len(table) == 6  # one row: a tier from before the cuts were counted has none
     assert code2wav_table({"1": {"code2wav": None}}) == []
+
+
+def test_scrape_keeps_histogram_buckets_and_share_over_reads_the_tail(monkeypatch):
+    text = ("# HELP voxring_event_loop_lag_seconds lag\n"
+            'voxring_event_loop_lag_seconds_bucket{le="0.025"} 95\n'
+            'voxring_event_loop_lag_seconds_bucket{le="+Inf"} 100\n'
+            "voxring_event_loop_lag_seconds_count 100\n"
+            'voxring_requests_total{stage="gateway",code="OK"} 7\n'
+            "voxring_steps_total 12\n")
+
+    class Reply:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            return text.encode()
+
+    monkeypatch.setattr("urllib.request.urlopen", lambda url, timeout: Reply())
+    got = scrape("127.0.0.1:1")
+    assert got == {"voxring_event_loop_lag_seconds_bucket@0.025": 95.0,
+                   "voxring_event_loop_lag_seconds_bucket@+Inf": 100.0,
+                   "voxring_event_loop_lag_seconds_count": 100.0, "voxring_steps_total": 12.0}
+    earlier = {"voxring_event_loop_lag_seconds_count": 40.0,
+               "voxring_event_loop_lag_seconds_bucket@0.025": 40.0}
+    before = Snapshot(0.0, {}, {"gateway": earlier}, {}, [], [], {})
+    after = Snapshot(1.0, {}, {"gateway": got}, {}, [], [], {})
+    assert share_over(before, after, "gateway", "event_loop_lag_seconds", "0.025") == round(1 - 55 / 60, 4)
+    assert share_over(before, before, "gateway", "event_loop_lag_seconds", "0.025") is None  # no wakes
