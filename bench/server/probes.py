@@ -44,6 +44,22 @@ def scrape(address: str | None) -> dict[str, float]:
     return out
 
 
+def gc_pauses(before: Snapshot, after: Snapshot) -> dict:
+    """Each stage's garbage collections over the tier (services/common/gc_pauses.py): how many, how
+    many stopped it longer than 25 ms, their seconds in all, and the full ones' count."""
+    out = {}
+    for stage in after.metrics:
+        count = _delta(before, after, stage, "gc_pause_seconds_count")
+        if count is None:
+            continue  # a stage without the histogram (older)
+        within = _delta(before, after, stage, "gc_pause_seconds_bucket@0.025")
+        seconds = _delta(before, after, stage, "gc_pause_seconds_sum")
+        out[stage] = {"pauses": int(count), "over_25ms": None if within is None else int(count - within),
+                      "seconds": None if seconds is None else round(seconds, 4),
+                      "full": _delta(before, after, stage, "gc_full_pause_seconds_count")}
+    return out
+
+
 def share_over(before: Snapshot, after: Snapshot, stage: str, name: str, edge: str) -> float | None:
     """The share of a histogram's observations over the tier above the bucket edge ``edge``."""
     count = _delta(before, after, stage, f"{name}_count")
@@ -378,7 +394,7 @@ def engine_numbers(before: Snapshot, after: Snapshot, rates: dict, concurrency: 
         if code2wav.get("audio_seconds"):
             gateway["cpu_ms_per_audio_s"] = round(gateway_cpu_s * 1e3 / code2wav["audio_seconds"], 2)
     out = {"talker": talker, "code2wav": code2wav, "gateway": gateway, "cpu_cores_busy": cpu,
-           "threads": thread_cores(before, after, window)}
+           "threads": thread_cores(before, after, window), "gc": gc_pauses(before, after)}
     if len(talkers) > 1 or len(code2wavs) > 1:
         out["per_engine"] = {**talkers, **code2wavs}
     return out

@@ -128,7 +128,8 @@ def refusal_table(tiers: dict) -> list[str]:
         return []
     lines = ["Refusals: from the send to RESOURCE_EXHAUSTED, how many the gateway answered itself (on its "
              "talker's watched verdict or a refusal of a moment ago), the share of its event loop's wakes "
-             "later than 25 / 50 ms (a stall of every request it carries), and why.", "",
+             "later than 25 / 50 ms (a stall of every request it carries; its garbage collections that "
+             "long), and why.", "",
              "| C | refused | p50 / p99 ms | held at the gateway | gateway loop late > 25 / 50 ms "
              "| messages |",
              "|---|---|---|---|---|---|"]
@@ -138,6 +139,9 @@ def refusal_table(tiers: dict) -> list[str]:
         gateway = tiers[c].get("gateway", {})
         late = " / ".join("-" if gateway.get(k) is None else f"{100 * gateway[k]:.1f}%"
                           for k in ("loop_lag_over_25ms", "loop_lag_over_50ms"))
+        collections = (tiers[c].get("gc") or {}).get("gateway") or {}
+        if collections.get("over_25ms") is not None:
+            late += f" ({collections['over_25ms']} GC > 25 ms)"
         lines.append(f"| {c} | {report['rejected']} | {fmt(_ms(took['p50']))} / {fmt(_ms(took['p99']))} | "
                      f"{fmt(gateway.get('refusals_held'), 0)} | {late} | {why.replace('|', '/')} |")
     return [*lines, ""]

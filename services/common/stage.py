@@ -16,7 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from services.common import metrics
 from services.common.config import ConfigError, load_config
+from services.common.gc_pauses import GcPauses
 from services.common.log import configure_logging
 from services.common.metrics import serve as serve_metrics
 from services.common.sections import read_tls_files
@@ -55,6 +57,7 @@ def run_stage(stage: str, config_cls: type[C], build: Builder, argv: list[str] |
         print(f"voxring {stage}: config error: {exc}", file=sys.stderr)
         return 2
     configure_logging(stage, config.logging.level, config.logging.json)
+    metrics.register(GcPauses().install().metrics)  # every stage: a collection stops its loop and engine
     try:
         built = build(config, args.config)
         services, components, options = (*built, {}) if len(built) == 2 else built

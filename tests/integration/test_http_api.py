@@ -308,6 +308,7 @@ def test_the_gateway_counts_each_starts_open_and_submit(stack):
     assert after["voxring_start_open_seconds_total"] > before["voxring_start_open_seconds_total"]
     assert after["voxring_start_submit_seconds_total"] > before["voxring_start_submit_seconds_total"]
     assert metric(stack["metrics"], "voxring_event_loop_lag_seconds_count") >= 1  # the loop is sampled
+    assert metric(stack["metrics"], "voxring_gc_pause_seconds_count") >= 1  # and its collections timed
 
 
 def test_tls_gateway_needs_the_token(stack, frames):

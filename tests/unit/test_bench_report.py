@@ -1,6 +1,15 @@
 """The server bench's talker table: the step split and what limited K, from the talker's counters."""
 
-from bench.server.probes import Snapshot, k_bounds, prefill_cost, prefill_grant, scrape, share_over, start_ms
+from bench.server.probes import (
+    Snapshot,
+    gc_pauses,
+    k_bounds,
+    prefill_cost,
+    prefill_grant,
+    scrape,
+    share_over,
+    start_ms,
+)
 from bench.server.tier_tables import code2wav_table, prefill_cost_table, refusal_table, step_split_table
 from services.talker.pacing import BOUNDS
 
@@ -77,14 +86,15 @@ def test_the_refusal_table_says_how_fast_and_why_each_tier_refused():
     loadgen = {"rejected": 3, "refusal_s": {"p50": 0.004, "p90": 0.006, "p99": 0.0071},
                "refusals": {"about # s before it could start (a|b)": 2, "# streams already use": 1}}
     gateway = {"refusals_held": 2.0, "loop_lag_over_25ms": 0.0125, "loop_lag_over_50ms": 0.0}
-    table = refusal_table({"64": {"loadgen": loadgen, "gateway": gateway},
+    collections = {"gateway": {"pauses": 40, "over_25ms": 1, "seconds": 0.2, "full": 2}}
+    table = refusal_table({"64": {"loadgen": loadgen, "gateway": gateway, "gc": collections},
                            "8": {"loadgen": {**loadgen, "rejected": 1}},  # an older gateway: no count
                            "1": {"loadgen": {"rejected": 0}}})
     assert table[2] == ("| C | refused | p50 / p99 ms | held at the gateway | gateway loop late > 25 / 50 ms "
                         "| messages |")
     assert table[4].startswith("| 8 | 1 | 4.0 / 7.1 | - | - / - | ")
-    assert table[5] == ("| 64 | 3 | 4.0 / 7.1 | 2 | 1.2% / 0.0% | 2 x about # s before it could start (a/b); "
-                        "1 x # streams already use |")
+    assert table[5] == ("| 64 | 3 | 4.0 / 7.1 | 2 | 1.2% / 0.0% (1 GC > 25 ms) | "
+                        "2 x about # s before it could start (a/b); 1 x # streams already use |")
     assert refusal_table({"1": {"loadgen": {"rejected": 0}}}) == []
 
 
@@ -126,3 +136,13 @@ def test_scrape_keeps_histogram_buckets_and_share_over_reads_the_tail(monkeypatc
     after = Snapshot(1.0, {}, {"gateway": got}, {}, [], [], {})
     assert share_over(before, after, "gateway", "event_loop_lag_seconds", "0.025") == round(1 - 55 / 60, 4)
     assert share_over(before, before, "gateway", "event_loop_lag_seconds", "0.025") is None  # no wakes
+
+
+def test_gc_pauses_per_stage_over_the_tier():
+    def snap(count, within, seconds, full):
+        return {"voxring_gc_pause_seconds_count": count, "voxring_gc_pause_seconds_bucket@0.025": within,
+                "voxring_gc_pause_seconds_sum": seconds, "voxring_gc_full_pause_seconds_count": full}
+
+    before = Snapshot(0.0, {}, {"gateway": snap(10, 10, 0.01, 1), "talker": {}}, {}, [], [], {})
+    after = Snapshot(1.0, {}, {"gateway": snap(50, 47, 0.31, 3), "talker": {}}, {}, [], [], {})
+    assert gc_pauses(before, after) == {"gateway": {"pauses": 40, "over_25ms": 3, "seconds": 0.3, "full": 2}}
