@@ -2,7 +2,12 @@
 start to stop) as the histogram ``gc_pause_seconds``, and the full ones (the oldest generation,
 which walks every live object) as ``gc_full_pause_seconds``. A collection holds the GIL: the
 gateway's one event loop, and every request and stream it carries, waits for it; so does an
-engine's step."""
+engine's step.
+
+``freeze_startup`` moves what the stage built before serving (its modules, the model's objects,
+its graphs) out of the collector's reach (``gc.freeze``): a full collection then walks only what
+serving made, tens of thousands of objects fewer (a talker's imports alone are ~200k, a full
+collection of them tens of ms)."""
 
 from __future__ import annotations
 
@@ -44,7 +49,17 @@ class GcPauses:
             self.full.observe([took])
 
     def metrics(self) -> dict:
-        return {"gc_pause_seconds": ("histogram", "how long each garbage collection stopped this process",
+        return {"gc_frozen_objects": ("gauge", "objects built before serving, left out of every collection",
+                                      gc.get_freeze_count()),
+                "gc_pause_seconds": ("histogram", "how long each garbage collection stopped this process",
                                      self.pause.metric()),
                 "gc_full_pause_seconds": ("histogram", "the same, for full collections (every live object)",
                                           self.full.metric())}
+
+
+def freeze_startup() -> int:
+    """What was built so far goes to the permanent generation (collected first: garbage is not
+    kept); how many objects it holds."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from services.common import metrics
 from services.common.config import ConfigError, load_config
-from services.common.gc_pauses import GcPauses
+from services.common.gc_pauses import GcPauses, freeze_startup
 from services.common.log import configure_logging
 from services.common.metrics import serve as serve_metrics
 from services.common.sections import read_tls_files
@@ -66,6 +66,7 @@ def run_stage(stage: str, config_cls: type[C], build: Builder, argv: list[str] |
     except ConfigError as exc:
         print(f"voxring {stage}: config error: {exc}", file=sys.stderr)
         return 2
+    freeze_startup()  # the model, graphs and modules built: full collections walk only what serving makes
     try:
         host.metrics_address = serve_metrics(config.metrics)
     except OSError as exc:

@@ -40,3 +40,14 @@ def test_a_real_collection_is_seen_while_installed_only():
     seen = pauses.pause.n
     gc.collect()
     assert pauses.pause.n == seen and pauses._on not in gc.callbacks
+
+
+def test_freeze_startup_leaves_what_was_built_out_of_every_collection():
+    from services.common.gc_pauses import freeze_startup
+
+    try:
+        frozen = freeze_startup()
+        assert frozen == gc.get_freeze_count() > 0
+        assert GcPauses().metrics()["gc_frozen_objects"][2] == frozen
+    finally:
+        gc.unfreeze()  # the test process goes on collecting as before
