@@ -48,6 +48,7 @@ class EngineSection:
     # real time in steps shorter than a 2-frame first chunk's audio over it (pacing.fits)
     min_chunk_tokens: int = 32
     admission_headroom: float = 0.25
+    first_audio_headroom: float = 0.5  # a first record's audio beyond the time its next record needs
     admission_by_slack: bool = True         # false: only the counts and max_queue_wait_s refuse
     max_queue_wait_s: float = 0.05          # refuse a request expected to wait longer for a slot or prefill
     # Prefill graphs per (rows, tokens) bucket on CUDA: a step's chunks run grouped by the token
@@ -86,8 +87,9 @@ class EngineSection:
             raise ConfigValueError("stall_timeout", f"must be > 0 seconds, got {self.stall_timeout}")
         if self.min_chunk_tokens < 1:
             raise ConfigValueError("min_chunk_tokens", f"must be >= 1, got {self.min_chunk_tokens}")
-        if not 0 <= self.admission_headroom < 10:
-            raise ConfigValueError("admission_headroom", f"must be in [0, 10), got {self.admission_headroom}")
+        for key in ("admission_headroom", "first_audio_headroom"):
+            if not 0 <= getattr(self, key) < 10:
+                raise ConfigValueError(key, f"must be in [0, 10), got {getattr(self, key)}")
         check_first_audio_budget(self.first_audio_budget_s)
         for key in ("path_s", "max_queue_wait_s", "arrival_step_s"):
             value = getattr(self, key)

@@ -31,7 +31,8 @@ from services.talker.request import TalkerRequest
 from services.talker.step_times import StepTimes
 
 BOUNDS = ("k_max", "slack", "first_audio", "waiting", "arrivals", "behind", "unmeasured")
-# A late first record holds this much more audio than the time its row's next record needs.
+# A late first record holds this much more audio than the time its row's next record needs (the
+# default of PacingConfig.first_audio_headroom, the talker's engine.first_audio_headroom).
 FIRST_AUDIO_HEADROOM = 0.5
 FIRST_K = 2  # frames: a first chunk of 160 ms
 # Steps are cut for arrivals (PacingConfig.arrival_step_s) once this many are expected within a
@@ -53,6 +54,7 @@ class PacingConfig:
     path_s: float                # a record's way to the listener (Code2Wav, transport, gateway)
     k_max: int
     arrival_step_s: float = 0.0  # while requests arrive, a step's time at most (0: uncut)
+    first_audio_headroom: float = FIRST_AUDIO_HEADROOM  # a first record's audio beyond its next record's way
 
     @property
     def margin_s(self) -> float:
@@ -69,6 +71,8 @@ class PacingConfig:
             raise ValueError(f"k_max must be >= 1, got {self.k_max}")
         if not self.arrival_step_s >= 0:
             raise ValueError(f"arrival_step_s must be >= 0, got {self.arrival_step_s}")
+        if not 0 <= self.first_audio_headroom < 10:
+            raise ValueError(f"first_audio_headroom must be in [0, 10), got {self.first_audio_headroom}")
 
 
 def due(request: TalkerRequest, config: PacingConfig) -> float:
@@ -177,13 +181,13 @@ def first_frames(one: float | None, config: PacingConfig, next_ahead_s: float = 
     """The fewest frames a first record holds (at least ``FIRST_K``): its audio must last while
     the row's next record is made (the next step's prefill ``next_ahead_s``, a one-frame step of
     ``one`` seconds and one more to spare) and reaches the listener (the path), with
-    ``FIRST_AUDIO_HEADROOM``; Code2Wav decodes the first record at once, and a shorter one only
+    ``config.first_audio_headroom``; Code2Wav decodes the first record at once, and a shorter one only
     runs dry before the next can follow. May exceed ``k_max`` (the record then waits for a
     second step's frames). 1 while no step was measured: nothing is known to wait for (a bucket's
     first step, of one frame, is its measurement)."""
     if one is None:
         return 1
-    need = (next_ahead_s + 2 * one + config.path_s) * (1 + FIRST_AUDIO_HEADROOM) * config.frame_rate
+    need = (next_ahead_s + 2 * one + config.path_s) * (1 + config.first_audio_headroom) * config.frame_rate
     return max(FIRST_K, math.ceil(need - 1e-9))
 
 
@@ -191,24 +195,25 @@ def first_frame_alone(times: StepTimes, bucket: int, k: int, config: PacingConfi
     """Whether a step's first frame may go out as a first record of its own while the other
     K - 1 run (the same replays: the codes do not change; the listener starts a frame sooner):
     its audio, one frame, must last while they are made and reach the listener (the path),
-    with ``FIRST_AUDIO_HEADROOM``. Never for K = 1 (the record would be the same)."""
+    with ``config.first_audio_headroom``. Never for K = 1 (the record would be the same)."""
     if k < 2:
         return False
     one, whole = times.estimate(bucket, 1), times.estimate(bucket, k)
     if one is None or whole is None:
         return False
-    return (whole - one + config.path_s) * (1 + FIRST_AUDIO_HEADROOM) <= 1 / config.frame_rate
+    return (whole - one + config.path_s) * (1 + config.first_audio_headroom) <= 1 / config.frame_rate
 
 
 def first_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes, one: float) -> int | None:
     """K for a step that writes a late first record: ``FIRST_K`` frames, when their audio lasts
     until the row's next record could reach its listener (a one-frame step after as much
-    prefill, one more to spare, and the path) with ``FIRST_AUDIO_HEADROOM``, and when after the
+    prefill, one more to spare, and the path) with ``config.first_audio_headroom``, and when after the
     step every other row could still wait out a whole K_max step (first audio does not take
     what speaking rows need); else None."""
     if config.k_max <= FIRST_K:
         return None
-    if (outlook.ahead_s + 2 * one + config.path_s) * (1 + FIRST_AUDIO_HEADROOM) > FIRST_K / config.frame_rate:
+    lasts = FIRST_K / config.frame_rate / (1 + config.first_audio_headroom)
+    if outlook.ahead_s + 2 * one + config.path_s > lasts:
         return None
     written = outlook.now + outlook.ahead_s + times.estimate(outlook.bucket, FIRST_K)
     if outlook.row_due - written < times.estimate(outlook.bucket, config.k_max) + one:

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.talker.pacing import (
+    FIRST_AUDIO_HEADROOM,
     PacingConfig,
     StepOutlook,
     choose_k,
@@ -100,7 +101,8 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
                  bucket_for: Callable[[int], int] = lambda rows: rows, min_chunk_tokens: int = 32,
                  admission_headroom: float | None = 0.25, max_queue_wait_s: float = 0.05,
                  max_len: int = 1 << 30, max_sessions: int = 0,
-                 session_idle_s: float = 30.0, arrival_step_s: float = 0.0) -> None:
+                 session_idle_s: float = 30.0, arrival_step_s: float = 0.0,
+                 first_audio_headroom: float = FIRST_AUDIO_HEADROOM) -> None:
         self.slots = SlotAllocator(num_slots)
         self.max_len = max_len              # KV positions of a slot (a session's turns must fit)
         self.max_sessions = max_sessions    # sessions in flight at most (their idle slots beside the rows)
@@ -114,7 +116,7 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
         self.max_num_seqs = max_num_seqs
         self.k_max = k_max
         self.pacing = PacingConfig(frame_rate=frame_rate, path_s=path_s, k_max=k_max,
-                                   arrival_step_s=arrival_step_s)
+                                   arrival_step_s=arrival_step_s, first_audio_headroom=first_audio_headroom)
         self.base_path_s = path_s  # configured; Code2Wav's reported tick is added (set_consumer_tick)
         self.times = StepTimes()       # the engine feeds it each step's measured time
         self.bucket_for = bucket_for

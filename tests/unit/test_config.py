@@ -254,3 +254,14 @@ def test_token_file_is_stripped_and_checked(tmp_path):
             assert content.decode("utf-8").split()[0] not in str(info.value)
     with pytest.raises(ConfigError, match=r"auth\.token_file: cannot read .*No such file"):
         read_token_file(tmp_path / "missing")
+
+
+def test_the_talker_names_a_first_audio_headroom_out_of_range(tmp_path):
+    from services.talker.config import TalkerConfig
+
+    path = tmp_path / "talker.yaml"
+    path.write_text("engine: {first_audio_headroom: -0.5}\n")
+    with pytest.raises(ConfigError, match=r"engine\.first_audio_headroom: must be in \[0, 10\), got -0\.5"):
+        load_config(TalkerConfig, path, "talker", environ={})
+    env = {"VOXRING_TALKER__ENGINE__FIRST_AUDIO_HEADROOM": "0.25"}
+    assert load_config(TalkerConfig, path, "talker", environ=env).engine.first_audio_headroom == 0.25

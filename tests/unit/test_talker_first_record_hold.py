@@ -25,6 +25,23 @@ def test_first_frames_follow_the_step_time_and_the_path():
     assert pacing.first_frames(0.060, config, next_ahead_s=0.1) == 6  # and the next step's prefill
 
 
+def test_the_first_audio_headroom_sets_how_long_a_first_record_is():
+    """At 1,024 streams (a K=1 step of ~40 ms, 15 ms of prefill behind, a 20 ms path): 2.16 frames'
+    worth at the default 0.5, so three; at 0.25, 1.8, so the floor of two."""
+    default = pacing.PacingConfig(frame_rate=12.5, path_s=0.02, k_max=8)
+    lower = pacing.PacingConfig(frame_rate=12.5, path_s=0.02, k_max=8, first_audio_headroom=0.25)
+    assert default.first_audio_headroom == pacing.FIRST_AUDIO_HEADROOM == 0.5
+    assert pacing.first_frames(0.040, default, next_ahead_s=0.015) == 3
+    assert pacing.first_frames(0.040, lower, next_ahead_s=0.015) == 2
+    for bad in (-0.1, 10.0, float("nan")):
+        try:
+            pacing.PacingConfig(frame_rate=12.5, path_s=0.02, k_max=8, first_audio_headroom=bad)
+        except ValueError as exc:
+            assert "first_audio_headroom must be in [0, 10)" in str(exc)
+        else:
+            raise AssertionError(f"first_audio_headroom {bad} was taken")
+
+
 def test_a_short_first_record_waits_for_the_next_steps_frames():
     runner = FakeRunner(k_max=2)
     engine, sink, _ = make(runner)
