@@ -20,7 +20,7 @@ from services.code2wav.engine import Code2WavEngine
 from services.code2wav.families import load_decoder
 from services.code2wav.servicer import Code2WavServicer
 from services.code2wav.talkers import LinkHealth, TalkerLink
-from services.common import metrics
+from services.common import metrics, sm_split
 from services.common.config import ConfigError
 from services.common.cuda_memory import allocator_metrics
 from services.common.engine_thread import EngineComponent, EngineThread
@@ -38,6 +38,7 @@ def build(config: Code2WavConfig, config_path: Path | None):
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
         raise ConfigError(f"model.device: {exc}") from None
+    sm_split.enter_configured(config.model.sm_split, device)  # before the decoder: its graphs are the part's
     try:
         decoder, folder, family = load_decoder(config.model, config.engine, device)
     except CheckpointError as exc:

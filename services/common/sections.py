@@ -9,6 +9,7 @@ from pathlib import Path
 
 from services.common.config import ConfigError, ConfigValueError
 from services.common.log import LEVELS
+from services.common.sm_split import SmSplit
 
 
 def parse_listen(address: str) -> tuple[str, int | None]:
@@ -187,6 +188,8 @@ class ModelSection:
     tiny_seed: int = 0              # which tiny default, when checkpoint is null or tiny:NAME
     threads: int = 0                # torch's CPU threads in this stage; 0: torch's default (OMP_NUM_THREADS)
     require_mps: bool = False       # on a GPU: readiness stays NOT_SERVING unless an MPS client
+    sm_split: str | None = None     # group:N (talker) / rest:N (Code2Wav): the GPU's SMs split by green
+                                    # contexts (services/common/sm_split.py; experimental); null: none
 
     def __post_init__(self) -> None:
         if self.threads < 0:
@@ -199,3 +202,7 @@ class ModelSection:
             raise ConfigValueError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigValueError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        try:
+            SmSplit.parse(self.sm_split)
+        except ValueError as exc:
+            raise ConfigValueError("sm_split", str(exc)) from None

@@ -19,7 +19,7 @@ import kernels
 from models.checkpoint import CheckpointError, resolve_device, set_threads
 from models.talkers import Family, family_of
 from models.tiny.talker import checkpoint_folder
-from services.common import metrics
+from services.common import metrics, sm_split
 from services.common.config import ConfigError
 from services.common.cuda_memory import allocator_metrics
 from services.common.engine_thread import EngineComponent, EngineThread
@@ -43,11 +43,12 @@ log = logging.getLogger("talker")
 
 
 def sm_share(device: torch.device) -> tuple[int, int] | None:
-    """(SMs this process's kernels may hold, the device's) on CUDA (kernels/sms.py), else None."""
+    """(SMs this process's MPS share lets it hold, the device's) on CUDA (kernels/sms.py), else
+    None; not the cap of its part of an SM split, which is its config's choice, not a limit."""
     if device.type != "cuda":
         return None
-    from kernels.sms import usable_sms
-    return usable_sms(device), torch.cuda.get_device_properties(device).multi_processor_count
+    from kernels.sms import share_sms
+    return share_sms(device), torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def model_info(folder: Path, model, max_len: int,
@@ -108,6 +109,7 @@ def load_model(config: TalkerConfig):
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
         raise ConfigError(f"model.device: {exc}") from None
+    sm_split.enter_configured(config.model.sm_split, device)  # before the model: its graphs are the part's
     try:
         folder = checkpoint_folder(config.model)
         family = family_of(folder)

@@ -31,3 +31,43 @@ def test_the_driver_answer_is_taken_only_when_it_is_one(monkeypatch, rc, count, 
 
     monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: Driver())
     assert sms.context_sm_count() == expected
+
+@pytest.mark.parametrize(("share", "cap", "expected"),
+                         [(None, 0, 132), (98, 0, 98), (None, 96, 96), (98, 120, 98), (66, 96, 66)])
+def test_a_grid_counts_on_the_fewest_of_the_device_share_and_cap(monkeypatch, share, cap, expected):
+    import contextlib
+    import types
+
+    monkeypatch.setattr(sms.torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(sms.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(sms, "context_sm_count", lambda: share)
+    sms.share_sms.cache_clear()
+    try:
+        sms.limit(cap)
+        assert sms.usable_sms(sms.torch.device("cuda", 0)) == expected
+        assert sms.share_sms(sms.torch.device("cuda", 0)) == min(132, share or 132)  # the cap is no share
+    finally:
+        sms.limit(0)
+        sms.share_sms.cache_clear()
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "96"])
+def test_a_cap_must_be_a_whole_count(bad):
+    with pytest.raises(ValueError, match=r"an SM cap must be an int >= 0"):
+        sms.limit(bad)
+
+
+
+
+def test_the_talker_config_names_a_bad_split(tmp_path):
+    from services.common.config import ConfigError, load_config
+    from services.talker.config import TalkerConfig
+
+    path = tmp_path / "talker.yaml"
+    path.write_text("model: {sm_split: 'half:96'}\n")
+    with pytest.raises(ConfigError, match=r"model\.sm_split: must be group:N or rest:N"):
+        load_config(TalkerConfig, path, "talker", environ={})
+    env = {"VOXRING_TALKER__MODEL__SM_SPLIT": "group:96"}
+    loaded = load_config(TalkerConfig, path, "talker", environ=env)
+    assert loaded.model.sm_split == "group:96"
