@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import green
 from models.checkpoint import CheckpointError, resolve_device, set_threads
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.engine import Code2WavEngine
@@ -38,7 +39,9 @@ def build(config: Code2WavConfig, config_path: Path | None):
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
         raise ConfigError(f"model.device: {exc}") from None
-    sm_split.enter_configured(config.model.sm_split, device)  # before the decoder: its graphs are the part's
+    # before the decoder: every stream, graph and module it makes is its part's
+    sm_split.enter_configured(config.model.sm_split, device, green.enter)
+    metrics.register(sm_split.metrics)
     try:
         decoder, folder, family = load_decoder(config.model, config.engine, device)
     except CheckpointError as exc:

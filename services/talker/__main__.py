@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 import kernels
+from kernels import green
 from models.checkpoint import CheckpointError, resolve_device, set_threads
 from models.talkers import Family, family_of
 from models.tiny.talker import checkpoint_folder
@@ -109,7 +110,9 @@ def load_model(config: TalkerConfig):
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
         raise ConfigError(f"model.device: {exc}") from None
-    sm_split.enter_configured(config.model.sm_split, device)  # before the model: its graphs are the part's
+    # before the model: every stream, graph and module it makes is its part's
+    sm_split.enter_configured(config.model.sm_split, device, green.enter)
+    metrics.register(sm_split.metrics)
     try:
         folder = checkpoint_folder(config.model)
         family = family_of(folder)

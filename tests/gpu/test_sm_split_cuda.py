@@ -1,4 +1,4 @@
-"""model.sm_split on a CUDA GPU (services/common/sm_split.py), in a child process (a process
+"""model.sm_split on a CUDA GPU (kernels/green.py, services/common/sm_split.py), in a child process (a process
 enters its part once): a part's blocks run only on as many SMs as the part has, on the thread
 that entered it and on an engine thread after it binds; stack_step's grid is capped to the part;
 a matmul in the part matches one outside it (to rounding: fewer SMs may pick another
@@ -21,8 +21,9 @@ pytest.importorskip("cuda.bindings.driver", reason="needs NVIDIA's cuda-bindings
 CHILD = r'''
 import json, sys, threading
 import torch, triton, triton.language as tl
-from services.common import sm_split
+from kernels import green
 from kernels.sms import usable_sms
+from services.common import sm_split
 
 @triton.jit
 def _smid(out):
@@ -37,7 +38,7 @@ def seen():
 device = torch.device("cuda", 0)
 a = torch.randn(512, 512, device=device)
 want = (a @ a).cpu()
-part = sm_split.enter(sm_split.SmSplit.parse(sys.argv[1]), device)
+part = sm_split.enter_configured(sys.argv[1], device, green.enter)
 main = seen()
 got = (a @ a).cpu()
 other = []

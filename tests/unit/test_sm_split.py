@@ -1,6 +1,6 @@
-"""services/common/sm_split.py off the GPU: the spec's grammar, the driver calls a part is made
-with (a fake cuda.bindings driver: the group or the remainder of one split, a refusal named), the
-thread binding, and the stage-level errors that name model.sm_split."""
+"""model.sm_split off the GPU: the spec's grammar (services/common/sm_split.py), the driver calls a
+part is made with (kernels/green.py with a fake cuda.bindings driver: the group or the remainder of
+one split, a refusal named), the thread binding, and the stage-level errors naming the key."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import types
 import pytest
 import torch
 
+from kernels import green
+from kernels.green import GreenError, GreenPart
 from services.common import sm_split
 from services.common.config import ConfigError
-from services.common.sm_split import GreenPart, SmSplit, SmSplitError
+from services.common.sm_split import SmSplit
 
 
 @pytest.mark.parametrize(("text", "want"), [(None, None), ("", None), ("group:96", SmSplit("group", 96)),
@@ -88,7 +90,7 @@ def driver(monkeypatch):
 
 
 def test_the_two_parts_of_one_split_do_not_overlap(driver):
-    group, rest = GreenPart(SmSplit("group", 94), 0), GreenPart(SmSplit("rest", 94), 0)
+    group, rest = GreenPart("group", 94, 0), GreenPart("rest", 94, 0)
     assert (group.sms, rest.sms, group.sms + rest.sms) == (96, 36, 132)  # 94 rounded up by the driver
     assert driver.calls[:6] == ["cuDeviceGet", "cuDeviceGetDevResource", "cuDevSmResourceSplitByCount",
                                 "cuDevResourceGenerateDesc", "cuGreenCtxCreate", "cuCtxFromGreenCtx"]
@@ -97,32 +99,55 @@ def test_the_two_parts_of_one_split_do_not_overlap(driver):
 
 
 def test_a_part_the_device_cannot_give_or_a_driver_refusal_is_named(driver):
-    with pytest.raises(SmSplitError, match=r"cannot give a group of 200 SMs \(it has 132\)"):
-        GreenPart(SmSplit("group", 200), 0)
-    with pytest.raises(SmSplitError, match=r"the rest of a split at 132 SMs has no SMs"):
-        GreenPart(SmSplit("rest", 132), 0)
+    with pytest.raises(GreenError, match=r"cannot give a group of 200 SMs \(it has 132\)"):
+        GreenPart("group", 200, 0)
+    with pytest.raises(GreenError, match=r"the rest of a split at 132 SMs has no SMs"):
+        GreenPart("rest", 132, 0)
     driver.refuse = "cuGreenCtxCreate"
-    with pytest.raises(SmSplitError, match=r"model\.sm_split: cuGreenCtxCreate failed: 999"):
-        GreenPart(SmSplit("group", 96), 0)
+    with pytest.raises(GreenError, match=r"model\.sm_split: cuGreenCtxCreate failed: 999"):
+        GreenPart("group", 96, 0)
 
 
 def test_without_the_binding_the_error_says_what_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # an import of it fails
-    with pytest.raises(SmSplitError, match=r"needs NVIDIA's cuda-bindings"):
-        GreenPart(SmSplit("group", 96), 0)
+    with pytest.raises(GreenError, match=r"needs NVIDIA's cuda-bindings"):
+        GreenPart("group", 96, 0)
 
 
 def test_a_stage_without_a_split_enters_nothing_and_binds_nothing():
-    assert sm_split.enter_configured(None, torch.device("cpu")) is None
+    assert sm_split.enter_configured(None, torch.device("cpu"), green.enter) is None
     sm_split.bind_this_thread()  # no part: nothing to do
     assert sm_split.metrics()["sm_split_sms"][2] == 0
 
 
 def test_a_split_on_the_cpu_or_malformed_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError, match=r"model\.sm_split: needs a CUDA device, and model\.device is cpu"):
-        sm_split.enter_configured("group:96", torch.device("cpu"))
+        sm_split.enter_configured("group:96", torch.device("cpu"), green.enter)
     with pytest.raises(ConfigError, match=r"model\.sm_split: must be group:N or rest:N"):
-        sm_split.enter_configured("half", torch.device("cpu"))
+        sm_split.enter_configured("half", torch.device("cpu"), green.enter)
+
+
+def test_an_entered_part_binds_every_engine_thread_and_shows_its_sms(monkeypatch):
+    entered, bound = [], []
+
+    class Part:
+        sms = 96
+
+        def bind(self):
+            bound.append(threading.current_thread().name)
+
+    def enter(part, group_sms, device):
+        entered.append((part, group_sms, device))
+        return Part()
+
+    monkeypatch.setattr(sm_split, "_part", None)
+    assert isinstance(sm_split.enter_configured("group:96", "cuda:0", enter), Part)
+    assert entered == [("group", 96, "cuda:0")]
+    engine = threading.Thread(target=sm_split.bind_this_thread, name="engine")
+    engine.start()
+    engine.join(10)
+    assert bound == ["engine"]
+    assert sm_split.metrics()["sm_split_sms"][2] == 96
 
 
 def test_the_engine_thread_binds_the_part_before_its_first_step(monkeypatch):
