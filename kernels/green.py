@@ -81,6 +81,7 @@ def enter(part: str, group_sms: int, device: torch.device) -> GreenPart:
         raise GreenError(f"model.sm_split: needs a CUDA device, and model.device is {device.type}")
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.zeros(1, device=device)  # the primary context first: the green context retains it
+    sms.share_sms(device)  # the MPS share, read (and kept) from the primary context, not the part's
     with _lock:
         if _entered:
             raise GreenError("model.sm_split: this process entered its part already")
