@@ -30,6 +30,9 @@ import threading
 import time
 from pathlib import Path
 
+import triton
+import triton.language as tl
+
 from bench.server.report import write_json
 from voxring.mps_daemon import CONTROL, MpsDaemon, MpsError
 
@@ -73,16 +76,15 @@ def enter_green_part(part: str, talker_sms: int) -> dict:
             "rest_sms": rest.sm.smCount, "part_sms": chosen.sm.smCount, "_green": green}
 
 
+@triton.jit
+def _smid(out):
+    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    tl.store(out + tl.program_id(0), sm)
+
+
 def sm_ids(programs: int) -> list[int]:
     """The SMs ``programs`` blocks of a tiny kernel ran on (``%smid``), distinct and sorted."""
     import torch
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _smid(out):
-        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        tl.store(out + tl.program_id(0), sm)
 
     out = torch.full((programs,), -1, dtype=torch.int32, device="cuda")
     _smid[(programs,)](out)
