@@ -50,30 +50,14 @@ READY_S = 180.0  # a child's start: torch, the green context, a warm-up
 # ------------------------------------------------------------------ the child
 
 
-def _ok(result):
-    """cuda.bindings' (CUresult, values...) as the values; raises on an error."""
-    from cuda.bindings import driver as cu
-
-    err, *values = result
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA driver: {err}")
-    return values[0] if len(values) == 1 else values
-
-
 def enter_green_part(part: str, talker_sms: int) -> dict:
     """Make this thread's context a green context on ``part`` of the device's SMs (``group``: the
-    first ``talker_sms`` of the split, ``rest``: the remainder); its facts."""
-    from cuda.bindings import driver as cu
+    first ``talker_sms`` of the split, ``rest``: the remainder; kernels/green.py); its facts."""
+    from kernels.green import GreenPart
 
-    device = _ok(cu.cuDeviceGet(0))
-    whole = _ok(cu.cuDeviceGetDevResource(device, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
-    groups, count, rest = _ok(cu.cuDevSmResourceSplitByCount(1, whole, 0, talker_sms))
-    chosen = groups[0] if part == "group" else rest
-    desc = _ok(cu.cuDevResourceGenerateDesc([chosen], 1))
-    green = _ok(cu.cuGreenCtxCreate(desc, device, cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
-    _ok(cu.cuCtxSetCurrent(_ok(cu.cuCtxFromGreenCtx(green))))
-    return {"device_sms": whole.sm.smCount, "groups": count, "group_sms": groups[0].sm.smCount,
-            "rest_sms": rest.sm.smCount, "part_sms": chosen.sm.smCount, "_green": green}
+    made = GreenPart(part, talker_sms, 0)
+    made.bind()
+    return {"device_sms": made.device_sms, "part_sms": made.sms, "_green": made}
 
 
 @triton.jit
