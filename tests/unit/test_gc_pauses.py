@@ -51,3 +51,14 @@ def test_freeze_startup_leaves_what_was_built_out_of_every_collection():
         assert GcPauses().metrics()["gc_frozen_objects"][2] == frozen
     finally:
         gc.unfreeze()  # the test process goes on collecting as before
+
+
+def test_one_value_lands_where_a_batch_of_it_would():
+    from services.common.histogram import EdgeHistogram
+
+    values = [0.0, 0.001, 0.0011, 0.03, 0.5, 0.7]
+    batch, single = EdgeHistogram(EDGES), EdgeHistogram(EDGES)
+    batch.observe(values)
+    for value in values:
+        single.observe_one(value)
+    assert single.metric() == batch.metric() and single.n == batch.n
