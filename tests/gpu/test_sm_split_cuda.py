@@ -8,6 +8,7 @@ Skipped without CUDA or without NVIDIA's cuda-bindings."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -17,6 +18,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU; this machine has none", allow_module_level=True)
 pytest.importorskip("cuda.bindings.driver", reason="needs NVIDIA's cuda-bindings (the driver's binding)")
+
+from tests.conftest import REPO
 
 CHILD = r'''
 import json, sys, threading
@@ -55,14 +58,19 @@ os._exit(0)
 '''
 
 
-def child(spec: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", CHILD, spec], capture_output=True, text=True, timeout=300)
+def child(script, spec: str) -> dict:
+    """The child in a file of its own (Triton reads a kernel's source from its file)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(script), spec], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_each_part_runs_on_its_own_sms_and_the_parts_add_up_to_the_device():
-    group, rest = child("group:64"), child("rest:64")
+def test_each_part_runs_on_its_own_sms_and_the_parts_add_up_to_the_device(tmp_path):
+    script = tmp_path / "sm_split_child.py"
+    script.write_text(CHILD)
+    group, rest = child(script, "group:64"), child(script, "rest:64")
     assert group["sms"] >= 64 and group["sms"] + rest["sms"] == group["device_sms"]
     assert not set(group["main"]) & set(rest["main"])  # the same split in two processes: disjoint SMs
     for part in (group, rest):
