@@ -22,10 +22,8 @@ import argparse
 import json
 import os
 import queue
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,8 +31,8 @@ from pathlib import Path
 import triton
 import triton.language as tl
 
+from bench.probes.mps_talker import private_daemon
 from bench.server.report import write_json
-from voxring.mps_daemon import CONTROL, MpsDaemon, MpsError
 
 SCENARIOS = {
     "talker_full": [("talker", "full")],
@@ -208,26 +206,11 @@ def main(argv: list[str] | None = None) -> None:
         child(*args.child, args.talker_sms, args.seconds)
         return
     results: dict = {"talker_sms": args.talker_sms, "seconds": args.seconds}
-    if shutil.which(CONTROL) is None:
-        results["error"] = f"{CONTROL} is not on the PATH"
-    else:
-        root = Path(tempfile.mkdtemp(prefix="vx-green-"))
-        daemon = MpsDaemon(root)
-        try:
-            daemon.start()
-            env = {**os.environ, **daemon.env()}
-            for name, roles in SCENARIOS.items():
-                results[name] = scenario(roles, env, args.talker_sms, args.seconds)
-                if args.out is not None:
-                    write_json(args.out, results)
-        except MpsError as exc:
-            results["error"] = str(exc)
-        finally:
-            try:
-                daemon.stop()
-            except MpsError as exc:
-                results["stop_error"] = str(exc)
-            shutil.rmtree(root, ignore_errors=True)
+    with private_daemon(results) as daemon_env:
+        for name, roles in SCENARIOS.items() if daemon_env is not None else ():
+            results[name] = scenario(roles, {**os.environ, **daemon_env}, args.talker_sms, args.seconds)
+            if args.out is not None:
+                write_json(args.out, results)
     print(json.dumps(results, indent=2))
     if args.out is not None:
         write_json(args.out, results)

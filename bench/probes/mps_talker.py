@@ -20,6 +20,7 @@ that share, and after a give-up.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -146,20 +147,37 @@ def under_limits(base: dict, limits, results: dict, run) -> None:
     """``run(name, env)`` for each of ``limits`` (an SM percentage, or None: MPS with no limit) as a
     client of a control daemon of this process's own (a private folder; stopped after): names
     ``mps_<limit>`` and ``mps_no_limit``. The daemon's errors go into ``results``."""
+    with private_daemon(results) as daemon_env:
+        if daemon_env is None:
+            return
+        for limit in limits:
+            env = {**base, **daemon_env}
+            if limit is not None:
+                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = limit
+            run(f"mps_{limit or 'no_limit'}", env)
+
+
+@contextlib.contextmanager
+def private_daemon(results: dict):
+    """A control daemon in a private folder for the block, its clients' environment yielded (None
+    when it cannot start); its errors, and a block's MpsError, go into ``results``; stopped after."""
     if shutil.which(CONTROL) is None:
         results["error"] = f"{CONTROL} is not on the PATH"
+        yield None
         return
     root = Path(tempfile.mkdtemp(prefix="vx-mps-"))
     daemon = MpsDaemon(root)
     try:
-        daemon.start()
-        for limit in limits:
-            env = {**base, **daemon.env()}
-            if limit is not None:
-                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = limit
-            run(f"mps_{limit or 'no_limit'}", env)
-    except MpsError as exc:
-        results["error"] = str(exc)
+        try:
+            daemon.start()
+        except MpsError as exc:
+            results["error"] = str(exc)
+            yield None
+            return
+        try:
+            yield daemon.env()
+        except MpsError as exc:
+            results["error"] = str(exc)
     finally:
         try:
             daemon.stop()

@@ -44,3 +44,26 @@ def test_without_the_control_daemon_no_limit_scenario_runs_and_the_report_says_w
     results, ran = {}, []
     mps_talker.under_limits({}, (None, "75"), results, lambda name, env: ran.append(name))
     assert ran == [] and results == {"error": f"{mps_talker.CONTROL} is not on the PATH"}
+
+
+def test_a_daemon_that_cannot_start_is_reported_and_the_block_runs_without_it(monkeypatch):
+    from bench.probes import mps_talker
+
+    stopped = []
+
+    class Daemon:
+        def __init__(self, root):
+            pass
+
+        def start(self):
+            raise mps_talker.MpsError("the control daemon did not answer")
+
+        def stop(self):
+            stopped.append(True)
+
+    monkeypatch.setattr(mps_talker.shutil, "which", lambda name: "/usr/bin/nvidia-cuda-mps-control")
+    monkeypatch.setattr(mps_talker, "MpsDaemon", Daemon)
+    results = {}
+    with mps_talker.private_daemon(results) as env:
+        assert env is None
+    assert results == {"error": "the control daemon did not answer"} and stopped == [True]

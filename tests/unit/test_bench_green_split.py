@@ -33,8 +33,10 @@ def test_overlap_counts_the_sms_two_children_both_ran_on():
 
 
 def test_without_the_control_daemon_the_report_says_so(monkeypatch, capsys):
-    monkeypatch.setattr(green_split.shutil, "which", lambda name: None)
+    from bench.probes import mps_talker
+
+    monkeypatch.setattr(mps_talker.shutil, "which", lambda name: None)
     green_split.main(["--seconds", "1"])
     report = json.loads(capsys.readouterr().out)
-    assert report["error"] == f"{green_split.CONTROL} is not on the PATH"
+    assert report["error"] == f"{mps_talker.CONTROL} is not on the PATH"
     assert not set(green_split.SCENARIOS) & set(report)

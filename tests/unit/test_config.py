@@ -256,12 +256,20 @@ def test_token_file_is_stripped_and_checked(tmp_path):
         read_token_file(tmp_path / "missing")
 
 
-def test_the_talker_names_a_first_audio_headroom_out_of_range(tmp_path):
+@pytest.mark.parametrize(("text", "needle", "variable", "raw", "want"), [
+    ("engine: {first_audio_headroom: -0.5}", r"engine\.first_audio_headroom: must be in \[0, 10\), got -0\.5",
+     "VOXRING_TALKER__ENGINE__FIRST_AUDIO_HEADROOM", "0.25", 0.25),
+    ("model: {sm_split: 'half:96'}", r"model\.sm_split: must be group:N or rest:N",
+     "VOXRING_TALKER__MODEL__SM_SPLIT", "group:96", "group:96"),
+])
+def test_the_talker_names_a_bad_value_and_takes_a_good_one_by_environment(tmp_path, text, needle, variable,
+                                                                         raw, want):
     from services.talker.config import TalkerConfig
 
     path = tmp_path / "talker.yaml"
-    path.write_text("engine: {first_audio_headroom: -0.5}\n")
-    with pytest.raises(ConfigError, match=r"engine\.first_audio_headroom: must be in \[0, 10\), got -0\.5"):
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=needle):
         load_config(TalkerConfig, path, "talker", environ={})
-    env = {"VOXRING_TALKER__ENGINE__FIRST_AUDIO_HEADROOM": "0.25"}
-    assert load_config(TalkerConfig, path, "talker", environ=env).engine.first_audio_headroom == 0.25
+    loaded = load_config(TalkerConfig, path, "talker", environ={variable: raw})
+    section, key = variable.split("__")[1:]
+    assert getattr(getattr(loaded, section.lower()), key.lower()) == want

@@ -56,18 +56,3 @@ def test_a_grid_counts_on_the_fewest_of_the_device_share_and_cap(monkeypatch, sh
 def test_a_cap_must_be_a_whole_count(bad):
     with pytest.raises(ValueError, match=r"an SM cap must be an int >= 0"):
         sms.limit(bad)
-
-
-
-
-def test_the_talker_config_names_a_bad_split(tmp_path):
-    from services.common.config import ConfigError, load_config
-    from services.talker.config import TalkerConfig
-
-    path = tmp_path / "talker.yaml"
-    path.write_text("model: {sm_split: 'half:96'}\n")
-    with pytest.raises(ConfigError, match=r"model\.sm_split: must be group:N or rest:N"):
-        load_config(TalkerConfig, path, "talker", environ={})
-    env = {"VOXRING_TALKER__MODEL__SM_SPLIT": "group:96"}
-    loaded = load_config(TalkerConfig, path, "talker", environ=env)
-    assert loaded.model.sm_split == "group:96"
