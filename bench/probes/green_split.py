@@ -10,10 +10,12 @@ Two synthetic loads stand for the stages: ``talker`` a chain of bf16 GEMMs at a 
 shapes (448 rows, a 1B model's MLP), ``code2wav`` a stack of bf16 1-D convolutions at a decode
 call's (64 chunks). Each child splits the device's SMs the same way (``cuDevSmResourceSplitByCount``:
 a group of ``--talker-sms`` and the remainder), takes its part (``group``, ``rest``, or ``full``: no
-green context), and reports the SMs its blocks ran on (``%smid``), then its iterations per second
+green context), and reports the SM ids its blocks saw (``%smid``: here, under MPS, each part's
+ids ran from 0, so two parts' ids say nothing of overlap; their rates do), then its iterations per second
 and the iteration times' p50 / p90 over ``--seconds``, started together by the parent. Scenarios,
 all under MPS with no limit: each load alone on every SM and alone on its part, both on every SM
-(shared) and both on their parts (split).
+(shared), both on their parts (split), and both on every SM with Code2Wav's MPS client at a priority
+below normal (prio: ``CUDA_MPS_CLIENT_PRIORITY=1``, a hint to the MPS server's scheduler).
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ SCENARIOS = {
     "code2wav_rest": [("code2wav", "rest")],
     "shared": [("talker", "full"), ("code2wav", "full")],
     "split": [("talker", "group"), ("code2wav", "rest")],
+    "prio": [("talker", "full"), ("code2wav", "low")],
 }
+LOW_PRIORITY = {"CUDA_MPS_CLIENT_PRIORITY": "1"}  # part "low": every SM, the client's priority below normal
 READY_S = 180.0  # a child's start: torch, the green context, a warm-up
 
 
@@ -105,7 +109,9 @@ def child(role: str, part: str, talker_sms: int, seconds: float) -> None:
 
     torch.zeros(1, device="cuda")  # the primary context first, as the driver advises
     facts = {"role": role, "part": part}
-    if part != "full":
+    if part == "low":
+        facts["mps_client_priority"] = os.environ.get("CUDA_MPS_CLIENT_PRIORITY")
+    elif part != "full":
         facts.update(enter_green_part(part, talker_sms))
     run = workload(role)
     for _ in range(3):
@@ -155,8 +161,9 @@ def scenario(roles, env: dict, talker_sms: int, seconds: float) -> dict:
     for role, part in roles:
         proc = subprocess.Popen([sys.executable, "-m", "bench.probes.green_split", "--child", role, part,
                                  "--talker-sms", str(talker_sms), "--seconds", str(seconds)],
-                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                env={**env, **LOW_PRIORITY} if part == "low" else env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
         procs.append(proc)
@@ -172,7 +179,7 @@ def scenario(roles, env: dict, talker_sms: int, seconds: float) -> dict:
         reports = [_next_json(lines, deadline) for lines in feeds]
         if not all(reports):
             return {"error": "a child did not report", "stderr": _stderr(procs)}
-        return {"children": reports, "overlap_sms": overlap(reports)}
+        return {"children": reports}
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -185,13 +192,6 @@ def _stderr(procs) -> list[str]:
         if proc.poll() is None:
             proc.kill()
     return [proc.stderr.read()[-3000:] for proc in procs]
-
-
-def overlap(reports: list[dict]) -> int | None:
-    """How many SMs two children's blocks both ran on (None for one child)."""
-    if len(reports) != 2:
-        return None
-    return len(set(reports[0]["sm_ids"]) & set(reports[1]["sm_ids"]))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,5 @@
 """bench.probes.green_split off the GPU: how it reads its children (JSON lines among others, a
-bounded wait), the SMs two children share, and a report that says why when no MPS daemon can start."""
+bounded wait) and a report that says why when no MPS daemon can start."""
 
 from __future__ import annotations
 
@@ -24,12 +24,6 @@ def test_a_silent_or_ended_child_gives_none_within_the_deadline():
     assert green_split._next_json(lines, time.monotonic() + 0.05) is None
     lines.put(None)  # the child's stdout closed
     assert green_split._next_json(lines, time.monotonic() + 5) is None
-
-
-def test_overlap_counts_the_sms_two_children_both_ran_on():
-    assert green_split.overlap([{"sm_ids": [0, 1, 2, 3]}, {"sm_ids": [3, 4, 5]}]) == 1
-    assert green_split.overlap([{"sm_ids": list(range(96))}, {"sm_ids": list(range(96, 132))}]) == 0
-    assert green_split.overlap([{"sm_ids": [0]}]) is None
 
 
 def test_without_the_control_daemon_the_report_says_so(monkeypatch, capsys):
