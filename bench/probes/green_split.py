@@ -4,7 +4,7 @@ kernels on its own SMs, and what does each get done beside the other, against sh
 a green context of 96 SMs does not.) GPU only; starts its own MPS control daemon in a private
 folder and stops it.
 
-    python -m bench.probes.green_split [--talker-sms 96] [--seconds 8] [--out FILE]
+    python -m bench.probes.green_split [--talker-sms 96] [--seconds 8] [--scenarios shared,prio] [--out FILE]
 
 Two synthetic loads stand for the stages: ``talker`` a chain of bf16 GEMMs at a decode step's
 shapes (448 rows, a 1B model's MLP), ``code2wav`` a stack of bf16 1-D convolutions at a decode
@@ -200,15 +200,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child", nargs=2, metavar=("ROLE", "PART"), help=argparse.SUPPRESS)
     parser.add_argument("--talker-sms", type=int, default=96, help="the talker's group of SMs")
     parser.add_argument("--seconds", type=float, default=8.0, help="each scenario's timed run")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help="the scenarios to run, in order, comma-separated (default: all)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    names = [name.strip() for name in args.scenarios.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SCENARIOS]
+    if unknown:
+        parser.error(f"--scenarios: unknown {', '.join(unknown)} (known: {', '.join(SCENARIOS)})")
     if args.child:
         child(*args.child, args.talker_sms, args.seconds)
         return
     results: dict = {"talker_sms": args.talker_sms, "seconds": args.seconds}
     with private_daemon(results) as daemon_env:
-        for name, roles in SCENARIOS.items() if daemon_env is not None else ():
-            results[name] = scenario(roles, {**os.environ, **daemon_env}, args.talker_sms, args.seconds)
+        for name in names if daemon_env is not None else ():
+            env = {**os.environ, **daemon_env}
+            results[name] = scenario(SCENARIOS[name], env, args.talker_sms, args.seconds)
             if args.out is not None:
                 write_json(args.out, results)
     print(json.dumps(results, indent=2))

@@ -26,7 +26,8 @@
 # tree's talker writes its step log to <tree's results>/steps.jsonl, gzipped at the end), LABEL (the results
 # folder of a tiers part, where not the tree's name: the same tree run again under other settings), LIMITS and
 # CHILD_S (mpstalker's MPS scenarios, '' for none, and each child's seconds), NOTESTS (1: mpstalker without
-# stack_step's tests). Run from the
+# stack_step's tests), GREEN_SMS, GREEN_S and GREEN_ONLY (greensplit's talker SMs, seconds a scenario and
+# scenarios). Run from the
 # repository root with `carry: [".whl", ...]`.
 set -uo pipefail
 
@@ -67,7 +68,7 @@ for part in "$@"; do
       echo "mpstalker: exit $?" ;;
     greensplit)
       timeout "$share" python3 -m bench.probes.green_split --talker-sms "${GREEN_SMS:-96}" --seconds "${GREEN_S:-8}" \
-        --out "$R/green_split.json" > "$R/green_split.log" 2>&1
+        ${GREEN_ONLY:+--scenarios "$GREEN_ONLY"} --out "$R/green_split.json" > "$R/green_split.log" 2>&1
       echo "greensplit: exit $?"; tail -n 3 "$R/green_split.log" ;;
     tiers:*)
       tree="${part#tiers:}"; label=$(basename "$(cd "$tree" && pwd)"); [ "$tree" = . ] && label=head

@@ -7,6 +7,8 @@ import json
 import queue
 import time
 
+import pytest
+
 from bench.probes import green_split
 
 
@@ -34,3 +36,9 @@ def test_without_the_control_daemon_the_report_says_so(monkeypatch, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["error"] == f"{mps_talker.CONTROL} is not on the PATH"
     assert not set(green_split.SCENARIOS) & set(report)
+
+
+def test_an_unknown_scenario_is_named_before_anything_runs(capsys):
+    with pytest.raises(SystemExit):
+        green_split.main(["--scenarios", "shared,prio,nope"])
+    assert "--scenarios: unknown nope" in capsys.readouterr().err
