@@ -48,7 +48,7 @@ class EngineSection:
     # real time in steps shorter than a 2-frame first chunk's audio over it (pacing.fits)
     min_chunk_tokens: int = 32
     admission_headroom: float = 0.25
-    first_audio_headroom: float = 0.5  # a first record's audio beyond the time its next record needs
+    first_audio_headroom: float = 0.25  # a first record's audio beyond the time its next record needs
     admission_by_slack: bool = True         # false: only the counts and max_queue_wait_s refuse
     max_queue_wait_s: float = 0.05          # refuse a request expected to wait longer for a slot or prefill
     # Prefill graphs per (rows, tokens) bucket on CUDA: a step's chunks run grouped by the token

@@ -33,7 +33,7 @@ from services.talker.step_times import StepTimes
 BOUNDS = ("k_max", "slack", "first_audio", "waiting", "arrivals", "behind", "unmeasured")
 # A late first record holds this much more audio than the time its row's next record needs (the
 # default of PacingConfig.first_audio_headroom, the talker's engine.first_audio_headroom).
-FIRST_AUDIO_HEADROOM = 0.5
+FIRST_AUDIO_HEADROOM = 0.25
 FIRST_K = 2  # frames: a first chunk of 160 ms
 # Steps are cut for arrivals (PacingConfig.arrival_step_s) once this many are expected within a
 # K_max step, never below the K whose time per frame is within STEP_EFFICIENCY of K_max's, and only

@@ -56,7 +56,7 @@ def test_every_requests_frames_are_the_same_and_its_first_record_is_one_frame(fo
 
 
 def test_a_first_frame_goes_alone_only_when_its_audio_outlasts_the_rest_of_the_step():
-    config = PacingConfig(frame_rate=12.5, path_s=0.02, k_max=8)
+    config = PacingConfig(frame_rate=12.5, path_s=0.02, k_max=8, first_audio_headroom=0.5)
     times = StepTimes()
     assert not first_frame_alone(times, 1, 4, config)  # nothing measured
     for _ in range(100):  # 7 ms a frame
@@ -66,4 +66,5 @@ def test_a_first_frame_goes_alone_only_when_its_audio_outlasts_the_rest_of_the_s
     assert first_frame_alone(times, 1, 2, config)  # (7 + 20) x 1.5 = 40.5 ms <= 80 ms
     assert first_frame_alone(times, 1, 5, config)  # (28 + 20) x 1.5 = 72 ms
     assert not first_frame_alone(times, 1, 6, config)  # (35 + 20) x 1.5 = 82.5 ms: a gap
-    assert not first_frame_alone(times, 1, 2, PacingConfig(frame_rate=12.5, path_s=0.05, k_max=8))
+    assert not first_frame_alone(times, 1, 2, PacingConfig(frame_rate=12.5, path_s=0.05, k_max=8,
+                                                            first_audio_headroom=0.5))

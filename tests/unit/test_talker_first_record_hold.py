@@ -13,12 +13,13 @@ from tests.unit.test_talker_engine_overlap import FakeRunner, frames_of, make, r
 
 def slow(engine, runner, one_s: float) -> None:
     """Steps of one frame timed at ``one_s``: with the overlap tests' 50 ms path, 60 ms makes
-    (2 x 60 + 50) x 1.5 = 255 ms the least a first record must last, 4 frames (K_max is 2)."""
+    (2 x 60 + 50) x 1.25 = 212.5 ms the least a first record must last, 3 frames: two steps of
+    K_max 2, 4 frames."""
     engine.scheduler.times.observe(runner.bucket_for(1), 1, one_s)
 
 
 def test_first_frames_follow_the_step_time_and_the_path():
-    config = pacing.PacingConfig(frame_rate=12.5, path_s=0.05, k_max=2)
+    config = pacing.PacingConfig(frame_rate=12.5, path_s=0.05, k_max=2, first_audio_headroom=0.5)
     assert pacing.first_frames(None, config) == 1  # nothing measured: no reason to wait
     assert pacing.first_frames(0.001, config) == pacing.FIRST_K  # fast steps: the floor
     assert pacing.first_frames(0.060, config) == 4  # 255 ms of audio: past K_max
@@ -26,13 +27,13 @@ def test_first_frames_follow_the_step_time_and_the_path():
 
 
 def test_the_first_audio_headroom_sets_how_long_a_first_record_is():
-    """At 1,024 streams (a K=1 step of ~40 ms, 15 ms of prefill behind, a 20 ms path): 2.16 frames'
-    worth at the default 0.5, so three; at 0.25, 1.8, so the floor of two."""
+    """At 1,024 streams (a K=1 step of ~40 ms, 15 ms of prefill behind, a 20 ms path): 1.8 frames'
+    worth at the default 0.25, so the floor of two; at 0.5, 2.16, so three."""
     default = pacing.PacingConfig(frame_rate=12.5, path_s=0.02, k_max=8)
-    lower = pacing.PacingConfig(frame_rate=12.5, path_s=0.02, k_max=8, first_audio_headroom=0.25)
-    assert default.first_audio_headroom == pacing.FIRST_AUDIO_HEADROOM == 0.5
-    assert pacing.first_frames(0.040, default, next_ahead_s=0.015) == 3
-    assert pacing.first_frames(0.040, lower, next_ahead_s=0.015) == 2
+    higher = pacing.PacingConfig(frame_rate=12.5, path_s=0.02, k_max=8, first_audio_headroom=0.5)
+    assert default.first_audio_headroom == pacing.FIRST_AUDIO_HEADROOM == 0.25
+    assert pacing.first_frames(0.040, default, next_ahead_s=0.015) == 2
+    assert pacing.first_frames(0.040, higher, next_ahead_s=0.015) == 3
     for bad in (-0.1, 10.0, float("nan")):
         try:
             pacing.PacingConfig(frame_rate=12.5, path_s=0.02, k_max=8, first_audio_headroom=bad)

@@ -67,8 +67,8 @@ def test_k_is_1_until_a_step_of_the_bucket_is_measured_then_k_max_with_slack():
 
 def test_a_silent_rows_first_record_is_as_small_as_its_budget_needs_but_lasts_its_next_step():
     # Code2Wav decodes a stream's first record at once, whatever its frames; but a first chunk
-    # shorter than its next record's way runs dry first: (2 x 10 ms + 100 ms path) x 1.5 = 180 ms,
-    # 3 frames, is the floor (pacing.first_frames)
+    # shorter than its next record's way runs dry first: (2 x 10 ms + 100 ms path) x 1.25 = 150 ms,
+    # 2 frames, is the floor (pacing.first_frames)
     s = sched(bucket_for=lambda rows: 2)
     s.times.observe(2, 1, 0.010)
     speaking = req(1)
@@ -81,9 +81,9 @@ def test_a_silent_rows_first_record_is_as_small_as_its_budget_needs_but_lasts_it
     plan = s.schedule(0.0)
     assert [r.handle for r in plan.decode] == [1, 2]
     assert (plan.k, plan.k_bound) == (3, "first_audio")
-    new.first_audio_by = 0.1 + 0.025  # 25 ms: one frame fits, two do not; three it gets
+    new.first_audio_by = 0.1 + 0.025  # 25 ms: one frame fits, two do not; two it gets
     plan = s.schedule(0.0)
-    assert (plan.k, plan.k_bound, plan.first_frames) == (3, "first_audio", 3)
+    assert (plan.k, plan.k_bound, plan.first_frames) == (2, "first_audio", 2)
 
 
 def test_no_row_is_held_back_by_another_rows_chunk_boundary_or_its_end():
