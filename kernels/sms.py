@@ -3,9 +3,7 @@ program per SM, all resident, grid barriers) must not ask for more: under NVIDIA
 active-thread limit (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, or the control daemon's), a grid
 of one program per physical SM cannot be resident at once, and its barrier waits for SMs it
 will never get while another client holds them. The driver tells a context its share as its
-SM-count execution affinity (``cuCtxGetExecAffinity``); outside MPS that is the whole device.
-In a green context of fewer SMs (``model.sm_split``, services/common/sm_split.py) the driver
-reports no such affinity: the split caps the grids at its part's SMs (``limit``)."""
+SM-count execution affinity (``cuCtxGetExecAffinity``); outside MPS that is the whole device."""
 
 from __future__ import annotations
 
@@ -15,7 +13,6 @@ import functools
 import torch
 
 CU_EXEC_AFFINITY_TYPE_SM_COUNT = 0
-_cap: int | None = None  # limit(): the most SMs this process's grids count on, None: no cap
 
 
 class _SmCount(ctypes.Structure):
@@ -37,27 +34,12 @@ def context_sm_count() -> int | None:
     return affinity.sm_count if rc == 0 and affinity.sm_count > 0 else None
 
 
-def limit(sms: int) -> None:
-    """Grids count on at most ``sms`` SMs from now on (0: no cap, the share or the device's)."""
-    global _cap
-    if isinstance(sms, bool) or not isinstance(sms, int) or sms < 0:
-        raise ValueError(f"an SM cap must be an int >= 0, got {sms!r}")
-    _cap = sms or None
-
-
 @functools.lru_cache(maxsize=8)
-def share_sms(device: torch.device) -> int:
-    """The SMs this process may hold on ``device``: the device's, or the fewer its MPS share gives
-    it (read from the device's primary context, made current here: no allocation, so a graph
-    capture may call it)."""
+def usable_sms(device: torch.device) -> int:
+    """The SMs a grid on ``device`` may count on being resident at once: the device's, or the
+    fewer its MPS share gives this process (read from the device's primary context, made
+    current here: no allocation, so a graph capture may call it)."""
     total = torch.cuda.get_device_properties(device).multi_processor_count
     with torch.cuda.device(device):
         share = context_sm_count()
     return min(total, share) if share else total
-
-
-def usable_sms(device: torch.device) -> int:
-    """The SMs a grid on ``device`` may count on being resident at once: its share (share_sms),
-    or ``limit``'s cap, if fewer."""
-    share = share_sms(device)
-    return min(share, _cap) if _cap else share

@@ -54,8 +54,8 @@ READY_S = 180.0  # a child's start: torch, the green context, a warm-up
 
 def enter_green_part(part: str, talker_sms: int) -> dict:
     """Make this thread's context a green context on ``part`` of the device's SMs (``group``: the
-    first ``talker_sms`` of the split, ``rest``: the remainder; kernels/green.py); its facts."""
-    from kernels.green import GreenPart
+    first ``talker_sms`` of the split, ``rest``: the remainder; bench/probes/green.py); its facts."""
+    from bench.probes.green import GreenPart
 
     made = GreenPart(part, talker_sms, 0)
     made.bind()

@@ -14,18 +14,17 @@ from pathlib import Path
 
 import torch
 
-from kernels import green
 from models.checkpoint import CheckpointError, resolve_device, set_threads
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.engine import Code2WavEngine
 from services.code2wav.families import load_decoder
 from services.code2wav.servicer import Code2WavServicer
 from services.code2wav.talkers import LinkHealth, TalkerLink
-from services.common import metrics, sm_split
+from services.common import metrics
 from services.common.config import ConfigError
 from services.common.cuda_memory import allocator_metrics
 from services.common.engine_thread import EngineComponent, EngineThread
-from services.common.mps import mps_requirement
+from services.common.mps import mps_requirement, set_client_priority
 from services.common.server import ServiceBinding
 from services.common.stage import exit_stage, run_stage
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc
@@ -35,13 +34,11 @@ log = logging.getLogger("code2wav")
 
 def build(config: Code2WavConfig, config_path: Path | None):
     threads = set_threads(config.model.threads)
+    set_client_priority(config.model.mps_priority)  # before CUDA starts: device resolution may start it
     try:
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
         raise ConfigError(f"model.device: {exc}") from None
-    # before the decoder: every stream, graph and module it makes is its part's
-    sm_split.enter_configured(config.model.sm_split, device, green.enter)
-    metrics.register(sm_split.metrics)
     try:
         decoder, folder, family = load_decoder(config.model, config.engine, device)
     except CheckpointError as exc:

@@ -33,8 +33,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from services.common import sm_split
-
 log = logging.getLogger(__name__)
 PR_SET_NAME = 15  # prctl's option: the calling thread's name
 
@@ -179,7 +177,6 @@ class EngineThread:
 
     def _run(self) -> None:
         name_os_thread(self.name)
-        sm_split.bind_this_thread()  # before any launch: this process's part of an SM split, if any
         last_tick = 0.0
         busy = False
         collect = getattr(self.engine, "collect", None)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from services.common.config import ConfigError, ConfigValueError
 from services.common.log import LEVELS
-from services.common.sm_split import SmSplit
+from services.common.mps import MPS_PRIORITIES
 
 
 def parse_listen(address: str) -> tuple[str, int | None]:
@@ -188,8 +188,8 @@ class ModelSection:
     tiny_seed: int = 0              # which tiny default, when checkpoint is null or tiny:NAME
     threads: int = 0                # torch's CPU threads in this stage; 0: torch's default (OMP_NUM_THREADS)
     require_mps: bool = False       # on a GPU: readiness stays NOT_SERVING unless an MPS client
-    sm_split: str | None = None     # group:N (talker) / rest:N (Code2Wav): the GPU's SMs split by green
-                                    # contexts (services/common/sm_split.py; experimental); null: none
+    mps_priority: str | None = None  # normal, below_normal: this stage's MPS client priority, set before
+                                     # CUDA starts (services/common/mps.py); null: the environment's
 
     def __post_init__(self) -> None:
         if self.threads < 0:
@@ -198,11 +198,10 @@ class ModelSection:
                 and self.checkpoint[len("tiny:"):] not in TINY_CHECKPOINTS:
             raise ConfigValueError("checkpoint", f"{self.checkpoint!r} is no tiny default (one of "
                                    f"{', '.join('tiny:' + name for name in TINY_CHECKPOINTS)})")
+        if self.mps_priority is not None and self.mps_priority not in MPS_PRIORITIES:
+            raise ConfigValueError("mps_priority", f"must be {' or '.join(MPS_PRIORITIES)} (or null: the "
+                                   f"environment's CUDA_MPS_CLIENT_PRIORITY), got {self.mps_priority!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigValueError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigValueError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        try:
-            SmSplit.parse(self.sm_split)
-        except ValueError as exc:
-            raise ConfigValueError("sm_split", str(exc)) from None

@@ -16,15 +16,14 @@ from pathlib import Path
 import torch
 
 import kernels
-from kernels import green
 from models.checkpoint import CheckpointError, resolve_device, set_threads
 from models.talkers import Family, family_of
 from models.tiny.talker import checkpoint_folder
-from services.common import metrics, sm_split
+from services.common import metrics
 from services.common.config import ConfigError
 from services.common.cuda_memory import allocator_metrics
 from services.common.engine_thread import EngineComponent, EngineThread
-from services.common.mps import mps_requirement
+from services.common.mps import mps_requirement, set_client_priority
 from services.common.server import ServiceBinding
 from services.common.stage import exit_stage, run_stage
 from services.talker.config import TalkerConfig
@@ -45,11 +44,11 @@ log = logging.getLogger("talker")
 
 def sm_share(device: torch.device) -> tuple[int, int] | None:
     """(SMs this process's MPS share lets it hold, the device's) on CUDA (kernels/sms.py), else
-    None; not the cap of its part of an SM split, which is its config's choice, not a limit."""
+    None."""
     if device.type != "cuda":
         return None
-    from kernels.sms import share_sms
-    return share_sms(device), torch.cuda.get_device_properties(device).multi_processor_count
+    from kernels.sms import usable_sms
+    return usable_sms(device), torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def model_info(folder: Path, model, max_len: int,
@@ -106,13 +105,11 @@ def load_model(config: TalkerConfig):
     kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention,
                       fused_layers=config.kernels.fused_layers)
     threads = set_threads(config.model.threads)
+    set_client_priority(config.model.mps_priority)  # before CUDA starts: device resolution may start it
     try:
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
         raise ConfigError(f"model.device: {exc}") from None
-    # before the model: every stream, graph and module it makes is its part's
-    sm_split.enter_configured(config.model.sm_split, device, green.enter)
-    metrics.register(sm_split.metrics)
     try:
         folder = checkpoint_folder(config.model)
         family = family_of(folder)

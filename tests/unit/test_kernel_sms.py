@@ -32,9 +32,8 @@ def test_the_driver_answer_is_taken_only_when_it_is_one(monkeypatch, rc, count, 
     monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: Driver())
     assert sms.context_sm_count() == expected
 
-@pytest.mark.parametrize(("share", "cap", "expected"),
-                         [(None, 0, 132), (98, 0, 98), (None, 96, 96), (98, 120, 98), (66, 96, 66)])
-def test_a_grid_counts_on_the_fewest_of_the_device_share_and_cap(monkeypatch, share, cap, expected):
+@pytest.mark.parametrize(("share", "expected"), [(None, 132), (98, 98), (200, 132)])
+def test_a_grid_counts_on_the_device_or_its_fewer_mps_share(monkeypatch, share, expected):
     import contextlib
     import types
 
@@ -42,17 +41,8 @@ def test_a_grid_counts_on_the_fewest_of_the_device_share_and_cap(monkeypatch, sh
                         lambda device: types.SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(sms.torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(sms, "context_sm_count", lambda: share)
-    sms.share_sms.cache_clear()
+    sms.usable_sms.cache_clear()
     try:
-        sms.limit(cap)
         assert sms.usable_sms(sms.torch.device("cuda", 0)) == expected
-        assert sms.share_sms(sms.torch.device("cuda", 0)) == min(132, share or 132)  # the cap is no share
     finally:
-        sms.limit(0)
-        sms.share_sms.cache_clear()
-
-
-@pytest.mark.parametrize("bad", [-1, True, 1.5, "96"])
-def test_a_cap_must_be_a_whole_count(bad):
-    with pytest.raises(ValueError, match=r"an SM cap must be an int >= 0"):
-        sms.limit(bad)
+        sms.usable_sms.cache_clear()
