@@ -6,14 +6,20 @@ bench/server/fetch_wheels.sh). py-spy samples a thread
 only while it runs on a CPU, so a thread's samples over ``seconds x RATE_HZ`` is the share of a
 core it used. The raw stacks (``pyspy_<stage>_c<C>.txt``) and a summary per thread
 (``pyspy_c<C>.json``: its share of a core, its hottest leaf frames and the frames it spends most
-time under) are written to ``--out``. Off unless asked: it takes some host time from the stages."""
+time under) are written to ``--out``. Over the same window each engine stage profiles its device
+work (its config's ``metrics.profile_dir``, set by the bench for a profiled tier; SIGUSR2 starts and
+stops it: services/common/device_profile.py), copied to ``device_<stage>_c<C>.json`` (its busy
+share, time by kind, top kernels). Off unless asked: it takes some host time from the stages."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +27,8 @@ from bench.server.procs import Server
 
 RATE_HZ = 50  # each sample stops the process to unwind native frames: kept rare
 STAGES = ("talker", "code2wav", "gateway")
+ENGINES = ("talker", "code2wav")
+DEVICE_PROFILE_WAIT_S = 60.0  # a stage's summary of its device profile is written within this
 
 
 def py_spy() -> str | None:
@@ -42,8 +50,13 @@ class TierProfile:
     def __init__(self, server: Server, out: Path, tier: int, seconds: float, log) -> None:
         self.server, self.out, self.tier, self.seconds, self.log = server, out, tier, seconds, log
         self.procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+        self.device: dict[str, Path] = {}  # engine stage -> its profile folder, once signalled
+        self._device_lock = threading.Lock()
+        self._device_running = False
+        self._device_timer: threading.Timer | None = None
 
     def start(self) -> None:
+        self._device_start()
         exe = py_spy()
         if exe is None:
             self.log("profile: py-spy not found; this tier is not profiled")
@@ -57,7 +70,32 @@ class TierProfile:
                 self.procs[name] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                                      text=True), raw)
 
+    def _device_start(self) -> None:
+        """SIGUSR2 to each engine stage that profiles its device work (metrics.profile_dir), and
+        again ``seconds`` later (py-spy's window)."""
+        for stage in ENGINES:
+            for name in self.server.names(stage):
+                folder = self.server.configs[name].get("metrics", {}).get("profile_dir")
+                if folder:
+                    self.device[name] = Path(folder)
+                    self.server.procs[name].proc.send_signal(signal.SIGUSR2)
+        if self.device:
+            self._device_running = True
+            self._device_timer = threading.Timer(self.seconds, self._device_stop)
+            self._device_timer.daemon = True
+            self._device_timer.start()
+
+    def _device_stop(self) -> None:
+        """The second SIGUSR2, once (from the timer or from finish, whichever comes first)."""
+        with self._device_lock:
+            if not self._device_running:
+                return
+            self._device_running = False
+            for name in self.device:
+                self.server.procs[name].proc.send_signal(signal.SIGUSR2)
+
     def finish(self) -> dict:
+        device = self._device_finish()
         summary = {}
         for name, (proc, raw) in self.procs.items():
             try:
@@ -72,7 +110,33 @@ class TierProfile:
         if summary:
             (self.out / f"pyspy_c{self.tier}.json").write_text(json.dumps(summary, indent=1) + "\n")
             self.log(f"profile: C={self.tier}: " + "; ".join(_line(n, v) for n, v in summary.items()))
-        return summary
+        return {**summary, **({"device": device} if device else {})}
+
+    def _device_finish(self) -> dict:
+        """Stops the engines' device profiles once py-spy's window has passed; their summaries,
+        each copied to ``device_<stage>_c<C>.json``, by stage."""
+        if not self.device:
+            return {}
+        self._device_timer.cancel()
+        self._device_stop()  # where the tier ended before the window did
+        out, deadline = {}, time.monotonic() + DEVICE_PROFILE_WAIT_S
+        for name, folder in self.device.items():
+            pid = self.server.procs[name].pid
+            written = sorted(folder.glob(f"*-{pid}-*.json"), key=lambda p: p.stat().st_mtime)
+            while not written and time.monotonic() < deadline:  # the stage writes it on a thread
+                time.sleep(0.1)
+                written = sorted(folder.glob(f"*-{pid}-*.json"), key=lambda p: p.stat().st_mtime)
+            if not written:
+                out[name] = {"error": f"no device profile within {DEVICE_PROFILE_WAIT_S:.0f} s"}
+                continue
+            data = json.loads(written[-1].read_text())
+            (self.out / f"device_{name}_c{self.tier}.json").write_text(json.dumps(data, indent=1) + "\n")
+            out[name] = {k: data.get(k) for k in ("device", "window_s", "busy_share", "kinds_ms")}
+            out[name]["top"] = [(k["name"][:60], k["total_ms"]) for k in data.get("kernels", [])[:5]]
+        self.log(f"device profile: C={self.tier}: " + "; ".join(
+            f"{n}: {v['error']}" if "error" in v else f"{n}: busy {v.get('busy_share')}, {v.get('kinds_ms')}"
+            for n, v in out.items()))
+        return out
 
 
 def _line(name: str, summary: dict) -> str:

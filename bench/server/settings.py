@@ -62,6 +62,7 @@ DEFAULT_TOKENIZER = "bpe"
 _TOKENIZER_HELP = (f"the written checkpoint's tokenizer (default {DEFAULT_TOKENIZER}; another is named in "
                    "the result file, as in mps-off-byte-poisson): "
                    + "; ".join(f"{k}: {v}" for k, v in TOKENIZERS.items()))
+PROFILE_FOLDER = "device_profiles"  # under the run folder: the engines' device profiles
 STOP_MARGIN_S = 45.0       # wall time kept for stopping the stages and writing the results
 # pids of the running stages (reaped by the next run), MPS dirs; runs that must not reap
 # each other's stages (tests run in parallel) each name their own
@@ -183,6 +184,9 @@ def stage_configs(s: Settings, run_dir: Path, checkpoint: Path | None) -> dict[s
     max_len = max(256, -(-(prompt_len + frames + 8) // 64) * 64)
     server = {"drain_timeout": 5, "grace": 2}
     metrics = {"listen": "127.0.0.1:0"}
+    # a profiled tier also profiles the engines' device work (SIGUSR2: bench/server/profile.py)
+    engine_metrics = {**metrics, "profile_dir": str(run_dir / PROFILE_FOLDER)} \
+        if s.profile_tier is not None else metrics
     logging_ = {"level": "info", "json": False}
     graph_buckets = [b for b in pow2_up_to(min(top, s.c2w_graph_max_bucket))]
     chunk_frames = [1, 2, 4, 8, 16]
@@ -193,13 +197,13 @@ def stage_configs(s: Settings, run_dir: Path, checkpoint: Path | None) -> dict[s
         common = {"server": {"listen": sock[spec.name], **server}, "metrics": metrics, "logging": logging_}
         if spec.kind == "talker":
             configs[spec.name] = {
-                **common, "model": model,
+                **common, "metrics": engine_metrics, "model": model,
                 "engine": {"k_max": 8, "buckets": row_buckets(top), "max_num_seqs": top, "max_len": max_len,
                            "max_waiting": max(256, 2 * top), "cuda_graphs": not s.smoke},
             }
         elif spec.kind == "code2wav":
             configs[spec.name] = {
-                **common, "model": model,
+                **common, "metrics": engine_metrics, "model": model,
                 "engine": {"max_slots": top, "cuda_graphs": not s.smoke, "graph_buckets": graph_buckets,
                            "graph_chunk_frames": chunk_frames,
                            "max_graphs": len(graph_buckets) * len(chunk_frames), "max_graph_mb": 16384},
@@ -241,6 +245,8 @@ def portable_configs(configs: dict) -> dict:
         text = text.replace(json.dumps(config["server"]["listen"])[1:-1], f"unix:<run>/{stage}.sock")
     out = json.loads(text)
     for config in out.values():
+        if config.get("metrics", {}).get("profile_dir"):
+            config["metrics"]["profile_dir"] = f"<run>/{PROFILE_FOLDER}"
         if config.get("model", {}).get("checkpoint"):
             config["model"]["checkpoint"] = Path(config["model"]["checkpoint"]).name
     return out

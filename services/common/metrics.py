@@ -38,8 +38,13 @@ SEGMENT_FIRST_AUDIO = Histogram(
 @dataclass(frozen=True)
 class MetricsSection:
     listen: str | None = None  # HOST:PORT of the /metrics endpoint (port 0: any free); null: off
+    # a folder: SIGUSR2 starts a profile of the stage's device work, the next stops it, its summary
+    # written here (services/common/device_profile.py); null: off
+    profile_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.profile_dir is not None and not self.profile_dir.strip():
+            raise ConfigValueError("profile_dir", "must name a folder (or be null: no device profiles)")
         if self.listen is None:
             return
         try:

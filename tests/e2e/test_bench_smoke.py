@@ -184,3 +184,19 @@ def test_smoke_baseline(tmp_path):
             assert result[side][batch], (side, batch, result[side])
     assert result["transformers"]["B=8"]["frames"] == 8  # --hf-frames' smoke default, greedy
     assert result["voxring"]["B=8"]["wall_frames_per_s"] > 0
+
+
+def test_a_profiled_tier_profiles_each_engine_s_device_work(tmp_path):
+    """--profile-tier C: each engine stage profiles its device work over the window (SIGUSR2 to
+    its metrics.profile_dir: services/common/device_profile.py; on the CPU its ops), the summary
+    copied beside the results, whether or not py-spy is here."""
+    done = _run("--part", "tiers", "--tiers", "2", "--profile-tier", "2", "--profile-seconds", "1",
+                "--max-wall", "100", out=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for stage in ("talker", "code2wav"):
+        summary = json.loads((tmp_path / f"device_{stage}_c2.json").read_text())
+        assert summary["stage"] == stage and summary["device"] == "cpu" and summary["window_s"] > 0
+        assert summary["kernels"], summary  # the engine thread's ops, seen from the profiler's thread
+    result = json.loads(next(tmp_path.glob("server_gpu_tiers_*.json")).read_text())
+    assert result["configs"]["talker"]["metrics"]["profile_dir"] == "<run>/device_profiles"
+    assert "device profile: C=2: talker: busy None" in done.stderr

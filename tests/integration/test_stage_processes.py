@@ -134,3 +134,28 @@ def test_an_engine_that_must_be_an_mps_client_and_is_not_stays_unready(start_sta
     assert svc.ready()["mps_client"] is None  # not on a GPU
     assert svc.stop(timeout=10) == 0
     assert "model.require_mps is set but this stage is not on a GPU" in svc.log()
+
+
+def test_sigusr2_starts_and_stops_a_device_profile_written_to_metrics_profile_dir(start_stage, sock_dir):
+    """metrics.profile_dir: SIGUSR2 starts a profile, the next stops it and its summary appears
+    there (services/common/device_profile.py; on the CPU its ops), the stage serving on."""
+    import json
+    import signal
+    import time
+
+    folder = sock_dir / "profiles"
+    config = unix_config(sock_dir, "code2wav", f"metrics: {{profile_dir: '{folder}'}}\n")
+    svc = start_stage("code2wav", config)
+    svc.proc.send_signal(signal.SIGUSR2)
+    deadline = time.monotonic() + 30
+    while "device profile 0 started" not in svc.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    svc.proc.send_signal(signal.SIGUSR2)
+    path = folder / f"code2wav-{svc.proc.pid}-0.json"
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    summary = json.loads(path.read_text())
+    assert summary["stage"] == "code2wav" and summary["device"] == "cpu" and summary["window_s"] > 0
+    with grpc.insecure_channel(svc.address) as channel:
+        assert _health(channel, "liveness") == SERVING
+    assert svc.stop(timeout=10) == 0
