@@ -23,6 +23,7 @@ from services.code2wav.talkers import LinkHealth, TalkerLink
 from services.common import metrics
 from services.common.config import ConfigError
 from services.common.cuda_memory import allocator_metrics
+from services.common.device_profile import prepare_for_graphs
 from services.common.engine_thread import EngineComponent, EngineThread
 from services.common.mps import mps_requirement, set_client_priority
 from services.common.server import ServiceBinding
@@ -39,6 +40,7 @@ def build(config: Code2WavConfig, config_path: Path | None):
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
         raise ConfigError(f"model.device: {exc}") from None
+    prepare_for_graphs(config.metrics.profile_dir, device)  # before any graph is captured
     try:
         decoder, folder, family = load_decoder(config.model, config.engine, device)
     except CheckpointError as exc:

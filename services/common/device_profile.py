@@ -8,6 +8,10 @@ process's work (the union of the kernels' spans), the time by kind (GEMM, convol
 copies, element-wise, the rest) and the kernels that took most. It tells a stage's device time
 under load apart by what runs, beside py-spy's view of its threads; a trace is not kept (tens of
 MB a second under load). Off unless configured: the profiler costs time while it runs.
+
+A CUDA graph captured before the profiler first ran in the process replays unseen by it (a known
+limit of torch's profiler), so an engine that profiles calls ``prepare_for_graphs`` on its device
+before it captures any (a profile of nothing, started and stopped).
 """
 
 from __future__ import annotations
@@ -34,6 +38,17 @@ KINDS = (  # the first that matches a kernel's name
     ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|matmul|_mm_|splitk", re.I)),
     ("elementwise", re.compile(r"elementwise|vectorized|unrolled|reduce|softmax|norm|index|cat", re.I)),
 )
+
+
+def prepare_for_graphs(profile_dir: str | None, device) -> None:
+    """Where device profiles are configured on a CUDA ``device``: the profiler run once, empty,
+    before the stage captures its CUDA graphs, so that their replays are profiled later."""
+    if not profile_dir or device.type != "cuda":
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        pass
 
 
 def kind_of(name: str) -> str:

@@ -22,6 +22,7 @@ from models.tiny.talker import checkpoint_folder
 from services.common import metrics
 from services.common.config import ConfigError
 from services.common.cuda_memory import allocator_metrics
+from services.common.device_profile import prepare_for_graphs
 from services.common.engine_thread import EngineComponent, EngineThread
 from services.common.mps import mps_requirement, set_client_priority
 from services.common.server import ServiceBinding
@@ -110,6 +111,7 @@ def load_model(config: TalkerConfig):
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
         raise ConfigError(f"model.device: {exc}") from None
+    prepare_for_graphs(config.metrics.profile_dir, device)  # before any graph is captured
     try:
         folder = checkpoint_folder(config.model)
         family = family_of(folder)

@@ -190,7 +190,7 @@ def test_a_profiled_tier_profiles_each_engine_s_device_work(tmp_path):
     """--profile-tier C: each engine stage profiles its device work over the window (SIGUSR2 to
     its metrics.profile_dir: services/common/device_profile.py; on the CPU its ops), the summary
     copied beside the results, whether or not py-spy is here."""
-    done = _run("--part", "tiers", "--tiers", "2", "--profile-tier", "2", "--profile-seconds", "1",
+    done = _run("--part", "tiers", "--tiers", "2", "--profile-tier", "2", "--profile-seconds", "3",
                 "--max-wall", "100", out=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     for stage in ("talker", "code2wav"):

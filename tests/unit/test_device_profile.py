@@ -43,29 +43,42 @@ def test_the_summary_counts_each_kernel_and_kind_and_the_device_s_busy_share():
     assert summarize(spans, 0.002, "cpu")["busy_share"] is None  # ops of threads overlap on the CPU
 
 
-def _busy_thread(stop: threading.Event) -> threading.Thread:
-    a = torch.randn(128, 128)
+class Worker:
+    """A thread of matrix products, counting them; ``wait_for(n)`` returns once it made n more."""
 
-    def work():
-        while not stop.is_set():
+    def __init__(self) -> None:
+        self.done, self.stop = 0, threading.Event()
+        self.progress = threading.Condition()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        a = torch.randn(128, 128)
+        while not self.stop.is_set():
             a @ a
-    thread = threading.Thread(target=work, daemon=True)
-    thread.start()
-    return thread
+            with self.progress:
+                self.done += 1
+                self.progress.notify_all()
+
+    def wait_for(self, more: int) -> bool:
+        with self.progress:
+            target = self.done + more
+            return self.progress.wait_for(lambda: self.done >= target, timeout=30)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
 
 
 def test_a_toggle_profiles_another_thread_s_ops_into_the_folder(tmp_path):
-    stop = threading.Event()
-    worker = _busy_thread(stop)
+    worker = Worker()
     try:
         profile = DeviceProfile("talker", tmp_path)
         assert profile.toggle() is None  # started
-        for _ in range(2000):  # enough of the worker's products to be seen (bounded, no sleep)
-            torch.randn(8)
+        assert worker.wait_for(20)  # the worker's products inside the window
         path = profile.toggle()
     finally:
-        stop.set()
-        worker.join(timeout=10)
+        worker.close()
     summary = json.loads(path.read_text())
     assert path.name.startswith("talker-") and summary["device"] == "cpu" and summary["profile"] == 0
     assert any(k["name"] == "aten::mm" for k in summary["kernels"])  # the worker's, not this thread's
@@ -78,3 +91,12 @@ def test_a_profile_nobody_stops_ends_at_its_limit(tmp_path):
     profile._timer.join(timeout=30)
     assert [p.name for p in profile.written] == [f"code2wav-{device_profile.os.getpid()}-0.json"]
     assert (tmp_path / profile.written[0].name).is_file()
+
+
+def test_preparing_for_graphs_is_nothing_on_the_cpu_or_without_a_folder(monkeypatch):
+    def no_profiler(*args, **kwargs):
+        raise AssertionError("the profiler ran")
+
+    monkeypatch.setattr("torch.profiler.profile", no_profiler)
+    device_profile.prepare_for_graphs("/tmp/profiles", torch.device("cpu"))
+    device_profile.prepare_for_graphs(None, torch.device("cuda", 0))
