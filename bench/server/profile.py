@@ -70,15 +70,28 @@ class TierProfile:
                 self.procs[name] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                                      text=True), raw)
 
+    def _markers(self, name: str, suffix: str) -> list[Path]:
+        """The stage's files of ``suffix`` in its profile folder (named by its pid)."""
+        return list(self.device[name].glob(f"*-{self.server.procs[name].pid}-*{suffix}"))
+
     def _device_start(self) -> None:
-        """SIGUSR2 to each engine stage that profiles its device work (metrics.profile_dir), and
-        again ``seconds`` later (py-spy's window)."""
+        """SIGUSR2 to each engine stage that profiles its device work (metrics.profile_dir), each
+        awaited until its profile started (its ``.started`` marker, bounded: the load begins after),
+        and again ``seconds`` later (py-spy's window)."""
+        before = {}
         for stage in ENGINES:
             for name in self.server.names(stage):
                 folder = self.server.configs[name].get("metrics", {}).get("profile_dir")
                 if folder:
                     self.device[name] = Path(folder)
+                    before[name] = len(self._markers(name, ".started"))
                     self.server.procs[name].proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + DEVICE_PROFILE_WAIT_S
+        for name, count in before.items():
+            while len(self._markers(name, ".started")) <= count and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if len(self._markers(name, ".started")) <= count:
+                self.log(f"device profile: {name} did not start one within {DEVICE_PROFILE_WAIT_S:.0f} s")
         if self.device:
             self._device_running = True
             self._device_timer = threading.Timer(self.seconds, self._device_stop)
@@ -120,12 +133,11 @@ class TierProfile:
         self._device_timer.cancel()
         self._device_stop()  # where the tier ended before the window did
         out, deadline = {}, time.monotonic() + DEVICE_PROFILE_WAIT_S
-        for name, folder in self.device.items():
-            pid = self.server.procs[name].pid
-            written = sorted(folder.glob(f"*-{pid}-*.json"), key=lambda p: p.stat().st_mtime)
+        for name in self.device:
+            written = sorted(self._markers(name, ".json"), key=lambda p: p.stat().st_mtime)
             while not written and time.monotonic() < deadline:  # the stage writes it on a thread
                 time.sleep(0.1)
-                written = sorted(folder.glob(f"*-{pid}-*.json"), key=lambda p: p.stat().st_mtime)
+                written = sorted(self._markers(name, ".json"), key=lambda p: p.stat().st_mtime)
             if not written:
                 out[name] = {"error": f"no device profile within {DEVICE_PROFILE_WAIT_S:.0f} s"}
                 continue

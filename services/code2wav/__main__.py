@@ -14,16 +14,16 @@ from pathlib import Path
 
 import torch
 
+from kernels.profiling import TorchRecorder, prepare_for_graphs
 from models.checkpoint import CheckpointError, resolve_device, set_threads
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.engine import Code2WavEngine
 from services.code2wav.families import load_decoder
 from services.code2wav.servicer import Code2WavServicer
 from services.code2wav.talkers import LinkHealth, TalkerLink
-from services.common import metrics
+from services.common import device_profile, metrics
 from services.common.config import ConfigError
 from services.common.cuda_memory import allocator_metrics
-from services.common.device_profile import prepare_for_graphs
 from services.common.engine_thread import EngineComponent, EngineThread
 from services.common.mps import mps_requirement, set_client_priority
 from services.common.server import ServiceBinding
@@ -40,7 +40,9 @@ def build(config: Code2WavConfig, config_path: Path | None):
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
         raise ConfigError(f"model.device: {exc}") from None
-    prepare_for_graphs(config.metrics.profile_dir, device)  # before any graph is captured
+    if config.metrics.profile_dir:  # device profiles on SIGUSR2; the profiler once before any graph
+        prepare_for_graphs(device)
+        device_profile.install("code2wav", config.metrics.profile_dir, TorchRecorder())
     try:
         decoder, folder, family = load_decoder(config.model, config.engine, device)
     except CheckpointError as exc:

@@ -38,6 +38,8 @@ from models.mimi.model import CodecInputError, MimiCodec
 from services.code2wav.voice import encode_voice
 from services.common.buckets import length_at_most, padded_length, plan
 
+DECODE_RANGE = "voxring.decode"  # the range a device profile attributes Code2Wav's kernels to
+
 log = logging.getLogger(__name__)
 
 
@@ -103,8 +105,9 @@ class CodecDecoder:
         frames = _chunk_frames(chunks)
         graphed = bool(self.graphs)
         calls = plan(frames, self.chunk_frames if graphed else (), self.buckets if graphed else ())
-        outputs = [self.decode(*inputs) for inputs in self._stage(calls, slots, chunks)]
-        flat = to_host(torch.cat([_pcm(out).reshape(-1) for out in outputs]))  # one copy back
+        with torch.profiler.record_function(DECODE_RANGE):  # a device profile's share (device_profile.py)
+            outputs = [self.decode(*inputs) for inputs in self._stage(calls, slots, chunks)]
+            flat = to_host(torch.cat([_pcm(out).reshape(-1) for out in outputs]))  # one copy back
         spf = self.codec.config.samples_per_frame
         pcm: list[np.ndarray] = [np.empty(0, np.int16)] * len(chunks)
         start = 0

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from services.common import metrics
 from services.common.config import ConfigError, load_config
-from services.common.device_profile import DeviceProfile
+from services.common.device_profile import stop_installed
 from services.common.gc_pauses import GcPauses, freeze_startup
 from services.common.log import configure_logging
 from services.common.metrics import serve as serve_metrics
@@ -75,14 +75,11 @@ def run_stage(stage: str, config_cls: type[C], build: Builder, argv: list[str] |
         return 1
     if host.metrics_address:
         logging.getLogger(stage).info("metrics at http://%s/metrics", host.metrics_address)
-    profile = DeviceProfile(stage, Path(config.metrics.profile_dir)).install() \
-        if config.metrics.profile_dir else None
     try:
         asyncio.run(host.run())
     except OSError as exc:
         logging.getLogger(stage).error("cannot serve: %s", exc)
         return 1
     finally:
-        if profile is not None:
-            profile.stop()  # a profile still running when the stage stops is written, not lost
+        stop_installed()  # a device profile still running when the stage stops is written, not lost
     return host.exit_code

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 import kernels
+from kernels.profiling import TorchRecorder, prepare_for_graphs
 from models.checkpoint import CheckpointError, resolve_device, set_threads
 from models.talkers import Family, family_of
 from models.tiny.talker import checkpoint_folder
-from services.common import metrics
+from services.common import device_profile, metrics
 from services.common.config import ConfigError
 from services.common.cuda_memory import allocator_metrics
-from services.common.device_profile import prepare_for_graphs
 from services.common.engine_thread import EngineComponent, EngineThread
 from services.common.mps import mps_requirement, set_client_priority
 from services.common.server import ServiceBinding
@@ -111,7 +111,9 @@ def load_model(config: TalkerConfig):
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
         raise ConfigError(f"model.device: {exc}") from None
-    prepare_for_graphs(config.metrics.profile_dir, device)  # before any graph is captured
+    if config.metrics.profile_dir:  # device profiles on SIGUSR2; the profiler once before any graph
+        prepare_for_graphs(device)
+        device_profile.install("talker", config.metrics.profile_dir, TorchRecorder())
     try:
         folder = checkpoint_folder(config.model)
         family = family_of(folder)

@@ -37,6 +37,9 @@ from models.family import FrameInputs, TalkerModel
 from services.talker.prefill import PrefillBuckets, Prefiller, PrefillRow
 from services.talker.prefill_graphs import PrefillGraphStats
 
+# the ranges a device profile attributes the talker's kernels to (services/common/device_profile.py)
+PREFILL_RANGE, DECODE_RANGE = "voxring.prefill", "voxring.decode"
+
 __all__ = ["PrefillBuckets", "PrefillRow", "Runner"]
 log = logging.getLogger(__name__)
 _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
@@ -155,7 +158,8 @@ class Runner:
         """Runs packed prompt chunks into their slots; a final chunk resets its slot's frame
         state (see prefill.py). Queues device work and returns without syncing: the calls it
         made and the positions they ran, padding included (the step log's)."""
-        self.prefiller.prefill(rows)
+        with torch.profiler.record_function(PREFILL_RANGE):  # a device profile's share (device_profile.py)
+            self.prefiller.prefill(rows)
         return self.prefiller.last_calls, self.prefiller.last_padded
 
     @property
@@ -182,6 +186,10 @@ class Runner:
         run (the same replays: the codes do not change)."""
         if not 1 <= k <= self.k_max:
             raise ValueError(f"k must be in [1, {self.k_max}], got {k}")
+        with torch.profiler.record_function(DECODE_RANGE):  # a device profile's share
+            return self._launch(slots, k, first)
+
+    def _launch(self, slots: Sequence[int], k: int, first: bool) -> _Launched:
         bucket = self.bucket_for(len(slots))
         turn = self._turn
         self._turn ^= 1

@@ -197,6 +197,7 @@ def test_a_profiled_tier_profiles_each_engine_s_device_work(tmp_path):
         summary = json.loads((tmp_path / f"device_{stage}_c2.json").read_text())
         assert summary["stage"] == stage and summary["device"] == "cpu" and summary["window_s"] > 0
         assert summary["kernels"], summary  # the engine thread's ops, seen from the profiler's thread
+        assert summary["ranges"]["voxring.decode"]["calls"] > 0  # its decode launches or calls, timed
     result = json.loads(next(tmp_path.glob("server_gpu_tiers_*.json")).read_text())
     assert result["configs"]["talker"]["metrics"]["profile_dir"] == "<run>/device_profiles"
     assert "device profile: C=2: talker: busy None" in done.stderr

@@ -1,6 +1,6 @@
-"""services/common/device_profile.py off the GPU: the summary's arithmetic (the busy union,
-kernels by kind and by name) and a profile of another thread's ops on the CPU, stopped by a
-toggle or by its time limit."""
+"""services/common/device_profile.py and kernels/profiling.py off the GPU: the summary's
+arithmetic (the busy union, kernels by kind and by name, the ranges), a profile of another
+thread's ops and ranges on the CPU, stopped by a toggle or by its time limit, its start marked."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from kernels.profiling import TorchRecorder, prepare_for_graphs
 from services.common import device_profile
 from services.common.device_profile import DeviceProfile, busy_us, kind_of, summarize
 
@@ -35,11 +36,12 @@ def test_a_kernel_s_kind_is_read_from_its_name(name, kind):
 
 def test_the_summary_counts_each_kernel_and_kind_and_the_device_s_busy_share():
     spans = [("nvjet_a", 0, 400), ("nvjet_a", 500, 900), ("conv_b", 300, 600), ("Memcpy HtoD", 950, 1000)]
-    s = summarize(spans, window_s=0.002, device="cuda")
+    s = summarize(spans, window_s=0.002, device="cuda", ranges={"voxring.decode": (2, 800.0)})
     assert s["busy_ms"] == 0.95 and s["busy_share"] == 0.475 and s["time_ms"] == 1.15
     assert s["kinds_ms"] == {"gemm": 0.8, "convolution": 0.3, "copy": 0.05}
     first = s["kernels"][0]
     assert (first["name"], first["calls"], first["total_ms"], first["mean_us"]) == ("nvjet_a", 2, 0.8, 400)
+    assert s["ranges"] == {"voxring.decode": {"calls": 2, "ms": 0.8}}
     assert summarize(spans, 0.002, "cpu")["busy_share"] is None  # ops of threads overlap on the CPU
 
 
@@ -55,7 +57,8 @@ class Worker:
     def _run(self) -> None:
         a = torch.randn(128, 128)
         while not self.stop.is_set():
-            a @ a
+            with torch.profiler.record_function("voxring.decode"):  # as the engines name their work
+                a @ a
             with self.progress:
                 self.done += 1
                 self.progress.notify_all()
@@ -73,8 +76,9 @@ class Worker:
 def test_a_toggle_profiles_another_thread_s_ops_into_the_folder(tmp_path):
     worker = Worker()
     try:
-        profile = DeviceProfile("talker", tmp_path)
+        profile = DeviceProfile("talker", tmp_path, TorchRecorder())
         assert profile.toggle() is None  # started
+        assert (tmp_path / f"talker-{device_profile.os.getpid()}-0.started").is_file()
         assert worker.wait_for(20)  # the worker's products inside the window
         path = profile.toggle()
     finally:
@@ -82,21 +86,56 @@ def test_a_toggle_profiles_another_thread_s_ops_into_the_folder(tmp_path):
     summary = json.loads(path.read_text())
     assert path.name.startswith("talker-") and summary["device"] == "cpu" and summary["profile"] == 0
     assert any(k["name"] == "aten::mm" for k in summary["kernels"])  # the worker's, not this thread's
+    ranges = summary["ranges"]  # the worker's ranges, each timed (on the CPU: their wall time); the
+    assert list(ranges) == ["voxring.decode"]  # first of the 20 may have begun before the start
+    assert ranges["voxring.decode"]["calls"] >= 19
+    assert ranges["voxring.decode"]["ms"] > 0
     assert profile.stop() is None  # nothing running: nothing written
 
 
+class FakeRecorder:
+    def __init__(self) -> None:
+        self.started = self.stopped = 0
+
+    def start(self) -> str:
+        self.started += 1
+        return "cuda"
+
+    def stop(self):
+        self.stopped += 1
+        return [("nvjet", 0.0, 100.0)], {"voxring.prefill": (1, 100.0)}
+
+
 def test_a_profile_nobody_stops_ends_at_its_limit(tmp_path):
-    profile = DeviceProfile("code2wav", tmp_path, max_seconds=0.2)
+    recorder = FakeRecorder()
+    profile = DeviceProfile("code2wav", tmp_path, recorder, max_seconds=0.2)
     profile.toggle()
     profile._timer.join(timeout=30)
     assert [p.name for p in profile.written] == [f"code2wav-{device_profile.os.getpid()}-0.json"]
-    assert (tmp_path / profile.written[0].name).is_file()
+    summary = json.loads(profile.written[0].read_text())
+    assert summary["ranges"] == {"voxring.prefill": {"calls": 1, "ms": 0.1}} and summary["busy_ms"] == 0.1
+    assert (recorder.started, recorder.stopped) == (1, 1)
+    assert profile.stop() is None and recorder.stopped == 1  # the limit stopped it: nothing more
 
 
-def test_preparing_for_graphs_is_nothing_on_the_cpu_or_without_a_folder(monkeypatch):
+def test_profiles_install_only_where_a_folder_is_configured_and_stop_with_the_stage(tmp_path, monkeypatch):
+    import signal
+
+    handlers = {}
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: handlers.setdefault(signum, handler))
+    monkeypatch.setattr(device_profile, "_installed", [])
+    assert device_profile.install("talker", None, FakeRecorder()) is None and not handlers
+    recorder = FakeRecorder()
+    made = device_profile.install("talker", str(tmp_path / "p"), recorder)
+    assert signal.SIGUSR2 in handlers and (tmp_path / "p").is_dir()
+    made.toggle()
+    device_profile.stop_installed()  # the stage stops: the running profile is written
+    assert recorder.stopped == 1 and len(made.written) == 1
+
+
+def test_preparing_for_graphs_is_nothing_on_the_cpu(monkeypatch):
     def no_profiler(*args, **kwargs):
         raise AssertionError("the profiler ran")
 
-    monkeypatch.setattr("torch.profiler.profile", no_profiler)
-    device_profile.prepare_for_graphs("/tmp/profiles", torch.device("cpu"))
-    device_profile.prepare_for_graphs(None, torch.device("cuda", 0))
+    monkeypatch.setattr("kernels.profiling.profile", no_profiler)
+    prepare_for_graphs(torch.device("cpu"))
