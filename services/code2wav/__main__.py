@@ -34,8 +34,8 @@ log = logging.getLogger("code2wav")
 
 
 def build(config: Code2WavConfig, config_path: Path | None):
+    set_client_priority(config.model.mps_priority)  # before anything may start CUDA
     threads = set_threads(config.model.threads)
-    set_client_priority(config.model.mps_priority)  # before CUDA starts: device resolution may start it
     try:
         device = resolve_device(config.model.device)
     except CheckpointError as exc:

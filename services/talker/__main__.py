@@ -103,10 +103,10 @@ def make_scheduler(engine_cfg, num_slots: int, max_len: int, frame_rate: float, 
 def load_model(config: TalkerConfig):
     """The kernels configured, then the model of the checkpoint's family on its device: (folder,
     family, model, device, CPU threads)."""
+    set_client_priority(config.model.mps_priority)  # before anything may start CUDA
     kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention,
                       fused_layers=config.kernels.fused_layers)
     threads = set_threads(config.model.threads)
-    set_client_priority(config.model.mps_priority)  # before CUDA starts: device resolution may start it
     try:
         device = resolve_device(config.model.device)
     except CheckpointError as exc:
