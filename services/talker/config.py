@@ -12,6 +12,7 @@ from services.common.sections import (
     LoggingSection,
     ModelSection,
 )
+from services.talker.pacing import FIRST_AUDIO_HEADROOM
 from services.transport import TransportSection
 
 
@@ -48,7 +49,7 @@ class EngineSection:
     # real time in steps shorter than a 2-frame first chunk's audio over it (pacing.fits)
     min_chunk_tokens: int = 32
     admission_headroom: float = 0.25
-    first_audio_headroom: float = 0.25  # a first record's audio beyond the time its next record needs
+    first_audio_headroom: float = FIRST_AUDIO_HEADROOM  # a first record's audio beyond its next record's way
     admission_by_slack: bool = True         # false: only the counts and max_queue_wait_s refuse
     max_queue_wait_s: float = 0.05          # refuse a request expected to wait longer for a slot or prefill
     # Prefill graphs per (rows, tokens) bucket on CUDA: a step's chunks run grouped by the token

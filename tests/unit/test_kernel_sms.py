@@ -32,6 +32,7 @@ def test_the_driver_answer_is_taken_only_when_it_is_one(monkeypatch, rc, count, 
     monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: Driver())
     assert sms.context_sm_count() == expected
 
+
 @pytest.mark.parametrize(("share", "expected"), [(None, 132), (98, 98), (200, 132)])
 def test_a_grid_counts_on_the_device_or_its_fewer_mps_share(monkeypatch, share, expected):
     import contextlib
