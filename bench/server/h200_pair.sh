@@ -11,6 +11,8 @@
 #                    carried beside it, e.g. a copy before a change, for a comparison in one call)
 #   gputests         tests/gpu and the sampler's CUDA test, 14 workers stealing work (loadfile, the suite's
 #                    default, kept test_stack_step_cuda.py's ~6 min of compiles on one worker)
+#   pattn            bench.kernels.prefill_attention_gpu (prefill_attention_gpu.json), then the prefill
+#                    attention's, prefill graphs' and device profile's tests (pattn_tests.log)
 #   t2w              bench.code2wav.token2wav_gpu: the Qwen family's Token2Wav per row bucket (token2wav_gpu.json)
 #   qtalk            bench.talker.qwen_omni_gpu: the Qwen family's talker step and prefill (qwen_talker_gpu.json)
 #   fault            bench.probes.pair_fault: the stack as `voxring up` starts it (--mps $MPS), kill -9 of
@@ -97,6 +99,14 @@ for part in "$@"; do
         --durations=30 tests/gpu tests/unit/test_sampler.py > "$R/gpu_tests.log" 2>&1
       echo "gpu tests: exit $?"; grep -E "^(FAILED|ERROR)|(FAILED|ERROR) tests/" "$R/gpu_tests.log" | head -n 20
       tail -n 3 "$R/gpu_tests.log" ;;
+    pattn)
+      timeout "$share" python3 -m bench.kernels.prefill_attention_gpu --out "$R/prefill_attention_gpu.json" \
+        > "$R/pattn.log" 2>&1
+      echo "pattn: exit $?"; tail -n 16 "$R/pattn.log"
+      timeout -s INT -k 30 "$(left)" python3 -m pytest -q -rfE -W ignore -p no:cacheprovider -n 4 \
+        tests/unit/test_kernel_prefill_attention.py tests/gpu/test_prefill_graphs_cuda.py \
+        tests/gpu/test_device_profile_cuda.py tests/gpu/test_talker_loop_cuda.py > "$R/pattn_tests.log" 2>&1
+      echo "pattn tests: exit $?"; tail -n 4 "$R/pattn_tests.log" ;;
     t2w)
       timeout "$share" python3 -m bench.code2wav.token2wav_gpu --out "$R/token2wav_gpu.json" > "$R/t2w.log" 2>&1
       echo "t2w: exit $?"; tail -n 6 "$R/t2w.log" ;;

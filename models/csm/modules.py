@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.decode_attention import decode_attention
+from kernels.prefill_attention import prefill_attention
 from kernels.rms_norm import rms_norm, rms_norm_eager
 from kernels.rope_kv import apply_rope, rope_kv
 from kernels.silu_mul import silu_mul
@@ -173,14 +174,10 @@ class Attention(nn.Module):
             out = decode_attention(q[:, 0], cache.k[layer], cache.v[layer], slots, positions[:, 0] + 1,
                                    self.head_dim ** -0.5)                     # [B, Hq, D]
             return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim))
-        keys = cache.k[layer][slots].transpose(1, 2)      # [B, Hkv, L, D]
-        values = cache.v[layer][slots].transpose(1, 2)
-        # A query at position p sees keys 0..p of its own row: [B, 1, T, L]
-        key_pos = torch.arange(cache.max_len, device=x.device)
-        visible = (key_pos[None, None, :] <= positions[:, :, None])[:, None]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+        # A query at position p sees keys 0..p of its own slot (a chunk continues those before it)
+        out = prefill_attention(q, cache.k[layer], cache.v[layer], slots, positions,
+                                self.head_dim ** -0.5)                     # [B, T, Hq, D]
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):

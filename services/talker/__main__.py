@@ -105,6 +105,7 @@ def load_model(config: TalkerConfig):
     family, model, device, CPU threads)."""
     set_client_priority(config.model.mps_priority)  # before anything may start CUDA
     kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention,
+                      prefill_attention=config.kernels.prefill_attention,
                       fused_layers=config.kernels.fused_layers)
     threads = set_threads(config.model.threads)
     try:

@@ -119,6 +119,7 @@ class KernelsSection:
 
     sampler: bool = True
     decode_attention: bool = True
+    prefill_attention: bool = True
     fused_layers: bool = True
 
 

@@ -39,6 +39,7 @@ def test_a_graph_s_replays_are_profiled_when_prepared_before_its_capture(tmp_pat
     torch.cuda.synchronize()
     summary = json.loads(profile.toggle().read_text())
     assert summary["device"] == "cuda" and 0 < summary["busy_share"] <= 1
+    assert not [k for k in summary["kernels"] if k["name"].startswith("voxring.")]  # marks, no kernels
     gemms = [k for k in summary["kernels"] if k["kind"] == "gemm"]
     assert gemms and max(k["calls"] for k in gemms) >= 20, summary["kernels"][:5]
     decode = summary["ranges"]["voxring.decode"]  # the range's kernels: the replays'

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from kernels.profiling import TorchRecorder, prepare_for_graphs
+from kernels.profiling import TorchRecorder, prepare_for_graphs, ranges_on_device
 from services.common import device_profile
 from services.common.device_profile import DeviceProfile, busy_us, kind_of, summarize
 
@@ -139,3 +139,13 @@ def test_preparing_for_graphs_is_nothing_on_the_cpu(monkeypatch):
 
     monkeypatch.setattr("kernels.profiling.profile", no_profiler)
     prepare_for_graphs(torch.device("cpu"))
+
+
+def test_a_range_s_kernel_time_is_read_from_its_marks_on_the_device_s_timeline():
+    kernels = [("gemm", 0.0, 10.0), ("norm", 12.0, 15.0), ("gemm", 18.0, 30.0), ("copy", 40.0, 41.0),
+               ("long", 50.0, 90.0)]
+    marks = [("voxring.prefill", 0.0, 15.0), ("voxring.decode", 18.0, 30.0), ("voxring.decode", 60.0, 70.0)]
+    ranges = ranges_on_device(kernels, marks)
+    assert ranges["voxring.prefill"] == (1, 13.0)  # its two kernels, not the gap between them
+    assert ranges["voxring.decode"] == (2, 22.0)   # 12 us, and the part of the long kernel in its mark
+    assert ranges_on_device([], marks)["voxring.decode"] == (2, 0.0)
