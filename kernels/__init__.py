@@ -3,11 +3,12 @@
 One file per op: ``sampler`` (the fused sampler; its twin is ``kernels.sampler_twin``),
 ``decode_attention`` (one query per row over the static per-slot KV cache; twin in the same
 file), ``prefill_attention`` (a chunk of queries per row over that cache, each seeing the keys up to
-its position; twin in the same file), the fused decoder-layer ops ``rms_norm`` (residual add + RMSNorm), ``rope_kv`` (rotary
-embedding + KV-cache write) and ``silu_mul`` (SiLU(gate) * up), each with its twin; the package
-``stack_step`` (a whole decode step of a short stack, such as the depth decoder, in one persistent
-launch; its twin in ``stack_step.twin``); ``tl_common`` (the device helpers several kernels run) and
-``latch`` (the process-level switch between a kernel and its twin, and the drop-ins' one rule).
+its position; twin in the same file), the fused decoder-layer ops ``rms_norm`` (residual add +
+RMSNorm), ``rope_kv`` (rotary embedding + KV-cache write) and ``silu_mul`` (SiLU(gate) * up), each
+with its twin; the package ``stack_step`` (a whole decode step of a short stack, such as the depth
+decoder, in one persistent launch; its twin in ``stack_step.twin``); ``tl_common`` (the device
+helpers several kernels run) and ``latch`` (the process-level switch between a kernel and its twin,
+and the drop-ins' one rule).
 
 ``configure`` is the one place a service's config reaches the kernels: it sets each kernel's
 switch (False = the eager twin serves every call, for triage). Submodules are imported only when

@@ -8,7 +8,8 @@ Every case is checked before it is timed (relative error against the twin under 
 METHOD.md). Times are ``triton.testing.do_bench`` medians per call inside one CUDA graph replay of
 calls over rotating cache layers (as the talker replays its prefill graphs), L2 flushed.
 
-    .venv/bin/python -m bench.kernels.prefill_attention_gpu [--out bench/results/kernels/prefill_attention_gpu.json]
+    .venv/bin/python -m bench.kernels.prefill_attention_gpu \
+        [--out bench/results/kernels/prefill_attention_gpu.json]
 """
 
 from __future__ import annotations
@@ -42,14 +43,14 @@ def time_case(rows: int, tokens: int, start: int) -> dict:
     got = prefill_attention_triton(q, k_cache[0], v_cache[0], slots, positions, scale).float()
     error = float((got - want).norm() / want.norm())
     if not error < 1e-2:
-        raise SystemExit(f"prefill attention kernel off the twin at {rows}x{tokens} start {start}: {error:.2e}")
+        raise SystemExit(f"prefill attention kernel off the twin at {rows}x{tokens} start {start}: "
+                         f"{error:.2e}")
     row = {"rows": rows, "tokens": tokens, "start": start, "max_len": MAX_LEN, "rel_error_vs_twin": error}
     for name, fn in (("kernel", prefill_attention_triton), ("twin", prefill_attention_eager)):
-        row[f"{name}_graph_ms"] = graph_ms_per_call(
-            [lambda fn=fn, i=i: fn(q, k_cache[i], v_cache[i], slots, positions, scale) for i in range(LAYERS)])
+        calls = [lambda fn=fn, k=k, v=v: fn(q, k, v, slots, positions, scale)
+                 for k, v in zip(k_cache, v_cache, strict=True)]
+        row[f"{name}_graph_ms"] = graph_ms_per_call(calls)
     row["speedup"] = row["twin_graph_ms"] / row["kernel_graph_ms"]
-    del k_cache, v_cache
-    torch.cuda.empty_cache()
     return row
 
 
@@ -66,6 +67,7 @@ def main() -> int:
     for rows, tokens in BUCKETS:
         for start in STARTS:
             row = time_case(rows, tokens, start)
+            torch.cuda.empty_cache()  # the case's caches and the twin's scores are gone
             cases.append(row)
             print(f"prefill attention {rows:2d} x {tokens:3d} from {start:3d}: kernel "
                   f"{row['kernel_graph_ms'] * 1e3:8.1f} us  twin {row['twin_graph_ms'] * 1e3:9.1f} us  "
