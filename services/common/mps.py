@@ -8,7 +8,6 @@ checks each stage: the CUDA driver says whether contexts on the device are share
 answer is exported as the gauge ``voxring_mps_client`` (1, 0; absent when not on a GPU), and
 with ``model.require_mps`` a stage that is not a client keeps its readiness NOT_SERVING
 (liveness stays SERVING: restarting it would not bring the daemon back), logging why.
-
 """
 
 from __future__ import annotations

@@ -49,9 +49,10 @@ from services.talker.staging import Staging
 
 __all__ = ["PrefillBuckets", "PrefillRow", "Prefiller"]
 _SAMPLING_FIELDS = [f.name for f in fields(SamplingParams)]
-# Prefill's attention without cuDNN's: cuDNN builds a plan for every new shape (tens of ms of host
-# time), and an eager prefill batch changes shape nearly every step (bench/NOTES.md,
-# "Prefill's first call of a shape").
+# Prefill's attention, where it runs SDPA (kernels/prefill_attention.py's twin: the CPU, or the kernel
+# switched off), without cuDNN's: cuDNN builds a plan for every new shape (tens of ms of host time),
+# and an eager prefill batch changes shape nearly every step (bench/NOTES.md, "Prefill's first call
+# of a shape").
 _ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
