@@ -76,12 +76,18 @@ def code2wav_table(tiers: dict) -> list[str]:
     if not rows:
         return []
     lines = ["Code2Wav: ms a decode call, chunks a call, the decode tick it reported at the tier's end "
-             "(mean and two deviations), and its chunks by why they were cut.", "",
-             "| C | ms a call | chunks a call | tick ms | first / need / size / end |",
-             "|---|---|---|---|---|"]
+             "(mean and two deviations), its chunks by why they were cut, and where the clients' stalls "
+             "were made: those Code2Wav's model of each listener saw (from its sends), those the "
+             "gateway's saw (from its receipts: made by then), and the clients' own.", "",
+             "| C | ms a call | chunks a call | tick ms | first / need / size / end "
+             "| stalls: Code2Wav / gateway / clients |",
+             "|---|---|---|---|---|---|"]
     lines += [f"| {c} | {fmt(cw.get('decode_ms_per_call'))} | {fmt(cw.get('chunks_per_call'))} | "
               f"{fmt(cw.get('tick_ms_at_end'))} | "
-              + " / ".join(fmt(cw["cuts"].get(why), 0) for why in ("first", "need", "size", "end")) + " |"
+              + " / ".join(fmt(cw["cuts"].get(why), 0) for why in ("first", "need", "size", "end"))
+              + f" | {fmt(cw.get('modeled_underruns'), 0)} / "
+              f"{fmt((tiers[c].get('gateway') or {}).get('modeled_underruns'), 0)} / "
+              f"{fmt(tiers[c].get('underruns'), 0)} |"
               for c, cw in rows]
     return [*lines, ""]
 

@@ -375,6 +375,7 @@ def format_tier(t: dict) -> str:
     p50s = "/".join(str(v["p50"]) for v in by_idle.values())
     idle = f", TTFA p50 after {'/'.join(by_idle)} s idle {p50s} ms" if by_idle else ""
     modeled = (t.get("code2wav") or {}).get("modeled_underruns")
+    at_gateway = (t.get("gateway") or {}).get("modeled_underruns")
     refused = (t.get("loadgen") or {}).get("refusal_s")
     rejected = f"rejected {t['rejected']}" + (
         f" in p99 {refused['p99'] * 1e3:.1f} ms: {t['loadgen']['refusals']}"
@@ -385,7 +386,7 @@ def format_tier(t: dict) -> str:
     return (f"C={t['concurrency']}: admitted {t['admitted']}/{t['requests']} ({rejected}), "
             f"TTFA p50/p90/p99 {ttfa['p50']}/{ttfa['p90']}/{ttfa['p99']} ms{lag_text}{idle}, "
             f"gap p99 {t['gap_p99_ms']} ms, "
-            f"underruns {t['underruns']} (Code2Wav's model {modeled}), "
+            f"underruns {t['underruns']} (Code2Wav's model {modeled}, the gateway's {at_gateway}), "
             f"{t['audio_s_per_s']} audio-s/s "
             f"(steady {t.get('steady_audio_s_per_s')}), RTF {t['rtf']}, "
             f"PCM mismatches {t.get('sample_mismatches')}, short {t.get('audio_shortfalls')}, "

@@ -23,6 +23,7 @@ import grpc
 
 from services.common import errors
 from services.common.limits import LengthLimit, new_seed
+from services.common.listener import Listener
 from services.common.metrics import TIME_TO_FIRST_AUDIO
 from services.gateway.audio import make_encoder, whole_file
 from services.gateway.config import GatewayConfig
@@ -89,6 +90,9 @@ class SynthesisPipeline:
         self.session_segments = 0   # ... and the segments they spoke
         self._admitting = 0         # admitted, still waiting in router.acquire()
         self.refusals_held = 0      # refused here: a pair's talker's verdict, or its refusal of a moment ago
+        # chunks that reached this gateway after the listener it models (playback from the first
+        # chunk received) ran dry: stalls made before the gateway, to set beside Code2Wav's own count
+        self.listener_underruns = 0
         # a request's start, apart: Code2Wav's Open (to its handle) and the talker's Submit (to its
         # answer, admitted or refused): how many, and their seconds
         self.start_counts = {"opens": 0, "open_s": 0.0, "submits": 0, "submit_s": 0.0}
@@ -103,6 +107,9 @@ class SynthesisPipeline:
                 "streaming_sessions": ("counter", "streaming sessions ended (segments a session: "
                                        "streaming_segments / streaming_sessions)", self.sessions),
                 "streaming_segments": ("counter", "segments the ended sessions spoke", self.session_segments),
+                "listener_underruns": ("counter", "chunks of a one-segment request that reached the "
+                                       "gateway after its model of the listener (playback from the "
+                                       "first chunk received) ran dry", self.listener_underruns),
                 "requests_refused_held": ("counter", "requests refused by the gateway on a talker's "
                                           "watched verdict or its refusal of a moment ago "
                                           "(routing.REFUSAL_HOLD_S), without a round trip",
@@ -129,12 +136,16 @@ class SynthesisPipeline:
             out_rate = request.sample_rate_hz or facts.sample_rate
             encoder = make_encoder(request.encoding, facts.sample_rate, out_rate, request.speed)
             first_audio = None
+            listener = Listener(0.0)  # seconds per frame unused: chunks are counted by their samples
             async for message in self._chunks(started):
                 if message.HasField("chunk"):
+                    now = time.monotonic()
                     if first_audio is None:
-                        first_audio = time.monotonic()
+                        first_audio = now
                         TIME_TO_FIRST_AUDIO.observe(first_audio - started.arrival)
                     chunk = message.chunk
+                    if listener.sent_audio(now, len(chunk.pcm) / 2 / facts.sample_rate) < 0:
+                        self.listener_underruns += 1
                     # Output samples before this chunk's (after speed and resampling), so that
                     # offset + this chunk's samples is the next offset at any speed and rate.
                     sample_offset = encoder.samples_out

@@ -98,12 +98,17 @@ def test_the_refusal_table_says_how_fast_and_why_each_tier_refused():
     assert refusal_table({"1": {"loadgen": {"rejected": 0}}}) == []
 
 
-def test_the_code2wav_table_shows_its_calls_tick_and_cuts():
+def test_the_code2wav_table_shows_its_calls_tick_cuts_and_where_stalls_were_made():
     cw = {"decode_ms_per_call": 47.25, "chunks_per_call": 94.9, "tick_ms_at_end": 41.2,
-          "cuts": {"first": 2278.0, "need": 7541.0, "size": 4461.0, "end": 2473.0, "segment": 0.0}}
-    table = code2wav_table({"1536": {"code2wav": cw}, "1": {"code2wav": {"decode_ms_per_call": 3.0}}})
-    assert table[-2] == "| 1536 | 47.2 | 94.9 | 41.2 | 2278 / 7541 / 4461 / 2473 |"
+          "cuts": {"first": 2278.0, "need": 7541.0, "size": 4461.0, "end": 2473.0, "segment": 0.0},
+          "modeled_underruns": 12.0}
+    tiers = {"1536": {"code2wav": cw, "gateway": {"modeled_underruns": 30.0}, "underruns": 41},
+             "1": {"code2wav": {"decode_ms_per_call": 3.0}}}
+    table = code2wav_table(tiers)
+    assert table[-2] == "| 1536 | 47.2 | 94.9 | 41.2 | 2278 / 7541 / 4461 / 2473 | 12 / 30 / 41 |"
     assert len(table) == 6  # one row: a tier from before the cuts were counted has none
+    del tiers["1536"]["gateway"]  # a result from before the gateway modeled its listeners
+    assert code2wav_table(tiers)[-2].endswith("| 12 / - / 41 |")
     assert code2wav_table({"1": {"code2wav": None}}) == []
 
 
