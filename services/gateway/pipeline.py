@@ -144,7 +144,8 @@ class SynthesisPipeline:
                         first_audio = now
                         TIME_TO_FIRST_AUDIO.observe(first_audio - started.arrival)
                     chunk = message.chunk
-                    if listener.sent_audio(now, len(chunk.pcm) / 2 / facts.sample_rate) < 0:
+                    seconds = len(chunk.pcm) / 2 / facts.sample_rate / request.speed  # as the client plays it
+                    if listener.sent_audio(now, seconds) < 0:
                         self.listener_underruns += 1
                     # Output samples before this chunk's (after speed and resampling), so that
                     # offset + this chunk's samples is the next offset at any speed and rate.
