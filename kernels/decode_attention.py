@@ -151,31 +151,50 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, num_sms: int)
     return max(1, min(wanted, max_len // _MIN_SPLIT_KEYS, 64))
 
 
-def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-           lengths: torch.Tensor, out: torch.Tensor | None) -> None:
+def check_over_cache(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     out: torch.Tensor | None, q_layout: str, *indices: torch.Tensor) -> None:
+    """What an attention kernel over the per-slot KV cache (this one, ``prefill_attention``) takes,
+    each refusal a ValueError naming ``op``: q of ``q_layout`` ending in [..., Hq, D]; both caches
+    [num_slots, max_len, Hkv, D] of q's dtype (fp32, bf16, fp16) with equal D <= 256 and Hq % Hkv ==
+    0; unit stride in D; ``out`` (if given) like q; ``indices`` and everything on q's device."""
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"decode attention: q must be [B, Hq, D] and both caches "
-                         f"[num_slots, max_len, Hkv, D], got {tuple(q.shape)}, "
-                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or num_q_heads % num_kv_heads or head_dim > 256:
-        raise ValueError(f"decode attention: need equal D <= 256 and Hq % Hkv == 0, got q "
+    if q.dim() != q_layout.count(",") + 1 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"{op}: q must be {q_layout} and both caches [num_slots, max_len, Hkv, D], got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    num_q_heads, head_dim = q.shape[-2:]
+    if k_cache.shape[3] != head_dim or num_q_heads % k_cache.shape[2] or head_dim > 256:
+        raise ValueError(f"{op}: need equal D <= 256 and Hq % Hkv == 0, got q "
                          f"{tuple(q.shape)} and cache {tuple(k_cache.shape)}")
     if q.dtype not in dtypes or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"decode attention: q and caches must share one of {dtypes}, got "
+        raise ValueError(f"{op}: q and caches must share one of {dtypes}, got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("decode attention: the head dimension must have unit stride")
-    for name, index in (("slots", slots), ("lengths", lengths)):
-        if index.shape != (batch,) or index.dtype != torch.int64 or not index.is_contiguous():
-            raise ValueError(f"decode attention: {name} must be a contiguous [{batch}] int64 tensor")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
-        raise ValueError(f"decode attention: out must be {tuple(q.shape)} {q.dtype} with unit stride in D")
-    tensors = (k_cache, v_cache, slots, lengths, *(() if out is None else (out,)))
+    if q.stride(-1) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError(f"{op}: the head dimension must have unit stride")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+        raise ValueError(f"{op}: out must be {tuple(q.shape)} {q.dtype} with unit stride in D")
+    tensors = (k_cache, v_cache, *indices, *(() if out is None else (out,)))
     if any(t.device != q.device for t in tensors):
-        raise ValueError(f"decode attention: every tensor must be on {q.device}")
+        raise ValueError(f"{op}: every tensor must be on {q.device}")
+
+
+def keys_per_step(op: str, block_n: int | None, dtype: torch.dtype, head_dim: int, max_len: int) -> int:
+    """``block_n`` checked (a power of two >= 16), or the default: 64 keys a step for 16-bit inputs;
+    fp32's exact dot needs more registers, so 32, or 16 past D = 64; a short cache (the depth
+    decoder's 32 positions) needs no longer block than itself."""
+    if block_n is None:
+        block_n = 64 if dtype != torch.float32 else 32 if head_dim <= 64 else 16
+        block_n = min(block_n, max(16, triton.next_power_of_2(max_len)))
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"{op}: block_n must be a power of two >= 16, got {block_n}")
+    return block_n
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+           lengths: torch.Tensor, out: torch.Tensor | None) -> None:
+    check_over_cache("decode attention", q, k_cache, v_cache, out, "[B, Hq, D]", slots, lengths)
+    for name, index in (("slots", slots), ("lengths", lengths)):
+        if index.shape != (q.shape[0],) or index.dtype != torch.int64 or not index.is_contiguous():
+            raise ValueError(f"decode attention: {name} must be a contiguous [{q.shape[0]}] int64 tensor")
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -191,12 +210,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     a power of two >= 16; default 64 for 16-bit inputs; fp32's exact dot needs more registers, so
     32, or 16 past D = 64) are static; ``out`` lets a caller own the output buffer."""
     _check(q, k_cache, v_cache, slots, lengths, out)
-    if block_n is None:
-        block_n = 64 if q.dtype != torch.float32 else 32 if q.shape[2] <= 64 else 16
-        # a short cache (the depth decoder's 32 positions) needs no longer block than itself
-        block_n = min(block_n, max(16, triton.next_power_of_2(k_cache.shape[1])))
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"decode attention: block_n must be a power of two >= 16, got {block_n}")
+    block_n = keys_per_step("decode attention", block_n, q.dtype, q.shape[2], k_cache.shape[1])
     batch, num_q_heads, head_dim = q.shape
     _, max_len, num_kv_heads, _ = k_cache.shape
     splits = num_splits or choose_num_splits(batch, num_kv_heads, max_len, _num_sms(q.device))

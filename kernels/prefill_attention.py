@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.decode_attention import check_over_cache, keys_per_step
 from kernels.latch import KernelLatch
 from kernels.tl_common import LOG2E, NEG_INF, dot
 
@@ -113,34 +114,16 @@ def prefill_attention_eager(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
            positions: torch.Tensor, out: torch.Tensor | None) -> None:
-    dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    if q.dim() != 4 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"prefill attention: q must be [B, T, Hq, D] and both caches "
-                         f"[num_slots, max_len, Hkv, D], got {tuple(q.shape)}, "
-                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    batch, seq_len, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or num_q_heads % num_kv_heads or head_dim > 256:
-        raise ValueError(f"prefill attention: need equal D <= 256 and Hq % Hkv == 0, got q "
-                         f"{tuple(q.shape)} and cache {tuple(k_cache.shape)}")
-    if num_q_heads // num_kv_heads > _ROWS:
+    check_over_cache("prefill attention", q, k_cache, v_cache, out, "[B, T, Hq, D]", slots, positions)
+    batch, seq_len, num_q_heads, _ = q.shape
+    if num_q_heads // k_cache.shape[2] > _ROWS:
         raise ValueError(f"prefill attention: at most {_ROWS} query heads per kv head, got "
-                         f"{num_q_heads // num_kv_heads}")
-    if q.dtype not in dtypes or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"prefill attention: q and caches must share one of {dtypes}, got "
-                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if q.stride(3) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("prefill attention: the head dimension must have unit stride")
+                         f"{num_q_heads // k_cache.shape[2]}")
     if slots.shape != (batch,) or slots.dtype != torch.int64 or not slots.is_contiguous():
         raise ValueError(f"prefill attention: slots must be a contiguous [{batch}] int64 tensor")
     if positions.shape != (batch, seq_len) or positions.dtype != torch.int64 or positions.stride(1) != 1:
         raise ValueError(f"prefill attention: positions must be a [{batch}, {seq_len}] int64 tensor "
                          f"with unit stride along T")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(3) != 1):
-        raise ValueError(f"prefill attention: out must be {tuple(q.shape)} {q.dtype} with unit stride in D")
-    tensors = (k_cache, v_cache, slots, positions, *(() if out is None else (out,)))
-    if any(t.device != q.device for t in tensors):
-        raise ValueError(f"prefill attention: every tensor must be on {q.device}")
 
 
 def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -154,11 +137,7 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     ``block_n`` (keys per step, a power of two >= 16; default 64 for 16-bit inputs, 32 for fp32's
     exact dot, 16 past D = 64) is static; ``out`` lets a caller own the output buffer."""
     _check(q, k_cache, v_cache, slots, positions, out)
-    if block_n is None:
-        block_n = 64 if q.dtype != torch.float32 else 32 if q.shape[3] <= 64 else 16
-        block_n = min(block_n, max(16, triton.next_power_of_2(k_cache.shape[1])))
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"prefill attention: block_n must be a power of two >= 16, got {block_n}")
+    block_n = keys_per_step("prefill attention", block_n, q.dtype, q.shape[3], k_cache.shape[1])
     batch, seq_len, num_q_heads, head_dim = q.shape
     _, max_len, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out

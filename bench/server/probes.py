@@ -373,12 +373,12 @@ def engine_numbers(before: Snapshot, after: Snapshot, rates: dict, concurrency: 
                    if after.cpu.get(stage) is not None and before.cpu.get(stage) is not None else None)
            for stage in after.cpu}
     gateway = {"server_ttfa_mean_ms": round(ttfa_sum / ttfa_n * 1e3, 1) if ttfa_n else None}
-    stalled = _delta(before, after, "gateway", "listener_underruns")
-    if stalled is not None:  # chunks that reached the gateway after its model of the listener ran dry
-        gateway["modeled_underruns"] = stalled
-    held = _delta(before, after, "gateway", "requests_refused_held")
-    if held is not None:  # refused by the gateway on a talker's refusal of a moment ago
-        gateway["refusals_held"] = held
+    # refused by the gateway on a talker's refusal of a moment ago; chunks that reached it after its
+    # model of the listener ran dry
+    for key, metric in (("refusals_held", "requests_refused_held"),
+                        ("modeled_underruns", "listener_underruns")):
+        if (value := _delta(before, after, "gateway", metric)) is not None:
+            gateway[key] = value
     gateway.update(start_ms(before, after))
     lag_s = _delta(before, after, "gateway", "event_loop_lag_seconds_sum")
     lag_n = _delta(before, after, "gateway", "event_loop_lag_seconds_count")

@@ -5,13 +5,12 @@ launcher's checks and the latch. On a CPU machine the kernels run under Triton's
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 from kernels import decode_attention as kernel
 from kernels.latch import KernelLatch
+from tests.unit import latch_checks
 from tests.unit.kernel_device import DEVICE
 
 # Relative error bounds against the float64 reference (METHOD.md): fp32 arithmetic lands far
@@ -182,32 +181,12 @@ def fresh_latch(monkeypatch):
 def test_a_failing_kernel_logs_once_and_the_twin_serves(fresh_latch, monkeypatch, caplog):
     inputs = make_inputs(9, batch=2, num_slots=3, max_len=16, num_q_heads=4, num_kv_heads=2,
                          head_dim=16, dtype=torch.float32, device="cpu")
-    calls = []
-
-    def broken(*args):
-        calls.append(1)
-        raise RuntimeError("out of resources: shared memory")
-
-    monkeypatch.setattr(kernel, "kernel_device", lambda tensor: True)
-    monkeypatch.setattr(kernel, "decode_attention_triton", broken)
-    want = kernel.decode_attention_eager(*inputs, 0.25)
-    with caplog.at_level(logging.WARNING, logger="kernels.latch"):
-        for _ in range(3):
-            assert torch.equal(kernel.decode_attention(*inputs, 0.25), want)
-    assert calls == [1] and not fresh_latch.active
-    records = [r for r in caplog.records if r.name == "kernels.latch"]
-    assert len(records) == 1 and "decode_attention" in records[0].getMessage()
+    latch_checks.a_failing_kernel_logs_once_and_the_twin_serves(
+        kernel, "decode_attention", inputs, (0.25,), fresh_latch, monkeypatch, caplog)
 
 
 def test_drop_in_on_the_kernel_and_switched_off(fresh_latch, monkeypatch):
     inputs = make_inputs(10, batch=2, num_slots=3, max_len=16, num_q_heads=4, num_kv_heads=2,
                          head_dim=16, dtype=torch.float32)
-    want = kernel.decode_attention_eager(*inputs, 0.25)
-    monkeypatch.setattr(kernel, "kernel_device", lambda tensor: True)
-    torch.testing.assert_close(kernel.decode_attention(*inputs, 0.25), want, rtol=1e-5, atol=1e-6)
-    monkeypatch.setattr(kernel, "decode_attention_triton", lambda *a: pytest.fail("kernel called"))
-    doubles = tuple(t.double() if t.is_floating_point() else t for t in inputs)  # not a kernel dtype
-    torch.testing.assert_close(kernel.decode_attention(*doubles, 0.25), want.double(), rtol=1e-5, atol=1e-6)
-    assert fresh_latch.active  # unsupported inputs go to the twin without tripping the latch
-    fresh_latch.configure(False)
-    assert torch.equal(kernel.decode_attention(*inputs, 0.25), want)
+    latch_checks.the_drop_in_runs_the_kernel_and_the_twin_when_switched_off(
+        kernel, "decode_attention", inputs, (0.25,), fresh_latch, monkeypatch)
