@@ -97,7 +97,8 @@ def make_scheduler(engine_cfg, num_slots: int, max_len: int, frame_rate: float, 
                      max_queue_wait_s=engine_cfg.max_queue_wait_s,
                      max_len=max_len, max_sessions=engine_cfg.max_sessions,
                      session_idle_s=engine_cfg.session_idle_s, arrival_step_s=engine_cfg.arrival_step_s,
-                     first_audio_headroom=engine_cfg.first_audio_headroom)
+                     first_audio_headroom=engine_cfg.first_audio_headroom,
+                     admission_first_audio_s=engine_cfg.admission_first_audio_s)
 
 
 def load_model(config: TalkerConfig):

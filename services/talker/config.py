@@ -52,6 +52,9 @@ class EngineSection:
     first_audio_headroom: float = FIRST_AUDIO_HEADROOM  # a first record's audio beyond its next record's way
     admission_by_slack: bool = True         # false: only the counts and max_queue_wait_s refuse
     max_queue_wait_s: float = 0.05          # refuse a request expected to wait longer for a slot or prefill
+    # refuse new streams while the first records written lately (p90 over 0.5 s), arrival to write plus
+    # path_s, took longer than this: the first audio admitted streams got (0: not refused so)
+    admission_first_audio_s: float = 0.25
     # Prefill graphs per (rows, tokens) bucket on CUDA: a step's chunks run grouped by the token
     # bucket that holds each, in row buckets that pad little (services/common/buckets.py); longer
     # chunks eagerly. Captured smallest first until the graph pool passes prefill_graph_memory_mb
@@ -92,7 +95,7 @@ class EngineSection:
             if not 0 <= getattr(self, key) < 10:
                 raise ConfigValueError(key, f"must be in [0, 10), got {getattr(self, key)}")
         check_first_audio_budget(self.first_audio_budget_s)
-        for key in ("path_s", "max_queue_wait_s", "arrival_step_s"):
+        for key in ("path_s", "max_queue_wait_s", "arrival_step_s", "admission_first_audio_s"):
             value = getattr(self, key)
             if not 0 <= value < 60:  # NaN is refused too
                 raise ConfigValueError(key, f"must be in [0, 60) seconds, got {value}")

@@ -241,6 +241,10 @@ class TalkerCore:
                 "admissions_refused_slack": ("counter", "requests refused: one more stream would not be fed "
                                              "in real time or start soon",
                                              scheduler.refused_overload + self.refused_early),
+                "first_audio_lately_seconds": ("gauge", "p90 of the first records written in the last 0.5 s, "
+                                               "arrival to write (admission by first audio; -1: too few)",
+                                               -1.0 if scheduler.first_audio.last is None
+                                               else scheduler.first_audio.last),
                 "row_slack_seconds": ("histogram", "a row's slack (audio ahead of its listener) when its "
                                       "record is written", _slack_histogram(counters)),
                 **{f"first_record_{part}_seconds": ("histogram", text, counters.first_record[part].metric())

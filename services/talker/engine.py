@@ -221,7 +221,7 @@ class TalkerEngine:
             "estimate_ms": None if plan.estimate_s is None else round(plan.estimate_s * ms, 3),
             "took_ms": round(took * ms, 3), "first_records": first_records,
             "row_slack_ms": None if plan.row_slack_s == float("inf") else round(plan.row_slack_s * ms, 3),
-            "line": self._line(plan.bucket), "admission": self.scheduler.admission_view(),
+            "line": self._line(plan.bucket), "admission": self.scheduler.admission_view(collected),
         })
 
     def _first_frames_alone(self, plan: StepPlan, handle) -> set[int]:

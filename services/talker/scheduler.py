@@ -43,7 +43,7 @@ from services.talker.pacing import (
     first_frames,
 )
 from services.talker.request import FinishReason, RequestState, TalkerRequest
-from services.talker.scheduler_admission import AdmissionRules, Overloaded
+from services.talker.scheduler_admission import AdmissionRules, Overloaded, RecentFirstAudio
 from services.talker.scheduler_prefill import PrefillChunk, PrefillRules
 from services.talker.scheduler_sessions import SessionRules
 from services.talker.step_times import LoopTime, StepTimes
@@ -102,7 +102,8 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
                  admission_headroom: float | None = 0.25, max_queue_wait_s: float = 0.05,
                  max_len: int = 1 << 30, max_sessions: int = 0,
                  session_idle_s: float = 30.0, arrival_step_s: float = 0.0,
-                 first_audio_headroom: float = FIRST_AUDIO_HEADROOM) -> None:
+                 first_audio_headroom: float = FIRST_AUDIO_HEADROOM,
+                 admission_first_audio_s: float = 0.0) -> None:
         self.slots = SlotAllocator(num_slots)
         self.max_len = max_len              # KV positions of a slot (a session's turns must fit)
         self.max_sessions = max_sessions    # sessions in flight at most (their idle slots beside the rows)
@@ -124,6 +125,8 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
         self.min_chunk_tokens = min_chunk_tokens
         self.admission_headroom = admission_headroom
         self.max_queue_wait_s = max_queue_wait_s
+        self.admission_first_audio_s = admission_first_audio_s  # 0: no admission by first audio
+        self.first_audio = RecentFirstAudio()  # the first records written lately (scheduler_admission)
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
         self.waiting: deque[TalkerRequest] = deque()
@@ -313,6 +316,8 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
         frames are held for a longer first record (the listener's clock has not started)."""
         if count and written and request.first_written_at is None:
             request.first_written_at = now
+            if request.session is None:  # a session's segments start when their text comes, not at arrival
+                self.first_audio.observe(now, now - request.arrival)
         request.frames_done += count
         if stopped:
             reason = FinishReason.STOP

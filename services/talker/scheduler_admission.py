@@ -5,14 +5,21 @@ New work is refused (``Overloaded``) when one more stream would not be fed faste
 time by steps of the measured size short enough for a first chunk (admission by slack,
 ``pacing.fits``), or when it would wait longer than
 ``max_queue_wait_s`` for a slot (at the rate slots have lately freed) or for the prompts before
-it to be prefilled. An idle session counts as a stream: it comes back with its next segment.
+it to be prefilled, or while the first audio of the streams admitted lately came later than
+``admission_first_audio_s`` (the promise kept, measured: ``RecentFirstAudio``). An idle session
+counts as a stream: it comes back with its next segment.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from services.talker.pacing import FIRST_K, fits
+
+FIRST_AUDIO_WINDOW_S = 0.5   # the first records admission by first audio reads: those written this lately
+FIRST_AUDIO_MIN = 8          # ... at least this many, else it does not refuse (too few to judge)
+FIRST_AUDIO_QUANTILE = 0.9
 
 
 class Overloaded(Exception):
@@ -21,6 +28,36 @@ class Overloaded(Exception):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class RecentFirstAudio:
+    """The first records written in the last ``window_s``: each one's time from its request's
+    arrival to its write. Their high quantile, plus the record's way to the listener, is the first
+    audio the streams admitted a moment ago got, which is what one admitted now can expect: the
+    step times, the prefill backlog, the rows it joins and the loop's own time, all measured at
+    once. It answers only while it holds ``least`` records: after a quiet spell, or while it
+    refuses everyone, nothing is known and nothing is refused for it."""
+
+    def __init__(self, window_s: float = FIRST_AUDIO_WINDOW_S, least: int = FIRST_AUDIO_MIN,
+                 quantile: float = FIRST_AUDIO_QUANTILE) -> None:
+        self.window_s, self.least, self.quantile = window_s, least, quantile
+        self._seen: deque[tuple[float, float]] = deque()  # (written at, arrival to written), in write order
+        self.last: float | None = None  # the latest answer (the metrics thread reads it)
+
+    def observe(self, written_at: float, seconds: float) -> None:
+        self._seen.append((written_at, max(0.0, seconds)))
+
+    def lately(self, now: float) -> float | None:
+        """The quantile of the window's times (seconds), or None with fewer than ``least``."""
+        seen = self._seen
+        while seen and seen[0][0] < now - self.window_s:
+            seen.popleft()
+        if len(seen) < self.least:
+            self.last = None
+            return None
+        times = sorted(took for _, took in seen)
+        self.last = times[min(len(times) - 1, int(self.quantile * len(times)))]
+        return self.last
 
 
 class AdmissionRules:
@@ -33,8 +70,10 @@ class AdmissionRules:
         when every slot is taken (it starts as running rows end, at the rate they have lately
         been ending; unknown before a few have, then the queue's count bound alone applies), or
         for the prompts queued before it to be prefilled (the positions steps were granted lately,
-        at most ``prefill_token_budget``, a step as long as the busy steps lately were).
-        ``admission_headroom`` None: no admission by slack."""
+        at most ``prefill_token_budget``, a step as long as the busy steps lately were), or while
+        the first records written lately, their way to the listener (``path_s``) added, took longer
+        than ``admission_first_audio_s`` (0: not refused so). ``admission_headroom`` None: no
+        admission by slack."""
         streams = len(self.running) + len(self.waiting) + len(self.idle) + 1
         if streams == 1:
             return None  # alone it is served as fast as this device can: refusing helps nobody
@@ -45,12 +84,26 @@ class AdmissionRules:
             return Overloaded(f"{streams - 1} streams already use the talker's real-time capacity (no step "
                               f"short enough for a first chunk feeds {streams} {1 + headroom:g}x faster "
                               f"than real time)", max(0.1, left / self.pacing.frame_rate))
+        late = self._first_audio_late(now)
+        if late is not None:
+            return late
         wait = max(self._slot_wait(now), self._prefill_wait(prompt_len))
         if wait <= self.max_queue_wait_s:
             return None
         return Overloaded(f"about {wait:.2f} s before it could start ({len(self.waiting)} request(s) "
                           f"wait for a slot, {self._backlog_tokens()} prompt positions for prefill; "
                           f"max_queue_wait_s {self.max_queue_wait_s:g})", min(wait, 60.0))
+
+    def _first_audio_late(self, now: float) -> Overloaded | None:
+        target = self.admission_first_audio_s
+        lately = self.first_audio.lately(now) if target else None
+        if lately is None or lately + self.pacing.path_s <= target:
+            return None
+        window = self.first_audio
+        return Overloaded(f"first audio lately took {1e3 * (lately + self.pacing.path_s):.0f} ms (p"
+                          f"{100 * window.quantile:.0f} of the first records written in the last "
+                          f"{window.window_s:g} s, their way to the listener included; "
+                          f"admission_first_audio_s {target:g})", window.window_s)
 
     def admissible(self, now: float, prompt_len: int) -> int:
         """About how many more requests of ``prompt_len`` positions could be taken now before the
@@ -69,11 +122,12 @@ class AdmissionRules:
             room = min(room, int(tokens / max(1, prompt_len)))
         return max(1, room)
 
-    def admission_view(self) -> dict:
-        """What admission by slack reads for one more stream now (the step log's ``admission``):
-        the streams, the bucket they would run in and where its time comes from (its clean
-        line, its steps with prefill inside, or the buckets around it), the step's estimate at
-        K = 1 and ``FIRST_K``, the loop's own time beyond it, and the verdict."""
+    def admission_view(self, now: float) -> dict:
+        """What admission by slack reads for one more stream at ``now`` (the step log's
+        ``admission``): the streams, the bucket they would run in and where its time comes from
+        (its clean line, its steps with prefill inside, or the buckets around it), the step's
+        estimate at K = 1 and ``FIRST_K``, the loop's own time beyond it, the first records'
+        time lately (admission by first audio) and the verdict."""
         streams = len(self.running) + len(self.waiting) + len(self.idle)
         rows = min(streams + 1, self.max_num_seqs)
         try:
@@ -88,6 +142,7 @@ class AdmissionRules:
                 "k1_ms": ms(times.estimate(bucket, 1)), "k2_ms": ms(times.estimate(bucket, FIRST_K)),
                 "host_ms": ms(host), "period_ms": ms(self.period_s), "path_ms": ms(self.pacing.path_s),
                 "per_token_us": round(times.per_token_s * 1e6, 3), "grant": self._step_grant(),
+                "first_audio_ms": ms(self.first_audio.lately(now)),
                 "fits": self.admission_headroom is None or fits(rows, self.bucket_for, self.pacing, times,
                                                                  self.admission_headroom, host)}
 
