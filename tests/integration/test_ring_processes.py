@@ -37,6 +37,8 @@ LIVENESS_S = TransportSection().liveness_timeout     # a peer silent this long i
 HEARTBEAT_S = TransportSection().heartbeat_interval  # each side's heartbeat, at least this often
 RUN_TIMEOUT_S = 120.0
 WAIT_S = 20.0 + 10 * LIVENESS_S  # bound on any one event; never reached when all is well
+STACKS_S = 5.0               # a stuck peer's stack dump is awaited this long at most
+STACK_MARK = "most recent call first"  # faulthandler's header of each thread
 
 
 @dataclass
@@ -44,9 +46,24 @@ class Peer:
     proc: subprocess.Popen
     log: Path
     files: dict[str, Path] = field(default_factory=dict)
+    group: list[Peer] = field(default_factory=list)  # every peer of its test, itself included
 
     def read_log(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def stuck(self, what: str) -> AssertionError:
+        """The failure of a wait for ``what``: every peer of the test still running dumps its
+        threads' stacks into its log first (faulthandler on SIGUSR1, ``tests.ring_peers``), and
+        the error holds every peer's log."""
+        running = [p for p in self.group if p.proc.poll() is None]
+        for peer in running:
+            os.kill(peer.proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + STACKS_S
+        while time.monotonic() < deadline and not all(
+                STACK_MARK in p.read_log() or p.proc.poll() is not None for p in running):
+            time.sleep(0.01)
+        logs = "\n".join(f"--- {p.log.name} (exit {p.proc.poll()}):\n{p.read_log()}" for p in self.group)
+        return AssertionError(f"{what}:\n{logs}")
 
 
 class Peers:
@@ -78,7 +95,7 @@ class Peers:
         with open(log, "wb") as out:
             proc = subprocess.Popen(command, cwd=REPO, env=stage_env(), stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT)
-        peer = Peer(proc, log, files)
+        peer = Peer(proc, log, files, self.started)
         self.started.append(peer)
         return peer
 
@@ -114,7 +131,7 @@ def wait_for(condition, peer: Peer, what: str, timeout: float = WAIT_S) -> None:
         if peer.proc.poll() is not None and not condition():
             raise AssertionError(f"peer exited ({peer.proc.returncode}) before {what}:\n{peer.read_log()}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout} s:\n{peer.read_log()}")
+            raise peer.stuck(f"no {what} within {timeout} s")
         time.sleep(0.005)
 
 
@@ -135,7 +152,7 @@ def wait_exit(peer: Peer, timeout: float = RUN_TIMEOUT_S) -> None:
     try:
         code = peer.proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"peer still running after {timeout} s:\n{peer.read_log()}") from None
+        raise peer.stuck(f"{peer.log.name} still running after {timeout} s") from None
     assert code == 0, peer.read_log()
 
 

@@ -14,6 +14,7 @@ every --heartbeat seconds:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import secrets
@@ -100,6 +101,7 @@ def watch(consumer, args, events: Events) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop cleanly: finally blocks close
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck test asks for the stacks
     parser = argparse.ArgumentParser()
     add_transport_args(parser)
     parser.add_argument("--mode", choices=("drain", "paused", "watch"), required=True)

@@ -16,6 +16,7 @@ its endpoint to --ready, waits for the consumer to attach, then runs --mode on i
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import signal
 import sys
 import time
@@ -108,6 +109,7 @@ def run_watch(producer, tick: Ticker, events: Events) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop cleanly: finally blocks close
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a stuck test asks for the stacks
     parser = argparse.ArgumentParser()
     add_transport_args(parser)
     parser.add_argument("--mode", choices=("stream", "idle", "fill", "watch"), required=True)
