@@ -105,6 +105,7 @@ class TalkerCore:
         """What the servicer may answer a Submit at once, without waiting for this thread (which
         takes commands only between steps): the refusal a typical request would get now."""
         scheduler, now = self.engine.scheduler, self.engine.clock()
+        scheduler.first_audio.lately(now)  # the metric's value, whichever rule decides
         refusing = scheduler.refusal(now, self._typical_prompt)
         room = 0 if refusing is not None else scheduler.admissible(now, round(self._typical_prompt))
         self.admission = admission = Admission(refusing, room, busy=self.engine.busy,

@@ -17,3 +17,14 @@ def test_the_cpu_runner_reports_no_prefill_graphs_and_runs_each_step_in_launch(f
     assert metrics["prefill_graph_capture_seconds"][2] == 0.0
     assert metrics["prefill_graph_reserved_bytes"][2] == 0
     assert metrics["steps"][2] == engine.counters.steps > 0 and metrics["steps_overlapped"][2] == 0
+
+
+def test_the_first_audio_gauge_follows_each_verdict_and_says_when_too_few_are_known(folder):
+    engine, _ = make_engine(folder, k_max=4)
+    core = TalkerCore(engine, consumers=None)
+    assert core.metrics()["first_audio_lately_seconds"][2] == -1.0  # nothing written yet
+    now = engine.clock()
+    for took in [0.1] * 9 + [0.4]:
+        engine.scheduler.first_audio.observe(now, took)
+    core._update_admission()  # the engine thread's verdict after a step reads the window
+    assert core.metrics()["first_audio_lately_seconds"][2] == 0.4  # the p90 of ten: the largest
