@@ -75,7 +75,9 @@ it), so a part cut by ``--max-wall`` is finished by running it again.
 #   load      what a tier sends (--load): the load generator's config per tier, its time cap
 #   gpu       the GPU host: nvidia-smi queries, the memory sampler, the MPS control daemon
 #   procs     the stage processes (Server): start, ready-wait, stop; stale runs reaped, /dev/shm
-#   probes    what the stages report: Stats, /metrics, snapshots, a tier's engine numbers
+#   snapshots a stage's /metrics scraped, a snapshot of every stage, counter differences
+#   probes    what the stages report: Stats, a tier's engine numbers from two snapshots
+#   gateway_numbers  the gateway's: its TTFA, refusals (who answered, how long inside it), loop, CPU
 #   tier_tables  the tables of where a tier's time went: idle, step split and K's bounds, first
 #             audio's parts, refusals
 #   report    the result files: their header, atomic JSON writes, the markdown table, the plots

@@ -1,70 +1,19 @@
 """What the stages report: each engine's Stats (gRPC) and each stage's /metrics, taken as
 snapshots while the engines are idle, and a tier's numbers from two snapshots (counter
 differences over the window: frames, steps, mean K, the talker step's split, chunks,
-CPU per stage, the gateway's time to first audio)."""
+CPU per stage; the gateway's own numbers are bench/server/gateway_numbers.py's, the snapshots'
+reading bench/server/snapshots.py's)."""
 
 from __future__ import annotations
 
-import contextlib
-import re
 import time
-import urllib.request
-from dataclasses import dataclass
 
+from bench.server.gateway_numbers import gateway_numbers
 from bench.server.procs import Server
+from bench.server.snapshots import Snapshot, delta, gc_pauses, sample, scrape, summed
 from services.code2wav.pacing import CUTS
 from services.talker.metrics import FIRST_RECORD_PARTS
 from services.talker.pacing import BOUNDS
-
-BUCKET = re.compile(r'(?P<name>\w+_bucket)\{le="(?P<le>[^"]+)"\}')
-
-
-def scrape(address: str | None) -> dict[str, float]:
-    """Unlabelled samples of a stage's /metrics (name -> value) and histograms' buckets (name@le ->
-    count); {} when off or unreachable."""
-    if not address:
-        return {}
-    try:
-        with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
-            text = reply.read().decode()
-    except OSError:
-        return {}
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        name, _, value = line.partition(" ")
-        if "{" in name:  # of labelled samples, a histogram's buckets only, as name@le
-            bucket = BUCKET.fullmatch(name)
-            if bucket is None:
-                continue
-            name = f"{bucket['name']}@{bucket['le']}"
-        with contextlib.suppress(ValueError):
-            out[name] = float(value.split()[0])
-    return out
-
-
-def gc_pauses(before: Snapshot, after: Snapshot) -> dict:
-    """Each stage's garbage collections over the tier (services/common/gc_pauses.py): how many, how
-    many stopped it longer than 25 ms, their seconds in all, and the full ones' count."""
-    out = {}
-    for stage in after.metrics:
-        count = _delta(before, after, stage, "gc_pause_seconds_count")
-        if count is None:
-            continue  # a stage without the histogram (older)
-        within = _delta(before, after, stage, "gc_pause_seconds_bucket@0.025")
-        seconds = _delta(before, after, stage, "gc_pause_seconds_sum")
-        out[stage] = {"pauses": int(count), "over_25ms": None if within is None else int(count - within),
-                      "seconds": None if seconds is None else round(seconds, 4),
-                      "full": _delta(before, after, stage, "gc_full_pause_seconds_count")}
-    return out
-
-
-def share_over(before: Snapshot, after: Snapshot, stage: str, name: str, edge: str) -> float | None:
-    """The share of a histogram's observations over the tier above the bucket edge ``edge``."""
-    count = _delta(before, after, stage, f"{name}_count")
-    within = _delta(before, after, stage, f"{name}_bucket@{edge}")
-    return None if not count or within is None else round(1 - within / count, 4)
 
 
 def engine_stats(server: Server) -> dict:
@@ -87,26 +36,15 @@ def engine_stats(server: Server) -> dict:
     return out
 
 
-@dataclass
-class Snapshot:
-    at: float
-    stats: dict
-    metrics: dict[str, dict[str, float]]
-    cpu: dict[str, float | None]
-    talkers: list[str]
-    code2wavs: list[str]
-    threads: dict[str, dict[str, float]]
-
-
 def prefill_graphs(server: Server) -> dict:
     """Each talker's prefill graphs after start-up: (rows, tokens) buckets captured, pool MiB, capture
     seconds (its gauges; a bucket left out runs eagerly)."""
     out = {}
     for name in server.names("talker"):
         metrics = scrape(server.procs[name].metrics)
-        out[name] = {"buckets": _counter(metrics, "prefill_graph_buckets"),
-                     "reserved_mib": _ratio(_counter(metrics, "prefill_graph_reserved_bytes"), 2**20, 1, 1),
-                     "capture_s": _counter(metrics, "prefill_graph_capture_seconds")}
+        out[name] = {"buckets": sample(metrics, "prefill_graph_buckets"),
+                     "reserved_mib": _ratio(sample(metrics, "prefill_graph_reserved_bytes"), 2**20, 1, 1),
+                     "capture_s": sample(metrics, "prefill_graph_capture_seconds")}
     return out
 
 
@@ -129,35 +67,19 @@ def wait_idle(server: Server, timeout: float) -> bool:
     return False
 
 
-def _counter(metrics: dict[str, float], name: str) -> float | None:
-    for key in (f"voxring_{name}_total", f"voxring_{name}"):
-        if key in metrics:
-            return metrics[key]
-    return None
-
-
-def _delta(before: Snapshot, after: Snapshot, stage: str, name: str) -> float | None:
-    a, b = _counter(before.metrics[stage], name), _counter(after.metrics[stage], name)
-    return None if a is None or b is None else b - a
-
-
-def _sum(values: list[float | None]) -> float | None:
-    return None if any(v is None for v in values) else sum(values)
-
-
 def allocator_counts(before: Snapshot, after: Snapshot, name: str) -> dict | None:
     """The tier's CUDA allocator events in a stage (services/common/cuda_memory.py): retries and
     cudaFree calls sync the device, cudaMalloc calls are slow; None off CUDA (no counters)."""
-    counts = {key: _delta(before, after, name, f"cuda_{key}")
+    counts = {key: delta(before, after, name, f"cuda_{key}")
               for key in ("alloc_retries", "device_allocs", "device_frees")}
     return None if any(v is None for v in counts.values()) else counts
 
 
 def _talker_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -> dict:
     window = after.at - before.at
-    frames, steps = _delta(before, after, name, "frames"), _delta(before, after, name, "steps")
+    frames, steps = delta(before, after, name, "frames"), delta(before, after, name, "steps")
     k0, k1 = before.stats[name]["mean_frames_per_step"], after.stats[name]["mean_frames_per_step"]
-    s0, s1 = _counter(before.metrics[name], "steps"), _counter(after.metrics[name], "steps")
+    s0, s1 = sample(before.metrics[name], "steps"), sample(after.metrics[name], "steps")
     talker = {"window_s": round(window, 3), "frames": frames, "steps": steps,
               "frames_per_s_stats": round(rates[name]["frames_per_s"], 1),
               "steps_per_s_stats": round(rates[name]["steps_per_s"], 2)}
@@ -196,9 +118,9 @@ def prefill_grant(before: Snapshot, after: Snapshot, name: str) -> dict | None:
     """The tier's steps planned while prompts waited: how many, the prompt positions each was
     allowed (the speaking rows' slack cuts prefill_token_budget) and prefilled, on average (None:
     no such step, or a talker without the counters)."""
-    steps = _delta(before, after, name, "prefill_grant_steps")
-    granted = _delta(before, after, name, "prefill_granted_positions")
-    prefilled = _delta(before, after, name, "prefill_tokens")
+    steps = delta(before, after, name, "prefill_grant_steps")
+    granted = delta(before, after, name, "prefill_granted_positions")
+    prefilled = delta(before, after, name, "prefill_tokens")
     if not steps or granted is None or prefilled is None:
         return None
     return {"steps": steps, "positions_per_step": round(granted / steps, 1),
@@ -209,8 +131,8 @@ def prefill_cost(before: Snapshot, after: Snapshot, name: str) -> dict | None:
     """What prefill cost the tier's decode steps: the share of them that prefilled first, their
     mean time (launch to results) against the others', the calls a prefill made and the positions
     they ran over the real ones (None: no decode step, or a talker without the counters)."""
-    steps = _delta(before, after, name, "steps")
-    counts = {key: _delta(before, after, name, key) for key in (
+    steps = delta(before, after, name, "steps")
+    counts = {key: delta(before, after, name, key) for key in (
         "steps_with_prefill", "steps_with_prefill_seconds", "steps_without_prefill_seconds",
         "prefill_steps", "prefill_calls", "prefill_padded_positions", "prefill_tokens")}
     if not steps or any(v is None for v in counts.values()):
@@ -226,26 +148,14 @@ def prefill_cost(before: Snapshot, after: Snapshot, name: str) -> dict | None:
                                 if counts["prefill_tokens"] else None)}
 
 
-def start_ms(before: Snapshot, after: Snapshot) -> dict:
-    """The gateway's mean Code2Wav Open (call to handle) and talker Submit (call to answer) in
-    the tier, ms (empty for a gateway without the counters, or a tier with none)."""
-    out = {}
-    for part, count, seconds in (("open", "start_opens", "start_open_seconds"),
-                                 ("submit", "start_submits", "start_submit_seconds")):
-        n, total = _delta(before, after, "gateway", count), _delta(before, after, "gateway", seconds)
-        if n and total is not None:
-            out[f"{part}_ms_mean"] = round(total * 1e3 / n, 2)
-    return out
-
-
 def first_record_ms(before: Snapshot, after: Snapshot, name: str) -> dict | None:
     """The mean of each part of the tier's first records, in ms (the talker's histograms: Submit ->
     first prefill chunk queued -> first decode step launched -> first record written), and how
     many first records it saw; None for a talker without them or a tier with none."""
     parts, count = {}, None
     for part in FIRST_RECORD_PARTS:
-        total = _delta(before, after, name, f"first_record_{part}_seconds_sum")
-        count = _delta(before, after, name, f"first_record_{part}_seconds_count")
+        total = delta(before, after, name, f"first_record_{part}_seconds_sum")
+        count = delta(before, after, name, f"first_record_{part}_seconds_count")
         if total is None or not count:
             return None
         parts[part] = round(total * 1e3 / count, 2)
@@ -258,7 +168,7 @@ def k_bounds(before: Snapshot, after: Snapshot, name: str, steps: float) -> dict
     not count is left out); None without any of them."""
     shares = {}
     for bound in BOUNDS:
-        count = _delta(before, after, name, f"steps_k_bound_{bound}")
+        count = delta(before, after, name, f"steps_k_bound_{bound}")
         if count is not None:
             shares[bound] = round(count / steps, 3)
     return shares or None
@@ -271,7 +181,7 @@ def step_split(before: Snapshot, after: Snapshot, name: str, window: float, step
     """Where a talker step's time went over the tier, in ms per decode step: the engine's own
     seconds counters (planning, prefill, the runner's decode, records), and ``other``, the rest of
     the window (commands, housekeeping, waiting for work). None for a talker without them."""
-    parts = {part: _delta(before, after, name, f"step_{part}_seconds") for part in STEP_PARTS}
+    parts = {part: delta(before, after, name, f"step_{part}_seconds") for part in STEP_PARTS}
     if any(v is None for v in parts.values()):
         return None
     split = {part: round(seconds * 1e3 / steps, 2) for part, seconds in parts.items()}
@@ -286,9 +196,9 @@ def _ratio(a: float | None, b: float | None, scale: float, digits: int) -> float
 def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -> dict:
     window = after.at - before.at
     c2w = after.stats[name]
-    chunks = _delta(before, after, name, "chunks")
-    audio = _delta(before, after, name, "audio_seconds")
-    d = {key: _delta(before, after, name, key)
+    chunks = delta(before, after, name, "chunks")
+    audio = delta(before, after, name, "audio_seconds")
+    d = {key: delta(before, after, name, key)
          for key in ("decode_calls", "decode_seconds", "decode_frames", "decode_padded_frames",
                     "first_chunk_seconds_sum", "first_chunk_seconds_count", "listener_underruns",
                     "listener_underrun_seconds")}
@@ -306,8 +216,8 @@ def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str)
                     "modeled_underrun_s": _ratio(d["listener_underrun_seconds"], 1, 1, 2),
                     # why its chunks were cut (services/code2wav/pacing.py CUTS), and the decode tick it
                     # reported to the talker at the tier's end (mean and two deviations)
-                    "cuts": {why: _delta(before, after, name, f"chunks_cut_{why}") for why in CUTS},
-                    "tick_ms_at_end": _ratio(_counter(after.metrics[name], "decode_tick_seconds"), 1, 1e3, 1)}
+                    "cuts": {why: delta(before, after, name, f"chunks_cut_{why}") for why in CUTS},
+                    "tick_ms_at_end": _ratio(sample(after.metrics[name], "decode_tick_seconds"), 1, 1e3, 1)}
     return {**calls_fields, "chunks_per_s_stats": round(rates[name]["chunks_per_s"], 1),
             "audio_s_per_s_stats": round(rates[name]["audio_seconds_per_s"], 1),
             "chunks": chunks, "audio_seconds": audio,
@@ -344,11 +254,11 @@ def engine_numbers(before: Snapshot, after: Snapshot, rates: dict, concurrency: 
         talker.pop("step_frames", None)
     else:
         parts = list(talkers.values())
-        frames, steps = _sum([t["frames"] for t in parts]), _sum([t["steps"] for t in parts])
+        frames, steps = summed([t["frames"] for t in parts]), summed([t["steps"] for t in parts])
         talker = {"window_s": round(window, 3), "frames": frames, "steps": steps,
                   "frames_per_s_stats": round(sum(t["frames_per_s_stats"] for t in parts), 1),
                   "steps_per_s_stats": round(sum(t["steps_per_s_stats"] for t in parts), 2)}
-        step_frames = _sum([t.get("step_frames") for t in parts])
+        step_frames = summed([t.get("step_frames") for t in parts])
         if frames is not None and steps and step_frames is not None:
             talker.update({"frames_per_s": round(frames / window, 1),
                            "step_ms": round(window * 1e3 * len(parts) / steps, 2),  # mean over talkers
@@ -360,42 +270,17 @@ def engine_numbers(before: Snapshot, after: Snapshot, rates: dict, concurrency: 
         code2wav = next(iter(code2wavs.values()))
     else:
         parts = list(code2wavs.values())
-        chunks = _sum([c["chunks"] for c in parts])
+        chunks = summed([c["chunks"] for c in parts])
         code2wav = {key: round(sum(c[key] for c in parts), 1)
                     for key in ("chunks_per_s_stats", "audio_s_per_s_stats")}
-        code2wav.update({"chunks": chunks, "audio_seconds": _sum([c["audio_seconds"] for c in parts]),
+        code2wav.update({"chunks": chunks, "audio_seconds": summed([c["audio_seconds"] for c in parts]),
                          "chunks_per_s": round(chunks / window, 1) if chunks is not None else None})
         code2wav.update({key: sum(c[key] for c in parts)
                          for key in ("sequence_gaps", "duplicate_records", "dropped_records")})
-    ttfa_sum = _delta(before, after, "gateway", "time_to_first_audio_seconds_sum")
-    ttfa_n = _delta(before, after, "gateway", "time_to_first_audio_seconds_count")
     cpu = {stage: (round((after.cpu[stage] - before.cpu[stage]) / window, 2)
                    if after.cpu.get(stage) is not None and before.cpu.get(stage) is not None else None)
            for stage in after.cpu}
-    gateway = {"server_ttfa_mean_ms": round(ttfa_sum / ttfa_n * 1e3, 1) if ttfa_n else None}
-    # refused by the gateway on a talker's refusal of a moment ago; chunks that reached it after its
-    # model of the listener ran dry
-    for key, metric in (("refusals_held", "requests_refused_held"),
-                        ("modeled_underruns", "listener_underruns")):
-        if (value := _delta(before, after, "gateway", metric)) is not None:
-            gateway[key] = value
-    gateway.update(start_ms(before, after))
-    lag_s = _delta(before, after, "gateway", "event_loop_lag_seconds_sum")
-    lag_n = _delta(before, after, "gateway", "event_loop_lag_seconds_count")
-    if lag_n:  # how late its one event loop ran, on average over the tier (services/common/loop_lag.py)
-        gateway["loop_lag_mean_ms"] = round(lag_s / lag_n * 1e3, 2)
-        for edge in ("0.025", "0.05"):  # its tail: the wakes later than this (a stall of every request)
-            gateway[f"loop_lag_over_{int(float(edge) * 1e3)}ms"] = share_over(
-                before, after, "gateway", "event_loop_lag_seconds", edge)
-    # Whether the gateway (one process, one event loop) could be what limits a tier: its CPU
-    # per stream, and per second of audio it forwarded (Code2Wav's audio over the window).
-    g0, g1 = before.cpu.get("gateway"), after.cpu.get("gateway")
-    gateway_cpu_s = g1 - g0 if g0 is not None and g1 is not None else None
-    if gateway_cpu_s is not None:
-        gateway["cpu_cores"] = cpu["gateway"]
-        gateway["cpu_cores_per_stream"] = round(gateway_cpu_s / window / concurrency, 4)
-        if code2wav.get("audio_seconds"):
-            gateway["cpu_ms_per_audio_s"] = round(gateway_cpu_s * 1e3 / code2wav["audio_seconds"], 2)
+    gateway = gateway_numbers(before, after, window, concurrency, code2wav.get("audio_seconds"))
     out = {"talker": talker, "code2wav": code2wav, "gateway": gateway, "cpu_cores_busy": cpu,
            "threads": thread_cores(before, after, window), "gc": gc_pauses(before, after)}
     if len(talkers) > 1 or len(code2wavs) > 1:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common import errors
+from services.common.histogram import EdgeHistogram
 from services.common.limits import LengthLimit, new_seed
 from services.common.listener import Listener
 from services.common.metrics import TIME_TO_FIRST_AUDIO
@@ -36,6 +37,12 @@ from voxring.v1 import code2wav_pb2, common_pb2, talker_pb2
 from voxring.v1 import synthesizer_pb2 as pb
 
 ATTACH_WAIT_S, ATTACH_WAIT_STEPS = 0.1, 20  # up to 2 s for a Code2Wav to attach
+REFUSAL_EDGES = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+
+class RefusedHere(errors.ResourceExhausted):
+    """A refusal for capacity this gateway answers itself, without a stage: its in-flight limit,
+    a talker's watched verdict, or that talker's refusal of a moment ago."""
 
 @dataclass
 class Started:
@@ -96,6 +103,9 @@ class SynthesisPipeline:
         # a request's start, apart: Code2Wav's Open (to its handle) and the talker's Submit (to its
         # answer, admitted or refused): how many, and their seconds
         self.start_counts = {"opens": 0, "open_s": 0.0, "submits": 0, "submit_s": 0.0}
+        # a one-segment request's refusal for capacity, from its start here to the refusal: answered
+        # here, or by a stage (after an Open and a Submit); how much of a client's wait is this gateway's
+        self.refusal_time = {"here": EdgeHistogram(REFUSAL_EDGES), "stages": EdgeHistogram(REFUSAL_EDGES)}
         self._cancels: set[asyncio.Task] = set()  # Talker.Cancel calls in flight
 
     def metrics(self) -> dict:
@@ -117,8 +127,13 @@ class SynthesisPipeline:
                 **self._start_metrics()}
 
     def _start_metrics(self) -> dict:
-        counts = self.start_counts
-        return {"start_opens": ("counter", "Code2Wav Opens answered with a handle", counts["opens"]),
+        counts, refusals = self.start_counts, self.refusal_time
+        return {"refusal_here_seconds": ("histogram", "a request's refusal for capacity answered by this "
+                                         "gateway (its limit, a talker's verdict or held refusal), from "
+                                         "its start here", refusals["here"].metric()),
+                "refusal_stages_seconds": ("histogram", "the same, answered by a stage (after Code2Wav's "
+                                           "Open and the talker's Submit)", refusals["stages"].metric()),
+                "start_opens": ("counter", "Code2Wav Opens answered with a handle", counts["opens"]),
                 "start_open_seconds": ("counter", "their seconds, from the call to the handle",
                                        counts["open_s"]),
                 "start_submits": ("counter", "talker Submits answered (admitted or refused)",
@@ -180,8 +195,8 @@ class SynthesisPipeline:
     def _check_in_flight(self) -> None:
         limit = self.config.admission.max_in_flight
         if self.router.in_flight + self._admitting >= limit:
-            raise errors.ResourceExhausted(f"{limit} requests in flight; retry shortly",
-                                           retry_after=self.config.admission.retry_after_s)
+            raise RefusedHere(f"{limit} requests in flight; retry shortly",
+                              retry_after=self.config.admission.retry_after_s)
 
     @contextlib.asynccontextmanager
     async def admitted(self, model: str | None = None):
@@ -204,8 +219,14 @@ class SynthesisPipeline:
 
     @contextlib.asynccontextmanager
     async def _running(self, request: ValidRequest):
-        self._check_in_flight()
-        pair, started = await self._start_on_some_pair(request)
+        begun = time.monotonic()
+        try:
+            self._check_in_flight()
+            pair, started = await self._start_on_some_pair(request)
+        except errors.ResourceExhausted as exc:
+            where = "here" if isinstance(exc, RefusedHere) else "stages"
+            self.refusal_time[where].observe_one(time.monotonic() - begun)
+            raise
         try:
             yield started
         finally:
@@ -261,13 +282,13 @@ class SynthesisPipeline:
         held = pair.refused_for(now)
         if held:  # its talker refused a moment ago: so is this, without asking it again
             self.refusals_held += 1
-            raise errors.ResourceExhausted(pair.refusal, retry_after=held)
+            raise RefusedHere(pair.refusal, retry_after=held)
         refusing = pair.talker_refusing(now)
         if refusing is not None:  # its talker's verdict after its last step: so would its Submit
             self.refusals_held += 1
             details, retry_after = refusing
             message = stage_message("talker", grpc.StatusCode.RESOURCE_EXHAUSTED, pair, details)
-            raise errors.ResourceExhausted(message, retry_after=retry_after or None)
+            raise RefusedHere(message, retry_after=retry_after or None)
         facts = await pair.model_facts()
         msg = request.message
         seed = msg.seed if msg.HasField("seed") else new_seed()

@@ -1,15 +1,8 @@
 """The server bench's talker table: the step split and what limited K, from the talker's counters."""
 
-from bench.server.probes import (
-    Snapshot,
-    gc_pauses,
-    k_bounds,
-    prefill_cost,
-    prefill_grant,
-    scrape,
-    share_over,
-    start_ms,
-)
+from bench.server.gateway_numbers import refusal_times, start_ms
+from bench.server.probes import k_bounds, prefill_cost, prefill_grant
+from bench.server.snapshots import Snapshot, gc_pauses, scrape, share_over
 from bench.server.tier_tables import code2wav_table, prefill_cost_table, refusal_table, step_split_table
 from services.talker.pacing import BOUNDS
 
@@ -85,17 +78,37 @@ def test_the_gateways_open_and_submit_are_means_over_the_tier():
 def test_the_refusal_table_says_how_fast_and_why_each_tier_refused():
     loadgen = {"rejected": 3, "refusal_s": {"p50": 0.004, "p90": 0.006, "p99": 0.0071},
                "refusals": {"about # s before it could start (a|b)": 2, "# streams already use": 1}}
-    gateway = {"refusals_held": 2.0, "loop_lag_over_25ms": 0.0125, "loop_lag_over_50ms": 0.0}
+    gateway = {"refusals_held": 2.0, "loop_lag_over_25ms": 0.0125, "loop_lag_over_50ms": 0.0,
+               "refusals_here": 2, "refusal_here_over_50ms": 0.0, "refusals_stages": 1,
+               "refusal_stages_over_50ms": 1.0}
     collections = {"gateway": {"pauses": 40, "over_25ms": 1, "seconds": 0.2, "full": 2}}
     table = refusal_table({"64": {"loadgen": loadgen, "gateway": gateway, "gc": collections},
                            "8": {"loadgen": {**loadgen, "rejected": 1}},  # an older gateway: no count
                            "1": {"loadgen": {"rejected": 0}}})
-    assert table[2] == ("| C | refused | p50 / p99 ms | held at the gateway | gateway loop late > 25 / 50 ms "
-                        "| messages |")
-    assert table[4].startswith("| 8 | 1 | 4.0 / 7.1 | - | - / - | ")
-    assert table[5] == ("| 64 | 3 | 4.0 / 7.1 | 2 | 1.2% / 0.0% (1 GC > 25 ms) | "
+    assert table[2] == ("| C | refused | p50 / p99 ms | held at the gateway | > 50 ms in the gateway: held / "
+                        "by a stage | gateway loop late > 25 / 50 ms | messages |")
+    assert table[4].startswith("| 8 | 1 | 4.0 / 7.1 | - | - / - | - / - | ")
+    assert table[5] == ("| 64 | 3 | 4.0 / 7.1 | 2 | 0.0% of 2 / 100.0% of 1 | 1.2% / 0.0% (1 GC > 25 ms) | "
                         "2 x about # s before it could start (a/b); 1 x # streams already use |")
     assert refusal_table({"1": {"loadgen": {"rejected": 0}}}) == []
+
+
+def test_refusal_times_split_the_gateways_refusals_by_who_answered_and_read_their_tail():
+    def snap(at, here, here_fast, stages, stages_fast):
+        metrics = {"voxring_refusal_here_seconds_count": here,
+                   "voxring_refusal_here_seconds_bucket@0.05": here_fast,
+                   "voxring_refusal_stages_seconds_count": stages,
+                   "voxring_refusal_stages_seconds_bucket@0.05": stages_fast}
+        return Snapshot(at, {}, {"gateway": metrics}, {}, [], [], {})
+
+    got = refusal_times(snap(0.0, 10, 10, 4, 4), snap(1.0, 110, 109, 14, 9))
+    assert got == {"refusals_here": 100, "refusal_here_over_50ms": 0.01,
+                   "refusals_stages": 10, "refusal_stages_over_50ms": 0.5}
+    none = refusal_times(snap(0.0, 10, 10, 4, 4), snap(1.0, 10, 10, 4, 4))
+    assert none == {"refusals_here": 0, "refusal_here_over_50ms": None, "refusals_stages": 0,
+                    "refusal_stages_over_50ms": None}
+    older = Snapshot(0.0, {}, {"gateway": {}}, {}, [], [], {})
+    assert refusal_times(older, older) == {}  # a gateway without the histograms
 
 
 def test_the_code2wav_table_shows_its_calls_tick_cuts_and_where_stalls_were_made():
