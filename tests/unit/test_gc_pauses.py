@@ -48,7 +48,9 @@ def test_freeze_startup_leaves_what_was_built_out_of_every_collection():
     try:
         frozen = freeze_startup()
         assert frozen == gc.get_freeze_count() > 0
-        assert GcPauses().metrics()["gc_frozen_objects"][2] == frozen
+        # a frozen object that dies leaves the permanent generation (another thread of the test
+        # process may free some meanwhile): the gauge reads the count as it is, never more
+        assert 0.99 * frozen <= GcPauses().metrics()["gc_frozen_objects"][2] <= frozen
     finally:
         gc.unfreeze()  # the test process goes on collecting as before
 
