@@ -43,20 +43,25 @@ class RecentFirstAudio:
         self.window_s, self.least, self.quantile = window_s, least, quantile
         self._seen: deque[tuple[float, float]] = deque()  # (written at, arrival to written), in write order
         self.last: float | None = None  # the latest answer (the metrics thread reads it)
+        self._added = self._dropped = 0  # records in and out of the window, ever: the answer's key
+        self._key: tuple[int, int] | None = None  # (added, dropped) when ``last`` was worked out
 
     def observe(self, written_at: float, seconds: float) -> None:
         self._seen.append((written_at, max(0.0, seconds)))
+        self._added += 1
 
     def lately(self, now: float) -> float | None:
-        """The quantile of the window's times (seconds), or None with fewer than ``least``."""
+        """The quantile of the window's times (seconds), or None with fewer than ``least``; asked
+        several times a step, it sorts again only when records came or went."""
         seen = self._seen
         while seen and seen[0][0] < now - self.window_s:
             seen.popleft()
-        if len(seen) < self.least:
-            self.last = None
-            return None
-        times = sorted(took for _, took in seen)
-        self.last = times[min(len(times) - 1, int(self.quantile * len(times)))]
+            self._dropped += 1
+        key = (self._added, self._dropped)
+        if key != self._key:
+            self._key = key
+            times = sorted(took for _, took in seen) if len(seen) >= self.least else None
+            self.last = None if times is None else times[min(len(times) - 1, int(self.quantile * len(times)))]
         return self.last
 
 

@@ -48,6 +48,18 @@ def test_the_window_answers_its_quantile_once_it_holds_enough_records():
     assert window.lately(10.71) is None and window.last is None  # none is left
 
 
+def test_the_answer_is_worked_out_again_whenever_a_record_comes_or_goes():
+    window = RecentFirstAudio(window_s=0.5, least=2, quantile=0.9)
+    window.observe(1.0, 0.1)
+    window.observe(1.2, 0.2)
+    assert window.lately(1.2) == 0.2 and window.lately(1.2) == 0.2  # asked twice: the same
+    window.observe(1.2, 0.3)  # one in, and at 1.55 the first one out: as many, other times
+    assert window.lately(1.55) == 0.3
+    window.observe(1.6, 0.01)
+    window.observe(1.6, 0.01)
+    assert window.lately(1.75) == 0.01  # those of 1.2 left the window; two of 10 ms remain
+
+
 def test_late_first_audio_refuses_new_streams_with_a_message_naming_the_setting():
     s = sched(target=0.25, path_s=0.05)
     s.add(req(1, arrival=0.0))
