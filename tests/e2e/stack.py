@@ -86,11 +86,12 @@ class Stage(StageProcess):
 
 def talker_config(sock: str) -> str:
     """The scenarios place their streams by the gateway's routing (fewest in flight): no talker
-    admission estimate may refuse one, neither by slack nor by a loaded CPU's prefill estimate
-    (whose verdict the gateway also routes around: services/gateway/verdicts.py)."""
+    admission estimate may refuse one, neither by slack, nor by a loaded CPU's prefill estimate,
+    nor by its first audio (whose verdicts the gateway also routes around:
+    services/gateway/verdicts.py)."""
     return (f"server: {{listen: '{sock}', drain_timeout: {DRAIN_S}, grace: {GRACE_S}}}\n"
             f"engine: {{k_max: 4, buckets: [1, 2, 4, 8, 16], max_num_seqs: {TALKER_SLOTS}, max_len: 512,"
-            f" admission_by_slack: false, max_queue_wait_s: 30}}\n"
+            f" admission_by_slack: false, max_queue_wait_s: 30, admission_first_audio_s: 0}}\n"
             f"metrics: {{listen: '127.0.0.1:0'}}\n")
 
 

@@ -51,13 +51,17 @@ def stack(model_cache):
 
 def stack_of(model_cache, gateway_extra: str = "", limits: str = "default_audio_seconds: 2.0"):
     """The three stages on unix sockets (``gateway_extra``: more of the gateway's config;
-    ``limits``: its limits section, which keeps the never-stopping tiny model's audio short)."""
+    ``limits``: its limits section, which keeps the never-stopping tiny model's audio short). The
+    tests count on every request the gateway admits being served: the talker's own admission,
+    which reads a loaded CPU's step times, prefill and first audio, refuses none (the unit tests cover it;
+    the fault scenarios' cancel storm takes its refusals as clean ends)."""
     ensure_tiny_checkpoint(root=model_cache / "models")
     d = Path(tempfile.mkdtemp(prefix="vx-e2e-", dir="/tmp"))  # short: unix socket paths
     configs = {
         "talker": f"server: {{listen: 'unix:{d}/talker.sock', drain_timeout: 5, grace: 1}}\n"
                   f"engine: {{k_max: 4, buckets: [1, 2, 4, 8, 16, 32], max_num_seqs: 32,"
-                  f" max_len: {MAX_LEN}}}\n",
+                  f" max_len: {MAX_LEN}, admission_by_slack: false, admission_first_audio_s: 0,"
+                  f" max_queue_wait_s: 30}}\n",
         "code2wav": f"server: {{listen: 'unix:{d}/code2wav.sock', drain_timeout: 5, grace: 1}}\n"
                     f"engine: {{max_slots: 40}}\n"
                     f"pacing: {{steady_frames: 8}}\n"
