@@ -28,6 +28,7 @@ from services.common.listener import Listener
 from services.common.metrics import TIME_TO_FIRST_AUDIO
 from services.gateway.audio import make_encoder, whole_file
 from services.gateway.config import GatewayConfig
+from services.gateway.pipeline_metrics import pipeline_metrics
 from services.gateway.routing import REQUEST_DOWN_S, EnginePair, ModelFacts, Router
 from services.gateway.stage_errors import stage_error, stage_message
 from services.gateway.validation import ValidRequest
@@ -109,37 +110,8 @@ class SynthesisPipeline:
         self._cancels: set[asyncio.Task] = set()  # Talker.Cancel calls in flight
 
     def metrics(self) -> dict:
-        return {"active_streams": ("gauge", "requests in flight at this gateway", self.router.in_flight),
-                "engine_pairs": ("gauge", "engine pairs taking new requests", len(self.router.pairs)),
-                "requests_completed": ("counter", "requests that ended normally", self.completed),
-                "frames": ("counter", "codec frames delivered", self.frames),
-                "audio_seconds": ("counter", "seconds of audio delivered", self.audio_seconds),
-                "streaming_sessions": ("counter", "streaming sessions ended (segments a session: "
-                                       "streaming_segments / streaming_sessions)", self.sessions),
-                "streaming_segments": ("counter", "segments the ended sessions spoke", self.session_segments),
-                "listener_underruns": ("counter", "chunks of a one-segment request that reached the "
-                                       "gateway after its model of the listener (playback from the "
-                                       "first chunk received) ran dry", self.listener_underruns),
-                "requests_refused_held": ("counter", "requests refused by the gateway on a talker's "
-                                          "watched verdict or its refusal of a moment ago "
-                                          "(routing.REFUSAL_HOLD_S), without a round trip",
-                                          self.refusals_held),
-                **self._start_metrics()}
-
-    def _start_metrics(self) -> dict:
-        counts, refusals = self.start_counts, self.refusal_time
-        return {"refusal_here_seconds": ("histogram", "a request's refusal for capacity answered by this "
-                                         "gateway (its limit, a talker's verdict or held refusal), from "
-                                         "its start here", refusals["here"].metric()),
-                "refusal_stages_seconds": ("histogram", "the same, answered by a stage (after Code2Wav's "
-                                           "Open and the talker's Submit)", refusals["stages"].metric()),
-                "start_opens": ("counter", "Code2Wav Opens answered with a handle", counts["opens"]),
-                "start_open_seconds": ("counter", "their seconds, from the call to the handle",
-                                       counts["open_s"]),
-                "start_submits": ("counter", "talker Submits answered (admitted or refused)",
-                                  counts["submits"]),
-                "start_submit_seconds": ("counter", "their seconds, from the call to the answer",
-                                         counts["submit_s"])}
+        """Its /metrics (services/gateway/pipeline_metrics.py)."""
+        return pipeline_metrics(self)
 
     # --- the public shapes -----------------------------------------------------------------------
 
