@@ -75,6 +75,9 @@ def add_bench_arguments(bench: argparse.ArgumentParser,
                             f"[MIN, MAX] (default {low:g},{high:g})")
     bench.add_argument("--load-seed", type=int, default=0,
                        help="poisson, burst, sequential: draws the arrivals, texts and lengths (default 0)")
+    bench.add_argument("--connections", type=positive(int), default=1,
+                       help="client connections the requests are spread over, request i on connection "
+                            "i mod N (default 1: every stream shares one, as one client's do)")
     bench.add_argument("--seed", type=int, default=None, help="the sampling seed of every request")
     bench.add_argument("--voice", default=None)
     bench.add_argument("--timeout", type=positive(float), default=60.0,
@@ -107,7 +110,7 @@ def bench_config(args: argparse.Namespace, connection: dict):
                        voice=args.voice, request_timeout_s=args.timeout, max_total_s=args.max_time,
                        load=args.load, audio_seconds=args.audio_seconds, load_seed=args.load_seed,
                        idle_gaps_s=args.idle_gaps or loads.DEFAULT_IDLE_GAPS_S,
-                       frame_rate_hz=args.frame_rate, **connection)
+                       frame_rate_hz=args.frame_rate, connections=args.connections, **connection)
 
 
 def run_bench_command(args: argparse.Namespace, connection: dict) -> int:

@@ -71,6 +71,9 @@ __all__ = ["ENCODINGS", "AsyncClient", "AsyncSynthesisStream", "AsyncTextStream"
 DEFAULT_TARGET = "127.0.0.1:50051"
 # A whole clip arrives in one Synthesize response: accept whatever size the server sends.
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", -1)]
+# gRPC shares one connection among the channels of a process to the same target unless a channel
+# keeps its own subchannels
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 
 Metadata = Sequence[tuple[str, str]]
 AUTHORIZATION_METADATA = "authorization"
@@ -160,7 +163,7 @@ Clip = bytes | str | os.PathLike[str]  # a reference clip: its bytes or its file
 class _ClientBase:
     def __init__(self, target: str, timeout: float | None, metadata: Metadata | None,
                  token: str | None, tls: bool | None, root_certificates: bytes | None,
-                 tls_server_name: str | None) -> None:
+                 tls_server_name: str | None, own_connection: bool = False) -> None:
         metadata = tuple(metadata or ())
         if token is not None and any(key.lower() == AUTHORIZATION_METADATA for key, _ in metadata):
             raise ValueError("metadata: already has 'authorization'; pass token= or that "
@@ -169,7 +172,7 @@ class _ClientBase:
         self.timeout = timeout  # default deadline of every call, seconds; None: none
         self.metadata = metadata + bearer_metadata(token)  # sent with every call
         self._credentials, options = channel_security(tls, root_certificates, tls_server_name)
-        self._channel_options = [*_CHANNEL_OPTIONS, *options]
+        self._channel_options = [*_CHANNEL_OPTIONS, *options, *(OWN_CONNECTION if own_connection else ())]
         self.tls = self._credentials is not None
 
     def __repr__(self) -> str:  # never shows the token
@@ -270,13 +273,16 @@ class AsyncClient(_ClientBase):
     """The ``grpc.aio`` client: the methods of :class:`Client`, awaited (``stream``
     returns an :class:`AsyncSynthesisStream` to ``async for`` over), with the same
     ``token`` and TLS arguments. Create it in the event loop that uses it; ``await
-    close()`` it or use ``async with``."""
+    close()`` it or use ``async with``. ``own_connection``: its own HTTP/2 connection, where
+    another client of the process to the same target would otherwise share one (a load
+    generator spreading its streams over several)."""
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
                  metadata: Metadata | None = None, token: str | None = None,
                  tls: bool | None = None, root_certificates: bytes | None = None,
-                 tls_server_name: str | None = None) -> None:
-        super().__init__(target, timeout, metadata, token, tls, root_certificates, tls_server_name)
+                 tls_server_name: str | None = None, own_connection: bool = False) -> None:
+        super().__init__(target, timeout, metadata, token, tls, root_certificates, tls_server_name,
+                         own_connection)
         if self._credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=self._channel_options)
         else:

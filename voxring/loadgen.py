@@ -30,6 +30,7 @@ sent are counted as unsent).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -63,6 +64,7 @@ __all__ = [  # the report's and the trace statistics' names are importable from 
 ]
 
 DEFAULT_TEXT = "Hello from voxring. This sentence measures how fast the first audio arrives."
+MAX_CONNECTIONS = 64  # client connections a run may spread its streams over
 
 
 @dataclass(frozen=True)
@@ -91,19 +93,24 @@ class BenchConfig:
     # the model's codec frames per second (12.5 for CSM/Mimi): when given, every completed
     # request's PCM samples are checked against its usage's frames (None: not checked)
     frame_rate_hz: float | None = None
+    # client connections the requests are spread over (request i on connection i mod N), each a
+    # channel with an HTTP/2 connection of its own; 1: every stream shares one, as one client does
+    connections: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
             raise ValueError(f"target must be an address, got {self.target!r}")
         if self.load not in loads.LOADS:
             raise ValueError(f"load must be one of {', '.join(loads.LOADS)}, got {self.load!r}")
-        for name in ("num_requests", "concurrency", "load_seed"):
+        for name in ("num_requests", "concurrency", "load_seed", "connections"):
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if not 1 <= self.connections <= MAX_CONNECTIONS:
+            raise ValueError(f"connections must be in [1, {MAX_CONNECTIONS}], got {self.connections}")
         if self.load == "burst" and self.concurrency != self.num_requests:
             raise ValueError(f"concurrency must equal num_requests in a burst (all are sent at "
                              f"once), got {self.concurrency} and {self.num_requests}")
@@ -207,26 +214,27 @@ async def send_in_sequence(arrivals: Sequence[Arrival], request: Callable[[Arriv
         await request(arrival)
 
 
-async def _sequential(client: AsyncClient, config: BenchConfig, traces: list[RequestTrace],
+async def _sequential(clients: Sequence[AsyncClient], config: BenchConfig, traces: list[RequestTrace],
                       run_started: float) -> None:
     """The schedule's requests one at a time, each after its idle gap."""
     async def request(arrival: Arrival) -> None:
         trace = RequestTrace(requested_audio_seconds=arrival.max_audio_seconds,
                              idle_before_s=arrival.idle_before_s)
         traces.append(trace)
-        await _one_request(client, config, trace, arrival.text, run_started)
+        await _one_request(clients[0], config, trace, arrival.text, run_started)
 
     await send_in_sequence(schedule(config), request)
 
 
-async def _open_loop(client: AsyncClient, config: BenchConfig, traces: list[RequestTrace],
+async def _open_loop(clients: Sequence[AsyncClient], config: BenchConfig, traces: list[RequestTrace],
                      run_started: float) -> None:
-    """The schedule's requests, each a task started at its arrival; cancelled (by the run's
-    bound), it cancels every request still running."""
+    """The schedule's requests, each a task started at its arrival on the next of ``clients`` in
+    turn; cancelled (by the run's bound), it cancels every request still running."""
     requests: list[asyncio.Task] = []
 
     def send(arrival: Arrival) -> None:
         trace = RequestTrace(requested_audio_seconds=arrival.max_audio_seconds)
+        client = clients[len(traces) % len(clients)]
         traces.append(trace)
         requests.append(asyncio.create_task(_one_request(client, config, trace, arrival.text,
                                                          run_started)))
@@ -256,28 +264,31 @@ async def _sample_loop_lag(samples: list[float]) -> None:
 async def run_bench(config: BenchConfig) -> BenchReport:
     """Runs the load; ListVoices first connects the channel (and fails fast, with a typed
     error, when no server answers)."""
-    async with AsyncClient(config.target, token=config.token, tls=config.tls,
-                           root_certificates=config.root_certificates,
-                           tls_server_name=config.tls_server_name) as client:
-        await client.voices(timeout=min(10.0, config.max_total_s))
+    async with contextlib.AsyncExitStack() as opened:
+        clients = [await opened.enter_async_context(AsyncClient(
+            config.target, token=config.token, tls=config.tls, root_certificates=config.root_certificates,
+            tls_server_name=config.tls_server_name, own_connection=config.connections > 1))
+            for _ in range(config.connections)]
+        for client in clients:  # each connects now: a run does not count a connection's setup
+            await client.voices(timeout=min(10.0, config.max_total_s))
         traces: list[RequestTrace] = []
         lag: list[float] = []
         sampler = asyncio.create_task(_sample_loop_lag(lag))
         started = time.perf_counter()
 
-        async def worker() -> None:
+        async def worker(client: AsyncClient) -> None:
             while len(traces) < config.num_requests:
                 trace = RequestTrace(requested_audio_seconds=config.max_audio_seconds)
                 traces.append(trace)
                 await _one_request(client, config, trace, config.text, started)
 
-        if config.load == "closed":
-            tasks = [asyncio.create_task(worker())
-                     for _ in range(min(config.concurrency, config.num_requests))]
+        if config.load == "closed":  # worker k on connection k mod N
+            tasks = [asyncio.create_task(worker(clients[k % len(clients)]))
+                     for k in range(min(config.concurrency, config.num_requests))]
         elif config.load == "sequential":
-            tasks = [asyncio.create_task(_sequential(client, config, traces, started))]
+            tasks = [asyncio.create_task(_sequential(clients, config, traces, started))]
         else:
-            tasks = [asyncio.create_task(_open_loop(client, config, traces, started))]
+            tasks = [asyncio.create_task(_open_loop(clients, config, traces, started))]
         done, pending = await asyncio.wait(tasks, timeout=config.max_total_s)
         for task in (*pending, sampler):
             task.cancel()

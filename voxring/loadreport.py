@@ -80,6 +80,7 @@ class BenchReport:
     audio_seconds_range: tuple[float, float] | None = None  # poisson, burst: lengths drawn from
     load_seed: int | None = None              # poisson, burst: the schedule's seed
     unsent: int = 0        # not sent before max_total_s ended the run
+    connections: int = 1   # BenchConfig.connections: client connections the streams were spread over
     mean_in_flight: float = 0.0   # streams open (sent, not ended), time-averaged over wall_s
     max_in_flight: int = 0
     requested_audio_seconds: float | None = None  # the sum of the max_audio_seconds asked for
@@ -162,7 +163,8 @@ def _load_fields(config: BenchConfig, traces: Sequence[RequestTrace], wall_s: fl
             "burst_size": config.num_requests if config.load == "burst" else None,
             "audio_seconds_range": tuple(config.audio_seconds) if scheduled else None,
             "load_seed": config.load_seed if scheduled else None,
-            "unsent": config.num_requests - len(traces), "mean_in_flight": mean, "max_in_flight": peak,
+            "unsent": config.num_requests - len(traces), "connections": config.connections,
+            "mean_in_flight": mean, "max_in_flight": peak,
             "requested_audio_seconds": sum(requested) if requested else None}
 
 
@@ -294,7 +296,8 @@ def _load_lines(report: BenchReport) -> list[str]:
     return [f"load          {offered}, {low:g}-{high:g} s of audio each, corpus texts "
             f"(seed {report.load_seed})",
             f"in flight     mean {report.mean_in_flight:.2f}, peak {report.max_in_flight} "
-            f"(audio asked {requested:.2f} s, delivered {report.audio_seconds:.2f} s)"]
+            f"(audio asked {requested:.2f} s, delivered {report.audio_seconds:.2f} s) over "
+            f"{report.connections} client connection(s)"]
 
 
 def _idle_lines(report: BenchReport) -> list[str]:

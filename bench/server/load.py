@@ -55,12 +55,13 @@ def frame_rate_hz(s: Settings) -> float:
 
 
 def closed_config(target: str, requests: int, concurrency: int, cap_s: float,
-                  frame_rate: float | None = None):
+                  frame_rate: float | None = None, connections: int = 1):
     """The closed loop of the fixed prompt (the fixed load's tiers, every warm-up)."""
     from voxring.loadgen import BenchConfig
 
     return BenchConfig(target=target, num_requests=requests, concurrency=concurrency, text=PROMPT,
-                       request_timeout_s=cap_s, max_total_s=cap_s, frame_rate_hz=frame_rate)
+                       request_timeout_s=cap_s, max_total_s=cap_s, frame_rate_hz=frame_rate,
+                       connections=connections)
 
 
 def _scheduled_config(s: Settings, target: str, load: str, requests: int, concurrency: int, seed: int,
@@ -69,7 +70,8 @@ def _scheduled_config(s: Settings, target: str, load: str, requests: int, concur
 
     return BenchConfig(target=target, num_requests=requests, concurrency=concurrency, load=load,
                        audio_seconds=s.audio_range, load_seed=seed, request_timeout_s=cap_s,
-                       max_total_s=cap_s, idle_gaps_s=s.idle_gaps, frame_rate_hz=frame_rate)
+                       max_total_s=cap_s, idle_gaps_s=s.idle_gaps, frame_rate_hz=frame_rate,
+                       connections=s.client_connections)
 
 
 def is_sequential(s: Settings, concurrency: int) -> bool:
@@ -91,7 +93,7 @@ def tier_config(s: Settings, target: str, concurrency: int, cap_s: float, frame_
     the PCM check."""
     requests = tier_requests(s, concurrency)
     if s.load == "fixed":
-        return closed_config(target, requests, concurrency, cap_s, frame_rate)
+        return closed_config(target, requests, concurrency, cap_s, frame_rate, s.client_connections)
     load = "sequential" if is_sequential(s, concurrency) else s.load
     return _scheduled_config(s, target, load, requests, concurrency,
                              s.load_seed * _SEED_STRIDE + concurrency, cap_s, frame_rate)

@@ -113,6 +113,8 @@ def load_text(mode: str, data: dict) -> str:
                 f"on average), {texts}")
     else:
         text = f"Load: burst, C requests at once per tier, {texts}"
+    if (data.get("client_connections") or 1) > 1:
+        text += f", over {data['client_connections']} client connections"
     if data.get("sequential_requests") is None:  # files from before the sequential C=1 tier
         return text
     gaps = ", ".join(f"{gap:g}" for gap in data.get("idle_gaps") or ())

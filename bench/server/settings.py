@@ -127,6 +127,7 @@ class Settings:
     tokenizer: str | None = DEFAULT_TOKENIZER
     sequential_requests: int = SEQUENTIAL_REQUESTS  # poisson, burst: the sequential C=1 tier's
     idle_gaps: tuple[float, ...] = DEFAULT_IDLE_GAPS_S  # ... and the idle before each, in turn
+    client_connections: int = 1  # the load generator's connections to the gateway (streams spread over them)
     profile_tier: int | None = None  # py-spy on every stage at this tier (bench/server/profile.py)
     profile_seconds: float = 8.0
     started: float = field(default_factory=time.monotonic)
@@ -230,6 +231,8 @@ def fingerprint(configs: dict, s: Settings, checkpoint_name: str | None) -> str:
                 "requests_per_stream": s.requests_per_stream,
                 "audio_seconds": s.audio_seconds, "tier_max_s": s.tier_max_s,
                 "checkpoint": checkpoint_name, "env": overrides_env(), "prompt": PROMPT}
+    if s.client_connections != 1:  # (one connection: the fingerprint is what it was before the option)
+        identity["client_connections"] = s.client_connections
     if s.load != "fixed":  # (the fixed load's fingerprint is what it was before there were others)
         identity.update({"load": s.load, "audio_range": s.audio_range, "load_seed": s.load_seed,
                          "corpus": hashlib.sha256("\n".join(corpus_texts(64, 0)).encode()).hexdigest(),
@@ -325,6 +328,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="poisson, burst: the C=1 tier's idle before each request, after the previous "
                              f"one ended, in turn (default {_gaps(DEFAULT_IDLE_GAPS_S)}; smoke "
                              f"{_gaps(SMOKE_IDLE_GAPS_S)})")
+    parser.add_argument("--client-connections", type=int, default=1, metavar="N",
+                        help="the load generator's connections to the gateway, request i on connection "
+                             "i mod N (default 1: every stream shares one)")
     parser.add_argument("--tier-max-s", type=float, default=60.0, help="wall-clock cap of one tier")
     parser.add_argument("--profile-tier", type=int, default=None, metavar="C",
                         help="py-spy every stage's threads for --profile-seconds (default 8) from tier C's "
@@ -357,6 +363,10 @@ def parse_args(argv: list[str] | None) -> Settings:
         parser.error("--smoke runs without MPS")
     if args.requests_per_stream < 1 or args.tier_max_s <= 0 or args.max_wall <= 0:
         parser.error("--requests-per-stream, --tier-max-s and --max-wall must be positive")
+    from voxring.loadgen import MAX_CONNECTIONS
+
+    if not 1 <= args.client_connections <= MAX_CONNECTIONS:
+        parser.error(f"--client-connections must be in [1, {MAX_CONNECTIONS}]")
     if args.sequential_requests is not None and args.sequential_requests < 1:
         parser.error("--sequential-requests must be positive")
     if args.load == "fixed" and (args.sequential_requests is not None or args.idle_gaps is not None):
@@ -378,4 +388,5 @@ def parse_args(argv: list[str] | None) -> Settings:
         sequential_requests=args.sequential_requests or (
             SMOKE_SEQUENTIAL_REQUESTS if args.smoke else SEQUENTIAL_REQUESTS),
         idle_gaps=args.idle_gaps or (SMOKE_IDLE_GAPS_S if args.smoke else DEFAULT_IDLE_GAPS_S),
+        client_connections=args.client_connections,
         profile_tier=args.profile_tier, profile_seconds=args.profile_seconds)

@@ -108,7 +108,8 @@ def part_tiers(s: Settings) -> int:
                       {"prompt": "corpus", "audio_range": s.audio_range, "load_seed": s.load_seed,
                        "sequential_requests": s.sequential_requests, "idle_gaps": s.idle_gaps}),
                    "audio_seconds": s.audio_seconds, "requests_per_stream": s.requests_per_stream,
-                   "tier_max_s": s.tier_max_s, "checkpoint": checkpoint_name or "voxring-tiny",
+                   "tier_max_s": s.tier_max_s, "client_connections": s.client_connections,
+                   "checkpoint": checkpoint_name or "voxring-tiny",
                    "configs": portable_configs(configs)})
     result.setdefault("tiers", {})
     result.setdefault("runs", [])

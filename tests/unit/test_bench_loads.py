@@ -242,3 +242,23 @@ def test_the_report_shows_the_steady_rate_the_checks_and_the_sequential_tier():
     assert "| 1 | 5 | 12 | 60.0 / 70.0 / 80.0 |" in text and "| 1 | 0 | 13 | 40.0 / 45.0 / 50.0 |" in text
     older = {key: value for key, value in data.items() if key not in ("sequential_requests", "idle_gaps")}
     assert "sequential" not in report.load_text("mps-off-poisson", older)  # files from before
+
+
+def test_client_connections_reach_every_tier_the_fingerprint_and_the_report(tmp_path: Path, capsys):
+    spread = _settings("--load", "poisson", "--client-connections", "4")
+    assert spread.client_connections == 4 and _settings().client_connections == 1
+    assert {load.tier_config(spread, "unix:gw", c, 60.0).connections for c in (1, 8)} == {4}
+    assert load.tier_config(_settings("--client-connections", "2"), "unix:gw", 8, 60.0).connections == 2
+
+    def fp(s):
+        return settings.fingerprint(settings.stage_configs(s, tmp_path, None), s, None)
+
+    assert fp(spread) != fp(_settings("--load", "poisson"))  # tiers of one are not reused for the other
+    text = report.load_text("mps-off-poisson", {"load": "poisson", "audio_range": [2, 8], "load_seed": 0,
+                                                "requests_per_stream": 2, "audio_seconds": 5.0,
+                                                "client_connections": 4})
+    assert "over 4 client connections" in text
+    assert "client connections" not in report.load_text("mps-off-poisson", {"load": "poisson"})
+    with pytest.raises(SystemExit):
+        _settings("--client-connections", "0")
+    assert "--client-connections" in capsys.readouterr().err

@@ -56,6 +56,8 @@ def _config(**changes) -> BenchConfig:
     ({"load": "sequential", "num_requests": 4, "concurrency": 2}, "concurrency"),
     ({"load": "sequential", "concurrency": 1, "idle_gaps_s": ()}, "idle_gaps_s"),
     ({"idle_gaps_s": (0.0, -0.5)}, "idle_gaps_s"),
+    ({"connections": 0}, "connections"),
+    ({"connections": 65}, "connections"),
     ({"frame_rate_hz": 0.0}, "frame_rate_hz"),
     ({"frame_rate_hz": float("inf")}, "frame_rate_hz"),
 ])
@@ -177,6 +179,20 @@ def test_poisson_run_sends_each_request_its_own_text_and_length(fake):
     assert report.loop_lag_s is not None and report.loop_lag_s.p99 >= 0.0  # the client's own delay
 
 
+@pytest.mark.parametrize("connections", [1, 3])
+def test_a_run_spreads_its_requests_over_its_connections_in_turn(connections):
+    with test_sdk.serve_fake(None) as tcp:  # over TCP each connection is a peer of its own
+        config = BenchConfig(target=tcp.target, num_requests=6, concurrency=3, load="poisson",
+                             audio_seconds=(0.05, 0.1), request_timeout_s=WAIT_S, max_total_s=4 * WAIT_S,
+                             connections=connections)
+        report = run(config)
+        peers = list(tcp.peers)
+    assert report.completed == 6 and report.connections == connections
+    assert all(peer.startswith("ipv4:127.0.0.1:") for peer in peers)
+    assert sorted(peers.count(peer) for peer in set(peers)) == [6 // connections] * connections
+    assert f"over {connections} client connection(s)" in format_report(report)
+
+
 def test_the_loop_lag_sampler_sees_a_blocked_loop_and_summarize_states_it():
     from voxring.loadgen import LAG_INTERVAL_S, _sample_loop_lag
 
@@ -251,6 +267,7 @@ def test_bench_command_runs_a_poisson_load(fake, capsys):
     report = json.loads(capsys.readouterr().out)
     assert (report["load"], report["load_seed"], report["audio_seconds_range"]) == ("poisson", 7, [0.05, 0.1])
     assert (report["num_requests"], report["completed"], report["unsent"]) == (4, 4, 0)
+    assert report["connections"] == 1
     assert len({r.text for r in fake.requests}) == 4
     assert all(0.05 <= r.max_audio_seconds <= 0.1 for r in fake.requests)
     assert main(["bench", "--target", fake.target, "--load", "burst", "--concurrency", "3",

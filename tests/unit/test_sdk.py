@@ -75,12 +75,14 @@ class FakeSynthesizer(synthesizer_pb2_grpc.SynthesizerServicer):
     target: str = ""
     requests: list[pb.SynthesizeSpeechRequest] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
+    peers: list[str] = field(default_factory=list)  # each request's peer (its connection, over TCP)
     ended: queue.Queue = field(default_factory=queue.Queue)
     _count: Iterator[int] = field(default_factory=itertools.count)
 
     def _admit(self, request, context) -> None:
         self.requests.append(request)
         self.metadata.append(dict(context.invocation_metadata()))
+        self.peers.append(context.peer())
         n = next(self._count)
         code_name = request.text.removeprefix("error:") if request.text.startswith("error:") else None
         if self.reject_every and n % self.reject_every == self.reject_every - 1:
@@ -167,13 +169,17 @@ class FakeSynthesizer(synthesizer_pb2_grpc.SynthesizerServicer):
 
 
 @contextlib.contextmanager
-def serve_fake(sock_dir: Path) -> Iterator[FakeSynthesizer]:
-    """A FakeSynthesizer on a unix socket in ``sock_dir`` (``.target``), stopped after."""
+def serve_fake(sock_dir: Path | None) -> Iterator[FakeSynthesizer]:
+    """A FakeSynthesizer on a unix socket in ``sock_dir`` (``.target``; None: a free loopback TCP
+    port, where each connection is a peer of its own), stopped after."""
     servicer = FakeSynthesizer()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
     synthesizer_pb2_grpc.add_SynthesizerServicer_to_server(servicer, server)
-    servicer.target = f"unix:{sock_dir}/fake.sock"
-    server.add_insecure_port(servicer.target)
+    if sock_dir is None:
+        servicer.target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    else:
+        servicer.target = f"unix:{sock_dir}/fake.sock"
+        server.add_insecure_port(servicer.target)
     server.start()
     try:
         yield servicer
