@@ -16,6 +16,7 @@ if not torch.cuda.is_available():  # before triton is imported: the unit modules
 from kernels import stack_step as stack_kernel
 from tests.gpu.test_kernels_cuda import capture
 from tests.unit.fused_layer_support import NAN
+from tests.unit.kernel_device import relative_error as stack_error
 from tests.unit.stack_step_cases import CSM_DEPTH
 from tests.unit.stack_step_cases import ROWS as STACK_ROWS
 from tests.unit.stack_step_cases import SHAPES as STACK_SHAPES
@@ -25,7 +26,6 @@ from tests.unit.stack_step_cases import assert_caches as assert_stack_caches
 from tests.unit.stack_step_cases import clean as stack_clean
 from tests.unit.stack_step_cases import make_case as make_stack_case
 from tests.unit.stack_step_cases import reference as stack_reference
-from tests.unit.stack_step_cases import relative_error as stack_error
 from tests.unit.stack_step_cases import run as stack_run
 
 pytestmark = pytest.mark.gpu

@@ -11,7 +11,7 @@ import torch
 
 import kernels
 from kernels.latch import KernelLatch
-from tests.unit.kernel_device import DEVICE
+from tests.unit.kernel_device import DEVICE, relative_error
 
 NAN = float("nan")
 EPS = 1e-5
@@ -41,10 +41,6 @@ def rounded_as_the_kernel(t32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
         return (t32.float().view(torch.int32) & -65536).view(torch.float32).to(dtype)  # exact
     return t32.to(dtype)
 
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    ref = ref.cpu().double()
-    return float((out.cpu().double() - ref).norm() / ref.norm())
 
 
 def assert_within_bounds(out: torch.Tensor, twin: torch.Tensor, ref: torch.Tensor) -> float:

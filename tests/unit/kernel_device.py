@@ -1,4 +1,5 @@
-"""The device the kernel tests run on: CUDA where there is one, else Triton's interpreter on the CPU.
+"""The device the kernel tests run on: CUDA where there is one, else Triton's interpreter on the CPU;
+and the error norm they judge by.
 
 The interpreter must be chosen before triton is imported: tests/conftest.py sets ``TRITON_INTERPRET`` for
 pytest; a kernel test module imported elsewhere after triton without it fails here, loudly, instead of
@@ -18,3 +19,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """METHOD.md's error norm ||out - ref|| / ||ref||, in float64 on the CPU."""
+    ref = ref.cpu().double()
+    return float((out.cpu().double() - ref).norm() / ref.norm())

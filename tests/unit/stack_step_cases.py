@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from kernels import stack_step as ss
-from tests.unit.kernel_device import DEVICE
+from tests.unit.kernel_device import DEVICE, relative_error
 
 NAN = float("nan")
 EPS = 1e-5
@@ -216,10 +216,6 @@ def reference(case: Case) -> Result:
     """The twin in float64 on the CPU."""
     return run(move(case, "cpu").to(torch.float64), ss.stack_step_eager)
 
-
-def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.cpu().double(), ref.cpu().double()
-    return float((a - ref).norm() / ref.norm())
 
 
 def written(case: Case) -> torch.Tensor:

@@ -107,19 +107,26 @@ class _Talker:
                                    grpc.aio.Metadata(*trailers), details=details)
 
 
-def test_a_talkers_refusal_is_held_and_the_next_request_refused_without_a_round_trip():
+def _refusing_pair(log: list):
+    """A pair whose talker refuses every Submit for capacity, its pipeline and a request (the
+    stages' calls go to ``log``)."""
     from services.gateway.config import GatewayConfig
     from services.gateway.validation import ValidRequest
     from services.gateway.voices import VoiceEntry
     from voxring.v1 import synthesizer_pb2 as pb
 
+    p = pair("a")
+    p._stubs.update(code2wav=_Code2Wav(log), talker=_Talker(log))
+    pipeline = SynthesisPipeline(config=GatewayConfig(), router=Router([p]), voices=None)
+    request = ValidRequest("r1", "Hello there.", VoiceEntry("default", 0), "en-US", 1, 0,
+                           pb.SynthesizeSpeechRequest(text="Hello there."))
+    return p, pipeline, request
+
+
+def test_a_talkers_refusal_is_held_and_the_next_request_refused_without_a_round_trip():
     async def main():
         log = []
-        p = pair("a")
-        p._stubs.update(code2wav=_Code2Wav(log), talker=_Talker(log))
-        pipeline = SynthesisPipeline(config=GatewayConfig(), router=Router([p]), voices=None)
-        request = ValidRequest("r1", "Hello there.", VoiceEntry("default", 0), "en-US", 1, 0,
-                               pb.SynthesizeSpeechRequest(text="Hello there."))
+        p, pipeline, request = _refusing_pair(log)
         with pytest.raises(ResourceExhausted) as first:
             await pipeline._start(p, request)
         assert log == ["open", "submit", "open cancelled"] and first.value.retry_after == pytest.approx(0.2)
@@ -189,18 +196,9 @@ def test_a_running_request_keeps_its_pairs_facts_when_readiness_learns_them_anew
 
 
 def test_each_refusal_is_timed_inside_the_gateway_by_who_answered_it():
-    from services.gateway.config import GatewayConfig
-    from services.gateway.validation import ValidRequest
-    from services.gateway.voices import VoiceEntry
-    from voxring.v1 import synthesizer_pb2 as pb
-
     async def main():
         log = []
-        p = pair("a")
-        p._stubs.update(code2wav=_Code2Wav(log), talker=_Talker(log))
-        pipeline = SynthesisPipeline(config=GatewayConfig(), router=Router([p]), voices=None)
-        request = ValidRequest("r1", "Hello there.", VoiceEntry("default", 0), "en-US", 1, 0,
-                               pb.SynthesizeSpeechRequest(text="Hello there."))
+        p, pipeline, request = _refusing_pair(log)
         for _ in range(3):  # the talker refuses the first; the gateway holds that for the next two
             with pytest.raises(ResourceExhausted):
                 [m async for m in pipeline.stream(request)]
@@ -208,7 +206,7 @@ def test_each_refusal_is_timed_inside_the_gateway_by_who_answered_it():
         metrics = pipeline.metrics()
         for name, count in (("refusal_stages_seconds", 1), ("refusal_here_seconds", 2)):
             buckets, seconds = metrics[name][2]
-            assert buckets[-1] == ("+Inf", count) and 0 <= seconds < 5
+            assert buckets[-1] == ("+Inf", count) and seconds >= 0  # counted where it was answered
         assert p.in_flight == 0  # every refused request released its pair
         await pipeline.router.close()
 

@@ -11,7 +11,7 @@ import torch
 from kernels import decode_attention as kernel
 from kernels.latch import KernelLatch
 from tests.unit import latch_checks
-from tests.unit.kernel_device import DEVICE
+from tests.unit.kernel_device import DEVICE, relative_error
 
 # Relative error bounds against the float64 reference (METHOD.md): fp32 arithmetic lands far
 # under 1e-3; 16-bit inputs and outputs between 1e-3 and 1e-2 (the output rounding alone is
@@ -35,9 +35,6 @@ def make_inputs(seed: int, *, batch: int, num_slots: int, max_len: int, num_q_he
     tensors = (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), slots, torch.tensor(lengths))
     return tuple(t.to(device) for t in tensors)
 
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref).norm() / ref.norm())
 
 
 def reference(q, k_cache, v_cache, slots, lengths, scale) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from kernels import prefill_attention as kernel
 from kernels.latch import KernelLatch
 from tests.unit import latch_checks
-from tests.unit.kernel_device import DEVICE
+from tests.unit.kernel_device import DEVICE, relative_error
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 
@@ -36,9 +36,6 @@ def make_inputs(seed: int, *, batch: int, seq_len: int, num_slots: int, max_len:
     tensors = (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), slots, positions)
     return tuple(t.to(device) for t in tensors)
 
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref).norm() / ref.norm())
 
 
 def reference(q, k_cache, v_cache, slots, positions, scale) -> torch.Tensor:
