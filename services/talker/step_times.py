@@ -69,6 +69,9 @@ class StepTimes:
                 if provisional is None:
                     prefill = min(seconds, self.prefill_s(prefill_tokens))
                     fixed = prefill + self._fixed_share(bucket, k) * (seconds - prefill)
+                    # the per-position cost is an average over other prompts and steps: however
+                    # much it reads as prefill, a frame costs no less than at fewer rows
+                    fixed = min(fixed, seconds - k * self._frame_floor(bucket))
                     self.provisional[bucket] = provisional = StepLine(self.alpha)
                     provisional.add(k, seconds, fixed)
                 else:
@@ -94,12 +97,20 @@ class StepTimes:
         line = self.steps[min(self.steps, key=lambda b: (abs(b - bucket), b))]
         return line.overhead / line.at(k) if line.per_frame is not None else 0.0
 
+    def _frame_floor(self, bucket: int) -> float:
+        """The most time a frame takes on the clean line of a measured bucket of fewer rows (0
+        while none is): a frame costs no less with more rows."""
+        return max((line.per_frame for b, line in self.steps.items() if b < bucket and line.per_frame),
+                   default=0.0)
+
     def estimate(self, bucket: int, k: int, *, across_buckets: bool = True) -> float | None:
         """T(bucket, K) from the bucket's line; else from its steps with prefill inside, but no
         more than the clean buckets around it give (both are pessimistic: a burst's steps hold
         prefill the per-position cost misses, and time grows no faster than rows, so a
         provisional line may not stand above the clean bucket below scaled by rows, else the
-        bucket above the pair's size is never let in and never measured clean); else
+        bucket above the pair's size is never let in and never measured clean, nor below that
+        bucket's own time: its one step's split into prefill and frames may read a few frames as
+        prefill, and K frames cost no less with more rows); else
         (``across_buckets``) from the measured buckets around it (the clean ones where any is):
         between the nearest smaller and larger, linear in rows; past the largest, the line
         through the two largest in rows, at most the largest scaled by rows (one bucket alone is
@@ -110,8 +121,11 @@ class StepTimes:
             return line.at(k)
         provisional = self.provisional.get(bucket)
         if provisional is not None:
-            around = _around({b: kept.at(k) for b, kept in self.steps.items()}, bucket)
-            return provisional.at(k) if around is None else min(provisional.at(k), around)
+            clean = {b: kept.at(k) for b, kept in self.steps.items()}
+            around = _around(clean, bucket)
+            estimate = provisional.at(k) if around is None else min(provisional.at(k), around)
+            below = [clean[b] for b in clean if b < bucket]
+            return max(estimate, *below) if below else estimate
         if not across_buckets:
             return None
         clean = {b: kept.at(k) for b, kept in self.steps.items()}

@@ -284,3 +284,32 @@ def test_a_stall_moves_a_line_no_more_than_a_step_twice_its_time_while_a_slow_do
     for _ in range(12):  # the machine is twice as slow from now on: followed within a few steps
         times.observe(16, 3, 0.048)
     assert times.estimate(16, 3) == pytest.approx(0.048, rel=0.1)
+
+
+def test_a_bucket_seen_only_with_prefill_inside_costs_no_less_than_the_clean_bucket_below():
+    """Its first step's split read most of it as prefill (an average cost a position, more than
+    these prompts took): 16 ms fixed and 6 ms a frame, where 192 rows cost 13 ms a frame. Neither
+    the line's split nor its estimates may read a frame as cheaper than at fewer rows."""
+    times = StepTimes()
+    for _ in range(200):  # 192 rows, measured clean: 0.2 ms fixed, 13 ms a frame
+        times.observe(192, 1, 0.0132)
+        times.observe(192, 8, 0.1042)
+    times.observe(192, 1, 0.0132 + 0.016, prefill_tokens=290)  # 55 us a position, as measured
+    times.observe(224, 1, 0.0225, prefill_tokens=290)  # 224 rows' first step, 8 prompts inside
+    assert times.provisional[224].per_frame == pytest.approx(times.steps[192].per_frame)
+    for k in range(1, 9):
+        assert times.estimate(224, k) >= times.estimate(192, k)
+    assert times.estimate(224, 7) >= 0.090  # K=7 took 106 ms on the GPU, estimated at 61 before
+
+
+def test_while_requests_arrive_a_bucket_seen_only_with_prefill_inside_still_gets_short_steps():
+    from services.talker.pacing import arrival_cap
+    times = StepTimes()
+    for _ in range(200):
+        times.observe(192, 1, 0.0132)
+        times.observe(192, 8, 0.1042)
+    times.observe(192, 1, 0.0132 + 0.016, prefill_tokens=290)
+    times.observe(224, 1, 0.0225, prefill_tokens=290)
+    config = PacingConfig(frame_rate=12.5, path_s=0.065, k_max=8, arrival_step_s=0.025)
+    busy = outlook(bucket=224, arrival_rate=200.0, host_s=0.008)
+    assert arrival_cap(busy, config, times) == 1  # not the 6-7 frames (100 ms steps) it was
