@@ -146,23 +146,27 @@ def choose_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> tu
 
 
 def arrival_cap(outlook: StepOutlook, config: PacingConfig, times: StepTimes) -> int:
-    """The most frames a step may make while requests arrive: a request that arrives during a
-    step waits for its end before its prefill, so once ``ARRIVALS_LIKELY`` arrivals are expected
-    within a K_max step (the recent rate), the step is cut to ``arrival_step_s``: the most K
-    whose estimate fits, but never below the fewest frames whose time per frame is within
-    ``STEP_EFFICIENCY`` of K_max's (a step's fixed cost must not eat the rows' throughput, as it
+    """The most frames a step may make while requests arrive: a request that arrives during a step waits
+    for its end before its prefill, so once ``ARRIVALS_LIKELY`` arrivals are expected within a K_max
+    step (the recent rate), the step is cut to ``arrival_step_s``: the most K whose estimate fits,
+    but never below the fewest frames whose time per frame is within ``STEP_EFFICIENCY`` of K_max's
+    on a line of steps without prefill (a step's fixed cost must not eat the rows' throughput, as it
     would where even K = 1 overruns the cut), nor below the fewest that still feed the rows
-    ``CUT_SPEED`` times faster than real time counting the loop's own time a step (``host_s``).
-    That is the speed admission promises its streams (``fits`` at the default headroom 0.25), so
-    within what admission lets in the steps stay short; rows no K feeds so fast (admission let in
-    too many) are not cut at all: their throughput comes first. K_max when not cut."""
+    ``CUT_SPEED`` times faster than real time counting the loop's own time a step (``host_s``). That
+    is the speed admission promises its streams (``fits`` at the default headroom 0.25), so within
+    what admission lets in the steps stay short; rows no K feeds so fast (admission let in too many)
+    are not cut at all: their throughput comes first. K_max when not cut."""
     top = times.estimate(outlook.bucket, config.k_max)
     if not config.arrival_step_s or top is None or outlook.arrival_rate * top < ARRIVALS_LIKELY:
         return config.k_max
-    per_frame = top / config.k_max
     ks = range(1, config.k_max + 1)
-    efficient = next(k for k in ks
-                     if times.estimate(outlook.bucket, k) / k <= per_frame * (1 + STEP_EFFICIENCY))
+    # judged on a line of steps without prefill (this bucket's, else the nearest): a prefill is paid
+    # once a prompt whatever K is, so it is no fixed cost a longer step would spread thinner
+    shape = times.clean_line(outlook.bucket)
+    at = shape.at if shape is not None and shape.per_frame is not None else (
+        lambda k: times.estimate(outlook.bucket, k))
+    per_frame = at(config.k_max) / config.k_max
+    efficient = next(k for k in ks if at(k) / k <= per_frame * (1 + STEP_EFFICIENCY))
     fed = fed_k(outlook, config, times, CUT_SPEED)
     fitting = max((k for k in ks if times.estimate(outlook.bucket, k) <= config.arrival_step_s), default=1)
     return max(efficient, fed, fitting)

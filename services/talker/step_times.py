@@ -92,10 +92,18 @@ class StepTimes:
     def _fixed_share(self, bucket: int, k: int) -> float:
         """The part of a K-frame step that is its overhead, on the clean line of the measured
         bucket nearest in rows (0 while none is)."""
+        line = self.clean_line(bucket)
+        return line.overhead / line.at(k) if line is not None and line.per_frame is not None else 0.0
+
+    def clean_line(self, bucket: int) -> StepLine | None:
+        """The bucket's line learnt from steps without prefill, else the nearest measured bucket's
+        in rows (None while none is): the shape of a step's own cost, its fixed part against its
+        frames, which a line learnt only from steps with prefill inside cannot tell apart."""
+        if bucket in self.steps:
+            return self.steps[bucket]
         if not self.steps:
-            return 0.0
-        line = self.steps[min(self.steps, key=lambda b: (abs(b - bucket), b))]
-        return line.overhead / line.at(k) if line.per_frame is not None else 0.0
+            return None
+        return self.steps[min(self.steps, key=lambda b: (abs(b - bucket), b))]
 
     def _frame_floor(self, bucket: int) -> float:
         """The most time a frame takes on the clean line of a measured bucket of fewer rows (0

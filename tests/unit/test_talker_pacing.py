@@ -313,3 +313,18 @@ def test_while_requests_arrive_a_bucket_seen_only_with_prefill_inside_still_gets
     config = PacingConfig(frame_rate=12.5, path_s=0.065, k_max=8, arrival_step_s=0.025)
     busy = outlook(bucket=224, arrival_rate=200.0, host_s=0.008)
     assert arrival_cap(busy, config, times) == 1  # not the 6-7 frames (100 ms steps) it was
+
+
+def test_the_arrival_cut_does_not_count_a_provisional_lines_prefill_as_a_steps_fixed_cost():
+    """Run 22 at 1,024 streams: bucket 224's line, learnt from steps with prefill inside, had drifted
+    to 12.6 ms fixed and 10.5 a frame; its K=4 steps of 63 ms held the arrivals back."""
+    from services.talker.pacing import arrival_cap
+    from services.talker.step_times import StepLine
+    times = StepTimes()
+    for _ in range(200):
+        times.observe(192, 1, 0.0129)
+        times.observe(192, 8, 0.1032)
+    times.provisional[224] = StepLine(0.25, overhead=0.0126, per_frame=0.0105)
+    config = PacingConfig(frame_rate=12.5, path_s=0.065, k_max=8, arrival_step_s=0.025)
+    busy = outlook(bucket=224, arrival_rate=200.0, host_s=0.013)
+    assert arrival_cap(busy, config, times) == 1
