@@ -26,7 +26,7 @@ is clamped into the cache; a real chunk must leave the slot's last position for 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -106,16 +106,37 @@ class Prefiller:
     @torch.inference_mode()
     def prefill(self, rows: Sequence[PrefillRow]) -> None:
         """Prefills ``rows`` (one chunk per slot): with graphs, in the calls prefill_plan.py plans
-        (the fewest calls and padded positions by a call's fixed cost), launched back to back;
-        eagerly, in one call."""
+        (the fewest calls and padded positions by a call's fixed cost), launched back to back, a
+        chunk longer than every graph in pieces (:meth:`waves`); eagerly, in one call."""
         self.last_calls = self.last_padded = 0
         if not rows:
             return
         if self.graphs is None:
             self._call(rows)
             return
-        for call in self.planner.plan([len(r.tokens) for r in rows]):
-            self._call([rows[i] for i in call.rows])
+        for wave in self.waves(rows):
+            for call in self.planner.plan([len(r.tokens) for r in wave]):
+                self._call([wave[i] for i in call.rows])
+
+    def waves(self, rows: Sequence[PrefillRow]) -> list[list[PrefillRow]]:
+        """``rows`` in waves whose calls a captured graph holds: a chunk longer than the longest
+        graph length is cut into pieces of at most it, the k-th piece of each in wave k, so a piece
+        reads the keys the wave before wrote (the calls run in order on one stream). A graph's
+        replay costs about a millisecond of host time where an eager call of a new shape costs
+        15-22 (bench notes); only the last piece of a final chunk is final."""
+        top = self.planner.lengths[-1] if self.planner is not None and self.planner.lengths else 0
+        if not top or all(len(r.tokens) <= top for r in rows):
+            return [list(rows)]
+        waves: list[list[PrefillRow]] = []
+        for row in rows:
+            n = len(row.tokens)
+            for k, begin in enumerate(range(0, n, top)):
+                if k == len(waves):
+                    waves.append([])
+                end = min(n, begin + top)
+                waves[k].append(replace(row, tokens=row.tokens[begin:end], start=row.start + begin,
+                                        final=row.final and end == n))
+        return waves
 
     def _call(self, rows: Sequence[PrefillRow]) -> None:
         b = len(rows)

@@ -11,7 +11,8 @@ So the chunks are sorted by length and cut where the sum of calls x ``CALL_POSIT
 padded positions is least: neighbouring lengths share a call when the padding is cheaper than
 another call, and a group is cut into row buckets the same way. A call that no captured bucket
 holds runs eagerly, at ``EAGER_POSITIONS`` more (its host time is several replays'). Chunks
-longer than every bucket go together in one eager call, as before.
+longer than every bucket go together in one eager call; the prefiller cuts such chunks into
+pieces a bucket holds before planning (``Prefiller.waves``), so with graphs none reach it.
 """
 
 from __future__ import annotations

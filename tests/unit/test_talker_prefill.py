@@ -172,13 +172,38 @@ def test_the_bucketed_path_equals_the_eager_one(model):
     graphs.run = lambda bucket, inputs: ran.append(bucket) or run(bucket, inputs)
     (a0, a1), (b0, b1) = chunks(prompts[0], 0, [6]), chunks(prompts[1], 1, [16])
     # 6 and 16 tokens share a (2, 16) call: cheaper than two calls (prefill_plan.py)
-    calls = [([a0, b0], [(2, 16)]), ([PrefillRow.whole(2, prompts[2], Sampling())], []),  # 21: none
+    # 21 tokens, longer than every bucket: 16 and then 5 in a second wave, both in buckets
+    calls = [([a0, b0], [(2, 16)]), ([PrefillRow.whole(2, prompts[2], Sampling())], [(2, 16), (2, 8)]),
              ([a1], [(2, 16)]), ([b1], [(2, 8)])]
     for rows, buckets_run in calls:
         eager.prefill(rows)
         before = len(ran)
         bucketed.prefill(rows)
         assert ran[before:] == buckets_run
+    for slot, prompt in enumerate(prompts):
+        assert_slot_matches(bucketed, eager, slot, len(prompt))
+    np.testing.assert_array_equal(decode(bucketed, [0, 1, 2]), decode(eager, [0, 1, 2]))
+
+
+def test_a_chunk_longer_than_every_bucket_goes_in_pieces_each_wave_after_the_last(model):
+    buckets = PrefillBuckets(rows=(1, 2, 4), tokens=(8,))
+    prompts = [model.pack_prompt(segments(seed, audio_frames=4)) for seed in range(3)]  # 17, 19, 21 rows
+    eager, bucketed = make_runner(model), make_runner(model, buckets)
+    first, rest = chunks(prompts[1], 1, [5])
+    rows = [PrefillRow.whole(0, prompts[0], Sampling()), first, PrefillRow.whole(2, prompts[2], Sampling())]
+    waves = bucketed.prefiller.waves(rows)
+    assert [[(r.slot, r.start, len(r.tokens), r.final) for r in wave] for wave in waves] == [
+        [(0, 0, 8, False), (1, 0, 5, False), (2, 0, 8, False)],
+        [(0, 8, 8, False), (2, 8, 8, False)],
+        [(0, 16, 1, True), (2, 16, 5, True)]]
+    graphs, ran = bucketed.prefiller.graphs, []
+    run = graphs.run
+    graphs.run = lambda bucket, inputs: ran.append(bucket) or run(bucket, inputs)
+    for step in (rows, [rest]):
+        eager.prefill(step)
+        bucketed.prefill(step)
+    # three waves, then the rest of slot 1 (14 tokens) in two: every call in a bucket, none eager
+    assert ran == [(4, 8), (2, 8), (2, 8), (1, 8), (1, 8)]
     for slot, prompt in enumerate(prompts):
         assert_slot_matches(bucketed, eager, slot, len(prompt))
     np.testing.assert_array_equal(decode(bucketed, [0, 1, 2]), decode(eager, [0, 1, 2]))
