@@ -200,7 +200,8 @@ def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str)
     audio = delta(before, after, name, "audio_seconds")
     d = {key: delta(before, after, name, key)
          for key in ("decode_calls", "decode_seconds", "decode_frames", "decode_padded_frames",
-                    "first_chunk_seconds_sum", "first_chunk_seconds_count", "listener_underruns",
+                    "first_chunk_seconds_sum", "first_chunk_seconds_count", "first_frame_seconds_sum",
+                    "first_frame_seconds_count", "listener_underruns",
                     "listener_underrun_seconds")}
     calls_fields = {"decode_calls": d["decode_calls"],
                     "decode_ms_per_call": _ratio(d["decode_seconds"], d["decode_calls"], 1e3, 2),
@@ -209,6 +210,10 @@ def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str)
                     "decode_ms_per_audio_s": _ratio(d["decode_seconds"], audio, 1e3, 2),
                     # a first record taken off the ring until its first chunk was sent, mean
                     "first_chunk_ms": _ratio(d["first_chunk_seconds_sum"], d["first_chunk_seconds_count"],
+                                             1e3, 2),
+                    # a stream opened until its first frames were taken off the ring, mean: the talker's
+                    # first record and its wait on the ring (a Code2Wav tick under way)
+                    "first_frame_ms": _ratio(d["first_frame_seconds_sum"], d["first_frame_seconds_count"],
                                              1e3, 2),
                     # Code2Wav's own model of its listeners (playback from each chunk sent): the stalls it
                     # caused itself, to set beside the clients' (a stall it does not see came after it)

@@ -125,8 +125,12 @@ class Code2WavEngine(TalkerIntake, StreamingTicks):
         stream.outbox = self.outbox
         self.streams[stream.handle] = stream
         self.announced.discard(stream.handle)
-        for talker_id, record, codes in self._early.pop(stream.handle, ()):
+        early = self._early.pop(stream.handle, ())
+        for talker_id, record, codes, _ in early:
             self._on_record(talker_id, record, codes)  # what its talker wrote before this ran
+        taken = [at for _, record, _, at in early if record.num_frames]
+        if taken and stream.first_frame_at is not None:  # its first frames left the ring then
+            stream.first_frame_at = min(stream.first_frame_at, taken[0])
         return stream
 
     def forget(self, handle: int) -> None:
@@ -177,7 +181,7 @@ class Code2WavEngine(TalkerIntake, StreamingTicks):
     def _on_record(self, talker_id: str, record, codes: np.ndarray) -> None:
         stream = self.streams.get(record.handle)
         if stream is None and record.handle in self.announced:  # its open is still on its way here
-            self._early.setdefault(record.handle, []).append((talker_id, record, codes.copy()))
+            self._early.setdefault(record.handle, []).append((talker_id, record, codes.copy(), self.clock()))
             return
         if stream is None or stream.talker_id != talker_id:
             self.counters.dropped_records += 1
@@ -296,6 +300,8 @@ class Code2WavEngine(TalkerIntake, StreamingTicks):
         found = stream.send_chunk(pcm, frames, len(pcm) / self.sample_rate, now, decode_s)
         if stream.chunk_index == 1 and stream.first_frame_at is not None:
             self.counters.first_chunk.observe([max(0.0, now - stream.first_frame_at)])
+            if stream.opened is not None:
+                self.counters.first_frame.observe([max(0.0, stream.first_frame_at - stream.opened)])
         return found
 
     def _send_segment_ends(self, stream: OpenStream) -> None:

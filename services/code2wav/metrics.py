@@ -17,6 +17,9 @@ BATCH_EDGES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Upper edges (seconds) of the first-chunk histogram: a request's first frames taken off the ring
 # until its first chunk was sent
 FIRST_CHUNK_EDGES = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+# Upper edges (seconds) of the first-frames histogram: a request's stream opened until its first
+# frames were taken off the ring (its talker's first record, and the record's wait for a tick)
+FIRST_FRAME_EDGES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 
 
 @dataclass
@@ -40,6 +43,7 @@ class Code2WavCounters:
     buffer: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(BUFFER_EDGES))
     batch: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(BATCH_EDGES))
     first_chunk: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(FIRST_CHUNK_EDGES))
+    first_frame: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(FIRST_FRAME_EDGES))
 
     def cut(self, why: str) -> None:
         self.cuts[why] += 1
@@ -100,7 +104,9 @@ class Code2WavCounters:
                "listener_buffer_seconds": ("histogram", "audio the listener had buffered when a chunk "
                                            "was sent (< 0: it waited)", self.buffer.metric()),
                "first_chunk_seconds": ("histogram", "a request's first frames taken off the ring until "
-                                       "its first chunk was sent", self.first_chunk.metric())}
+                                       "its first chunk was sent", self.first_chunk.metric()),
+               "first_frame_seconds": ("histogram", "a request's stream opened until its first frames "
+                                       "were taken off the ring", self.first_frame.metric())}
         for why in CUTS:
             out[f"chunks_cut_{why}"] = ("counter", f"chunks cut for: {why}", self.cuts[why])
         return out

@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+import time
 
 import grpc
 
@@ -89,11 +90,13 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
         handle = (self._instance << 32) | (next(self._counter) & 0xFFFFFFFF)
 
         made: list[OpenStream] = []  # the engine thread's stream (there before any chunk it sends)
+        opened = time.monotonic()  # the engine's clock: its times count from the Open, not from its setup
 
         def make(slot: int) -> OpenStream:
             made.append(OpenStream(handle, request.request_id, request.talker_id, slot, pacing,
-                                   request.max_frames, loop, queue, frame_s=self._frame_seconds,
-                                   speaker_id=request.speaker_id, seed=request.seed))
+                                   request.max_frames, loop, queue, opened=opened,
+                                   frame_s=self._frame_seconds, speaker_id=request.speaker_id,
+                                   seed=request.seed))
             return made[-1]
 
         def open_here(engine: Code2WavEngine) -> None:

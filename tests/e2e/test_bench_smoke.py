@@ -86,6 +86,9 @@ def test_smoke_tiers(tmp_path):
         assert tier["gateway"]["server_ttfa_mean_ms"] >= first["wait"] + first["prefill"] + first["step"]
         rest = tier["gateway"]["server_ttfa_mean_ms"] - (first["wait"] + first["prefill"] + first["step"])
         assert 0 < tier["code2wav"]["first_chunk_ms"] <= rest  # Code2Wav's part of the rest, one per request
+        # Code2Wav opens a stream before the gateway submits its request: the talker's first record
+        # lies within that stream's wait for its first frames
+        assert tier["code2wav"]["first_frame_ms"] >= first["wait"] + first["prefill"] + first["step"]
         assert tier["code2wav"]["modeled_underruns"] >= 0
     run = result["runs"][-1]
     assert "error" not in run, run

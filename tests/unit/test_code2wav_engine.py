@@ -201,6 +201,8 @@ def test_a_first_chunk_is_decoded_and_sent_before_the_rest_of_its_tick(setup):
     assert [sorted(f for _, f in call) for call in decoder.calls[1:]] == [[1, 2], [4]]
     assert seen[1:] == [0, 1]           # stream 2's first chunk had left before stream 1's call
     assert chunk_frames(sent1) == [4, 4] and chunk_frames(sent2) == [2] and chunk_frames(sent3) == [1, 1]
+    buckets, seconds = engine.metrics()["first_frame_seconds"][2]  # opened until its first record came
+    assert seconds == pytest.approx(0.07) and buckets[-1] == ("+Inf", 3)  # stream 2's 70 ms, 1 and 3 at 0
 
 
 def test_a_need_that_comes_cuts_without_any_new_record_and_idle_streams_are_not_looked_at(setup):
@@ -439,14 +441,17 @@ def test_a_lost_talkers_requests_with_their_last_record_complete_and_the_others_
 def test_records_that_come_before_an_announced_streams_open_are_kept_for_it(setup):
     # the servicer answers an Open with its handle at once and announces it; the talker may write
     # before the engine thread runs the open: those records wait for it, none is dropped
-    engine, _, link, decoder = setup
+    engine, clock, link, decoder = setup
     engine.announced.add(5)
+    clock.now = 0.25
     put(link, 5, 0, 2)
     put(link, 5, 1, 3, first=2)
     engine.step()
     assert decoder.calls == [] and engine.counters.dropped_records == 0
-    _, sent = open_stream(engine, 5, Pacing(decode_margin_s=0.1, steady_frames=8, min_chunk_frames=1))
+    clock.now = 0.3
+    stream, sent = open_stream(engine, 5, Pacing(decode_margin_s=0.1, steady_frames=8, min_chunk_frames=1))
     assert 5 not in engine.announced
+    assert stream.first_frame_at == 0.25  # when its first frames left the ring, not when they were kept
     put(link, 5, 2, 1, last=True, first=5)
     engine.step()
     assert sum(chunk_frames(sent)) == 6 and engine.counters.sequence_gaps == 0

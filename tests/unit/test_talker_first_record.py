@@ -45,10 +45,10 @@ def test_the_benchmark_table_puts_the_rest_beside_the_talker():
     grant = {"steps": 30, "positions_per_step": 512.4, "prefilled_per_step": 96.0}
     tiers = {"8": {"talker": {"first_record_ms": first, "prefill_grant": grant},
                    "gateway": {"server_ttfa_mean_ms": 60.0, "open_ms_mean": 8.5, "submit_ms_mean": 3.25},
-                   "code2wav": {"first_chunk_ms": 12.25}},
+                   "code2wav": {"first_chunk_ms": 12.25, "first_frame_ms": 33.0}},
              "4": {"talker": {"first_record_ms": first}, "gateway": {"server_ttfa_mean_ms": 50.0}},
              "1": {"talker": {}}}
     lines = first_record_table(tiers)
-    assert lines[-3:-1] == ["| 4 | 50.0 | 1.00 | 4.00 | 20.00 | 25.0 | - | - (-) | - / - |",  # older stages
-                            "| 8 | 60.0 | 1.00 | 4.00 | 20.00 | 35.0 | 12.2 | 8.5 (3.2) | 512 / 96 |"]
+    assert lines[-3:-1] == ["| 4 | 50.0 | 1.00 | 4.00 | 20.00 | 25.0 | - | - | - (-) | - / - |",  # older
+                            "| 8 | 60.0 | 1.00 | 4.00 | 20.00 | 35.0 | 12.2 | 8.0 | 8.5 (3.2) | 512 / 96 |"]
     assert first_record_table({"1": {"talker": {}}}) == []
