@@ -31,8 +31,10 @@
 #                                    annotated-doc: in the image)
 #   websockets                       uvicorn's WebSocket protocol (the gateway's incremental-text
 #                                    WebSocket; uvicorn imports it when the gateway starts)
-#   py-spy                           the server bench's --profile-tier (bench/server/profile.py)
-# Usage: bench/server/fetch_wheels.sh [DEST]   (default: .whl at the repository root)
+#   py-spy                           the server bench's --profile-tier (bench/server/profile.py):
+#                                    only with PROFILER=1 (2.9 MB of the 64 MiB a call carries, for a
+#                                    run that sets PROFILE=); without it one left in DEST is removed
+# Usage: [PROFILER=1] bench/server/fetch_wheels.sh [DEST]   (default: .whl at the repository root)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -60,10 +62,13 @@ PACKAGES=(
   "anyio==4.16.0"
   "opentelemetry-api==1.45.2"
   "websockets==17.4"
-  "py-spy==0.4.3"
 )
+if [ "${PROFILER:-0}" = 1 ]; then
+  PACKAGES+=("py-spy==0.4.3")
+fi
 
 mkdir -p "$DEST"
+[ "${PROFILER:-0}" = 1 ] || find "$DEST" -maxdepth 1 -iname 'py_spy-*.whl' -delete
 if [ "$DEST" = "$ROOT/.whl" ] && ! grep -qxF '/.whl/' "$ROOT/.git/info/exclude" 2>/dev/null; then
   if [ -d "$ROOT/.git/info" ]; then echo '/.whl/' >> "$ROOT/.git/info/exclude"; fi
 fi

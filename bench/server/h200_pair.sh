@@ -23,7 +23,7 @@
 #   VOXRING_COMMIT=<sha> TIERS=64,256,1024 PROFILE=1024 bench/server/h200_pair.sh probe tiers:.old tiers:.
 #
 # Options by environment: TIERS (default 1,64,256,512,768,1024,1536,2048), MPS (on), TOKENIZER (bpe),
-# PROFILE (a tier to py-spy; none by default), SEQ (the sequential C=1 tier's requests, default 50),
+# PROFILE (a tier to py-spy, whose wheel `PROFILER=1 bench/server/fetch_wheels.sh` adds; none by default), SEQ (the sequential C=1 tier's requests, default 50),
 # ARGS (more bench.server arguments), FAULT_C (the fault part's streams, default 512), STEPLOG (1: each
 # tree's talker writes its step log to <tree's results>/steps.jsonl, gzipped at the end), LABEL (the results
 # folder of a tiers part, where not the tree's name: the same tree run again under other settings), LIMITS and

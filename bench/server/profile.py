@@ -4,7 +4,8 @@ native frames included (each sample stops the process briefly), so that "one cor
 be told apart as work or a spin in a driver wait (py-spy travels as a wheel:
 bench/server/fetch_wheels.sh). py-spy samples a thread
 only while it runs on a CPU, so a thread's samples over ``seconds x RATE_HZ`` is the share of a
-core it used. The raw stacks (``pyspy_<stage>_c<C>.txt``) and a summary per thread
+core it used. The raw stacks (``pyspy_<stage>_c<C>.txt.gz``, gzipped once read: ~10x smaller in
+the committed results, whose tree travels to the GPU machine) and a summary per thread
 (``pyspy_c<C>.json``: its share of a core, its hottest leaf frames and the frames it spends most
 time under) are written to ``--out``. Over the same window each engine stage profiles its device
 work (its config's ``metrics.profile_dir``, set by the bench for a profiled tier; SIGUSR2 starts and
@@ -13,6 +14,7 @@ share, time by kind, top kernels). Off unless asked: it takes some host time fro
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import signal
@@ -120,6 +122,7 @@ class TierProfile:
                 summary[name] = {"error": (err or "").strip()[-400:] or f"exit {proc.returncode}"}
                 continue
             summary[name] = summarize(raw.read_text(), self.seconds * RATE_HZ)
+            _gzip(raw)
         if summary:
             (self.out / f"pyspy_c{self.tier}.json").write_text(json.dumps(summary, indent=1) + "\n")
             self.log(f"profile: C={self.tier}: " + "; ".join(_line(n, v) for n, v in summary.items()))
@@ -149,6 +152,13 @@ class TierProfile:
             f"{n}: {v['error']}" if "error" in v else f"{n}: busy {v.get('busy_share')}, {v.get('kinds_ms')}"
             for n, v in out.items()))
         return out
+
+
+def _gzip(path: Path) -> None:
+    """``path`` replaced by ``path.gz``."""
+    with path.open("rb") as src, gzip.open(path.with_name(path.name + ".gz"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    path.unlink()
 
 
 def _line(name: str, summary: dict) -> str:
