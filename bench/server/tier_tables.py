@@ -98,7 +98,9 @@ def first_record_table(tiers: dict) -> list[str]:
     before Submit and after the chunk, the ring, Code2Wav's first decode, the hops), and "of it C2W"
     Code2Wav's part of it (first record taken off the ring -> first chunk sent), "of it ring"
     Code2Wav's open -> first frames off the ring less the talker's parts (the Submit's way to the
-    talker and the record's wait for Code2Wav's tick under way), "of it Open" the gateway's Code2Wav
+    talker and the record's wait for Code2Wav's tick under way), "of it relay" what is left: the
+    Open's way to Code2Wav and the first chunk's from Code2Wav's engine thread through its event loop
+    and gRPC to the gateway, "of it Open" the gateway's Code2Wav
     Open (call to handle, before the Submit; the Submit's answer beside it, which overlaps the
     talker's "wait"); "grant / in" the prompt positions a step was allowed and prefilled, mean over
     the steps prompts waited."""
@@ -109,8 +111,8 @@ def first_record_table(tiers: dict) -> list[str]:
     lines = ["First audio, mean ms: the talker's first record (Submit -> prefill queued -> first step "
              "launched -> record written) and the rest of the gateway's time to first audio.", "",
              "| C | gateway TTFA mean | wait | prefill | step | rest | of it C2W | of it ring | "
-             "of it Open (Submit) | grant / in |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "of it relay | of it Open (Submit) | grant / in |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c, tier in rows:
         first = tier["talker"]["first_record_ms"]
         gateway = tier.get("gateway", {})
@@ -119,11 +121,13 @@ def first_record_table(tiers: dict) -> list[str]:
         rest = None if server is None else server - talker
         opened_to_frames = tier.get("code2wav", {}).get("first_frame_ms")
         ring = None if opened_to_frames is None else opened_to_frames - talker
+        c2w = tier.get("code2wav", {}).get("first_chunk_ms")
+        relay = None if None in (rest, ring, c2w) else rest - ring - c2w
         grant = tier["talker"].get("prefill_grant") or {}
         allowed, prefilled = grant.get("positions_per_step"), grant.get("prefilled_per_step")
         lines.append(f"| {c} | {fmt(server, 1)} | {fmt(first['wait'], 2)} | {fmt(first['prefill'], 2)} | "
                      f"{fmt(first['step'], 2)} | {fmt(rest, 1)} | "
-                     f"{fmt(tier.get('code2wav', {}).get('first_chunk_ms'), 1)} | {fmt(ring, 1)} | "
+                     f"{fmt(c2w, 1)} | {fmt(ring, 1)} | {fmt(relay, 1)} | "
                      f"{fmt(gateway.get('open_ms_mean'), 1)} ({fmt(gateway.get('submit_ms_mean'), 1)}) | "
                      f"{fmt(allowed, 0)} / {fmt(prefilled, 0)} |")
     return [*lines, ""]
