@@ -31,6 +31,12 @@
 # stack_step's tests), GREEN_SMS, GREEN_S and GREEN_ONLY (greensplit's talker SMs, seconds a scenario and
 # scenarios). Run from the
 # repository root with `carry: [".whl", ...]`.
+#
+# A tiers part's share pays for, before its first tier: the checkpoint (~13 s, once a machine), the
+# stages' start (~55 s with a cold Triton cache, ~16 s warm) and the warm-up; and throughout: the
+# 10 s the part keeps from --max-wall and bench.server's 45 s for a tier's drain and the stop. So a
+# share under ~160 s on a fresh machine (~110 s warm) runs no tier at all; 1,024 streams need ~30 s
+# more, each further tier about as much.
 set -uo pipefail
 
 [ $# -gt 0 ] || { echo "usage: bench/server/h200_pair.sh PART..." >&2; exit 2; }

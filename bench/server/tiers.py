@@ -252,7 +252,10 @@ def _measure(s: Settings, server: Server, gpu: GpuSampler, target: str, record: 
     for concurrency in todo:
         left = s.left() - STOP_MARGIN_S
         if left < MIN_TIER_S:
-            log(f"wall cap: tiers {[c for c in todo if c not in record.done]} not run (run again to finish)")
+            log(f"wall cap: tiers {[c for c in todo if c not in record.done]} not run (run again to finish): "
+                f"{s.left():.0f} s of --max-wall left, {STOP_MARGIN_S:.0f} s of it kept for a tier's drain "
+                f"and the stop, and a tier starts with {MIN_TIER_S:.0f} s more at least (the stages took "
+                f"{record.run_log.get('startup_s', 0):.0f} s to start)")
             record.run_log["stopped_by_wall_cap_before"] = concurrency
             break
         tier = _measure_tier(s, server, gpu, target, concurrency, left,
