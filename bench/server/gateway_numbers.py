@@ -1,7 +1,7 @@
 """The gateway's numbers over a tier, from two snapshots of its /metrics and its CPU: its own time
 to first audio, the refusals it answered itself and how long refusals took inside it, the listener
-stalls it saw, its Opens and Submits, its event loop's lateness and its CPU per stream and per
-second of audio."""
+stalls it saw, its Opens and Submits, the first chunks' way from Code2Wav, its event loop's
+lateness and its CPU per stream and per second of audio."""
 
 from __future__ import annotations
 
@@ -38,6 +38,19 @@ def refusal_times(before: Snapshot, after: Snapshot) -> dict:
     return out
 
 
+def first_chunk_relay(before: Snapshot, after: Snapshot) -> dict:
+    """The first chunks' way from Code2Wav's send to the gateway, the Open's way there included
+    (``voxring_first_chunk_relay_seconds``): mean ms and the shares over 10 and 30 ms. Empty for a
+    gateway without the histogram, or a tier without one-segment requests."""
+    name = "first_chunk_relay_seconds"
+    n, total = delta(before, after, GATEWAY, f"{name}_count"), delta(before, after, GATEWAY, f"{name}_sum")
+    if not n or total is None:
+        return {}
+    return {"relay_ms_mean": round(total * 1e3 / n, 2),
+            "relay_over_10ms": share_over(before, after, GATEWAY, name, "0.01"),
+            "relay_over_30ms": share_over(before, after, GATEWAY, name, "0.03")}
+
+
 def loop_lag(before: Snapshot, after: Snapshot) -> dict:
     """How late its one event loop ran, on average over the tier (services/common/loop_lag.py), and
     its tail: the wakes later than 25 and 50 ms (a stall of every request it carries)."""
@@ -67,6 +80,7 @@ def gateway_numbers(before: Snapshot, after: Snapshot, window: float, concurrenc
             gateway[key] = value
     gateway.update(refusal_times(before, after))
     gateway.update(start_ms(before, after))
+    gateway.update(first_chunk_relay(before, after))
     gateway.update(loop_lag(before, after))
     # Whether the gateway (one process, one event loop) could be what limits a tier: its CPU
     # per stream, and per second of audio it forwarded.

@@ -92,15 +92,27 @@ def code2wav_table(tiers: dict) -> list[str]:
     return [*lines, ""]
 
 
+def relay_cell(gateway: dict, left: float | None) -> str:
+    """The first chunk's relay as measured at the gateway, share over 30 ms, and the remainder
+    of "rest" beside it; the remainder alone for a gateway without the histogram."""
+    measured = gateway.get("relay_ms_mean")
+    if measured is None:
+        return fmt(left, 1)
+    over = gateway.get("relay_over_30ms")
+    share = "" if over is None else f", {100 * over:.0f}% > 30 ms"
+    return f"{fmt(measured, 1)}{share} ({fmt(left, 1)})"
+
+
 def first_record_table(tiers: dict) -> list[str]:
     """Markdown: where first audio goes, per tier: the talker's parts of its first records (mean ms) beside
     the gateway's mean time to first audio; "rest" is what the talker does not see (the gateway
     before Submit and after the chunk, the ring, Code2Wav's first decode, the hops), and "of it C2W"
     Code2Wav's part of it (first record taken off the ring -> first chunk sent), "of it ring"
     Code2Wav's open -> first frames off the ring less the talker's parts (the Submit's way to the
-    talker and the record's wait for Code2Wav's tick under way), "of it relay" what is left: the
-    Open's way to Code2Wav and the first chunk's from Code2Wav's engine thread through its event loop
-    and gRPC to the gateway, "of it Open" the gateway's Code2Wav
+    talker and the record's wait for Code2Wav's tick under way), "of it relay" the Open's way to
+    Code2Wav and the first chunk's from Code2Wav's engine thread through its event loop and gRPC to
+    the gateway: as the gateway measured it per request (with the share over 30 ms) and, in
+    parentheses, what the other columns leave of "rest", "of it Open" the gateway's Code2Wav
     Open (call to handle, before the Submit; the Submit's answer beside it, which overlaps the
     talker's "wait"); "grant / in" the prompt positions a step was allowed and prefilled, mean over
     the steps prompts waited."""
@@ -122,12 +134,13 @@ def first_record_table(tiers: dict) -> list[str]:
         opened_to_frames = tier.get("code2wav", {}).get("first_frame_ms")
         ring = None if opened_to_frames is None else opened_to_frames - talker
         c2w = tier.get("code2wav", {}).get("first_chunk_ms")
-        relay = None if None in (rest, ring, c2w) else rest - ring - c2w
+        left = None if None in (rest, ring, c2w) else rest - ring - c2w
+        relay = relay_cell(gateway, left)
         grant = tier["talker"].get("prefill_grant") or {}
         allowed, prefilled = grant.get("positions_per_step"), grant.get("prefilled_per_step")
         lines.append(f"| {c} | {fmt(server, 1)} | {fmt(first['wait'], 2)} | {fmt(first['prefill'], 2)} | "
                      f"{fmt(first['step'], 2)} | {fmt(rest, 1)} | "
-                     f"{fmt(c2w, 1)} | {fmt(ring, 1)} | {fmt(relay, 1)} | "
+                     f"{fmt(c2w, 1)} | {fmt(ring, 1)} | {relay} | "
                      f"{fmt(gateway.get('open_ms_mean'), 1)} ({fmt(gateway.get('submit_ms_mean'), 1)}) | "
                      f"{fmt(allowed, 0)} / {fmt(prefilled, 0)} |")
     return [*lines, ""]

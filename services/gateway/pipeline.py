@@ -39,6 +39,7 @@ from voxring.v1 import synthesizer_pb2 as pb
 
 ATTACH_WAIT_S, ATTACH_WAIT_STEPS = 0.1, 20  # up to 2 s for a Code2Wav to attach
 REFUSAL_EDGES = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+RELAY_EDGES = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1)
 
 
 class RefusedHere(errors.ResourceExhausted):
@@ -107,6 +108,10 @@ class SynthesisPipeline:
         # a one-segment request's refusal for capacity, from its start here to the refusal: answered
         # here, or by a stage (after an Open and a Submit); how much of a client's wait is this gateway's
         self.refusal_time = {"here": EdgeHistogram(REFUSAL_EDGES), "stages": EdgeHistogram(REFUSAL_EDGES)}
+        # a one-segment request's first chunk: from Code2Wav's send (its Finished.first_chunk_s
+        # after its Open) to its receipt here, the Open's way to Code2Wav included; each side's
+        # own clock, so no two clocks are compared
+        self.first_chunk_relay = EdgeHistogram(RELAY_EDGES)
         self._cancels: set[asyncio.Task] = set()  # Talker.Cancel calls in flight
 
     def metrics(self) -> dict:
@@ -142,6 +147,9 @@ class SynthesisPipeline:
                         sample_offset=sample_offset,
                         sample_rate_hz=out_rate, encoding=request.encoding, request_id=request.request_id)
                 else:
+                    if first_audio is not None and message.finished.first_chunk_s > 0:
+                        self.first_chunk_relay.observe_one(max(
+                            0.0, first_audio - started.arrival - message.finished.first_chunk_s))
                     tail = encoder.finish()  # counted in samples_out: the audio sent, after speed
                     yield self._final(request, started, message.finished, tail, out_rate,
                                       first_audio, encoder.samples_out / out_rate)

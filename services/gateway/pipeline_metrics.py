@@ -1,5 +1,6 @@
 """The gateway pipeline's /metrics: its requests, frames and audio, sessions, refusals (held here,
-and how long each took inside the gateway), the listener stalls it saw, its Opens and Submits."""
+and how long each took inside the gateway), the listener stalls it saw, its Opens and Submits, its
+first chunks' way from Code2Wav."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ def _start_metrics(pipeline: SynthesisPipeline) -> dict:
                                      "its start here", refusals["here"].metric()),
             "refusal_stages_seconds": ("histogram", "the same, answered by a stage (after Code2Wav's "
                                        "Open and the talker's Submit)", refusals["stages"].metric()),
+            "first_chunk_relay_seconds": ("histogram", "a one-segment request's first chunk from "
+                                          "Code2Wav's send to its receipt here, the Open's way to "
+                                          "Code2Wav included", pipeline.first_chunk_relay.metric()),
             "start_opens": ("counter", "Code2Wav Opens answered with a handle", counts["opens"]),
             "start_open_seconds": ("counter", "their seconds, from the call to the handle",
                                    counts["open_s"]),

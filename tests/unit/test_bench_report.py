@@ -1,6 +1,6 @@
 """The server bench's talker table: the step split and what limited K, from the talker's counters."""
 
-from bench.server.gateway_numbers import refusal_times, start_ms
+from bench.server.gateway_numbers import first_chunk_relay, refusal_times, start_ms
 from bench.server.probes import k_bounds, prefill_cost, prefill_grant
 from bench.server.snapshots import Snapshot, gc_pauses, scrape, share_over
 from bench.server.tier_tables import code2wav_table, prefill_cost_table, refusal_table, step_split_table
@@ -73,6 +73,21 @@ def test_the_gateways_open_and_submit_are_means_over_the_tier():
     assert start_ms(snap(0.0, 10, 0.1, 8, 0.05), snap(1.0, 10, 0.1, 8, 0.05)) == {}  # none in the tier
     empty = Snapshot(0.0, {}, {"gateway": {}}, {}, [], [], {})
     assert start_ms(empty, empty) == {}  # an older gateway
+
+
+def test_the_first_chunks_relay_is_a_mean_over_the_tier_with_its_tail():
+    def snap(at, n, seconds, within_10ms, within_30ms):
+        metrics = {"voxring_first_chunk_relay_seconds_count": n,
+                   "voxring_first_chunk_relay_seconds_sum": seconds,
+                   "voxring_first_chunk_relay_seconds_bucket@0.01": within_10ms,
+                   "voxring_first_chunk_relay_seconds_bucket@0.03": within_30ms}
+        return Snapshot(at, {}, {"gateway": metrics}, {}, [], [], {})
+
+    got = first_chunk_relay(snap(0.0, 10, 0.1, 10, 10), snap(1.0, 110, 2.1, 60, 90))
+    assert got == {"relay_ms_mean": 20.0, "relay_over_10ms": 0.5, "relay_over_30ms": 0.2}
+    assert first_chunk_relay(snap(0.0, 10, 0.1, 10, 10), snap(1.0, 10, 0.1, 10, 10)) == {}  # none
+    older = Snapshot(0.0, {}, {"gateway": {}}, {}, [], [], {})
+    assert first_chunk_relay(older, older) == {}  # a gateway without the histogram
 
 
 def test_the_refusal_table_says_how_fast_and_why_each_tier_refused():

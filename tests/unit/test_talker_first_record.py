@@ -54,3 +54,14 @@ def test_the_benchmark_table_puts_the_rest_beside_the_talker():
         "| 4 | 50.0 | 1.00 | 4.00 | 20.00 | 25.0 | - | - | - | - (-) | - / - |",  # an older run's numbers
         "| 8 | 60.0 | 1.00 | 4.00 | 20.00 | 35.0 | 12.2 | 8.0 | 14.8 | 8.5 (3.2) | 512 / 96 |"]
     assert first_record_table({"1": {"talker": {}}}) == []
+
+
+def test_the_relay_the_gateway_measured_goes_beside_what_rest_leaves():
+    first = {"wait": 1.0, "prefill": 4.0, "step": 20.0, "first_records": 16}
+    tier = {"talker": {"first_record_ms": first},
+            "gateway": {"server_ttfa_mean_ms": 60.0, "relay_ms_mean": 13.5, "relay_over_30ms": 0.125},
+            "code2wav": {"first_chunk_ms": 12.25, "first_frame_ms": 33.0}}
+    row = first_record_table({"8": tier})[-2]
+    assert "| 12.2 | 8.0 | 13.5, 12% > 30 ms (14.8) |" in row
+    del tier["gateway"]["relay_over_30ms"]  # a histogram without the edge: the mean alone
+    assert "| 8.0 | 13.5 (14.8) |" in first_record_table({"8": tier})[-2]
