@@ -7,6 +7,11 @@ from bench.server.tier_tables import code2wav_table, prefill_cost_table, refusal
 from services.talker.pacing import BOUNDS
 
 
+def _gateway(at: float, metrics: dict[str, float]) -> Snapshot:
+    """A snapshot holding only the gateway's metrics, at ``at``."""
+    return Snapshot(at, {}, {"gateway": metrics}, {}, [], [], {})
+
+
 def _snap(at: float, counts: dict[str, float]) -> Snapshot:
     metrics = {f"voxring_steps_k_bound_{bound}_total": n for bound, n in counts.items()}
     return Snapshot(at, {}, {"talker-0": metrics}, {}, [], [], {})
@@ -66,12 +71,12 @@ def test_the_gateways_open_and_submit_are_means_over_the_tier():
     def snap(at, opens, open_s, submits, submit_s):
         metrics = {"voxring_start_opens_total": opens, "voxring_start_open_seconds_total": open_s,
                    "voxring_start_submits_total": submits, "voxring_start_submit_seconds_total": submit_s}
-        return Snapshot(at, {}, {"gateway": metrics}, {}, [], [], {})
+        return _gateway(at, metrics)
 
     assert start_ms(snap(0.0, 10, 0.1, 8, 0.05), snap(1.0, 30, 0.9, 28, 0.25)) == {
         "open_ms_mean": 40.0, "submit_ms_mean": 10.0}
     assert start_ms(snap(0.0, 10, 0.1, 8, 0.05), snap(1.0, 10, 0.1, 8, 0.05)) == {}  # none in the tier
-    empty = Snapshot(0.0, {}, {"gateway": {}}, {}, [], [], {})
+    empty = _gateway(0.0, {})
     assert start_ms(empty, empty) == {}  # an older gateway
 
 
@@ -81,12 +86,12 @@ def test_the_first_chunks_relay_is_a_mean_over_the_tier_with_its_tail():
                    "voxring_first_chunk_relay_seconds_sum": seconds,
                    "voxring_first_chunk_relay_seconds_bucket@0.01": within_10ms,
                    "voxring_first_chunk_relay_seconds_bucket@0.03": within_30ms}
-        return Snapshot(at, {}, {"gateway": metrics}, {}, [], [], {})
+        return _gateway(at, metrics)
 
     got = first_chunk_relay(snap(0.0, 10, 0.1, 10, 10), snap(1.0, 110, 2.1, 60, 90))
     assert got == {"relay_ms_mean": 20.0, "relay_over_10ms": 0.5, "relay_over_30ms": 0.2}
     assert first_chunk_relay(snap(0.0, 10, 0.1, 10, 10), snap(1.0, 10, 0.1, 10, 10)) == {}  # none
-    older = Snapshot(0.0, {}, {"gateway": {}}, {}, [], [], {})
+    older = _gateway(0.0, {})
     assert first_chunk_relay(older, older) == {}  # a gateway without the histogram
 
 
@@ -114,7 +119,7 @@ def test_refusal_times_split_the_gateways_refusals_by_who_answered_and_read_thei
                    "voxring_refusal_here_seconds_bucket@0.05": here_fast,
                    "voxring_refusal_stages_seconds_count": stages,
                    "voxring_refusal_stages_seconds_bucket@0.05": stages_fast}
-        return Snapshot(at, {}, {"gateway": metrics}, {}, [], [], {})
+        return _gateway(at, metrics)
 
     got = refusal_times(snap(0.0, 10, 10, 4, 4), snap(1.0, 110, 109, 14, 9))
     assert got == {"refusals_here": 100, "refusal_here_over_50ms": 0.01,
@@ -122,7 +127,7 @@ def test_refusal_times_split_the_gateways_refusals_by_who_answered_and_read_thei
     none = refusal_times(snap(0.0, 10, 10, 4, 4), snap(1.0, 10, 10, 4, 4))
     assert none == {"refusals_here": 0, "refusal_here_over_50ms": None, "refusals_stages": 0,
                     "refusal_stages_over_50ms": None}
-    older = Snapshot(0.0, {}, {"gateway": {}}, {}, [], [], {})
+    older = _gateway(0.0, {})
     assert refusal_times(older, older) == {}  # a gateway without the histograms
 
 
