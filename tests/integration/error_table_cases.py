@@ -196,8 +196,11 @@ def ws(stack, *messages: dict | str | bytes, gateway: str = "main", token: bool 
     try:
         with connect(url, proxy=None, compression=None, open_timeout=WAIT_S,
                      additional_headers=AUTH if token else None) as conn:
-            for message in messages:
-                conn.send(message if isinstance(message, str | bytes) else json.dumps(message))
+            try:
+                for message in messages:
+                    conn.send(message if isinstance(message, str | bytes) else json.dumps(message))
+            except ConnectionClosed:
+                pass  # the server answered before the last message went: its error and close are read below
             events = []
             try:
                 while True:
