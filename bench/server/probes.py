@@ -201,7 +201,9 @@ def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str)
     d = {key: delta(before, after, name, key)
          for key in ("decode_calls", "decode_seconds", "decode_frames", "decode_padded_frames",
                     "first_chunk_seconds_sum", "first_chunk_seconds_count", "first_frame_seconds_sum",
-                    "first_frame_seconds_count", "listener_underruns",
+                    "first_frame_seconds_count", "first_chunk_loop_seconds_sum",
+                    "first_chunk_loop_seconds_count", "first_chunk_write_seconds_sum",
+                    "first_chunk_write_seconds_count", "listener_underruns",
                     "listener_underrun_seconds")}
     calls_fields = {"decode_calls": d["decode_calls"],
                     "decode_ms_per_call": _ratio(d["decode_seconds"], d["decode_calls"], 1e3, 2),
@@ -215,6 +217,12 @@ def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str)
                     # first record and its wait on the ring (a Code2Wav tick under way)
                     "first_frame_ms": _ratio(d["first_frame_seconds_sum"], d["first_frame_seconds_count"],
                                              1e3, 2),
+                    # the relay's part on Code2Wav's event loop, mean: a first chunk queued by the
+                    # engine -> its handler took it, and handed to gRPC -> gRPC took it
+                    "first_chunk_loop_ms": _ratio(d["first_chunk_loop_seconds_sum"],
+                                                  d["first_chunk_loop_seconds_count"], 1e3, 2),
+                    "first_chunk_write_ms": _ratio(d["first_chunk_write_seconds_sum"],
+                                                   d["first_chunk_write_seconds_count"], 1e3, 2),
                     # Code2Wav's own model of its listeners (playback from each chunk sent): the stalls it
                     # caused itself, to set beside the clients' (a stall it does not see came after it)
                     "modeled_underruns": d["listener_underruns"],

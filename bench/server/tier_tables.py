@@ -92,15 +92,18 @@ def code2wav_table(tiers: dict) -> list[str]:
     return [*lines, ""]
 
 
-def relay_cell(gateway: dict, left: float | None) -> str:
-    """The first chunk's relay as measured at the gateway, share over 30 ms, and the remainder
+def relay_cell(gateway: dict, left: float | None, code2wav: dict | None = None) -> str:
+    """The first chunk's relay as measured at the gateway, share over 30 ms, Code2Wav's event loop
+    part of it (queued -> taken + handed to gRPC -> taken) where it counted them, and the remainder
     of "rest" beside it; the remainder alone for a gateway without the histogram."""
     measured = gateway.get("relay_ms_mean")
     if measured is None:
         return fmt(left, 1)
     over = gateway.get("relay_over_30ms")
     share = "" if over is None else f", {100 * over:.0f}% > 30 ms"
-    return f"{fmt(measured, 1)}{share} ({fmt(left, 1)})"
+    loop, write = ((code2wav or {}).get(key) for key in ("first_chunk_loop_ms", "first_chunk_write_ms"))
+    inside = "" if loop is None or write is None else f"; C2W loop {fmt(loop, 1)} + write {fmt(write, 1)}"
+    return f"{fmt(measured, 1)}{share}{inside} ({fmt(left, 1)})"
 
 
 def first_record_table(tiers: dict) -> list[str]:
@@ -111,7 +114,8 @@ def first_record_table(tiers: dict) -> list[str]:
     Code2Wav's open -> first frames off the ring less the talker's parts (the Submit's way to the
     talker and the record's wait for Code2Wav's tick under way), "of it relay" the Open's way to
     Code2Wav and the first chunk's from Code2Wav's engine thread through its event loop and gRPC to
-    the gateway: as the gateway measured it per request (with the share over 30 ms) and, in
+    the gateway: as the gateway measured it per request (with the share over 30 ms; of it, Code2Wav's
+    event loop: the chunk queued -> its handler took it, + handed to gRPC -> gRPC took it) and, in
     parentheses, what the other columns leave of "rest", "of it Open" the gateway's Code2Wav
     Open (call to handle, before the Submit; the Submit's answer beside it, which overlaps the
     talker's "wait"); "grant / in" the prompt positions a step was allowed and prefilled, mean over
@@ -135,7 +139,7 @@ def first_record_table(tiers: dict) -> list[str]:
         ring = None if opened_to_frames is None else opened_to_frames - talker
         c2w = tier.get("code2wav", {}).get("first_chunk_ms")
         left = None if None in (rest, ring, c2w) else rest - ring - c2w
-        relay = relay_cell(gateway, left)
+        relay = relay_cell(gateway, left, tier.get("code2wav"))
         grant = tier["talker"].get("prefill_grant") or {}
         allowed, prefilled = grant.get("positions_per_step"), grant.get("prefilled_per_step")
         lines.append(f"| {c} | {fmt(server, 1)} | {fmt(first['wait'], 2)} | {fmt(first['prefill'], 2)} | "

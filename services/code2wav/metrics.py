@@ -1,6 +1,7 @@
 """Code2Wav's engine counters: what it sent, how it cut and batched its chunks, where a
 tick's time went, and what its listener model says the clients heard. Filled on the
-engine thread; read at scrape time (plain reads) and by the Stats RPC."""
+engine thread (the first chunk's parts on the event loop: one writer each); read at scrape time
+(plain reads) and by the Stats RPC."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ FIRST_CHUNK_EDGES = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 # Upper edges (seconds) of the first-frames histogram: a request's stream opened until its first
 # frames were taken off the ring (its talker's first record, and the record's wait for a tick)
 FIRST_FRAME_EDGES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+# Upper edges (seconds) of the first chunk's two parts on the event loop: queued by the engine until
+# its stream's handler took it, and that handler's hand-over to gRPC until gRPC took it
+FIRST_CHUNK_LOOP_EDGES = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
 
 
 @dataclass
@@ -44,6 +48,9 @@ class Code2WavCounters:
     batch: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(BATCH_EDGES))
     first_chunk: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(FIRST_CHUNK_EDGES))
     first_frame: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(FIRST_FRAME_EDGES))
+    # written on the event loop (its one writer), not the engine thread
+    first_chunk_loop: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(FIRST_CHUNK_LOOP_EDGES))
+    first_chunk_write: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(FIRST_CHUNK_LOOP_EDGES))
 
     def cut(self, why: str) -> None:
         self.cuts[why] += 1
@@ -106,7 +113,13 @@ class Code2WavCounters:
                "first_chunk_seconds": ("histogram", "a request's first frames taken off the ring until "
                                        "its first chunk was sent", self.first_chunk.metric()),
                "first_frame_seconds": ("histogram", "a request's stream opened until its first frames "
-                                       "were taken off the ring", self.first_frame.metric())}
+                                       "were taken off the ring", self.first_frame.metric()),
+               "first_chunk_loop_seconds": ("histogram", "a request's first chunk queued by the engine until "
+                                            "its stream's handler on the event loop took it",
+                                            self.first_chunk_loop.metric()),
+               "first_chunk_write_seconds": ("histogram", "a request's first chunk handed to gRPC until "
+                                             "gRPC took it (flow control, the write)",
+                                             self.first_chunk_write.metric())}
         for why in CUTS:
             out[f"chunks_cut_{why}"] = ("counter", f"chunks cut for: {why}", self.cuts[why])
         return out

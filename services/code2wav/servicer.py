@@ -123,7 +123,12 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
             while True:
                 kind, *payload = await queue.get()
                 if kind == "chunk":
-                    yield _chunk_response(payload[0])
+                    if payload[0].chunk_index == 0:
+                        yield_first = self._first_chunk_timer(engine, payload[0])
+                        yield _chunk_response(payload[0])
+                        yield_first()
+                    else:
+                        yield _chunk_response(payload[0])
                     stream = made[-1]
                     stream.delivered_s += payload[0].audio_s
                     if stream.held:  # the engine paused it for this client: look again
@@ -150,6 +155,15 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
                 task = asyncio.ensure_future(self._cancel_on_talker(request.talker_id, handle))
                 self._cancels.add(task)
                 task.add_done_callback(self._cancels.discard)
+
+    @staticmethod
+    def _first_chunk_timer(engine: Code2WavEngine, chunk: ChunkOut):
+        """Counts a first chunk's wait on the event loop (queued by the engine -> taken here) now,
+        and returns the call that counts its write (handed to gRPC -> gRPC took it): the relay's
+        part inside Code2Wav, apart from the gateway's own and the wire's."""
+        taken = time.monotonic()
+        engine.counters.first_chunk_loop.observe_one(max(0.0, taken - chunk.queued_at))
+        return lambda: engine.counters.first_chunk_write.observe_one(time.monotonic() - taken)
 
     async def _cancel_on_talker(self, talker_id: str, handle: int) -> None:
         stub = self._stubs.get(talker_id)

@@ -52,6 +52,7 @@ class ChunkOut:
     sample_offset: int
     num_frames: int
     audio_s: float = 0.0  # the chunk's seconds: what the engine added to sent_s, the loop to delivered_s
+    queued_at: float = 0.0  # time.monotonic() when the engine queued it (the event loop reads the same clock)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ class OpenStream:
         and accounts for it; returns the listener's buffer it found (< 0: a stall)."""
         with request_context(self.request_id):
             self.send("chunk", ChunkOut(pcm.astype("<i2", copy=False).tobytes(), self.chunk_index,
-                                        self.sample_offset, frames, seconds))
+                                        self.sample_offset, frames, seconds, time.monotonic()))
         found = self.listener.sent_audio(now, seconds)
         self.first_chunk_at = self.first_chunk_at or now
         self.chunk_index += 1

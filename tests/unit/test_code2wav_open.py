@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import numpy as np
 import pytest
 
 from services.code2wav.engine import Code2WavEngine
@@ -83,6 +84,41 @@ def test_open_answers_at_once_while_the_engine_thread_is_busy_and_refuses_past_i
             assert slots == (0, 1)
         finally:
             release.set()
+            thread.stop(timeout=5)
+
+    asyncio.run(main())
+
+
+def test_a_first_chunks_wait_on_the_event_loop_and_its_write_are_counted_once_a_request():
+    async def main():
+        engine = Code2WavEngine(CheckedDecoder(), {"t0": LiveLink()}, max_slots=1,
+                                max_undelivered_seconds=100.0, max_records_per_step=64, clock=Clock())
+        thread = EngineThread("c2w-test", engine, tick_interval=0.02)
+        thread.wake = engine.wake
+        servicer = Code2WavServicer(thread, {"t0": "unix:/nonexistent"}, "c2w", Pacing(), CheckedDecoder())
+        thread.start()
+        try:
+            stream = servicer.Open(code2wav_pb2.OpenRequest(request_id="r1", talker_id="t0", max_frames=10),
+                                   None)
+            handle = (await asyncio.wait_for(stream.__anext__(), 10)).opened.handle
+            assert await asyncio.wait_for(thread.call(lambda e: handle in e.streams), 10)
+
+            def send(e: Code2WavEngine) -> None:
+                e.streams[handle].send_chunk(np.zeros(1920, np.int16), 1, 0.08, e.clock(), 0.0)
+
+            loop, write = engine.counters.first_chunk_loop, engine.counters.first_chunk_write
+            for index in range(3):
+                await asyncio.wait_for(thread.call(send), 10)
+                got = await asyncio.wait_for(stream.__anext__(), 10)
+                assert got.chunk.chunk_index == index
+                # the write is counted once gRPC took the first chunk: when the handler goes on
+                assert (loop.n, write.n) == (1, 0 if index == 0 else 1)
+            assert loop.total >= 0.0 and write.total >= 0.0
+            metrics = engine.counters.snapshot(1, 0)
+            assert metrics["first_chunk_loop_seconds"][2][0][-1] == ("+Inf", 1)
+            assert metrics["first_chunk_write_seconds"][2][0][-1] == ("+Inf", 1)
+            await stream.aclose()
+        finally:
             thread.stop(timeout=5)
 
     asyncio.run(main())

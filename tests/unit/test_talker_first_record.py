@@ -65,3 +65,13 @@ def test_the_relay_the_gateway_measured_goes_beside_what_rest_leaves():
     assert "| 12.2 | 8.0 | 13.5, 12% > 30 ms (14.8) |" in row
     del tier["gateway"]["relay_over_30ms"]  # a histogram without the edge: the mean alone
     assert "| 8.0 | 13.5 (14.8) |" in first_record_table({"8": tier})[-2]
+
+
+def test_code2wavs_event_loop_part_of_the_relay_goes_inside_its_cell():
+    first = {"wait": 1.0, "prefill": 4.0, "step": 20.0, "first_records": 16}
+    tier = {"talker": {"first_record_ms": first},
+            "gateway": {"server_ttfa_mean_ms": 60.0, "relay_ms_mean": 13.5, "relay_over_30ms": 0.125},
+            "code2wav": {"first_chunk_ms": 12.25, "first_frame_ms": 33.0,
+                         "first_chunk_loop_ms": 4.25, "first_chunk_write_ms": 0.5}}
+    row = first_record_table({"8": tier})[-2]
+    assert "| 13.5, 12% > 30 ms; C2W loop 4.2 + write 0.5 (14.8) |" in row
