@@ -64,10 +64,16 @@ class CausalConv1d(nn.Module):
         mode = "replicate" if self.pad_mode == "replicate" else "constant"
         return self.conv(F.pad(x, (self.padding_total, extra), mode=mode))
 
-    def init_state(self, num_slots: int, device, dtype) -> None:
+    def slot_shape(self) -> tuple[int, ...]:
+        """One slot's state: its last inputs."""
+        return (self.conv.in_channels, self.padding_total)
+
+    def init_state(self, num_slots: int, device, dtype, storage: torch.Tensor | None = None) -> None:
+        """Zeroed state for ``num_slots``, or ``storage`` (a zeroed [num_slots, *slot_shape()] view
+        of a pool the codec zeroes a slot of in one call: :func:`slot_pool`)."""
         assert self.stride == 1, "streaming is for stride-1 convolutions (the decoder's)"
-        shape = (num_slots, self.conv.in_channels, self.padding_total)
-        self.state = ConvState(torch.zeros(shape, device=device, dtype=dtype))
+        shape = (num_slots, *self.slot_shape())
+        self.state = ConvState(torch.zeros(shape, device=device, dtype=dtype) if storage is None else storage)
 
     def reset(self, slots: torch.Tensor) -> None:
         self.state.context[slots] = 0
@@ -100,9 +106,15 @@ class CausalConvTranspose1d(nn.Module):
         y = self.conv(x)
         return y[..., : y.shape[-1] - self.overlap]
 
-    def init_state(self, num_slots: int, device, dtype) -> None:
-        shape = (num_slots, self.conv.out_channels, self.overlap)
-        self.state = ConvTransposeState(torch.zeros(shape, device=device, dtype=dtype))
+    def slot_shape(self) -> tuple[int, ...]:
+        """One slot's state: the output overlapping its next chunk."""
+        return (self.conv.out_channels, self.overlap)
+
+    def init_state(self, num_slots: int, device, dtype, storage: torch.Tensor | None = None) -> None:
+        """As :meth:`CausalConv1d.init_state`."""
+        shape = (num_slots, *self.slot_shape())
+        self.state = ConvTransposeState(torch.zeros(shape, device=device, dtype=dtype)
+                                        if storage is None else storage)
 
     def reset(self, slots: torch.Tensor) -> None:
         self.state.tail[slots] = 0
@@ -223,6 +235,21 @@ class SeanetEncoder(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+def slot_pool(modules: list[nn.Module], num_slots: int, device, dtype) -> torch.Tensor:
+    """One zeroed [num_slots, n] buffer holding every module's per-slot state side by side, each
+    module's state a [num_slots, *slot_shape()] view of its columns (set here), so that zeroing
+    slots for every module is one indexed write, not one per module (each of those a launch, and
+    on a busy host a wait to take the GIL back)."""
+    sizes = [math.prod(m.slot_shape()) for m in modules]
+    pool = torch.zeros(num_slots, sum(sizes), device=device, dtype=dtype)
+    start = 0
+    for module, size in zip(modules, sizes, strict=True):
+        view = pool[:, start: start + size].view(num_slots, *module.slot_shape())
+        module.init_state(num_slots, device, dtype, storage=view)
+        start += size
+    return pool
 
 
 def streaming_modules(module: nn.Module) -> list[nn.Module]:

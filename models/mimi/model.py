@@ -32,6 +32,7 @@ from models.mimi.conv import (
     CausalConvTranspose1d,
     SeanetDecoder,
     SeanetEncoder,
+    slot_pool,
     streaming_modules,
 )
 from models.mimi.quantizer import SplitResidualVectorQuantizer
@@ -57,6 +58,7 @@ class MimiCodec(nn.Module):
         self.decoder_transformer = MimiTransformer(config)
         self.decoder = SeanetDecoder(config)
         self.max_slots = 0
+        self._conv_pool: torch.Tensor | None = None  # every convolution's per-slot state (allocate)
 
     @property
     def num_codebooks(self) -> int:
@@ -82,15 +84,17 @@ class MimiCodec(nn.Module):
         return [self.upsample, self.decoder_transformer, *streaming_modules(self.decoder)]
 
     def allocate(self, max_slots: int) -> None:
-        """Allocates every slot's streaming state (all fresh)."""
+        """Allocates every slot's streaming state (all fresh): the convolutions' in one pool."""
         weight = self.upsample.conv.weight
-        for module in self._stateful():
-            module.init_state(max_slots, weight.device, weight.dtype)
+        self.decoder_transformer.init_state(max_slots, weight.device, weight.dtype)
+        convs = [m for m in self._stateful() if m is not self.decoder_transformer]
+        self._conv_pool = slot_pool(convs, max_slots, weight.device, weight.dtype)
         self.max_slots = max_slots
 
     def reset(self, slots: torch.Tensor) -> None:
-        for module in self._stateful():
-            module.reset(slots)
+        """Zeroes ``slots``' state: three indexed writes, however many modules hold some."""
+        self._conv_pool[slots] = 0
+        self.decoder_transformer.reset(slots)
 
     def decode_step(self, slots: torch.Tensor, codes: torch.Tensor,
                     lengths: torch.Tensor | None = None) -> torch.Tensor:

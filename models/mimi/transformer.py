@@ -110,6 +110,7 @@ class MimiTransformer(nn.Module):
         if not self.inv_freq.is_meta:
             self.materialize(self.inv_freq.device)
         self.state: TransformerState | None = None
+        self._cache: torch.Tensor | None = None  # [2, ...]: the state's keys and values, one tensor
 
     def materialize(self, device: torch.device | str) -> None:
         """(Re)computes the fp32 RoPE frequencies on ``device`` (after loading or casting)."""
@@ -136,13 +137,12 @@ class MimiTransformer(nn.Module):
     def init_state(self, num_slots: int, device, dtype) -> None:
         attn = self.layers[0].self_attn
         shape = (len(self.layers), num_slots, self.window, attn.num_kv_heads, attn.head_dim)
-        self.state = TransformerState(torch.zeros(shape, device=device, dtype=dtype),
-                                      torch.zeros(shape, device=device, dtype=dtype),
+        self._cache = torch.zeros((2, *shape), device=device, dtype=dtype)  # keys, values: one reset
+        self.state = TransformerState(self._cache[0], self._cache[1],
                                       torch.zeros(num_slots, dtype=torch.int64, device=device))
 
     def reset(self, slots: torch.Tensor) -> None:
-        self.state.keys[:, slots] = 0
-        self.state.values[:, slots] = 0
+        self._cache[:, :, slots] = 0
         self.state.position[slots] = 0
 
     def step(self, x: torch.Tensor, slots: torch.Tensor,

@@ -153,3 +153,26 @@ def test_random_codec_decodes_codes_to_distinct_audio():
         audio = codec.decode_step(ids, codes)
     assert audio.shape == (2, 2 * config.samples_per_frame) and torch.isfinite(audio).all()
     assert not torch.equal(audio[0], audio[1])  # codebook entries differ: not all-zero sums
+
+
+def _slot_rows(state: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    return state[:, slots] if state.dim() == 5 else state[slots]  # keys, values: [layers, slots, ...]
+
+
+def test_a_reset_zeroes_every_state_of_its_slots_and_no_other(tiny_codec):
+    """The convolutions' states are views of one pool and the transformer's keys and values one
+    tensor (a reset is three writes): each module's state must still be its own columns."""
+    _, codec = tiny_codec
+    codec.allocate(4)
+    codes = torch.randint(0, 64, (4, 8, 3), generator=torch.Generator().manual_seed(1))
+    codec.decode_chunk([0, 1, 2, 3], codes)
+    before = [t.clone() for t in all_streaming_state(codec)]
+    assert all(_slot_rows(t, [1]).any() for t in before if t.numel())  # every state holds some history
+    codec.reset(torch.tensor([1, 3]))
+    for old, new in zip(before, all_streaming_state(codec), strict=True):
+        assert not _slot_rows(new, [1, 3]).any()
+        assert torch.equal(_slot_rows(new, [0, 2]), _slot_rows(old, [0, 2]))
+    # a reset slot decodes as a fresh one: the same as slot 1's first call
+    again = codec.decode_chunk([1], codes[1:2])
+    codec.allocate(4)
+    assert torch.equal(again, codec.decode_chunk([1], codes[1:2]))
