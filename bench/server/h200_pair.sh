@@ -23,7 +23,8 @@
 #   VOXRING_COMMIT=<sha> TIERS=64,256,1024 PROFILE=1024 bench/server/h200_pair.sh probe tiers:.old tiers:.
 #
 # Options by environment: TIERS (default 1,64,256,512,768,1024,1536,2048), MPS (on), TOKENIZER (bpe),
-# PROFILE (a tier to py-spy, whose wheel `PROFILER=1 bench/server/fetch_wheels.sh` adds; none by default), SEQ (the sequential C=1 tier's requests, default 50),
+# PROFILE (a tier to py-spy, whose wheel `PROFILER=1 bench/server/fetch_wheels.sh` adds; none by default),
+# PROFILE_DEVICE (1: that tier's engines profile their device work too; its stop stalls them), SEQ (the sequential C=1 tier's requests, default 50),
 # ARGS (more bench.server arguments), FAULT_C (the fault part's streams, default 512), STEPLOG (1: each
 # tree's talker writes its step log to <tree's results>/steps.jsonl, gzipped at the end), LABEL (the results
 # folder of a tiers part, where not the tree's name: the same tree run again under other settings), LIMITS and
@@ -95,7 +96,7 @@ for part in "$@"; do
         PYTHONPATH="/tmp/site:$PWD" timeout "$share" python3 -m bench.server --part tiers \
         --mps "${MPS:-on}" --load poisson --audio-seconds 2,8 --requests-per-stream 2 --load-seed 0 \
         --tiers "$TIERS" --tokenizer "${TOKENIZER:-bpe}" --sequential-requests "${SEQ:-50}" \
-        ${PROFILE:+--profile-tier "$PROFILE"} --max-wall $((share - 10)) --out "$R/$label" ${ARGS:-} \
+        ${PROFILE:+--profile-tier "$PROFILE"} $([ "${PROFILE_DEVICE:-0}" = 1 ] && echo --profile-device) --max-wall $((share - 10)) --out "$R/$label" ${ARGS:-} \
         > "$R/$label/run.log" 2>&1)
       echo "tiers $label: exit $?"; tail -n 30 "$R/$label/run.log" | grep -E "^C=|tier|MPS"
       if [ -n "$steplog" ] && [ -f "$steplog" ]; then gzip -f "$steplog"; fi ;;

@@ -7,10 +7,12 @@ only while it runs on a CPU, so a thread's samples over ``seconds x RATE_HZ`` is
 core it used. The raw stacks (``pyspy_<stage>_c<C>.txt.gz``, gzipped once read: ~10x smaller in
 the committed results, whose tree travels to the GPU machine) and a summary per thread
 (``pyspy_c<C>.json``: its share of a core, its hottest leaf frames and the frames it spends most
-time under) are written to ``--out``. Over the same window each engine stage profiles its device
-work (its config's ``metrics.profile_dir``, set by the bench for a profiled tier; SIGUSR2 starts and
-stops it: services/common/device_profile.py), copied to ``device_<stage>_c<C>.json`` (its busy
-share, time by kind, top kernels). Off unless asked: it takes some host time from the stages."""
+time under) are written to ``--out``. With ``--profile-device`` each engine stage also profiles its
+device work over the same window (its config's ``metrics.profile_dir``, set by the bench then;
+SIGUSR2 starts and stops it: services/common/device_profile.py), copied to
+``device_<stage>_c<C>.json`` (its busy share, time by kind, top kernels): stopping it held an
+engine thread for seconds under load (bench notes, run 27). Off unless asked: it takes some host
+time from the stages."""
 
 from __future__ import annotations
 

@@ -130,6 +130,7 @@ class Settings:
     client_connections: int = 1  # the load generator's connections to the gateway (streams spread over them)
     profile_tier: int | None = None  # py-spy on every stage at this tier (bench/server/profile.py)
     profile_seconds: float = 8.0
+    profile_device: bool = False  # ... and each engine's device work over the same window
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -185,9 +186,10 @@ def stage_configs(s: Settings, run_dir: Path, checkpoint: Path | None) -> dict[s
     max_len = max(256, -(-(prompt_len + frames + 8) // 64) * 64)
     server = {"drain_timeout": 5, "grace": 2}
     metrics = {"listen": "127.0.0.1:0"}
-    # a profiled tier also profiles the engines' device work (SIGUSR2: bench/server/profile.py)
+    # with --profile-device a profiled tier also profiles the engines' device work (SIGUSR2:
+    # bench/server/profile.py)
     engine_metrics = {**metrics, "profile_dir": str(run_dir / PROFILE_FOLDER)} \
-        if s.profile_tier is not None else metrics
+        if s.profile_tier is not None and s.profile_device else metrics
     logging_ = {"level": "info", "json": False}
     graph_buckets = [b for b in pow2_up_to(min(top, s.c2w_graph_max_bucket))]
     chunk_frames = [1, 2, 4, 8, 16]
@@ -336,6 +338,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="py-spy every stage's threads for --profile-seconds (default 8) from tier C's "
                              "first send (bench/server/profile.py)")
     parser.add_argument("--profile-seconds", type=float, default=8.0, help=argparse.SUPPRESS)
+    parser.add_argument("--profile-device", action="store_true",
+                        help="the profiled tier's engines also profile their device work (torch's "
+                             "profiler: stopping it held an engine thread for seconds under load, so "
+                             "that tier's numbers are not load numbers)")
     parser.add_argument("--max-wall", type=float, default=540.0, help="wall-clock cap of this invocation")
     parser.add_argument("--start-timeout", type=float, default=300.0,
                         help="the stages must be ready within this (model load, CUDA graph capture)")
@@ -389,4 +395,5 @@ def parse_args(argv: list[str] | None) -> Settings:
             SMOKE_SEQUENTIAL_REQUESTS if args.smoke else SEQUENTIAL_REQUESTS),
         idle_gaps=args.idle_gaps or (SMOKE_IDLE_GAPS_S if args.smoke else DEFAULT_IDLE_GAPS_S),
         client_connections=args.client_connections,
-        profile_tier=args.profile_tier, profile_seconds=args.profile_seconds)
+        profile_tier=args.profile_tier, profile_seconds=args.profile_seconds,
+        profile_device=args.profile_device)

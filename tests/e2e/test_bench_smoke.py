@@ -190,11 +190,11 @@ def test_smoke_baseline(tmp_path):
 
 
 def test_a_profiled_tier_profiles_each_engine_s_device_work(tmp_path):
-    """--profile-tier C: each engine stage profiles its device work over the window (SIGUSR2 to
-    its metrics.profile_dir: services/common/device_profile.py; on the CPU its ops), the summary
-    copied beside the results, whether or not py-spy is here."""
+    """--profile-tier C --profile-device: each engine stage profiles its device work over the window
+    (SIGUSR2 to its metrics.profile_dir: services/common/device_profile.py; on the CPU its ops), the
+    summary copied beside the results, whether or not py-spy is here."""
     done = _run("--part", "tiers", "--tiers", "2", "--profile-tier", "2", "--profile-seconds", "3",
-                "--max-wall", "100", out=tmp_path)
+                "--profile-device", "--max-wall", "100", out=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     for stage in ("talker", "code2wav"):
         summary = json.loads((tmp_path / f"device_{stage}_c2.json").read_text())

@@ -105,3 +105,15 @@ def test_clean_through_stops_at_the_first_tier_that_is_not_clean():
     assert report.clean_through(tiers) == 8  # the highest clean tier (128) is reported apart
     assert report.clean_through({"1": {"clean": False}, "8": {"clean": True}}) == 0
     assert report.clean_through({}) == 0
+
+
+def test_a_profiled_tier_profiles_the_engines_device_work_only_when_asked(tmp_path: Path):
+    """py-spy alone by default: stopping the engines' device profiles held an engine thread for
+    seconds under load, so they come only with --profile-device."""
+    def profile_dirs(*extra):
+        s = settings.parse_args(["--tiers", "1,8", "--profile-tier", "8", *extra])
+        configs = settings.stage_configs(s, tmp_path, None)
+        return [configs[name]["metrics"].get("profile_dir") for name in ("talker", "code2wav")]
+
+    assert profile_dirs() == [None, None]
+    assert profile_dirs("--profile-device") == [str(tmp_path / settings.PROFILE_FOLDER)] * 2
