@@ -1,7 +1,8 @@
 """The Code2Wav engine's side of its talkers' edges, a mixin of :class:`services.code2wav.engine.
 Code2WavEngine`: taking records off the rings (at the start of a step, or waiting on one while
-idle, until the next need at most), a talker lost (what it wrote is taken first), the heartbeats,
-and the decode tick reported back to the talkers (docs/protocol.md, Pacing).
+idle, until the next need at most; between a tick's calls, a fresh stream's first record), a talker
+lost (what it wrote is taken first), the heartbeats, and the decode tick reported back to the
+talkers (docs/protocol.md, Pacing).
 """
 
 from __future__ import annotations
@@ -20,9 +21,14 @@ IDLE_WAIT_S = 0.005  # how long an idle step waits on a ring for the next record
 TICK_SPREAD = 2.0
 
 
+def _fresh(stream) -> bool:
+    """Nothing sent, nothing pending, no segment end waiting: in no cut of the tick under way."""
+    return not (stream.closed or stream.chunk_index or stream.pending_frames or stream.segment_ends)
+
+
 class TalkerIntake:
     """The edges' half of the engine (it supplies links, ticks, streams, clock, max_records, _due,
-    _touched, _on_record and _end)."""
+    _touched, _kept, _on_record and _end)."""
 
     def tick_s(self) -> float:
         """A decode tick lately (``TICK_SPREAD``): what the talkers' pacing reads as the part of a
@@ -81,6 +87,7 @@ class TalkerIntake:
         draining talker exits right after its last records, which may still wait in the ring);
         a request whose LAST record arrived then completes from the frames it has, the others end
         UNAVAILABLE. ``ring_readable`` False: the ring itself failed, nothing more is read."""
+        self._apply_kept()  # taken before what is left: ring order
         if ring_readable:
             self._take_what_is_left(link)
         ours = [s for s in self.streams.values() if s.talker_id == link.talker_id]
@@ -103,7 +110,7 @@ class TalkerIntake:
                 link.consumer.release()
 
     def _consume(self) -> bool:
-        took = False
+        took = self._apply_kept()
         for link in self.links.values():
             if not link.connected:
                 continue
@@ -118,6 +125,42 @@ class TalkerIntake:
                 log.warning("talker %s: %s", link.talker_id, exc)
                 self._talker_lost(link, ring_readable=False)
         return took
+
+    def _take_between_calls(self) -> list:
+        """Between a tick's decode calls: the rings' records taken now. A record of a fresh stream
+        (open, nothing sent or pending, no segment end waiting) is applied at once, so its first
+        chunk can join the next call; every other one is kept (copied) and applied at the next
+        step's start, in ring order, before the records taken then: a cancel, a clear or a last
+        record never changes a stream whose cut is planned for the next call. Returns the fresh
+        streams that got frames. A ring that fails is left to the next step's take."""
+        fresh = {}
+        for link in self.links.values():
+            if not link.connected:
+                continue
+            try:
+                views = link.consumer.get_batch(self.max_records, timeout=0.0)
+            except RingError:
+                continue
+            for record, codes in views:
+                stream = self.streams.get(record.handle)
+                if stream is not None and stream.talker_id == link.talker_id and _fresh(stream):
+                    self._on_record(link.talker_id, record, codes)
+                    if stream.pending_frames and not stream.closed:
+                        fresh[stream.handle] = stream
+                else:
+                    self._kept.append((link.talker_id, record, codes.copy()))
+            if views:
+                link.consumer.release()
+        return list(fresh.values())
+
+    def _apply_kept(self) -> bool:
+        """The records :meth:`_take_between_calls` kept, in ring order; True when there were any."""
+        if not self._kept:
+            return False
+        kept, self._kept = self._kept, []
+        for talker_id, record, codes in kept:
+            self._on_record(talker_id, record, codes)
+        return True
 
     def _wait_for_records(self) -> bool:
         """Blocks briefly on one attached ring (round robin); False when none is attached."""

@@ -4,7 +4,8 @@ end; never below min_chunk_frames but at the end), every chunk of a tick in one 
 whatever their lengths but for first chunks and those due within two ticks (decoded and sent
 first), only streams something happened to looked at, the listener model's stalls, a client that
 does not drain held and resumed, a closed stream freed once even inside a batched tick, nothing
-sent after a stream's end."""
+sent after a stream's end, and a first record written during a tick's first call decoded in
+its second (the other records taken then kept for the next step)."""
 
 from __future__ import annotations
 
@@ -203,6 +204,44 @@ def test_a_first_chunk_is_decoded_and_sent_before_the_rest_of_its_tick(setup):
     assert chunk_frames(sent1) == [4, 4] and chunk_frames(sent2) == [2] and chunk_frames(sent3) == [1, 1]
     buckets, seconds = engine.metrics()["first_frame_seconds"][2]  # opened until its first record came
     assert seconds == pytest.approx(0.07) and buckets[-1] == ("+Inf", 3)  # stream 2's 70 ms, 1 and 3 at 0
+
+
+def test_a_first_record_written_during_the_urgent_call_joins_the_rest_call(setup):
+    # While the tick's urgent call runs, stream 4's first record and stream 1's next record (its
+    # cut is planned for the rest call) and a cancel of stream 2 (fresh too: nothing sent) come.
+    # Stream 4's first chunk leads the rest call; stream 1's record is kept for the next step, so
+    # its planned chunk is the frames it had; stream 2 ends at once (it is in no call).
+    engine, clock, link, decoder = setup
+    p = Pacing(decode_margin_s=0.1, steady_frames=4, min_chunk_frames=1)
+    (_, sent1), (_, sent2), (_, sent3), (_, sent4) = (open_stream(engine, h, p) for h in (1, 2, 3, 4))
+    calls = decoder.decode_many
+
+    def urgent_then_records(slots, chunks):  # each call takes 10 ms
+        clock.now += 0.01
+        if len(decoder.calls) == 1:  # the urgent call of the second tick: records come meanwhile
+            put(link, 4, 0, 2)
+            put(link, 1, 2, 4, first=8)
+            record = FrameRecord(2, 0, 0, 0, K, int(RecordFlags.CANCELLED), int(FinishReason.CANCELLED))
+            link.consumer.records.append((record, np.zeros((0, K), np.int16)))
+        return calls(slots, chunks)
+
+    decoder.decode_many = urgent_then_records
+    put(link, 1, 0, 4)
+    put(link, 3, 0, 1)
+    engine.step()                       # two first chunks, one call; a tick of 10 ms
+    clock.now = 0.07                    # stream 3: 10 ms left, under two ticks; stream 1: 250 ms
+    put(link, 1, 1, 4, first=4)
+    put(link, 3, 1, 1, first=1)
+    engine.step()
+    slot = {s.handle: s.slot for s in engine.streams.values()}
+    assert decoder.calls[1:] == [[(slot[3], 1)], [(slot[4], 2), (slot[1], 4)]]
+    assert chunk_frames(sent4) == [2] and chunk_frames(sent1) == [4, 4]
+    assert sent2 and sent2[-1][0] == "error" and 2 not in engine.streams
+    assert len(engine._kept) == 1 and engine.streams[1].pending_frames == 0
+    clock.now = 0.5                     # the next step applies what was kept, in ring order
+    engine.step()
+    assert not engine._kept and engine.counters.dropped_records == 0
+    assert chunk_frames(sent1) == [4, 4, 4]
 
 
 def test_a_need_that_comes_cuts_without_any_new_record_and_idle_streams_are_not_looked_at(setup):
