@@ -235,7 +235,7 @@ def test_a_first_record_written_during_the_urgent_call_joins_the_rest_call(setup
     engine.step()
     slot = {s.handle: s.slot for s in engine.streams.values()}
     assert decoder.calls[1:] == [[(slot[3], 1)], [(slot[4], 2), (slot[1], 4)]]
-    assert chunk_frames(sent4) == [2] and chunk_frames(sent1) == [4, 4]
+    assert chunk_frames(sent4) == [2] and chunk_frames(sent1) == [4, 4] and chunk_frames(sent3) == [1, 1]
     assert sent2 and sent2[-1][0] == "error" and 2 not in engine.streams
     assert len(engine._kept) == 1 and engine.streams[1].pending_frames == 0
     clock.now = 0.5                     # the next step applies what was kept, in ring order
