@@ -104,7 +104,13 @@ def decodable(decoder: Decoder, codes: np.ndarray) -> tuple[np.ndarray, int]:
                          f"takes {decoder.num_codebooks}")
     if not len(codes):
         return codes, 0
-    low, high = int(codes.min()), int(codes.max())
+    if codes.dtype == np.int16 and decoder.code_space <= 1 << 15:  # the rings': one reduction
+        # (as uint16 a negative code reads as >= 2**15, so over code_space too)
+        high = int(codes.view(np.uint16).max())
+        low = 0 if high < decoder.code_space else int(codes.min())
+        high = high if low >= 0 else int(codes.max())
+    else:
+        low, high = int(codes.min()), int(codes.max())
     if low < 0 or high >= decoder.code_space:
         raise FrameError(f"codes outside [0, {decoder.code_space}) (from {low} to {high})")
     if high < decoder.codebook_size:
