@@ -56,14 +56,20 @@ class LiveLink:
         pass
 
 
+def _started() -> tuple[Code2WavEngine, EngineThread, Code2WavServicer]:
+    """An engine of one slot on its running thread, and the servicer in front of it."""
+    engine = Code2WavEngine(CheckedDecoder(), {"t0": LiveLink()}, max_slots=1,
+                            max_undelivered_seconds=100.0, max_records_per_step=64, clock=Clock())
+    thread = EngineThread("c2w-test", engine, tick_interval=0.02)
+    thread.wake = engine.wake
+    servicer = Code2WavServicer(thread, {"t0": "unix:/nonexistent"}, "c2w", Pacing(), CheckedDecoder())
+    thread.start()
+    return engine, thread, servicer
+
+
 def test_open_answers_at_once_while_the_engine_thread_is_busy_and_refuses_past_its_slots():
     async def main():
-        engine = Code2WavEngine(CheckedDecoder(), {"t0": LiveLink()}, max_slots=1,
-                                max_undelivered_seconds=100.0, max_records_per_step=64, clock=Clock())
-        thread = EngineThread("c2w-test", engine, tick_interval=0.02)
-        thread.wake = engine.wake
-        servicer = Code2WavServicer(thread, {"t0": "unix:/nonexistent"}, "c2w", Pacing(), CheckedDecoder())
-        thread.start()
+        engine, thread, servicer = _started()
         busy, release = threading.Event(), threading.Event()
         thread.post(lambda e: (busy.set(), release.wait(30)))  # a long step: no command is taken
         try:
@@ -91,12 +97,7 @@ def test_open_answers_at_once_while_the_engine_thread_is_busy_and_refuses_past_i
 
 def test_a_first_chunks_wait_on_the_event_loop_and_its_write_are_counted_once_a_request():
     async def main():
-        engine = Code2WavEngine(CheckedDecoder(), {"t0": LiveLink()}, max_slots=1,
-                                max_undelivered_seconds=100.0, max_records_per_step=64, clock=Clock())
-        thread = EngineThread("c2w-test", engine, tick_interval=0.02)
-        thread.wake = engine.wake
-        servicer = Code2WavServicer(thread, {"t0": "unix:/nonexistent"}, "c2w", Pacing(), CheckedDecoder())
-        thread.start()
+        engine, thread, servicer = _started()
         try:
             stream = servicer.Open(code2wav_pb2.OpenRequest(request_id="r1", talker_id="t0", max_frames=10),
                                    None)
@@ -113,7 +114,6 @@ def test_a_first_chunks_wait_on_the_event_loop_and_its_write_are_counted_once_a_
                 assert got.chunk.chunk_index == index
                 # the write is counted once gRPC took the first chunk: when the handler goes on
                 assert (loop.n, write.n) == (1, 0 if index == 0 else 1)
-            assert loop.total >= 0.0 and write.total >= 0.0
             metrics = engine.counters.snapshot(1, 0)
             assert metrics["first_chunk_loop_seconds"][2][0][-1] == ("+Inf", 1)
             assert metrics["first_chunk_write_seconds"][2][0][-1] == ("+Inf", 1)
