@@ -49,6 +49,7 @@ from services.code2wav.metrics import Code2WavCounters
 from services.code2wav.streams import SEGMENT_REASONS, OpenStream, Outbox
 from services.code2wav.talkers import TalkerLink
 from services.common.errors import ResourceExhausted
+from services.common.first_audio import RecentFirstAudio
 from services.common.smoothing import MeanSpread
 from services.transport.layout import FinishReason
 
@@ -100,6 +101,7 @@ class Code2WavEngine(TalkerIntake, StreamingTicks):
         # (copies, in ring order: engine_links.TalkerIntake._take_between_calls)
         self._kept: list[tuple[str, object, np.ndarray]] = []
         self.ticks = MeanSpread()  # the steps that decoded, start to the last chunk sent
+        self.first_audio = RecentFirstAudio()  # the first chunks lately, from their Opens (Admission)
 
     # --- commands from the servicer ------------------------------------------------------------
 
@@ -320,6 +322,8 @@ class Code2WavEngine(TalkerIntake, StreamingTicks):
             self.counters.first_chunk.observe([max(0.0, now - stream.first_frame_at)])
             if stream.opened is not None:
                 self.counters.first_frame.observe([max(0.0, stream.first_frame_at - stream.opened)])
+                if not stream.session:  # a session's first audio waits for its text
+                    self.first_audio.observe(now, now - stream.opened)
         return found
 
     def _send_segment_ends(self, stream: OpenStream) -> None:

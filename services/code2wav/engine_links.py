@@ -28,7 +28,7 @@ def _fresh(stream) -> bool:
 
 class TalkerIntake:
     """The edges' half of the engine (it supplies links, ticks, streams, clock, max_records, _due,
-    _touched, _kept, _on_record and _end)."""
+    _touched, _kept, _on_record, _end and first_audio)."""
 
     def tick_s(self) -> float:
         """A decode tick lately (``TICK_SPREAD``): what the talkers' pacing reads as the part of a
@@ -45,11 +45,17 @@ class TalkerIntake:
         """A step that decoded took ``seconds``: reported to every attached talker (docs/protocol.md,
         Pacing: the talker counts it in a record's way to its listener)."""
         self.ticks.observe(seconds)
-        tick = self.tick_s()
+        self._report()
+
+    def _report(self) -> None:
+        """The tick and the first audio lately (docs/protocol.md, Admission: the first chunks' p90
+        from their Opens; 0 with too few lately), to every attached talker; also at each
+        housekeeping tick, so an idle engine's first audio ages out of its window there too."""
+        tick, first_audio = self.tick_s(), self.first_audio.lately(self.clock()) or 0.0
         for link in self.links.values():
             if link.connected:
                 with contextlib.suppress(RingError):
-                    link.consumer.report_tick(tick)
+                    link.consumer.report_tick(tick, first_audio)
 
     def _wait_s(self) -> float:
         """How long an idle tick may block on a ring: until the next need, IDLE_WAIT_S at most."""
@@ -66,6 +72,7 @@ class TalkerIntake:
                 if not link.alive():
                     self._talker_lost(link)
             link.ensure(now)
+        self._report()
 
     def wake(self) -> None:
         """Any thread (the EngineThread's ``wake``, after a command is posted): ends the idle

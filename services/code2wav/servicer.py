@@ -96,7 +96,7 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
             made.append(OpenStream(handle, request.request_id, request.talker_id, slot, pacing,
                                    request.max_frames, loop, queue, opened=opened,
                                    frame_s=self._frame_seconds, speaker_id=request.speaker_id,
-                                   seed=request.seed))
+                                   seed=request.seed, session=request.session))
             return made[-1]
 
         def open_here(engine: Code2WavEngine) -> None:

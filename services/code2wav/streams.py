@@ -113,6 +113,7 @@ class OpenStream:
     frame_s: float = 0.08                        # seconds of audio per frame
     speaker_id: int = 0                          # the voice, for a decoder that takes one
     seed: int = 0                                # the noise's seed, for a decoder that draws any
+    session: bool = False                        # a session's: its first audio waits for its text
 
     pending: list[np.ndarray] = field(default_factory=list)  # [frames, K] int16 blocks
     pending_frames: int = 0

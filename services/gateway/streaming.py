@@ -361,7 +361,7 @@ class StreamingSession:
             self.encoder = make_encoder(valid.encoding, facts.sample_rate, self.out_rate, valid.speed)
             call = pair.code2wav.Open(code2wav_pb2.OpenRequest(
                 request_id=valid.request_id, talker_id=pair.talker_id, max_frames=self.session_cap.frames,
-                speaker_id=valid.voice.speaker_id, seed=self.settings.seed))
+                speaker_id=valid.voice.speaker_id, seed=self.settings.seed, session=True))
             self.call = call
             try:
                 opened = await call.read()

@@ -74,6 +74,10 @@ class Consumers:
         """The longest decode tick the consumers report (docs/protocol.md, Pacing); 0.0 with none."""
         return max((edge.producer.consumer_tick_s() for edge in self.edges.values()), default=0.0)
 
+    def first_audio_s(self) -> float:
+        """The latest first audio the consumers report (docs/protocol.md, Admission); 0.0 with none."""
+        return max((edge.producer.consumer_first_audio_s() for edge in self.edges.values()), default=0.0)
+
     def keepalive(self) -> None:
         """Stores this side's heartbeats and nothing else (docs/protocol.md, Rings): called by
         the engine thread's keeper while a long step runs, so from another thread. A ring

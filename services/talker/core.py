@@ -97,6 +97,7 @@ class TalkerCore:
 
     def step(self) -> bool:
         self.engine.scheduler.set_consumer_tick(self.consumers.tick_s())
+        self.engine.scheduler.set_consumer_first_audio(self.consumers.first_audio_s())
         busy = self.engine.step()
         self._update_admission()
         return busy

@@ -127,6 +127,7 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
         self.max_queue_wait_s = max_queue_wait_s
         self.admission_first_audio_s = admission_first_audio_s  # 0: no admission by first audio
         self.first_audio = RecentFirstAudio()  # the first records written lately (scheduler_admission)
+        self.consumer_first_audio_s = 0.0  # Code2Wav's first chunks' p90 lately (0: none reported)
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
         self.waiting: deque[TalkerRequest] = deque()
@@ -228,6 +229,12 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
         path = self.base_path_s + max(0.0, tick_s)
         if abs(path - self.pacing.path_s) >= 1e-3:
             self.pacing = dataclasses.replace(self.pacing, path_s=path)
+
+    def set_consumer_first_audio(self, seconds: float) -> None:
+        """Code2Wav's first audio lately (docs/protocol.md, Admission): its first chunks' p90 from its
+        Open to the chunk sent, which admission by first audio reads in place of its own estimate;
+        0: none (not reported, or too few lately)."""
+        self.consumer_first_audio_s = max(0.0, seconds)
 
     def _end_at_boundary(self, now: float) -> list[TalkerRequest]:
         ended = []

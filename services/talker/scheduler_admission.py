@@ -13,13 +13,17 @@ counts as a stream: it comes back with its next segment.
 from __future__ import annotations
 
 import math
-from collections import deque
 
+from services.common.first_audio import (
+    FIRST_AUDIO_MIN,
+    FIRST_AUDIO_QUANTILE,
+    FIRST_AUDIO_WINDOW_S,
+    RecentFirstAudio,
+)
 from services.talker.pacing import FIRST_K, fits
 
-FIRST_AUDIO_WINDOW_S = 0.5   # the first records admission by first audio reads: those written this lately
-FIRST_AUDIO_MIN = 8          # ... at least this many, else it does not refuse (too few to judge)
-FIRST_AUDIO_QUANTILE = 0.9
+__all__ = ["FIRST_AUDIO_MIN", "FIRST_AUDIO_QUANTILE", "FIRST_AUDIO_WINDOW_S", "AdmissionRules", "Overloaded",
+           "RecentFirstAudio"]
 
 
 class Overloaded(Exception):
@@ -28,41 +32,6 @@ class Overloaded(Exception):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-class RecentFirstAudio:
-    """The first records written in the last ``window_s``: each one's time from its request's
-    arrival to its write. Their high quantile, plus the record's way to the listener, is the first
-    audio the streams admitted a moment ago got, which is what one admitted now can expect: the
-    step times, the prefill backlog, the rows it joins and the loop's own time, all measured at
-    once. It answers only while it holds ``least`` records: after a quiet spell, or while it
-    refuses everyone, nothing is known and nothing is refused for it."""
-
-    def __init__(self, window_s: float = FIRST_AUDIO_WINDOW_S, least: int = FIRST_AUDIO_MIN,
-                 quantile: float = FIRST_AUDIO_QUANTILE) -> None:
-        self.window_s, self.least, self.quantile = window_s, least, quantile
-        self._seen: deque[tuple[float, float]] = deque()  # (written at, arrival to written), in write order
-        self.last: float | None = None  # the latest answer (the metrics thread reads it)
-        self._added = self._dropped = 0  # records in and out of the window, ever: the answer's key
-        self._key: tuple[int, int] | None = None  # (added, dropped) when ``last`` was worked out
-
-    def observe(self, written_at: float, seconds: float) -> None:
-        self._seen.append((written_at, max(0.0, seconds)))
-        self._added += 1
-
-    def lately(self, now: float) -> float | None:
-        """The quantile of the window's times (seconds), or None with fewer than ``least``; asked
-        several times a step, it sorts again only when records came or went."""
-        seen = self._seen
-        while seen and seen[0][0] < now - self.window_s:
-            seen.popleft()
-            self._dropped += 1
-        key = (self._added, self._dropped)
-        if key != self._key:
-            self._key = key
-            times = sorted(took for _, took in seen) if len(seen) >= self.least else None
-            self.last = None if times is None else times[min(len(times) - 1, int(self.quantile * len(times)))]
-        return self.last
 
 
 class AdmissionRules:
@@ -100,15 +69,31 @@ class AdmissionRules:
                           f"max_queue_wait_s {self.max_queue_wait_s:g})", min(wait, 60.0))
 
     def _first_audio_late(self, now: float) -> Overloaded | None:
+        """Refuses while the streams admitted lately got their first audio later than
+        ``admission_first_audio_s``: as Code2Wav measured it (``consumer_first_audio_s``: its first
+        chunks' p90 from its Open to the chunk sent, reported with its tick) where it reports one,
+        else as the talker's first records' p90 (arrival to write) plus ``path_s``, the way pacing
+        allows a record (Code2Wav's longest tick with its spread: a bound, not a first chunk's
+        usual way)."""
         target = self.admission_first_audio_s
-        lately = self.first_audio.lately(now) if target else None
-        if lately is None or lately + self.pacing.path_s <= target:
+        if not target:
             return None
         window = self.first_audio
-        return Overloaded(f"first audio lately took {1e3 * (lately + self.pacing.path_s):.0f} ms (p"
-                          f"{100 * window.quantile:.0f} of the first records written in the last "
-                          f"{window.window_s:g} s, their way to the listener included; "
-                          f"admission_first_audio_s {target:g})", window.window_s)
+        if self.consumer_first_audio_s > 0:
+            took, what = self.consumer_first_audio_s, (
+                f"p{100 * window.quantile:.0f} of the first chunks Code2Wav sent in the last "
+                f"{window.window_s:g} s, from its Open")
+        else:
+            lately = window.lately(now)
+            if lately is None:
+                return None
+            took, what = lately + self.pacing.path_s, (
+                f"p{100 * window.quantile:.0f} of the first records written in the last "
+                f"{window.window_s:g} s, their way to the listener included")
+        if took <= target:
+            return None
+        return Overloaded(f"first audio lately took {1e3 * took:.0f} ms ({what}; admission_first_audio_s "
+                          f"{target:g})", window.window_s)
 
     def admissible(self, now: float, prompt_len: int) -> int:
         """About how many more requests of ``prompt_len`` positions could be taken now before the
@@ -148,6 +133,7 @@ class AdmissionRules:
                 "host_ms": ms(host), "period_ms": ms(self.period_s), "path_ms": ms(self.pacing.path_s),
                 "per_token_us": round(times.per_token_s * 1e6, 3), "grant": self._step_grant(),
                 "first_audio_ms": ms(self.first_audio.lately(now)),
+                "consumer_first_audio_ms": ms(self.consumer_first_audio_s),
                 "fits": self.admission_headroom is None or fits(rows, self.bucket_for, self.pacing, times,
                                                                  self.admission_headroom, host)}
 

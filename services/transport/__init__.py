@@ -89,6 +89,9 @@ class FrameProducer(Protocol):
     def consumer_tick_s(self) -> float:
         """What the consumer last reported with ``report_tick`` (0.0: nothing yet)."""
 
+    def consumer_first_audio_s(self) -> float:
+        """The first audio the consumer last reported with ``report_tick`` (0.0: none)."""
+
     def close(self) -> None: ...
 
 
@@ -106,9 +109,10 @@ class FrameConsumer(Protocol):
 
     def tick(self) -> None: ...
 
-    def report_tick(self, seconds: float) -> None:
+    def report_tick(self, seconds: float, first_audio_s: float = 0.0) -> None:
         """The engine thread: how long its decode ticks take lately, for the talker's pacing
-        (docs/protocol.md, Pacing); the latest report stands."""
+        (docs/protocol.md, Pacing), and its first audio lately (0: none), for the talker's
+        admission (docs/protocol.md, Admission); the latest report stands."""
 
     def producer_alive(self, timeout: float | None = None) -> bool: ...
 

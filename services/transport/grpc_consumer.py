@@ -121,6 +121,7 @@ class GrpcConsumer:
         self._last_heard_ns = time.monotonic_ns()  # grace from the start, as for a new ring
         self._closed = False
         self._tick_s = 0.0  # report_tick's, sent with each heartbeat
+        self._first_audio_s = 0.0
         stub = frames_pb2_grpc.FrameStreamStub(self._channel)
         self._call = stub.Subscribe(iter(self._requests.get, None))
         self._thread = threading.Thread(target=self._read, name="frame-stream-reader", daemon=True)
@@ -205,11 +206,12 @@ class GrpcConsumer:
 
     def _send_heartbeat(self, _now: int) -> None:
         if not self._closed:
-            self._requests.put(frames_pb2.SubscribeMessage(tick_s=self._tick_s))
+            self._requests.put(frames_pb2.SubscribeMessage(tick_s=self._tick_s,
+                                                                first_audio_s=self._first_audio_s))
 
-    def report_tick(self, seconds: float) -> None:
-        """The engine's decode tick lately: carried by the next heartbeat."""
-        self._tick_s = max(0.0, seconds)
+    def report_tick(self, seconds: float, first_audio_s: float = 0.0) -> None:
+        """The engine's decode tick and first audio lately: carried by the next heartbeat."""
+        self._tick_s, self._first_audio_s = max(0.0, seconds), max(0.0, first_audio_s)
 
     def producer_alive(self, timeout: float | None = None) -> bool:
         """True while a batch (or heartbeat) arrived within ``timeout`` s (default: the

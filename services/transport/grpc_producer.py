@@ -151,6 +151,7 @@ class GrpcProducer:
         self._created_ns = time.monotonic_ns()
         self._last_heard_ns = 0  # the consumer's last message, 0 before the first stream
         self._tick_s = 0.0  # the consumer's decode tick, as its last heartbeat carried it
+        self._first_audio_s = 0.0  # ... and its first audio lately
         self._subscription = 0  # grows with each stream; older streams end
         self._connected = False
         self._closed = False
@@ -220,6 +221,11 @@ class GrpcProducer:
         second."""
         return 0.0 if self._closed else min(max(self._tick_s, 0.0), 1.0)
 
+    def consumer_first_audio_s(self) -> float:
+        """The consumer's first audio lately as its last heartbeat carried it (0.0: none), at most a
+        minute."""
+        return 0.0 if self._closed else min(max(self._first_audio_s, 0.0), 60.0)
+
     def close(self, flush_timeout: float = 1.0) -> None:
         """Sends what is queued and a closed batch (waiting up to ``flush_timeout`` s while
         a consumer is subscribed), then refuses further puts. Idempotent."""
@@ -265,7 +271,7 @@ class GrpcProducer:
             async for message in requests:
                 if self._subscription == mine:
                     self._last_heard_ns = time.monotonic_ns()
-                    self._tick_s = message.tick_s
+                    self._tick_s, self._first_audio_s = message.tick_s, message.first_audio_s
         if self._subscription == mine:
             self._connected = False  # the consumer ended its side: gone
 

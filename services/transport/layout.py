@@ -66,6 +66,7 @@ OFF_TAIL = 128           # consumer cache line: bytes ever released
 OFF_CONSUMER_HB = 136    # consumer heartbeat, CLOCK_MONOTONIC ns (0 until attached)
 OFF_WAITING = 144        # 0 when awake; else the epoch of the consumer's current wait
 OFF_CONSUMER_TICK = 152  # the consumer's decode tick lately, ns (0: not reported): report_tick
+OFF_CONSUMER_FIRST_AUDIO = 160  # the consumer's first audio lately, ns (0: none): report_tick
 CONTROL_FORMAT = "<8Q"   # magic .. closed, for one-shot reads of the fixed fields
 
 # Record header, little-endian, 32 bytes, then the payload: codes, int16 little-endian,

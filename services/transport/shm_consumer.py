@@ -37,6 +37,7 @@ from services.transport.layout import (
 )
 from services.transport.shm_segment import (
     CLOSED,
+    CONSUMER_FIRST_AUDIO,
     CONSUMER_HB,
     CONSUMER_TICK,
     HEAD,
@@ -185,10 +186,12 @@ class RingConsumer(RingSide):
                                           finish_reason))
         return _new_tuple(RecordView, (record, codes))
 
-    def report_tick(self, seconds: float) -> None:
-        """Stores the engine's decode tick lately (``CONSUMER_TICK``, ns) for the talker's pacing."""
+    def report_tick(self, seconds: float, first_audio_s: float = 0.0) -> None:
+        """Stores the engine's decode tick lately (``CONSUMER_TICK``, ns) for the talker's pacing,
+        and its first audio lately (``CONSUMER_FIRST_AUDIO``, ns; 0: none) for its admission."""
         if not self._closed:
             self._ctl[CONSUMER_TICK] = max(0, min(int(seconds * 1e9), 1 << 62))
+            self._ctl[CONSUMER_FIRST_AUDIO] = max(0, min(int(first_audio_s * 1e9), 1 << 62))
 
     # --- waiting ---------------------------------------------------------------------
 

@@ -54,6 +54,7 @@ from services.transport.layout import (
 )
 from services.transport.shm_segment import (
     CLOSED,
+    CONSUMER_FIRST_AUDIO,
     CONSUMER_HB,
     CONSUMER_TICK,
     CREATED_NS,
@@ -244,6 +245,13 @@ class RingProducer(RingSide):
         if self._closed:
             return 0.0
         return min(self._ctl[CONSUMER_TICK] / 1e9, 1.0)
+
+    def consumer_first_audio_s(self) -> float:
+        """The consumer's first audio lately as it last reported it (``CONSUMER_FIRST_AUDIO``); 0.0
+        when it reported none or the ring is closed; a nonsense value is capped at a minute."""
+        if self._closed:
+            return 0.0
+        return min(self._ctl[CONSUMER_FIRST_AUDIO] / 1e9, 60.0)
 
     def close(self) -> None:
         """Marks the ring closed, wakes the consumer, unlinks both names and unmaps.

@@ -35,6 +35,7 @@ class ScriptedConsumer:
     def __init__(self) -> None:
         self.records: list = []
         self.ticks: list[float] = []  # report_tick's, in order
+        self.first_audios: list[float] = []  # ... and the first audio reported with each
 
     def get_batch(self, max_records: int, timeout: float | None = 0.0):
         taken, self.records = self.records[:max_records], self.records[max_records:]
@@ -49,8 +50,9 @@ class ScriptedConsumer:
     def tick(self) -> None:
         pass
 
-    def report_tick(self, seconds: float) -> None:
+    def report_tick(self, seconds: float, first_audio_s: float = 0.0) -> None:
         self.ticks.append(seconds)
+        self.first_audios.append(first_audio_s)
 
 
 class Link:

@@ -385,3 +385,20 @@ def test_the_consumers_decode_tick_reaches_the_producer(make_ring):
     consumer.report_tick(0.5)  # a closed consumer touches nothing
     producer.close()
     assert producer.consumer_tick_s() == 0.0
+
+
+def test_the_consumers_first_audio_reaches_the_producer_with_its_tick(make_ring):
+    producer, consumer = make_ring()
+    assert producer.consumer_first_audio_s() == 0.0  # none reported yet
+    consumer.report_tick(0.03, 0.185)
+    assert producer.consumer_first_audio_s() == pytest.approx(0.185, abs=1e-9)
+    assert producer.consumer_tick_s() == pytest.approx(0.03, abs=1e-9)  # each in its own field
+    consumer.report_tick(0.03)  # too few lately: none
+    assert producer.consumer_first_audio_s() == 0.0
+    consumer.report_tick(0.03, 1e6)  # nonsense is read as a minute at most
+    assert producer.consumer_first_audio_s() == 60.0
+    consumer.report_tick(0.03, -2.0)
+    assert producer.consumer_first_audio_s() == 0.0
+    consumer.report_tick(0.03, 0.2)
+    producer.close()
+    assert producer.consumer_first_audio_s() == 0.0

@@ -214,3 +214,15 @@ def test_the_consumers_decode_tick_rides_its_heartbeat(edge):
     consumer.report_tick(5.0)
     consumer.tick()
     wait_until(lambda: producer.consumer_tick_s() == 1.0)  # at most a second
+
+
+def test_the_consumers_first_audio_rides_its_heartbeat(edge):
+    producer, consumer = edge()
+    assert producer.consumer_first_audio_s() == 0.0
+    consumer.report_tick(0.03, 0.185)
+    consumer.tick()
+    wait_until(lambda: producer.consumer_first_audio_s() == pytest.approx(0.185))
+    assert producer.consumer_tick_s() == pytest.approx(0.03)
+    consumer.report_tick(0.03)  # too few lately: none
+    consumer.tick()
+    wait_until(lambda: producer.consumer_first_audio_s() == 0.0)

@@ -131,3 +131,19 @@ def test_the_step_log_view_shows_the_first_records_time_lately():
 def test_the_setting_is_checked_and_named(value):
     with pytest.raises(ConfigValueError, match="admission_first_audio_s"):
         EngineSection(admission_first_audio_s=value)
+
+
+def test_code2wavs_first_audio_stands_in_for_the_talkers_own_estimate():
+    s = sched(target=0.22, path_s=0.05)
+    s.add(req(1))
+    first_records(s, [0.20] * 10, written_at=1.0)  # the talker's own: 200 ms + 50 ms of path
+    s.set_consumer_first_audio(0.19)  # Code2Wav measured 190 ms from its Opens: admitted
+    s.add(req(2, arrival=1.0))
+    s.set_consumer_first_audio(0.235)
+    with pytest.raises(Overloaded, match=r"235 ms \(p90 of the first chunks Code2Wav sent") as refused:
+        s.add(req(3, arrival=1.0))
+    assert "admission_first_audio_s 0.22" in str(refused.value)
+    s.set_consumer_first_audio(0.0)  # none lately: the talker's own estimate again (250 ms)
+    with pytest.raises(Overloaded, match=r"250 ms \(p90 of the first records"):
+        s.add(req(4, arrival=1.0))
+    assert s.admission_view(1.0)["consumer_first_audio_ms"] == 0.0

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from voxring.v1 import common_pb2 as voxring_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19voxring/v1/code2wav.proto\x12\nvoxring.v1\x1a\x17voxring/v1/common.proto\"\xa4\x01\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttalker_id\x18\x02 \x01(\t\x12\x12\n\nmax_frames\x18\x04 \x01(\r\x12\"\n\x06pacing\x18\x05 \x01(\x0b\x32\x12.voxring.v1.Pacing\x12\x12\n\nspeaker_id\x18\x06 \x01(\r\x12\x0c\n\x04seed\x18\x07 \x01(\x04J\x04\x08\x03\x10\x04R\x0e\x63hunk_schedule\"R\n\x06Pacing\x12\x17\n\x0f\x64\x65\x63ode_margin_s\x18\x01 \x01(\x01\x12\x15\n\rsteady_frames\x18\x02 \x01(\r\x12\x18\n\x10min_chunk_frames\x18\x03 \x01(\r\"\xbe\x01\n\x0cOpenResponse\x12$\n\x06opened\x18\x01 \x01(\x0b\x32\x12.voxring.v1.OpenedH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.voxring.v1.AudioChunkH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.voxring.v1.FinishedH\x00\x12-\n\x0bsegment_end\x18\x04 \x01(\x0b\x32\x16.voxring.v1.SegmentEndH\x00\x42\x06\n\x04kind\"{\n\nSegmentEnd\x12\x15\n\rsegment_index\x18\x01 \x01(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.voxring.v1.FinishReason\x12\x0e\n\x06\x66rames\x18\x03 \x01(\r\x12\x15\n\rsample_offset\x18\x04 \x01(\x04\"\x18\n\x06Opened\x12\x0e\n\x06handle\x18\x01 \x01(\x04\"Y\n\nAudioChunk\x12\x0b\n\x03pcm\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x15\n\rsample_offset\x18\x03 \x01(\x04\x12\x12\n\nnum_frames\x18\x04 \x01(\r\"\x8b\x01\n\x08\x46inished\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.voxring.v1.FinishReason\x12\x0e\n\x06\x66rames\x18\x02 \x01(\r\x12\x15\n\rfirst_frame_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_chunk_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x05 \x01(\x01\";\n\x12\x45ncodeVoiceRequest\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\r\"9\n\x13\x45ncodeVoiceResponse\x12\"\n\x06\x66rames\x18\x01 \x01(\x0b\x32\x12.voxring.v1.Frames\"\x16\n\x14\x43ode2WavStatsRequest\"\xba\x01\n\rCode2WavStats\x12\x14\n\x0c\x61\x63tive_slots\x18\x01 \x01(\r\x12\x15\n\rqueued_frames\x18\x02 \x01(\r\x12\x14\n\x0c\x63hunks_per_s\x18\x03 \x01(\x01\x12\x1b\n\x13\x61udio_seconds_per_s\x18\x04 \x01(\x01\x12\x17\n\x0f\x64ropped_records\x18\x05 \x01(\x04\x12\x15\n\rsequence_gaps\x18\x06 \x01(\x04\x12\x19\n\x11\x64uplicate_records\x18\x07 \x01(\x04\x32\xdd\x01\n\x08\x43ode2Wav\x12;\n\x04Open\x12\x17.voxring.v1.OpenRequest\x1a\x18.voxring.v1.OpenResponse0\x01\x12N\n\x0b\x45ncodeVoice\x12\x1e.voxring.v1.EncodeVoiceRequest\x1a\x1f.voxring.v1.EncodeVoiceResponse\x12\x44\n\x05Stats\x12 .voxring.v1.Code2WavStatsRequest\x1a\x19.voxring.v1.Code2WavStatsBI\n\rio.voxring.v1P\x01Z6github.com/voxring/voxring/gen/go/voxring/v1;voxringv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19voxring/v1/code2wav.proto\x12\nvoxring.v1\x1a\x17voxring/v1/common.proto\"\xb5\x01\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttalker_id\x18\x02 \x01(\t\x12\x12\n\nmax_frames\x18\x04 \x01(\r\x12\"\n\x06pacing\x18\x05 \x01(\x0b\x32\x12.voxring.v1.Pacing\x12\x12\n\nspeaker_id\x18\x06 \x01(\r\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0f\n\x07session\x18\x08 \x01(\x08J\x04\x08\x03\x10\x04R\x0e\x63hunk_schedule\"R\n\x06Pacing\x12\x17\n\x0f\x64\x65\x63ode_margin_s\x18\x01 \x01(\x01\x12\x15\n\rsteady_frames\x18\x02 \x01(\r\x12\x18\n\x10min_chunk_frames\x18\x03 \x01(\r\"\xbe\x01\n\x0cOpenResponse\x12$\n\x06opened\x18\x01 \x01(\x0b\x32\x12.voxring.v1.OpenedH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.voxring.v1.AudioChunkH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.voxring.v1.FinishedH\x00\x12-\n\x0bsegment_end\x18\x04 \x01(\x0b\x32\x16.voxring.v1.SegmentEndH\x00\x42\x06\n\x04kind\"{\n\nSegmentEnd\x12\x15\n\rsegment_index\x18\x01 \x01(\r\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.voxring.v1.FinishReason\x12\x0e\n\x06\x66rames\x18\x03 \x01(\r\x12\x15\n\rsample_offset\x18\x04 \x01(\x04\"\x18\n\x06Opened\x12\x0e\n\x06handle\x18\x01 \x01(\x04\"Y\n\nAudioChunk\x12\x0b\n\x03pcm\x18\x01 \x01(\x0c\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x15\n\rsample_offset\x18\x03 \x01(\x04\x12\x12\n\nnum_frames\x18\x04 \x01(\r\"\x8b\x01\n\x08\x46inished\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.voxring.v1.FinishReason\x12\x0e\n\x06\x66rames\x18\x02 \x01(\r\x12\x15\n\rfirst_frame_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_chunk_s\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x05 \x01(\x01\";\n\x12\x45ncodeVoiceRequest\x12\r\n\x05\x61udio\x18\x01 \x01(\x0c\x12\x16\n\x0esample_rate_hz\x18\x02 \x01(\r\"9\n\x13\x45ncodeVoiceResponse\x12\"\n\x06\x66rames\x18\x01 \x01(\x0b\x32\x12.voxring.v1.Frames\"\x16\n\x14\x43ode2WavStatsRequest\"\xba\x01\n\rCode2WavStats\x12\x14\n\x0c\x61\x63tive_slots\x18\x01 \x01(\r\x12\x15\n\rqueued_frames\x18\x02 \x01(\r\x12\x14\n\x0c\x63hunks_per_s\x18\x03 \x01(\x01\x12\x1b\n\x13\x61udio_seconds_per_s\x18\x04 \x01(\x01\x12\x17\n\x0f\x64ropped_records\x18\x05 \x01(\x04\x12\x15\n\rsequence_gaps\x18\x06 \x01(\x04\x12\x19\n\x11\x64uplicate_records\x18\x07 \x01(\x04\x32\xdd\x01\n\x08\x43ode2Wav\x12;\n\x04Open\x12\x17.voxring.v1.OpenRequest\x1a\x18.voxring.v1.OpenResponse0\x01\x12N\n\x0b\x45ncodeVoice\x12\x1e.voxring.v1.EncodeVoiceRequest\x1a\x1f.voxring.v1.EncodeVoiceResponse\x12\x44\n\x05Stats\x12 .voxring.v1.Code2WavStatsRequest\x1a\x19.voxring.v1.Code2WavStatsBI\n\rio.voxring.v1P\x01Z6github.com/voxring/voxring/gen/go/voxring/v1;voxringv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rio.voxring.v1P\001Z6github.com/voxring/voxring/gen/go/voxring/v1;voxringv1'
   _globals['_OPENREQUEST']._serialized_start=67
-  _globals['_OPENREQUEST']._serialized_end=231
-  _globals['_PACING']._serialized_start=233
-  _globals['_PACING']._serialized_end=315
-  _globals['_OPENRESPONSE']._serialized_start=318
-  _globals['_OPENRESPONSE']._serialized_end=508
-  _globals['_SEGMENTEND']._serialized_start=510
-  _globals['_SEGMENTEND']._serialized_end=633
-  _globals['_OPENED']._serialized_start=635
-  _globals['_OPENED']._serialized_end=659
-  _globals['_AUDIOCHUNK']._serialized_start=661
-  _globals['_AUDIOCHUNK']._serialized_end=750
-  _globals['_FINISHED']._serialized_start=753
-  _globals['_FINISHED']._serialized_end=892
-  _globals['_ENCODEVOICEREQUEST']._serialized_start=894
-  _globals['_ENCODEVOICEREQUEST']._serialized_end=953
-  _globals['_ENCODEVOICERESPONSE']._serialized_start=955
-  _globals['_ENCODEVOICERESPONSE']._serialized_end=1012
-  _globals['_CODE2WAVSTATSREQUEST']._serialized_start=1014
-  _globals['_CODE2WAVSTATSREQUEST']._serialized_end=1036
-  _globals['_CODE2WAVSTATS']._serialized_start=1039
-  _globals['_CODE2WAVSTATS']._serialized_end=1225
-  _globals['_CODE2WAV']._serialized_start=1228
-  _globals['_CODE2WAV']._serialized_end=1449
+  _globals['_OPENREQUEST']._serialized_end=248
+  _globals['_PACING']._serialized_start=250
+  _globals['_PACING']._serialized_end=332
+  _globals['_OPENRESPONSE']._serialized_start=335
+  _globals['_OPENRESPONSE']._serialized_end=525
+  _globals['_SEGMENTEND']._serialized_start=527
+  _globals['_SEGMENTEND']._serialized_end=650
+  _globals['_OPENED']._serialized_start=652
+  _globals['_OPENED']._serialized_end=676
+  _globals['_AUDIOCHUNK']._serialized_start=678
+  _globals['_AUDIOCHUNK']._serialized_end=767
+  _globals['_FINISHED']._serialized_start=770
+  _globals['_FINISHED']._serialized_end=909
+  _globals['_ENCODEVOICEREQUEST']._serialized_start=911
+  _globals['_ENCODEVOICEREQUEST']._serialized_end=970
+  _globals['_ENCODEVOICERESPONSE']._serialized_start=972
+  _globals['_ENCODEVOICERESPONSE']._serialized_end=1029
+  _globals['_CODE2WAVSTATSREQUEST']._serialized_start=1031
+  _globals['_CODE2WAVSTATSREQUEST']._serialized_end=1053
+  _globals['_CODE2WAVSTATS']._serialized_start=1056
+  _globals['_CODE2WAVSTATS']._serialized_end=1242
+  _globals['_CODE2WAV']._serialized_start=1245
+  _globals['_CODE2WAV']._serialized_end=1466
 # @@protoc_insertion_point(module_scope)

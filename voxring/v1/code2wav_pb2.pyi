@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenRequest(_message.Message):
-    __slots__ = ("request_id", "talker_id", "max_frames", "pacing", "speaker_id", "seed")
+    __slots__ = ("request_id", "talker_id", "max_frames", "pacing", "speaker_id", "seed", "session")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TALKER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
     PACING_FIELD_NUMBER: _ClassVar[int]
     SPEAKER_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     talker_id: str
     max_frames: int
     pacing: Pacing
     speaker_id: int
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., talker_id: _Optional[str] = ..., max_frames: _Optional[int] = ..., pacing: _Optional[_Union[Pacing, _Mapping]] = ..., speaker_id: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    session: bool
+    def __init__(self, request_id: _Optional[str] = ..., talker_id: _Optional[str] = ..., max_frames: _Optional[int] = ..., pacing: _Optional[_Union[Pacing, _Mapping]] = ..., speaker_id: _Optional[int] = ..., seed: _Optional[int] = ..., session: _Optional[bool] = ...) -> None: ...
 
 class Pacing(_message.Message):
     __slots__ = ("decode_margin_s", "steady_frames", "min_chunk_frames")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from voxring.v1 import common_pb2 as voxring_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17voxring/v1/frames.proto\x12\nvoxring.v1\x1a\x17voxring/v1/common.proto\"X\n\x10SubscribeMessage\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x1f\n\x17\x63onsumer_instance_token\x18\x02 \x01(\x04\x12\x0e\n\x06tick_s\x18\x03 \x01(\x01\"\xb9\x01\n\x0b\x46rameRecord\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_frame\x18\x03 \x01(\r\x12\x12\n\nnum_frames\x18\x04 \x01(\r\x12\x15\n\rnum_codebooks\x18\x05 \x01(\r\x12\r\n\x05\x66lags\x18\x06 \x01(\r\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.voxring.v1.FinishReason\x12\r\n\x05\x63odes\x18\x08 \x01(\x0c\"G\n\x0bRecordBatch\x12(\n\x07records\x18\x01 \x03(\x0b\x32\x17.voxring.v1.FrameRecord\x12\x0e\n\x06\x63losed\x18\x02 \x01(\x08\x32U\n\x0b\x46rameStream\x12\x46\n\tSubscribe\x12\x1c.voxring.v1.SubscribeMessage\x1a\x17.voxring.v1.RecordBatch(\x01\x30\x01\x42I\n\rio.voxring.v1P\x01Z6github.com/voxring/voxring/gen/go/voxring/v1;voxringv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17voxring/v1/frames.proto\x12\nvoxring.v1\x1a\x17voxring/v1/common.proto\"o\n\x10SubscribeMessage\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x1f\n\x17\x63onsumer_instance_token\x18\x02 \x01(\x04\x12\x0e\n\x06tick_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_audio_s\x18\x04 \x01(\x01\"\xb9\x01\n\x0b\x46rameRecord\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\r\x12\x13\n\x0b\x66irst_frame\x18\x03 \x01(\r\x12\x12\n\nnum_frames\x18\x04 \x01(\r\x12\x15\n\rnum_codebooks\x18\x05 \x01(\r\x12\r\n\x05\x66lags\x18\x06 \x01(\r\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.voxring.v1.FinishReason\x12\r\n\x05\x63odes\x18\x08 \x01(\x0c\"G\n\x0bRecordBatch\x12(\n\x07records\x18\x01 \x03(\x0b\x32\x17.voxring.v1.FrameRecord\x12\x0e\n\x06\x63losed\x18\x02 \x01(\x08\x32U\n\x0b\x46rameStream\x12\x46\n\tSubscribe\x12\x1c.voxring.v1.SubscribeMessage\x1a\x17.voxring.v1.RecordBatch(\x01\x30\x01\x42I\n\rio.voxring.v1P\x01Z6github.com/voxring/voxring/gen/go/voxring/v1;voxringv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rio.voxring.v1P\001Z6github.com/voxring/voxring/gen/go/voxring/v1;voxringv1'
   _globals['_SUBSCRIBEMESSAGE']._serialized_start=64
-  _globals['_SUBSCRIBEMESSAGE']._serialized_end=152
-  _globals['_FRAMERECORD']._serialized_start=155
-  _globals['_FRAMERECORD']._serialized_end=340
-  _globals['_RECORDBATCH']._serialized_start=342
-  _globals['_RECORDBATCH']._serialized_end=413
-  _globals['_FRAMESTREAM']._serialized_start=415
-  _globals['_FRAMESTREAM']._serialized_end=500
+  _globals['_SUBSCRIBEMESSAGE']._serialized_end=175
+  _globals['_FRAMERECORD']._serialized_start=178
+  _globals['_FRAMERECORD']._serialized_end=363
+  _globals['_RECORDBATCH']._serialized_start=365
+  _globals['_RECORDBATCH']._serialized_end=436
+  _globals['_FRAMESTREAM']._serialized_start=438
+  _globals['_FRAMESTREAM']._serialized_end=523
 # @@protoc_insertion_point(module_scope)

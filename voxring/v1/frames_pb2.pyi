@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubscribeMessage(_message.Message):
-    __slots__ = ("consumer_id", "consumer_instance_token", "tick_s")
+    __slots__ = ("consumer_id", "consumer_instance_token", "tick_s", "first_audio_s")
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_INSTANCE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TICK_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_AUDIO_S_FIELD_NUMBER: _ClassVar[int]
     consumer_id: str
     consumer_instance_token: int
     tick_s: float
-    def __init__(self, consumer_id: _Optional[str] = ..., consumer_instance_token: _Optional[int] = ..., tick_s: _Optional[float] = ...) -> None: ...
+    first_audio_s: float
+    def __init__(self, consumer_id: _Optional[str] = ..., consumer_instance_token: _Optional[int] = ..., tick_s: _Optional[float] = ..., first_audio_s: _Optional[float] = ...) -> None: ...
 
 class FrameRecord(_message.Message):
     __slots__ = ("handle", "seq", "first_frame", "num_frames", "num_codebooks", "flags", "finish_reason", "codes")
