@@ -54,7 +54,7 @@ class EngineSection:
     max_queue_wait_s: float = 0.05          # refuse a request expected to wait longer for a slot or prefill
     # refuse new streams while the first records written lately (p90 over 0.5 s), arrival to write plus
     # path_s, took longer than this: the first audio admitted streams got (0: not refused so)
-    admission_first_audio_s: float = 0.22
+    admission_first_audio_s: float = 0.2
     # Prefill graphs per (rows, tokens) bucket on CUDA: a step's chunks run grouped by the token
     # bucket that holds each, in row buckets that pad little (services/common/buckets.py); longer
     # chunks eagerly. Captured smallest first until the graph pool passes prefill_graph_memory_mb

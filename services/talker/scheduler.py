@@ -127,7 +127,8 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
         self.max_queue_wait_s = max_queue_wait_s
         self.admission_first_audio_s = admission_first_audio_s  # 0: no admission by first audio
         self.first_audio = RecentFirstAudio()  # the first records written lately (scheduler_admission)
-        self.consumer_first_audio_s = 0.0  # Code2Wav's first chunks' p90 lately (0: none reported)
+        self.consumer_first_audio_s = 0.0  # Code2Wav's first chunks' p90 lately (0: none lately)
+        self.consumer_reports_first_audio = False  # a consumer reported one: admission reads only theirs
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
         self.waiting: deque[TalkerRequest] = deque()
@@ -232,9 +233,10 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
 
     def set_consumer_first_audio(self, seconds: float) -> None:
         """Code2Wav's first audio lately (docs/protocol.md, Admission): its first chunks' p90 from its
-        Open to the chunk sent, which admission by first audio reads in place of its own estimate;
-        0: none (not reported, or too few lately)."""
+        Open to the chunk sent, which admission by first audio reads in place of its own estimate
+        once a consumer has reported one; 0: none (too few lately, or not reported)."""
         self.consumer_first_audio_s = max(0.0, seconds)
+        self.consumer_reports_first_audio |= self.consumer_first_audio_s > 0
 
     def _end_at_boundary(self, now: float) -> list[TalkerRequest]:
         ended = []

@@ -71,15 +71,18 @@ class AdmissionRules:
     def _first_audio_late(self, now: float) -> Overloaded | None:
         """Refuses while the streams admitted lately got their first audio later than
         ``admission_first_audio_s``: as Code2Wav measured it (``consumer_first_audio_s``: its first
-        chunks' p90 from its Open to the chunk sent, reported with its tick) where it reports one,
-        else as the talker's first records' p90 (arrival to write) plus ``path_s``, the way pacing
-        allows a record (Code2Wav's longest tick with its spread: a bound, not a first chunk's
-        usual way)."""
+        chunks' p90 from its Open to the chunk sent, reported with its tick) once a consumer has
+        reported one (then 0, too few lately, refuses nobody: while it refuses, its own window
+        empties first), else as the talker's first records' p90 (arrival to write) plus
+        ``path_s``, the way pacing allows a record (Code2Wav's longest tick with its spread: a
+        bound, not a first chunk's usual way)."""
         target = self.admission_first_audio_s
         if not target:
             return None
         window = self.first_audio
-        if self.consumer_first_audio_s > 0:
+        if self.consumer_reports_first_audio:
+            if not self.consumer_first_audio_s:
+                return None
             took, what = self.consumer_first_audio_s, (
                 f"p{100 * window.quantile:.0f} of the first chunks Code2Wav sent in the last "
                 f"{window.window_s:g} s, from its Open")

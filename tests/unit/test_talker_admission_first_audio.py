@@ -143,7 +143,15 @@ def test_code2wavs_first_audio_stands_in_for_the_talkers_own_estimate():
     with pytest.raises(Overloaded, match=r"235 ms \(p90 of the first chunks Code2Wav sent") as refused:
         s.add(req(3, arrival=1.0))
     assert "admission_first_audio_s 0.22" in str(refused.value)
-    s.set_consumer_first_audio(0.0)  # none lately: the talker's own estimate again (250 ms)
-    with pytest.raises(Overloaded, match=r"250 ms \(p90 of the first records"):
-        s.add(req(4, arrival=1.0))
+    s.set_consumer_first_audio(0.0)  # too few lately (it refuses): nobody refused for it, and
+    s.add(req(4, arrival=1.0))       # not the talker's own 250 ms either
     assert s.admission_view(1.0)["consumer_first_audio_ms"] == 0.0
+
+
+def test_before_any_consumer_reports_the_talkers_own_estimate_decides():
+    s = sched(target=0.22, path_s=0.05)
+    s.add(req(1))
+    first_records(s, [0.20] * 10, written_at=1.0)
+    s.set_consumer_first_audio(0.0)  # a consumer that reports none (yet)
+    with pytest.raises(Overloaded, match=r"250 ms \(p90 of the first records"):
+        s.add(req(2, arrival=1.0))
