@@ -48,7 +48,7 @@ class TalkerIntake:
         self._report()
 
     def _report(self) -> None:
-        """The tick and the first audio lately (docs/protocol.md, Admission: the first chunks' p90
+        """The tick and the first audio lately (docs/protocol.md, Pacing: the first chunks' p90
         from their Opens; 0 with too few lately), to every attached talker; also at each
         housekeeping tick, so an idle engine's first audio ages out of its window there too."""
         tick, first_audio = self.tick_s(), self.first_audio.lately(self.clock()) or 0.0

@@ -1,7 +1,7 @@
 """The first audio of the streams started lately: a window of their times and its high quantile.
 Admission by first audio reads it (services/talker/scheduler_admission.py): the talker's own, from
 its first records (arrival to write), and Code2Wav's, from its first chunks (its Open to the chunk
-sent), which Code2Wav reports to its talkers (docs/protocol.md, Admission). Pure Python.
+sent), which Code2Wav reports to its talkers (docs/protocol.md, Pacing). Pure Python.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class Consumers:
         return max((edge.producer.consumer_tick_s() for edge in self.edges.values()), default=0.0)
 
     def first_audio_s(self) -> float:
-        """The latest first audio the consumers report (docs/protocol.md, Admission); 0.0 with none."""
+        """The latest first audio the consumers report (docs/protocol.md, Pacing); 0.0 with none."""
         return max((edge.producer.consumer_first_audio_s() for edge in self.edges.values()), default=0.0)
 
     def keepalive(self) -> None:

@@ -232,7 +232,7 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
             self.pacing = dataclasses.replace(self.pacing, path_s=path)
 
     def set_consumer_first_audio(self, seconds: float) -> None:
-        """Code2Wav's first audio lately (docs/protocol.md, Admission): its first chunks' p90 from its
+        """Code2Wav's first audio lately (docs/protocol.md, Pacing): its first chunks' p90 from its
         Open to the chunk sent, which admission by first audio reads in place of its own estimate
         once a consumer has reported one; 0: none (too few lately, or not reported)."""
         self.consumer_first_audio_s = max(0.0, seconds)

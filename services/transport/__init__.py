@@ -112,7 +112,7 @@ class FrameConsumer(Protocol):
     def report_tick(self, seconds: float, first_audio_s: float = 0.0) -> None:
         """The engine thread: how long its decode ticks take lately, for the talker's pacing
         (docs/protocol.md, Pacing), and its first audio lately (0: none), for the talker's
-        admission (docs/protocol.md, Admission); the latest report stands."""
+        admission (docs/protocol.md, Pacing); the latest report stands."""
 
     def producer_alive(self, timeout: float | None = None) -> bool: ...
 

@@ -55,7 +55,8 @@ def test_the_core_publishes_each_verdict_that_differs_with_a_submits_message():
     feed = SimpleNamespace(publish=lambda refusal, retry, room=0, past_room=None: verdicts.append(
         (refusal, retry, room, past_room and (past_room.message, past_room.retry_after))))
     engine = SimpleNamespace(scheduler=s, step=lambda: False, clock=lambda: 0.0, busy=False)
-    core = TalkerCore(engine, consumers=SimpleNamespace(tick_s=lambda: 0.0), verdicts=feed)
+    core = TalkerCore(engine, consumers=SimpleNamespace(tick_s=lambda: 0.0, first_audio_s=lambda: 0.0),
+                      verdicts=feed)
     refusal = None
     s.refusal = lambda now, prompt_len: refusal
     s.admissible = lambda now, prompt_len: 3
