@@ -30,13 +30,13 @@ class RecentFirstAudio:
         self._added = self._dropped = 0  # starts in and out of the window, ever: the answer's key
         self._key: tuple[int, int] | None = None  # (added, dropped) when ``last`` was worked out
 
-    def observe(self, written_at: float, seconds: float) -> None:
-        self._seen.append((written_at, max(0.0, seconds)))
+    def observe(self, at: float, seconds: float) -> None:
+        self._seen.append((at, max(0.0, seconds)))
         self._added += 1
 
     def lately(self, now: float) -> float | None:
         """The quantile of the window's times (seconds), or None with fewer than ``least``; asked
-        several times a step, it sorts again only when records came or went."""
+        several times a step, it sorts again only when starts came or went."""
         seen = self._seen
         while seen and seen[0][0] < now - self.window_s:
             seen.popleft()

@@ -1,5 +1,5 @@
 """A pair's talker's admission verdicts, watched by the gateway (``Talker.WatchAdmission``,
-docs/protocol.md, Pacing): while the talker's latest verdict is a refusal, or this gateway has
+docs/protocol.md, Admission): while the talker's latest verdict is a refusal, or this gateway has
 sent it as many Submits as that verdict has room for while its engine steps, a new request to the
 pair is refused here at once, with the message and retry hint the talker's Submit would give,
 without an Open on Code2Wav and a Submit (each a round trip through a busy stage's event loop:

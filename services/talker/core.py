@@ -247,6 +247,10 @@ class TalkerCore:
                                                "arrival to write (admission by first audio; -1: too few)",
                                                -1.0 if scheduler.first_audio.last is None
                                                else scheduler.first_audio.last),
+                "consumer_first_audio_seconds": ("gauge", "the first audio Code2Wav reports lately: p90 of "
+                                                 "its first chunks in the last 0.5 s, from its Open "
+                                                 "(admission reads it once reported; 0: none)",
+                                                 scheduler.consumer_first_audio_s),
                 "row_slack_seconds": ("histogram", "a row's slack (audio ahead of its listener) when its "
                                       "record is written", _slack_histogram(counters)),
                 **{f"first_record_{part}_seconds": ("histogram", text, counters.first_record[part].metric())

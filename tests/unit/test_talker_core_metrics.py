@@ -28,3 +28,11 @@ def test_the_first_audio_gauge_follows_each_verdict_and_says_when_too_few_are_kn
         engine.scheduler.first_audio.observe(now, took)
     core._update_admission()  # the engine thread's verdict after a step reads the window
     assert core.metrics()["first_audio_lately_seconds"][2] == 0.4  # the p90 of ten: the largest
+
+
+def test_the_consumers_first_audio_gauge_shows_what_admission_reads(folder):
+    engine, _ = make_engine(folder, k_max=4)
+    core = TalkerCore(engine, consumers=None)
+    assert core.metrics()["consumer_first_audio_seconds"][2] == 0.0  # none reported
+    engine.scheduler.set_consumer_first_audio(0.185)
+    assert core.metrics()["consumer_first_audio_seconds"][2] == 0.185
