@@ -25,7 +25,7 @@ from services.common import device_profile, metrics
 from services.common.config import ConfigError
 from services.common.cuda_memory import allocator_metrics
 from services.common.engine_thread import EngineComponent, EngineThread
-from services.common.mps import mps_requirement, set_client_priority
+from services.common.mps import mps_requirement
 from services.common.server import ServiceBinding
 from services.common.stage import exit_stage, run_stage
 from voxring.v1 import code2wav_pb2, code2wav_pb2_grpc
@@ -34,7 +34,6 @@ log = logging.getLogger("code2wav")
 
 
 def build(config: Code2WavConfig, config_path: Path | None):
-    set_client_priority(config.model.mps_priority)  # before anything may start CUDA
     threads = set_threads(config.model.threads)
     try:
         device = resolve_device(config.model.device)

@@ -8,42 +8,17 @@ checks each stage: the CUDA driver says whether contexts on the device are share
 answer is exported as the gauge ``voxring_mps_client`` (1, 0; absent when not on a GPU), and
 with ``model.require_mps`` a stage that is not a client keeps its readiness NOT_SERVING
 (liveness stays SERVING: restarting it would not bring the daemon back), logging why.
-
-``model.mps_priority`` sets the stage's MPS client priority (``CUDA_MPS_CLIENT_PRIORITY``: the MPS
-server schedules a below-normal client's kernels after a normal one's when both wait for SMs). It
-must be in the environment before CUDA starts in the process (``set_client_priority``, called
-before the stage picks its device).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import sys
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
 CU_DEVICE_ATTRIBUTE_MPS_ENABLED = 133
-MPS_PRIORITIES = {"normal": "0", "below_normal": "1"}  # model.mps_priority -> CUDA_MPS_CLIENT_PRIORITY
-PRIORITY_VARIABLE = "CUDA_MPS_CLIENT_PRIORITY"
-
-
-def set_client_priority(priority: str | None, environ=os.environ) -> None:
-    """This process's MPS client priority (``model.mps_priority``) into ``environ`` before CUDA
-    starts; None leaves the environment's as it is. Raises RuntimeError where CUDA started already
-    (the priority would silently not apply)."""
-    if priority is None:
-        return
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        raise RuntimeError("model.mps_priority: CUDA started in this process before its MPS client "
-                           "priority could be set")
-    environ[PRIORITY_VARIABLE] = MPS_PRIORITIES[priority]
-    log.info("MPS client priority %s (%s=%s)", priority, PRIORITY_VARIABLE, environ[PRIORITY_VARIABLE])
-
-
 @dataclass(frozen=True)
 class MpsStatus:
     client: bool | None  # None: not on a GPU, or the driver cannot say

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from services.common.config import ConfigError, ConfigValueError
 from services.common.log import LEVELS
-from services.common.mps import MPS_PRIORITIES
 
 
 def parse_listen(address: str) -> tuple[str, int | None]:
@@ -188,8 +187,6 @@ class ModelSection:
     tiny_seed: int = 0              # which tiny default, when checkpoint is null or tiny:NAME
     threads: int = 0                # torch's CPU threads in this stage; 0: torch's default (OMP_NUM_THREADS)
     require_mps: bool = False       # on a GPU: readiness stays NOT_SERVING unless an MPS client
-    mps_priority: str | None = None  # normal, below_normal: this stage's MPS client priority, set before
-                                     # CUDA starts (services/common/mps.py); null: the environment's
 
     def __post_init__(self) -> None:
         if self.threads < 0:
@@ -198,9 +195,6 @@ class ModelSection:
                 and self.checkpoint[len("tiny:"):] not in TINY_CHECKPOINTS:
             raise ConfigValueError("checkpoint", f"{self.checkpoint!r} is no tiny default (one of "
                                    f"{', '.join('tiny:' + name for name in TINY_CHECKPOINTS)})")
-        if self.mps_priority is not None and self.mps_priority not in MPS_PRIORITIES:
-            raise ConfigValueError("mps_priority", f"must be {' or '.join(MPS_PRIORITIES)} (or null: the "
-                                   f"environment's CUDA_MPS_CLIENT_PRIORITY), got {self.mps_priority!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigValueError("dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -24,7 +24,7 @@ from services.common import device_profile, metrics
 from services.common.config import ConfigError
 from services.common.cuda_memory import allocator_metrics
 from services.common.engine_thread import EngineComponent, EngineThread
-from services.common.mps import mps_requirement, set_client_priority
+from services.common.mps import mps_requirement
 from services.common.server import ServiceBinding
 from services.common.stage import exit_stage, run_stage
 from services.talker.config import TalkerConfig
@@ -104,7 +104,6 @@ def make_scheduler(engine_cfg, num_slots: int, max_len: int, frame_rate: float, 
 def load_model(config: TalkerConfig):
     """The kernels configured, then the model of the checkpoint's family on its device: (folder,
     family, model, device, CPU threads)."""
-    set_client_priority(config.model.mps_priority)  # before anything may start CUDA
     kernels.configure(sampler=config.kernels.sampler, decode_attention=config.kernels.decode_attention,
                       prefill_attention=config.kernels.prefill_attention,
                       fused_layers=config.kernels.fused_layers)

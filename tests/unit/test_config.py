@@ -259,8 +259,6 @@ def test_token_file_is_stripped_and_checked(tmp_path):
 @pytest.mark.parametrize(("text", "needle", "variable", "raw", "want"), [
     ("engine: {first_audio_headroom: -0.5}", r"engine\.first_audio_headroom: must be in \[0, 10\), got -0\.5",
      "VOXRING_TALKER__ENGINE__FIRST_AUDIO_HEADROOM", "0.25", 0.25),
-    ("model: {mps_priority: low}", r"model\.mps_priority: must be normal or below_normal .*got 'low'",
-     "VOXRING_TALKER__MODEL__MPS_PRIORITY", "below_normal", "below_normal"),
 ])
 def test_the_talker_names_a_bad_value_and_takes_a_good_one_by_environment(tmp_path, text, needle, variable,
                                                                          raw, want):

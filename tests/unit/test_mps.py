@@ -75,27 +75,3 @@ def test_the_allocator_metrics_are_empty_off_cuda_and_name_the_allocators_counte
     assert snapshot["cuda_reserved_bytes"] == ("gauge", snapshot["cuda_reserved_bytes"][1], 7 << 20)
 
 
-@pytest.mark.parametrize(("priority", "want"), [("normal", "0"), ("below_normal", "1")])
-def test_a_configured_priority_goes_into_the_environment_before_cuda_starts(monkeypatch, priority, want):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    environ = {"CUDA_MPS_CLIENT_PRIORITY": "1"} if priority == "normal" else {}
-    mps.set_client_priority(priority, environ)
-    assert environ == {"CUDA_MPS_CLIENT_PRIORITY": want}
-
-
-def test_no_configured_priority_leaves_the_environment_s_own():
-    environ = {"CUDA_MPS_CLIENT_PRIORITY": "1"}
-    mps.set_client_priority(None, environ)
-    assert environ == {"CUDA_MPS_CLIENT_PRIORITY": "1"}
-
-
-def test_a_priority_after_cuda_started_is_refused_not_silently_lost(monkeypatch):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    environ: dict = {}
-    with pytest.raises(RuntimeError, match=r"model\.mps_priority: CUDA started"):
-        mps.set_client_priority("below_normal", environ)
-    assert environ == {}
