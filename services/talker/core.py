@@ -107,7 +107,6 @@ class TalkerCore:
         takes commands only between steps): the refusal a typical request would get now."""
         scheduler, now = self.engine.scheduler, self.engine.clock()
         scheduler.first_audio.lately(now)  # the metric's value, whichever rule decides
-        scheduler.follow_first_audio(now)
         refusing = scheduler.refusal(now, self._typical_prompt)
         room = 0 if refusing is not None else scheduler.admissible(now, round(self._typical_prompt))
         self.admission = admission = Admission(refusing, room, busy=self.engine.busy,
@@ -252,9 +251,6 @@ class TalkerCore:
                                                  "its first chunks in the last 0.5 s, from its Open "
                                                  "(admission reads it once reported; 0: none)",
                                                  scheduler.consumer_first_audio_s),
-                "admission_rate_per_second": ("gauge", "streams admission by first audio takes a second "
-                                              "while first audio runs over its target (0: it takes "
-                                              "every stream)", scheduler.gate.rate or 0.0),
                 "row_slack_seconds": ("histogram", "a row's slack (audio ahead of its listener) when its "
                                       "record is written", _slack_histogram(counters)),
                 **{f"first_record_{part}_seconds": ("histogram", text, counters.first_record[part].metric())

@@ -43,7 +43,7 @@ from services.talker.pacing import (
     first_frames,
 )
 from services.talker.request import FinishReason, RequestState, TalkerRequest
-from services.talker.scheduler_admission import AdmissionRate, AdmissionRules, Overloaded, RecentFirstAudio
+from services.talker.scheduler_admission import AdmissionRules, Overloaded, RecentFirstAudio
 from services.talker.scheduler_prefill import PrefillChunk, PrefillRules
 from services.talker.scheduler_sessions import SessionRules
 from services.talker.step_times import LoopTime, StepTimes
@@ -128,7 +128,6 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
         self.admission_first_audio_s = admission_first_audio_s  # 0: no admission by first audio
         self.first_audio = RecentFirstAudio()  # the first records written lately (scheduler_admission)
         self.consumer_first_audio_s = 0.0  # Code2Wav's first chunks' p90 lately (0: none lately)
-        self.gate = AdmissionRate()  # admission by first audio: the rate streams are taken at while late
         self.consumer_reports_first_audio = False  # a consumer reported one: admission reads only theirs
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
@@ -159,8 +158,6 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
             raise QueueFull(f"{len(self.waiting)} requests wait already (max_waiting)")
         if request.session is not None and self.sessions >= self.max_sessions:
             raise QueueFull(f"{self.sessions} sessions are in flight already (max_sessions)")
-        if not checked:
-            self.follow_first_audio(request.arrival)
         refusal = None if checked else self.refusal(request.arrival, request.prompt_len)
         if refusal is not None:
             self.refused_overload += 1
@@ -168,7 +165,6 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
         self.waiting.append(request)
         self.by_key[request.key] = request
         self._arrivals.append(request.arrival)
-        self.gate.taken(request.arrival)
         return self._position(request)
 
     def arrival_rate(self, now: float) -> float:

@@ -20,11 +20,10 @@ from services.common.first_audio import (
     FIRST_AUDIO_WINDOW_S,
     RecentFirstAudio,
 )
-from services.talker.admission_rate import AdmissionRate
 from services.talker.pacing import FIRST_K, fits
 
-__all__ = ["FIRST_AUDIO_MIN", "FIRST_AUDIO_QUANTILE", "FIRST_AUDIO_WINDOW_S", "AdmissionRate",
-           "AdmissionRules", "Overloaded", "RecentFirstAudio"]
+__all__ = ["FIRST_AUDIO_MIN", "FIRST_AUDIO_QUANTILE", "FIRST_AUDIO_WINDOW_S", "AdmissionRules", "Overloaded",
+           "RecentFirstAudio"]
 
 
 class Overloaded(Exception):
@@ -69,41 +68,35 @@ class AdmissionRules:
                           f"wait for a slot, {self._backlog_tokens()} prompt positions for prefill; "
                           f"max_queue_wait_s {self.max_queue_wait_s:g})", min(wait, 60.0))
 
-    def follow_first_audio(self, now: float) -> None:
-        """The one change admission makes to itself, once a step: the gate of admission by first
-        audio follows the first audio lately (services/talker/admission_rate.py)."""
-        if self.admission_first_audio_s:
-            self.gate.update(now, self._first_audio_took(now)[0], self.admission_first_audio_s)
-
-    def _first_audio_took(self, now: float) -> tuple[float | None, str]:
-        """The first audio of the streams admitted lately (seconds, None: not known) and what it
-        is: as Code2Wav measured it (``consumer_first_audio_s``: its first chunks' p90 from its
-        Open to the chunk sent, reported with its tick) once a consumer has reported one (then 0,
-        too few lately, is not known), else the talker's first records' p90 (arrival to write)
-        plus ``path_s``, the way pacing allows a record (Code2Wav's longest tick with its spread: a
+    def _first_audio_late(self, now: float) -> Overloaded | None:
+        """Refuses while the streams admitted lately got their first audio later than
+        ``admission_first_audio_s``: as Code2Wav measured it (``consumer_first_audio_s``: its first
+        chunks' p90 from its Open to the chunk sent, reported with its tick) once a consumer has
+        reported one (then 0, too few lately, refuses nobody: while it refuses, its own window
+        empties first), else as the talker's first records' p90 (arrival to write) plus
+        ``path_s``, the way pacing allows a record (Code2Wav's longest tick with its spread: a
         bound, not a first chunk's usual way)."""
+        target = self.admission_first_audio_s
+        if not target:
+            return None
         window = self.first_audio
         if self.consumer_reports_first_audio:
-            return (self.consumer_first_audio_s or None,
-                    f"p{100 * window.quantile:.0f} of the first chunks Code2Wav sent in the last "
-                    f"{window.window_s:g} s, from its Open")
-        lately = window.lately(now)
-        return (None if lately is None else lately + self.pacing.path_s,
+            if not self.consumer_first_audio_s:
+                return None
+            took, what = self.consumer_first_audio_s, (
+                f"p{100 * window.quantile:.0f} of the first chunks Code2Wav sent in the last "
+                f"{window.window_s:g} s, from its Open")
+        else:
+            lately = window.lately(now)
+            if lately is None:
+                return None
+            took, what = lately + self.pacing.path_s, (
                 f"p{100 * window.quantile:.0f} of the first records written in the last "
                 f"{window.window_s:g} s, their way to the listener included")
-
-    def _first_audio_late(self, now: float) -> Overloaded | None:
-        """Refuses while the gate of admission by first audio holds and has no room: the first
-        audio of the streams admitted lately went over ``admission_first_audio_s``, so streams are
-        taken at a rate that follows it (services/talker/admission_rate.py)."""
-        if not self.admission_first_audio_s or self.gate.room(now) != 0:
+        if took <= target:
             return None
-        took, what = self._first_audio_took(now)
-        lately = "not measured in the last moment" if took is None else f"lately took {1e3 * took:.0f} ms"
-        return Overloaded(f"first audio {lately} ({what}; admission_first_audio_s "
-                          f"{self.admission_first_audio_s:g}): streams are taken at about "
-                          f"{self.gate.rate:.0f} a second until it is within",
-                          min(self.first_audio.window_s, 1.0 / self.gate.rate))
+        return Overloaded(f"first audio lately took {1e3 * took:.0f} ms ({what}; admission_first_audio_s "
+                          f"{target:g})", window.window_s)
 
     def admissible(self, now: float, prompt_len: int) -> int:
         """About how many more requests of ``prompt_len`` positions could be taken now before the
@@ -111,9 +104,6 @@ class AdmissionRules:
         if self.refusal(now, prompt_len) is not None:
             return 0
         room = self.max_num_seqs  # at most a full batch more between two looks
-        gate = self.gate.room(now) if self.admission_first_audio_s else None
-        if gate is not None:
-            room = min(room, gate)
         released = self._released
         if len(released) >= 2 and now > released[0]:
             rate = (len(released) - 1) / (now - released[0])
@@ -147,7 +137,6 @@ class AdmissionRules:
                 "per_token_us": round(times.per_token_s * 1e6, 3), "grant": self._step_grant(),
                 "first_audio_ms": ms(self.first_audio.lately(now)),
                 "consumer_first_audio_ms": ms(self.consumer_first_audio_s),
-                "gate_rate": None if self.gate.rate is None else round(self.gate.rate, 1),
                 "fits": self.admission_headroom is None or fits(rows, self.bucket_for, self.pacing, times,
                                                                  self.admission_headroom, host)}
 
