@@ -129,12 +129,12 @@ def kv_bytes(model: CsmTalker, rows: int, keys: int) -> int:
     return rows * keys * per_key
 
 
-def frame_floors(model: CsmTalker, bandwidth: float, rate: float) -> dict:
+def frame_floors(model: CsmTalker, bandwidth: float, rate: float, buckets=BUCKETS) -> dict:
     """Each bucket's bytes and FLOPs floors (bench.talker.fusion's 1.) at the measured copy bandwidth
     and product rate."""
     weight_bytes = frame_floor_bytes(model)
     floors = {}
-    for b in BUCKETS:
+    for b in buckets:
         moved = weight_bytes + kv_bytes(model, b, PROMPT + 8)
         flops = frame_flops(model, b, PROMPT + 8)
         floors[f"B={b}"] = {"bytes_MB": round(moved / 1e6, 1), "GFLOP": round(flops / 1e9, 1),

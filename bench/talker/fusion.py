@@ -148,6 +148,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--last-stages", type=int, default=len(STAGES),
                         help="time only the last N stages (the earlier ones are in an earlier run's JSON); "
                              "0: the floors and the exactness checks only, with the default's kernels")
+    parser.add_argument("--buckets", type=lambda text: sorted({int(b) for b in text.split(",")}),
+                        default=BUCKETS, help="row buckets to time (comma-separated; default 1,8,64,256)")
     parser.add_argument("--tunings", type=json.loads, default=[],
                         help="JSON list of stack_step tunings to time as the default stage's alternatives")
     return parser.parse_args()
@@ -179,10 +181,10 @@ def time_stage(runner: Runner, saved: list[torch.Tensor], floors: dict, name: st
     capture_s = recapture(runner)
     faults = stack_kernel.faults("cuda")
     entry = {"stage": name, "capture_s": round(capture_s, 2), "per_bucket": {}}
-    for b in BUCKETS:
+    for b in runner.buckets:
         ms = device_ms_per_frame(runner, b)
         try:
-            prof = profile_replay(runner, b, top=12 if detail and b in (1, 256) else 0)
+            prof = profile_replay(runner, b, top=12 if detail and (b == 1 or b >= 128) else 0)
         except Exception as exc:  # a profiler problem must not cost the run's timings
             prof = {"kernels": None, "profiler_error": repr(exc)}
         entry["per_bucket"][f"B={b}"] = {"device_ms_per_frame": round(ms, 3),
@@ -191,7 +193,7 @@ def time_stage(runner: Runner, saved: list[torch.Tensor], floors: dict, name: st
     # barrier waits that gave up during the stage (each about a second, and a wrong result)
     entry["stack_step_faults"] = stack_kernel.faults("cuda") - faults
     line = "  ".join(f"B={b}: {entry['per_bucket'][f'B={b}']['device_ms_per_frame']:7.2f} ms "
-                     f"({entry['per_bucket'][f'B={b}'].get('kernels')} k)" for b in BUCKETS)
+                     f"({entry['per_bucket'][f'B={b}'].get('kernels')} k)" for b in runner.buckets)
     print(f"{name:36s} {line}", flush=True)
     return entry
 
@@ -225,10 +227,11 @@ def last_stage_more(runner: Runner, result: dict, floors: dict, stages: list[dic
     b1 = stages[-1]["per_bucket"]["B=1"]["device_ms_per_frame"]
     result["fused_B1_bandwidth_fraction"] = round(floors["B=1"]["bytes_floor_ms"] / b1, 3)
     result["fused_step_wall_ms"] = {f"B={b}": {"K1": round(step_wall_ms(runner, b, 1), 3),
-                                               "K8": round(step_wall_ms(runner, b, 8), 3)} for b in BUCKETS}
-    prefill_all(runner, 256, True)  # T 0.9, top-k 50, top-p 0.95: every sampler step runs
+                                               "K8": round(step_wall_ms(runner, b, 8), 3)}
+                                    for b in runner.buckets}
+    prefill_all(runner, runner.buckets[-1], True)  # T 0.9, top-k 50, top-p 0.95: every sampler step runs
     result["fused_sampled_device_ms_per_frame"] = {f"B={b}": round(device_ms_per_frame(runner, b), 3)
-                                                   for b in BUCKETS}
+                                                   for b in runner.buckets}
     result["fused_bf16_graph_equals_eager_seeded"] = graph_equals_eager(runner, 4)
 
 
@@ -242,7 +245,7 @@ def main() -> None:
     result["bf16_matmul_TFLOPs"] = round(rate / 1e12, 1)
 
     model = random_model(CSM_1B, torch.bfloat16)
-    floors = frame_floors(model, bandwidth, rate)
+    floors = frame_floors(model, bandwidth, rate, args.buckets)
     result["floors"] = floors
     print(json.dumps(floors, indent=1), flush=True)
 
@@ -260,9 +263,10 @@ def main() -> None:
         return
 
     set_kernels(**STAGES[0][2])
-    runner = Runner(model, num_slots=256, max_len=MAX_LEN, buckets=BUCKETS, k_max=8,
+    rows = max(args.buckets)
+    runner = Runner(model, num_slots=rows, max_len=MAX_LEN, buckets=args.buckets, k_max=8,
                     max_repetition_window=16, use_graphs=False)
-    prefill_all(runner, 256, False)
+    prefill_all(runner, rows, False)
     saved = [t.clone() for t in (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)]
     result["stages"] = stages = time_stages(runner, saved, floors, args, result)
     last_stage_more(runner, result, floors, stages)
