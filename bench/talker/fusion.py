@@ -3,7 +3,10 @@ stage by stage from the plain layers to the fused path, beside the bytes and FLO
 GPU only (about 4 minutes on one H200).
 
     python -m bench.talker.fusion [--out bench/results/talker/talker_fusion.json] [--last-stages N]
-        [--tunings JSON]
+        [--tunings JSON] [--buckets 1,8,64,256]
+
+``--buckets``: the row buckets timed (1 must be among them; the default's four, or e.g.
+1,64,128,256,512 for the rows the server runs under load: bench notes of 2026-12-05, run 36).
 
 1. Floors (METHOD.md): bytes one frame must move (weights: the backbone once, the depth
    decoder and one head slice per depth step, its projector once (the first depth call; the
