@@ -144,6 +144,17 @@ def apply_stack_settings(settings: dict | None, model: CsmTalker) -> None:
 _BACKBONE_CHANGES = {k: v for k, v in dataclasses.asdict(BACKBONE).items() if v != getattr(DEPTH, k)}
 
 
+def row_buckets(text: str) -> list[int]:
+    """``--buckets``: positive row counts, 1 among them (the B=1 figures the run reports read it)."""
+    try:
+        buckets = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--buckets: row counts separated by commas, got {text!r}") from None
+    if not buckets or buckets[0] != 1:
+        raise argparse.ArgumentTypeError(f"--buckets: positive row counts with 1 among them, got {text!r}")
+    return buckets
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("bench/results/talker/talker_fusion.json"))
@@ -151,8 +162,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--last-stages", type=int, default=len(STAGES),
                         help="time only the last N stages (the earlier ones are in an earlier run's JSON); "
                              "0: the floors and the exactness checks only, with the default's kernels")
-    parser.add_argument("--buckets", type=lambda text: sorted({int(b) for b in text.split(",")}),
-                        default=BUCKETS, help="row buckets to time (comma-separated; default 1,8,64,256)")
+    parser.add_argument("--buckets", type=row_buckets, default=BUCKETS,
+                        help="row buckets to time, 1 among them (comma-separated; default 1,8,64,256)")
     parser.add_argument("--tunings", type=json.loads, default=[],
                         help="JSON list of stack_step tunings to time as the default stage's alternatives")
     return parser.parse_args()
