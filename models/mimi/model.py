@@ -35,6 +35,7 @@ from models.mimi.conv import (
     slot_pool,
     streaming_modules,
 )
+from models.mimi.masking import prepare
 from models.mimi.quantizer import SplitResidualVectorQuantizer
 from models.mimi.transformer import MimiTransformer
 
@@ -86,6 +87,7 @@ class MimiCodec(nn.Module):
     def allocate(self, max_slots: int) -> None:
         """Allocates every slot's streaming state (all fresh): the convolutions' in one pool."""
         weight = self.upsample.conv.weight
+        prepare(weight.device)  # the position ramp, before any graph is captured (masking.py)
         self.decoder_transformer.init_state(max_slots, weight.device, weight.dtype)
         convs = [m for m in self._stateful() if m is not self.decoder_transformer]
         self._conv_pool = slot_pool(convs, max_slots, weight.device, weight.dtype)

@@ -45,12 +45,25 @@ class ResidualVectorQuantizer(nn.Module):
         if config.vq_hidden_size != config.hidden_size:
             self.input_proj = nn.Conv1d(config.hidden_size, config.vq_hidden_size, 1, bias=False)
             self.output_proj = nn.Conv1d(config.vq_hidden_size, config.hidden_size, 1, bias=False)
+        # every codebook's vectors in one table and where each starts in it (refresh_table): a
+        # decode looks all its codes up at once, not one launch per codebook (and one add each)
+        self.register_buffer("table", torch.zeros(0), persistent=False)
+        self.register_buffer("offsets", torch.zeros(0, dtype=torch.int64), persistent=False)
+
+    def refresh_table(self) -> None:
+        """After the codebooks' vectors are derived (Codebook.refresh)."""
+        embeds = [layer.codebook.embed for layer in self.layers]
+        self.table = torch.cat(embeds) if embeds else torch.zeros(0)
+        sizes = torch.tensor([0] + [e.shape[0] for e in embeds[:-1]], dtype=torch.int64)
+        self.offsets = sizes.cumsum(0).to(self.table.device)
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        # codes: [B, K, T] -> [B, hidden, T]
-        out = 0
-        for i in range(codes.shape[1]):
-            out = out + F.embedding(codes[:, i], self.layers[i].codebook.embed).transpose(1, 2)
+        # codes: [B, K, T] -> [B, hidden, T]: the K codebooks' vectors summed (in fp32 at least:
+        # one rounding, not one an add)
+        k = codes.shape[1]
+        vectors = F.embedding(codes + self.offsets[:k, None], self.table)        # [B, K, T, D]
+        out = vectors.sum(dim=1, dtype=torch.promote_types(vectors.dtype, torch.float32))
+        out = out.to(vectors.dtype).transpose(1, 2)                                # [B, D, T]
         return self.output_proj(out) if self.output_proj is not None else out
 
     def encode(self, latents: torch.Tensor, num_quantizers: int) -> torch.Tensor:
@@ -81,6 +94,8 @@ class SplitResidualVectorQuantizer(nn.Module):
         for module in self.modules():
             if isinstance(module, Codebook):
                 module.refresh()
+        self.semantic_residual_vector_quantizer.refresh_table()
+        self.acoustic_residual_vector_quantizer.refresh_table()
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         # codes: [B, K, T] with K >= num_semantic_quantizers -> [B, hidden, T]

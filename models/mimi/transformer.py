@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.mimi.config import MimiConfig
-from models.mimi.masking import take_window
+from models.mimi.masking import arange, take_window
 
 
 @dataclass
@@ -152,8 +152,8 @@ class MimiTransformer(nn.Module):
         ``[lengths[i], lengths[i] + window)`` of ``[cached window ++ chunk]``."""
         t = x.shape[1]
         start = self.state.position[slots]                                  # [B]
-        q_pos = start[:, None] + torch.arange(t, device=x.device)            # [B, T]
-        k_pos = start[:, None] + torch.arange(-self.window, t, device=x.device)  # [B, W + T]
+        q_pos = start[:, None] + arange(0, t, x.device)                     # [B, T]
+        k_pos = start[:, None] + arange(-self.window, t, x.device)          # [B, W + T]
         diff = q_pos[:, :, None] - k_pos[:, None, :]                        # [B, T, W + T]
         visible = ((diff >= 0) & (diff < self.window) & (k_pos[:, None, :] >= 0))[:, None]
         cos, sin = self._rope(q_pos, x.dtype)
