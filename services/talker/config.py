@@ -52,8 +52,9 @@ class EngineSection:
     first_audio_headroom: float = FIRST_AUDIO_HEADROOM  # a first record's audio beyond its next record's way
     admission_by_slack: bool = True         # false: only the counts and max_queue_wait_s refuse
     max_queue_wait_s: float = 0.05          # refuse a request expected to wait longer for a slot or prefill
-    # refuse new streams while the first records written lately (p90 over 0.5 s), arrival to write plus
-    # path_s, took longer than this: the first audio admitted streams got (0: not refused so)
+    # refuse new streams while those admitted lately got their first audio later than this: p90 over
+    # 0.5 s of the first chunks Code2Wav sent, from its Open, as it reports them (before any report:
+    # the talker's first records, arrival to write, plus path_s); 0: not refused so
     admission_first_audio_s: float = 0.2
     # Prefill graphs per (rows, tokens) bucket on CUDA: a step's chunks run grouped by the token
     # bucket that holds each, in row buckets that pad little (services/common/buckets.py); longer

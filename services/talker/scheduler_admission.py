@@ -45,8 +45,8 @@ class AdmissionRules:
         been ending; unknown before a few have, then the queue's count bound alone applies), or
         for the prompts queued before it to be prefilled (the positions steps were granted lately,
         at most ``prefill_token_budget``, a step as long as the busy steps lately were), or while
-        the first records written lately, their way to the listener (``path_s``) added, took longer
-        than ``admission_first_audio_s`` (0: not refused so). ``admission_headroom`` None: no
+        the streams admitted lately got their first audio later than ``admission_first_audio_s``
+        (0: not refused so; :meth:`_first_audio_late`). ``admission_headroom`` None: no
         admission by slack."""
         streams = len(self.running) + len(self.waiting) + len(self.idle) + 1
         if streams == 1:

@@ -207,7 +207,7 @@ class GrpcConsumer:
     def _send_heartbeat(self, _now: int) -> None:
         if not self._closed:
             self._requests.put(frames_pb2.SubscribeMessage(tick_s=self._tick_s,
-                                                                first_audio_s=self._first_audio_s))
+                                                           first_audio_s=self._first_audio_s))
 
     def report_tick(self, seconds: float, first_audio_s: float = 0.0) -> None:
         """The engine's decode tick and first audio lately: carried by the next heartbeat."""
