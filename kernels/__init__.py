@@ -4,9 +4,10 @@ One file per op: ``sampler`` (the fused sampler; its twin is ``kernels.sampler_t
 ``decode_attention`` (one query per row over the static per-slot KV cache; twin in the same
 file), ``prefill_attention`` (a chunk of queries per row over that cache, each seeing the keys up to
 its position; twin in the same file), the fused decoder-layer ops ``rms_norm`` (residual add +
-RMSNorm), ``rope_kv`` (rotary embedding + KV-cache write) and ``silu_mul`` (SiLU(gate) * up), each
-with its twin; the package ``stack_step`` (a whole decode step of a short stack, such as the depth
-decoder, in one persistent launch; its twin in ``stack_step.twin``); ``tl_common`` (the device
+RMSNorm), ``rope_kv`` (rotary embedding + KV-cache write), ``rope_attention`` (that and decode
+attention in one launch, for rows that own their slots) and ``silu_mul`` (SiLU(gate) * up), each with
+its twin; the package ``stack_step`` (a whole decode step of a short stack, such as the depth decoder,
+in one persistent launch; its twin in ``stack_step.twin``); ``tl_common`` (the device
 helpers several kernels run) and ``latch`` (the process-level switch between a kernel and its twin,
 and the drop-ins' one rule).
 
@@ -22,7 +23,7 @@ import importlib
 __all__ = ["configure"]
 
 
-FUSED_LAYER_KERNELS = ("rms_norm", "rope_kv", "silu_mul", "stack_step")
+FUSED_LAYER_KERNELS = ("rms_norm", "rope_kv", "rope_attention", "silu_mul", "stack_step")
 
 
 def configure(*, sampler: bool, decode_attention: bool, fused_layers: bool = True,

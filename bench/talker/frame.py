@@ -40,10 +40,10 @@ def random_model(config: dict, dtype: torch.dtype, seed: int = 0) -> CsmTalker:
 
 
 def set_kernels(*, plain_kernels: bool, rms_norm: bool, rope_kv: bool, silu_mul: bool,
-                stack_step: bool) -> None:
+                stack_step: bool, rope_attention: bool = False) -> None:
     kernels.configure(sampler=plain_kernels, decode_attention=plain_kernels, fused_layers=True)
     for name, enabled in (("rms_norm", rms_norm), ("rope_kv", rope_kv), ("silu_mul", silu_mul),
-                          ("stack_step", stack_step)):
+                          ("stack_step", stack_step), ("rope_attention", rope_attention)):
         importlib.import_module(f"kernels.{name}").LATCH.configure(enabled)
 
 

@@ -20,7 +20,8 @@ GPU only (about 4 minutes on one H200).
    depth rows flattened through decode attention, index tensors made once); then the
    rms_norm, rope_kv and silu_mul kernels switched on one at a time; then stack_step, one
    persistent launch per depth call, for calls of <= 2 rows, and for calls of <= 16 rows (B <= 8);
-   then depth calls 2 .. 31 reading rows of the projected embedding tables (the default). (A
+   then depth calls 2 .. 31 reading rows of the projected embedding tables; then rotary, KV write
+   and attention in one ``rope_attention`` launch where rows own their slots (the default). (A
    stage with nested product loops, an item loop around each pipelined reduction, ran at
    2530d3e: `results/talker/talker_fusion_stack_step.json`; it was as fast and was removed.)
    ``--tunings '[{"BN_QKV": 16}, ...]'``: the default stage again with each stack_step tuning
@@ -85,8 +86,10 @@ from services.talker.runner import Runner
 MAX_LEN = 512
 
 
-def _switches(plain: bool, norm: bool, rope: bool, silu: bool, stack: bool = False) -> dict:
-    return dict(plain_kernels=plain, rms_norm=norm, rope_kv=rope, silu_mul=silu, stack_step=stack)
+def _switches(plain: bool, norm: bool, rope: bool, silu: bool, stack: bool = False,
+              rope_attention: bool = False) -> dict:
+    return dict(plain_kernels=plain, rms_norm=norm, rope_kv=rope, silu_mul=silu, stack_step=stack,
+                rope_attention=rope_attention)
 
 
 STAGES = [  # name, pack weights first, kernel switches, stack_step settings
@@ -98,7 +101,8 @@ STAGES = [  # name, pack weights first, kernel switches, stack_step settings
     ("+ silu_mul kernel", True, _switches(True, True, True, True), None),
     ("+ stack_step, depth calls <= 2 rows", True, _switches(True, True, True, True, True), {"rows": 2}),
     ("+ stack_step, depth calls <= 16 rows", True, _switches(True, True, True, True, True), {}),
-    ("+ projected depth inputs (default)", True, _switches(True, True, True, True, True),
+    ("+ projected depth inputs", True, _switches(True, True, True, True, True), {"projected": True}),
+    ("+ rope_attention kernel (default)", True, _switches(True, True, True, True, True, True),
      {"projected": True}),
 ]
 

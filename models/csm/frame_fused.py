@@ -89,7 +89,7 @@ class FusedFrame:
             logits = stack_step(depth.stack, cache.k, cache.v, *rows, **inputs, tuning=tuning)
             return logits.view(b, 2, -1)[:, 1] if pairs else logits
         x = src if codes is None else F.embedding(codes, src)
-        out = depth.forward_rows(x if proj is None else F.linear(x, proj), cache, *rows)
+        out = depth.forward_rows(x if proj is None else F.linear(x, proj), cache, *rows, own_slots=not pairs)
         return F.linear(out.view(b, 2, -1)[:, 1] if pairs else out, head)
 
     def backbone_step(self, codes: torch.Tensor, inputs: FrameInputs, caches: CsmCaches) -> torch.Tensor:
@@ -103,4 +103,4 @@ class FusedFrame:
         ):
             tuning = self.settings.backbone_tuning
             return stack_layers(backbone.stack, cache.k, cache.v, *rows, x=x, tuning=tuning)
-        return backbone.forward_rows(x, cache, *rows)
+        return backbone.forward_rows(x, cache, *rows, own_slots=True)

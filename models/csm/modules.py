@@ -12,7 +12,8 @@ a few query rows (a decode step, the depth decoder's first two positions), used 
 ``pack_weights`` has run: per layer one packed QKV product, one rotary + KV-write kernel, decode
 attention, the output product, one gate/up product, one SiLU*mul kernel and the down product,
 with each residual add folded into the next RMSNorm (nine launches a layer where the plain path
-makes about forty-five). On the CPU the same structure runs the kernels' eager twins.
+makes about forty-five; eight where no two rows share a slot, rotary, KV write and attention being
+one ``rope_attention`` launch). On the CPU the same structure runs the kernels' eager twins.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import nn
 from kernels.decode_attention import decode_attention
 from kernels.prefill_attention import prefill_attention
 from kernels.rms_norm import rms_norm, rms_norm_eager
+from kernels.rope_attention import rope_attention
 from kernels.rope_kv import apply_rope, rope_kv
 from kernels.silu_mul import silu_mul
 from kernels.stack_step import StackWeights
@@ -151,13 +153,18 @@ class Attention(nn.Module):
         self.qkv_weight = pack_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward_rows(self, x: torch.Tensor, rotary: RotaryTable, cache: KVCache, layer: int,
-                     slots: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        # x: [N, H] one query per row; slots, positions, lengths (= positions + 1): [N] int64
+                     slots: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+                     own_slots: bool = False) -> torch.Tensor:
+        # x: [N, H] one query per row; slots, positions, lengths (= positions + 1): [N] int64;
+        # own_slots: no two rows share a slot (rotary, KV write and attention may then be one launch)
         n = x.shape[0]
         qkv = F.linear(x, self.qkv_weight)  # [N, (Hq + 2 Hkv) D]
-        q = rope_kv(qkv, rotary.cos, rotary.sin, positions, slots, cache.k[layer], cache.v[layer],
-                    self.num_heads)
-        out = decode_attention(q, cache.k[layer], cache.v[layer], slots, lengths, self.head_dim ** -0.5)
+        k, v, scale = cache.k[layer], cache.v[layer], self.head_dim ** -0.5
+        if own_slots:
+            out = rope_attention(qkv, rotary.cos, rotary.sin, positions, slots, k, v, self.num_heads, scale)
+        else:
+            q = rope_kv(qkv, rotary.cos, rotary.sin, positions, slots, k, v, self.num_heads)
+            out = decode_attention(q, k, v, slots, lengths, scale)
         return self.o_proj(out.view(n, self.num_heads * self.head_dim))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
@@ -270,16 +277,19 @@ class Transformer(nn.Module):
             head_dim=self.cfg.head_dim, eps=self.norm.eps)
 
     def forward_rows(self, x: torch.Tensor, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor,
-                     lengths: torch.Tensor) -> torch.Tensor:
+                     lengths: torch.Tensor, own_slots: bool = False) -> torch.Tensor:
         """The fused path for independent query rows: x [N, H]; row r is at ``positions[r]`` of
         ``slots[r]`` and sees keys 0 .. ``lengths[r] - 1`` (its position + 1). Rows of one slot may
-        stand at consecutive positions (all K/V of a layer are written before any row attends).
-        Same result as ``forward`` up to reduction order -> normed hidden states [N, H]."""
+        stand at consecutive positions (all K/V of a layer are written before any row attends) unless
+        ``own_slots`` promises that none shares a slot (``rope_attention``: one launch for rotary, KV
+        write and attention). Same result as ``forward`` up to reduction order -> normed hidden states
+        [N, H]."""
         eps = self.norm.eps
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = rms_norm(x, layer.input_layernorm.weight, eps, residual)
-            x = layer.self_attn.forward_rows(x, self.rotary, cache, i, slots, positions, lengths)
+            attention = layer.self_attn
+            x = attention.forward_rows(x, self.rotary, cache, i, slots, positions, lengths, own_slots)
             x, residual = rms_norm(x, layer.post_attention_layernorm.weight, eps, residual)
             x = layer.mlp.forward_rows(x)
         return rms_norm(x, self.norm.weight, eps, residual)[0]

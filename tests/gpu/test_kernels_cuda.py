@@ -36,6 +36,7 @@ from tests.unit.test_kernel_fused_frame import (
     plain_and_fused,
 )
 from tests.unit.test_kernel_rms_norm import check_rms_norm, make_rms_inputs
+from tests.unit.test_kernel_rope_attention import check_equals_two_launches, own_slot_case
 from tests.unit.test_kernel_rope_kv import (
     CACHE_LAYOUTS,
     ROPE_SHAPES,
@@ -212,6 +213,16 @@ def test_rope_kv_csm_backbone_batch_and_shared_slots_on_cuda():
     case = make_rope_case(8, rows=128, num_slots=64, max_len=33, num_q_heads=8, num_kv_heads=2, head_dim=128,
                           dtype=torch.bfloat16, cells=cells, device="cuda")
     check_rope_kv(case, "layer")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", list(ROPE_SHAPES))
+def test_rope_attention_equals_the_two_launches_on_cuda(shape: str, dtype: torch.dtype):
+    # The module's claim on the GPU: rope_kv's roundings and decode attention's one split, bit for bit,
+    # output and caches; for a few rows, for the 256 rows a loaded server runs, and over 1,024 positions.
+    check_equals_two_launches(own_slot_case(shape, 1, dtype))
+    check_equals_two_launches(own_slot_case(shape, 2, dtype, rows=256, num_slots=260), "layer")
+    check_equals_two_launches(own_slot_case(shape, 3, dtype, rows=256, max_len=1024, num_slots=257), "padded")
 
 
 def fresh_caches(case: RopeCase) -> tuple[torch.Tensor, torch.Tensor]:

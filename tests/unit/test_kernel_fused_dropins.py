@@ -1,7 +1,7 @@
-"""The fused-layer kernels' drop-ins (rms_norm, rope_kv, silu_mul) and their latches: CPU tensors stay on
-the twin, the kernel serves while the latch is active, inputs the kernel refuses go to the twin without a
-trip, a failing kernel trips its latch once (and only its own) and the twin serves; ``kernels.configure``
-switches the fused-layer kernels together."""
+"""The fused-layer kernels' drop-ins (rms_norm, rope_kv, rope_attention, silu_mul) and their latches: CPU
+tensors stay on the twin, the kernel serves while the latch is active, inputs the kernel refuses go to the
+twin without a trip, a failing kernel trips its latch once (and only its own) and the twin serves;
+``kernels.configure`` switches the fused-layer kernels together."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 import kernels
 from kernels import rms_norm as rms_kernel
+from kernels import rope_attention as rope_attention_kernel
 from kernels import rope_kv as rope_kernel
 from kernels import silu_mul as silu_kernel
 from kernels.latch import KernelLatch
@@ -26,7 +27,7 @@ from tests.unit.fused_layer_support import (
     randn,
 )
 from tests.unit.test_kernel_rms_norm import make_rms_inputs
-from tests.unit.test_kernel_rope_kv import rope_case
+from tests.unit.test_kernel_rope_kv import make_rope_case, rope_case
 from tests.unit.test_kernel_silu_mul import make_gate_up, silu_overflow
 
 
@@ -39,16 +40,17 @@ class Op:
     launcher: str
     args: Callable[[int], tuple]
     bad_args: Callable[[], list[tuple]]  # inputs the kernel refuses and the twin takes
+    twin_suffix: str = "_eager"
 
     def drop_in(self):
         return getattr(self.module, self.module.__name__.rsplit(".", 1)[1])
 
     def twin(self):
-        return getattr(self.module, self.launcher.replace("_triton", "_eager"))
+        return getattr(self.module, self.launcher.replace("_triton", self.twin_suffix))
 
     def results(self, fn, args: tuple) -> tuple[torch.Tensor, ...]:
         out = fn(*args)
-        if self.module is rope_kernel:
+        if self.module in (rope_kernel, rope_attention_kernel):
             return out, args[5], args[6]
         return out if isinstance(out, tuple) else (out,)
 
@@ -63,6 +65,25 @@ def _rope_bad_args() -> list[tuple]:
     narrow = list(_rope_args(31))
     narrow[3] = narrow[3].int()  # int32 positions
     return [doubles, tuple(narrow)]
+
+
+def _rope_attention_args(seed: int) -> tuple:
+    # rows at their own slots; random caches (the rows attend to the keys below their positions)
+    cells = (torch.tensor([4, 0, 7, 2]), torch.tensor([0, 9, 63, 30]))
+    case = make_rope_case(seed, rows=4, num_slots=9, max_len=64, num_q_heads=4, num_kv_heads=2, head_dim=32,
+                          dtype=torch.float32, cells=cells)
+    g = torch.Generator().manual_seed(seed)
+    caches = (torch.randn(case.cache_shape, generator=g).to(DEVICE) for _ in range(2))
+    return (*case.args(*caches), 0.25)
+
+
+def _rope_attention_bad_args() -> list[tuple]:
+    doubles = tuple(t.double() if torch.is_tensor(t) and t.is_floating_point() else t
+                    for t in _rope_attention_args(36))
+    split = list(_rope_attention_args(37))  # one row over 512 positions: decode attention splits it
+    split[0], split[3], split[4] = split[0][:1], split[3][:1], split[4][:1]
+    split[5], split[6] = (torch.randn(8, 512, 2, 32, device=DEVICE) for _ in range(2))
+    return [doubles, tuple(split)]
 
 
 def _rms_args(seed: int) -> tuple:
@@ -80,6 +101,8 @@ def _rms_bad_args() -> list[tuple]:
 OPS = {
     "rms_norm": Op(rms_kernel, "rms_norm_triton", _rms_args, _rms_bad_args),
     "rope_kv": Op(rope_kernel, "rope_kv_triton", _rope_args, _rope_bad_args),
+    "rope_attention": Op(rope_attention_kernel, "rope_attention_triton", _rope_attention_args,
+                         _rope_attention_bad_args, twin_suffix="_twin"),
     "silu_mul": Op(silu_kernel, "silu_mul_triton", lambda seed: (make_gate_up(seed, 3, 100, torch.float32),),
                    lambda: [(make_gate_up(34, 3, 20, torch.float32)[None],),
                             (make_gate_up(35, 3, 20, torch.float64),)]),
@@ -95,8 +118,8 @@ def assert_same(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], c
         torch.testing.assert_close(a, b, equal_nan=True, **tolerance)
 
 
-def test_the_three_kernels_are_fused_layer_kernels():
-    assert {"rms_norm", "rope_kv", "silu_mul"} <= set(kernels.FUSED_LAYER_KERNELS)
+def test_the_four_kernels_are_fused_layer_kernels():
+    assert set(OPS) <= set(kernels.FUSED_LAYER_KERNELS)
     assert all(module.LATCH.name == name for name, module in KERNEL_MODULES.items())
 
 

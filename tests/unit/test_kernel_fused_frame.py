@@ -158,10 +158,11 @@ def on_the_kernels(fresh_latches, monkeypatch) -> Counter:
 
 
 # One frame of the tiny talker: the backbone's 4 layers through forward_rows (a layer: two norms, one
-# rope_kv, one decode attention, one silu_mul; the stack's final norm), or for buckets of at most
-# ``backbone_stack_rows`` rows (the fused frame's settings; 1 by default) in one stack_layers call; and the
-# depth decoder's 7 calls (the first two positions together, then one per codebook 2 .. 7): each one
-# stack_step, or, for calls of more rows than ``stack_step_rows``, forward_rows through its 2 layers. A
+# rope_attention (its rows own their slots), one silu_mul; the stack's final norm), or for buckets of at
+# most ``backbone_stack_rows`` rows (the fused frame's settings; 1 by default) in one stack_layers call; and
+# the depth decoder's 7 calls (the first two positions together, then one per codebook 2 .. 7): each one
+# stack_step, or, for calls of more rows than ``stack_step_rows``, forward_rows through its 2 layers (the
+# first call's two rows a slot with rope_kv and decode attention, the later calls' with rope_attention). A
 # bucket of b rows makes a first call of 2 b rows and six calls of b rows. The tiny model's buckets (1, 2,
 # 4) all fit the default depth limit (16), so the tests that need both paths set both limits to 2
 # (``limit_2``). stack_layers calls decode attention's launcher once a layer (counted too: it calls it
@@ -181,13 +182,15 @@ def assert_frames_ran_on_the_kernels(launches: Counter, frames: int, bucket: int
                                      settings: FusedSettings) -> None:
     stack = stack_calls(bucket, settings)
     row_calls = DEPTH_CALLS_PER_FRAME - stack  # depth calls through forward_rows, per frame
+    first_rows = 2 * bucket > settings.stack_step_rows  # the first depth call (two rows a slot) among them
     backbone_rows = bucket > settings.backbone_stack_rows  # the backbone through forward_rows
     layers = frames * (BACKBONE_LAYERS_PER_FRAME * backbone_rows + DEPTH_LAYERS * row_calls)
+    shared = frames * DEPTH_LAYERS * first_rows  # layers whose rows share slots: rope_kv + decode attention
     assert launches == Counter({"rms_norm_triton": 2 * layers + frames * (backbone_rows + row_calls),
-                                "rope_kv_triton": layers,
-                                "decode_attention_triton": frames * BACKBONE_LAYERS_PER_FRAME + (
-                                    frames * DEPTH_LAYERS * row_calls), "silu_mul_triton": layers,
-                                "stack_step_triton": frames * stack,
+                                "rope_kv_triton": shared, "rope_attention_triton": layers - shared,
+                                "decode_attention_triton": shared + (
+                                    frames * BACKBONE_LAYERS_PER_FRAME * (not backbone_rows)),
+                                "silu_mul_triton": layers, "stack_step_triton": frames * stack,
                                 "stack_layers_triton": frames * (not backbone_rows)})
 
 
