@@ -16,7 +16,8 @@ from models.csm.frame_fused import DEFAULT_SETTINGS
 
 def test_talker_fusion_stages_are_frame_settings():
     settings = {name: talker_fusion.fused_settings(stage) for name, _, _, stage in talker_fusion.STAGES}
-    assert settings["+ projected depth inputs (default)"] == DEFAULT_SETTINGS
+    assert settings["+ rope_attention kernel (default)"] == DEFAULT_SETTINGS
+    assert talker_fusion.STAGES[-1][2]["rope_attention"] and not talker_fusion.STAGES[-2][2]["rope_attention"]
     assert settings["+ stack_step, depth calls <= 2 rows"].stack_step_rows == 2
     assert not settings["+ stack_step, depth calls <= 16 rows"].projected_inputs  # the stages before project
     # a candidate's tuning keys reach the depth calls and (over BACKBONE's changes) the backbone's launches
