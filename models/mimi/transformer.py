@@ -66,6 +66,15 @@ def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     return cos[:, :, None], torch.cat((-sin, sin), dim=-1).to(dtype)[:, :, None]
 
 
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """visible [B, 1, T, S] bool -> 0 where visible, -inf elsewhere, in ``dtype``: the float mask
+    scaled_dot_product_attention makes of a boolean one in every call, made once for all layers, its rows
+    8-aligned in memory so the memory-efficient kernel takes it without padding a copy each call."""
+    b, h, t, s = visible.shape
+    mask = torch.empty(b, h, t, -(-s // 8) * 8, dtype=dtype, device=visible.device)[..., :s]
+    return mask.fill_(float("-inf")).masked_fill_(visible, 0.0)
+
+
 class Attention(nn.Module):
     def __init__(self, config: MimiConfig) -> None:
         super().__init__()
@@ -97,10 +106,10 @@ class Attention(nn.Module):
         qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * signed_sin
         return qk[:, :, : self.num_heads], qk[:, :, self.num_heads:], v
 
-    def attend(self, q, k, v, visible: torch.Tensor) -> torch.Tensor:
-        # q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; visible: [B, 1, T, S] bool
+    def attend(self, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+        # q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; mask: [B, 1, T, S] additive (``additive_mask``)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             enable_gqa=self.num_heads != self.num_kv_heads)
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
@@ -145,10 +154,10 @@ class MimiTransformer(nn.Module):
         positions = torch.arange(t, device=x.device).expand(b, t)
         cos, sin = rotary(positions, self.inv_freq, x.dtype)
         diff = positions[0][:, None] - positions[0][None, :]            # [T, T] query - key
-        visible = ((diff >= 0) & (diff < self.window))[None, None]
+        mask = additive_mask(((diff >= 0) & (diff < self.window))[None, None], x.dtype)
         for layer in self.layers:
             q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
-            x = layer.finish(x, layer.self_attn.attend(q, k, v, visible))
+            x = layer.finish(x, layer.self_attn.attend(q, k, v, mask))
         return x
 
     def init_state(self, num_slots: int, device, dtype) -> None:
@@ -175,7 +184,8 @@ class MimiTransformer(nn.Module):
         q_pos = start[:, None] + arange(0, t, x.device)                     # [B, T]
         k_pos = start[:, None] + arange(-self.window, t, x.device)          # [B, W + T]
         diff = q_pos[:, :, None] - k_pos[:, None, :]                        # [B, T, W + T]
-        visible = ((diff >= 0) & (diff < self.window) & (k_pos[:, None, :] >= 0))[:, None]
+        visible = (diff >= 0) & (diff < self.window) & (k_pos[:, None, :] >= 0)
+        mask = additive_mask(visible[:, None], x.dtype)
         cos, sin = rotary(q_pos, self.inv_freq, x.dtype)
         kept = None  # the window kept, per row: positions [lengths, lengths + W) of [window ++ chunk]
         if lengths is not None:
@@ -185,6 +195,6 @@ class MimiTransformer(nn.Module):
             q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
             kv = torch.cat([self._cache[:, i, slots], torch.stack([k, v])], dim=2)  # [2, B, W + T, Hkv, D]
             self._cache[:, i, slots] = kv[:, :, t:] if kept is None else kv.gather(2, kept)
-            x = layer.finish(x, layer.self_attn.attend(q, kv[0], kv[1], visible))
+            x = layer.finish(x, layer.self_attn.attend(q, kv[0], kv[1], mask))
         self.state.position[slots] = start + (t if lengths is None else lengths)
         return x

@@ -1,7 +1,8 @@
 """Code2Wav's codec launches fewer kernels a decode (models/mimi): the quantizer looks every
 codebook up in one table and sums once, position ranges are views of one resident ramp, the decoder
-transformer's q, k and v are one product and RoPE rotates q and k together with a roll and a signed
-sin. Each gives what the launches it replaces gave. CPU."""
+transformer's q, k and v are one product, RoPE rotates q and k together with a roll and a signed
+sin, and its attention mask is made additive once a step. Each gives what the launches it replaces
+gave. CPU."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from models.mimi import masking
 from models.mimi.config import MimiConfig
 from models.mimi.loader import random_codec
-from models.mimi.transformer import rotary
+from models.mimi.transformer import additive_mask, rotary
 from models.tiny.talker import tiny_config
 
 
@@ -83,3 +84,15 @@ def test_allocate_packs_q_k_v_into_one_product_of_views():
         assert proj.weight.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
     for got, expected in zip(attention.project(x, cos, sin), want, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_the_additive_mask_is_what_attention_makes_of_the_boolean_one_and_its_rows_are_aligned():
+    torch.manual_seed(4)
+    visible = torch.rand(3, 1, 4, 254) < 0.7
+    visible[..., 0] = True  # every query sees a key
+    mask = additive_mask(visible, torch.float32)
+    assert torch.equal(mask, torch.where(visible, 0.0, float("-inf")))
+    assert all(stride % 8 == 0 for stride in mask.stride()[:-1]) and mask.stride(-1) == 1
+    q, k, v = torch.randn(3, 2, 4, 16), torch.randn(3, 2, 254, 16), torch.randn(3, 2, 254, 16)
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                       F.scaled_dot_product_attention(q, k, v, attn_mask=visible))
