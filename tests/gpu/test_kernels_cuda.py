@@ -19,6 +19,7 @@ if not torch.cuda.is_available():  # before triton is imported: the unit modules
 import kernels
 from kernels import decode_attention as attention_kernel
 from kernels import rms_norm as rms_kernel
+from kernels import rope_attention as rope_attention_kernel
 from kernels import rope_kv as rope_kernel
 from kernels import sampler as sampler_kernel
 from kernels import sampler_twin as twin
@@ -36,7 +37,12 @@ from tests.unit.test_kernel_fused_frame import (
     plain_and_fused,
 )
 from tests.unit.test_kernel_rms_norm import check_rms_norm, make_rms_inputs
-from tests.unit.test_kernel_rope_attention import check_equals_two_launches, own_slot_case
+from tests.unit.test_kernel_rope_attention import (
+    check_equals_two_launches,
+    own_slot_case,
+    random_caches,
+    two_launches,
+)
 from tests.unit.test_kernel_rope_kv import (
     CACHE_LAYOUTS,
     ROPE_SHAPES,
@@ -335,6 +341,32 @@ def test_rope_kv_graph_replay_equals_eager_on_new_inputs(entry: str):
 
 
 @pytest.mark.parametrize("entry", ["launcher", "drop_in"])
+def test_rope_attention_graph_replay_equals_the_two_launches_on_new_inputs(entry: str):
+    # csm-1b's depth decoder at 64 rows, each at its own slot: captured once, replayed on new rows,
+    # positions and slots (copied into the captured buffers), each replay's output and caches equal to
+    # the two launches' on the same inputs, bit for bit.
+    static = own_slot_case("csm_depth", 40, torch.bfloat16, rows=64, num_slots=70, max_len=32)
+    _, _, k_cache, v_cache = random_caches(static, 41, "dense")
+    scale = static.head_dim ** -0.5
+    fn = (rope_attention_kernel.rope_attention_triton if entry == "launcher"
+          else rope_attention_kernel.rope_attention)
+    graph, out = capture(lambda: fn(*static.args(k_cache, v_cache), scale))
+    assert rope_attention_kernel.LATCH.active
+    for seed in (42, 43, 44):
+        fresh = own_slot_case("csm_depth", seed, torch.bfloat16, rows=64, num_slots=70, max_len=32)
+        for name in ("qkv", "positions", "slots"):
+            getattr(static, name).copy_(getattr(fresh, name))
+        _, _, k_new, v_new = random_caches(static, seed, "dense")
+        k_cache.copy_(k_new)
+        v_cache.copy_(v_new)
+        out.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, two_launches(static, k_new, v_new))
+        assert torch.equal(k_cache, k_new) and torch.equal(v_cache, v_new)
+
+
+@pytest.mark.parametrize("entry", ["launcher", "drop_in"])
 def test_silu_mul_graph_replay_equals_eager_on_new_inputs(entry: str):
     gate_up = make_gate_up(28, 16, 8192, torch.bfloat16, device="cuda")
     fn = silu_kernel.silu_mul_triton if entry == "launcher" else silu_kernel.silu_mul
@@ -359,7 +391,9 @@ FUSED_FRAME_KERNELS = (*kernels.FUSED_LAYER_KERNELS, "decode_attention")
 def cuda_runners():
     """Runners with CUDA graphs for every bucket over the plain and the packed tiny talker in fp32
     (moved to the GPU before pack_weights). Backbone steps of up to 2 rows take stack_layers (buckets 1
-    and 2), the others forward_rows (4 and 8), so the graphs hold both. The captures compile the kernels
+    and 2), the others forward_rows (4 and 8); depth calls of up to 2 rows take stack_step, the others
+    forward_rows (the first call's shared slots with rope_kv and decode attention, the later calls with
+    rope_attention), so the graphs hold every path. The captures compile the kernels
     in their warm-up: each fused-layer launcher, stack_layers and decode attention must have run, and no
     latch tripped (a tripped latch would have put the twin into the graphs)."""
     modules = {name: importlib.import_module(f"kernels.{name}") for name in FUSED_FRAME_KERNELS}
@@ -376,8 +410,8 @@ def cuda_runners():
 
             patch.setattr(module, attr, counted)
         plain, fused = plain_and_fused("cuda")
-        patch.setattr(fused, "frame", FusedFrame(fused, dataclasses.replace(fused.frame.settings,
-                                                                           backbone_stack_rows=2)))
+        settings = dataclasses.replace(fused.frame.settings, backbone_stack_rows=2, stack_step_rows=2)
+        patch.setattr(fused, "frame", FusedFrame(fused, settings))
         runners = (make_runner(plain, GRAPH_BUCKETS, use_graphs=True),
                    make_runner(fused, GRAPH_BUCKETS, use_graphs=True))
     assert set(launches) == {*FUSED_FRAME_KERNELS, "stack_layers"}, launches
