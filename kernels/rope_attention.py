@@ -110,12 +110,15 @@ def _rope_attention_kernel(
 
 def rope_attention_twin(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                         positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, num_q_heads: int, scale: float) -> torch.Tensor:
+                        v_cache: torch.Tensor, num_q_heads: int, scale: float,
+                        lengths: torch.Tensor | None = None) -> torch.Tensor:
     """The twin: the two drop-ins the kernel replaces (their kernels on CUDA, their twins elsewhere).
     qkv [N, (Hq + 2 Hkv) D]; tables [max_len, D]; positions, slots [N] int64; one layer's caches
-    [num_slots, max_len, Hkv, D] -> attention output [N, Hq, D] (k, v written)."""
+    [num_slots, max_len, Hkv, D]; ``lengths`` positions + 1 where the caller holds them (else made
+    here: one launch more) -> attention output [N, Hq, D] (k, v written)."""
     q = rope.rope_kv(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, num_q_heads)
-    return attention.decode_attention(q, k_cache, v_cache, slots, positions + 1, scale)
+    lengths = positions + 1 if lengths is None else lengths
+    return attention.decode_attention(q, k_cache, v_cache, slots, lengths, scale)
 
 
 def one_split(rows: int, k_cache: torch.Tensor) -> bool:
@@ -139,8 +142,9 @@ def _check(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, 
 
 def rope_attention_triton(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                           positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, num_q_heads: int, scale: float) -> torch.Tensor:
-    """The kernel, with the twin's arguments and result."""
+                          v_cache: torch.Tensor, num_q_heads: int, scale: float,
+                          lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel, with the twin's arguments and result (``lengths`` unread: it is positions + 1)."""
     _check(qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, num_q_heads)
     rows = qkv.shape[0]
     _, max_len, num_kv_heads, head_dim = k_cache.shape
@@ -170,9 +174,10 @@ def kernel_device(tensor: torch.Tensor) -> bool:
 
 def rope_attention(qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
                    positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   num_q_heads: int, scale: float) -> torch.Tensor:
+                   num_q_heads: int, scale: float, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """The fused layers' entry point for rows that own their slots: the kernel on CUDA while the latch is
-    active and it takes the inputs, else the two drop-ins it replaces."""
+    active and it takes the inputs, else the two drop-ins it replaces (``lengths``, positions + 1 where
+    the caller has them, spares those a launch)."""
     args = (qkv, cos_table, sin_table, positions, slots, k_cache, v_cache, num_q_heads)
     return LATCH.dispatch(kernel_device(qkv), lambda: _check(*args), rope_attention_triton,
-                          rope_attention_twin, *args, scale)
+                          rope_attention_twin, *args, scale, lengths)

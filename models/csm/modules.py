@@ -161,7 +161,8 @@ class Attention(nn.Module):
         qkv = F.linear(x, self.qkv_weight)  # [N, (Hq + 2 Hkv) D]
         k, v, scale = cache.k[layer], cache.v[layer], self.head_dim ** -0.5
         if own_slots:
-            out = rope_attention(qkv, rotary.cos, rotary.sin, positions, slots, k, v, self.num_heads, scale)
+            out = rope_attention(qkv, rotary.cos, rotary.sin, positions, slots, k, v, self.num_heads, scale,
+                                 lengths)
         else:
             q = rope_kv(qkv, rotary.cos, rotary.sin, positions, slots, k, v, self.num_heads)
             out = decode_attention(q, k, v, slots, lengths, scale)

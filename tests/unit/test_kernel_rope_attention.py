@@ -151,3 +151,18 @@ def test_forward_rows_with_own_slots_equals_the_plain_stack(own_slots: bool, mon
     for name in ("k", "v"):
         assert relative_error(getattr(fused_cache, name), getattr(plain_cache, name)) < 1e-6
     assert len(calls) == (cfg.num_layers if own_slots else 0)
+
+
+def test_the_twin_takes_the_callers_lengths(monkeypatch):
+    # forward_rows holds positions + 1 already: the twin (the two launches, where the kernel does not
+    # serve) passes them to decode attention instead of making them again (a launch a layer).
+    case = own_slot_case("tiny_depth", 10, torch.float32)
+    _, _, k, v = random_caches(case, 11, "dense")
+    lengths = case.positions + 1
+    seen = []
+    real = attention.decode_attention
+    monkeypatch.setattr(attention, "decode_attention", lambda *a: seen.append(a[4]) or real(*a))
+    want = fused.rope_attention_twin(*case.args(k.clone(), v.clone()), 0.3)
+    got = fused.rope_attention(*case.args(k, v), 0.3, lengths)  # a CPU tensor: the twin serves
+    assert seen[1] is lengths and torch.equal(seen[0], lengths)
+    assert torch.equal(got, want)
