@@ -13,6 +13,7 @@ import torch
 from kernels import decode_attention as attention
 from kernels import rope_attention as fused
 from kernels import rope_kv as rope
+from kernels.latch import KernelLatch
 from tests.unit.fused_layer_support import DEVICE, DTYPES_16, TOLERANCE, generator, relative_error
 from tests.unit.test_kernel_rope_kv import ROPE_SHAPES, RopeCase, make_rope_case
 
@@ -107,7 +108,7 @@ def test_rows_decode_attention_would_split_are_refused_and_the_two_launches_serv
     _, _, k, v = random_caches(case, 8, "dense")
     with pytest.raises(ValueError, match=r"^rope_attention: decode_attention would split"):
         fused.rope_attention_triton(*case.args(k, v), 0.1)
-    latch = fused.LATCH.__class__("rope_attention")
+    latch = KernelLatch("rope_attention")
     monkeypatch.setattr(fused, "LATCH", latch)
     monkeypatch.setattr(fused, "kernel_device", lambda tensor: True)
     monkeypatch.setattr(fused, "rope_attention_triton", lambda *a: pytest.fail("kernel called for a split"))
