@@ -13,6 +13,8 @@
 #                    default, kept test_stack_step_cuda.py's ~6 min of compiles on one worker)
 #   pattn            bench.kernels.prefill_attention_gpu (prefill_attention_gpu.json), then the prefill
 #                    attention's, prefill graphs' and device profile's tests (pattn_tests.log)
+#   fusion           bench.talker.fusion's last FUSION_STAGES stages (default 2) at 1, 64, 128, 256 and 512 rows,
+#                    exactness skipped (tests/gpu covers it): the frame per stage (talker_fusion.json, fusion.log)
 #   t2w              bench.code2wav.token2wav_gpu: the Qwen family's Token2Wav per row bucket (token2wav_gpu.json)
 #   qtalk            bench.talker.qwen_omni_gpu: the Qwen family's talker step and prefill (qwen_talker_gpu.json)
 #   fault            bench.probes.pair_fault: the stack as `voxring up` starts it (--mps $MPS), kill -9 of
@@ -114,6 +116,10 @@ for part in "$@"; do
         tests/unit/test_kernel_prefill_attention.py tests/gpu/test_prefill_graphs_cuda.py \
         tests/gpu/test_device_profile_cuda.py > "$R/pattn_tests.log" 2>&1
       echo "pattn tests: exit $?"; tail -n 4 "$R/pattn_tests.log" ;;
+    fusion)
+      timeout "$share" python3 -m bench.talker.fusion --last-stages "${FUSION_STAGES:-2}" --skip-exactness \
+        --buckets 1,64,128,256,512 --out "$R/talker_fusion.json" > "$R/fusion.log" 2>&1
+      echo "fusion: exit $?"; grep -E "B=1:" "$R/fusion.log" ;;
     t2w)
       timeout "$share" python3 -m bench.code2wav.token2wav_gpu --out "$R/token2wav_gpu.json" > "$R/t2w.log" 2>&1
       echo "t2w: exit $?"; tail -n 6 "$R/t2w.log" ;;
