@@ -193,8 +193,8 @@ class CsmTalker(nn.Module):
         backbone's too with ``settings.backbone_mlp_rows``: 537 MB), pads the codebook head, and projects
         codebooks 1 .. N-2's embedding tables (``_depth_inputs``: the inputs of depth calls 2 .. N-1). Call
         once the model has its final device and dtype; a later call packs nothing more (the backbone keeps
-        the mlp rows it was first given) and sets the frame's settings. Prefill keeps the plain path either
-        way."""
+        the mlp rows it was first given) and sets the frame's settings. Prefill then takes the packed
+        backbone's fused layers too (``Transformer.forward_chunks``)."""
         self.backbone_model.pack_weights(mlp_rows=settings.backbone_mlp_rows)
         self.depth_decoder.model.pack_weights(mlp_rows=True)  # stack_step's MLP_DOWN reads down's transpose
         # The head [N-1, H, V] as a view of [N-1, V_pad, H] with V padded to a multiple of 8 by
@@ -239,7 +239,11 @@ class CsmTalker(nn.Module):
         positions = torch.arange(t, device=embeds.device).expand(b, t)
         if starts is not None:
             positions = positions + starts[:, None]
-        hidden = self.backbone_model(embeds, caches.backbone, slots, positions.clamp(max=max_pos))
+        backbone, positions = self.backbone_model, positions.clamp(max=max_pos)
+        if backbone.packed:  # pack_weights: the fused layers' launches (forward_chunks)
+            hidden = backbone.forward_chunks(embeds, caches.backbone, slots, positions)
+        else:
+            hidden = backbone(embeds, caches.backbone, slots, positions)
         # Padding positions wrote K/V past a row's end (clamped into the cache); each is rewritten
         # by that row's next chunk or its own frame step before any query can see it.
         return hidden[torch.arange(b, device=embeds.device), lengths - 1]

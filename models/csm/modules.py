@@ -6,14 +6,15 @@ values), written by index: slot ids and positions are tensors, so the same code 
 prefill (T > 1) and decode (T = 1) and can be captured in a CUDA graph (no ``.item()``,
 no branches on tensor values, no data-dependent shapes).
 
-Two paths through a stack. ``Transformer.forward`` is the plain one: prefill, the CPU, and the
-reference every other path is checked against. ``Transformer.forward_rows`` is the fused one for
-a few query rows (a decode step, the depth decoder's first two positions), used once
-``pack_weights`` has run: per layer one packed QKV product, one rotary + KV-write kernel, decode
-attention, the output product, one gate/up product, one SiLU*mul kernel and the down product,
-with each residual add folded into the next RMSNorm (nine launches a layer where the plain path
-makes about forty-five; eight where no two rows share a slot, rotary, KV write and attention being
-one ``rope_attention`` launch). On the CPU the same structure runs the kernels' eager twins.
+Two paths through a stack. ``Transformer.forward`` is the plain one: the unpacked model (the CPU's
+talker), and the reference every other path is checked against. The fused one runs once
+``pack_weights`` has run: ``Transformer.forward_rows`` for independent query rows (a decode step,
+the depth decoder's calls) and ``Transformer.forward_chunks`` for prefill's chunks of positions,
+per layer one packed QKV product, one rotary + KV-write kernel, attention (decode or prefill), the
+output product, one gate/up product, one SiLU*mul kernel and the down product, with each residual
+add folded into the next RMSNorm (nine launches a layer where the plain path makes about forty;
+eight where no two rows share a slot, rotary, KV write and attention being one ``rope_attention``
+launch). On the CPU the same structure runs the kernels' eager twins.
 """
 
 from __future__ import annotations
@@ -168,6 +169,19 @@ class Attention(nn.Module):
             out = decode_attention(q, k, v, slots, lengths, scale)
         return self.o_proj(out.view(n, self.num_heads * self.head_dim))
 
+    def forward_chunks(self, x: torch.Tensor, rotary: RotaryTable, cache: KVCache, layer: int,
+                       slots: torch.Tensor, positions: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+        # x: [B * T, H], row b's chunk of T positions ``positions[b]`` of ``slots[b]`` (row_slots: each of
+        # the B * T rows' slot); every key and value of the chunk is written before any query attends
+        b, t = positions.shape
+        qkv = F.linear(x, self.qkv_weight)  # [B * T, (Hq + 2 Hkv) D]
+        k, v = cache.k[layer], cache.v[layer]
+        q = rope_kv(qkv, rotary.cos, rotary.sin, positions.reshape(-1).contiguous(), row_slots, k, v,
+                    self.num_heads)
+        out = prefill_attention(q.view(b, t, self.num_heads, self.head_dim), k, v, slots, positions,
+                                self.head_dim ** -0.5)                     # [B, T, Hq, D]
+        return self.o_proj(out.reshape(b * t, self.num_heads * self.head_dim))
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 layer: int, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [B, T, H]; slots: [B]; positions: [B, T] (where this row's tokens go)
@@ -294,3 +308,21 @@ class Transformer(nn.Module):
             x, residual = rms_norm(x, layer.post_attention_layernorm.weight, eps, residual)
             x = layer.mlp.forward_rows(x)
         return rms_norm(x, self.norm.weight, eps, residual)[0]
+
+    def forward_chunks(self, x: torch.Tensor, cache: KVCache, slots: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
+        """``forward`` (prefill: x [B, T, H], row b's chunk at ``positions[b]`` of ``slots[b]``) on the
+        packed weights with ``forward_rows``' launches a layer over the B * T positions (one QKV product,
+        ``rope_kv``, ``prefill_attention``, the output product, gate/up, SiLU*mul, down, each residual
+        add in the next norm): nine where the plain path makes about forty. Same result as ``forward`` up
+        to reduction order -> normed hidden states [B, T, H]."""
+        b, t, hidden = x.shape
+        row_slots = slots[:, None].expand(b, t).contiguous().view(-1)  # the kernels take unit strides
+        eps = self.norm.eps
+        x, residual = x.reshape(b * t, hidden), None
+        for i, layer in enumerate(self.layers):
+            x, residual = rms_norm(x, layer.input_layernorm.weight, eps, residual)
+            x = layer.self_attn.forward_chunks(x, self.rotary, cache, i, slots, positions, row_slots)
+            x, residual = rms_norm(x, layer.post_attention_layernorm.weight, eps, residual)
+            x = layer.mlp.forward_rows(x)
+        return rms_norm(x, self.norm.weight, eps, residual)[0].view(b, t, hidden)

@@ -178,20 +178,32 @@ def stack_calls(bucket: int, settings: FusedSettings) -> int:
     return (2 * bucket <= limit) + (DEPTH_CALLS_PER_FRAME - 1) * (bucket <= limit)
 
 
+def prefill_launches(calls: int) -> Counter:
+    """The launches of ``calls`` prefill calls on the packed backbone (``forward_chunks``): per layer two
+    norms, one rope_kv (rows of one prompt share its slot), one silu_mul; the stack's final norm.
+    Prefill attention has its own switch (not a fused-layer kernel) and stays on its twin here."""
+    layers = calls * BACKBONE_LAYERS_PER_FRAME
+    return Counter({"rms_norm_triton": 2 * layers + calls, "rope_kv_triton": layers,
+                    "silu_mul_triton": layers})
+
+
 def assert_frames_ran_on_the_kernels(launches: Counter, frames: int, bucket: int,
-                                     settings: FusedSettings) -> None:
+                                     settings: FusedSettings, prefills: int = 1) -> None:
+    """One prefill call (``decode``, ``first_frame``) and ``frames`` frames of a ``bucket`` launched
+    exactly these kernels."""
     stack = stack_calls(bucket, settings)
     row_calls = DEPTH_CALLS_PER_FRAME - stack  # depth calls through forward_rows, per frame
     first_rows = 2 * bucket > settings.stack_step_rows  # the first depth call (two rows a slot) among them
     backbone_rows = bucket > settings.backbone_stack_rows  # the backbone through forward_rows
     layers = frames * (BACKBONE_LAYERS_PER_FRAME * backbone_rows + DEPTH_LAYERS * row_calls)
     shared = frames * DEPTH_LAYERS * first_rows  # layers whose rows share slots: rope_kv + decode attention
-    assert launches == Counter({"rms_norm_triton": 2 * layers + frames * (backbone_rows + row_calls),
-                                "rope_kv_triton": shared, "rope_attention_triton": layers - shared,
-                                "decode_attention_triton": shared + (
-                                    frames * BACKBONE_LAYERS_PER_FRAME * (not backbone_rows)),
-                                "silu_mul_triton": layers, "stack_step_triton": frames * stack,
-                                "stack_layers_triton": frames * (not backbone_rows)})
+    want = Counter({"rms_norm_triton": 2 * layers + frames * (backbone_rows + row_calls),
+                    "rope_kv_triton": shared, "rope_attention_triton": layers - shared,
+                    "decode_attention_triton": shared + (
+                        frames * BACKBONE_LAYERS_PER_FRAME * (not backbone_rows)),
+                    "silu_mul_triton": layers, "stack_step_triton": frames * stack,
+                    "stack_layers_triton": frames * (not backbone_rows)})
+    assert launches == want + prefill_launches(prefills)
 
 
 @pytest.fixture
