@@ -6,7 +6,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 timeout 100 python3 -m bench.talker.prefill_paths --out $OUT/prefill_paths.json > $OUT/prefill_paths.log 2>&1
 echo "prefill_paths $?"; tail -n 8 $OUT/prefill_paths.log
 VOXRING_COMMIT=$C BUDGET_S=330 bash bench/server/h200_pair.sh gputests fusion
-mkdir -p /tmp/new && tar c --exclude=./bench/results --exclude=./.oldfiles --exclude=./.newfiles --exclude=./.whl . | tar x -C /tmp/new && cp -r .newfiles/. /tmp/new/
-timeout 50 python3 -m bench.code2wav.replay_kernels --out $OUT/replay_mid.json > $OUT/replay_mid.log 2>&1; echo "mid $?"
-(cd /tmp/new && PYTHONPATH=/tmp/site:$PWD timeout 50 python3 -m bench.code2wav.replay_kernels --out $OUT/replay_new.json > $OUT/replay_new.log 2>&1; echo "new $?")
-tail -n 6 $OUT/replay_mid.log $OUT/replay_new.log
+for v in mid new new2; do  # this tree, then the candidates' copies (.newfiles/, .newfiles2/)
+  tree=.; if [ $v != mid ]; then tree=/tmp/$v; mkdir -p $tree
+    tar c --exclude=./bench/results --exclude=./.oldfiles --exclude='./.newfiles*' --exclude=./.whl . | tar x -C $tree
+    cp -r .newfiles${v#new}/. $tree/; fi
+  (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 45 python3 -m bench.code2wav.replay_kernels --out /tmp/replay_$v.json \
+    > /tmp/replay_$v.log 2>&1; echo "$v $?"); tail -n 6 /tmp/replay_$v.log
+done
+tar czf $OUT/replay.tgz -C /tmp replay_mid.json replay_new.json replay_new2.json replay_mid.log replay_new.log replay_new2.log
