@@ -1,0 +1,12 @@
+# Run 41 (bench notes, "The call after run 40"): on an H100 the server A/B of this tree against the
+# eighteenth session's (.oldfiles/ over a copy), BPE 1,024 and 2,048 with step logs; on an H200 the
+# whole BPE table of this tree.
+set -u
+export STEPLOG=1 VOXRING_COMMIT=$C
+if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+  BUDGET_S=560 bash bench/server/h200_pair.sh tiers:.
+else
+  mkdir -p /tmp/old && tar c --exclude=./bench/results --exclude=./.oldfiles --exclude='./.newfiles*' \
+    --exclude=./.whl . | tar x -C /tmp/old && cp -r .oldfiles/. /tmp/old/
+  TIERS=1024,2048 BUDGET_S=560 bash bench/server/h200_pair.sh tiers:/tmp/old tiers:.
+fi
