@@ -4,9 +4,9 @@
 set -u
 export STEPLOG=1 VOXRING_COMMIT=$C
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-  BUDGET_S=560 bash bench/server/h200_pair.sh tiers:.
+  BUDGET_S=${BUDGET:-480} bash bench/server/h200_pair.sh tiers:.
 else
   mkdir -p /tmp/old && tar c --exclude=./bench/results --exclude=./.oldfiles --exclude='./.newfiles*' \
     --exclude=./.whl . | tar x -C /tmp/old && cp -r .oldfiles/. /tmp/old/
-  TIERS=1024,2048 BUDGET_S=560 bash bench/server/h200_pair.sh tiers:/tmp/old tiers:.
+  TIERS=1024,2048 BUDGET_S=${BUDGET:-480} bash bench/server/h200_pair.sh tiers:/tmp/old tiers:.
 fi
