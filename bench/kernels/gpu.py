@@ -69,8 +69,8 @@ def median_ms(fn: Callable[[], object]) -> float:
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def graph_ms_per_call(calls: list[Callable[[], object]]) -> float:
-    """Captures the calls in one CUDA graph (after a warm-up) and times a replay, per call."""
+def capture(calls: list[Callable[[], object]]) -> torch.cuda.CUDAGraph:
+    """The calls, run once on a side stream (the warm-up), captured in one CUDA graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -81,6 +81,12 @@ def graph_ms_per_call(calls: list[Callable[[], object]]) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
+    return graph
+
+
+def graph_ms_per_call(calls: list[Callable[[], object]]) -> float:
+    """Captures the calls in one CUDA graph (after a warm-up) and times a replay, per call."""
+    graph = capture(calls)
     value = median_ms(graph.replay) / len(calls)
     del graph
     return value

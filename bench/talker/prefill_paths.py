@@ -19,23 +19,11 @@ from pathlib import Path
 import torch
 
 from bench.code2wav.replay_kernels import replay_kernels, replay_ms
+from bench.kernels.gpu import capture
 from bench.talker.gpu import CSM_1B, random_model
 
 SHAPES = [(1, 32), (1, 128), (8, 64), (8, 128), (16, 128), (32, 128), (64, 64)]  # (prompts, tokens)
 MAX_LEN = 768
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def measure(backbone, cache, prompts: int, tokens: int) -> dict:
@@ -43,18 +31,19 @@ def measure(backbone, cache, prompts: int, tokens: int) -> dict:
     x = torch.randn(prompts, tokens, backbone.cfg.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
     slots = torch.arange(prompts, device="cuda")
     positions = torch.arange(tokens, device="cuda").expand(prompts, tokens).contiguous()
-    out, entry = {}, {}
-    for name, fn in (("plain", lambda: backbone(x, cache, slots, positions)),
-                     ("fused", lambda: backbone.forward_chunks(x, cache, slots, positions))):
-        holder = {}
-        graph = capture(lambda fn=fn, holder=holder: holder.__setitem__("h", fn()))
+    hidden, entry = {}, {}
+    for name, path in (("plain", backbone.forward), ("fused", backbone.forward_chunks)):
+
+        def run(name=name, path=path) -> None:  # the graph's output tensor, read after each replay
+            hidden[name] = path(x, cache, slots, positions)
+
+        graph = capture([run])
         graph.replay()
         torch.cuda.synchronize()
-        out[name] = holder["h"].float().clone()
         entry[name] = {"replay_ms": round(replay_ms(graph), 3), **replay_kernels(graph)}
+        hidden[name] = hidden[name].float()
         del graph
-    diff = (out["fused"] - out["plain"]).norm() / out["plain"].norm()
-    entry["relative_difference"] = float(diff)
+    entry["relative_difference"] = float((hidden["fused"] - hidden["plain"]).norm() / hidden["plain"].norm())
     entry["ratio"] = round(entry["fused"]["replay_ms"] / entry["plain"]["replay_ms"], 3)
     return entry
 

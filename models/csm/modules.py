@@ -170,14 +170,14 @@ class Attention(nn.Module):
         return self.o_proj(out.view(n, self.num_heads * self.head_dim))
 
     def forward_chunks(self, x: torch.Tensor, rotary: RotaryTable, cache: KVCache, layer: int,
-                       slots: torch.Tensor, positions: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
-        # x: [B * T, H], row b's chunk of T positions ``positions[b]`` of ``slots[b]`` (row_slots: each of
-        # the B * T rows' slot); every key and value of the chunk is written before any query attends
+                       slots: torch.Tensor, positions: torch.Tensor,
+                       rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # x: [B * T, H], row b's chunk of T positions ``positions[b]`` of ``slots[b]``; rows: each of the
+        # B * T rows' (slot, position) [B * T] int64; every key and value is written before any query attends
         b, t = positions.shape
         qkv = F.linear(x, self.qkv_weight)  # [B * T, (Hq + 2 Hkv) D]
         k, v = cache.k[layer], cache.v[layer]
-        q = rope_kv(qkv, rotary.cos, rotary.sin, positions.reshape(-1).contiguous(), row_slots, k, v,
-                    self.num_heads)
+        q = rope_kv(qkv, rotary.cos, rotary.sin, rows[1], rows[0], k, v, self.num_heads)
         out = prefill_attention(q.view(b, t, self.num_heads, self.head_dim), k, v, slots, positions,
                                 self.head_dim ** -0.5)                     # [B, T, Hq, D]
         return self.o_proj(out.reshape(b * t, self.num_heads * self.head_dim))
@@ -299,15 +299,10 @@ class Transformer(nn.Module):
         ``own_slots`` promises that none shares a slot (``rope_attention``: one launch for rotary, KV
         write and attention). Same result as ``forward`` up to reduction order -> normed hidden states
         [N, H]."""
-        eps = self.norm.eps
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = rms_norm(x, layer.input_layernorm.weight, eps, residual)
-            attention = layer.self_attn
-            x = attention.forward_rows(x, self.rotary, cache, i, slots, positions, lengths, own_slots)
-            x, residual = rms_norm(x, layer.post_attention_layernorm.weight, eps, residual)
-            x = layer.mlp.forward_rows(x)
-        return rms_norm(x, self.norm.weight, eps, residual)[0]
+        def attend(attention: Attention, i: int, x: torch.Tensor) -> torch.Tensor:
+            return attention.forward_rows(x, self.rotary, cache, i, slots, positions, lengths, own_slots)
+
+        return self._fused_layers(x, attend)
 
     def forward_chunks(self, x: torch.Tensor, cache: KVCache, slots: torch.Tensor,
                        positions: torch.Tensor) -> torch.Tensor:
@@ -317,12 +312,22 @@ class Transformer(nn.Module):
         add in the next norm): nine where the plain path makes about forty. Same result as ``forward`` up
         to reduction order -> normed hidden states [B, T, H]."""
         b, t, hidden = x.shape
-        row_slots = slots[:, None].expand(b, t).contiguous().view(-1)  # the kernels take unit strides
+        # each of the B * T rows' slot and position, once for every layer (the kernels take unit strides)
+        rows = (slots[:, None].expand(b, t).contiguous().view(-1), positions.reshape(-1).contiguous())
+
+        def attend(attention: Attention, i: int, x: torch.Tensor) -> torch.Tensor:
+            return attention.forward_chunks(x, self.rotary, cache, i, slots, positions, rows)
+
+        return self._fused_layers(x.reshape(b * t, hidden), attend).view(b, t, hidden)
+
+    def _fused_layers(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """The packed layers over rows x [N, H], ``attend(attention, layer, x)`` each layer's attention;
+        each residual add folded into the next norm -> normed hidden states [N, H]."""
         eps = self.norm.eps
-        x, residual = x.reshape(b * t, hidden), None
+        residual = None
         for i, layer in enumerate(self.layers):
             x, residual = rms_norm(x, layer.input_layernorm.weight, eps, residual)
-            x = layer.self_attn.forward_chunks(x, self.rotary, cache, i, slots, positions, row_slots)
+            x = attend(layer.self_attn, i, x)
             x, residual = rms_norm(x, layer.post_attention_layernorm.weight, eps, residual)
             x = layer.mlp.forward_rows(x)
-        return rms_norm(x, self.norm.weight, eps, residual)[0].view(b, t, hidden)
+        return rms_norm(x, self.norm.weight, eps, residual)[0]
