@@ -5,7 +5,9 @@ open request they belong to, by handle; records for unknown or closed handles ar
 and counted; sequence gaps and duplicates are counted), then cuts chunks on need
 (docs/protocol.md, Pacing; services/code2wav/pacing.py): a stream's first record at once, then
 when its listener's buffer would fall below the decode margin, when a steady chunk is
-pending, or at its end (with graphs, a chunk that more frames follow is cut to a graph length).
+pending, or at its end (with graphs, a need or size cut is cut to a graph length, the rest waiting
+for its own cut; a first record is decoded whole, padded in its call: the talker sized it to last
+until its next record reaches the listener).
 Every chunk cut in a tick is decoded by the decoder's calls of that tick on the codec's resident
 slot pool (with graphs: rows grouped by the graph shape that holds them, services/common/
 buckets.py; eagerly: one call, rows padded), each slot's state advanced by its own frames, with
@@ -275,14 +277,16 @@ class Code2WavEngine(TalkerIntake, StreamingTicks):
         for stream in self._take_between_calls():
             frames, why = stream.cut(now, floor)
             if why == "first" and frames and not stream.hold(self.max_undelivered):
-                late.append((stream, self.decoder.chunk_at_most(frames), why))
+                late.append((stream, frames, why))
         return late
 
     def _look_at(self, stream: OpenStream, now: float, cuts: list, floor: float) -> None:
         if stream.segment_ends:  # a segment ended with nothing left to decode (empty, or cleared)
             self._send_segment_ends(stream)
         frames, why = stream.cut(now, floor)
-        if why in ("first", "need", "size"):  # more follows: cut to a length a graph runs unpadded
+        if why in ("need", "size"):  # more follows: cut to a length a graph runs unpadded
+            # (not a first record: the talker sized it to last while its next record is made and
+            # reaches the listener, so it is decoded whole, padded in its call)
             frames = self.decoder.chunk_at_most(frames)
         if frames:
             if not stream.hold(self.max_undelivered):

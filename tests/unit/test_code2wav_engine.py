@@ -418,9 +418,10 @@ def test_a_held_stream_resumes_from_the_event_loops_delivery_count(setup):
     assert chunk_frames(sent) == [4, 4, 4] and [m[0] for m in sent][-1] == "finished"
 
 
-def test_with_graphs_a_cut_that_more_follows_is_a_graph_length_and_the_rest_waits():
-    """First and need cuts go to the longest graph length within them (5 -> 4, 7 -> 4); the
-    frames left are cut at their own need; an end is cut whole (padded in its call)."""
+def test_with_graphs_a_need_cut_is_a_graph_length_and_the_rest_waits():
+    """A first record is decoded whole (5 frames, padded in its call: the talker sized it to
+    last until its next record arrives); need cuts go to the longest graph length within them
+    (7 -> 4), the frames left cut at their own need; an end is cut whole (padded in its call)."""
     clock, link, decoder = Clock(), Link(), Decoder(lengths=(1, 2, 4, 8, 16))
     engine = Code2WavEngine(decoder, {"t0": link}, max_slots=8, max_undelivered_seconds=100.0,
                             max_records_per_step=64, clock=clock)
@@ -428,15 +429,43 @@ def test_with_graphs_a_cut_that_more_follows_is_a_graph_length_and_the_rest_wait
     _, sent = open_stream(engine, 1, p)
     put(link, 1, 0, 5)
     engine.step()
-    assert chunk_frames(sent) == [4]            # the first record: 4 of its 5 frames at once
-    put(link, 1, 1, 6, first=5)                 # 7 pending
-    clock.now = 0.23                            # 320 ms sent at 0: needed from 220 ms
+    assert chunk_frames(sent) == [5]            # the first record: all 5 of its frames at once
+    put(link, 1, 1, 7, first=5)                 # 7 pending
+    clock.now = 0.31                            # 400 ms sent at 0: needed from 300 ms
     engine.step()
-    assert chunk_frames(sent) == [4, 4]
-    put(link, 1, 2, 2, first=11, last=True)     # 3 + 2 pending, then LAST: the end, whole
+    assert chunk_frames(sent) == [5, 4]         # 4 of the 7; 3 wait for their own need
+    clock.now = 0.63                            # 720 ms sent: needed from 620 ms
+    engine.step()
+    assert chunk_frames(sent) == [5, 4, 2]
+    put(link, 1, 2, 2, first=12, last=True)     # 1 + 2 pending, then LAST: the end, whole
     for _ in range(3):
         engine.step()
-    assert chunk_frames(sent) == [4, 4, 5] and sent[-1][0] == "finished" and sent[-1][1].frames == 13
+    assert chunk_frames(sent) == [5, 4, 2, 3] and sent[-1][0] == "finished" and sent[-1][1].frames == 14
+
+
+def test_a_first_record_that_comes_between_a_ticks_calls_is_decoded_whole():
+    """A fresh stream's first record written during a tick's urgent call leads the tick's
+    second call whole (3 frames, not the 2 of the graph length within them)."""
+    clock, link = Clock(), Link()
+
+    class WritesDuringTheFirstCall(Decoder):
+        def decode_many(self, slots, chunks):
+            if len(self.calls) == 1:  # the second step's first (urgent) call
+                put(link, 3, 0, 3)  # stream 3's first record, written while it runs
+            return super().decode_many(slots, chunks)
+
+    decoder = WritesDuringTheFirstCall(lengths=(1, 2, 4, 8, 16))
+    engine = Code2WavEngine(decoder, {"t0": link}, max_slots=8, max_undelivered_seconds=100.0,
+                            max_records_per_step=64, clock=clock)
+    p = Pacing(decode_margin_s=0.1, steady_frames=4, min_chunk_frames=1)
+    streams = {h: open_stream(engine, h, p) for h in (1, 2, 3)}
+    put(link, 1, 0, 4)
+    engine.step()                               # stream 1: 320 ms sent at 0
+    put(link, 1, 1, 4, first=4)                 # a size cut, its listener far from dry: the rest
+    put(link, 2, 0, 3)                          # a first record: the urgent call
+    engine.step()
+    assert decoder.calls[1:] == [[(1, 3)], [(2, 3), (0, 4)]]  # slots: stream 3's first leads
+    assert [chunk_frames(streams[h][1]) for h in (1, 2, 3)] == [[4, 4], [3], [3]]
 
 
 class DyingLink(Link):
