@@ -1,7 +1,7 @@
 """The fused frame: a frame's depth codes and backbone step on the packed weights (``pack_weights``), each
 depth call one ``stack_step`` launch where the kernel takes it, the backbone step ``stack_layers`` for the
 fewest rows; elsewhere ``Transformer.forward_rows`` and separate products. ``FusedSettings`` says which
-calls go where (what each default measured: the bench notes)."""
+calls go where (what each default measured on the H200: bench/NOTES.md)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ class FusedSettings:
     depth_tuning: Tuning = DEPTH  # stack_step's tuning for the depth calls
     backbone_tuning: Tuning = BACKBONE  # stack_layers' tuning for the backbone steps
     backbone_mlp_rows: bool = False  # pack_weights gives the backbone the mlp rows (its one-row MLP_DOWN)
-    rope_attention_rows: int = 128  # owning their slots, calls of up to this many rows take rope_attention
 
 
 DEFAULT_SETTINGS = FusedSettings()  # the talker's
@@ -90,8 +89,7 @@ class FusedFrame:
             logits = stack_step(depth.stack, cache.k, cache.v, *rows, **inputs, tuning=tuning)
             return logits.view(b, 2, -1)[:, 1] if pairs else logits
         x = src if codes is None else F.embedding(codes, src)
-        own = not pairs and b <= self.settings.rope_attention_rows
-        out = depth.forward_rows(x if proj is None else F.linear(x, proj), cache, *rows, own_slots=own)
+        out = depth.forward_rows(x if proj is None else F.linear(x, proj), cache, *rows, own_slots=not pairs)
         return F.linear(out.view(b, 2, -1)[:, 1] if pairs else out, head)
 
     def backbone_step(self, codes: torch.Tensor, inputs: FrameInputs, caches: CsmCaches) -> torch.Tensor:
@@ -105,5 +103,4 @@ class FusedFrame:
         ):
             tuning = self.settings.backbone_tuning
             return stack_layers(backbone.stack, cache.k, cache.v, *rows, x=x, tuning=tuning)
-        own = x.shape[0] <= self.settings.rope_attention_rows
-        return backbone.forward_rows(x, cache, *rows, own_slots=own)
+        return backbone.forward_rows(x, cache, *rows, own_slots=True)

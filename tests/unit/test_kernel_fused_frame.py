@@ -197,8 +197,6 @@ def assert_frames_ran_on_the_kernels(launches: Counter, frames: int, bucket: int
     backbone_rows = bucket > settings.backbone_stack_rows  # the backbone through forward_rows
     layers = frames * (BACKBONE_LAYERS_PER_FRAME * backbone_rows + DEPTH_LAYERS * row_calls)
     shared = frames * DEPTH_LAYERS * first_rows  # layers whose rows share slots: rope_kv + decode attention
-    if bucket > settings.rope_attention_rows:  # and those of calls too wide for rope_attention
-        shared = layers
     want = Counter({"rms_norm_triton": 2 * layers + frames * (backbone_rows + row_calls),
                     "rope_kv_triton": shared, "rope_attention_triton": layers - shared,
                     "decode_attention_triton": shared + (
@@ -316,20 +314,6 @@ def test_fused_frames_on_the_kernels_equal_the_plain_model(
     assert [stack_calls(b, settings) for b in (1, 2, 4)] == [7, 6, 0]
     decode(make_runner(talkers[1]), rows, k).assert_matches(plain_codes[(rows, "greedy", k)])
     assert_frames_ran_on_the_kernels(on_the_kernels, k, 1 if rows == 1 else 2 if rows == 2 else 4, settings)
-
-
-@interpreter_only
-def test_calls_of_more_rows_than_the_rope_attention_limit_take_the_two_launches(
-    talkers, plain_codes, on_the_kernels, limit_2, monkeypatch
-):
-    # bucket 4 (3 rows padded): the backbone step and every depth call through forward_rows, each over
-    # more rows than the limit of 2: rope_kv then decode attention in every layer, no rope_attention
-    fused = talkers[1]
-    settings = replace(fused.frame.settings, rope_attention_rows=2)
-    monkeypatch.setattr(fused, "frame", FusedFrame(fused, settings))
-    decode(make_runner(fused), 3, 2).assert_matches(plain_codes[(3, "greedy", 2)])
-    assert on_the_kernels["rope_attention_triton"] == 0
-    assert_frames_ran_on_the_kernels(on_the_kernels, 2, 4, settings)
 
 
 @interpreter_only
