@@ -1,7 +1,7 @@
 """The fused frame: a frame's depth codes and backbone step on the packed weights (``pack_weights``), each
 depth call one ``stack_step`` launch where the kernel takes it, the backbone step ``stack_layers`` for the
 fewest rows; elsewhere ``Transformer.forward_rows`` and separate products. ``FusedSettings`` says which
-calls go where (what each default measured on the H200: bench/NOTES.md)."""
+calls go where (what each default measured: the bench notes)."""
 
 from __future__ import annotations
 
