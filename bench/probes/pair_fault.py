@@ -1,14 +1,16 @@
 """kill -9 of Code2Wav with C streams in flight, on the stack as ``voxring up`` runs it.
 
     python -m bench.probes.pair_fault --out FILE.json [--concurrency 512] [--mps on|off|auto]
-                                      [--smoke] [--max-wall 540] [--audio-seconds S]
+                                      [--smoke] [--max-wall 540] [--audio-seconds S] [--ramp-s R]
 
 The acceptance item: the streams end UNAVAILABLE once, the talker frees their rows, the gateway
 reports the pair unready, ``voxring up`` restores the pair (both engines under MPS), nothing is
 left in /dev/shm. voxring.stack.Stack runs the stages on the server bench's configs (one tier of
 C, its fixed prompt; on a GPU its csm-1b-shaped checkpoint, with --smoke or no nvidia-smi
-voxring-tiny on the CPU) from a temporary folder, with a private ring prefix. Once the C streams
-have audio, Code2Wav gets SIGKILL; then Stack.up again, a few requests, Stack.down. One JSON to
+voxring-tiny on the CPU) from a temporary folder, with a private ring prefix. The C streams are
+sent evenly over a ramp (``RAMP_PER_S`` a second by default: sent at once, admission refuses much
+of a burst as designed, and fewer are in flight at the kill than asked). Once every stream has
+audio or was refused, Code2Wav gets SIGKILL; then Stack.up again, a few requests, Stack.down. One JSON to
 --out (each measurement, each check); exit 0 when every check passes. Every wait is bounded.
 
 grpc is imported only once the first Stack.up has spawned the stages; the channels are closed
@@ -52,6 +54,7 @@ HANG_S = 60.0            # a stream's end, the rows freed, the gateway unready: 
 # real time, and the gateway relays it as it comes)
 STREAM_SECONDS = {"gpu": 48.0, "smoke": 20.0}
 AFTER_REQUESTS, AFTER_SECONDS = 8, 2.0         # what must complete once the pair is back
+RAMP_PER_S = 128.0  # the fault's streams sent a second: a 512 burst at once had 295 refused (run 44)
 CHECKS = ("stack_up", "streams_in_flight", "unavailable_once", "talker_rows_freed", "gateway_unready",
           "pair_restored", "gateway_serving_again", "requests_after_restore", "stack_down", "shm_clean",
           "no_stage_alive")
@@ -94,7 +97,14 @@ def _settings(argv: list[str] | None):
     parser.add_argument("--max-wall", type=float, default=540.0, help="wall-clock cap of the whole probe")
     parser.add_argument("--audio-seconds", type=float, default=None, help="each stream's audio "
                         f"(default {STREAM_SECONDS['gpu']:g}; smoke {STREAM_SECONDS['smoke']:g})")
+    parser.add_argument("--ramp-s", type=float, default=None, help="the streams sent evenly over this "
+                        f"many seconds (default: C / {RAMP_PER_S:g}; 0: all at once)")
     args = parser.parse_args(argv)
+    if args.ramp_s is None:
+        args.ramp_s = args.concurrency / RAMP_PER_S
+    elif not 0 <= args.ramp_s <= args.max_wall / 4:
+        parser.error(f"--ramp-s must be within 0..{args.max_wall / 4:g} (a quarter of --max-wall), "
+                     f"got {args.ramp_s:g}")
     smoke = args.smoke or "error" in gpu_info()
     mps = args.mps if args.mps != "auto" else ("on" if not smoke and gpu_host() else "off")
     seconds = args.audio_seconds or STREAM_SECONDS["smoke" if smoke else "gpu"]
@@ -164,9 +174,10 @@ async def _stream(rpc, stub, request, rec: Stream, timeout: float, progress) -> 
     progress()
 
 
-def _send(rpc, stub, count: int, seconds: float, timeout: float, tag: str, limit: int):
-    """``count`` streams, ``limit`` at a time (the gateway admits C): their records, tasks, and an
-    event set once each has audio or ended."""
+def _send(rpc, stub, count: int, seconds: float, timeout: float, tag: str, limit: int, ramp_s: float = 0.0):
+    """``count`` streams, ``limit`` at a time (the gateway admits C), the i-th sent ``i * ramp_s /
+    count`` seconds after the first: their records, tasks, and an event set once each has audio
+    or ended."""
     streams, settled, slots = [Stream() for _ in range(count)], asyncio.Event(), asyncio.Semaphore(limit)
 
     def progress() -> None:
@@ -176,6 +187,8 @@ def _send(rpc, stub, count: int, seconds: float, timeout: float, tag: str, limit
     async def one(i: int, rec: Stream) -> None:
         request = rpc.synth.SynthesizeSpeechRequest(text=PROMPT, seed=i, max_audio_seconds=seconds,
                                                     request_id=f"{tag}-{i}")
+        if ramp_s:
+            await asyncio.sleep(i * ramp_s / count)  # the load's schedule, not a wait for a state
         async with slots:
             await _stream(rpc, stub, request, rec, timeout, progress)
 
@@ -215,10 +228,11 @@ async def _fault(stack: Stack, s, report: dict) -> None:
         talker, health = rpc.talker_grpc.TalkerStub(tk), rpc.health_grpc.HealthStub(gw)
         stats = functools.partial(talker.Stats, rpc.talker.TalkerStatsRequest(), timeout=2)
         streams, tasks, settled = _send(rpc, rpc.synth_grpc.SynthesizerStub(gw), c, s.audio_seconds,
-                                        _bound(s, 4 * s.audio_seconds + 2 * HANG_S), "fault", c)
+                                        _bound(s, 4 * s.audio_seconds + 2 * HANG_S), "fault", c,
+                                        report["ramp_s"])
         started = time.monotonic()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(settled.wait(), _bound(s, 2 * HANG_S))
+            await asyncio.wait_for(settled.wait(), _bound(s, report["ramp_s"] + 2 * HANG_S))
         rows, pid = (await stats()).running, stack.running_pid("code2wav")
         if pid is None:
             raise RuntimeError(f"code2wav died before the kill:\n{stack.log_tail('code2wav')}")
@@ -325,7 +339,8 @@ def _teardown(stack: Stack | None, pids: list[dict], shm_before: set[str], repor
 def _header(s, mps: str, args: argparse.Namespace) -> dict:
     return {"probe": "pair_fault", "commit": commit(), "voxring_commit_env": os.environ.get("VOXRING_COMMIT"),
             "smoke": s.smoke, "mps": mps, "mps_asked": args.mps, "concurrency": max(s.tiers),
-            "audio_seconds": s.audio_seconds, "gpu": {"name": "cpu (smoke)"} if s.smoke else gpu_info(),
+            "audio_seconds": s.audio_seconds, "ramp_s": args.ramp_s,
+            "gpu": {"name": "cpu (smoke)"} if s.smoke else gpu_info(),
             "versions": versions(), "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
             "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checks": dict.fromkeys(CHECKS, False)}
 
