@@ -1,8 +1,10 @@
-# Run 41 (bench notes, "The call after run 40"): on an H100 the server A/B of this tree against the
-# eighteenth session's (.oldfiles/ over a copy), BPE 1,024 and 2,048 with step logs; on an H200 the
+# Runs 41 and 44 (bench notes): on an H100 the server A/B of this tree against the
+# tree in .oldfiles/ laid over a copy, BPE 1,024 and 2,048 with step logs; on an H200 the
 # whole BPE table of this tree.
 set -u
 export STEPLOG=1 VOXRING_COMMIT=$C
+# a warm machine keeps the last call's results, and bench.server skips the tiers they hold: start clean
+rm -rf /tmp/voxring-pair /tmp/old
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
   BUDGET_S=${BUDGET:-480} bash bench/server/h200_pair.sh tiers:.
 else
