@@ -211,9 +211,11 @@ def test_a_first_chunk_is_decoded_and_sent_before_the_rest_of_its_tick(setup):
 def test_a_first_record_written_during_the_urgent_call_joins_the_rest_call(setup):
     # While the tick's urgent call runs, stream 4's first record and stream 1's next record (its
     # cut is planned for the rest call) and a cancel of stream 2 (fresh too: nothing sent) come.
-    # Stream 4's first chunk leads the rest call; stream 1's record is kept for the next step, so
-    # its planned chunk is the frames it had; stream 2 ends at once (it is in no call).
+    # Stream 4's first chunk leads the rest call, whole (3 frames, though graphs of 2 and 4 only);
+    # stream 1's record is kept for the next step, so its planned chunk is the frames it had;
+    # stream 2 ends at once (it is in no call).
     engine, clock, link, decoder = setup
+    decoder.lengths = (1, 2, 4, 8, 16)
     p = Pacing(decode_margin_s=0.1, steady_frames=4, min_chunk_frames=1)
     (_, sent1), (_, sent2), (_, sent3), (_, sent4) = (open_stream(engine, h, p) for h in (1, 2, 3, 4))
     calls = decoder.decode_many
@@ -221,7 +223,7 @@ def test_a_first_record_written_during_the_urgent_call_joins_the_rest_call(setup
     def urgent_then_records(slots, chunks):  # each call takes 10 ms
         clock.now += 0.01
         if len(decoder.calls) == 1:  # the urgent call of the second tick: records come meanwhile
-            put(link, 4, 0, 2)
+            put(link, 4, 0, 3)
             put(link, 1, 2, 4, first=8)
             record = FrameRecord(2, 0, 0, 0, K, int(RecordFlags.CANCELLED), int(FinishReason.CANCELLED))
             link.consumer.records.append((record, np.zeros((0, K), np.int16)))
@@ -236,8 +238,8 @@ def test_a_first_record_written_during_the_urgent_call_joins_the_rest_call(setup
     put(link, 3, 1, 1, first=1)
     engine.step()
     slot = {s.handle: s.slot for s in engine.streams.values()}
-    assert decoder.calls[1:] == [[(slot[3], 1)], [(slot[4], 2), (slot[1], 4)]]
-    assert chunk_frames(sent4) == [2] and chunk_frames(sent1) == [4, 4] and chunk_frames(sent3) == [1, 1]
+    assert decoder.calls[1:] == [[(slot[3], 1)], [(slot[4], 3), (slot[1], 4)]]
+    assert chunk_frames(sent4) == [3] and chunk_frames(sent1) == [4, 4] and chunk_frames(sent3) == [1, 1]
     assert sent2 and sent2[-1][0] == "error" and 2 not in engine.streams
     assert len(engine._kept) == 1 and engine.streams[1].pending_frames == 0
     clock.now = 0.5                     # the next step applies what was kept, in ring order
@@ -441,100 +443,3 @@ def test_with_graphs_a_need_cut_is_a_graph_length_and_the_rest_waits():
     for _ in range(3):
         engine.step()
     assert chunk_frames(sent) == [5, 4, 2, 3] and sent[-1][0] == "finished" and sent[-1][1].frames == 14
-
-
-def test_a_first_record_that_comes_between_a_ticks_calls_is_decoded_whole():
-    """A fresh stream's first record written during a tick's urgent call leads the tick's
-    second call whole (3 frames, not the 2 of the graph length within them)."""
-    clock, link = Clock(), Link()
-
-    class WritesDuringTheFirstCall(Decoder):
-        def decode_many(self, slots, chunks):
-            if len(self.calls) == 1:  # the second step's first (urgent) call
-                put(link, 3, 0, 3)  # stream 3's first record, written while it runs
-            return super().decode_many(slots, chunks)
-
-    decoder = WritesDuringTheFirstCall(lengths=(1, 2, 4, 8, 16))
-    engine = Code2WavEngine(decoder, {"t0": link}, max_slots=8, max_undelivered_seconds=100.0,
-                            max_records_per_step=64, clock=clock)
-    p = Pacing(decode_margin_s=0.1, steady_frames=4, min_chunk_frames=1)
-    streams = {h: open_stream(engine, h, p) for h in (1, 2, 3)}
-    put(link, 1, 0, 4)
-    engine.step()                               # stream 1: 320 ms sent at 0
-    put(link, 1, 1, 4, first=4)                 # a size cut, its listener far from dry: the rest
-    put(link, 2, 0, 3)                          # a first record: the urgent call
-    engine.step()
-    assert decoder.calls[1:] == [[(1, 3)], [(2, 3), (0, 4)]]  # slots: stream 3's first leads
-    assert [chunk_frames(streams[h][1]) for h in (1, 2, 3)] == [[4, 4], [3], [3]]
-
-
-class DyingLink(Link):
-    """A link whose talker can go: tick() then finds it dead (as a stale heartbeat reads)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.alive_now = True
-
-    @property
-    def connected(self) -> bool:
-        return self.consumer is not None
-
-    def alive(self) -> bool:
-        return self.alive_now
-
-    def ensure(self, now: float) -> bool:
-        return False
-
-    def drop(self) -> None:
-        self.consumer = None
-
-
-def test_a_lost_talkers_requests_with_their_last_record_complete_and_the_others_end():
-    clock, link, decoder = Clock(), DyingLink(), Decoder()
-    engine = Code2WavEngine(decoder, {"t0": link}, max_slots=8, max_undelivered_seconds=100.0,
-                            max_records_per_step=64, clock=clock)
-    p = Pacing(decode_margin_s=0.1, steady_frames=8, min_chunk_frames=2)
-    (_, done), (_, cut_off) = open_stream(engine, 1, p), open_stream(engine, 2, p)
-    put(link, 1, 0, 8)
-    put(link, 2, 0, 8)
-    engine.step()                                  # both first chunks
-    put(link, 1, 1, 4, last=True, first=8)         # written before the talker went, still in the ring
-    link.alive_now = False                         # a draining talker exits after its last records
-    engine.tick()
-    assert not link.connected                      # the ring is dropped
-    engine.step()                                  # (messages go out with a step's outbox)
-    assert cut_off[-1][:2] == ("error", "UNAVAILABLE") and "talker t0 lost" in cut_off[-1][2]
-    assert chunk_frames(done) == [8, 4] and done[-1][0] == "finished"
-    assert done[-1][1].frames == 12                # every frame the talker wrote, decoded
-
-
-def test_records_that_come_before_an_announced_streams_open_are_kept_for_it(setup):
-    # the servicer answers an Open with its handle at once and announces it; the talker may write
-    # before the engine thread runs the open: those records wait for it, none is dropped
-    engine, clock, link, decoder = setup
-    engine.announced.add(5)
-    clock.now = 0.25
-    put(link, 5, 0, 2)
-    put(link, 5, 1, 3, first=2)
-    engine.step()
-    assert decoder.calls == [] and engine.counters.dropped_records == 0
-    clock.now = 0.3
-    stream, sent = open_stream(engine, 5, Pacing(decode_margin_s=0.1, steady_frames=8, min_chunk_frames=1))
-    assert 5 not in engine.announced
-    assert stream.first_frame_at == 0.25  # when its first frames left the ring, not when they were kept
-    put(link, 5, 2, 1, last=True, first=5)
-    engine.step()
-    assert sum(chunk_frames(sent)) == 6 and engine.counters.sequence_gaps == 0
-    assert sent[-1][0] == "finished"
-
-
-def test_an_announced_handle_closed_before_its_open_drops_what_came_for_it(setup):
-    engine, _, link, decoder = setup
-    engine.announced.add(9)
-    put(link, 9, 0, 2)
-    engine.step()
-    engine.close(9)  # the client left before the engine thread opened it
-    assert 9 not in engine.announced and engine.counters.dropped_records == 1
-    put(link, 9, 1, 2, first=2)  # not announced any more: dropped at once, as any unknown handle
-    engine.step()
-    assert engine.counters.dropped_records == 2 and decoder.calls == []
