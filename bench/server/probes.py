@@ -193,6 +193,19 @@ def _ratio(a: float | None, b: float | None, scale: float, digits: int) -> float
     return round(a * scale / b, digits) if a is not None and b else None
 
 
+def _parts(d: dict, chunks: float | None) -> dict:
+    """A tick's two parts (services/code2wav/engine.py by_urgency): the urgent calls (first chunks,
+    listeners under two ticks) and the rest, each in ms and chunks a call."""
+    calls, urgent = d["decode_calls"], d["urgent_decode_calls"]
+    if urgent is None or calls is None or chunks is None:
+        return {}
+    rest_s = None if d["decode_seconds"] is None else d["decode_seconds"] - d["urgent_decode_seconds"]
+    return {"urgent_calls": urgent, "urgent_ms_per_call": _ratio(d["urgent_decode_seconds"], urgent, 1e3, 2),
+            "urgent_chunks_per_call": _ratio(d["urgent_chunks"], urgent, 1, 1),
+            "rest_ms_per_call": _ratio(rest_s, calls - urgent, 1e3, 2),
+            "rest_chunks_per_call": _ratio(chunks - d["urgent_chunks"], calls - urgent, 1, 1)}
+
+
 def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str) -> dict:
     window = after.at - before.at
     c2w = after.stats[name]
@@ -204,7 +217,9 @@ def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str)
                     "first_frame_seconds_count", "first_chunk_loop_seconds_sum",
                     "first_chunk_loop_seconds_count", "first_chunk_write_seconds_sum",
                     "first_chunk_write_seconds_count", "listener_underruns",
-                    "listener_underrun_seconds")}
+                    "listener_underrun_seconds", "urgent_decode_calls", "urgent_chunks",
+                    "urgent_decode_seconds", "first_chunk_wait_seconds_sum",
+                    "first_chunk_wait_seconds_count")}
     calls_fields = {"decode_calls": d["decode_calls"],
                     "decode_ms_per_call": _ratio(d["decode_seconds"], d["decode_calls"], 1e3, 2),
                     "chunks_per_call": _ratio(chunks, d["decode_calls"], 1, 1),
@@ -223,6 +238,10 @@ def _code2wav_numbers(before: Snapshot, after: Snapshot, rates: dict, name: str)
                                                   d["first_chunk_loop_seconds_count"], 1e3, 2),
                     "first_chunk_write_ms": _ratio(d["first_chunk_write_seconds_sum"],
                                                    d["first_chunk_write_seconds_count"], 1e3, 2),
+                    # of first_chunk_ms, taken off the ring -> its decode call began, mean
+                    "first_chunk_wait_ms": _ratio(d["first_chunk_wait_seconds_sum"],
+                                                  d["first_chunk_wait_seconds_count"], 1e3, 2),
+                    **_parts(d, chunks),
                     # Code2Wav's own model of its listeners (playback from each chunk sent): the stalls it
                     # caused itself, to set beside the clients' (a stall it does not see came after it)
                     "modeled_underruns": d["listener_underruns"],

@@ -75,14 +75,20 @@ def code2wav_table(tiers: dict) -> list[str]:
             if (t.get("code2wav") or {}).get("cuts")]
     if not rows:
         return []
-    lines = ["Code2Wav: ms a decode call, chunks a call, the decode tick it reported at the tier's end "
-             "(mean and two deviations), its chunks by why they were cut, and where the clients' stalls "
-             "were made: those Code2Wav's model of each listener saw (from its sends), those the "
-             "gateway's saw (from its receipts: made by then), and the clients' own.", "",
-             "| C | ms a call | chunks a call | tick ms | first / need / size / end "
+    lines = ["Code2Wav: ms a decode call, chunks a call, and so for a tick's urgent calls (first chunks, "
+             "listeners under two ticks) and the rest; a first chunk's mean ms off the ring until its call "
+             "began and until it was sent; the decode tick it reported at the tier's end (mean and two "
+             "deviations), its chunks by why they were cut, and where the clients' stalls were made: those "
+             "Code2Wav's model of each listener saw (from its sends), those the gateway's saw (from its "
+             "receipts: made by then), and the clients' own.", "",
+             "| C | ms a call | chunks a call | urgent: ms / chunks | rest: ms / chunks "
+             "| first chunk: wait / sent | tick ms | first / need / size / end "
              "| stalls: Code2Wav / gateway / clients |",
-             "|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {c} | {fmt(cw.get('decode_ms_per_call'))} | {fmt(cw.get('chunks_per_call'))} | "
+              f"{fmt(cw.get('urgent_ms_per_call'))} / {fmt(cw.get('urgent_chunks_per_call'))} | "
+              f"{fmt(cw.get('rest_ms_per_call'))} / {fmt(cw.get('rest_chunks_per_call'))} | "
+              f"{fmt(cw.get('first_chunk_wait_ms'))} / {fmt(cw.get('first_chunk_ms'))} | "
               f"{fmt(cw.get('tick_ms_at_end'))} | "
               + " / ".join(fmt(cw["cuts"].get(why), 0) for why in ("first", "need", "size", "end"))
               + f" | {fmt(cw.get('modeled_underruns'), 0)} / "

@@ -62,15 +62,16 @@ ERROR_ENDINGS = {FinishReason.DEADLINE: ("DEADLINE_EXCEEDED", "talker deadline p
                  FinishReason.CANCELLED: ("CANCELLED", "request cancelled")}
 
 
-def by_urgency(cuts: list, now: float, floor: float) -> list[list]:
-    """A tick's cuts in the order they are decoded and sent: first the chunks whose listener has
-    less than ``floor`` (two ticks) of audio left, a stream's first chunk among them, in calls of
-    their own; then the rest, whose listeners can wait for those calls. A first record then waits
-    for the calls of the few that need it, not for the whole tick's (bench notes, run 17)."""
+def by_urgency(cuts: list, now: float, floor: float) -> list[tuple[bool, list]]:
+    """A tick's cuts in the order they are decoded and sent, each part as (urgent, cuts): first the
+    chunks whose listener has less than ``floor`` (two ticks) of audio left, a stream's first
+    chunk among them, in calls of their own; then the rest, whose listeners can wait for those
+    calls. A first record then waits for the calls of the few that need it, not for the whole
+    tick's (bench notes, run 17)."""
     urgent, rest = [], []
     for cut in cuts:
         (urgent if cut[2] == "first" or cut[0].listener.buffer_s(now) < floor else rest).append(cut)
-    return [part for part in (urgent, rest) if part]
+    return [(flag, part) for flag, part in ((True, urgent), (False, rest)) if part]
 
 
 class Code2WavEngine(TalkerIntake, StreamingTicks):
@@ -252,13 +253,13 @@ class Code2WavEngine(TalkerIntake, StreamingTicks):
             self._look_at(stream, now, cuts, floor)
         if not cuts:
             return False
-        for i, part in enumerate(by_urgency(cuts, now, floor)):
+        for i, (urgent, part) in enumerate(by_urgency(cuts, now, floor)):
             if i:
                 self.outbox.flush()  # the urgent chunks leave before the rest are decoded
                 late = self._late_firsts(floor)  # first records written during the urgent call
                 cuts.extend(late)
                 part = late + part
-            self._decode(part)
+            self._decode(part, urgent)
         for stream, _, _ in cuts:  # more pending (or the end) is looked at next tick
             if stream.segment_ends:
                 self._send_segment_ends(stream)
@@ -300,17 +301,20 @@ class Code2WavEngine(TalkerIntake, StreamingTicks):
                 stream.due_at = due
                 heapq.heappush(self._due, (due, stream.handle))
 
-    def _decode(self, cuts: list[tuple[OpenStream, int, str]]) -> None:
+    def _decode(self, cuts: list[tuple[OpenStream, int, str]], urgent: bool = False) -> None:
         started = self.clock()
         chunks = [stream.take(frames) for stream, frames, _ in cuts]
         taken = self.clock()
+        self.counters.first_chunk_wait.observe([taken - s.first_frame_at for s, _, _ in cuts
+                                                if s.chunk_index == 0 and s.first_frame_at is not None])
         pcm = self.decoder.decode_many([stream.slot for stream, _, _ in cuts], chunks)
         now = self.clock()
         decode_s = (now - taken) / len(cuts)
         buffers = [self._send_audio(stream, samples, frames, why, now, decode_s)
                    for (stream, frames, why), samples in zip(cuts, pcm, strict=True)]
         self.counters.tick(sum(len(p) for p in pcm) / self.sample_rate, buffers,
-                           host_s=(taken - started) + (self.clock() - now), decode_s=now - taken)
+                           host_s=(taken - started) + (self.clock() - now), decode_s=now - taken,
+                           urgent=urgent)
 
     def _send_audio(self, stream: OpenStream, pcm: np.ndarray, frames: int | None, why: str,
                     now: float, decode_s: float) -> float:

@@ -37,6 +37,10 @@ class Code2WavCounters:
     window: tuple[float, int, float] = (0.0, 0, 0.0)  # (clock, chunks, audio seconds) at the last Stats
     decode_calls: int = 0
     decode_s: float = 0.0     # in decode calls (on CUDA: launches and the one copy back)
+    # of them, the urgent parts' (engine.by_urgency: first chunks, listeners under two ticks)
+    urgent_calls: int = 0
+    urgent_chunks: int = 0
+    urgent_decode_s: float = 0.0
     host_s: float = 0.0       # around them: taking the frames, sending the chunks
     underruns: int = 0        # chunks the listener model says came after its buffer ran dry
     underrun_s: float = 0.0
@@ -48,6 +52,9 @@ class Code2WavCounters:
     batch: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(BATCH_EDGES))
     first_chunk: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(FIRST_CHUNK_EDGES))
     first_frame: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(FIRST_FRAME_EDGES))
+    # a first chunk's frames taken off the ring until its decode call began (the rest of
+    # first_chunk: that call and the chunk's send)
+    first_chunk_wait: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(FIRST_CHUNK_EDGES))
     # written on the event loop (its one writer), not the engine thread
     first_chunk_loop: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(FIRST_CHUNK_LOOP_EDGES))
     first_chunk_write: EdgeHistogram = field(default_factory=lambda: EdgeHistogram(FIRST_CHUNK_LOOP_EDGES))
@@ -60,8 +67,14 @@ class Code2WavCounters:
         self.segments_cleared += 1
         self.cleared_frames += frames
 
-    def tick(self, audio_s: float, buffers: list[float], *, host_s: float, decode_s: float) -> None:
-        """One decode call of ``len(buffers)`` chunks; ``buffers``: the listener buffer each found."""
+    def tick(self, audio_s: float, buffers: list[float], *, host_s: float, decode_s: float,
+             urgent: bool = False) -> None:
+        """One decode call of ``len(buffers)`` chunks; ``buffers``: the listener buffer each found;
+        ``urgent``: the call of a tick's urgent part."""
+        if urgent:
+            self.urgent_calls += 1
+            self.urgent_chunks += len(buffers)
+            self.urgent_decode_s += decode_s
         self.decode_calls += 1
         self.chunks += len(buffers)
         self.audio_s += audio_s
@@ -96,6 +109,10 @@ class Code2WavCounters:
                                  "undecoded", self.dropped_codes),
                "decode_calls": ("counter", "decode calls (one per tick that cut a chunk)", self.decode_calls),
                "decode_seconds": ("counter", "engine seconds in decode calls", self.decode_s),
+               "urgent_decode_calls": ("counter", "decode calls of a tick's urgent part (first chunks, "
+                                       "listeners under two ticks)", self.urgent_calls),
+               "urgent_chunks": ("counter", "chunks of those calls", self.urgent_chunks),
+               "urgent_decode_seconds": ("counter", "engine seconds in those calls", self.urgent_decode_s),
                "chunk_host_seconds": ("counter", "engine seconds around decode calls (taking frames, "
                                       "sending chunks)", self.host_s),
                "listener_underruns": ("counter", "chunks sent after the listener's buffer ran dry "
@@ -112,6 +129,9 @@ class Code2WavCounters:
                                            "was sent (< 0: it waited)", self.buffer.metric()),
                "first_chunk_seconds": ("histogram", "a request's first frames taken off the ring until "
                                        "its first chunk was sent", self.first_chunk.metric()),
+               "first_chunk_wait_seconds": ("histogram", "a request's first frames taken off the ring until "
+                                            "the decode call of its first chunk began",
+                                            self.first_chunk_wait.metric()),
                "first_frame_seconds": ("histogram", "a request's stream opened until its first frames "
                                        "were taken off the ring", self.first_frame.metric()),
                "first_chunk_loop_seconds": ("histogram", "a request's first chunk queued by the engine until "

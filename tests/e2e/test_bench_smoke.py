@@ -86,6 +86,9 @@ def test_smoke_tiers(tmp_path):
         assert tier["gateway"]["server_ttfa_mean_ms"] >= first["wait"] + first["prefill"] + first["step"]
         rest = tier["gateway"]["server_ttfa_mean_ms"] - (first["wait"] + first["prefill"] + first["step"])
         assert 0 < tier["code2wav"]["first_chunk_ms"] <= rest  # Code2Wav's part of the rest, one per request
+        cw = tier["code2wav"]  # of it, the wait before its call; every first chunk goes in an urgent call
+        assert 0 <= cw["first_chunk_wait_ms"] <= cw["first_chunk_ms"]
+        assert cw["urgent_calls"] >= 1 and cw["urgent_ms_per_call"] > 0 and cw["urgent_chunks_per_call"] >= 1
         # Code2Wav opens a stream before the gateway submits its request: the talker's first record
         # lies within that stream's wait for its first frames
         assert tier["code2wav"]["first_frame_ms"] >= first["wait"] + first["prefill"] + first["step"]

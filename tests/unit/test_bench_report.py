@@ -134,14 +134,20 @@ def test_refusal_times_split_the_gateways_refusals_by_who_answered_and_read_thei
 def test_the_code2wav_table_shows_its_calls_tick_cuts_and_where_stalls_were_made():
     cw = {"decode_ms_per_call": 47.25, "chunks_per_call": 94.9, "tick_ms_at_end": 41.2,
           "cuts": {"first": 2278.0, "need": 7541.0, "size": 4461.0, "end": 2473.0, "segment": 0.0},
-          "modeled_underruns": 12.0}
+          "modeled_underruns": 12.0, "urgent_ms_per_call": 20.5, "urgent_chunks_per_call": 30.1,
+          "rest_ms_per_call": 60.25, "rest_chunks_per_call": 120.0, "first_chunk_wait_ms": 4.5,
+          "first_chunk_ms": 25.0}
     tiers = {"1536": {"code2wav": cw, "gateway": {"modeled_underruns": 30.0}, "underruns": 41},
              "1": {"code2wav": {"decode_ms_per_call": 3.0}}}
     table = code2wav_table(tiers)
-    assert table[-2] == "| 1536 | 47.2 | 94.9 | 41.2 | 2278 / 7541 / 4461 / 2473 | 12 / 30 / 41 |"
+    assert table[-2] == ("| 1536 | 47.2 | 94.9 | 20.5 / 30.1 | 60.2 / 120.0 | 4.5 / 25.0 | 41.2 "
+                         "| 2278 / 7541 / 4461 / 2473 | 12 / 30 / 41 |")
     assert len(table) == 6  # one row: a tier from before the cuts were counted has none
     del tiers["1536"]["gateway"]  # a result from before the gateway modeled its listeners
-    assert code2wav_table(tiers)[-2].endswith("| 12 / - / 41 |")
+    for key in ("urgent_ms_per_call", "rest_ms_per_call", "first_chunk_wait_ms"):  # ... or split its calls
+        del cw[key]
+    assert code2wav_table(tiers)[-2].endswith("| - / 30.1 | - / 120.0 | - / 25.0 | 41.2 "
+                                              "| 2278 / 7541 / 4461 / 2473 | 12 / - / 41 |")
     assert code2wav_table({"1": {"code2wav": None}}) == []
 
 

@@ -204,6 +204,9 @@ def test_a_first_chunk_is_decoded_and_sent_before_the_rest_of_its_tick(setup):
     assert [sorted(f for _, f in call) for call in decoder.calls[1:]] == [[1, 2], [4]]
     assert seen[1:] == [0, 1]           # stream 2's first chunk had left before stream 1's call
     assert chunk_frames(sent1) == [4, 4] and chunk_frames(sent2) == [2] and chunk_frames(sent3) == [1, 1]
+    c = engine.counters  # the urgent calls: both of the first tick's firsts, then streams 2 and 3
+    assert (c.urgent_calls, c.urgent_chunks, c.decode_calls) == (2, 4, 3)
+    assert c.urgent_decode_s == pytest.approx(0.02) and c.decode_s == pytest.approx(0.03)
     buckets, seconds = engine.metrics()["first_frame_seconds"][2]  # opened until its first record came
     assert seconds == pytest.approx(0.07) and buckets[-1] == ("+Inf", 3)  # stream 2's 70 ms, 1 and 3 at 0
 
@@ -346,6 +349,9 @@ def test_the_metrics_count_calls_batches_cuts_and_modeled_underruns(setup):
     assert metrics["chunks_cut_first"][2] == 2 and metrics["chunks_cut_need"][2] == 2
     first, _ = metrics["first_chunk_seconds"][2]  # each request's first chunk only: 2 of the 4
     assert first[0] == ("0.005", 2) and first[-1] == ("+Inf", 2)
+    waited, _ = metrics["first_chunk_wait_seconds"][2]  # ... and until its call began
+    assert waited[-1] == ("+Inf", 2)
+    assert metrics["urgent_decode_calls"][2] == 2 and metrics["urgent_chunks"][2] == 4  # all waited
 
 
 def test_bad_pacing_is_refused_naming_the_key():
