@@ -24,6 +24,11 @@ GPU only (about 4 minutes on one H200).
    and attention in one ``rope_attention`` launch where rows own their slots (the default). (A
    stage with nested product loops, an item loop around each pipelined reduction, ran at
    2530d3e: `results/talker/talker_fusion_stack_step.json`; it was as fast and was removed.)
+   The stages are timed in order, then again in reverse (ABBA: each stage's time is the mean of its
+   two, so a drift linear in time cancels; the second pass is not profiled): run 44 found a stage
+   timed second 0.25-0.42 ms a frame slower at 256-512 rows than the one before it with the very
+   same kernels, the excess run 42 had read as a kernel's (bench notes, twenty-first session).
+   ``--one-pass`` times each stage once, in order.
    ``--tunings '[{"BN_QKV": 16}, ...]'``: the default stage again with each stack_step tuning
    (``candidates`` in the JSON), then the default once more; the sampled and whole-step timings
    below stay the default's. A candidate may also set "backbone_rows" (backbone steps of up to that
@@ -168,6 +173,9 @@ def parse_args() -> argparse.Namespace:
                              "0: the floors and the exactness checks only, with the default's kernels")
     parser.add_argument("--buckets", type=row_buckets, default=BUCKETS,
                         help="row buckets to time, 1 among them (comma-separated; default 1,8,64,256)")
+    parser.add_argument("--one-pass", action="store_true",
+                        help="time each stage once, in order (default: in order, then in reverse, "
+                             "each the mean)")
     parser.add_argument("--tunings", type=json.loads, default=[],
                         help="JSON list of stack_step tunings to time as the default stage's alternatives")
     return parser.parse_args()
@@ -185,24 +193,31 @@ def run_header() -> dict:
             "max_len": MAX_LEN, "keys_per_row_at_start": PROMPT}
 
 
-def time_stage(runner: Runner, saved: list[torch.Tensor], floors: dict, name: str, switches: dict,
-               settings: dict | None, detail: bool) -> dict:
-    """Captures the graphs with these kernels and stack_step settings from the ``saved`` state and times
-    every bucket against its ``floors`` (with a profile of one replay; the top kernels when ``detail``)."""
-    from kernels import stack_step as stack_kernel
-
+def capture_stage(runner: Runner, saved: list[torch.Tensor], switches: dict, settings: dict | None) -> float:
+    """The runner's graphs with these kernels and stack_step settings, from the ``saved`` state: seconds."""
     set_kernels(**switches)
     apply_stack_settings(settings, runner.model)
     state = (*runner.pool.tensors(), runner.caches.backbone.k, runner.caches.backbone.v)
     for dst, src in zip(state, saved, strict=True):
         dst.copy_(src)
-    capture_s = recapture(runner)
+    return recapture(runner)
+
+
+def time_stage(runner: Runner, saved: list[torch.Tensor], floors: dict, name: str, switches: dict,
+               settings: dict | None, detail: bool, profile: bool = True) -> dict:
+    """Captures the graphs with these kernels and stack_step settings from the ``saved`` state and times
+    every bucket against its ``floors`` (with a profile of one replay unless not ``profile``; the top
+    kernels when ``detail``)."""
+    from kernels import stack_step as stack_kernel
+
+    capture_s = capture_stage(runner, saved, switches, settings)
     faults = stack_kernel.faults("cuda")
     entry = {"stage": name, "capture_s": round(capture_s, 2), "per_bucket": {}}
     for b in runner.buckets:
         ms = device_ms_per_frame(runner, b)
         try:
-            prof = profile_replay(runner, b, top=12 if detail and (b == 1 or b >= 128) else 0)
+            prof = (profile_replay(runner, b, top=12 if detail and (b == 1 or b >= 128) else 0)
+                    if profile else {})
         except Exception as exc:  # a profiler problem must not cost the run's timings
             prof = {"kernels": None, "profiler_error": repr(exc)}
         entry["per_bucket"][f"B={b}"] = {"device_ms_per_frame": round(ms, 3),
@@ -216,16 +231,38 @@ def time_stage(runner: Runner, saved: list[torch.Tensor], floors: dict, name: st
     return entry
 
 
+def both_passes(first: dict, second: dict) -> dict:
+    """A stage timed in order and again in reverse (ABBA): per bucket the mean of its two device ms a
+    frame (and the frames a second from it), each pass's kept beside it; the profile is the first's."""
+    faults = first["stack_step_faults"] + second["stack_step_faults"]
+    entry = {**first, "per_bucket": {}, "stack_step_faults": faults}
+    for key, one in first["per_bucket"].items():
+        two = second["per_bucket"][key]["device_ms_per_frame"]
+        ms = (one["device_ms_per_frame"] + two) / 2
+        b = int(key.removeprefix("B="))
+        entry["per_bucket"][key] = {**one, "device_ms_per_frame": round(ms, 3),
+                                    "frames_per_s": round(b * 1e3 / ms, 1),
+                                    "vs_floor": round(one["vs_floor"] * ms / one["device_ms_per_frame"], 2),
+                                    "passes_ms": [one["device_ms_per_frame"], two]}
+    return entry
+
+
 def time_stages(runner: Runner, saved: list[torch.Tensor], floors: dict, args: argparse.Namespace,
                 result: dict) -> list[dict]:
-    """The last ``--last-stages`` stages in order (2. above), then each ``--tunings`` candidate on the
-    default stage (into ``result``) and the default once more; every stage's entry."""
-    stages = []
-    for name, pack, switches, settings in STAGES[-args.last_stages:]:
+    """The last ``--last-stages`` stages in order and again in reverse (2. above; in order only with
+    ``--one-pass``, or where an unpacked stage would follow a packed one), then each ``--tunings``
+    candidate on the default stage (into ``result``) and the default once more; every stage's entry."""
+    stages, chosen = [], STAGES[-args.last_stages:]
+    for name, pack, switches, settings in chosen:
         if pack:
             runner.model.pack_weights()
         detail = name.startswith("plain +") or name.endswith("(default)") or name == "+ silu_mul kernel"
         stages.append(time_stage(runner, saved, floors, name, switches, settings, detail))
+    if not args.one_pass and len(chosen) > 1 and all(pack for _, pack, _, _ in chosen):
+        back = [time_stage(runner, saved, floors, f"{name}, back", switches, settings, False, profile=False)
+                for name, _, switches, settings in reversed(chosen)]
+        stages = [both_passes(a, b) for a, b in zip(stages, reversed(back), strict=True)]
+        capture_stage(runner, saved, *STAGES[-1][2:])  # the default's graphs again for what follows
     if args.tunings:
         name, _, switches, settings = STAGES[-1]  # the default stage
         result["candidates"] = [
