@@ -226,7 +226,7 @@ def time_stage(runner: Runner, saved: list[torch.Tensor], floors: dict, name: st
     # barrier waits that gave up during the stage (each about a second, and a wrong result)
     entry["stack_step_faults"] = stack_kernel.faults("cuda") - faults
     line = "  ".join(f"B={b}: {entry['per_bucket'][f'B={b}']['device_ms_per_frame']:7.2f} ms "
-                     f"({entry['per_bucket'][f'B={b}'].get('kernels')} k)" for b in runner.buckets)
+                     f"({entry['per_bucket'][f'B={b}'].get('kernels', '-')} k)" for b in runner.buckets)
     print(f"{name:36s} {line}", flush=True)
     return entry
 
