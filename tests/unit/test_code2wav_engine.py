@@ -99,12 +99,17 @@ class Loop:
         fn(*args)
 
 
-@pytest.fixture
-def setup():
-    clock, link, decoder = Clock(), Link(), Decoder()
+def make_engine(link: Link | None = None, decoder: Decoder | None = None):
+    """(engine, clock, link, decoder): an engine of 8 slots on the scripted clock, ring and decoder."""
+    clock, link, decoder = Clock(), link or Link(), decoder or Decoder()
     engine = Code2WavEngine(decoder, {"t0": link}, max_slots=8, max_undelivered_seconds=100.0,
                             max_records_per_step=64, clock=clock)
     return engine, clock, link, decoder
+
+
+@pytest.fixture
+def setup():
+    return make_engine()
 
 
 def open_stream(engine, handle: int, pacing: Pacing, max_frames: int = 1000) -> tuple[OpenStream, Sent]:
@@ -430,9 +435,7 @@ def test_with_graphs_a_need_cut_is_a_graph_length_and_the_rest_waits():
     """A first record is decoded whole (5 frames, padded in its call: the talker sized it to
     last until its next record arrives); need cuts go to the longest graph length within them
     (7 -> 4), the frames left cut at their own need; an end is cut whole (padded in its call)."""
-    clock, link, decoder = Clock(), Link(), Decoder(lengths=(1, 2, 4, 8, 16))
-    engine = Code2WavEngine(decoder, {"t0": link}, max_slots=8, max_undelivered_seconds=100.0,
-                            max_records_per_step=64, clock=clock)
+    engine, clock, link, _ = make_engine(decoder=Decoder(lengths=(1, 2, 4, 8, 16)))
     p = Pacing(decode_margin_s=0.1, steady_frames=16, min_chunk_frames=1)
     _, sent = open_stream(engine, 1, p)
     put(link, 1, 0, 5)

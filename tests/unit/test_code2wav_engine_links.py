@@ -5,19 +5,8 @@ engine thread opened its stream (kept for it; dropped once the handle is closed 
 
 from __future__ import annotations
 
-import pytest
-
-from services.code2wav.engine import Code2WavEngine
 from services.code2wav.pacing import Pacing
-from tests.unit.test_code2wav_engine import Clock, Decoder, Link, chunk_frames, open_stream, put
-
-
-@pytest.fixture
-def setup():
-    clock, link, decoder = Clock(), Link(), Decoder()
-    engine = Code2WavEngine(decoder, {"t0": link}, max_slots=8, max_undelivered_seconds=100.0,
-                            max_records_per_step=64, clock=clock)
-    return engine, clock, link, decoder
+from tests.unit.test_code2wav_engine import Link, chunk_frames, make_engine, open_stream, put
 
 
 class DyingLink(Link):
@@ -42,9 +31,7 @@ class DyingLink(Link):
 
 
 def test_a_lost_talkers_requests_with_their_last_record_complete_and_the_others_end():
-    clock, link, decoder = Clock(), DyingLink(), Decoder()
-    engine = Code2WavEngine(decoder, {"t0": link}, max_slots=8, max_undelivered_seconds=100.0,
-                            max_records_per_step=64, clock=clock)
+    engine, _, link, _ = make_engine(DyingLink())
     p = Pacing(decode_margin_s=0.1, steady_frames=8, min_chunk_frames=2)
     (_, done), (_, cut_off) = open_stream(engine, 1, p), open_stream(engine, 2, p)
     put(link, 1, 0, 8)
@@ -60,10 +47,10 @@ def test_a_lost_talkers_requests_with_their_last_record_complete_and_the_others_
     assert done[-1][1].frames == 12                # every frame the talker wrote, decoded
 
 
-def test_records_that_come_before_an_announced_streams_open_are_kept_for_it(setup):
+def test_records_that_come_before_an_announced_streams_open_are_kept_for_it():
     # the servicer answers an Open with its handle at once and announces it; the talker may write
     # before the engine thread runs the open: those records wait for it, none is dropped
-    engine, clock, link, decoder = setup
+    engine, clock, link, decoder = make_engine()
     engine.announced.add(5)
     clock.now = 0.25
     put(link, 5, 0, 2)
@@ -80,8 +67,8 @@ def test_records_that_come_before_an_announced_streams_open_are_kept_for_it(setu
     assert sent[-1][0] == "finished"
 
 
-def test_an_announced_handle_closed_before_its_open_drops_what_came_for_it(setup):
-    engine, _, link, decoder = setup
+def test_an_announced_handle_closed_before_its_open_drops_what_came_for_it():
+    engine, _, link, decoder = make_engine()
     engine.announced.add(9)
     put(link, 9, 0, 2)
     engine.step()
