@@ -225,9 +225,10 @@ class TalkerEngine:
         })
 
     def _first_frames_alone(self, plan: StepPlan, handle) -> set[int]:
-        """The first records of ``plan.first_alone``'s rows, of the step's first frame, written as
-        soon as the device has it (the other K - 1 frames follow in the step's own records): the
-        rows done so. A row that stopped at that frame, or ended meanwhile, is left to the step."""
+        """The first records of ``plan.first_alone``'s rows, the frames a row held from its earlier
+        steps and the step's first frame, written as soon as the device has that frame (the other
+        K - 1 follow in the step's own records): the rows done so. A row that stopped at that
+        frame, or ended meanwhile, is left to the step."""
         first = self.runner.collect_first(handle)  # [1, B, N + 1]; None: the step's collect says why
         if first is None:
             return set()
@@ -239,8 +240,11 @@ class TalkerEngine:
                 continue
             self.scheduler.apply(request, 1, False, now)  # not its last: more than one frame is left
             self.counters.observe_first_record(request)
-            codes = np.ascontiguousarray(first[0, row:row + 1, :n], dtype=np.int16)
-            self._queue(request, codes, request.frames_done - 1, 0, int(FinishReason.UNSPECIFIED))
+            codes = first[0, row:row + 1, :n]
+            if request.held is not None:  # its first record's frames of earlier steps lead
+                codes, request.held = np.concatenate([request.held, codes]), None
+            codes = np.ascontiguousarray(codes, dtype=np.int16)
+            self._queue(request, codes, request.frames_done - len(codes), 0, int(FinishReason.UNSPECIFIED))
             done.add(row)
         self.counters.frames += len(done)
         self._write_first()

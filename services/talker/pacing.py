@@ -195,17 +195,18 @@ def first_frames(one: float | None, config: PacingConfig, next_ahead_s: float = 
     return max(FIRST_K, math.ceil(need - 1e-9))
 
 
-def first_frame_alone(times: StepTimes, bucket: int, k: int, config: PacingConfig) -> bool:
-    """Whether a step's first frame may go out as a first record of its own while the other
-    K - 1 run (the same replays: the codes do not change; the listener starts a frame sooner):
-    its audio, one frame, must last while they are made and reach the listener (the path),
+def first_frame_alone(times: StepTimes, bucket: int, k: int, config: PacingConfig, frames: int = 1) -> bool:
+    """Whether a first record may go out at a step's first frame while the other K - 1 run (the
+    same replays: the codes do not change; the listener starts sooner): that frame alone, or
+    with the ``frames`` - 1 a silent row held from its earlier steps. Its audio, ``frames``
+    frames, must last while the rest of the step is made and reaches the listener (the path),
     with ``config.first_audio_headroom``. Never for K = 1 (the record would be the same)."""
     if k < 2:
         return False
     one, whole = times.estimate(bucket, 1), times.estimate(bucket, k)
     if one is None or whole is None:
         return False
-    return (whole - one + config.path_s) * (1 + config.first_audio_headroom) <= 1 / config.frame_rate
+    return (whole - one + config.path_s) * (1 + config.first_audio_headroom) <= frames / config.frame_rate
 
 
 def first_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes, one: float) -> int | None:

@@ -299,11 +299,29 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
         plan.estimate_s = None if frames is None else ahead_s + frames
         plan.row_slack_s = outlook.row_due - now
         plan.limits = [min(plan.k, r.max_frames - r.frames_done) for r in plan.decode]
-        if plan.k >= plan.first_frames and first_frame_alone(self.times, plan.bucket, plan.k, self.pacing):
-            plan.first_alone = [row for row, r in enumerate(plan.decode)  # not a session's: its turns
-                                if r.first_written_at is None and r.held is None and r.session is None
-                                and r.max_frames - r.frames_done > 1]
+        plan.first_alone = self._first_alone(plan)
         self._last_step = (plan.bucket, plan.k)
+
+    def _first_alone(self, plan: StepPlan) -> list[int]:
+        """The rows whose first record goes out at the step's first frame while the rest of the
+        step runs: silent rows (not a session's: its turns) with more than a frame left, whose
+        held frames and the step's K make a whole first record (``first_frames``), where those
+        frames and that one last while the rest of the step is made and reaches the listener
+        (``first_frame_alone``)."""
+        if plan.k < 2:
+            return []
+        rows, lasts = [], {}  # lasts: by the record's frames (held + 1)
+        for row, r in enumerate(plan.decode):
+            if r.first_written_at is not None or r.session is not None or r.max_frames - r.frames_done <= 1:
+                continue
+            frames = 1 + (0 if r.held is None else len(r.held))
+            if frames - 1 + plan.k < plan.first_frames:
+                continue
+            if frames not in lasts:
+                lasts[frames] = first_frame_alone(self.times, plan.bucket, plan.k, self.pacing, frames)
+            if lasts[frames]:
+                rows.append(row)
+        return rows
 
     def _observe_host(self, period: float) -> None:
         """Each step's period less its frames' estimate (``LoopTime``)."""

@@ -100,3 +100,19 @@ def test_a_steps_first_frame_alone_is_the_same_frame_and_its_codes_do_not_change
     assert not step.event.query(), "launch returned after the device finished its step"
     first = runner.collect_first(step)
     np.testing.assert_array_equal(first, runner.collect(step)[:1])
+
+
+def test_a_held_first_record_goes_out_at_the_frame_that_completes_it_and_its_codes_do_not_change(model):
+    # a first record of three frames (path_s 0.15) and steps of two: rows hold their first step's
+    # frames, and the next step's first frame, copied on its own event, completes the record
+    reference, _, _ = outputs(model, k_max=2, pipelined=True, first_alone=False, path_s=0.15)
+    early, _, records = outputs(model, k_max=2, pipelined=True, first_alone=True, path_s=0.15)
+    for handle, (codes, reason) in reference.items():
+        np.testing.assert_array_equal(early[handle][0], codes)
+        assert early[handle][1] == reason
+    sizes = {}
+    for r in records:
+        if r["codes"] is not None:
+            sizes.setdefault(r["handle"], []).append(len(r["codes"]))
+    assert any(s[:2] == [3, 1] for s in sizes.values())  # held two and the frame, then the step's other
+    assert all(s[0] <= 3 for s in sizes.values())

@@ -66,5 +66,29 @@ def test_a_first_frame_goes_alone_only_when_its_audio_outlasts_the_rest_of_the_s
     assert first_frame_alone(times, 1, 2, config)  # (7 + 20) x 1.5 = 40.5 ms <= 80 ms
     assert first_frame_alone(times, 1, 5, config)  # (28 + 20) x 1.5 = 72 ms
     assert not first_frame_alone(times, 1, 6, config)  # (35 + 20) x 1.5 = 82.5 ms: a gap
+    assert first_frame_alone(times, 1, 6, config, frames=2)  # two frames held and that one: 160 ms
     assert not first_frame_alone(times, 1, 2, PacingConfig(frame_rate=12.5, path_s=0.05, k_max=8,
                                                             first_audio_headroom=0.5))
+
+
+def test_a_held_first_record_goes_out_at_the_step_frame_that_completes_it(folder):
+    # A first record of three frames (the path 150 ms) and steps of two: the rows hold their first
+    # step's two frames. Without the early copy the first record waits for the next step's end
+    # (four frames); with it the held two and that step's first frame go out at that frame, its
+    # second frame in the step's own record. The codes are the same either way.
+    results, records = {}, {}
+    for alone in (False, True):
+        engine, sink = make_engine(folder, k_max=2, clock=frozen_clock, path_s=0.15, first_alone=alone)
+        engine.scheduler.times.observe(engine.runner.bucket_for(4), 1, 0.001)  # measured: no K=1 first step
+        run(engine, _batch(False))
+        results[alone] = collect(sink.records)
+        written = [r for r in sink.records if r["codes"] is not None]
+        records[alone] = {h: [len(r["codes"]) for r in written if r["handle"] == h] for h in results[alone]}
+    for handle, (codes, reason) in results[False].items():
+        np.testing.assert_array_equal(results[True][handle][0], codes)
+        assert results[True][handle][1] == reason
+    long = [h for h, sizes in records[False].items() if sum(sizes) >= 6]
+    assert len(long) >= 3
+    for h in long:
+        assert records[False][h][0] == 4  # two steps' frames, written at the second's end
+        assert records[True][h][:2] == [3, 1]  # held two and the first frame, then the second
