@@ -192,7 +192,7 @@ class TalkerEngine:
             self._write_first()
         counters.emit_s += self.clock() - collected
         if self.step_log is not None:
-            self._log_step(plan, step.launched, collected, took, first_records)
+            self._log_step(plan, step.launched, collected, took, first_records, len(alone))
 
     def _line(self, bucket: int) -> dict | None:
         """The step time line of a bucket as the step log shows it (ms), and whether it was
@@ -207,9 +207,11 @@ class TalkerEngine:
                 "clean": clean}
 
     def _log_step(self, plan: StepPlan, launched: float, collected: float, took: float,
-                  first_records: int) -> None:
+                  first_records: int, early: int = 0) -> None:
         """One line of the step log: seconds on the engine's clock, the plan's estimate beside
-        the step's measured time, and the earliest row's slack when the step was planned."""
+        the step's measured time, and the earliest row's slack when the step was planned; of the
+        first records, ``early`` went out at the step's first frame (``first_frames``: the fewest
+        a first record held)."""
         ms = 1e3
         self.step_log.write({
             "t": round(collected, 6), "launched": round(launched, 6), "rows": len(plan.decode),
@@ -219,7 +221,8 @@ class TalkerEngine:
             "prefill_calls": plan.prefill_calls[0], "prefill_padded": plan.prefill_calls[1],
             "launch_host_ms": round(plan.launch_host_s * ms, 3),
             "estimate_ms": None if plan.estimate_s is None else round(plan.estimate_s * ms, 3),
-            "took_ms": round(took * ms, 3), "first_records": first_records,
+            "took_ms": round(took * ms, 3), "first_records": first_records, "first_early": early,
+            "first_frames": plan.first_frames,
             "row_slack_ms": None if plan.row_slack_s == float("inf") else round(plan.row_slack_s * ms, 3),
             "line": self._line(plan.bucket), "admission": self.scheduler.admission_view(collected),
         })

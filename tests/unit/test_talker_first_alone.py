@@ -6,11 +6,14 @@ CPU a launch runs all of its frames first, so it is off there unless asked (as h
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from services.talker.pacing import PacingConfig, first_frame_alone
 from services.talker.step_times import StepTimes
+from services.talker.steplog import StepLog
 from tests.unit.test_talker_engine import (
     _batch,
     collect,
@@ -71,16 +74,21 @@ def test_a_first_frame_goes_alone_only_when_its_audio_outlasts_the_rest_of_the_s
                                                             first_audio_headroom=0.5))
 
 
-def test_a_held_first_record_goes_out_at_the_step_frame_that_completes_it(folder):
+def test_a_held_first_record_goes_out_at_the_step_frame_that_completes_it(folder, tmp_path):
     # A first record of three frames (the path 150 ms) and steps of two: the rows hold their first
     # step's two frames. Without the early copy the first record waits for the next step's end
     # (four frames); with it the held two and that step's first frame go out at that frame, its
     # second frame in the step's own record. The codes are the same either way.
-    results, records = {}, {}
+    results, records, early = {}, {}, {}
     for alone in (False, True):
         engine, sink = make_engine(folder, k_max=2, clock=frozen_clock, path_s=0.15, first_alone=alone)
         engine.scheduler.times.observe(engine.runner.bucket_for(4), 1, 0.001)  # measured: no K=1 first step
+        engine.step_log = StepLog(str(tmp_path / f"steps-{alone}.jsonl"))
         run(engine, _batch(False))
+        engine.step_log.close()
+        lines = [json.loads(line) for line in (tmp_path / f"steps-{alone}.jsonl").read_text().splitlines()]
+        early[alone] = sum(line["first_early"] for line in lines)
+        assert all(line["first_frames"] == 3 for line in lines if line["k"] and line["bound"] != "unmeasured")
         results[alone] = collect(sink.records)
         written = [r for r in sink.records if r["codes"] is not None]
         records[alone] = {h: [len(r["codes"]) for r in written if r["handle"] == h] for h in results[alone]}
@@ -92,3 +100,4 @@ def test_a_held_first_record_goes_out_at_the_step_frame_that_completes_it(folder
     for h in long:
         assert records[False][h][0] == 4  # two steps' frames, written at the second's end
         assert records[True][h][:2] == [3, 1]  # held two and the first frame, then the second
+    assert early[False] == 0 and early[True] >= len(long)  # the step log counts them

@@ -32,6 +32,8 @@ def test_each_step_is_one_line_with_its_plan_and_its_time(folder, tmp_path):
     assert all(line["rows"] == 0 and line["prefill_tokens"] for line in lines if not line["k"])
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert sum(line["first_records"] for line in lines) == len(requests)
+    # on the CPU a launch runs its frames at once: no first record goes out at a step's first frame
+    assert all(line["first_early"] == 0 and line["first_frames"] >= 1 for line in decoding)
     assert sum(line["prefill_tokens"] for line in lines) == sum(r.prompt_len for r in requests)
     assert all(0 <= line["k"] <= 4 for line in lines)
     assert decoding[0]["bound"] == "unmeasured" and decoding[0]["estimate_ms"] is None
