@@ -191,22 +191,34 @@ def first_frames(one: float | None, config: PacingConfig, next_ahead_s: float = 
     first step, of one frame, is its measurement)."""
     if one is None:
         return 1
-    need = (next_ahead_s + 2 * one + config.path_s) * (1 + config.first_audio_headroom) * config.frame_rate
-    return max(FIRST_K, math.ceil(need - 1e-9))
+    return max(FIRST_K, math.ceil(first_need_s(one, config, next_ahead_s) * config.frame_rate - 1e-9))
 
 
-def first_frame_alone(times: StepTimes, bucket: int, k: int, config: PacingConfig, frames: int = 1) -> bool:
+def first_need_s(one: float, config: PacingConfig, next_ahead_s: float = 0.0) -> float:
+    """The audio a first record must hold (:func:`first_frames`, before it is rounded up to frames
+    and to ``FIRST_K``): while the row's next record is made and reaches the listener, with
+    ``config.first_audio_headroom``."""
+    return (next_ahead_s + 2 * one + config.path_s) * (1 + config.first_audio_headroom)
+
+
+def first_frame_alone(times: StepTimes, bucket: int, k: int, config: PacingConfig, held: int = 0,
+                      need_s: float = 0.0) -> bool:
     """Whether a first record may go out at a step's first frame while the other K - 1 run (the
-    same replays: the codes do not change; the listener starts sooner): that frame alone, or
-    with the ``frames`` - 1 a silent row held from its earlier steps. Its audio, ``frames``
-    frames, must last while the rest of the step is made and reaches the listener (the path),
-    with ``config.first_audio_headroom``. Never for K = 1 (the record would be the same)."""
+    same replays: the codes do not change; the listener starts sooner): that frame, after the
+    ``held`` frames a silent row kept from its earlier steps. Its audio must last while the rest
+    of the step is made and reaches the listener (the path); and since its listener starts that
+    much sooner, the row's frames at the step's end, less what the listener heard meanwhile, must
+    still hold the ``need_s`` a first record is sized for (:func:`first_need_s`); both with
+    ``config.first_audio_headroom``. Never for K = 1 (the record would be the same)."""
     if k < 2:
         return False
     one, whole = times.estimate(bucket, 1), times.estimate(bucket, k)
     if one is None or whole is None:
         return False
-    return (whole - one + config.path_s) * (1 + config.first_audio_headroom) <= frames / config.frame_rate
+    headroom = 1 + config.first_audio_headroom
+    if (whole - one + config.path_s) * headroom > (held + 1) / config.frame_rate:
+        return False
+    return (held + k) / config.frame_rate - (whole - one) * headroom >= need_s
 
 
 def first_k(outlook: StepOutlook, config: PacingConfig, times: StepTimes, one: float) -> int | None:

@@ -41,6 +41,7 @@ from services.talker.pacing import (
     due,
     first_frame_alone,
     first_frames,
+    first_need_s,
 )
 from services.talker.request import FinishReason, RequestState, TalkerRequest
 from services.talker.scheduler_admission import AdmissionRules, Overloaded, RecentFirstAudio
@@ -293,33 +294,34 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
         outlook = dataclasses.replace(self._outlook(now, ahead_s, plan.decode), next_ahead_s=next_ahead,
                                       arrival_rate=self.arrival_rate(now), host_s=self._host_s())
         plan.bucket = outlook.bucket
-        plan.first_frames = first_frames(self.times.estimate(plan.bucket, 1), self.pacing, next_ahead)
+        one = self.times.estimate(plan.bucket, 1)
+        plan.first_frames = first_frames(one, self.pacing, next_ahead)
         plan.k, plan.k_bound = choose_k(outlook, self.pacing, self.times)
         frames = self.times.estimate(plan.bucket, plan.k)
         plan.estimate_s = None if frames is None else ahead_s + frames
         plan.row_slack_s = outlook.row_due - now
         plan.limits = [min(plan.k, r.max_frames - r.frames_done) for r in plan.decode]
-        plan.first_alone = self._first_alone(plan)
+        need_s = 0.0 if one is None else first_need_s(one, self.pacing, next_ahead)
+        plan.first_alone = self._first_alone(plan, need_s)
         self._last_step = (plan.bucket, plan.k)
 
-    def _first_alone(self, plan: StepPlan) -> list[int]:
+    def _first_alone(self, plan: StepPlan, need_s: float) -> list[int]:
         """The rows whose first record goes out at the step's first frame while the rest of the
         step runs: silent rows (not a session's: its turns) with more than a frame left, whose
-        held frames and the step's K make a whole first record (``first_frames``), where those
-        frames and that one last while the rest of the step is made and reaches the listener
-        (``first_frame_alone``)."""
+        held frames and the step's K make a whole first record (``first_frames``), where the
+        listener's head start leaves it enough (``first_frame_alone``)."""
         if plan.k < 2:
             return []
-        rows, lasts = [], {}  # lasts: by the record's frames (held + 1)
+        rows, lasts = [], {}  # lasts: by the frames held
         for row, r in enumerate(plan.decode):
             if r.first_written_at is not None or r.session is not None or r.max_frames - r.frames_done <= 1:
                 continue
-            frames = 1 + (0 if r.held is None else len(r.held))
-            if frames - 1 + plan.k < plan.first_frames:
+            held = 0 if r.held is None else len(r.held)
+            if held + plan.k < plan.first_frames:
                 continue
-            if frames not in lasts:
-                lasts[frames] = first_frame_alone(self.times, plan.bucket, plan.k, self.pacing, frames)
-            if lasts[frames]:
+            if held not in lasts:
+                lasts[held] = first_frame_alone(self.times, plan.bucket, plan.k, self.pacing, held, need_s)
+            if lasts[held]:
                 rows.append(row)
         return rows
 

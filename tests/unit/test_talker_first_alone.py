@@ -69,7 +69,11 @@ def test_a_first_frame_goes_alone_only_when_its_audio_outlasts_the_rest_of_the_s
     assert first_frame_alone(times, 1, 2, config)  # (7 + 20) x 1.5 = 40.5 ms <= 80 ms
     assert first_frame_alone(times, 1, 5, config)  # (28 + 20) x 1.5 = 72 ms
     assert not first_frame_alone(times, 1, 6, config)  # (35 + 20) x 1.5 = 82.5 ms: a gap
-    assert first_frame_alone(times, 1, 6, config, frames=2)  # two frames held and that one: 160 ms
+    assert first_frame_alone(times, 1, 6, config, held=1)  # a frame held and that one: 160 ms
+    # its listener starts 7 ms sooner (K=2): the 2 frames at the step's end, less 7 x 1.5 ms, hold
+    # at most 149.5 ms of what a first record is sized for
+    assert first_frame_alone(times, 1, 2, config, need_s=0.1495 - 1e-9)
+    assert not first_frame_alone(times, 1, 2, config, need_s=0.1495 + 1e-6)
     assert not first_frame_alone(times, 1, 2, PacingConfig(frame_rate=12.5, path_s=0.05, k_max=8,
                                                             first_audio_headroom=0.5))
 
