@@ -1,0 +1,76 @@
+"""Where the talker's device waits for its host, and how its first records went out, from a step log
+(``engine.step_log``, the bench's ``STEPLOG=1``):
+
+- the **gap** between a step's collect (its line's ``t``) and the next step's launch (the next
+  line's ``launched``): the talker has nothing queued on the device meanwhile. Per band of rows
+  (median and p90, ms), and a least-squares line over every pair of steps: a constant, per 100
+  rows, per first record the collected step wrote and per prompt the next one prefilled;
+- the **first records**: how many the steps wrote, how many of them went out at a step's first
+  frame (``first_early``; logs written before it was recorded count none), and how many frames a
+  first record was sized to hold (``first_frames``, by share of the decoding steps).
+
+A pair further apart than ``--max-gap-ms`` (the engine idle, or a tier's end) is left out.
+
+    python -m bench.server.step_gap bench/results/server/<run>/steps.jsonl.gz [--max-gap-ms 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from bench.server.step_fit import load
+
+BANDS = ((1, 2), (2, 20), (20, 80), (80, 160), (160, 240), (240, 320), (320, 10**6))
+TERMS = ("const", "per_100_rows", "per_first_record", "per_prefill_row")
+
+
+def gaps(steps: list[dict], max_gap_ms: float = 50.0) -> dict:
+    """The gap by band of rows and its line (above), from consecutive decoding steps."""
+    decoding = [s for s in steps if s.get("k")]
+    pairs = [(a, b, (b["launched"] - a["t"]) * 1e3) for a, b in itertools.pairwise(decoding)]
+    pairs = [(a, b, gap) for a, b, gap in pairs if 0 <= gap <= max_gap_ms]
+    bands = {}
+    for low, high in BANDS:
+        band = [gap for a, _, gap in pairs if low <= a["rows"] < high]
+        if band:
+            name = f"{low}+" if high == 10**6 else f"{low}-{high - 1}"
+            bands[name] = {"steps": len(band), "median_ms": round(float(np.median(band)), 3),
+                           "p90_ms": round(float(np.percentile(band, 90)), 3)}
+    out = {"pairs": len(pairs), "by_rows": bands}
+    if len(pairs) > len(TERMS):
+        x = np.array([[1.0, a["rows"] / 100, a["first_records"], b["prefill_rows"]] for a, b, _ in pairs])
+        coef, *_ = np.linalg.lstsq(x, np.array([gap for _, _, gap in pairs]), rcond=None)
+        out["line_ms"] = {t: round(float(c), 4) for t, c in zip(TERMS, coef, strict=True)}
+    return out
+
+
+def first_records(steps: list[dict]) -> dict:
+    """The first records written, those sent at a step's first frame, and ``first_frames``' shares."""
+    decoding = [s for s in steps if s.get("k")]
+    written = sum(s["first_records"] for s in decoding)
+    early = sum(s.get("first_early", 0) for s in decoding)
+    sized = Counter(s["first_frames"] for s in decoding if "first_frames" in s)
+    total = sum(sized.values())
+    return {"written": written, "early": early, "early_share": round(early / written, 4) if written else None,
+            "first_frames": {str(f): round(n / total, 4) for f, n in sorted(sized.items())}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("logs", nargs="+", type=Path)
+    parser.add_argument("--max-gap-ms", type=float, default=50.0)
+    args = parser.parse_args(argv)
+    for path in args.logs:
+        steps = load(path)
+        print(json.dumps({"log": str(path), "gap": gaps(steps, args.max_gap_ms),
+                          "first_records": first_records(steps)}))
+
+
+if __name__ == "__main__":
+    main()

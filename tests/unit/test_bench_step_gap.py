@@ -1,0 +1,61 @@
+"""bench.server.step_gap: the talker's host gap between steps and its first records, from a step log."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from bench.server.step_gap import first_records, gaps, main
+
+
+def synthetic_log(n=120, seed=0):
+    """Decoding steps 30 ms long, each next launch 0.5 ms + 1 ms per 100 rows + 0.1 ms per first
+    record + 0.2 ms per prompt the next step prefills after the collect; one idle second in the
+    middle, and a prefill-only line (K = 0) that is not a decoding step."""
+    rng = np.random.default_rng(seed)
+    rows, firsts, prefill = (rng.integers(low, high, n).tolist() for low, high in ((1, 400), (0, 6), (0, 4)))
+    steps, t = [], 10.0
+    for i in range(n):
+        if i:
+            t += (0.5 + rows[i - 1] / 100 + 0.1 * firsts[i - 1] + 0.2 * prefill[i]) / 1e3
+        launched, t = t, t + 0.030
+        steps.append({"t": t, "launched": launched, "rows": rows[i], "k": 2, "first_records": firsts[i],
+                      "prefill_rows": prefill[i], "first_early": firsts[i] // 2, "first_frames": 2 + i % 2})
+        if i == n // 2:
+            steps.append({"t": t + 0.0001, "launched": t, "rows": 0, "k": 0, "first_records": 0,
+                          "prefill_rows": 1})
+            t += 1.0  # idle: this pair is left out
+    return steps
+
+
+def test_the_gap_line_recovers_each_terms_cost_and_leaves_idle_pairs_out():
+    got = gaps(synthetic_log())
+    assert got["pairs"] == 118  # 119 consecutive decoding pairs, one of them idle
+    assert got["line_ms"] == pytest.approx(
+        {"const": 0.5, "per_100_rows": 1.0, "per_first_record": 0.1, "per_prefill_row": 0.2}, abs=1e-3)
+    assert sum(b["steps"] for b in got["by_rows"].values()) == 118
+    assert all(b["median_ms"] <= b["p90_ms"] for b in got["by_rows"].values())
+    assert gaps(synthetic_log(), max_gap_ms=1e4)["pairs"] == 119
+
+
+def test_first_records_count_those_sent_early_and_the_sizes_asked():
+    steps = synthetic_log()
+    got = first_records(steps)
+    assert got["written"] == sum(s["first_records"] for s in steps)
+    assert got["early"] == sum(s["first_early"] for s in steps if s["k"]) and 0 < got["early_share"] < 1
+    assert got["first_frames"] == {"2": 0.5, "3": 0.5}
+    old = [{k: v for k, v in s.items() if k not in ("first_early", "first_frames")} for s in steps]
+    assert first_records(old) == {"written": got["written"], "early": 0, "early_share": 0.0,
+                                  "first_frames": {}}
+
+
+def test_a_gzipped_log_prints_a_line_per_log(tmp_path, capsys):
+    path = tmp_path / "steps.jsonl.gz"
+    with gzip.open(path, "wt") as out:
+        out.write("".join(json.dumps(s) + "\n" for s in synthetic_log(n=30)))
+    main([str(path)])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["log"] == str(path) and printed["gap"]["pairs"] == 28
