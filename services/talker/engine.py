@@ -35,7 +35,7 @@ from services.talker.outbox import Outbox, PendingRecord, RecordSink
 from services.talker.request import FinishReason, RequestState, TalkerRequest
 from services.talker.runner import PrefillRow, Runner
 from services.talker.scheduler import Scheduler, StepPlan
-from services.talker.steplog import StepLog
+from services.talker.steplog import StepLog, step_entry
 from services.transport.layout import RecordFlags
 
 log = logging.getLogger(__name__)
@@ -194,38 +194,13 @@ class TalkerEngine:
         if self.step_log is not None:
             self._log_step(plan, step.launched, collected, took, first_records, len(alone))
 
-    def _line(self, bucket: int) -> dict | None:
-        """The step time line of a bucket as the step log shows it (ms), and whether it was
-        learnt from steps without prefill (clean) or only with it (provisional)."""
-        times = self.scheduler.times
-        line, clean = times.steps.get(bucket), True
-        if line is None:
-            line, clean = times.provisional.get(bucket), False
-        if line is None or line.per_frame is None:
-            return None
-        return {"overhead_ms": round(line.overhead * 1e3, 3), "per_frame_ms": round(line.per_frame * 1e3, 3),
-                "clean": clean}
-
     def _log_step(self, plan: StepPlan, launched: float, collected: float, took: float,
                   first_records: int, early: int = 0) -> None:
-        """One line of the step log: seconds on the engine's clock, the plan's estimate beside
-        the step's measured time, and the earliest row's slack when the step was planned; of the
-        first records, ``early`` went out at the step's first frame (``first_frames``: the fewest
-        a first record held)."""
-        ms = 1e3
-        self.step_log.write({
-            "t": round(collected, 6), "launched": round(launched, 6), "rows": len(plan.decode),
-            "bucket": plan.bucket, "k": plan.k, "bound": plan.k_bound,
-            "prefill_rows": len(plan.prefill), "prefill_tokens": plan.prefill_tokens,
-            "prefill_host_ms": round(plan.prefill_host_s * ms, 3),
-            "prefill_calls": plan.prefill_calls[0], "prefill_padded": plan.prefill_calls[1],
-            "launch_host_ms": round(plan.launch_host_s * ms, 3),
-            "estimate_ms": None if plan.estimate_s is None else round(plan.estimate_s * ms, 3),
-            "took_ms": round(took * ms, 3), "first_records": first_records, "first_early": early,
-            "first_frames": plan.first_frames,
-            "row_slack_ms": None if plan.row_slack_s == float("inf") else round(plan.row_slack_s * ms, 3),
-            "line": self._line(plan.bucket), "admission": self.scheduler.admission_view(collected),
-        })
+        """One line of the step log (services/talker/steplog.py); ``early`` of the first records
+        went out at the step's first frame."""
+        self.step_log.write(step_entry(plan, self.scheduler.times, launched=launched, collected=collected,
+                                       took=took, first_records=first_records, early=early,
+                                       admission=self.scheduler.admission_view(collected)))
 
     def _first_frames_alone(self, plan: StepPlan, handle) -> set[int]:
         """The first records of ``plan.first_alone``'s rows, the frames a row held from its earlier

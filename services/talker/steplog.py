@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import IO
+from typing import IO, Any
 
 
 class StepLog:
@@ -22,3 +22,38 @@ class StepLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def line_view(times: Any, bucket: int) -> dict | None:
+    """The step time line of a bucket as the step log shows it (ms), and whether it was learnt
+    from steps without prefill (clean) or only with it (provisional)."""
+    line, clean = times.steps.get(bucket), True
+    if line is None:
+        line, clean = times.provisional.get(bucket), False
+    if line is None or line.per_frame is None:
+        return None
+    return {"overhead_ms": round(line.overhead * 1e3, 3), "per_frame_ms": round(line.per_frame * 1e3, 3),
+            "clean": clean}
+
+
+def step_entry(plan: Any, times: Any, *, launched: float, collected: float, took: float,
+               first_records: int, early: int, admission: dict) -> dict:
+    """One step's line (a ``StepPlan``, the scheduler's ``StepTimes``): seconds on the engine's
+    clock, the plan's estimate beside the step's measured time, the earliest row's slack when
+    the step was planned, the first records written (``first_early`` of them at the step's
+    first frame; ``first_frames``: the fewest a first record held), the bucket's step time
+    line and what admission read."""
+    ms = 1e3
+    return {
+        "t": round(collected, 6), "launched": round(launched, 6), "rows": len(plan.decode),
+        "bucket": plan.bucket, "k": plan.k, "bound": plan.k_bound,
+        "prefill_rows": len(plan.prefill), "prefill_tokens": plan.prefill_tokens,
+        "prefill_host_ms": round(plan.prefill_host_s * ms, 3),
+        "prefill_calls": plan.prefill_calls[0], "prefill_padded": plan.prefill_calls[1],
+        "launch_host_ms": round(plan.launch_host_s * ms, 3),
+        "estimate_ms": None if plan.estimate_s is None else round(plan.estimate_s * ms, 3),
+        "took_ms": round(took * ms, 3), "first_records": first_records, "first_early": early,
+        "first_frames": plan.first_frames,
+        "row_slack_ms": None if plan.row_slack_s == float("inf") else round(plan.row_slack_s * ms, 3),
+        "line": line_view(times, plan.bucket), "admission": admission,
+    }
