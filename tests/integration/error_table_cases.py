@@ -5,7 +5,8 @@ test_error_table.py finds a row without its check, or a check without its row.
 The stack (test_error_table.stack): "main", a gateway with a bearer token, max_in_flight 1,
 max_body_mb 1 and a voice folder; "noc2w", a gateway whose pair's talker runs and whose Code2Wav
 does not; "dead", a gateway whose pair does not exist. ``held`` keeps main's one place taken by
-a stream of request_id "table-held" while a row runs.
+a stream of request_id "table-held" while a row runs, and on leaving waits until the talker
+has ended that stream.
 """
 
 from __future__ import annotations
@@ -109,6 +110,10 @@ def held(stack):
             yield
         finally:
             response.close()
+            # its cancel reaches the talker through Code2Wav: until it has, the talker's verdict may
+            # still count the stream (on a slow machine, refusing the next request for capacity)
+            wait_for(lambda: metric(stack["talker"]["metrics"], "voxring_running") == 0, WAIT_S,
+                     "the held stream ended on the talker")
 
 
 def while_held(check: Callable) -> Callable:

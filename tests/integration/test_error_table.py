@@ -121,8 +121,10 @@ def stack(model_cache):
     d = Path(tempfile.mkdtemp(prefix="vx-err-", dir="/tmp"))  # short: unix socket paths
     (d / "token").write_text(cases.TOKEN + "\n")
     http = "http: {listen: '127.0.0.1:0', max_body_mb: 1}\n"
+    pair = pair_configs(d)
+    pair["talker"] += "metrics: {listen: '127.0.0.1:0'}\n"  # error_table_cases.held reads its rows
     configs = {
-        **pair_configs(d),
+        **pair,
         "gateway": _gateway_config(d, "gateway", "") + http + "auth: {token_file: token}\n"
         "admission: {max_in_flight: 1}\nvoices: {store: voices}\n",
         "gateway-noc2w": _gateway_config(d, "gateway-noc2w", "", code2wav="no-code2wav") + http,
@@ -131,8 +133,9 @@ def stack(model_cache):
     stages = StageGroup(d)
     try:
         info = start_stages(stages, configs)
-        yield {name: {**info[f"gateway{suffix}"], "grpc": f"unix:{d}/gateway{suffix}.sock"}
-               for name, suffix in (("main", ""), ("noc2w", "-noc2w"), ("dead", "-dead"))}
+        yield {"talker": info["talker"],
+               **{name: {**info[f"gateway{suffix}"], "grpc": f"unix:{d}/gateway{suffix}.sock"}
+                  for name, suffix in (("main", ""), ("noc2w", "-noc2w"), ("dead", "-dead"))}}
     finally:
         codes = stages.close()
         shutil.rmtree(d, ignore_errors=True)
