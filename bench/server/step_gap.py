@@ -5,6 +5,9 @@
   line's ``launched``): the talker has nothing queued on the device meanwhile. Per band of rows
   (median and p90, ms), and a least-squares line over every pair of steps: a constant, per 100
   rows, per first record the collected step wrote and per prompt the next one prefilled;
+- the gap's **parts**, where the log has them (``apply_ms`` of the collected step, ``between_ms``,
+  ``commands`` and ``schedule_ms`` of the next): per band of rows, each part's median and what the
+  parts leave of the gap (the clock readings between them, and the wait for the GIL);
 - the **first records**: how many the steps wrote, how many of them went out at a step's first
   frame (``first_early``; logs written before it was recorded count none), and how many frames a
   first record was sized to hold (``first_frames``, by share of the decoding steps).
@@ -43,11 +46,33 @@ def gaps(steps: list[dict], max_gap_ms: float = 50.0) -> dict:
             bands[name] = {"steps": len(band), "median_ms": round(float(np.median(band)), 3),
                            "p90_ms": round(float(np.percentile(band, 90)), 3)}
     out = {"pairs": len(pairs), "by_rows": bands}
+    parted = [(a, b, gap) for a, b, gap in pairs if "apply_ms" in a and "between_ms" in b]
+    if parted:
+        out["parts_by_rows"] = parts(parted)
     if len(pairs) > len(TERMS):
         x = np.array([[1.0, a["rows"] / 100, a["first_records"], b["prefill_rows"]] for a, b, _ in pairs])
         coef, *_ = np.linalg.lstsq(x, np.array([gap for _, _, gap in pairs]), rcond=None)
         out["line_ms"] = {t: round(float(c), 4) for t, c in zip(TERMS, coef, strict=True)}
     return out
+
+
+def parts(pairs: list[tuple[dict, dict, float]]) -> dict:
+    """Per band of rows, the medians (ms) of the gap and of its parts, the rest of it, and the
+    commands taken in it (mean)."""
+    bands = {}
+    for low, high in BANDS:
+        band = [(a, b, gap) for a, b, gap in pairs if low <= a["rows"] < high]
+        if not band:
+            continue
+        name = f"{low}+" if high == 10**6 else f"{low}-{high - 1}"
+        columns = {"gap": [gap for _, _, gap in band], "apply": [a["apply_ms"] for a, _, _ in band],
+                   "between": [b["between_ms"] for _, b, _ in band],
+                   "schedule": [b["schedule_ms"] for _, b, _ in band],
+                   "rest": [gap - a["apply_ms"] - b["between_ms"] - b["schedule_ms"] for a, b, gap in band]}
+        bands[name] = {"steps": len(band), **{f"{part}_ms": round(float(np.median(values)), 3)
+                                              for part, values in columns.items()},
+                       "commands_mean": round(float(np.mean([b["commands"] for _, b, _ in band])), 2)}
+    return bands
 
 
 def first_records(steps: list[dict]) -> dict:

@@ -89,6 +89,7 @@ class TalkerCore:
     # --- EngineThread protocol ------------------------------------------------------------------
 
     def handle(self, command) -> None:
+        self.engine.counters.commands += 1
         command(self)
 
     def collect(self) -> bool:

@@ -74,6 +74,9 @@ class TalkerEngine:
         self._last_collected = float("-inf")
         self._to_write: list[tuple[TalkerRequest, PendingRecord]] = []  # this iteration's records, in order
         self._collected = False  # a step was collected since the last iteration
+        self._applied_at: float | None = None  # when the last collected step's frames were applied
+        self._commands_seen = 0  # the counters' commands at the last plan
+        self._log_queue: list[tuple] = []  # step log lines, written once the next step is launched
 
     # --- one iteration ----------------------------------------------------------------------
 
@@ -94,7 +97,11 @@ class TalkerEngine:
         previous, self._collected = self._collected, False
         now = self.clock()
         plan = self.scheduler.schedule(now)
-        counters.schedule_s += self.clock() - now
+        plan.schedule_s = self.clock() - now
+        counters.schedule_s += plan.schedule_s
+        plan.commands, self._commands_seen = counters.commands - self._commands_seen, counters.commands
+        if self._applied_at is not None:
+            plan.between_s, self._applied_at = now - self._applied_at, None
         for request in plan.finished:
             self._final_record(request)
         for request in plan.segment_ends:  # a session's segment cleared at this boundary
@@ -111,6 +118,7 @@ class TalkerEngine:
                 self.inflight = launched  # the device runs it while the records below are written
             elif launched is not None:
                 self._complete(launched)
+        self._write_log()  # the step before's line (and this one's, on a synchronous device)
         begun = self.clock()
         counters.overlapped_steps += previous and self.inflight is not None
         self._write()
@@ -190,17 +198,30 @@ class TalkerEngine:
         first_records = len(alone) + self._apply_step(plan, out, collected, alone)
         if first_records:
             self._write_first()
-        counters.emit_s += self.clock() - collected
+        self._applied_at = applied = self.clock()
+        plan.apply_s = applied - collected
+        counters.emit_s += plan.apply_s
         if self.step_log is not None:
             self._log_step(plan, step.launched, collected, took, first_records, len(alone))
 
     def _log_step(self, plan: StepPlan, launched: float, collected: float, took: float,
                   first_records: int, early: int = 0) -> None:
-        """One line of the step log (services/talker/steplog.py); ``early`` of the first records
-        went out at the step's first frame."""
-        self.step_log.write(step_entry(plan, self.scheduler.times, launched=launched, collected=collected,
-                                       took=took, first_records=first_records, early=early,
-                                       admission=self.scheduler.admission_view(collected)))
+        """Queues one line of the step log (services/talker/steplog.py), written by ``_write_log``
+        once the next step is launched: its cost is not in the device's wait for the host.
+        ``early`` of the first records went out at the step's first frame."""
+        self._log_queue.append((plan, launched, collected, took, first_records, early))
+
+    def _write_log(self) -> None:
+        if not self._log_queue:
+            return
+        queued, self._log_queue = self._log_queue, []
+        if self.step_log is None:
+            return
+        admission = self.scheduler.admission_view(self.clock())  # what the verdict after this step reads
+        for plan, launched, collected, took, first_records, early in queued:
+            self.step_log.write(step_entry(plan, self.scheduler.times, launched=launched, collected=collected,
+                                           took=took, first_records=first_records, early=early,
+                                           admission=admission))
 
     def _first_frames_alone(self, plan: StepPlan, handle) -> set[int]:
         """The first records of ``plan.first_alone``'s rows, the frames a row held from its earlier
@@ -368,6 +389,7 @@ class TalkerEngine:
         """Collects the step in flight, if any, and writes what is queued (shutdown, tests)."""
         self.collect()
         self._collected = False
+        self._write_log()
         self._write()
         self._flush(self.clock())
 

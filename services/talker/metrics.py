@@ -47,6 +47,7 @@ class EngineCounters:
     steps_with_prefill_s: float = 0.0
     steps_without_prefill_s: float = 0.0
     overlapped_steps: int = 0  # steps whose records were written while the next one ran
+    commands: int = 0  # commands the engine thread handed the engine (Submits, cancels, ...)
     k_bounds: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BOUNDS, 0))
     # rows' slack at their records' writes: counts per bucket of SLACK_EDGES (the last: beyond)
     slack_counts: np.ndarray = field(default_factory=lambda: np.zeros(len(SLACK_EDGES) + 1, np.int64))

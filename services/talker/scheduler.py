@@ -76,6 +76,13 @@ class StepPlan:
     prefill_host_s: float = 0.0      # what the engine's thread spent in the prefill call (the step log)
     prefill_calls: tuple[int, int] = (0, 0)  # ... the calls it made and the positions they ran, padded
     launch_host_s: float = 0.0       # ... and in the frames' launch
+    # the host's time before the launch (the step log's, where the talker's device waits for it):
+    # from the step before's records applied to this plan begun (commands, ``commands`` of them,
+    # and the thread's housekeeping), the plan itself, and after the collect, applying its frames
+    between_s: float = 0.0
+    commands: int = 0
+    schedule_s: float = 0.0
+    apply_s: float = 0.0
 
     @property
     def prefill_tokens(self) -> int:

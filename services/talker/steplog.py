@@ -42,7 +42,10 @@ def step_entry(plan: Any, times: Any, *, launched: float, collected: float, took
     clock, the plan's estimate beside the step's measured time, the earliest row's slack when
     the step was planned, the first records written (``first_early`` of them at the step's
     first frame; ``first_frames``: the fewest a first record held), the bucket's step time
-    line and what admission read."""
+    line and what admission read once the next step was launched. The host's time before the
+    launch, where the device waits for it: ``between_ms`` (from the step before's frames applied:
+    ``commands`` and the thread's housekeeping), ``schedule_ms`` (the plan); after the collect,
+    ``apply_ms`` (the frames applied, the first records written)."""
     ms = 1e3
     return {
         "t": round(collected, 6), "launched": round(launched, 6), "rows": len(plan.decode),
@@ -51,6 +54,8 @@ def step_entry(plan: Any, times: Any, *, launched: float, collected: float, took
         "prefill_host_ms": round(plan.prefill_host_s * ms, 3),
         "prefill_calls": plan.prefill_calls[0], "prefill_padded": plan.prefill_calls[1],
         "launch_host_ms": round(plan.launch_host_s * ms, 3),
+        "between_ms": round(plan.between_s * ms, 3), "commands": plan.commands,
+        "schedule_ms": round(plan.schedule_s * ms, 3), "apply_ms": round(plan.apply_s * ms, 3),
         "estimate_ms": None if plan.estimate_s is None else round(plan.estimate_s * ms, 3),
         "took_ms": round(took * ms, 3), "first_records": first_records, "first_early": early,
         "first_frames": plan.first_frames,

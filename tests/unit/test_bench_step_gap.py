@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 
 import numpy as np
 import pytest
 
-from bench.server.step_gap import first_records, gaps, main
+from bench.server.step_gap import first_records, gaps, main, parts
 
 
 def synthetic_log(n=120, seed=0):
@@ -39,6 +40,25 @@ def test_the_gap_line_recovers_each_terms_cost_and_leaves_idle_pairs_out():
     assert sum(b["steps"] for b in got["by_rows"].values()) == 118
     assert all(b["median_ms"] <= b["p90_ms"] for b in got["by_rows"].values())
     assert gaps(synthetic_log(), max_gap_ms=1e4)["pairs"] == 119
+
+
+def test_the_parts_of_each_gap_and_what_they_leave():
+    """A log with the host's parts: the collected step's apply, the next one's between (3 commands)
+    and schedule; the rest is what they leave of each gap. A log without them has no parts."""
+    steps = [s for s in synthetic_log() if s["k"]]
+    for a, b in itertools.pairwise(steps):
+        gap = (b["launched"] - a["t"]) * 1e3
+        a["apply_ms"], b["between_ms"], b["schedule_ms"], b["commands"] = 0.5 * gap, 0.2 * gap, 0.2 * gap, 3
+    steps[0].update(between_ms=0.0, schedule_ms=0.0, commands=0)
+    steps[-1]["apply_ms"] = 0.0
+    got = gaps(steps)["parts_by_rows"]
+    assert sum(band["steps"] for band in got.values()) == 118
+    for band in got.values():
+        assert band["apply_ms"] == pytest.approx(0.5 * band["gap_ms"], rel=0.2)
+        assert band["rest_ms"] == pytest.approx(0.1 * band["gap_ms"], rel=0.2, abs=1e-3)
+        assert band["commands_mean"] == 3.0
+    assert "parts_by_rows" not in gaps(synthetic_log())
+    assert parts([]) == {}
 
 
 def test_first_records_count_those_sent_early_and_the_sizes_asked():

@@ -36,3 +36,20 @@ def test_the_consumers_first_audio_gauge_shows_what_admission_reads(folder):
     assert core.metrics()["consumer_first_audio_seconds"][2] == 0.0  # none reported
     engine.scheduler.set_consumer_first_audio(0.185)
     assert core.metrics()["consumer_first_audio_seconds"][2] == 0.185
+
+
+def test_the_commands_the_thread_hands_over_are_counted_into_the_next_plan(folder):
+    """The step log's ``commands``: what the engine thread took between two plans."""
+    engine, _ = make_engine(folder, k_max=4)
+    core = TalkerCore(engine, consumers=None)
+    plans, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda now: plans.append(schedule(now)) or plans[-1]
+    seen = []
+    for _ in range(3):
+        core.handle(seen.append)
+    assert seen == [core] * 3 and engine.counters.commands == 3
+    engine.step()
+    core.handle(seen.append)
+    engine.step()
+    engine.step()
+    assert [plan.commands for plan in plans] == [3, 1, 0]

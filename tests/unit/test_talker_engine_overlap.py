@@ -6,6 +6,7 @@ end exactly the rows they should."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -251,3 +252,42 @@ def test_every_record_of_a_step_is_one_per_request(asynchronous):
     for h in range(4):
         frames, last = frames_of(sink, h)
         assert len(frames) == 7 and last["finish"] == FinishReason.LENGTH
+
+
+class CallLog:
+    """A step log that notes each line among the runner's calls (``runner.calls``)."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls, self.lines = calls, []
+
+    def write(self, entry: dict) -> None:
+        self.calls.append(("log", entry["launched"]))
+        self.lines.append(entry)
+
+
+def test_a_steps_log_line_is_written_after_the_next_step_is_launched():
+    """The line's cost is host time: written before the next launch, the device would wait for it."""
+    runner = FakeRunner()
+    engine, _, _ = make(runner)
+    measured(engine, runner)
+    engine.step_log = CallLog(runner.calls)
+    engine.scheduler.add(req(1, max_frames=12))
+    engine.scheduler.add(req(2, max_frames=12))
+    run(engine)
+    engine.drain()
+    order = [c[0] for c in runner.calls if c[0] in ("launch", "collect", "log")]
+    steps = order.count("launch")
+    assert steps > 2 and order.count("log") == steps
+    for i, call in enumerate(order):  # a collect's line comes after the next launch (or the end)
+        if call == "collect":
+            after = order[i + 1:]
+            log_at = after.index("log")
+            assert "launch" not in after or after.index("launch") < log_at, order
+    lines = engine.step_log.lines
+    assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
+    # the host's parts before each launch, on the fake clock (1 ms a reading)
+    assert all(line["schedule_ms"] > 0 and line["apply_ms"] > 0 for line in lines)
+    assert all(line["between_ms"] > 0 for line in lines[1:])
+    for a, b in itertools.pairwise(lines):  # the parts lie within the gap
+        gap_ms = (b["launched"] - a["t"]) * 1e3
+        assert a["apply_ms"] + b["between_ms"] + b["schedule_ms"] <= gap_ms + 1e-6
