@@ -32,6 +32,7 @@ import numpy as np
 from services.common.log import request_context
 from services.talker.metrics import EngineCounters
 from services.talker.outbox import Outbox, PendingRecord, RecordSink
+from services.talker.pacing import due
 from services.talker.request import FinishReason, RequestState, TalkerRequest
 from services.talker.runner import PrefillRow, Runner
 from services.talker.scheduler import Scheduler, StepPlan
@@ -265,7 +266,7 @@ class TalkerEngine:
         stopped = (first_stop < limits).tolist()
         codes = np.ascontiguousarray(out[:, :, :n].transpose(1, 0, 2), dtype=np.int16)  # [B, K, N]
         apply, queue, slacks, first_records = self.scheduler.apply, self._to_write.append, [], 0
-        due, first_frames = self.scheduler.due, plan.first_frames
+        first_frames, pacing = plan.first_frames, self.scheduler.pacing
         for row, request in enumerate(plan.decode):
             if request.finish is not None or request.state is not RequestState.RUNNING or request.prefilling:
                 continue  # ended while the step ran (cancelled, its consumer gone), or a session
@@ -281,7 +282,7 @@ class TalkerEngine:
             ends = stopped[row] or request.frames_done + count >= request.max_frames
             hold = silent and len(frames) < first_frames and not ends
             if not silent:
-                slacks.append(due(request) - now)
+                slacks.append(due(request, pacing) - now)
             if request.session is not None:
                 request.session.spoken(codes[row, :count])
             reason = apply(request, count, stopped[row], now, written=not hold)

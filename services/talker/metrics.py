@@ -82,7 +82,7 @@ class EngineCounters:
         if any(m is None for m in marks):
             return
         for part, begun, ended in zip(FIRST_RECORD_PARTS, marks, marks[1:], strict=False):
-            self.first_record[part].observe([max(0.0, ended - begun)])
+            self.first_record[part].observe_one(max(0.0, ended - begun))
 
     def observe_slack(self, slacks: list[float]) -> None:
         if not slacks:

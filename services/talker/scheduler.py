@@ -223,12 +223,15 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
         self._resume_sessions(now, plan.finished)
         self._admit()
         decode = [r for r in self.running if not r.prefilling and r.paused_since is None]
-        plan.prefill = self._prefill_chunks(now, decode)
-        decode += [c.request for c in plan.prefill if c.final]
+        dues = [due(r, self.pacing) for r in decode]  # once a plan: the prefill's budget and K read them
+        plan.prefill = self._prefill_chunks(now, decode, dues)
+        joined = [c.request for c in plan.prefill if c.final]
+        decode += joined
+        dues += [due(r, self.pacing) for r in joined]
         plan.decode = decode
         self._last_plan = now if decode else None  # idle gaps are not steps
         if decode:
-            self._choose_k(plan, now, self.times.prefill_s(plan.prefill_tokens))
+            self._choose_k(plan, now, self.times.prefill_s(plan.prefill_tokens), dues)
         return plan
 
     def set_consumer_tick(self, tick_s: float) -> None:
@@ -269,18 +272,21 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
             request.prefilled = 0
             self.running.append(request)
 
-    def _outlook(self, now: float, ahead_s: float, rows: list[TalkerRequest]) -> StepOutlook:
+    def _outlook(self, now: float, ahead_s: float, rows: list[TalkerRequest],
+                 row_dues: list[float] | None = None) -> StepOutlook:
         """What K is chosen for a step of ``rows``, from their due times and those of the
         requests waiting for prefill. A row or waiting request already late whatever this step
         does (due before a one-frame step, and the one to spare, could write its record) does not
         bound K: a one-frame step cannot bring it in time, and under load such rows are nearly
         always there, whose K = 1 would cut every other row's frames per second (and make every
         chunk a frame or two, which the gateway then relays one message each). Such a row still
-        silent is flagged: while the others can spare it, it gets a short step (pacing.first_k)."""
+        silent is flagged: while the others can spare it, it gets a short step (pacing.first_k).
+        ``row_dues``: the rows' due times where the caller has them."""
         config, bucket = self.pacing, self.bucket_for(max(1, len(rows)))
         one = self.times.estimate(bucket, 1)
         reachable = -math.inf if one is None else now + ahead_s + 2 * one
-        dues = [(due(r, config), r) for r in rows]
+        dues = list(zip(row_dues, rows, strict=True)) if row_dues is not None else [(due(r, config), r)
+                                                                                     for r in rows]
         # a speaking row keeps the path's own length to spare: its later records may take longer to
         # reach the listener than its first did (a busy tick, a slow relay)
         first = min(((d - config.margin_s if r.first_written_at is not None else d, r)
@@ -294,11 +300,11 @@ class Scheduler(AdmissionRules, PrefillRules, SessionRules):
                            ahead_s=ahead_s,
                            late_first=any(d < reachable and r.first_written_at is None for d, r in dues))
 
-    def _choose_k(self, plan: StepPlan, now: float, ahead_s: float) -> None:
+    def _choose_k(self, plan: StepPlan, now: float, ahead_s: float, dues: list[float] | None = None) -> None:
         # the next step prefills at least a chunk of what is still queued (the rows speaking by then
         # bound the rest: _prefill_chunks)
         next_ahead = self.times.prefill_s(min(self._backlog_tokens(), self.min_chunk_tokens))
-        outlook = dataclasses.replace(self._outlook(now, ahead_s, plan.decode), next_ahead_s=next_ahead,
+        outlook = dataclasses.replace(self._outlook(now, ahead_s, plan.decode, dues), next_ahead_s=next_ahead,
                                       arrival_rate=self.arrival_rate(now), host_s=self._host_s())
         plan.bucket = outlook.bucket
         one = self.times.estimate(plan.bucket, 1)
