@@ -42,6 +42,7 @@ from services.transport.layout import RecordFlags
 log = logging.getLogger(__name__)
 _LAST, _CANCELLED = int(RecordFlags.LAST), int(RecordFlags.CANCELLED)
 _SEGMENT_END = int(RecordFlags.SEGMENT_END)
+_UNSPECIFIED = int(FinishReason.UNSPECIFIED)
 
 
 @dataclass
@@ -112,7 +113,7 @@ class TalkerEngine:
             self._prefill(plan)
             if not plan.decode and self.step_log is not None:  # a step of prefill alone
                 ended = self.clock()
-                self._log_step(plan, work_begun, ended, ended - work_begun, 0)
+                self._log_queue.append((plan, work_begun, ended, ended - work_begun, 0, 0))
         if plan.decode:
             launched = self._launch(plan, work_begun)
             if launched is not None and self.pipelined:
@@ -202,17 +203,12 @@ class TalkerEngine:
         self._applied_at = applied = self.clock()
         plan.apply_s = applied - collected
         counters.emit_s += plan.apply_s
-        if self.step_log is not None:
-            self._log_step(plan, step.launched, collected, took, first_records, len(alone))
-
-    def _log_step(self, plan: StepPlan, launched: float, collected: float, took: float,
-                  first_records: int, early: int = 0) -> None:
-        """Queues one line of the step log (services/talker/steplog.py), written by ``_write_log``
-        once the next step is launched: its cost is not in the device's wait for the host.
-        ``early`` of the first records went out at the step's first frame."""
-        self._log_queue.append((plan, launched, collected, took, first_records, early))
+        if self.step_log is not None:  # ``early`` of the first records went out at the step's first frame
+            self._log_queue.append((plan, step.launched, collected, took, first_records, len(alone)))
 
     def _write_log(self) -> None:
+        """Writes the queued lines of the step log (services/talker/steplog.py) once the next step is
+        launched: their cost is not in the device's wait for the host."""
         if not self._log_queue:
             return
         queued, self._log_queue = self._log_queue, []
@@ -266,9 +262,9 @@ class TalkerEngine:
         stopped = (first_stop < limits).tolist()
         codes = np.ascontiguousarray(out[:, :, :n].transpose(1, 0, 2), dtype=np.int16)  # [B, K, N]
         apply, queue, slacks, first_records = self.scheduler.apply, self._to_write.append, [], 0
-        first_frames, pacing = plan.first_frames, self.scheduler.pacing
+        first_frames, pacing, running = plan.first_frames, self.scheduler.pacing, RequestState.RUNNING
         for row, request in enumerate(plan.decode):
-            if request.finish is not None or request.state is not RequestState.RUNNING or request.prefilling:
+            if request.finish is not None or request.state is not running or request.prefilling:
                 continue  # ended while the step ran (cancelled, its consumer gone), or a session
                 # whose segment ended there (idle, or its next segment's prompt going in)
             skip = row in alone  # its first frame went out alone
@@ -280,7 +276,8 @@ class TalkerEngine:
                 frames = np.concatenate([request.held, frames])
                 first -= len(request.held)
             ends = stopped[row] or request.frames_done + count >= request.max_frames
-            hold = silent and len(frames) < first_frames and not ends
+            made = len(frames)
+            hold = silent and made < first_frames and not ends
             if not silent:
                 slacks.append(due(request, pacing) - now)
             if request.session is not None:
@@ -293,11 +290,14 @@ class TalkerEngine:
             if silent and request.first_written_at is not None:
                 self.counters.observe_first_record(request)
                 first_records += 1
-            if len(frames) or reason is not None:
-                ended = 0 if reason is None else _LAST if request.finish is not None else _SEGMENT_END
-                queue((request, PendingRecord(frames if len(frames) else None, request.seq, first, ended,
-                                              int(reason or FinishReason.UNSPECIFIED))))
-                request.seq += 1
+            if reason is None:
+                if made:
+                    queue((request, PendingRecord(frames, request.seq, first, 0, _UNSPECIFIED)))
+                    request.seq += 1
+                continue
+            ended = _LAST if request.finish is not None else _SEGMENT_END
+            queue((request, PendingRecord(frames if made else None, request.seq, first, ended, int(reason))))
+            request.seq += 1
         self.counters.frames += sum(counts) - len(alone)
         self.counters.observe_slack(slacks)
         return first_records

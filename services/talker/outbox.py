@@ -18,7 +18,7 @@ class RecordSink(Protocol):
                 flags: int = 0, finish_reason: int = 0) -> bool: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class PendingRecord:
     codes: np.ndarray | None   # [frames, num_codebooks] int16, or None
     seq: int
