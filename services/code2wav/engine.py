@@ -256,9 +256,7 @@ class Code2WavEngine(TalkerIntake, StreamingTicks):
         for i, (urgent, part) in enumerate(by_urgency(cuts, now, floor)):
             if i:
                 self.outbox.flush()  # the urgent chunks leave before the rest are decoded
-                late = self._late_firsts(floor)  # first records written during the urgent call
-                cuts.extend(late)
-                part = late + part
+                part = self._late_firsts_call(floor, cuts) + part
             self._decode(part, urgent)
         for stream, _, _ in cuts:  # more pending (or the end) is looked at next tick
             if stream.segment_ends:
@@ -268,6 +266,20 @@ class Code2WavEngine(TalkerIntake, StreamingTicks):
             elif not stream.closed:
                 self._touched.add(stream.handle)
         return True
+
+    def _late_firsts_call(self, floor: float, cuts: list) -> list[tuple[OpenStream, int, str]]:
+        """Between the urgent and the rest call: the first chunks whose records came during the
+        urgent call go in a call of their own, sent before the rest call (joining it, a first chunk
+        would wait for every chunk of the tick: at 1,024 streams 32 ms against 11); those whose
+        records came during that call lead the rest call. Returns those (added to ``cuts`` too)."""
+        late = self._late_firsts(floor)
+        if late:
+            cuts.extend(late)
+            self._decode(late, True)
+            self.outbox.flush()
+            late = self._late_firsts(floor)
+            cuts.extend(late)
+        return late
 
     def _late_firsts(self, floor: float) -> list[tuple[OpenStream, int, str]]:
         """Between a tick's calls: the first chunks of streams whose first record came during the

@@ -216,25 +216,30 @@ def test_a_first_chunk_is_decoded_and_sent_before_the_rest_of_its_tick(setup):
     assert seconds == pytest.approx(0.07) and buckets[-1] == ("+Inf", 3)  # stream 2's 70 ms, 1 and 3 at 0
 
 
-def test_a_first_record_written_during_the_urgent_call_joins_the_rest_call(setup):
+def test_a_first_record_written_during_the_urgent_call_gets_a_call_before_the_rest(setup):
     # While the tick's urgent call runs, stream 4's first record and stream 1's next record (its
     # cut is planned for the rest call) and a cancel of stream 2 (fresh too: nothing sent) come.
-    # Stream 4's first chunk leads the rest call, whole (3 frames, though graphs of 2 and 4 only);
-    # stream 1's record is kept for the next step, so its planned chunk is the frames it had;
-    # stream 2 ends at once (it is in no call).
+    # Stream 4's first chunk goes whole (3 frames, though graphs of 2 and 4 only) in a call of its
+    # own, sent before the rest call; stream 5's first record, written during that call, leads the
+    # rest call; stream 1's record is kept for the next step, so its planned chunk is the frames it
+    # had; stream 2 ends at once (it is in no call).
     engine, clock, link, decoder = setup
     decoder.lengths = (1, 2, 4, 8, 16)
     p = Pacing(decode_margin_s=0.1, steady_frames=4, min_chunk_frames=1)
-    (_, sent1), (_, sent2), (_, sent3), (_, sent4) = (open_stream(engine, h, p) for h in (1, 2, 3, 4))
-    calls = decoder.decode_many
+    (_, sent1), (_, sent2), (_, sent3), (_, sent4), (_, sent5) = (open_stream(engine, h, p)
+                                                                  for h in (1, 2, 3, 4, 5))
+    calls, seen = decoder.decode_many, []
 
     def urgent_then_records(slots, chunks):  # each call takes 10 ms
         clock.now += 0.01
+        seen.append(len(chunk_frames(sent4)))
         if len(decoder.calls) == 1:  # the urgent call of the second tick: records come meanwhile
             put(link, 4, 0, 3)
             put(link, 1, 2, 4, first=8)
             record = FrameRecord(2, 0, 0, 0, K, int(RecordFlags.CANCELLED), int(FinishReason.CANCELLED))
             link.consumer.records.append((record, np.zeros((0, K), np.int16)))
+        elif len(decoder.calls) == 2:  # stream 4's own call
+            put(link, 5, 0, 2)
         return calls(slots, chunks)
 
     decoder.decode_many = urgent_then_records
@@ -246,10 +251,14 @@ def test_a_first_record_written_during_the_urgent_call_joins_the_rest_call(setup
     put(link, 3, 1, 1, first=1)
     engine.step()
     slot = {s.handle: s.slot for s in engine.streams.values()}
-    assert decoder.calls[1:] == [[(slot[3], 1)], [(slot[4], 3), (slot[1], 4)]]
-    assert chunk_frames(sent4) == [3] and chunk_frames(sent1) == [4, 4] and chunk_frames(sent3) == [1, 1]
+    assert decoder.calls[1:] == [[(slot[3], 1)], [(slot[4], 3)], [(slot[5], 2), (slot[1], 4)]]
+    assert seen[1:] == [0, 0, 1]        # stream 4's chunk had left before the rest call
+    assert chunk_frames(sent4) == [3] and chunk_frames(sent5) == [2]
+    assert chunk_frames(sent1) == [4, 4] and chunk_frames(sent3) == [1, 1]
     assert sent2 and sent2[-1][0] == "error" and 2 not in engine.streams
     assert len(engine._kept) == 1 and engine.streams[1].pending_frames == 0
+    c = engine.counters  # the urgent calls: the first tick's, stream 3's, stream 4's own
+    assert (c.urgent_calls, c.decode_calls) == (3, 4)
     clock.now = 0.5                     # the next step applies what was kept, in ring order
     engine.step()
     assert not engine._kept and engine.counters.dropped_records == 0
