@@ -9,7 +9,10 @@ relays. An :class:`EngineThread` owns one thread that runs an :class:`Engine`:
   for at most ``tick_interval`` seconds, so it uses no CPU when idle yet still calls
   ``tick()`` (heartbeats) at least that often;
 - results travel back with :meth:`EngineThread.resolve`/:meth:`fail`/:meth:`reply`, which use
-  ``loop.call_soon_threadsafe`` so that futures are only touched on their loop;
+  ``loop.call_soon_threadsafe`` so that futures are only touched on their loop. An engine whose
+  device waits for the host between steps (``defer_replies`` true: the talker on CUDA) gets the
+  answers of :meth:`call` sent after its ``step()``: each one wakes the event loop, whose
+  Python then competes for the GIL with the work before the next launch;
 - one step, or a burst of commands before it, can outlast the peers' liveness timeout (a
   kernel compiled on first use, a large batch, a thousand requests opened at once): while
   the thread works, a keeper thread calls the engine's ``keepalive()`` (store this side's
@@ -50,6 +53,8 @@ class Engine(Protocol):
     # Optional: ``collect()`` waits for device work the last step left in flight and applies it;
     # the thread calls it before taking the commands of the next step, so a request that came
     # while the device ran is planned into the very next step.
+    # Optional: ``defer_replies`` (true) has the answers of ``call`` sent after the step that
+    # follows the commands, not as each command ends (see the module's docstring).
     # Optional: ``keepalive()`` stores this side's own heartbeats and nothing else. The
     # keeper thread calls it while a step runs, concurrently with that step, so it must be
     # safe against the engine thread (the transports' tick() is).
@@ -97,6 +102,8 @@ class EngineThread:
         self.wake: Callable[[], None] | None = None
         self.keepalives = 0          # keeper calls so far (a count for tests and logs)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # call()'s answers waiting for the step after their commands (None: each sent at once)
+        self._replies: list | None = [] if getattr(engine, "defer_replies", False) else None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._running = False
         self._step_started: float | None = None  # monotonic start of the step running now
@@ -129,9 +136,13 @@ class EngineThread:
 
         def run(engine: Any) -> None:
             try:
-                self.resolve(loop, future, command(engine))
+                answer = (self.resolve, loop, future, command(engine))
             except Exception as exc:  # travels back to the caller (an RPC: the interceptor maps it)
-                self.fail(loop, future, exc)
+                answer = (self.fail, loop, future, exc)
+            if self._replies is None:
+                answer[0](*answer[1:])
+            else:
+                self._replies.append(answer)
 
         self.post(run)
         return await future
@@ -196,6 +207,7 @@ class EngineThread:
                         self.engine.tick()
                         last_tick = now
                     busy = self.engine.step()
+                    self._send_replies()
                     took = time.monotonic() - self._step_started
                 finally:
                     self._step_started = None
@@ -209,7 +221,14 @@ class EngineThread:
             if self.on_failure is not None:
                 self.on_failure(f"{self.name} failed: {exc!r}")
         finally:
+            self._send_replies()  # the commands were applied: their callers get the answers
             self._stopped.set()
+
+    def _send_replies(self) -> None:
+        if self._replies:
+            replies, self._replies = self._replies, []
+            for send, *args in replies:
+                send(*args)
 
     def _keep(self) -> None:
         """The keeper: during a step (and the commands handled before it) longer than one

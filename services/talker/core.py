@@ -88,6 +88,13 @@ class TalkerCore:
 
     # --- EngineThread protocol ------------------------------------------------------------------
 
+    @property
+    def defer_replies(self) -> bool:
+        """Answers after the step (EngineThread): on a device that runs on its own, the commands
+        are taken while it waits for the next launch, and an answer sent then wakes the event loop
+        into that wait (the GIL); on the CPU the step is the device's work, too long to hold them."""
+        return self.engine.pipelined
+
     def handle(self, command) -> None:
         self.engine.counters.commands += 1
         command(self)

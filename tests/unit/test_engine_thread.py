@@ -181,3 +181,79 @@ def test_the_engine_thread_is_named_for_the_operating_system_too():
     finally:
         thread.stop(5.0)
     assert names == ["talker-engine"]
+
+
+class Stepper:
+    """Notes, on the engine thread, how many answers had been sent (``sent``) when each step began;
+    its step waits until the test lets it end."""
+
+    def __init__(self, defer: bool) -> None:
+        self.defer_replies = defer
+        self.sent: list = []
+        self.steps: list[int] = []
+        self.release = threading.Event()
+
+    def handle(self, command):
+        command(self)
+
+    def step(self):
+        self.steps.append(len(self.sent))
+        if not self.release.wait(30):
+            raise TimeoutError("the test never released the step")
+        return False
+
+    def tick(self):
+        pass
+
+
+def _counting(thread: EngineThread, engine: Stepper) -> None:
+    """The thread's answers counted in ``engine.sent`` as they are sent to the loop."""
+    for name in ("resolve", "fail"):
+        send = getattr(EngineThread, name)
+        setattr(thread, name, lambda loop, future, value, send=send: (engine.sent.append(value),
+                                                                      send(loop, future, value)))
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_answers_wait_for_the_step_after_their_command_only_where_the_engine_asks(defer):
+    async def main():
+        engine = Stepper(defer)
+        thread = EngineThread("stepper", engine, tick_interval=0.02)
+        _counting(thread, engine)
+        thread.start()
+        try:
+            answer = asyncio.ensure_future(thread.call(lambda e: 7))
+            async with asyncio.timeout(30):
+                while not engine.steps:  # the command ran; its step now waits
+                    await asyncio.sleep(0.005)
+                assert engine.steps == [0 if defer else 1]  # the answer was held, or already sent
+                engine.release.set()
+                assert await answer == 7
+                with pytest.raises(KeyError):  # a failing command's error travels the same way
+                    await thread.call(lambda e: {}["x"])
+        finally:
+            engine.release.set()
+            thread.stop(timeout=2)
+
+    asyncio.run(main())
+
+
+def test_answers_held_for_a_step_that_fails_still_reach_their_callers():
+    """The commands were applied before the step broke: their callers get their answers, and the
+    thread stops as for any failure."""
+    async def main():
+        engine = Stepper(True)
+        engine.release.set()
+        engine.step = lambda: (_ for _ in ()).throw(RuntimeError("engine broke"))
+        thread = EngineThread("stepper", engine, tick_interval=0.02)
+        thread.start()
+        try:
+            assert await asyncio.wait_for(thread.call(lambda e: 5), 30) == 5
+            async with asyncio.timeout(30):
+                while thread.alive:
+                    await asyncio.sleep(0.005)
+            assert isinstance(thread.error, RuntimeError)
+        finally:
+            thread.stop(timeout=2)
+
+    asyncio.run(main())

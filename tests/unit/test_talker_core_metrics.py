@@ -17,6 +17,7 @@ def test_the_cpu_runner_reports_no_prefill_graphs_and_runs_each_step_in_launch(f
     assert metrics["prefill_graph_capture_seconds"][2] == 0.0
     assert metrics["prefill_graph_reserved_bytes"][2] == 0
     assert metrics["steps"][2] == engine.counters.steps > 0 and metrics["steps_overlapped"][2] == 0
+    assert TalkerCore(engine, consumers=None).defer_replies is False  # a step holds the CPU's frames
 
 
 def test_the_first_audio_gauge_follows_each_verdict_and_says_when_too_few_are_known(folder):

@@ -291,3 +291,12 @@ def test_a_steps_log_line_is_written_after_the_next_step_is_launched():
     for a, b in itertools.pairwise(lines):  # the parts lie within the gap
         gap_ms = (b["launched"] - a["t"]) * 1e3
         assert a["apply_ms"] + b["between_ms"] + b["schedule_ms"] <= gap_ms + 1e-6
+
+
+def test_a_pipelined_engine_has_its_thread_answer_after_the_launch():
+    """EngineThread sends the answers of a pipelined talker's commands after its step (the launch),
+    not into the host's time before it."""
+    from services.talker.core import TalkerCore
+
+    engine, _, _ = make(FakeRunner())
+    assert engine.pipelined and TalkerCore(engine, consumers=None).defer_replies is True
