@@ -18,8 +18,8 @@ IDENTITY = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost", "GIT_COMM
 
 
 def git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True,
-                          env={**os.environ, **IDENTITY}).stdout
+    return subprocess.run(["git", "-c", "commit.gpgsign=false", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True, env={**os.environ, **IDENTITY}).stdout
 
 
 def test_the_old_arm_is_what_changed_since_the_base_as_it_was(tmp_path):
