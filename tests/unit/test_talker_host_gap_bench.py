@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from bench.talker.host_gap import main, run_case, summarize, table
+from bench.talker.host_gap import main, run_case, run_loop_case, summarize, table
 
 
 def test_a_case_holds_its_rows_under_churn_and_splits_each_gap():
@@ -33,7 +33,16 @@ def test_the_summary_is_the_lines_gap_less_its_parts():
 
 def test_main_writes_its_json_and_prints_the_table(tmp_path, capsys):
     out = tmp_path / "gap.json"
-    main(["--rows", "4", "--steps", "10", "--device-ms", "1", "--out", str(out)])
+    main(["--rows", "4", "--steps", "10", "--device-ms", "1", "--loop", "1", "--out", str(out)])
     doc = json.loads(out.read_text())
     assert set(doc["results"]) == {"4"} and doc["settings"]["steps"] == 10 and "git_commit" in doc
-    assert capsys.readouterr().out.startswith("| rows |")
+    assert {arm: len(runs) for arm, runs in doc["loop_256"].items()} == {"at_once": 1, "after_step": 1}
+    printed = capsys.readouterr().out
+    assert printed.startswith("| rows |") and "| answers |" in printed and "| after_step 1 |" in printed
+
+
+def test_the_threaded_case_runs_the_core_on_an_engine_thread_fed_from_a_loop():
+    for defer in (False, True):
+        got = run_loop_case(rows=8, steps=20, device_s=0.002, defer=defer, reply_us=10)
+        assert got["steps"] == 19 and got["commands_mean"] > 0 and got["gap_ms"] > 0
+        assert got["rest_ms"] >= -1e-3
