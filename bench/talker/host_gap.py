@@ -193,11 +193,12 @@ def table(results: dict, first: str = "rows") -> str:
 
 
 def loop_runs(rows: int, steps: int, device_s: float, repeats: int, reply_us: float) -> dict:
-    """``run_loop_case`` with the answers at once and after the step, alternated ``repeats`` times;
-    each run's summary, by arm."""
+    """``run_loop_case`` with the answers at once and after the step, ``repeats`` times in ABBA order
+    (a machine that drifts favours neither); each run's summary, by arm."""
     runs: dict[str, list[dict]] = {"at_once": [], "after_step": []}
-    for _ in range(repeats):
-        for arm, defer in (("at_once", False), ("after_step", True)):
+    arms = (("at_once", False), ("after_step", True))
+    for i in range(repeats):
+        for arm, defer in arms if i % 2 == 0 else arms[::-1]:
             runs[arm].append(run_loop_case(rows, steps, device_s, defer, reply_us))
     return runs
 
