@@ -96,10 +96,16 @@ class BenchConfig:
     # client connections the requests are spread over (request i on connection i mod N), each a
     # channel with an HTTP/2 connection of its own; 1: every stream shares one, as one client does
     connections: int = 1
+    # further gateways of the same deployment: connection k goes to (target, *more_targets)[k mod
+    # their count], so ``connections`` is a multiple of that count (each gets the same share)
+    more_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
             raise ValueError(f"target must be an address, got {self.target!r}")
+        if not isinstance(self.more_targets, tuple) or not all(
+                isinstance(t, str) and t for t in self.more_targets):
+            raise ValueError(f"more_targets must be a tuple of addresses, got {self.more_targets!r}")
         if self.load not in loads.LOADS:
             raise ValueError(f"load must be one of {', '.join(loads.LOADS)}, got {self.load!r}")
         for name in ("num_requests", "concurrency", "load_seed", "connections"):
@@ -111,6 +117,9 @@ class BenchConfig:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if not 1 <= self.connections <= MAX_CONNECTIONS:
             raise ValueError(f"connections must be in [1, {MAX_CONNECTIONS}], got {self.connections}")
+        if self.connections % len(self.targets):
+            raise ValueError(f"connections must be a multiple of the {len(self.targets)} targets (each "
+                             f"gets the same share of the requests), got {self.connections}")
         if self.load == "burst" and self.concurrency != self.num_requests:
             raise ValueError(f"concurrency must equal num_requests in a burst (all are sent at "
                              f"once), got {self.concurrency} and {self.num_requests}")
@@ -137,6 +146,11 @@ class BenchConfig:
                                  f"each request's from audio_seconds), got {self.max_audio_seconds}")
             if not (math.isfinite(self.max_audio_seconds) and self.max_audio_seconds > 0):
                 raise ValueError(f"max_audio_seconds must be finite and > 0, got {self.max_audio_seconds}")
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """Every gateway address the run sends to: connection k goes to targets[k mod len]."""
+        return (self.target, *self.more_targets)
 
     @property
     def offered_rate_per_s(self) -> float | None:
@@ -265,10 +279,12 @@ async def run_bench(config: BenchConfig) -> BenchReport:
     """Runs the load; ListVoices first connects the channel (and fails fast, with a typed
     error, when no server answers)."""
     async with contextlib.AsyncExitStack() as opened:
+        targets = config.targets
         clients = [await opened.enter_async_context(AsyncClient(
-            config.target, token=config.token, tls=config.tls, root_certificates=config.root_certificates,
-            tls_server_name=config.tls_server_name, own_connection=config.connections > 1))
-            for _ in range(config.connections)]
+            targets[k % len(targets)], token=config.token, tls=config.tls,
+            root_certificates=config.root_certificates, tls_server_name=config.tls_server_name,
+            own_connection=config.connections > 1))
+            for k in range(config.connections)]
         for client in clients:  # each connects now: a run does not count a connection's setup
             await client.voices(timeout=min(10.0, config.max_total_s))
         traces: list[RequestTrace] = []

@@ -81,6 +81,7 @@ class BenchReport:
     load_seed: int | None = None              # poisson, burst: the schedule's seed
     unsent: int = 0        # not sent before max_total_s ended the run
     connections: int = 1   # BenchConfig.connections: client connections the streams were spread over
+    targets: int = 1       # the gateway addresses those connections went to (BenchConfig.targets)
     mean_in_flight: float = 0.0   # streams open (sent, not ended), time-averaged over wall_s
     max_in_flight: int = 0
     requested_audio_seconds: float | None = None  # the sum of the max_audio_seconds asked for
@@ -164,6 +165,7 @@ def _load_fields(config: BenchConfig, traces: Sequence[RequestTrace], wall_s: fl
             "audio_seconds_range": tuple(config.audio_seconds) if scheduled else None,
             "load_seed": config.load_seed if scheduled else None,
             "unsent": config.num_requests - len(traces), "connections": config.connections,
+            "targets": len(config.targets),
             "mean_in_flight": mean, "max_in_flight": peak,
             "requested_audio_seconds": sum(requested) if requested else None}
 
@@ -297,7 +299,8 @@ def _load_lines(report: BenchReport) -> list[str]:
             f"(seed {report.load_seed})",
             f"in flight     mean {report.mean_in_flight:.2f}, peak {report.max_in_flight} "
             f"(audio asked {requested:.2f} s, delivered {report.audio_seconds:.2f} s) over "
-            f"{report.connections} client connection(s)"]
+            f"{report.connections} client connection(s)"
+            + (f" to {report.targets} gateways" if report.targets > 1 else "")]
 
 
 def _idle_lines(report: BenchReport) -> list[str]:

@@ -3,6 +3,7 @@
     python -m bench.server --part tiers --mps off [--max-wall 540] [--out bench/results/server]
     python -m bench.server --part tiers --mps on  [--max-wall 540]
     python -m bench.server --part tiers --layout two-pairs|split [--mps off|on]   # 2 GPUs
+    python -m bench.server --part tiers --layout two-pairs --gateways 2   # 2 gateway processes
     python -m bench.server --part baseline        [--max-wall 540]
     python -m bench.server --part report          # table and plots from the JSON there
     python -m bench.server --part tiers --load poisson|burst [--audio-seconds 1,10] [--load-seed 0]
@@ -43,6 +44,13 @@ engine is sized for the top tier. The result file of a layout other than ``one``
 prefixed with its name (``server_gpu_tiers_two-pairs-mps-off.json``), and the report adds
 a scale-out table (audio-s/s and real-time streams against the one-pair run, time to first
 audio at equal load per GPU, the gateway's CPU per stream) when those runs are there.
+``--gateways N`` starts N gateway processes (``gateway``, ``gateway-1``, ...), each serving every
+pair, as N gateway replicas do; the load generator opens ``--client-connections`` to each and
+sends request i on connection i mod their number, so each gateway gets an equal share (the
+sequential C=1 tier uses the first). Their numbers are totals (``processes``, the busiest one's
+``cpu_cores_max`` and each one's first audios beside them); the mode says ``<N>gw``
+(``server_gpu_tiers_two-pairs-2gw-mps-on-poisson.json``): one gateway process, one event loop,
+carried ~1,100 audio-s/s at ~1 core, so two pairs' load needs more than one.
 
 Per tier, from the load generator (client side): admitted vs rejected, time to first
 audio p50/p90/p99, inter-chunk gap p99, underruns (a real-time player's stalls), audio

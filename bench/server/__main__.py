@@ -8,9 +8,9 @@ import signal
 import sys
 
 from bench.server import log
+from bench.server.args import parse_args
 from bench.server.baseline import part_baseline
 from bench.server.report import report
-from bench.server.settings import parse_args
 from bench.server.tiers import part_tiers
 
 

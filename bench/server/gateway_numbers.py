@@ -1,40 +1,52 @@
-"""The gateway's numbers over a tier, from two snapshots of its /metrics and its CPU: its own time
-to first audio, the refusals it answered itself and how long refusals took inside it, the listener
-stalls it saw, its Opens and Submits, the first chunks' way from Code2Wav, its event loop's
-lateness and its CPU per stream and per second of audio."""
+"""The gateways' numbers over a tier, from two snapshots of their /metrics and their CPU: their own
+time to first audio, the refusals they answered themselves and how long refusals took inside them,
+the listener stalls they saw, their Opens and Submits, the first chunks' way from Code2Wav, their
+event loops' lateness and their CPU per stream and per second of audio. With several gateway
+processes (``--gateways``) every count and sum is the total of theirs, so means and shares are
+over all their requests; ``processes`` says how many, ``cpu_cores_max`` the busiest one's."""
 
 from __future__ import annotations
 
-from bench.server.snapshots import Snapshot, delta, share_over
+from bench.server.snapshots import Snapshot, delta, summed
 
-GATEWAY = "gateway"
+
+def _delta(before: Snapshot, after: Snapshot, name: str) -> float | None:
+    """A counter's difference over the tier, summed over the gateways (None if one lacks it)."""
+    return summed([delta(before, after, gateway, name) for gateway in after.gateways])
+
+
+def _share_over(before: Snapshot, after: Snapshot, name: str, edge: str) -> float | None:
+    """The share of a histogram's observations over the tier, in every gateway, above ``edge``."""
+    count = _delta(before, after, f"{name}_count")
+    within = _delta(before, after, f"{name}_bucket@{edge}")
+    return None if not count or within is None else round(1 - within / count, 4)
 
 
 def start_ms(before: Snapshot, after: Snapshot) -> dict:
-    """The gateway's mean Code2Wav Open (call to handle) and talker Submit (call to answer) in
+    """The gateways' mean Code2Wav Open (call to handle) and talker Submit (call to answer) in
     the tier, ms (empty for a gateway without the counters, or a tier with none)."""
     out = {}
     for part, count, seconds in (("open", "start_opens", "start_open_seconds"),
                                  ("submit", "start_submits", "start_submit_seconds")):
-        n, total = delta(before, after, GATEWAY, count), delta(before, after, GATEWAY, seconds)
+        n, total = _delta(before, after, count), _delta(before, after, seconds)
         if n and total is not None:
             out[f"{part}_ms_mean"] = round(total * 1e3 / n, 2)
     return out
 
 
 def refusal_times(before: Snapshot, after: Snapshot) -> dict:
-    """The refusals for capacity in the tier by who answered them, the gateway itself ("here") or
+    """The refusals for capacity in the tier by who answered them, a gateway itself ("here") or
     a stage ("stages"), each with the share that took longer than 50 ms inside the gateway (from
     the request's start there): a client's refusal time beyond those was spent outside it (its
     connection, its own loop). Empty for a gateway without the histograms."""
     out = {}
     for where in ("here", "stages"):
         name = f"refusal_{where}_seconds"
-        n = delta(before, after, GATEWAY, f"{name}_count")
+        n = _delta(before, after, f"{name}_count")
         if n is None:
             continue
         out[f"refusals_{where}"] = int(n)
-        out[f"refusal_{where}_over_50ms"] = share_over(before, after, GATEWAY, name, "0.05")
+        out[f"refusal_{where}_over_50ms"] = _share_over(before, after, name, "0.05")
     return out
 
 
@@ -43,52 +55,65 @@ def first_chunk_relay(before: Snapshot, after: Snapshot) -> dict:
     (``voxring_first_chunk_relay_seconds``): mean ms and the shares over 10 and 30 ms. Empty for a
     gateway without the histogram, or a tier without one-segment requests."""
     name = "first_chunk_relay_seconds"
-    n, total = delta(before, after, GATEWAY, f"{name}_count"), delta(before, after, GATEWAY, f"{name}_sum")
+    n, total = _delta(before, after, f"{name}_count"), _delta(before, after, f"{name}_sum")
     if not n or total is None:
         return {}
     return {"relay_ms_mean": round(total * 1e3 / n, 2),
-            "relay_over_10ms": share_over(before, after, GATEWAY, name, "0.01"),
-            "relay_over_30ms": share_over(before, after, GATEWAY, name, "0.03")}
+            "relay_over_10ms": _share_over(before, after, name, "0.01"),
+            "relay_over_30ms": _share_over(before, after, name, "0.03")}
 
 
 def loop_lag(before: Snapshot, after: Snapshot) -> dict:
-    """How late its one event loop ran, on average over the tier (services/common/loop_lag.py), and
-    its tail: the wakes later than 25 and 50 ms (a stall of every request it carries)."""
-    lag_s = delta(before, after, GATEWAY, "event_loop_lag_seconds_sum")
-    lag_n = delta(before, after, GATEWAY, "event_loop_lag_seconds_count")
+    """How late their event loops ran (one a gateway), on average over the tier
+    (services/common/loop_lag.py), and the tail: the wakes later than 25 and 50 ms (a stall of
+    every request that loop carries)."""
+    lag_s = _delta(before, after, "event_loop_lag_seconds_sum")
+    lag_n = _delta(before, after, "event_loop_lag_seconds_count")
     if not lag_n:
         return {}
     out = {"loop_lag_mean_ms": round(lag_s / lag_n * 1e3, 2)}
     for edge in ("0.025", "0.05"):
-        out[f"loop_lag_over_{int(float(edge) * 1e3)}ms"] = share_over(before, after, GATEWAY,
-                                                                       "event_loop_lag_seconds", edge)
+        out[f"loop_lag_over_{int(float(edge) * 1e3)}ms"] = _share_over(before, after,
+                                                                        "event_loop_lag_seconds", edge)
+    return out
+
+
+def cpu_numbers(before: Snapshot, after: Snapshot, window: float, concurrency: int,
+                audio_seconds: float | None) -> dict:
+    """Whether the gateways (each one process, one event loop) could be what limits a tier: their
+    CPU per stream, and per second of audio they forwarded; with several, the busiest one's too."""
+    spent = [None if after.cpu.get(g) is None or before.cpu.get(g) is None else after.cpu[g] - before.cpu[g]
+             for g in after.gateways]
+    cpu_s = summed(spent)
+    if cpu_s is None:
+        return {}
+    out = {"cpu_cores": round(cpu_s / window, 2),
+           "cpu_cores_per_stream": round(cpu_s / window / concurrency, 4)}
+    if audio_seconds:
+        out["cpu_ms_per_audio_s"] = round(cpu_s * 1e3 / audio_seconds, 2)
+    if len(spent) > 1:  # how the load spread: each one's first audios (one a request it served)
+        served = {g: delta(before, after, g, "time_to_first_audio_seconds_count") for g in after.gateways}
+        out.update({"processes": len(spent), "cpu_cores_max": round(max(spent) / window, 2),
+                    "first_audios_by_process": served})
     return out
 
 
 def gateway_numbers(before: Snapshot, after: Snapshot, window: float, concurrency: int,
                     audio_seconds: float | None) -> dict:
     """The tier's gateway numbers; ``audio_seconds``: the audio Code2Wav sent over the window,
-    which the gateway forwarded (for its CPU per audio second)."""
-    ttfa_sum = delta(before, after, GATEWAY, "time_to_first_audio_seconds_sum")
-    ttfa_n = delta(before, after, GATEWAY, "time_to_first_audio_seconds_count")
+    which the gateways forwarded (for their CPU per audio second)."""
+    ttfa_sum = _delta(before, after, "time_to_first_audio_seconds_sum")
+    ttfa_n = _delta(before, after, "time_to_first_audio_seconds_count")
     gateway = {"server_ttfa_mean_ms": round(ttfa_sum / ttfa_n * 1e3, 1) if ttfa_n else None}
-    # refused by the gateway on a talker's refusal of a moment ago; chunks that reached it after its
+    # refused by a gateway on a talker's refusal of a moment ago; chunks that reached it after its
     # model of the listener ran dry
     for key, metric in (("refusals_held", "requests_refused_held"),
                         ("modeled_underruns", "listener_underruns")):
-        if (value := delta(before, after, GATEWAY, metric)) is not None:
+        if (value := _delta(before, after, metric)) is not None:
             gateway[key] = value
     gateway.update(refusal_times(before, after))
     gateway.update(start_ms(before, after))
     gateway.update(first_chunk_relay(before, after))
     gateway.update(loop_lag(before, after))
-    # Whether the gateway (one process, one event loop) could be what limits a tier: its CPU
-    # per stream, and per second of audio it forwarded.
-    g0, g1 = before.cpu.get(GATEWAY), after.cpu.get(GATEWAY)
-    if g0 is not None and g1 is not None:
-        cpu_s = g1 - g0
-        gateway["cpu_cores"] = round(cpu_s / window, 2)
-        gateway["cpu_cores_per_stream"] = round(cpu_s / window / concurrency, 4)
-        if audio_seconds:
-            gateway["cpu_ms_per_audio_s"] = round(cpu_s * 1e3 / audio_seconds, 2)
+    gateway.update(cpu_numbers(before, after, window, concurrency, audio_seconds))
     return gateway

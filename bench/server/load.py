@@ -54,24 +54,31 @@ def frame_rate_hz(s: Settings) -> float:
         return FRAME_RATE_HZ
 
 
-def closed_config(target: str, requests: int, concurrency: int, cap_s: float,
-                  frame_rate: float | None = None, connections: int = 1):
+def _to(targets: tuple[str, ...], per_target: int = 1) -> dict:
+    """A BenchConfig's addresses: the gateways' (connection k to gateway k mod their count),
+    ``per_target`` connections each."""
+    return {"target": targets[0], "more_targets": tuple(targets[1:]),
+            "connections": per_target * len(targets)}
+
+
+def closed_config(targets: tuple[str, ...], requests: int, concurrency: int, cap_s: float,
+                  frame_rate: float | None = None, per_target: int = 1):
     """The closed loop of the fixed prompt (the fixed load's tiers, every warm-up)."""
     from voxring.loadgen import BenchConfig
 
-    return BenchConfig(target=target, num_requests=requests, concurrency=concurrency, text=PROMPT,
+    return BenchConfig(num_requests=requests, concurrency=concurrency, text=PROMPT,
                        request_timeout_s=cap_s, max_total_s=cap_s, frame_rate_hz=frame_rate,
-                       connections=connections)
+                       **_to(targets, per_target))
 
 
-def _scheduled_config(s: Settings, target: str, load: str, requests: int, concurrency: int, seed: int,
-                      cap_s: float, frame_rate: float | None = None):
+def _scheduled_config(s: Settings, targets: tuple[str, ...], load: str, requests: int, concurrency: int,
+                      seed: int, cap_s: float, frame_rate: float | None = None):
     from voxring.loadgen import BenchConfig
 
-    return BenchConfig(target=target, num_requests=requests, concurrency=concurrency, load=load,
+    return BenchConfig(num_requests=requests, concurrency=concurrency, load=load,
                        audio_seconds=s.audio_range, load_seed=seed, request_timeout_s=cap_s,
                        max_total_s=cap_s, idle_gaps_s=s.idle_gaps, frame_rate_hz=frame_rate,
-                       connections=s.client_connections)
+                       **_to(targets, s.client_connections))
 
 
 def is_sequential(s: Settings, concurrency: int) -> bool:
@@ -87,26 +94,27 @@ def tier_requests(s: Settings, concurrency: int) -> int:
     return 2 if s.smoke and s.load == "fixed" else s.requests_per_stream * concurrency
 
 
-def tier_config(s: Settings, target: str, concurrency: int, cap_s: float, frame_rate: float | None = None):
+def tier_config(s: Settings, targets: tuple[str, ...], concurrency: int, cap_s: float,
+                frame_rate: float | None = None):
     """The BenchConfig of tier C under ``s.load`` (C=1 of poisson and burst: sequential),
     every request's deadline and the whole run bounded by ``cap_s``; with ``frame_rate``,
     the PCM check."""
     requests = tier_requests(s, concurrency)
     if s.load == "fixed":
-        return closed_config(target, requests, concurrency, cap_s, frame_rate, s.client_connections)
+        return closed_config(targets, requests, concurrency, cap_s, frame_rate, s.client_connections)
     load = "sequential" if is_sequential(s, concurrency) else s.load
-    return _scheduled_config(s, target, load, requests, concurrency,
+    return _scheduled_config(s, targets, load, requests, concurrency,
                              s.load_seed * _SEED_STRIDE + concurrency, cap_s, frame_rate)
 
 
-def warmup_configs(s: Settings, target: str, cap_s: float) -> list:
+def warmup_configs(s: Settings, targets: tuple[str, ...], cap_s: float) -> list:
     """The warm-up rounds: the fixed prompt closed loops, and for poisson and burst a burst of
-    corpus texts at the run's lengths."""
-    rounds = [closed_config(target, requests, concurrency, cap_s)
+    corpus texts at the run's lengths (over every gateway)."""
+    rounds = [closed_config(targets, requests, concurrency, cap_s)
               for requests, concurrency in (WARMUP_SMOKE if s.smoke else WARMUP)]
     if s.load != "fixed":
         size = WARMUP_BURST_SMOKE if s.smoke else WARMUP_BURST
-        rounds.append(_scheduled_config(s, target, "burst", size, size, s.load_seed * _SEED_STRIDE, cap_s))
+        rounds.append(_scheduled_config(s, targets, "burst", size, size, s.load_seed * _SEED_STRIDE, cap_s))
     return rounds
 
 
@@ -122,7 +130,7 @@ def wanted_cap_s(s: Settings, concurrency: int) -> float:
     from voxring.loadgen import schedule
     from voxring.loads import schedule_span_s
 
-    span = schedule_span_s(schedule(tier_config(s, "unix:unused", concurrency, s.tier_max_s)))
+    span = schedule_span_s(schedule(tier_config(s, ("unix:unused",), concurrency, s.tier_max_s)))
     wanted = span + s.max_audio_seconds
     if wanted > s.tier_max_s:
         log(f"tier C={concurrency}: its schedule needs {wanted:.0f} s; the tier cap is raised to that")

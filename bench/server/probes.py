@@ -52,7 +52,7 @@ def snapshot(server: Server) -> Snapshot:
     stats = engine_stats(server)
     metrics = {stage: scrape(server.procs[stage].metrics) for stage in server.procs}
     return Snapshot(time.monotonic(), stats, metrics, server.cpu_seconds(), server.names("talker"),
-                    server.names("code2wav"), server.thread_cpu_seconds())
+                    server.names("code2wav"), server.thread_cpu_seconds(), server.names("gateway"))
 
 
 def wait_idle(server: Server, timeout: float) -> bool:

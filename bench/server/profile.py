@@ -66,7 +66,7 @@ class TierProfile:
             self.log("profile: py-spy not found; this tier is not profiled")
             return
         for stage in STAGES:
-            for name in self.server.names(stage) if stage != "gateway" else ["gateway"]:
+            for name in self.server.names(stage):
                 raw = self.out / f"pyspy_{name}_c{self.tier}.txt"
                 cmd = [exe, "record", "--pid", str(self.server.procs[name].pid), "--duration",
                        str(max(1, round(self.seconds))), "--rate", str(RATE_HZ), "--format", "raw",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.server import log
 from bench.server.gpu import gpu_info, run_cmd
-from bench.server.settings import LAYOUTS, REPO, Settings, overrides_env
+from bench.server.settings import LAYOUTS, REPO, Settings, mode_prefix, overrides_env
 from bench.server.tier_tables import (
     code2wav_table,
     first_record_table,
@@ -113,8 +113,12 @@ def load_text(mode: str, data: dict) -> str:
                 f"on average), {texts}")
     else:
         text = f"Load: burst, C requests at once per tier, {texts}"
+    gateways = data.get("gateways") or 1
     if (data.get("client_connections") or 1) > 1:
-        text += f", over {data['client_connections']} client connections"
+        text += (f", over {data['client_connections']} client connections"
+                 + (" to each gateway" if gateways > 1 else ""))
+    if gateways > 1:
+        text += f", spread evenly over {gateways} gateway processes"
     if data.get("sequential_requests") is None:  # files from before the sequential C=1 tier
         return text
     gaps = ", ".join(f"{gap:g}" for gap in data.get("idle_gaps") or ())
@@ -185,10 +189,15 @@ def _tier_row(c: str, t: dict) -> str:
             f"{fmt(t['audio_s_per_s'])} | {fmt(t.get('steady_audio_s_per_s'))} | {fmt(t['rtf'], 3)} | "
             f"{fmt(tk.get('frames_per_s'))} | {fmt(tk.get('step_ms'))} | {fmt(tk.get('mean_k'), 2)} | "
             f"{fmt(tk.get('mean_rows_per_step'))} | {fmt(cw.get('chunks_per_s'))} | "
-            f"{fmt(t.get('cpu_cores_busy', {}).get('gateway'), 2)} | "
+            f"{fmt(_gateway_cores(t), 2)} | "
             f"{_memory(t.get('gpu_memory_mib', {}).get('peak'))} | "
             f"{fmt(t.get('sample_mismatches'))} / {fmt(t.get('audio_shortfalls'))} | "
             f"{'yes' if t['clean'] else 'no'}{' (partial)' if t['status'] == 'partial' else ''} |")
+
+
+def _gateway_cores(t: dict) -> float | None:
+    """The gateways' CPU cores in a tier (all of them; older results: the one gateway's)."""
+    return (t.get("gateway") or {}).get("cpu_cores", t.get("cpu_cores_busy", {}).get("gateway"))
 
 
 def _memory(peak) -> str:
@@ -199,16 +208,17 @@ def _memory(peak) -> str:
 
 
 def scale_out_tables(runs: dict) -> list[str]:
-    """Each multi-GPU layout against the one-pair run with the same MPS setting (when both
-    are in the folder): audio-s/s per tier and its ratio, the largest clean tier, time to
-    first audio at equal load per GPU (the one-pair run at C against this one at 2C), and the
-    gateway's CPU per stream."""
+    """Each multi-GPU layout (or run of several gateways) against the one-pair, one-gateway run
+    with the same MPS setting and load (when both are in the folder): audio-s/s per tier and its
+    ratio, the largest clean tier, time to first audio at equal load per GPU (the one-pair run at
+    C against this one at 2C), and the gateways' CPU per stream."""
     lines: list[str] = []
     for mode, data in runs.items():
         layout = data.get("layout", "one")
-        if layout == "one":
+        if layout == "one" and (data.get("gateways") or 1) == 1:
             continue
-        base_mode = mode.removeprefix(f"{layout}-")
+        label = mode_prefix(layout, data.get("gateways") or 1)  # the layout, and N gateways where N > 1
+        base_mode = mode.removeprefix(f"{label}-")
         base = runs.get(base_mode)
         if base is None:
             continue
@@ -220,8 +230,8 @@ def scale_out_tables(runs: dict) -> list[str]:
         lines += [f"### Scale-out: {mode} against {base_mode} (one pair on one GPU)", "",
                   f"Largest tier with every request admitted, completed and zero underruns: **{clean}** "
                   f"against **{base_clean}** ({ratio}).", "",
-                  f"| C | audio-s/s, one pair | audio-s/s, {layout} | ratio | clean, one pair / {layout} | "
-                  f"gateway CPU cores per stream ({layout}) | gateway CPU ms per audio-s ({layout}) |",
+                  f"| C | audio-s/s, one pair | audio-s/s, {label} | ratio | clean, one pair / {label} | "
+                  f"gateway CPU cores per stream ({label}) | gateway CPU ms per audio-s ({label}) |",
                   "|---|---|---|---|---|---|---|"]
         for c in sorted({*map(int, tiers), *map(int, base_tiers)}):
             t, b = tiers.get(str(c)), base_tiers.get(str(c))
@@ -234,10 +244,10 @@ def scale_out_tables(runs: dict) -> list[str]:
                          f"{'yes' if t and t['clean'] else 'no' if t else '-'} | "
                          f"{fmt(gw.get('cpu_cores_per_stream'), 4)} | "
                          f"{fmt(gw.get('cpu_ms_per_audio_s'), 2)} |")
-        lines += ["", f"Time to first audio at equal load per GPU (one pair at C streams, {layout} at "
+        lines += ["", f"Time to first audio at equal load per GPU (one pair at C streams, {label} at "
                   f"{gpus}C over {gpus} GPUs):", "",
-                  f"| C per GPU | one pair: TTFA p50 / p99 ms | {layout} at {gpus}C: TTFA p50 / p99 ms | "
-                  f"underruns, one pair / {layout} |", "|---|---|---|---|"]
+                  f"| C per GPU | one pair: TTFA p50 / p99 ms | {label} at {gpus}C: TTFA p50 / p99 ms | "
+                  f"underruns, one pair / {label} |", "|---|---|---|---|"]
         for c in sorted(map(int, base_tiers)):
             b, t = base_tiers[str(c)], tiers.get(str(gpus * c))
             if t is None:

@@ -3,7 +3,6 @@ each stage's config, and the fingerprint that says whether earlier tiers can be 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -12,12 +11,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import bench.server
 from services.common.buckets import row_buckets
-from voxring.bench_cli import audio_seconds_argument, idle_gaps_argument
 from voxring.loads import DEFAULT_IDLE_GAPS_S, MAX_TEXT_CHARS, corpus_texts
 
-USAGE = bench.server.__doc__  # the package docstring: what --help prints
 REPO = Path(__file__).resolve().parents[2]
 
 TIERS = (1, 8, 32, 64, 128, 256, 512, 1024)
@@ -59,9 +55,6 @@ TOKENIZERS = {
     "byte": "voxring-tiny's byte-level tokenizer: one token a byte (~6.6 a word)",
 }
 DEFAULT_TOKENIZER = "bpe"
-_TOKENIZER_HELP = (f"the written checkpoint's tokenizer (default {DEFAULT_TOKENIZER}; another is named in "
-                   "the result file, as in mps-off-byte-poisson): "
-                   + "; ".join(f"{k}: {v}" for k, v in TOKENIZERS.items()))
 PROFILE_FOLDER = "device_profiles"  # under the run folder: the engines' device profiles
 STOP_MARGIN_S = 45.0       # wall time kept for stopping the stages and writing the results
 # pids of the running stages (reaped by the next run), MPS dirs; runs that must not reap
@@ -78,9 +71,9 @@ class StageSpec:
     gpu: int | None    # which of the layout's GPUs it runs on (None: no GPU)
 
 
-def layout_stages(layout: str) -> list[StageSpec]:
+def layout_stages(layout: str, gateways: int = 1) -> list[StageSpec]:
     """The stages of a layout in start order (each pair's talker before its Code2Wav, which
-    attaches to it; the gateway last)."""
+    attaches to it; the gateways last: "gateway", "gateway-1", ..., each serving every pair)."""
     def pair(i: int, talker_gpu: int, code2wav_gpu: int) -> list[StageSpec]:
         suffix = "" if i == 0 else f"-{i}"
         return [StageSpec(f"talker{suffix}", "talker", i, talker_gpu),
@@ -94,7 +87,10 @@ def layout_stages(layout: str) -> list[StageSpec]:
         engines = pair(0, 0, 1)
     else:
         raise ValueError(f"layout: unknown {layout!r} (one of {', '.join(LAYOUTS)})")
-    return [*engines, StageSpec("gateway", "gateway", None, None)]
+    if gateways < 1:
+        raise ValueError(f"gateways: at least 1, got {gateways}")
+    return [*engines, *(StageSpec("gateway" if i == 0 else f"gateway-{i}", "gateway", None, None)
+                        for i in range(gateways))]
 
 
 def layout_gpus(layout: str) -> int:
@@ -127,7 +123,8 @@ class Settings:
     tokenizer: str | None = DEFAULT_TOKENIZER
     sequential_requests: int = SEQUENTIAL_REQUESTS  # poisson, burst: the sequential C=1 tier's
     idle_gaps: tuple[float, ...] = DEFAULT_IDLE_GAPS_S  # ... and the idle before each, in turn
-    client_connections: int = 1  # the load generator's connections to the gateway (streams spread over them)
+    client_connections: int = 1  # the load generator's connections to each gateway (streams spread over them)
+    gateways: int = 1            # gateway processes, each serving every pair (--gateways)
     profile_tier: int | None = None  # py-spy on every stage at this tier (bench/server/profile.py)
     profile_seconds: float = 8.0
     profile_device: bool = False  # ... and each engine's device work over the same window
@@ -149,7 +146,8 @@ class Settings:
         if not self.smoke and self.tokenizer not in (None, DEFAULT_TOKENIZER):
             base += f"-{self.tokenizer}"
         base += "" if self.load == "fixed" else f"-{self.load}"
-        return base if self.layout == "one" else f"{self.layout}-{base}"
+        prefix = mode_prefix(self.layout, self.gateways)
+        return f"{prefix}-{base}" if prefix else base
 
     @property
     def max_audio_seconds(self) -> float:
@@ -158,7 +156,14 @@ class Settings:
 
     @property
     def stages(self) -> list[StageSpec]:
-        return layout_stages(self.layout)
+        return layout_stages(self.layout, self.gateways)
+
+
+def mode_prefix(layout: str, gateways: int = 1) -> str:
+    """What a mode starts with beyond the one-pair, one-gateway run's name: the layout and the
+    gateway processes ("two-pairs", "two-pairs-2gw", "2gw"; "" for that run)."""
+    parts = ([] if layout == "one" else [layout]) + ([f"{gateways}gw"] if gateways > 1 else [])
+    return "-".join(parts)
 
 
 def pow2_up_to(limit: int) -> list[int]:
@@ -259,141 +264,3 @@ def portable_configs(configs: dict) -> dict:
 
 def overrides_env() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("VOXRING_") and "__" in k}
-
-
-def _gaps(gaps: tuple[float, ...]) -> str:
-    return ",".join(f"{gap:g}" for gap in gaps)
-
-
-def _tiers(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError("tiers must be positive")
-    return values
-
-
-def _audio(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[float, tuple | None]:
-    """(Settings.audio_seconds, Settings.audio_range) from --load and --audio-seconds."""
-    defaults = SMOKE_AUDIO_SECONDS if args.smoke else AUDIO_SECONDS
-    if args.load != "fixed":
-        low, high = args.audio_seconds or defaults["range"]
-        return (low + high) / 2, (low, high)
-    low, high = args.audio_seconds or (defaults["fixed"],) * 2
-    if low != high:
-        parser.error("--audio-seconds: the fixed load asks for one length (a range needs --load "
-                     "poisson or burst)")
-    return low, None
-
-
-def _tokenizer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
-    """Settings.tokenizer: --tokenizer (default bpe) for the written checkpoint; "byte" under
-    --smoke (voxring-tiny's own), None with --checkpoint (the folder's own)."""
-    if args.smoke or args.checkpoint:
-        if args.tokenizer is not None:
-            parser.error("--tokenizer: the written checkpoint's; --smoke serves voxring-tiny (byte-level) "
-                         "and --checkpoint its own tokenizer")
-        return None if args.checkpoint else "byte"
-    return args.tokenizer or DEFAULT_TOKENIZER
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.server", description=USAGE.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=USAGE)
-    parser.add_argument("--part", choices=["tiers", "baseline", "report"], default="tiers")
-    parser.add_argument("--mps", choices=["off", "on"], default="off", help="tiers: NVIDIA MPS for the run")
-    parser.add_argument("--layout", choices=list(LAYOUTS), default="one",
-                        help="tiers: where the engines run: "
-                        + "; ".join(f"{k}: {v}" for k, v in LAYOUTS.items()))
-    parser.add_argument("--smoke", action="store_true",
-                        help="CPU: voxring-tiny, tiers 1 and 2 (fixed: 2 requests each; poisson, burst: "
-                             f"C=1 {SMOKE_SEQUENTIAL_REQUESTS} sequential requests), no MPS/nvidia-smi")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="results folder (default bench/results/server; smoke: a folder under /tmp)")
-    parser.add_argument("--tiers", type=_tiers, default=None, help=f"default {','.join(map(str, TIERS))}")
-    parser.add_argument("--requests-per-stream", type=int, default=3, help="requests per tier = this x C")
-    parser.add_argument("--load", choices=list(LOADS), default="fixed",
-                        help="tiers: the load of each tier: "
-                        + "; ".join(f"{k}: {v}" for k, v in LOADS.items()))
-    parser.add_argument("--audio-seconds", type=audio_seconds_argument, default=None,
-                        metavar="S|MIN,MAX",
-                        help="fixed: the audio of every request (default 4; smoke 0.8); poisson, "
-                             "burst: each request's, uniform over MIN,MAX (default 1,10; smoke 0.4,1.2)")
-    parser.add_argument("--load-seed", type=int, default=0,
-                        help="poisson, burst: the seed of the arrivals, texts and lengths (default 0)")
-    parser.add_argument("--sequential-requests", type=int, default=None,
-                        help=f"poisson, burst: the requests of the sequential C=1 tier, one at a time "
-                             f"(default {SEQUENTIAL_REQUESTS}; smoke {SMOKE_SEQUENTIAL_REQUESTS})")
-    parser.add_argument("--idle-gaps", type=idle_gaps_argument, default=None, metavar="S,S,...",
-                        help="poisson, burst: the C=1 tier's idle before each request, after the previous "
-                             f"one ended, in turn (default {_gaps(DEFAULT_IDLE_GAPS_S)}; smoke "
-                             f"{_gaps(SMOKE_IDLE_GAPS_S)})")
-    parser.add_argument("--client-connections", type=int, default=1, metavar="N",
-                        help="the load generator's connections to the gateway, request i on connection "
-                             "i mod N (default 1: every stream shares one)")
-    parser.add_argument("--tier-max-s", type=float, default=60.0, help="wall-clock cap of one tier")
-    parser.add_argument("--profile-tier", type=int, default=None, metavar="C",
-                        help="py-spy every stage's threads for --profile-seconds (default 8) from tier C's "
-                             "first send (bench/server/profile.py)")
-    parser.add_argument("--profile-seconds", type=float, default=8.0, help=argparse.SUPPRESS)
-    parser.add_argument("--profile-device", action="store_true",
-                        help="the profiled tier's engines also profile their device work (torch's "
-                             "profiler: stopping it held an engine thread for seconds under load, so "
-                             "that tier's numbers are not load numbers)")
-    parser.add_argument("--max-wall", type=float, default=540.0, help="wall-clock cap of this invocation")
-    parser.add_argument("--start-timeout", type=float, default=300.0,
-                        help="the stages must be ready within this (model load, CUDA graph capture)")
-    parser.add_argument("--tokenizer", choices=list(TOKENIZERS), default=None, help=_TOKENIZER_HELP)
-    parser.add_argument("--checkpoint", type=Path, default=None,
-                        help="serve this checkpoint folder instead of writing the random csm-1b one")
-    parser.add_argument("--checkpoint-root", type=Path, default=None,
-                        help="where the random checkpoint is written and reused (default: a temp folder)")
-    parser.add_argument("--c2w-graph-max-bucket", type=int, default=256,
-                        help="Code2Wav captures decode graphs for batches up to this (larger run eagerly)")
-    parser.add_argument("--hf-frames", type=int, default=None, help="baseline: max_new_tokens (default 32)")
-    parser.add_argument("--fresh", action="store_true", help="measure tiers already in the JSON again")
-    parser.add_argument("--keep-run-dir", action="store_true", help="keep the stage configs and logs")
-    return parser
-
-
-def parse_args(argv: list[str] | None) -> Settings:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    from bench.server.checkpoint import default_root
-
-    default_out = (Path(tempfile.gettempdir()) / "voxring-bench-smoke" if args.smoke
-                   else REPO / "bench" / "results" / "server")
-    if args.smoke and args.mps == "on":
-        parser.error("--smoke runs without MPS")
-    if args.requests_per_stream < 1 or args.tier_max_s <= 0 or args.max_wall <= 0:
-        parser.error("--requests-per-stream, --tier-max-s and --max-wall must be positive")
-    from voxring.loadgen import MAX_CONNECTIONS
-
-    if not 1 <= args.client_connections <= MAX_CONNECTIONS:
-        parser.error(f"--client-connections must be in [1, {MAX_CONNECTIONS}]")
-    if args.sequential_requests is not None and args.sequential_requests < 1:
-        parser.error("--sequential-requests must be positive")
-    if args.load == "fixed" and (args.sequential_requests is not None or args.idle_gaps is not None):
-        parser.error("--sequential-requests, --idle-gaps: the C=1 tier of --load poisson or burst (the "
-                     "fixed load's C=1 is its closed loop of one)")
-    audio_seconds, audio_range = _audio(args, parser)
-    return Settings(
-        part=args.part, smoke=args.smoke, mps=args.mps == "on", layout=args.layout,
-        out=(args.out or default_out).resolve(),
-        tiers=args.tiers or (SMOKE_TIERS if args.smoke else TIERS),
-        requests_per_stream=args.requests_per_stream, tokenizer=_tokenizer(args, parser),
-        audio_seconds=audio_seconds, load=args.load, audio_range=audio_range, load_seed=args.load_seed,
-        tier_max_s=args.tier_max_s, max_wall=args.max_wall, start_timeout=args.start_timeout,
-        checkpoint=args.checkpoint.resolve() if args.checkpoint else None,
-        checkpoint_root=(args.checkpoint_root or default_root()).resolve(),
-        c2w_graph_max_bucket=args.c2w_graph_max_bucket,
-        hf_frames=args.hf_frames or (8 if args.smoke else 32), fresh=args.fresh,
-        keep_run_dir=args.keep_run_dir,
-        sequential_requests=args.sequential_requests or (
-            SMOKE_SEQUENTIAL_REQUESTS if args.smoke else SEQUENTIAL_REQUESTS),
-        idle_gaps=args.idle_gaps or (SMOKE_IDLE_GAPS_S if args.smoke else DEFAULT_IDLE_GAPS_S),
-        client_connections=args.client_connections,
-        profile_tier=args.profile_tier, profile_seconds=args.profile_seconds,
-        profile_device=args.profile_device)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import re
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 BUCKET = re.compile(r'(?P<name>\w+_bucket)\{le="(?P<le>[^"]+)"\}')
 
@@ -20,6 +20,7 @@ class Snapshot:
     talkers: list[str]
     code2wavs: list[str]
     threads: dict[str, dict[str, float]]
+    gateways: list[str] = field(default_factory=lambda: ["gateway"])  # the gateway stages' names
 
 
 def scrape(address: str | None) -> dict[str, float]:

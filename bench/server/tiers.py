@@ -109,6 +109,7 @@ def part_tiers(s: Settings) -> int:
                        "sequential_requests": s.sequential_requests, "idle_gaps": s.idle_gaps}),
                    "audio_seconds": s.audio_seconds, "requests_per_stream": s.requests_per_stream,
                    "tier_max_s": s.tier_max_s, "client_connections": s.client_connections,
+                   "gateways": s.gateways,
                    "checkpoint": checkpoint_name or "voxring-tiny",
                    "configs": portable_configs(configs)})
     result.setdefault("tiers", {})
@@ -207,9 +208,9 @@ def _serve(s: Settings, record: _Record, run_dir: Path, configs: dict[str, dict]
         with GpuSampler(enabled=not s.smoke, gpus=gpus or []) as gpu:
             time.sleep(0 if s.smoke else 1.5)
             run_log["gpu_memory_after_start_mib"] = gpu.last()
-            target = server.procs["gateway"].address
-            _warm_up(s, server, target, run_log)
-            _measure(s, server, gpu, target, record, todo)
+            targets = tuple(server.procs[name].address for name in server.names("gateway"))
+            _warm_up(s, server, targets, run_log)
+            _measure(s, server, gpu, targets, record, todo)
     except KeyboardInterrupt as exc:
         run_log["error"] = f"interrupted ({exc})"
         raise
@@ -226,13 +227,13 @@ def _serve(s: Settings, record: _Record, run_dir: Path, configs: dict[str, dict]
     return code
 
 
-def _warm_up(s: Settings, server: Server, target: str, run_log: dict) -> None:
+def _warm_up(s: Settings, server: Server, targets: tuple[str, ...], run_log: dict) -> None:
     """Rounds of requests that are not counted, then the engines must be idle."""
     # first-use work (lazy module loads, each decode batch's and chunk size's first replay) must
     # not land in the first tiers: one stream alone, 8 at once (the quiet schedule's 1-frame
     # first chunk), then 16 at once (past the busy threshold: 4-frame first chunks)
     run_log["warmup"] = {"rounds": []}
-    for config in warmup_configs(s, target, min(60.0, max(5.0, s.left() / 8))):
+    for config in warmup_configs(s, targets, min(60.0, max(5.0, s.left() / 8))):
         warm = run_load(config)
         run_log["warmup"]["rounds"].append(
             {"requests": config.num_requests, "concurrency": config.concurrency, "load": config.load,
@@ -245,7 +246,7 @@ def _warm_up(s: Settings, server: Server, target: str, run_log: dict) -> None:
     run_log["warmup"]["stage_warnings"] = server.new_warnings()
 
 
-def _measure(s: Settings, server: Server, gpu: GpuSampler, target: str, record: _Record,
+def _measure(s: Settings, server: Server, gpu: GpuSampler, targets: tuple[str, ...], record: _Record,
              todo: list[int]) -> None:
     """The tiers of ``todo`` in order, the result written after each, until the wall cap;
     raises BenchError when a stage died or the engines are not idle after a tier."""
@@ -258,7 +259,7 @@ def _measure(s: Settings, server: Server, gpu: GpuSampler, target: str, record: 
                 f"{record.run_log.get('startup_s', 0):.0f} s to start)")
             record.run_log["stopped_by_wall_cap_before"] = concurrency
             break
-        tier = _measure_tier(s, server, gpu, target, concurrency, left,
+        tier = _measure_tier(s, server, gpu, targets, concurrency, left,
                              record.run_log["gpu_memory_after_start_mib"])
         record.result["tiers"][str(concurrency)] = tier
         if tier["status"] == "done":
@@ -273,13 +274,13 @@ def _measure(s: Settings, server: Server, gpu: GpuSampler, target: str, record: 
                              f"{concurrency}")
 
 
-def _measure_tier(s: Settings, server: Server, gpu: GpuSampler, target: str, concurrency: int, left: float,
-                  memory_after_start: dict) -> dict:
+def _measure_tier(s: Settings, server: Server, gpu: GpuSampler, targets: tuple[str, ...], concurrency: int,
+                  left: float, memory_after_start: dict) -> dict:
     """One tier: the load between two snapshots of the idle engines, capped at the time it
     needs or the ``left`` seconds of the wall cap, the less."""
     wanted = wanted_cap_s(s, concurrency)
     cap = min(wanted, left)
-    config = tier_config(s, target, concurrency, cap, frame_rate_hz(s))
+    config = tier_config(s, targets, concurrency, cap, frame_rate_hz(s))
     log(f"tier C={concurrency}: {config.num_requests} requests ({config.load}), at most {cap:.0f} s")
     before = snapshot(server)
     gpu.reset()

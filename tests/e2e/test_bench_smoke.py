@@ -140,11 +140,14 @@ def test_smoke_tiers(tmp_path):
 
 def test_smoke_tiers_under_a_poisson_load(tmp_path):
     # the open-loop load end to end: every request accounted for, the load named everywhere
-    # (whether a tier is clean is the GPU run's business, not this test's)
-    done = _run("--part", "tiers", "--load", "poisson", "--max-wall", "100", out=tmp_path)
+    # (whether a tier is clean is the GPU run's business, not this test's), sent through two
+    # gateway processes (--gateways: one connection to each, the requests in turn)
+    done = _run("--part", "tiers", "--load", "poisson", "--gateways", "2", "--max-wall", "100", out=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    result = json.loads((tmp_path / "server_gpu_tiers_smoke-poisson.json").read_text())
-    assert (result["mode"], result["load"], result["prompt"]) == ("smoke-poisson", "poisson", "corpus")
+    result = json.loads((tmp_path / "server_gpu_tiers_2gw-smoke-poisson.json").read_text())
+    assert (result["mode"], result["load"], result["prompt"]) == ("2gw-smoke-poisson", "poisson", "corpus")
+    assert result["gateways"] == 2 and result["configs"]["gateway-1"]["engines"] == result["configs"][
+        "gateway"]["engines"]
     assert result["audio_range"] == [0.4, 1.2] and result["audio_seconds"] == pytest.approx(0.8)
     assert sorted(result["tiers"]) == ["1", "2"]
     assert (result["sequential_requests"], result["idle_gaps"]) == (4, [0.0, 0.1, 0.2, 0.5])
@@ -168,13 +171,19 @@ def test_smoke_tiers_under_a_poisson_load(tmp_path):
         else:
             assert tier["offered_rate_per_s"] == pytest.approx(int(c) / 0.8, abs=1e-3)
             assert 1 <= tier["max_in_flight"] <= requests and tier["ttfa_by_idle_ms"] is None
+            assert tier["loadgen"]["connections"] == tier["loadgen"]["targets"] == 2
+            if tier["completed"] == requests:  # each gateway served half
+                assert tier["gateway"]["first_audios_by_process"] == dict.fromkeys(("gateway", "gateway-1"),
+                                                                                  requests // 2)
+        assert tier["gateway"]["processes"] == 2
     run = result["runs"][-1]
     assert "error" not in run, run
-    assert run["exit_codes"] == {"gateway": 0, "code2wav": 0, "talker": 0}
+    assert run["exit_codes"] == {"gateway-1": 0, "gateway": 0, "code2wav": 0, "talker": 0}
     assert [r["load"] for r in run["warmup"]["rounds"]] == ["closed", "burst"]
     assert result["configs"]["gateway"]["limits"]["max_audio_seconds"] == 1.2
     table = (tmp_path / "server_gpu.md").read_text()
-    assert "### smoke-poisson:" in table and "Load: poisson" in table
+    assert "### 2gw-smoke-poisson:" in table and "Load: poisson" in table
+    assert "spread evenly over 2 gateway processes" in table
     assert "C=1 is sequential: 4 requests one at a time" in table
     assert "Sequential C=1, time to first audio by the idle before the request" in table
 

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from bench.server import BenchError, baseline, gpu, report, settings
+from bench.server.args import parse_args
 
 
 def _settings(layout: str, smoke: bool = False) -> settings.Settings:
-    return settings.parse_args(["--layout", layout, "--tiers", "1,8", *(["--smoke"] if smoke else [])])
+    return parse_args(["--layout", layout, "--tiers", "1,8", *(["--smoke"] if smoke else [])])
 
 
 def test_layout_stages():
@@ -111,9 +112,60 @@ def test_a_profiled_tier_profiles_the_engines_device_work_only_when_asked(tmp_pa
     """py-spy alone by default: stopping the engines' device profiles held an engine thread for
     seconds under load, so they come only with --profile-device."""
     def profile_dirs(*extra):
-        s = settings.parse_args(["--tiers", "1,8", "--profile-tier", "8", *extra])
+        s = parse_args(["--tiers", "1,8", "--profile-tier", "8", *extra])
         configs = settings.stage_configs(s, tmp_path, None)
         return [configs[name]["metrics"].get("profile_dir") for name in ("talker", "code2wav")]
 
     assert profile_dirs() == [None, None]
     assert profile_dirs("--profile-device") == [str(tmp_path / settings.PROFILE_FOLDER)] * 2
+
+
+def test_gateway_processes_each_serve_every_pair_and_name_the_mode(tmp_path: Path):
+    assert [(s.name, s.kind) for s in settings.layout_stages("two-pairs", 2)][-2:] == [
+        ("gateway", "gateway"), ("gateway-1", "gateway")]
+    with pytest.raises(ValueError, match="gateways"):
+        settings.layout_stages("one", 0)
+    s = parse_args(["--layout", "two-pairs", "--gateways", "2", "--tiers", "1,8", "--load", "poisson"])
+    assert s.mode == "two-pairs-2gw-mps-off-poisson"
+    assert parse_args(["--gateways", "3", "--tiers", "8"]).mode == "3gw-mps-off"
+    configs = settings.stage_configs(s, tmp_path, None)
+    assert configs["gateway"]["server"]["listen"] != configs["gateway-1"]["server"]["listen"]
+    assert configs["gateway"]["engines"] == configs["gateway-1"]["engines"]  # both pairs, each
+    one = parse_args(["--layout", "two-pairs", "--tiers", "1,8", "--load", "poisson"])
+    assert settings.fingerprint(configs, s, None) != settings.fingerprint(
+        settings.stage_configs(one, tmp_path, None), one, None)
+
+
+@pytest.mark.parametrize("argv", [["--gateways", "0"], ["--gateways", "9"],
+                                  ["--gateways", "8", "--client-connections", "9"]])
+def test_bad_gateway_counts_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert "--gateways" in capsys.readouterr().err
+
+
+def test_a_tier_over_two_gateways_connects_each_evenly():
+    from bench.server import load
+
+    s = parse_args(["--gateways", "2", "--client-connections", "3", "--load", "poisson", "--tiers", "8"])
+    config = load.tier_config(s, ("unix:a", "unix:b"), 8, 60.0)
+    assert config.targets == ("unix:a", "unix:b") and config.connections == 6
+    warm = load.warmup_configs(s, ("unix:a", "unix:b"), 30.0)
+    assert {c.connections for c in warm} == {2, 6} and all(c.more_targets == ("unix:b",) for c in warm)
+
+
+def test_scale_out_table_compares_gateway_processes_with_the_one_gateway_run():
+    def tier(c, audio):
+        return {"concurrency": c, "audio_s_per_s": audio, "clean": True, "underruns": 0,
+                "ttfa_ms": {"p50": 40.0, "p90": 50.0, "p99": 60.0},
+                "gateway": {"cpu_cores_per_stream": 0.01, "cpu_ms_per_audio_s": 0.8}}
+
+    runs = {"mps-on-poisson": {"layout": "one", "realtime_streams": 8, "tiers": {"8": tier(8, 100.0)}},
+            "two-pairs-2gw-mps-on-poisson": {"layout": "two-pairs", "gateways": 2, "gpus_used": 2,
+                                             "realtime_streams": 16, "tiers": {"16": tier(16, 200.0)}}}
+    text = "\n".join(report.scale_out_tables(runs))
+    assert "### Scale-out: two-pairs-2gw-mps-on-poisson against mps-on-poisson" in text
+    assert "audio-s/s, two-pairs-2gw" in text and "**16** against **8** (2.00x)" in text
+    assert "spread evenly over 2 gateway processes" in report.load_text(
+        "two-pairs-2gw-mps-on-poisson", {"load": "poisson", "audio_range": [2, 8], "load_seed": 0,
+                                         "requests_per_stream": 2, "audio_seconds": 5.0, "gateways": 2})

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 
 from bench.server import load, report, settings
+from bench.server.args import parse_args
 from voxring import loads
 from voxring.loadgen import schedule
 
 
 def _settings(*args: str) -> settings.Settings:
-    return settings.parse_args(["--tiers", "1,8", *args])
+    return parse_args(["--tiers", "1,8", *args])
 
 
 def test_the_load_names_the_mode_and_the_audio_range():
@@ -61,25 +62,25 @@ def test_the_fingerprint_tells_loads_and_seeds_apart(tmp_path: Path):
 
 def test_each_tier_gets_its_load_and_its_own_texts():
     poisson = _settings("--load", "poisson", "--requests-per-stream", "2")
-    c1, c8 = (load.tier_config(poisson, "unix:gw", c, 60.0) for c in (1, 8))
+    c1, c8 = (load.tier_config(poisson, ("unix:gw",), c, 60.0) for c in (1, 8))
     assert (c8.load, c8.num_requests, c8.concurrency, c8.audio_seconds) == ("poisson", 16, 8, (1.0, 10.0))
     assert (c8.request_timeout_s, c8.max_total_s) == (60.0, 60.0)
     assert {a.text for a in schedule(c1)}.isdisjoint(a.text for a in schedule(c8))
-    burst = load.tier_config(_settings("--load", "burst"), "unix:gw", 8, 60.0)
+    burst = load.tier_config(_settings("--load", "burst"), ("unix:gw",), 8, 60.0)
     assert (burst.load, burst.num_requests, burst.concurrency) == ("burst", 8, 8)
-    fixed = load.tier_config(_settings(), "unix:gw", 8, 60.0)
+    fixed = load.tier_config(_settings(), ("unix:gw",), 8, 60.0)
     assert (fixed.load, fixed.num_requests, fixed.text) == ("closed", 24, settings.PROMPT)
-    smoke = load.tier_config(_settings("--smoke"), "unix:gw", 2, 60.0)
+    smoke = load.tier_config(_settings("--smoke"), ("unix:gw",), 2, 60.0)
     assert smoke.num_requests == 2  # the fixed smoke's 2 requests a tier, as before
-    warm = load.warmup_configs(poisson, "unix:gw", 30.0)
+    warm = load.warmup_configs(poisson, ("unix:gw",), 30.0)
     assert [(c.load, c.num_requests) for c in warm] == [("closed", 2), ("closed", 16), ("closed", 32),
                                                         ("burst", load.WARMUP_BURST)]
-    assert [c.load for c in load.warmup_configs(_settings(), "unix:gw", 30.0)] == ["closed"] * 3
+    assert [c.load for c in load.warmup_configs(_settings(), ("unix:gw",), 30.0)] == ["closed"] * 3
 
 
 def test_a_poisson_tier_cap_fits_its_schedule():
     s = _settings("--load", "poisson", "--tier-max-s", "5")
-    config = load.tier_config(s, "unix:gw", 8, 5.0)
+    config = load.tier_config(s, ("unix:gw",), 8, 5.0)
     span = loads.schedule_span_s(schedule(config))
     assert span > 5  # 24 arrivals at 8 / 5.5 s: the 5 s cap cannot hold them
     assert load.wanted_cap_s(s, 8) == pytest.approx(span + 10.0)
@@ -119,7 +120,7 @@ ACCEPTANCE = ("--load", "poisson", "--audio-seconds", "2,8", "--requests-per-str
 
 def test_c1_of_poisson_and_burst_is_sequential_with_idle_gaps():
     s = _settings(*ACCEPTANCE)
-    c1 = load.tier_config(s, "unix:gw", 1, 60.0, 12.5)
+    c1 = load.tier_config(s, ("unix:gw",), 1, 60.0, 12.5)
     assert (c1.load, c1.num_requests, c1.concurrency) == ("sequential", 50, 1)
     assert (c1.idle_gaps_s, c1.frame_rate_hz, c1.audio_seconds) == ((0.0, 0.5, 2.0, 5.0), 12.5, (2.0, 8.0))
     arrivals = schedule(c1)
@@ -127,14 +128,14 @@ def test_c1_of_poisson_and_burst_is_sequential_with_idle_gaps():
     # the texts and lengths a Poisson C=1 tier of the seed would draw
     assert [(a.text, a.max_audio_seconds) for a in arrivals] == [
         (a.text, a.max_audio_seconds) for a in loads.poisson_schedule(50, 1, (2.0, 8.0), c1.load_seed)]
-    assert load.tier_config(s, "unix:gw", 8, 60.0).load == "poisson"  # only C=1
-    burst = load.tier_config(_settings("--load", "burst"), "unix:gw", 1, 60.0)
+    assert load.tier_config(s, ("unix:gw",), 8, 60.0).load == "poisson"  # only C=1
+    burst = load.tier_config(_settings("--load", "burst"), ("unix:gw",), 1, 60.0)
     assert (burst.load, burst.num_requests) == ("sequential", 50)
-    assert load.tier_config(_settings(), "unix:gw", 1, 60.0).load == "closed"  # fixed: as it was
+    assert load.tier_config(_settings(), ("unix:gw",), 1, 60.0).load == "closed"  # fixed: as it was
     mine = _settings("--load", "poisson", "--sequential-requests", "8", "--idle-gaps", "0,1")
-    c1 = load.tier_config(mine, "unix:gw", 1, 60.0)
+    c1 = load.tier_config(mine, ("unix:gw",), 1, 60.0)
     assert (c1.num_requests, c1.idle_gaps_s) == (8, (0.0, 1.0)) and load.tier_requests(mine, 1) == 8
-    smoke = load.tier_config(_settings("--smoke", "--load", "poisson"), "unix:gw", 1, 60.0)
+    smoke = load.tier_config(_settings("--smoke", "--load", "poisson"), ("unix:gw",), 1, 60.0)
     assert (smoke.num_requests, smoke.idle_gaps_s) == (settings.SMOKE_SEQUENTIAL_REQUESTS,
                                                        settings.SMOKE_IDLE_GAPS_S)
 
@@ -152,7 +153,7 @@ def test_bad_sequential_options_are_usage_errors(args, capsys):
 
 def test_the_sequential_tier_cap_holds_its_idle_gaps_and_every_request_in_turn():
     s = _settings(*ACCEPTANCE)
-    arrivals = schedule(load.tier_config(s, "unix:gw", 1, 60.0))
+    arrivals = schedule(load.tier_config(s, ("unix:gw",), 1, 60.0))
     idle = sum(a.idle_before_s for a in arrivals)
     audio = sum(a.max_audio_seconds for a in arrivals)
     assert idle == pytest.approx(13 * 0 + 13 * 0.5 + 12 * 2 + 12 * 5)
@@ -247,8 +248,8 @@ def test_the_report_shows_the_steady_rate_the_checks_and_the_sequential_tier():
 def test_client_connections_reach_every_tier_the_fingerprint_and_the_report(tmp_path: Path, capsys):
     spread = _settings("--load", "poisson", "--client-connections", "4")
     assert spread.client_connections == 4 and _settings().client_connections == 1
-    assert {load.tier_config(spread, "unix:gw", c, 60.0).connections for c in (1, 8)} == {4}
-    assert load.tier_config(_settings("--client-connections", "2"), "unix:gw", 8, 60.0).connections == 2
+    assert {load.tier_config(spread, ("unix:gw",), c, 60.0).connections for c in (1, 8)} == {4}
+    assert load.tier_config(_settings("--client-connections", "2"), ("unix:gw",), 8, 60.0).connections == 2
 
     def fp(s):
         return settings.fingerprint(settings.stage_configs(s, tmp_path, None), s, None)

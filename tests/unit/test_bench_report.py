@@ -190,3 +190,29 @@ def test_gc_pauses_per_stage_over_the_tier():
     before = Snapshot(0.0, {}, {"gateway": snap(10, 10, 0.01, 1), "talker": {}}, {}, [], [], {})
     after = Snapshot(1.0, {}, {"gateway": snap(50, 47, 0.31, 3), "talker": {}}, {}, [], [], {})
     assert gc_pauses(before, after) == {"gateway": {"pauses": 40, "over_25ms": 3, "seconds": 0.3, "full": 2}}
+
+
+def test_two_gateways_numbers_are_their_totals_with_the_busiest_and_the_spread():
+    from bench.server.gateway_numbers import gateway_numbers
+
+    def metrics(n, seconds, lag_n):
+        ttfa, lag = "voxring_time_to_first_audio_seconds", "voxring_event_loop_lag_seconds"
+        return {f"{ttfa}_count": n, f"{ttfa}_sum": seconds, f"{lag}_count": lag_n,
+                f"{lag}_sum": lag_n * 0.002,
+                f"{lag}_bucket@0.025": lag_n, f"{lag}_bucket@0.05": lag_n}
+
+    names = ["gateway", "gateway-1"]
+    before = Snapshot(0.0, {}, {g: metrics(0, 0.0, 0) for g in names}, {"gateway": 1.0, "gateway-1": 2.0},
+                      [], [], {}, names)
+    after = Snapshot(2.0, {}, {"gateway": metrics(30, 3.0, 100), "gateway-1": metrics(10, 2.0, 100)},
+                     {"gateway": 2.0, "gateway-1": 2.6}, [], [], {}, names)
+    got = gateway_numbers(before, after, 2.0, 20, 100.0)
+    assert got["server_ttfa_mean_ms"] == 125.0  # (3 + 2) s over 40 first audios
+    assert got["loop_lag_mean_ms"] == 2.0 and got["loop_lag_over_25ms"] == 0.0
+    assert (got["cpu_cores"], got["cpu_cores_max"], got["processes"]) == (0.8, 0.5, 2)
+    assert got["cpu_ms_per_audio_s"] == 16.0 and got["cpu_cores_per_stream"] == 0.04
+    assert got["first_audios_by_process"] == {"gateway": 30, "gateway-1": 10}
+    one = Snapshot(0.0, {}, {"gateway": metrics(0, 0.0, 0)}, {"gateway": 1.0}, [], [], {})
+    alone = gateway_numbers(one, Snapshot(2.0, {}, {"gateway": metrics(30, 3.0, 100)}, {"gateway": 2.0},
+                                          [], [], {}), 2.0, 20, 100.0)
+    assert "processes" not in alone and alone["cpu_cores"] == 0.5

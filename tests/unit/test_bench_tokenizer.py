@@ -13,6 +13,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from bench.server import bpe_tokenizer, checkpoint, report, settings
+from bench.server.args import parse_args
 from models.tiny.talker import SPECIAL_TOKENS, build_tokenizer
 
 CONFIG_FIELDS = {"bos_token_id": SPECIAL_TOKENS[0], "pad_token_id": SPECIAL_TOKENS[2],
@@ -30,9 +31,9 @@ def _bench_sentences() -> list[str]:
     from bench.server.load import tier_config, warmup_configs
     from voxring.loadgen import schedule
 
-    s = settings.parse_args(["--load", "poisson"])
-    configs = [tier_config(s, "unix:unused", c, 60.0) for c in s.tiers]
-    configs += warmup_configs(s, "unix:unused", 60.0)
+    s = parse_args(["--load", "poisson"])
+    configs = [tier_config(s, ("unix:unused",), c, 60.0) for c in s.tiers]
+    configs += warmup_configs(s, ("unix:unused",), 60.0)
     sent = {arrival.text for config in configs for arrival in schedule(config)}
     return sorted(sent | set(bpe_tokenizer.measure_texts()))
 
@@ -134,7 +135,7 @@ def test_the_cached_checkpoint_of_one_tokenizer_is_not_reused_for_the_other(tmp_
 
 def test_the_tokenizer_option_names_the_result_file_and_is_recorded():
     def parsed(*args):
-        return settings.parse_args(list(args))
+        return parse_args(list(args))
 
     assert tuple(settings.TOKENIZERS) == checkpoint.TOKENIZERS and settings.DEFAULT_TOKENIZER == "bpe"
     assert (parsed().tokenizer, parsed().mode) == ("bpe", "mps-off")  # the default keeps the plain names

@@ -58,6 +58,9 @@ def _config(**changes) -> BenchConfig:
     ({"idle_gaps_s": (0.0, -0.5)}, "idle_gaps_s"),
     ({"connections": 0}, "connections"),
     ({"connections": 65}, "connections"),
+    ({"more_targets": ("unix:/b",), "connections": 3}, "connections"),
+    ({"more_targets": ("unix:/b", "")}, "more_targets"),
+    ({"more_targets": ["unix:/b"]}, "more_targets"),
     ({"frame_rate_hz": 0.0}, "frame_rate_hz"),
     ({"frame_rate_hz": float("inf")}, "frame_rate_hz"),
 ])
@@ -191,6 +194,20 @@ def test_a_run_spreads_its_requests_over_its_connections_in_turn(connections):
     assert all(peer.startswith("ipv4:127.0.0.1:") for peer in peers)
     assert sorted(peers.count(peer) for peer in set(peers)) == [6 // connections] * connections
     assert f"over {connections} client connection(s)" in format_report(report)
+
+
+def test_a_run_over_two_gateways_gives_each_the_same_share_on_connections_of_its_own():
+    with test_sdk.serve_fake(None) as one, test_sdk.serve_fake(None) as two:
+        config = BenchConfig(target=one.target, more_targets=(two.target,), num_requests=8, concurrency=4,
+                             load="poisson", audio_seconds=(0.05, 0.1), request_timeout_s=WAIT_S,
+                             max_total_s=4 * WAIT_S, connections=4)
+        report = run(config)
+        seen = [list(one.peers), list(two.peers)]
+    assert report.completed == 8 and (report.connections, report.targets) == (4, 2)
+    for peers in seen:  # two connections each, four requests each, two a connection
+        assert sorted(peers.count(peer) for peer in set(peers)) == [2, 2]
+    assert "over 4 client connection(s) to 2 gateways" in format_report(report)
+    assert config.targets == (one.target, two.target)
 
 
 def test_the_loop_lag_sampler_sees_a_blocked_loop_and_summarize_states_it():
