@@ -59,8 +59,9 @@ from voxring.loads import (
 
 __all__ = [  # the report's and the trace statistics' names are importable from here too
     "DEFAULT_TEXT", "DELIVERED_SHARE", "STALL_CHUNKS_CAP", "BenchConfig", "BenchReport", "Percentiles",
-    "RequestTrace", "format_report", "percentile", "playback_stalls", "run", "run_bench", "schedule",
-    "send_in_sequence", "send_on_schedule", "stall_events", "stalls_by_chunk", "summarize",
+    "RequestTrace", "RunTraces", "Share", "format_report", "percentile", "playback_stalls", "run",
+    "run_bench", "run_traces", "schedule", "send_in_sequence", "send_on_schedule", "stall_events",
+    "stalls_by_chunk", "summarize",
 ]
 
 DEFAULT_TEXT = "Hello from voxring. This sentence measures how fast the first audio arrives."
@@ -204,12 +205,13 @@ async def _one_request(client: AsyncClient, config: BenchConfig, trace: RequestT
 
 async def send_on_schedule(arrivals: Sequence[Arrival], send: Callable[[Arrival], object], *,
                            clock: Callable[[], float] = time.perf_counter,
-                           sleep: Callable[[float], Awaitable[object]] = asyncio.sleep) -> None:
-    """Calls ``send(arrival)`` at each arrival's time (``at_s`` after the call, on ``clock``),
-    never later for what earlier sends are doing: ``send`` only starts a request (it must
-    not wait for it), so a slow server cannot slow the arrivals (an open loop). Arrivals
-    already due are sent at once, in order."""
-    started = clock()
+                           sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+                           started: float | None = None) -> None:
+    """Calls ``send(arrival)`` at each arrival's time (``at_s`` after ``started`` on ``clock``,
+    default the call), never later for what earlier sends are doing: ``send`` only starts a
+    request (it must not wait for it), so a slow server cannot slow the arrivals (an open
+    loop). Arrivals already due are sent at once, in order."""
+    started = clock() if started is None else started
     for arrival in arrivals:
         delay = started + arrival.at_s - clock()
         if delay > 0:
@@ -241,19 +243,22 @@ async def _sequential(clients: Sequence[AsyncClient], config: BenchConfig, trace
 
 
 async def _open_loop(clients: Sequence[AsyncClient], config: BenchConfig, traces: list[RequestTrace],
-                     run_started: float) -> None:
-    """The schedule's requests, each a task started at its arrival on the next of ``clients`` in
-    turn; cancelled (by the run's bound), it cancels every request still running."""
+                     run_started: float, share: Share | None = None) -> None:
+    """The schedule's requests (``share``'s part of them), request i a task started at its arrival
+    on connection i mod their number; cancelled (by the run's bound), it cancels every request
+    still running."""
     requests: list[asyncio.Task] = []
+    mine = [(i, a) for i, a in enumerate(schedule(config)) if share is None or i % share.of == share.index]
+    order = iter(i for i, _ in mine)
 
     def send(arrival: Arrival) -> None:
         trace = RequestTrace(requested_audio_seconds=arrival.max_audio_seconds)
-        client = clients[len(traces) % len(clients)]
+        client = clients[next(order) % len(clients)]
         traces.append(trace)
         requests.append(asyncio.create_task(_one_request(client, config, trace, arrival.text,
                                                          run_started)))
     try:
-        await send_on_schedule(schedule(config), send)
+        await send_on_schedule([a for _, a in mine], send, started=run_started)
         await asyncio.gather(*requests)
     finally:
         for task in requests:
@@ -275,9 +280,44 @@ async def _sample_loop_lag(samples: list[float]) -> None:
         samples.append(max(0.0, loop.time() - asked - LAG_INTERVAL_S))
 
 
+@dataclass(frozen=True)
+class Share:
+    """One client process's part of an open-loop run spread over ``of`` processes: the schedule's
+    arrival i is its own when i % of == index, and the schedule's time 0 is ``start_at`` on
+    ``time.perf_counter`` (CLOCK_MONOTONIC: one clock for every process of the machine), so the
+    parts' traces add up to the run one process would have made."""
+    index: int
+    of: int
+    start_at: float
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.of, int) and self.of >= 1 and isinstance(self.index, int)
+                and 0 <= self.index < self.of):
+            raise ValueError(f"share: index must be in [0, of) and of >= 1, got {self.index} of {self.of}")
+
+
+@dataclass
+class RunTraces:
+    """What a run leaves before it is summarized: every request's trace, its wall time, whether
+    its bound stopped it, and its event loop's lateness samples."""
+    traces: list[RequestTrace]
+    wall_s: float
+    timed_out: bool
+    loop_lag: list[float]
+
+
 async def run_bench(config: BenchConfig) -> BenchReport:
     """Runs the load; ListVoices first connects the channel (and fails fast, with a typed
     error, when no server answers)."""
+    got = await run_traces(config)
+    return summarize(config, got.traces, got.wall_s, timed_out=got.timed_out, loop_lag=got.loop_lag)
+
+
+async def run_traces(config: BenchConfig, share: Share | None = None) -> RunTraces:
+    """The run's traces (``share``: this process's part of a poisson or burst run, whose other
+    parts other processes send)."""
+    if share is not None and config.load not in ("poisson", "burst"):
+        raise ValueError(f"share: only the poisson and burst loads split over processes, got {config.load}")
     async with contextlib.AsyncExitStack() as opened:
         targets = config.targets
         clients = [await opened.enter_async_context(AsyncClient(
@@ -289,8 +329,10 @@ async def run_bench(config: BenchConfig) -> BenchReport:
             await client.voices(timeout=min(10.0, config.max_total_s))
         traces: list[RequestTrace] = []
         lag: list[float] = []
+        if share is not None:  # every part starts its schedule at the same instant
+            await asyncio.sleep(max(0.0, share.start_at - time.perf_counter()))
         sampler = asyncio.create_task(_sample_loop_lag(lag))
-        started = time.perf_counter()
+        started = time.perf_counter() if share is None else share.start_at
 
         async def worker(client: AsyncClient) -> None:
             while len(traces) < config.num_requests:
@@ -304,7 +346,7 @@ async def run_bench(config: BenchConfig) -> BenchReport:
         elif config.load == "sequential":
             tasks = [asyncio.create_task(_sequential(clients, config, traces, started))]
         else:
-            tasks = [asyncio.create_task(_open_loop(clients, config, traces, started))]
+            tasks = [asyncio.create_task(_open_loop(clients, config, traces, started, share))]
         done, pending = await asyncio.wait(tasks, timeout=config.max_total_s)
         for task in (*pending, sampler):
             task.cancel()
@@ -312,7 +354,7 @@ async def run_bench(config: BenchConfig) -> BenchReport:
         wall_s = time.perf_counter() - started
         for task in done:
             task.result()  # a bug in the load generator must not pass as a report
-    return summarize(config, traces, wall_s, timed_out=bool(pending), loop_lag=lag)
+    return RunTraces(traces, wall_s, bool(pending), lag)
 
 
 def run(config: BenchConfig) -> BenchReport:

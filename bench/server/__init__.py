@@ -3,7 +3,7 @@
     python -m bench.server --part tiers --mps off [--max-wall 540] [--out bench/results/server]
     python -m bench.server --part tiers --mps on  [--max-wall 540]
     python -m bench.server --part tiers --layout two-pairs|split [--mps off|on]   # 2 GPUs
-    python -m bench.server --part tiers --layout two-pairs --gateways 2   # 2 gateway processes
+    python -m bench.server --part tiers --layout two-pairs --gateways 2 --client-processes 2 --load poisson
     python -m bench.server --part baseline        [--max-wall 540]
     python -m bench.server --part report          # table and plots from the JSON there
     python -m bench.server --part tiers --load poisson|burst [--audio-seconds 1,10] [--load-seed 0]
@@ -50,7 +50,11 @@ sends request i on connection i mod their number, so each gateway gets an equal 
 sequential C=1 tier uses the first). Their numbers are totals (``processes``, the busiest one's
 ``cpu_cores_max`` and each one's first audios beside them); the mode says ``<N>gw``
 (``server_gpu_tiers_two-pairs-2gw-mps-on-poisson.json``): one gateway process, one event loop,
-carried ~1,100 audio-s/s at ~1 core, so two pairs' load needs more than one.
+carried ~1,100 audio-s/s at ~1 core, so two pairs' load needs more than one. So does the load
+generator (~0.33 ms of CPU per audio second in one asyncio loop): ``--client-processes P`` sends a
+poisson or burst tier from P processes started beside the stages, request i from process i mod
+P, all on one start instant (bench/server/load_pool.py); the report is of all their requests, and
+the "harness" CPU counts them.
 
 Per tier, from the load generator (client side): admitted vs rejected, time to first
 audio p50/p90/p99, inter-chunk gap p99, underruns (a real-time player's stalls), audio

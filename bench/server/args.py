@@ -27,6 +27,7 @@ from voxring.loads import DEFAULT_IDLE_GAPS_S
 
 USAGE = bench.server.__doc__  # the package docstring: what --help prints
 MAX_GATEWAYS = 8  # --gateways: gateway processes a run may start
+MAX_CLIENT_PROCESSES = 16  # --client-processes: the load generator's processes
 _TOKENIZER_HELP = (f"the written checkpoint's tokenizer (default {DEFAULT_TOKENIZER}; another is named in "
                    "the result file, as in mps-off-byte-poisson): "
                    + "; ".join(f"{k}: {v}" for k, v in TOKENIZERS.items()))
@@ -107,6 +108,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gateways", type=int, default=1, metavar="N",
                         help=f"tiers: gateway processes, each serving every engine pair, the load spread "
                              f"evenly over them (default 1; at most {MAX_GATEWAYS})")
+    parser.add_argument("--client-processes", type=int, default=1, metavar="P",
+                        help="poisson, burst: the processes that send a tier's requests, request i from "
+                             f"process i mod P (default 1: this one; at most {MAX_CLIENT_PROCESSES}; "
+                             "bench/server/load_pool.py)")
     parser.add_argument("--tier-max-s", type=float, default=60.0, help="wall-clock cap of one tier")
     parser.add_argument("--profile-tier", type=int, default=None, metavar="C",
                         help="py-spy every stage's threads for --profile-seconds (default 8) from tier C's "
@@ -150,6 +155,12 @@ def parse_args(argv: list[str] | None) -> Settings:
     if not 1 <= args.client_connections * args.gateways <= MAX_CONNECTIONS:
         parser.error(f"--client-connections x --gateways must be in [1, {MAX_CONNECTIONS}], got "
                      f"{args.client_connections} x {args.gateways}")
+    if not 1 <= args.client_processes <= MAX_CLIENT_PROCESSES:
+        parser.error(f"--client-processes must be in [1, {MAX_CLIENT_PROCESSES}], "
+                     f"got {args.client_processes}")
+    if args.client_processes > 1 and args.load == "fixed":
+        parser.error("--client-processes: the poisson and burst loads split over processes (the fixed "
+                     "load is one closed loop)")
     if args.sequential_requests is not None and args.sequential_requests < 1:
         parser.error("--sequential-requests must be positive")
     if args.load == "fixed" and (args.sequential_requests is not None or args.idle_gaps is not None):
@@ -172,5 +183,6 @@ def parse_args(argv: list[str] | None) -> Settings:
             SMOKE_SEQUENTIAL_REQUESTS if args.smoke else SEQUENTIAL_REQUESTS),
         idle_gaps=args.idle_gaps or (SMOKE_IDLE_GAPS_S if args.smoke else DEFAULT_IDLE_GAPS_S),
         client_connections=args.client_connections, gateways=args.gateways,
+        client_processes=args.client_processes,
         profile_tier=args.profile_tier, profile_seconds=args.profile_seconds,
         profile_device=args.profile_device)

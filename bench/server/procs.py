@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 from bench.server import BenchError, log
+from bench.server.load import run_load
+from bench.server.load_pool import SHAREABLE, LoadPool
 from bench.server.settings import REPO, STATE_DIR, StageSpec
 from services.transport.layout import shm_file_prefixes
 from voxring.mps_daemon import SM_PERCENT_ENV, sm_percent
@@ -43,7 +45,7 @@ class Server:
     environment, where each GPU has its own (gpu_env(i) -> env, or None/{}: none there)."""
 
     def __init__(self, run_dir: Path, specs: list[StageSpec], configs: dict[str, dict], env: dict[str, str],
-                 gpus: list[str] | None = None, gpu_env=None) -> None:
+                 gpus: list[str] | None = None, gpu_env=None, client_processes: int = 1) -> None:
         self.run_dir = run_dir
         self.specs = specs
         self.configs = configs
@@ -52,6 +54,8 @@ class Server:
         # a stage's environment from its GPU's MPS daemon (gpu index -> env), when each GPU has one
         self.gpu_env = gpu_env
         self.procs: dict[str, StageProcess] = {}
+        self.client_processes = client_processes
+        self.load_pool: LoadPool | None = None  # the load generator's processes, with more than one
         self.exit_codes: dict[str, int | None] = {}
         self._log_offsets: dict[str, int] = {}
 
@@ -93,6 +97,8 @@ class Server:
                                           env=self._env(spec), cwd=REPO)
             self.procs[spec.name] = proc
             proc.spawn()
+        if self.client_processes > 1:  # spawned with the stages, before this process imports grpc
+            self.load_pool = LoadPool(self.client_processes, self.env, REPO)
         _record_pids({s: (p.stage, p.pid) for s, p in self.procs.items()}, self.run_dir)
         deadline = time.monotonic() + timeout
         try:
@@ -129,7 +135,19 @@ class Server:
     def dead(self) -> list[str]:
         return [f"{s} (exit {p.proc.returncode})" for s, p in self.procs.items() if not p.alive()]
 
+    def run_load(self, config) -> dict:
+        """One run of the load generator, its report as a dict: a poisson or burst run split over
+        the load pool's processes where there is one, else in this process."""
+        if self.load_pool is not None and config.load in SHAREABLE:
+            try:
+                return self.load_pool.run(config)
+            except RuntimeError as exc:
+                raise BenchError(str(exc)) from None
+        return run_load(config)
+
     def stop(self, timeout: float = 20.0) -> dict[str, int | None]:
+        if self.load_pool is not None:
+            self.load_pool.close()
         for spec in reversed(self.specs):
             stage = spec.name
             sp = self.procs.get(stage)
@@ -144,7 +162,9 @@ class Server:
     def cpu_seconds(self) -> dict[str, float | None]:
         out: dict[str, float | None] = {s: _proc_cpu_s(p.pid) for s, p in self.procs.items()}
         times = os.times()
-        out["harness"] = times.user + times.system  # the load generator runs in this process
+        # the load generator runs in this process, and in the load pool's where there is one
+        pool = [_proc_cpu_s(pid) for pid in self.load_pool.pids] if self.load_pool else []
+        out["harness"] = times.user + times.system + sum(x for x in pool if x is not None)
         return out
 
 

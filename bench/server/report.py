@@ -119,6 +119,8 @@ def load_text(mode: str, data: dict) -> str:
                  + (" to each gateway" if gateways > 1 else ""))
     if gateways > 1:
         text += f", spread evenly over {gateways} gateway processes"
+    if (data.get("client_processes") or 1) > 1:
+        text += f", sent from {data['client_processes']} client processes"
     if data.get("sequential_requests") is None:  # files from before the sequential C=1 tier
         return text
     gaps = ", ".join(f"{gap:g}" for gap in data.get("idle_gaps") or ())

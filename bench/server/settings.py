@@ -125,6 +125,7 @@ class Settings:
     idle_gaps: tuple[float, ...] = DEFAULT_IDLE_GAPS_S  # ... and the idle before each, in turn
     client_connections: int = 1  # the load generator's connections to each gateway (streams spread over them)
     gateways: int = 1            # gateway processes, each serving every pair (--gateways)
+    client_processes: int = 1    # processes that send a poisson or burst tier (--client-processes)
     profile_tier: int | None = None  # py-spy on every stage at this tier (bench/server/profile.py)
     profile_seconds: float = 8.0
     profile_device: bool = False  # ... and each engine's device work over the same window
@@ -240,6 +241,8 @@ def fingerprint(configs: dict, s: Settings, checkpoint_name: str | None) -> str:
                 "checkpoint": checkpoint_name, "env": overrides_env(), "prompt": PROMPT}
     if s.client_connections != 1:  # (one connection: the fingerprint is what it was before the option)
         identity["client_connections"] = s.client_connections
+    if s.client_processes != 1:  # (likewise)
+        identity["client_processes"] = s.client_processes
     if s.load != "fixed":  # (the fixed load's fingerprint is what it was before there were others)
         identity.update({"load": s.load, "audio_range": s.audio_range, "load_seed": s.load_seed,
                          "corpus": hashlib.sha256("\n".join(corpus_texts(64, 0)).encode()).hexdigest(),

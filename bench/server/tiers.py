@@ -21,7 +21,6 @@ from bench.server.load import (
     delivery_fields,
     frame_rate_hz,
     load_fields,
-    run_load,
     tier_config,
     wanted_cap_s,
     warmup_configs,
@@ -109,7 +108,7 @@ def part_tiers(s: Settings) -> int:
                        "sequential_requests": s.sequential_requests, "idle_gaps": s.idle_gaps}),
                    "audio_seconds": s.audio_seconds, "requests_per_stream": s.requests_per_stream,
                    "tier_max_s": s.tier_max_s, "client_connections": s.client_connections,
-                   "gateways": s.gateways,
+                   "gateways": s.gateways, "client_processes": s.client_processes,
                    "checkpoint": checkpoint_name or "voxring-tiny",
                    "configs": portable_configs(configs)})
     result.setdefault("tiers", {})
@@ -195,7 +194,7 @@ def _serve(s: Settings, record: _Record, run_dir: Path, configs: dict[str, dict]
             raise BenchError(f"only {s.left():.0f} s of --max-wall left: not enough to start the stages")
         result["gpu_ids"] = gpus
         server = Server(run_dir, s.stages, configs, child_env(extra, s.smoke), gpus,
-                        mps.client_env if mps and mps.per_gpu else None)
+                        mps.client_env if mps and mps.per_gpu else None, s.client_processes)
         result["sm_percent"] = server.sm_limits()  # MPS active-thread limits, as voxring up sets them
         started = time.monotonic()
         log(f"starting the stages ({s.mode}; ready within {s.start_timeout:.0f} s)")
@@ -234,7 +233,7 @@ def _warm_up(s: Settings, server: Server, targets: tuple[str, ...], run_log: dic
     # first chunk), then 16 at once (past the busy threshold: 4-frame first chunks)
     run_log["warmup"] = {"rounds": []}
     for config in warmup_configs(s, targets, min(60.0, max(5.0, s.left() / 8))):
-        warm = run_load(config)
+        warm = server.run_load(config)
         run_log["warmup"]["rounds"].append(
             {"requests": config.num_requests, "concurrency": config.concurrency, "load": config.load,
              **{k: warm[k] for k in ("completed", "errors", "wall_s")}})
@@ -288,7 +287,7 @@ def _measure_tier(s: Settings, server: Server, gpu: GpuSampler, targets: tuple[s
         if s.profile_tier == concurrency else None
     if profile:
         profile.start()
-    report = run_load(config)
+    report = server.run_load(config)
     if profile:
         profile.finish()
     rates = engine_stats(server)  # the stages' own rates over the tier (window since `before`)

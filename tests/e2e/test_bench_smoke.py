@@ -140,13 +140,16 @@ def test_smoke_tiers(tmp_path):
 
 def test_smoke_tiers_under_a_poisson_load(tmp_path):
     # the open-loop load end to end: every request accounted for, the load named everywhere
-    # (whether a tier is clean is the GPU run's business, not this test's), sent through two
-    # gateway processes (--gateways: one connection to each, the requests in turn)
-    done = _run("--part", "tiers", "--load", "poisson", "--gateways", "2", "--max-wall", "100", out=tmp_path)
+    # (whether a tier is clean is the GPU run's business, not this test's), sent from two client
+    # processes (--client-processes) through two gateway processes (--gateways: one connection to
+    # each, the requests in turn)
+    done = _run("--part", "tiers", "--load", "poisson", "--gateways", "2", "--client-processes", "2",
+                "--max-wall", "100", out=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((tmp_path / "server_gpu_tiers_2gw-smoke-poisson.json").read_text())
     assert (result["mode"], result["load"], result["prompt"]) == ("2gw-smoke-poisson", "poisson", "corpus")
-    assert result["gateways"] == 2 and result["configs"]["gateway-1"]["engines"] == result["configs"][
+    assert result["gateways"] == result["client_processes"] == 2
+    assert result["configs"]["gateway-1"]["engines"] == result["configs"][
         "gateway"]["engines"]
     assert result["audio_range"] == [0.4, 1.2] and result["audio_seconds"] == pytest.approx(0.8)
     assert sorted(result["tiers"]) == ["1", "2"]
@@ -183,7 +186,7 @@ def test_smoke_tiers_under_a_poisson_load(tmp_path):
     assert result["configs"]["gateway"]["limits"]["max_audio_seconds"] == 1.2
     table = (tmp_path / "server_gpu.md").read_text()
     assert "### 2gw-smoke-poisson:" in table and "Load: poisson" in table
-    assert "spread evenly over 2 gateway processes" in table
+    assert "spread evenly over 2 gateway processes, sent from 2 client processes" in table
     assert "C=1 is sequential: 4 requests one at a time" in table
     assert "Sequential C=1, time to first audio by the idle before the request" in table
 
