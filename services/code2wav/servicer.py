@@ -76,46 +76,8 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
             self._thread.post(command)
 
     async def Open(self, request, context):
-        if request.talker_id not in self._talkers:
-            raise InvalidArgument("talker_id", f"unknown talker {request.talker_id!r} "
-                                  f"(known: {', '.join(sorted(self._talkers))})")
-        if request.max_frames < 1:
-            raise InvalidArgument("max_frames", f"must be >= 1, got {request.max_frames}")
-        pacing = requested_pacing(request, self._default_pacing)
-        self._decoder.check_open(request.speaker_id, request.seed)
         engine: Code2WavEngine = self._thread.engine
-        if self._open >= engine.max_slots:
-            raise ResourceExhausted(f"all {engine.max_slots} decoder slots are in use")
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        handle = (self._instance << 32) | (next(self._counter) & 0xFFFFFFFF)
-
-        made: list[OpenStream] = []  # the engine thread's stream (there before any chunk it sends)
-        opened = time.monotonic()  # the engine's clock: its times count from the Open, not from its setup
-
-        def make(slot: int) -> OpenStream:
-            made.append(OpenStream(handle, request.request_id, request.talker_id, slot, pacing,
-                                   request.max_frames, loop, queue, opened=opened,
-                                   frame_s=self._frame_seconds, speaker_id=request.speaker_id,
-                                   seed=request.seed, session=request.session))
-            return made[-1]
-
-        def open_here(engine: Code2WavEngine) -> None:
-            try:
-                engine.open(make)
-            except Exception as exc:  # its talker may have the Submit already: this side ends it
-                engine.forget(handle)
-                code = exc.code if isinstance(exc, ServiceError) else "INTERNAL"
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", code, str(exc), "code2wav"))
-
-        # The handle is answered at once: the engine thread sets the stream up at its next
-        # command, and keeps what the talker writes for an announced handle until then (a busy
-        # engine takes commands between decode calls of tens of ms).
-        engine.announced.add(handle)
-        try:
-            self._thread.post(open_here)
-        except EngineStopped:
-            engine.announced.discard(handle)
-            raise Unavailable("Code2Wav engine is not running") from None
+        handle, queue, made = self._start_stream(request, engine)
         self._open += 1
         finished = False
         try:
@@ -155,6 +117,50 @@ class Code2WavServicer(code2wav_pb2_grpc.Code2WavServicer):
                 task = asyncio.ensure_future(self._cancel_on_talker(request.talker_id, handle))
                 self._cancels.add(task)
                 task.add_done_callback(self._cancels.discard)
+
+    def _start_stream(self, request, engine: Code2WavEngine) -> tuple[int, asyncio.Queue, list[OpenStream]]:
+        """An Open's checks and its stream posted to the engine thread: (its handle, the queue the
+        engine answers on, the list the engine's stream lands in)."""
+        if request.talker_id not in self._talkers:
+            raise InvalidArgument("talker_id", f"unknown talker {request.talker_id!r} "
+                                  f"(known: {', '.join(sorted(self._talkers))})")
+        if request.max_frames < 1:
+            raise InvalidArgument("max_frames", f"must be >= 1, got {request.max_frames}")
+        pacing = requested_pacing(request, self._default_pacing)
+        self._decoder.check_open(request.speaker_id, request.seed)
+        if self._open >= engine.max_slots:
+            raise ResourceExhausted(f"all {engine.max_slots} decoder slots are in use")
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        handle = (self._instance << 32) | (next(self._counter) & 0xFFFFFFFF)
+
+        made: list[OpenStream] = []  # the engine thread's stream (there before any chunk it sends)
+        opened = time.monotonic()  # the engine's clock: its times count from the Open, not from its setup
+
+        def make(slot: int) -> OpenStream:
+            made.append(OpenStream(handle, request.request_id, request.talker_id, slot, pacing,
+                                   request.max_frames, loop, queue, opened=opened,
+                                   frame_s=self._frame_seconds, speaker_id=request.speaker_id,
+                                   seed=request.seed, session=request.session))
+            return made[-1]
+
+        def open_here(engine: Code2WavEngine) -> None:
+            try:
+                engine.open(make)
+            except Exception as exc:  # its talker may have the Submit already: this side ends it
+                engine.forget(handle)
+                code = exc.code if isinstance(exc, ServiceError) else "INTERNAL"
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", code, str(exc), "code2wav"))
+
+        # The handle is answered at once: the engine thread sets the stream up at its next
+        # command, and keeps what the talker writes for an announced handle until then (a busy
+        # engine takes commands between decode calls of tens of ms).
+        engine.announced.add(handle)
+        try:
+            self._thread.post(open_here)
+        except EngineStopped:
+            engine.announced.discard(handle)
+            raise Unavailable("Code2Wav engine is not running") from None
+        return handle, queue, made
 
     @staticmethod
     def _first_chunk_timer(engine: Code2WavEngine, chunk: ChunkOut):
