@@ -204,67 +204,10 @@ class TalkerCore:
     def metrics(self) -> dict:
         """Read at scrape time from the metrics thread (plain reads of counters)."""
         scheduler, counters = self.engine.scheduler, self.engine.counters
-        return {"running": ("gauge", "rows running", len(scheduler.running)),
-                "pacing_path_seconds": ("gauge", "a record's way to its listener as pacing counts it: "
-                                        "path_s and Code2Wav's reported decode tick",
-                                        scheduler.pacing.path_s),
-                "queue_depth": ("gauge", "requests waiting for a slot", len(scheduler.waiting)),
-                "sessions": ("gauge", "sessions in flight (running, waiting or idle)", scheduler.sessions),
-                "sessions_idle": ("gauge", "sessions between segments (a slot each, no batch row)",
-                                  len(scheduler.idle)),
-                "session_segments": ("counter", "sessions' segments after their first",
-                                     scheduler.session_counts["segments"]),
-                "session_positions_reused": ("counter", "KV positions a session's segment found in its slot "
-                                             "(earlier turns not prefilled again)",
-                                             scheduler.session_counts["positions_reused"]),
-                "session_positions_prefilled": ("counter", "KV positions sessions' later segments prefilled",
-                                                scheduler.session_counts["positions_prefilled"]),
-                "session_context_rebuilt": ("counter", "later segments that prefilled the whole context "
-                                            "(past max_len: oldest turns dropped)",
-                                            scheduler.session_counts["context_rebuilt"]),
-                "paused_rows": ("gauge", "rows paused on a full ring", scheduler.paused),
-                "frames": ("counter", "frames generated", counters.frames),
-                "steps": ("counter", "engine steps", counters.steps),
-                "step_schedule_seconds": ("counter", "engine time planning steps", counters.schedule_s),
-                "step_prefill_seconds": ("counter", "engine time prefilling admitted rows",
-                                         counters.prefill_s),
-                "step_decode_seconds": ("counter", "engine time launching decode steps (on a synchronous "
-                                        "device: running them)", counters.decode_s),
-                "step_wait_seconds": ("counter", "engine time waiting for a launched step's results",
-                                      counters.wait_s),
-                "step_emit_seconds": ("counter", "engine time turning frames into records and writing them",
-                                      counters.emit_s),
-                "step_host_seconds": ("counter", "engine time in steps other than waiting for the device",
-                                      counters.host_s),
-                "steps_overlapped": ("counter", "steps whose records were written while the device ran "
-                                     "the next (host work overlapped with the device)",
-                                     counters.overlapped_steps),
-                "step_frames": ("counter", "frames asked per row, summed over steps (mean K: / steps)",
-                                counters.step_frames),
-                "prefill_steps": ("counter", "steps that prefilled prompt chunks", counters.prefill_steps),
-                "prefill_tokens": ("counter", "prompt positions prefilled", counters.prefill_tokens),
-                "prefill_grant_steps": ("counter", "steps planned while prompts waited for prefill",
-                                        scheduler.grant_counts["steps"]),
-                "prefill_granted_positions": ("counter", "prompt positions those steps were allowed (the "
-                                              "speaking rows' slack cuts prefill_token_budget)",
-                                              scheduler.grant_counts["positions"]),
+        refused = scheduler.refused_overload + self.refused_early
+        return {**_scheduler_metrics(scheduler), **_step_metrics(counters),
                 "admissions_refused_slack": ("counter", "requests refused: one more stream would not be fed "
-                                             "in real time or start soon",
-                                             scheduler.refused_overload + self.refused_early),
-                "first_audio_lately_seconds": ("gauge", "p90 of the first records written in the last 0.5 s, "
-                                               "arrival to write (admission by first audio; -1: too few)",
-                                               -1.0 if scheduler.first_audio.last is None
-                                               else scheduler.first_audio.last),
-                "consumer_first_audio_seconds": ("gauge", "the first audio Code2Wav reports lately: p90 of "
-                                                 "its first chunks in the last 0.5 s, from its Open "
-                                                 "(admission reads it once reported; 0: none)",
-                                                 scheduler.consumer_first_audio_s),
-                "row_slack_seconds": ("histogram", "a row's slack (audio ahead of its listener) when its "
-                                      "record is written", _slack_histogram(counters)),
-                **{f"first_record_{part}_seconds": ("histogram", text, counters.first_record[part].metric())
-                   for part, text in FIRST_RECORD_PARTS.items()},
-                **{f"steps_k_bound_{bound}": ("counter", f"decode steps whose K was limited by {bound}",
-                                              counters.k_bounds.get(bound, 0)) for bound in BOUNDS},
+                                             "in real time or start soon", refused),
                 **_prefill_cost_metrics(counters), **self._prefill_graph_metrics()}
 
     def _prefill_graph_metrics(self) -> dict:
@@ -307,3 +250,73 @@ def _prefill_cost_metrics(counters) -> dict:
                                            counters.steps_with_prefill_s),
             "steps_without_prefill_seconds": ("counter", "the other decode steps' time, launch to results",
                                               counters.steps_without_prefill_s)}
+
+
+def _scheduler_metrics(scheduler) -> dict:
+    """The scheduler's gauges and counters: rows, queue, sessions, prefill grants, first audio."""
+    return {
+        "running": ("gauge", "rows running", len(scheduler.running)),
+        "pacing_path_seconds": ("gauge", "a record's way to its listener as pacing counts it: "
+                                "path_s and Code2Wav's reported decode tick",
+                                scheduler.pacing.path_s),
+        "queue_depth": ("gauge", "requests waiting for a slot", len(scheduler.waiting)),
+        "sessions": ("gauge", "sessions in flight (running, waiting or idle)", scheduler.sessions),
+        "sessions_idle": ("gauge", "sessions between segments (a slot each, no batch row)",
+                          len(scheduler.idle)),
+        "session_segments": ("counter", "sessions' segments after their first",
+                             scheduler.session_counts["segments"]),
+        "session_positions_reused": ("counter", "KV positions a session's segment found in its slot "
+                                     "(earlier turns not prefilled again)",
+                                     scheduler.session_counts["positions_reused"]),
+        "session_positions_prefilled": ("counter", "KV positions sessions' later segments prefilled",
+                                        scheduler.session_counts["positions_prefilled"]),
+        "session_context_rebuilt": ("counter", "later segments that prefilled the whole context "
+                                    "(past max_len: oldest turns dropped)",
+                                    scheduler.session_counts["context_rebuilt"]),
+        "paused_rows": ("gauge", "rows paused on a full ring", scheduler.paused),
+        "prefill_grant_steps": ("counter", "steps planned while prompts waited for prefill",
+                                scheduler.grant_counts["steps"]),
+        "prefill_granted_positions": ("counter", "prompt positions those steps were allowed (the "
+                                      "speaking rows' slack cuts prefill_token_budget)",
+                                      scheduler.grant_counts["positions"]),
+        "first_audio_lately_seconds": ("gauge", "p90 of the first records written in the last 0.5 s, "
+                                       "arrival to write (admission by first audio; -1: too few)",
+                                       -1.0 if scheduler.first_audio.last is None
+                                       else scheduler.first_audio.last),
+        "consumer_first_audio_seconds": ("gauge", "the first audio Code2Wav reports lately: p90 of "
+                                         "its first chunks in the last 0.5 s, from its Open "
+                                         "(admission reads it once reported; 0: none)",
+                                         scheduler.consumer_first_audio_s),
+    }
+
+
+def _step_metrics(counters) -> dict:
+    """The engine's step counters and its rows' histograms."""
+    return {
+        "frames": ("counter", "frames generated", counters.frames),
+        "steps": ("counter", "engine steps", counters.steps),
+        "step_schedule_seconds": ("counter", "engine time planning steps", counters.schedule_s),
+        "step_prefill_seconds": ("counter", "engine time prefilling admitted rows",
+                                 counters.prefill_s),
+        "step_decode_seconds": ("counter", "engine time launching decode steps (on a synchronous "
+                                "device: running them)", counters.decode_s),
+        "step_wait_seconds": ("counter", "engine time waiting for a launched step's results",
+                              counters.wait_s),
+        "step_emit_seconds": ("counter", "engine time turning frames into records and writing them",
+                              counters.emit_s),
+        "step_host_seconds": ("counter", "engine time in steps other than waiting for the device",
+                              counters.host_s),
+        "steps_overlapped": ("counter", "steps whose records were written while the device ran "
+                             "the next (host work overlapped with the device)",
+                             counters.overlapped_steps),
+        "step_frames": ("counter", "frames asked per row, summed over steps (mean K: / steps)",
+                        counters.step_frames),
+        "prefill_steps": ("counter", "steps that prefilled prompt chunks", counters.prefill_steps),
+        "prefill_tokens": ("counter", "prompt positions prefilled", counters.prefill_tokens),
+        "row_slack_seconds": ("histogram", "a row's slack (audio ahead of its listener) when its "
+                              "record is written", _slack_histogram(counters)),
+        **{f"first_record_{part}_seconds": ("histogram", text, counters.first_record[part].metric())
+           for part, text in FIRST_RECORD_PARTS.items()},
+        **{f"steps_k_bound_{bound}": ("counter", f"decode steps whose K was limited by {bound}",
+                                      counters.k_bounds.get(bound, 0)) for bound in BOUNDS},
+    }
