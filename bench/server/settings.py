@@ -225,6 +225,7 @@ def stage_configs(s: Settings, run_dir: Path, checkpoint: Path | None) -> dict[s
                 "limits": {"max_audio_seconds": s.max_audio_seconds,  # the warm-up asks for none
                            "default_audio_seconds": s.audio_seconds},
                 "voices": {"file": None},
+                "http": {"listen": "127.0.0.1:0"},  # a free port each: --gateways starts several
                 "engines": {"pairs": [{"talker": sock[talkers[i]], "code2wav": sock[code2wavs[i]],
                                        "talker_id": f"talker-{i}", "consumer_id": f"code2wav-{i}"}
                                       for i in sorted(talkers)]},

@@ -131,6 +131,8 @@ def test_gateway_processes_each_serve_every_pair_and_name_the_mode(tmp_path: Pat
     configs = settings.stage_configs(s, tmp_path, None)
     assert configs["gateway"]["server"]["listen"] != configs["gateway-1"]["server"]["listen"]
     assert configs["gateway"]["engines"] == configs["gateway-1"]["engines"]  # both pairs, each
+    # every listener on a free port (the HTTP default, 8000, would be taken by the first gateway)
+    assert configs["gateway"]["http"] == configs["gateway-1"]["http"] == {"listen": "127.0.0.1:0"}
     one = parse_args(["--layout", "two-pairs", "--tiers", "1,8", "--load", "poisson"])
     assert settings.fingerprint(configs, s, None) != settings.fingerprint(
         settings.stage_configs(one, tmp_path, None), one, None)
