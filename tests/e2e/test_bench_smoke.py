@@ -18,16 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, stage_env
+from tests.conftest import GATEWAY_HTTP_ENV, REPO, stage_env
 
 COMMAND = [sys.executable, "-m", "bench.server"]  # from the repository root, as make bench runs it
 RUN_TIMEOUT_S = 120  # a bound, not an expectation: the tiers part takes ~10 s on 2 cores
 
 
-def _run(*args: str, out, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+def _run(*args: str, out, timeout: float = RUN_TIMEOUT_S,
+         unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     # its own state folder: bench.server reaps the stages an earlier run recorded there,
     # and the stages of a run in another test (or another test run) are not that
     env = stage_env({"VOXRING_BENCH_STATE_DIR": str(out / "bench-state")})
+    for name in unset:  # a variable of the test environment the run must do without
+        env.pop(name, None)
     return subprocess.run([*COMMAND, "--smoke", "--out", str(out), *args], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -143,8 +146,9 @@ def test_smoke_tiers_under_a_poisson_load(tmp_path):
     # (whether a tier is clean is the GPU run's business, not this test's), sent from two client
     # processes (--client-processes) through two gateway processes (--gateways: one connection to
     # each, the requests in turn)
+    # (without the suite's free HTTP port for every gateway: the bench's configs must give each its own)
     done = _run("--part", "tiers", "--load", "poisson", "--gateways", "2", "--client-processes", "2",
-                "--max-wall", "100", out=tmp_path)
+                "--max-wall", "100", out=tmp_path, unset=(GATEWAY_HTTP_ENV,))
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((tmp_path / "server_gpu_tiers_2gw-smoke-poisson.json").read_text())
     assert (result["mode"], result["load"], result["prompt"]) == ("2gw-smoke-poisson", "poisson", "corpus")
