@@ -11,4 +11,6 @@ else
   mkdir -p /tmp/old && tar c --exclude=./bench/results --exclude=./.oldfiles --exclude='./.newfiles*' \
     --exclude=./.whl . | tar x -C /tmp/old && cp -r .oldfiles/. /tmp/old/
   TIERS=1024,2048 BUDGET_S=${BUDGET:-480} bash bench/server/h200_pair.sh tiers:/tmp/old tiers:.
+  # the two arms side by side (also in results.tgz: bench.server.ab reads them here again)
+  PYTHONPATH="/tmp/site:$PWD" python3 -m bench.server.ab /tmp/voxring-pair/old /tmp/voxring-pair/head | cut -c1-2000
 fi
