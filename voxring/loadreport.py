@@ -114,6 +114,10 @@ class BenchReport:
     # how late this client's event loop woke a short sleep over the run (loadgen.LAG_INTERVAL_S):
     # its own part of every time it measures (first audio, gaps, refusals); None: not sampled
     loop_lag_s: Percentiles | None = None
+    # time to first audio by the whole second of the run its request was sent in, counted from
+    # the first send: (second, first audios, p50, p99, max) for each second that had one. Where
+    # a tier's tail was made: a few seconds' burst, or spread over the run. None: sequential.
+    ttfa_by_second_s: list[tuple[int, int, float, float, float]] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -140,7 +144,22 @@ def summarize(config: BenchConfig, traces: Sequence[RequestTrace], wall_s: float
         audio_s_per_s=audio_seconds / wall_s if wall_s > 0 else 0.0, timed_out=timed_out,
         **_load_fields(config, traces, wall_s), **_sequential_fields(config, traces),
         **_steady_fields(config, traces), **_delivered_fields(config, traces), **_refusal_fields(traces),
+        ttfa_by_second_s=None if config.load == "sequential" else ttfa_by_second(traces),
         loop_lag_s=Percentiles(*(percentile(loop_lag, q) for q in (50, 90, 99))) if loop_lag else None)
+
+
+def ttfa_by_second(traces: Sequence[RequestTrace]) -> list[tuple[int, int, float, float, float]]:
+    """(second, first audios, p50, p99, max of their time to first audio) by the whole second
+    since the first send that each request with a first audio was sent in."""
+    if not traces:
+        return []
+    start = min(t.sent_at_s for t in traces)
+    by_second: dict[int, list[float]] = {}
+    for t in traces:
+        if t.arrivals:
+            by_second.setdefault(int(t.sent_at_s - start), []).append(t.arrivals[0][0])
+    return [(second, len(v), percentile(v, 50), percentile(v, 99), max(v))
+            for second, v in sorted(by_second.items())]
 
 
 def _refusal_fields(traces: Sequence[RequestTrace]) -> dict:

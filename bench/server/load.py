@@ -148,7 +148,9 @@ def load_fields(s: Settings, report: dict) -> dict:
             "requested_audio_s": None if requested is None else round(requested, 2),
             "delivered_audio_s": round(report["audio_seconds"], 2),
             "sequential": report.get("load") == "sequential", "idle_gaps_s": report.get("idle_gaps_s"),
-            "ttfa_by_idle_ms": _ttfa_by_idle_ms(report)}
+            "ttfa_by_idle_ms": _ttfa_by_idle_ms(report),
+            "ttfa_by_second_ms": [[second, n, *(round(v * 1e3, 1) for v in values)]
+                                  for second, n, *values in report.get("ttfa_by_second_s") or []] or None}
 
 
 def _ttfa_by_idle_ms(report: dict) -> dict | None:

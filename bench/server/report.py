@@ -24,6 +24,7 @@ from bench.server.tier_tables import (
     prefill_cost_table,
     refusal_table,
     step_split_table,
+    tail_seconds_table,
 )
 
 
@@ -166,7 +167,7 @@ def run_table(mode: str, data: dict) -> list[str]:
     tiers = data.get("tiers", {})
     return (lines + idle_table(tiers) + step_split_table(tiers) + prefill_cost_table(tiers)
             + code2wav_table(tiers) + first_record_table(tiers)
-            + refusal_table(tiers))
+            + refusal_table(tiers) + tail_seconds_table(tiers))
 
 
 CLEAN_TEXT = ("Clean: every request admitted and completed, zero underruns, not cut by the cap, every "

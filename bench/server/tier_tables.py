@@ -1,7 +1,7 @@
 """The server bench's tables of where a tier's time went, read from each tier's engine numbers:
 first audio by the idle before it (the sequential C=1 tier), the talker's step split and what
-limited K, first audio's parts, and the refusals. bench/server/report.py puts them under a run's
-table of tiers."""
+limited K, first audio's parts, the refusals and first audio by the second it was asked.
+bench/server/report.py puts them under a run's table of tiers."""
 
 from __future__ import annotations
 
@@ -184,6 +184,29 @@ def refusal_table(tiers: dict) -> list[str]:
         lines.append(f"| {c} | {report['rejected']} | {fmt(_ms(took['p50']))} / {fmt(_ms(took['p99']))} | "
                      f"{fmt(gateway.get('refusals_held'), 0)} | {_inside(gateway)} | {late} | "
                      f"{why.replace('|', '/')} |")
+    return [*lines, ""]
+
+
+def tail_seconds_table(tiers: dict, worst: int = 3) -> list[str]:
+    """Markdown: where each tier's tail of first audio was made, by the second its requests were
+    sent in (the load report's ``ttfa_by_second_s``): the spread of the seconds' p99 and the
+    ``worst`` seconds by p99 (nothing when no tier has it)."""
+    rows = [(c, t["ttfa_by_second_ms"]) for c, t in sorted(tiers.items(), key=lambda kv: int(kv[0]))
+            if t.get("ttfa_by_second_ms")]
+    if not rows:
+        return []
+    lines = ["First audio by the second its request was sent in (from the tier's first send): the "
+             "seconds' p99 (least / median / most) and the seconds of the highest p99 (first audios "
+             "that second, p50 / p99 / max ms). A tail made in a few seconds is a transient; one "
+             "spread over the run is the tier's.", "",
+             "| C | seconds | p99 by second, ms | highest: second (n) p50 / p99 / max |", "|---|---|---|---|"]
+    for c, by_second in rows:
+        p99s = sorted(row[3] for row in by_second)
+        spread = f"{p99s[0]:.1f} / {p99s[len(p99s) // 2]:.1f} / {p99s[-1]:.1f}"
+        top = sorted(by_second, key=lambda row: -row[3])[:worst]
+        cells = "; ".join(f"{second} ({n}) {p50:.1f} / {p99:.1f} / {most:.1f}"
+                          for second, n, p50, p99, most in top)
+        lines.append(f"| {c} | {len(by_second)} | {spread} | {cells} |")
     return [*lines, ""]
 
 

@@ -178,6 +178,11 @@ def test_smoke_tiers_under_a_poisson_load(tmp_path):
         else:
             assert tier["offered_rate_per_s"] == pytest.approx(int(c) / 0.8, abs=1e-3)
             assert 1 <= tier["max_in_flight"] <= requests and tier["ttfa_by_idle_ms"] is None
+            by_second = tier["ttfa_by_second_ms"]  # first audios by the second they were asked
+            assert [row[0] for row in by_second] == sorted({row[0] for row in by_second})
+            assert all(n >= 1 and p50 <= p99 <= most for _, n, p50, p99, most in by_second)
+            if tier["completed"] == requests:
+                assert sum(row[1] for row in by_second) == requests
             assert tier["loadgen"]["connections"] == tier["loadgen"]["targets"] == 2
             if tier["completed"] == requests:  # each gateway served half
                 assert tier["gateway"]["first_audios_by_process"] == dict.fromkeys(("gateway", "gateway-1"),

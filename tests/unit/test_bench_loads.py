@@ -228,7 +228,8 @@ def test_the_report_shows_the_steady_rate_the_checks_and_the_sequential_tier():
                                 "5": {"requests": 12, "p50": 60.0, "p90": 70.0, "p99": 80.0}})
     c8 = _tier(load="poisson", mean_in_flight=6.25, max_in_flight=13, requested_audio_s=130.5,
                delivered_audio_s=131.0, steady_audio_s_per_s=7.5, sample_mismatches=2, audio_shortfalls=1,
-               clean=False)
+               clean=False, ttfa_by_second_ms=[[0, 3, 40.0, 50.0, 51.0], [1, 4, 45.0, 300.0, 310.0],
+                                               [2, 2, 41.0, 60.0, 61.0], [3, 5, 42.0, 55.0, 56.0]])
     data = {"mode": "mps-off-poisson", "load": "poisson", "requests_per_stream": 2, "audio_seconds": 5.0,
             "audio_range": [2.0, 8.0], "load_seed": 0, "sequential_requests": 50,
             "idle_gaps": [0.0, 0.5, 2.0, 5.0], "tiers": {"1": c1, "8": c8}}
@@ -238,6 +239,9 @@ def test_the_report_shows_the_steady_rate_the_checks_and_the_sequential_tier():
     assert "| audio-s/s | steady audio-s/s | RTF |" in text and "| PCM mismatches / short | clean |" in text
     assert "| 8.0 | 7.5 | 0.500 |" in text and "| 2 / 1 | no |" in text
     assert "| 8.0 | - | 0.500 |" in text and "| 0 / 0 | yes |" in text
+    # the tail by second: the p99s' spread, and the seconds of the highest p99 first
+    assert ("| 8 | 4 | 50.0 / 60.0 / 300.0 | 1 (4) 45.0 / 300.0 / 310.0; 2 (2) 41.0 / 60.0 / 61.0; "
+            "3 (5) 42.0 / 55.0 / 56.0 |") in text
     header, separator = text.splitlines()[4:6]
     assert header.count("|") == separator.count("|")
     assert "| 1 | 5 | 12 | 60.0 / 70.0 / 80.0 |" in text and "| 1 | 0 | 13 | 40.0 / 45.0 / 50.0 |" in text

@@ -157,6 +157,9 @@ def test_summarize_reports_the_load_and_what_was_in_flight():
     assert (report.completed, report.admitted, report.rejected) == (2, 3, 1)
     assert report.errors == {"unfinished": 1}
     assert report.refusal_s.p50 == 0.0 and report.refusals == {"about # s to wait": 1}
+    # first audio by the second sent in: the request of second 0, those of second 1 with one
+    assert report.ttfa_by_second_s == [(0, 1, 0.1, 0.1, 0.1), (1, 2, pytest.approx(0.15),
+                                                             pytest.approx(0.199), 0.2)]
     closed = summarize(_config(), traces[:1], wall_s=2.0)
     assert (closed.load, closed.offered_rate_per_s, closed.audio_seconds_range, closed.load_seed) == (
         "closed", None, None, None)
