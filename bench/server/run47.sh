@@ -1,14 +1,16 @@
 # Run 47 (bench notes): on an H200 the tip's whole BPE table and the byte table past 512; on an
-# H100 BPE 1,024 and 2,048 in two stacks, the arrival cut at its default (25 ms) and at 40 ms.
+# H100 BPE at TIERS (default 1,024 and 2,048) in two stacks, the arrival cut at its default (25 ms)
+# and at 40 ms. BUDGET (default 530 s) is the whole call's.
 set -u
 export STEPLOG=1 VOXRING_COMMIT=$C
+B=${BUDGET:-530}
 rm -rf /tmp/voxring-pair
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-  LABEL=bpe BUDGET_S=330 bash bench/server/h200_pair.sh tiers:.
-  TOKENIZER=byte LABEL=byte TIERS=512,768,1024,1536 BUDGET_S=200 bash bench/server/h200_pair.sh tiers:.
+  LABEL=bpe BUDGET_S=$((B * 62 / 100)) bash bench/server/h200_pair.sh tiers:.
+  TOKENIZER=byte LABEL=byte TIERS=512,768,1024,1536 BUDGET_S=$((B * 38 / 100)) bash bench/server/h200_pair.sh tiers:.
 else
-  TIERS=1024,2048 LABEL=cut25 BUDGET_S=230 bash bench/server/h200_pair.sh tiers:.
-  VOXRING_TALKER__ENGINE__ARRIVAL_STEP_S=0.040 TIERS=1024,2048 LABEL=cut40 BUDGET_S=200 \
+  TIERS=${TIERS:-1024,2048} LABEL=cut25 BUDGET_S=$((B / 2)) bash bench/server/h200_pair.sh tiers:.
+  VOXRING_TALKER__ENGINE__ARRIVAL_STEP_S=0.040 TIERS=${TIERS:-1024,2048} LABEL=cut40 BUDGET_S=$((B / 2)) \
     bash bench/server/h200_pair.sh tiers:.
   PYTHONPATH="/tmp/site:$PWD" python3 -m bench.server.ab /tmp/voxring-pair/cut25 /tmp/voxring-pair/cut40 | cut -c1-2000
 fi
