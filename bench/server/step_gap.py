@@ -10,7 +10,12 @@
   parts leave of the gap (the clock readings between them, and the wait for the GIL);
 - the **first records**: how many the steps wrote, how many of them went out at a step's first
   frame (``first_early``; logs written before it was recorded count none), and how many frames a
-  first record was sized to hold (``first_frames``, by share of the decoding steps).
+  first record was sized to hold (``first_frames``, by share of the decoding steps);
+- the **regime** per band of rows: the mean K and the share of one-frame steps, what bound K
+  (shares), a one-frame step's median ms, the path a record's way to its listener read
+  (admission's ``path_ms``: ``engine.path_s`` and Code2Wav's tick), and the frames and early
+  share of the first records written there. Two stacks of one load that differ here ran in
+  different regimes (a cut's or a path's threshold), whatever their code.
 
 A pair further apart than ``--max-gap-ms`` (the engine idle, or a tier's end) is left out.
 
@@ -86,6 +91,36 @@ def first_records(steps: list[dict]) -> dict:
             "first_frames": {str(f): round(n / total, 4) for f, n in sorted(sized.items())}}
 
 
+def regimes(steps: list[dict]) -> dict:
+    """Per band of rows, how the decoding steps ran (the module's list above)."""
+    decoding = [s for s in steps if s.get("k")]
+    bands = {}
+    for low, high in BANDS:
+        band = [s for s in decoding if low <= s["rows"] < high]
+        if band:
+            bands[f"{low}+" if high == 10**6 else f"{low}-{high - 1}"] = _regime(band)
+    return bands
+
+
+def _regime(band: list[dict]) -> dict:
+    bounds = Counter(s.get("bound") for s in band)
+    ones = [s["took_ms"] for s in band if s["k"] == 1 and "took_ms" in s]
+    paths = [s["admission"]["path_ms"] for s in band
+             if (s.get("admission") or {}).get("path_ms") is not None]
+    firsts = [s for s in band if s.get("first_records")]
+    sized = [s["first_frames"] for s in firsts if "first_frames" in s]
+    written = sum(s["first_records"] for s in firsts)
+    early = sum(s.get("first_early", 0) for s in firsts)
+    return {"steps": len(band), "mean_k": round(float(np.mean([s["k"] for s in band])), 2),
+            "k1_share": round(sum(s["k"] == 1 for s in band) / len(band), 3),
+            "bounds": {str(b): round(n / len(band), 3) for b, n in bounds.most_common(3)},
+            "one_frame_ms": round(float(np.median(ones)), 2) if ones else None,
+            "path_ms": round(float(np.median(paths)), 1) if paths else None,
+            "first_records": written,
+            "first_frames_mean": round(float(np.mean(sized)), 2) if sized else None,
+            "first_early_share": round(early / written, 3) if written else None}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("logs", nargs="+", type=Path)
@@ -94,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     for path in args.logs:
         steps = load(path)
         print(json.dumps({"log": str(path), "gap": gaps(steps, args.max_gap_ms),
-                          "first_records": first_records(steps)}))
+                          "first_records": first_records(steps), "regimes": regimes(steps)}))
 
 
 if __name__ == "__main__":

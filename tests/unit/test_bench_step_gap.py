@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from bench.server.step_gap import first_records, gaps, main, parts
+from bench.server.step_gap import first_records, gaps, main, parts, regimes
 
 
 def synthetic_log(n=120, seed=0):
@@ -72,6 +72,31 @@ def test_first_records_count_those_sent_early_and_the_sizes_asked():
                                   "first_frames": {}}
 
 
+def test_the_regime_per_band_of_rows_says_how_the_steps_ran():
+    """In the 240-319 band three one-frame steps of 18-20 ms bound by arrivals and one K=2 step;
+    their paths and first records; a prefill-only line and the other band stand apart."""
+    def step(rows, k, bound, took, path, firsts=0, early=0, frames=2):
+        return {"t": 0.0, "launched": 0.0, "rows": rows, "k": k, "bound": bound, "took_ms": took,
+                "first_records": firsts, "first_early": early, "first_frames": frames,
+                "prefill_rows": 0, "admission": {"path_ms": path}}
+    steps = [step(250, 1, "arrivals", 18.0, 110.0, firsts=3, frames=3),
+             step(260, 1, "arrivals", 19.0, 120.0), step(300, 1, "arrivals", 20.0, 130.0, firsts=1, frames=4),
+             step(310, 2, "slack", 34.0, 140.0, firsts=4, early=2, frames=2),
+             {"t": 0.0, "launched": 0.0, "rows": 0, "k": 0, "first_records": 0, "prefill_rows": 1},
+             step(100, 2, "k_max", 30.0, 60.0)]
+    got = regimes(steps)
+    assert set(got) == {"80-159", "240-319"}
+    band = got["240-319"]
+    assert band == {"steps": 4, "mean_k": 1.25, "k1_share": 0.75, "bounds": {"arrivals": 0.75, "slack": 0.25},
+                    "one_frame_ms": 19.0, "path_ms": 125.0, "first_records": 8, "first_frames_mean": 3.0,
+                    "first_early_share": 0.25}
+    assert got["80-159"]["one_frame_ms"] is None and got["80-159"]["first_early_share"] is None
+    # an older log (no bound, took_ms, admission or first_frames) still reads
+    old = [{k: v for k, v in s.items() if k not in ("bound", "took_ms", "admission", "first_frames")}
+           for s in steps]
+    assert regimes(old)["240-319"]["path_ms"] is None and regimes(old)["240-319"]["bounds"] == {"None": 1.0}
+
+
 def test_a_gzipped_log_prints_a_line_per_log(tmp_path, capsys):
     path = tmp_path / "steps.jsonl.gz"
     with gzip.open(path, "wt") as out:
@@ -79,3 +104,4 @@ def test_a_gzipped_log_prints_a_line_per_log(tmp_path, capsys):
     main([str(path)])
     printed = json.loads(capsys.readouterr().out)
     assert printed["log"] == str(path) and printed["gap"]["pairs"] == 28
+    assert sum(band["steps"] for band in printed["regimes"].values()) == 30
