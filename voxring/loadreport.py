@@ -1,9 +1,10 @@
 """The load generator's report: each request as the client saw it (``RequestTrace``), and
 ``summarize``, which makes the numbers of a run (``BenchReport``) of them: time to first
-audio (by idle gap for a sequential run), chunk gaps, a real-time player's stalls, what was in
-flight, the steady audio rate, the finish reasons, the requests that delivered short of their
-length cap, and the PCM check (samples received against the usage's frames); and
-``format_report``, a few lines of it for people. voxring/loadgen.py runs the loads.
+audio (by idle gap for a sequential run, else by the second each request was sent in), chunk
+gaps, a real-time player's stalls, what was in flight, the steady audio rate, the finish
+reasons, the requests that delivered short of their length cap, and the PCM check (samples
+received against the usage's frames); and ``format_report``, a few lines of it for people.
+voxring/loadgen.py runs the loads.
 """
 
 from __future__ import annotations
